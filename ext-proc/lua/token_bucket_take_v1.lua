@@ -1,0 +1,59 @@
+-- token_bucket_take_v1.lua: atomically take a cost from every given token bucket, or from none.
+--
+-- Version 1. Buckets are Redis hashes {t = tokens (float), ts = last refill, microseconds since
+-- the Unix epoch, from Redis TIME}. A bucket holds at most `capacity` tokens and refills at
+-- `rate_per_minute` tokens per minute (continuous refill). A bucket that does not exist is full.
+--
+-- KEYS[i]  bucket i (all keys of one call share one hash tag: one tenant, one cluster slot)
+-- ARGV[1]  number of buckets n
+-- ARGV[1 + 3(i-1) + 1..3]  capacity_i, rate_per_minute_i, cost_i  (numbers; cost may be 0)
+--
+-- Returns a flat array: { admitted (1|0), denied_bucket (1-based; 0 when admitted),
+--                         then for each bucket i: remaining_i (floor, after taking when admitted),
+--                         reset_ms_i (ms until full again), retry_after_ms_i (0 unless it lacks) }
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local n = tonumber(ARGV[1])
+local tokens, capacity, rate, cost = {}, {}, {}, {}
+local admitted, denied = 1, 0
+for i = 1, n do
+  local base = 1 + 3 * (i - 1)
+  capacity[i] = tonumber(ARGV[base + 1])
+  rate[i] = tonumber(ARGV[base + 2]) / 60000000.0 -- tokens per microsecond
+  cost[i] = tonumber(ARGV[base + 3])
+  local state = redis.call('HMGET', KEYS[i], 't', 'ts')
+  local level = tonumber(state[1])
+  local ts = tonumber(state[2])
+  if level == nil or ts == nil then
+    level = capacity[i]
+  else
+    local elapsed = now - ts
+    if elapsed < 0 then elapsed = 0 end
+    level = math.min(capacity[i], level + elapsed * rate[i])
+  end
+  tokens[i] = level
+  if admitted == 1 and level < cost[i] then
+    admitted, denied = 0, i
+  end
+end
+local out = { admitted, denied }
+for i = 1, n do
+  local level = tokens[i]
+  if admitted == 1 then level = level - cost[i] end
+  local missing = capacity[i] - level
+  local reset_ms = 0
+  if rate[i] > 0 and missing > 0 then reset_ms = math.ceil(missing / rate[i] / 1000) end
+  local retry_ms = 0
+  if admitted == 0 and level < cost[i] then
+    if rate[i] > 0 then retry_ms = math.ceil((cost[i] - level) / rate[i] / 1000) else retry_ms = -1 end
+  end
+  if admitted == 1 then
+    redis.call('HSET', KEYS[i], 't', tostring(level), 'ts', tostring(now))
+    -- An idle bucket is full again after reset_ms; keep it a little longer, then let it go.
+    redis.call('PEXPIRE', KEYS[i], reset_ms + 60000)
+  end
+  out[#out + 1] = math.floor(math.max(level, 0))
+  out[#out + 1] = reset_ms
+  out[#out + 1] = retry_ms
+end
+return out

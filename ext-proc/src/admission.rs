@@ -1,0 +1,107 @@
+//! Admission decisions, with no I/O: what a request reserves, and what the limiter's outcome
+//! means for it (admit with `x-ratelimit-*` values, or a 429).
+
+use crate::error::AdmissionError;
+use crate::limits::{self, BucketSpec, TakeOutcome};
+
+/// What the wasm filter told the sidecar about a request, from its `x-gateway-*` headers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RequestFacts {
+    /// `x-gateway-tenant`: the authenticated tenant (None: the filter did not run).
+    pub tenant: Option<String>,
+    /// `x-gateway-model`: the public model name.
+    pub model: String,
+    /// `x-gateway-pool`: the Envoy cluster of the vLLM pool.
+    pub pool: String,
+    /// `x-gateway-prompt-tokens`: prompt tokens, exact or estimated (0 when absent).
+    pub prompt_tokens: u64,
+    /// `x-gateway-max-tokens`: the effective completion-token cap (0 when absent).
+    pub max_tokens: u64,
+    /// `x-request-id`.
+    pub request_id: String,
+}
+
+impl RequestFacts {
+    /// Tokens to reserve against the tenant's TPM bucket: prompt plus the completion cap, the
+    /// most the request can cost. Settled against the real usage when it ends.
+    pub fn reserve_tokens(&self) -> u64 {
+        self.prompt_tokens.saturating_add(self.max_tokens)
+    }
+}
+
+/// The decision for an admitted request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Admitted {
+    /// OpenAI's `x-ratelimit-*` headers for the response.
+    pub ratelimit_headers: Vec<(String, String)>,
+    /// Tokens actually taken from the TPM bucket (0 without one).
+    pub reserved_tokens: u64,
+}
+
+/// Reads the limiter's outcome for the planned buckets.
+///
+/// # Errors
+/// [`AdmissionError::RateLimited`] naming the first bucket that lacked tokens.
+pub fn decide(plan: &[BucketSpec], outcome: &TakeOutcome) -> Result<Admitted, AdmissionError> {
+    let ratelimit_headers = limits::ratelimit_headers(plan, outcome);
+    if let Some(i) = outcome.denied {
+        let (bucket, state) = match (plan.get(i), outcome.states.get(i)) {
+            (Some(b), Some(s)) => (b, s),
+            _ => return Err(AdmissionError::LimiterUnavailable),
+        };
+        // A cost that can never fit (rate 0) is not possible with validated config; answer a
+        // minute then.
+        let retry_ms = state.retry_after_ms.unwrap_or(60_000);
+        return Err(AdmissionError::RateLimited {
+            kind: bucket.kind,
+            limit: bucket.rate_per_minute,
+            requested: bucket.cost,
+            retry_after_secs: limits::retry_after_secs(retry_ms),
+            ratelimit_headers,
+        });
+    }
+    let reserved_tokens = plan
+        .iter()
+        .filter(|b| b.kind == limits::BucketKind::Tokens)
+        .map(|b| b.cost)
+        .sum();
+    Ok(Admitted { ratelimit_headers, reserved_tokens })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Limits;
+
+    fn plan() -> Vec<BucketSpec> {
+        let l = Limits { requests_per_minute: Some(2), request_burst: None, tokens_per_minute: Some(1000), token_burst: None };
+        limits::plan("p", "t", &l, 300)
+    }
+
+    #[test]
+    fn admitted_carries_headers_and_reservation() {
+        let p = plan();
+        let o = TakeOutcome::from_reply(&[1, 0, 1, 30000, 0, 700, 18000, 0], 2).unwrap();
+        let a = decide(&p, &o).unwrap();
+        assert_eq!(a.reserved_tokens, 300);
+        assert!(a.ratelimit_headers.contains(&("x-ratelimit-remaining-requests".into(), "1".into())));
+    }
+
+    #[test]
+    fn denied_names_the_bucket_and_rounds_retry_after_up() {
+        let p = plan();
+        let o = TakeOutcome::from_reply(&[0, 1, 0, 60000, 29001, 1000, 0, 0], 2).unwrap();
+        match decide(&p, &o).unwrap_err() {
+            AdmissionError::RateLimited { kind, limit, requested, retry_after_secs, .. } => {
+                assert_eq!((kind, limit, requested, retry_after_secs), (limits::BucketKind::Requests, 2, 1, 30));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn reservation_saturates() {
+        let f = RequestFacts { prompt_tokens: u64::MAX, max_tokens: 5, ..Default::default() };
+        assert_eq!(f.reserve_tokens(), u64::MAX);
+    }
+}

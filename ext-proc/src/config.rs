@@ -1,0 +1,373 @@
+//! Sidecar configuration: a strict YAML file, validated once at start-up.
+//!
+//! Unknown fields are rejected (`deny_unknown_fields`) and every check names the field it failed
+//! on, e.g. `tenants[1].limits.requests_per_minute: must be > 0`.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use serde::Deserialize;
+
+/// Errors from loading the sidecar configuration. Each names the file or the field.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{path}: {source}")]
+    Read {
+        /// The config file's path.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The YAML did not match the schema (unknown field, wrong type, missing field).
+    #[error("{path}: {message}")]
+    Parse {
+        /// The config file's path.
+        path: String,
+        /// serde's message, which names the field and the line.
+        message: String,
+    },
+    /// A value parsed but is not valid.
+    #[error("{field}: {message}")]
+    Invalid {
+        /// Dotted path of the offending field, e.g. `tenants[0].id`.
+        field: String,
+        /// What is wrong with it.
+        message: String,
+    },
+}
+
+fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { field: field.into(), message: message.into() }
+}
+
+/// The whole sidecar configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Address of the gRPC ext_proc listener, e.g. `127.0.0.1:50051` (port 0 picks a free one).
+    pub listen: SocketAddr,
+    /// Redis connection and key layout.
+    pub redis: RedisConfig,
+    /// Per-tenant limits. A tenant that the filter authenticates but that is missing here is
+    /// refused with 403 `tenant_not_configured` (a configuration mistake should be loud).
+    pub tenants: Vec<TenantConfig>,
+    /// Metering settings.
+    #[serde(default)]
+    pub metering: MeteringConfig,
+}
+
+/// Redis connection settings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisConfig {
+    /// Single-instance URL (`redis://127.0.0.1:6379/0`). Exactly one of `url` and
+    /// `cluster_urls` must be set.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// Seed node URLs of a Redis Cluster.
+    #[serde(default)]
+    pub cluster_urls: Vec<String>,
+    /// Timeout of one Redis command, in milliseconds (default 25).
+    #[serde(default = "default_command_timeout_ms")]
+    pub command_timeout_ms: u64,
+    /// Prefix of every key the sidecar writes (default `llmgw`).
+    #[serde(default = "default_key_prefix")]
+    pub key_prefix: String,
+    /// What admission does when Redis cannot decide (error or timeout): `open` admits the
+    /// request unlimited, `closed` answers 503 `rate_limiter_unavailable`. Default `open`.
+    #[serde(default)]
+    pub failure_mode: FailureMode,
+}
+
+/// Admission's behaviour when the limiter cannot decide.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureMode {
+    /// Admit the request (limits are not enforced while Redis is away).
+    #[default]
+    Open,
+    /// Refuse the request with 503.
+    Closed,
+}
+
+fn default_command_timeout_ms() -> u64 {
+    25
+}
+
+fn default_key_prefix() -> String {
+    "llmgw".to_owned()
+}
+
+/// One tenant's limits.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    /// Tenant id, as the filter sends it in `x-gateway-tenant`. Letters, digits, `.`, `_`, `-`.
+    pub id: String,
+    /// The tenant's limits across all models.
+    pub limits: Limits,
+}
+
+/// Requests-per-minute and tokens-per-minute limits; each is a token bucket that refills
+/// continuously at the per-minute rate and holds at most its burst.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    /// Requests per minute (RPM). Absent: no request limit.
+    #[serde(default)]
+    pub requests_per_minute: Option<u64>,
+    /// Bucket size for requests (default: `requests_per_minute`).
+    #[serde(default)]
+    pub request_burst: Option<u64>,
+    /// Tokens per minute (TPM), prompt plus completion tokens. Absent: no token limit.
+    #[serde(default)]
+    pub tokens_per_minute: Option<u64>,
+    /// Bucket size for tokens (default: `tokens_per_minute`).
+    #[serde(default)]
+    pub token_burst: Option<u64>,
+}
+
+/// Metering settings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MeteringConfig {
+    /// Redis Stream that receives one protobuf `llm_gateway.v1.UsageEvent` per finished request
+    /// (default `<key_prefix>:usage-events`).
+    #[serde(default)]
+    pub stream: Option<String>,
+    /// Approximate maximum length of that stream (XADD MAXLEN ~), default 1,000,000.
+    #[serde(default = "default_stream_maxlen")]
+    pub stream_maxlen: u64,
+    /// Largest non-streaming JSON response body buffered to read its `usage`, in bytes
+    /// (default 4 MiB). Larger bodies are metered from what was seen.
+    #[serde(default = "default_max_json_body_bytes")]
+    pub max_json_body_bytes: usize,
+}
+
+impl Default for MeteringConfig {
+    fn default() -> Self {
+        Self {
+            stream: None,
+            stream_maxlen: default_stream_maxlen(),
+            max_json_body_bytes: default_max_json_body_bytes(),
+        }
+    }
+}
+
+fn default_stream_maxlen() -> u64 {
+    1_000_000
+}
+
+fn default_max_json_body_bytes() -> usize {
+    4 << 20
+}
+
+impl Config {
+    /// Reads, parses and validates a YAML config file.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the file (read and parse errors) or the field (validation).
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let display = path.display().to_string();
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: display.clone(), source })?;
+        Self::from_yaml(&text).map_err(|e| match e {
+            ConfigError::Parse { message, .. } => ConfigError::Parse { path: display, message },
+            other => other,
+        })
+    }
+
+    /// Parses and validates YAML text.
+    ///
+    /// # Errors
+    /// [`ConfigError::Parse`] (with an empty path) or [`ConfigError::Invalid`].
+    pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
+        let config: Config = serde_yaml_ng::from_str(text)
+            .map_err(|e| ConfigError::Parse { path: String::new(), message: e.to_string() })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        match (&self.redis.url, self.redis.cluster_urls.is_empty()) {
+            (Some(_), false) => {
+                return Err(invalid("redis", "set either url or cluster_urls, not both"))
+            }
+            (None, true) => return Err(invalid("redis", "one of url or cluster_urls is required")),
+            _ => {}
+        }
+        if self.redis.command_timeout_ms == 0 {
+            return Err(invalid("redis.command_timeout_ms", "must be > 0"));
+        }
+        if !valid_key_part(&self.redis.key_prefix) {
+            return Err(invalid(
+                "redis.key_prefix",
+                "must be non-empty letters, digits, '.', '_', '-' or ':'",
+            ));
+        }
+        let mut ids = HashSet::new();
+        for (i, tenant) in self.tenants.iter().enumerate() {
+            let field = format!("tenants[{i}]");
+            if !valid_key_part(&tenant.id) || tenant.id.contains(':') {
+                return Err(invalid(
+                    format!("{field}.id"),
+                    "must be non-empty letters, digits, '.', '_' or '-'",
+                ));
+            }
+            if !ids.insert(tenant.id.as_str()) {
+                return Err(invalid(format!("{field}.id"), format!("duplicate tenant '{}'", tenant.id)));
+            }
+            tenant.limits.validate(&format!("{field}.limits"))?;
+        }
+        if self.metering.max_json_body_bytes == 0 {
+            return Err(invalid("metering.max_json_body_bytes", "must be > 0"));
+        }
+        Ok(())
+    }
+
+    /// The limits of a tenant, if configured.
+    pub fn tenant(&self, id: &str) -> Option<&TenantConfig> {
+        self.tenants.iter().find(|t| t.id == id)
+    }
+
+    /// Name of the usage-event Redis Stream.
+    pub fn usage_stream(&self) -> String {
+        self.metering
+            .stream
+            .clone()
+            .unwrap_or_else(|| format!("{}:usage-events", self.redis.key_prefix))
+    }
+}
+
+impl Limits {
+    fn validate(&self, field: &str) -> Result<(), ConfigError> {
+        check_pair(field, "requests_per_minute", self.requests_per_minute, "request_burst", self.request_burst)?;
+        check_pair(field, "tokens_per_minute", self.tokens_per_minute, "token_burst", self.token_burst)
+    }
+}
+
+fn check_pair(
+    field: &str,
+    rate_name: &str,
+    rate: Option<u64>,
+    burst_name: &str,
+    burst: Option<u64>,
+) -> Result<(), ConfigError> {
+    if rate == Some(0) {
+        return Err(invalid(format!("{field}.{rate_name}"), "must be > 0 (omit it for no limit)"));
+    }
+    match (rate, burst) {
+        (None, Some(_)) => Err(invalid(format!("{field}.{burst_name}"), format!("needs {rate_name}"))),
+        (Some(_), Some(0)) => Err(invalid(format!("{field}.{burst_name}"), "must be > 0")),
+        _ => Ok(()),
+    }
+}
+
+fn valid_key_part(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b':'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = "listen: 127.0.0.1:0\nredis: {url: 'redis://127.0.0.1:6379'}\n";
+
+    fn err(yaml: &str) -> String {
+        Config::from_yaml(yaml).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn accepts_a_full_config() {
+        let c = Config::from_yaml(&format!(
+            "{BASE}tenants:\n  - id: acme\n    limits: {{requests_per_minute: 60, tokens_per_minute: 1000, token_burst: 2000}}\n"
+        ))
+        .unwrap();
+        assert_eq!(c.tenant("acme").unwrap().limits.token_burst, Some(2000));
+        assert_eq!(c.redis.command_timeout_ms, 25);
+        assert_eq!(c.usage_stream(), "llmgw:usage-events");
+    }
+
+    #[test]
+    fn unknown_field_is_named() {
+        let e = err(&format!("{BASE}tenants: []\nbogus: 1\n"));
+        assert!(e.contains("unknown field `bogus`"), "{e}");
+    }
+
+    #[test]
+    fn unknown_limit_field_is_named() {
+        let e = err(&format!("{BASE}tenants:\n  - id: a\n    limits: {{rpm: 1}}\n"));
+        assert!(e.contains("unknown field `rpm`"), "{e}");
+    }
+
+    #[test]
+    fn zero_rate() {
+        assert_eq!(
+            err(&format!("{BASE}tenants:\n  - id: a\n    limits: {{requests_per_minute: 0}}\n")),
+            "tenants[0].limits.requests_per_minute: must be > 0 (omit it for no limit)"
+        );
+    }
+
+    #[test]
+    fn burst_without_rate() {
+        assert_eq!(
+            err(&format!("{BASE}tenants:\n  - id: a\n    limits: {{token_burst: 5}}\n")),
+            "tenants[0].limits.token_burst: needs tokens_per_minute"
+        );
+    }
+
+    #[test]
+    fn zero_burst() {
+        assert_eq!(
+            err(&format!(
+                "{BASE}tenants:\n  - id: a\n    limits: {{requests_per_minute: 5, request_burst: 0}}\n"
+            )),
+            "tenants[0].limits.request_burst: must be > 0"
+        );
+    }
+
+    #[test]
+    fn duplicate_tenant() {
+        assert_eq!(
+            err(&format!("{BASE}tenants:\n  - {{id: a, limits: {{}}}}\n  - {{id: a, limits: {{}}}}\n")),
+            "tenants[1].id: duplicate tenant 'a'"
+        );
+    }
+
+    #[test]
+    fn bad_tenant_id() {
+        assert_eq!(
+            err(&format!("{BASE}tenants:\n  - {{id: 'a{{b}}', limits: {{}}}}\n")),
+            "tenants[0].id: must be non-empty letters, digits, '.', '_' or '-'"
+        );
+    }
+
+    #[test]
+    fn redis_needs_exactly_one_target() {
+        assert_eq!(
+            err("listen: 127.0.0.1:0\nredis: {}\ntenants: []\n"),
+            "redis: one of url or cluster_urls is required"
+        );
+        assert_eq!(
+            err("listen: 127.0.0.1:0\nredis: {url: 'redis://x', cluster_urls: ['redis://y']}\ntenants: []\n"),
+            "redis: set either url or cluster_urls, not both"
+        );
+    }
+
+    #[test]
+    fn zero_timeout() {
+        assert_eq!(
+            err("listen: 127.0.0.1:0\nredis: {url: 'redis://x', command_timeout_ms: 0}\ntenants: []\n"),
+            "redis.command_timeout_ms: must be > 0"
+        );
+    }
+
+    #[test]
+    fn bad_listen_address() {
+        let e = err("listen: nowhere\nredis: {url: 'redis://x'}\ntenants: []\n");
+        assert!(e.contains("listen"), "{e}");
+    }
+}

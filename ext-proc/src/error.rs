@@ -1,0 +1,130 @@
+//! The sidecar's user-facing errors and the one place that maps them to HTTP responses.
+//!
+//! Every error the client sees has OpenAI's shape, `{"error": {"message", "type", "param",
+//! "code"}}`. Rate-limit 429s follow OpenAI's: `type` is `requests` or `tokens`, `code` is
+//! `rate_limit_exceeded`, with `Retry-After` (whole seconds) and the `x-ratelimit-*` headers.
+
+use serde_json::json;
+
+use crate::limits::BucketKind;
+
+/// Errors the admission step answers with a local reply instead of forwarding the request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdmissionError {
+    /// A tenant's requests- or tokens-per-minute bucket lacks what this request needs.
+    #[error("rate limit reached for tenant on {} per min: limit {limit}", kind.as_str())]
+    RateLimited {
+        /// Which bucket ran out.
+        kind: BucketKind,
+        /// Its per-minute limit.
+        limit: u64,
+        /// What the request asked of it.
+        requested: u64,
+        /// Seconds until it would fit (`Retry-After`).
+        retry_after_secs: u64,
+        /// The `x-ratelimit-*` headers for all of the tenant's buckets.
+        ratelimit_headers: Vec<(String, String)>,
+    },
+    /// The request carries no `x-gateway-tenant`: the wasm filter did not run before the sidecar
+    /// (an Envoy configuration error).
+    #[error("request reached the rate limiter without an authenticated tenant")]
+    MissingTenant,
+    /// The tenant is authenticated by the filter but has no limits in the sidecar config.
+    #[error("tenant has no limits configured")]
+    TenantNotConfigured,
+    /// Redis could not decide and the failure mode is `closed`.
+    #[error("the rate limiter is unavailable")]
+    LimiterUnavailable,
+}
+
+/// A local reply: status, JSON body and headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalReply {
+    /// HTTP status code.
+    pub status: u16,
+    /// OpenAI-shaped JSON error body.
+    pub body: Vec<u8>,
+    /// Response headers (besides `content-type: application/json`).
+    pub headers: Vec<(String, String)>,
+}
+
+impl AdmissionError {
+    /// Maps the error to its HTTP response. This is the only place that does.
+    pub fn to_reply(&self) -> LocalReply {
+        let (status, kind, code, message, headers) = match self {
+            AdmissionError::RateLimited { kind, limit, requested, retry_after_secs, ratelimit_headers } => {
+                let name = match kind {
+                    BucketKind::Requests => "requests per min (RPM)",
+                    BucketKind::Tokens => "tokens per min (TPM)",
+                };
+                let mut headers = ratelimit_headers.clone();
+                headers.push(("retry-after".to_owned(), retry_after_secs.to_string()));
+                (
+                    429,
+                    kind.as_str(),
+                    "rate_limit_exceeded",
+                    format!(
+                        "Rate limit reached on {name}: Limit {limit}, Requested {requested}. Please try again in {retry_after_secs}s."
+                    ),
+                    headers,
+                )
+            }
+            AdmissionError::MissingTenant => (
+                403,
+                "invalid_request_error",
+                "missing_tenant",
+                "The request was not authenticated by the gateway.".to_owned(),
+                Vec::new(),
+            ),
+            AdmissionError::TenantNotConfigured => (
+                403,
+                "invalid_request_error",
+                "tenant_not_configured",
+                "Your organization has no rate limits configured on this gateway; contact its operator."
+                    .to_owned(),
+                Vec::new(),
+            ),
+            AdmissionError::LimiterUnavailable => (
+                503,
+                "server_error",
+                "rate_limiter_unavailable",
+                "The gateway's rate limiter is unavailable; please retry.".to_owned(),
+                vec![("retry-after".to_owned(), "1".to_owned())],
+            ),
+        };
+        let body = json!({"error": {"message": message, "type": kind, "param": null, "code": code}});
+        LocalReply { status, body: body.to_string().into_bytes(), headers }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rate_limited_is_openai_shaped() {
+        let e = AdmissionError::RateLimited {
+            kind: BucketKind::Requests,
+            limit: 60,
+            requested: 1,
+            retry_after_secs: 2,
+            ratelimit_headers: vec![("x-ratelimit-limit-requests".into(), "60".into())],
+        };
+        let r = e.to_reply();
+        assert_eq!(r.status, 429);
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(v["error"]["type"], "requests");
+        assert_eq!(v["error"]["code"], "rate_limit_exceeded");
+        assert_eq!(v["error"]["param"], serde_json::Value::Null);
+        assert!(v["error"]["message"].as_str().unwrap().contains("Limit 60, Requested 1"));
+        assert!(r.headers.contains(&("retry-after".into(), "2".into())));
+        assert!(r.headers.contains(&("x-ratelimit-limit-requests".into(), "60".into())));
+    }
+
+    #[test]
+    fn every_variant_maps_to_a_status() {
+        assert_eq!(AdmissionError::MissingTenant.to_reply().status, 403);
+        assert_eq!(AdmissionError::TenantNotConfigured.to_reply().status, 403);
+        assert_eq!(AdmissionError::LimiterUnavailable.to_reply().status, 503);
+    }
+}

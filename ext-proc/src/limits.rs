@@ -1,0 +1,261 @@
+//! Limit arithmetic, with no I/O: which token buckets a request draws on, how the Redis script's
+//! reply is read, and the `Retry-After` / `x-ratelimit-*` values that follow from it.
+//!
+//! Buckets live in Redis (see `lua/token_bucket_take_v1.lua`); keys carry the tenant as a hash tag
+//! (`<prefix>:rl:{<tenant>}:rpm`) so one tenant's buckets share a Redis Cluster slot and one
+//! script call can touch them all atomically.
+
+use crate::config::Limits;
+
+/// What a bucket counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BucketKind {
+    /// Requests per minute (OpenAI's `x-ratelimit-*-requests`).
+    Requests,
+    /// Tokens per minute, prompt plus completion (OpenAI's `x-ratelimit-*-tokens`).
+    Tokens,
+}
+
+impl BucketKind {
+    /// The word OpenAI uses in its 429 `error.type` and header names: `requests` or `tokens`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BucketKind::Requests => "requests",
+            BucketKind::Tokens => "tokens",
+        }
+    }
+}
+
+/// One bucket to draw from: its Redis key, size, refill rate and the cost of this request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BucketSpec {
+    /// What it counts.
+    pub kind: BucketKind,
+    /// Redis key (hash-tagged by tenant).
+    pub key: String,
+    /// Most tokens the bucket holds (the burst).
+    pub capacity: u64,
+    /// Refill rate, per minute.
+    pub rate_per_minute: u64,
+    /// What this request takes from it.
+    pub cost: u64,
+}
+
+/// The Redis key of a tenant's bucket of the given kind.
+pub fn bucket_key(prefix: &str, tenant: &str, kind: BucketKind) -> String {
+    let suffix = match kind {
+        BucketKind::Requests => "rpm",
+        BucketKind::Tokens => "tpm",
+    };
+    format!("{prefix}:rl:{{{tenant}}}:{suffix}")
+}
+
+/// The token bucket of a tenant, if it has a tokens-per-minute limit (cost 0).
+pub fn token_bucket(prefix: &str, tenant: &str, limits: &Limits) -> Option<BucketSpec> {
+    limits.tokens_per_minute.map(|rate| BucketSpec {
+        kind: BucketKind::Tokens,
+        key: bucket_key(prefix, tenant, BucketKind::Tokens),
+        capacity: limits.token_burst.unwrap_or(rate),
+        rate_per_minute: rate,
+        cost: 0,
+    })
+}
+
+/// The buckets one request draws on: one request from the RPM bucket, and `reserve_tokens` from
+/// the TPM bucket, capped at the bucket's capacity (a reservation larger than the burst could
+/// never be admitted; the excess is charged when the request is settled).
+pub fn plan(prefix: &str, tenant: &str, limits: &Limits, reserve_tokens: u64) -> Vec<BucketSpec> {
+    let mut buckets = Vec::with_capacity(2);
+    if let Some(rate) = limits.requests_per_minute {
+        buckets.push(BucketSpec {
+            kind: BucketKind::Requests,
+            key: bucket_key(prefix, tenant, BucketKind::Requests),
+            capacity: limits.request_burst.unwrap_or(rate),
+            rate_per_minute: rate,
+            cost: 1,
+        });
+    }
+    if let Some(mut bucket) = token_bucket(prefix, tenant, limits) {
+        bucket.cost = reserve_tokens.min(bucket.capacity);
+        buckets.push(bucket);
+    }
+    buckets
+}
+
+/// State of one bucket after a take, as the script reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketState {
+    /// Tokens left (after taking, when admitted), floored.
+    pub remaining: u64,
+    /// Milliseconds until the bucket is full again.
+    pub reset_ms: u64,
+    /// Milliseconds until this request's cost would fit (0 when it fits; `None` never).
+    pub retry_after_ms: Option<u64>,
+}
+
+/// The outcome of one take across a request's buckets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TakeOutcome {
+    /// Index (into the plan) of the first bucket that lacked tokens; `None` when admitted.
+    pub denied: Option<usize>,
+    /// One state per planned bucket, in plan order.
+    pub states: Vec<BucketState>,
+}
+
+/// Errors reading the take script's reply.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("unexpected reply from token_bucket_take_v1.lua: {0}")]
+pub struct ReplyError(pub String);
+
+impl TakeOutcome {
+    /// Reads the flat reply of `token_bucket_take_v1.lua` for `n` buckets:
+    /// `[admitted, denied_index, (remaining, reset_ms, retry_after_ms) × n]`.
+    ///
+    /// # Errors
+    /// [`ReplyError`] when the reply does not have that shape.
+    pub fn from_reply(reply: &[i64], n: usize) -> Result<Self, ReplyError> {
+        if reply.len() != 2 + 3 * n {
+            return Err(ReplyError(format!("{} values for {n} buckets", reply.len())));
+        }
+        let (head, rest) = reply.split_at(2);
+        let denied = match head {
+            [1, 0] => None,
+            [0, i] if *i >= 1 && (*i as usize) <= n => Some(*i as usize - 1),
+            other => return Err(ReplyError(format!("header {other:?}"))),
+        };
+        let states = rest
+            .chunks_exact(3)
+            .map(|c| match c {
+                [remaining, reset, retry] => BucketState {
+                    remaining: (*remaining).max(0) as u64,
+                    reset_ms: (*reset).max(0) as u64,
+                    retry_after_ms: u64::try_from(*retry).ok(),
+                },
+                _ => BucketState { remaining: 0, reset_ms: 0, retry_after_ms: None },
+            })
+            .collect();
+        Ok(Self { denied, states })
+    }
+}
+
+/// OpenAI's `x-ratelimit-*` response headers for the buckets of a request, e.g.
+/// `x-ratelimit-limit-requests: 60`, `x-ratelimit-remaining-requests: 59`,
+/// `x-ratelimit-reset-requests: 1s` (a duration in OpenAI's `1m30s` / `0.5s` style).
+/// The limit is the per-minute rate.
+pub fn ratelimit_headers(plan: &[BucketSpec], outcome: &TakeOutcome) -> Vec<(String, String)> {
+    let mut headers = Vec::with_capacity(plan.len() * 3);
+    for (bucket, state) in plan.iter().zip(&outcome.states) {
+        let kind = bucket.kind.as_str();
+        headers.push((format!("x-ratelimit-limit-{kind}"), bucket.rate_per_minute.to_string()));
+        headers.push((format!("x-ratelimit-remaining-{kind}"), state.remaining.to_string()));
+        headers.push((format!("x-ratelimit-reset-{kind}"), format_reset(state.reset_ms)));
+    }
+    headers
+}
+
+/// `Retry-After` in whole seconds (at least 1), rounded up from milliseconds.
+pub fn retry_after_secs(ms: u64) -> u64 {
+    ms.div_ceil(1000).max(1)
+}
+
+/// Formats a duration in milliseconds the way OpenAI's reset headers do: `0s`, `0.25s`, `12s`,
+/// `1m30s`, `2h0m0s` (minutes and hours whole, seconds with up to 3 decimals).
+pub fn format_reset(ms: u64) -> String {
+    let hours = ms / 3_600_000;
+    let minutes = (ms / 60_000) % 60;
+    let millis = ms % 60_000;
+    let seconds = if millis % 1000 == 0 {
+        format!("{}s", millis / 1000)
+    } else {
+        let s = format!("{:.3}", millis as f64 / 1000.0);
+        format!("{}s", s.trim_end_matches('0').trim_end_matches('.'))
+    };
+    match (hours, minutes) {
+        (0, 0) => seconds,
+        (0, m) => format!("{m}m{seconds}"),
+        (h, m) => format!("{h}h{m}m{seconds}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(rpm: Option<u64>, tpm: Option<u64>) -> Limits {
+        Limits { requests_per_minute: rpm, request_burst: None, tokens_per_minute: tpm, token_burst: None }
+    }
+
+    #[test]
+    fn plan_has_one_bucket_per_configured_limit() {
+        assert!(plan("p", "t", &limits(None, None), 10).is_empty());
+        let p = plan("p", "acme", &limits(Some(60), Some(1000)), 300);
+        assert_eq!(p.len(), 2);
+        assert_eq!(p[0].key, "p:rl:{acme}:rpm");
+        assert_eq!((p[0].capacity, p[0].cost), (60, 1));
+        assert_eq!(p[1].key, "p:rl:{acme}:tpm");
+        assert_eq!(p[1].cost, 300);
+    }
+
+    #[test]
+    fn reservation_is_capped_at_the_burst() {
+        let mut l = limits(None, Some(1000));
+        l.token_burst = Some(1500);
+        let p = plan("p", "t", &l, 5000);
+        assert_eq!((p[0].capacity, p[0].cost), (1500, 1500));
+    }
+
+    #[test]
+    fn reads_an_admitted_reply() {
+        let o = TakeOutcome::from_reply(&[1, 0, 59, 1000, 0, 700, 18000, 0], 2).unwrap();
+        assert_eq!(o.denied, None);
+        assert_eq!(o.states[0], BucketState { remaining: 59, reset_ms: 1000, retry_after_ms: Some(0) });
+        assert_eq!(o.states[1].remaining, 700);
+    }
+
+    #[test]
+    fn reads_a_denied_reply() {
+        let o = TakeOutcome::from_reply(&[0, 2, 3, 0, 0, 10, 5000, 1500], 2).unwrap();
+        assert_eq!(o.denied, Some(1));
+        assert_eq!(o.states[1].retry_after_ms, Some(1500));
+        let never = TakeOutcome::from_reply(&[0, 1, 0, 0, -1], 1).unwrap();
+        assert_eq!(never.states[0].retry_after_ms, None);
+    }
+
+    #[test]
+    fn rejects_malformed_replies() {
+        assert!(TakeOutcome::from_reply(&[1, 0, 1], 1).is_err());
+        assert!(TakeOutcome::from_reply(&[0, 3, 0, 0, 0], 1).is_err());
+        assert!(TakeOutcome::from_reply(&[2, 0, 0, 0, 0], 1).is_err());
+    }
+
+    #[test]
+    fn headers_follow_openai_names() {
+        let p = plan("p", "t", &limits(Some(60), Some(1000)), 10);
+        let o = TakeOutcome::from_reply(&[1, 0, 59, 1000, 0, 990, 600, 0], 2).unwrap();
+        let h = ratelimit_headers(&p, &o);
+        let get = |n: &str| h.iter().find(|(k, _)| k == n).map(|(_, v)| v.as_str());
+        assert_eq!(get("x-ratelimit-limit-requests"), Some("60"));
+        assert_eq!(get("x-ratelimit-remaining-requests"), Some("59"));
+        assert_eq!(get("x-ratelimit-reset-requests"), Some("1s"));
+        assert_eq!(get("x-ratelimit-limit-tokens"), Some("1000"));
+        assert_eq!(get("x-ratelimit-remaining-tokens"), Some("990"));
+        assert_eq!(get("x-ratelimit-reset-tokens"), Some("0.6s"));
+    }
+
+    #[test]
+    fn reset_format() {
+        assert_eq!(format_reset(0), "0s");
+        assert_eq!(format_reset(250), "0.25s");
+        assert_eq!(format_reset(12_000), "12s");
+        assert_eq!(format_reset(90_000), "1m30s");
+        assert_eq!(format_reset(7_200_000), "2h0m0s");
+    }
+
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds() {
+        assert_eq!(retry_after_secs(0), 1);
+        assert_eq!(retry_after_secs(1), 1);
+        assert_eq!(retry_after_secs(1000), 1);
+        assert_eq!(retry_after_secs(1001), 2);
+    }
+}

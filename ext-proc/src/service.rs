@@ -1,0 +1,411 @@
+//! The tonic adapter: Envoy's `envoy.service.ext_proc.v3.ExternalProcessor` service. It reads
+//! `ProcessingRequest`s, calls the pure decisions ([`crate::admission`], [`crate::meter`]) and
+//! the [`Store`], and builds `ProcessingResponse`s. Nothing else here decides anything.
+//!
+//! One service serves both ext_proc filters of the Envoy chain; the gRPC initial metadata
+//! `x-gateway-ext-proc-role` (`admission` or `metering`, set in the filter's `grpc_service`)
+//! tells them apart, falling back to `observability_mode` (metering) when absent.
+//! - admission (blocking, request headers only): RPM/TPM token buckets; a 429 ImmediateResponse
+//!   or a CONTINUE whose dynamic metadata (namespace `llm_gateway`) carries the `x-ratelimit-*`
+//!   values, which Envoy's route adds to the response, and the tokens reserved.
+//! - metering (observability mode, request headers + response headers + streamed response body):
+//!   feeds the [`Meter`], records the usage once and settles the reservation, then ends the RPC.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption, Metadata};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as ProcRequest;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as ProcResponse;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    CommonResponse, HeaderMutation, HeadersResponse, HttpHeaders, ImmediateResponse, ProcessingRequest,
+    ProcessingResponse,
+};
+use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{debug, info, warn, Instrument};
+
+use crate::admission::{self, Admitted, RequestFacts};
+use crate::config::{Config, FailureMode};
+use crate::error::AdmissionError;
+use crate::limits;
+use crate::meter::{Meter, RequestInfo, UsageRecord};
+use crate::store::Store;
+
+/// Dynamic metadata namespace the sidecar writes and reads (Envoy `metadata_options`).
+pub const METADATA_NAMESPACE: &str = "llm_gateway";
+/// Metadata key of the tokens reserved at admission.
+pub const RESERVED_TOKENS_KEY: &str = "reserved_tokens";
+/// gRPC initial-metadata key naming the role of an ext_proc filter.
+pub const ROLE_METADATA_KEY: &str = "x-gateway-ext-proc-role";
+
+/// Shared state of the service.
+pub struct Gateway {
+    config: Arc<Config>,
+    store: Store,
+}
+
+impl Gateway {
+    /// A service over the given config and Redis store.
+    pub fn new(config: Arc<Config>, store: Store) -> Self {
+        Self { config, store }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Admission,
+    Metering,
+}
+
+#[tonic::async_trait]
+impl ExternalProcessor for Gateway {
+    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
+        let role = match request.metadata().get(ROLE_METADATA_KEY).map(|v| v.to_str()) {
+            Some(Ok("admission")) => Some(Role::Admission),
+            Some(Ok("metering")) => Some(Role::Metering),
+            Some(_) => return Err(Status::invalid_argument(format!("{ROLE_METADATA_KEY}: expected admission or metering"))),
+            None => None,
+        };
+        let inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(4);
+        let config = Arc::clone(&self.config);
+        let store = self.store.clone();
+        tokio::spawn(async move {
+            if let Err(status) = serve_stream(role, inbound, &tx, config, store).await {
+                // Envoy resets the gRPC stream at the end of every HTTP stream; that is normal.
+                debug!(code = ?status.code(), "ext_proc stream ended: {}", status.message());
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+type Tx = mpsc::Sender<Result<ProcessingResponse, Status>>;
+
+async fn serve_stream(
+    role: Option<Role>,
+    mut inbound: Streaming<ProcessingRequest>,
+    tx: &Tx,
+    config: Arc<Config>,
+    store: Store,
+) -> Result<(), Status> {
+    let Some(first) = inbound.message().await? else { return Ok(()) };
+    let role = role.unwrap_or(if first.observability_mode { Role::Metering } else { Role::Admission });
+    match role {
+        Role::Admission => admission_stream(first, tx, &config, &store).await,
+        Role::Metering => metering_stream(first, inbound, &config, store).await,
+    }
+}
+
+/// Admission: answers the request headers, then ends the RPC (nothing else is sent to it).
+async fn admission_stream(first: ProcessingRequest, tx: &Tx, config: &Config, store: &Store) -> Result<(), Status> {
+    let Some(ProcRequest::RequestHeaders(headers)) = &first.request else {
+        // Misconfigured processing mode: let the request through untouched.
+        return send(tx, continue_response(&first.request, None)).await;
+    };
+    let facts = request_facts(headers);
+    let span = tracing::info_span!("admission", request_id = %facts.request_id, tenant = facts.tenant.as_deref().unwrap_or(""));
+    let decision = admit(config, store, &facts).instrument(span.clone()).await;
+    let response = match decision {
+        Ok(admitted) => {
+            let _e = span.enter();
+            debug!(reserved_tokens = admitted.reserved_tokens, "admitted");
+            continue_response(&first.request, Some(admission_metadata(&admitted)))
+        }
+        Err(error) => {
+            let _e = span.enter();
+            info!(reason = %error, "refused");
+            immediate_response(&error)
+        }
+    };
+    send(tx, response).await
+}
+
+async fn admit(config: &Config, store: &Store, facts: &RequestFacts) -> Result<Admitted, AdmissionError> {
+    let tenant = facts.tenant.as_deref().ok_or(AdmissionError::MissingTenant)?;
+    let tenant_config = config.tenant(tenant).ok_or(AdmissionError::TenantNotConfigured)?;
+    let plan = limits::plan(store.prefix(), tenant, &tenant_config.limits, facts.reserve_tokens());
+    if plan.is_empty() {
+        return Ok(Admitted { ratelimit_headers: Vec::new(), reserved_tokens: 0 });
+    }
+    match store.take(&plan).await {
+        Ok(outcome) => admission::decide(&plan, &outcome),
+        Err(error) => {
+            warn!(%error, failure_mode = ?config.redis.failure_mode, "limiter unavailable");
+            match config.redis.failure_mode {
+                FailureMode::Open => Ok(Admitted { ratelimit_headers: Vec::new(), reserved_tokens: 0 }),
+                FailureMode::Closed => Err(AdmissionError::LimiterUnavailable),
+            }
+        }
+    }
+}
+
+/// Metering: observability mode, so nothing is ever answered; the RPC ends when the response
+/// does (so Envoy need not hold it for `deferred_close_timeout`).
+async fn metering_stream(
+    first: ProcessingRequest,
+    mut inbound: Streaming<ProcessingRequest>,
+    config: &Config,
+    store: Store,
+) -> Result<(), Status> {
+    let mut meter = Meter::new(config.metering.max_json_body_bytes);
+    let mut next = Some(first);
+    loop {
+        let message = match next.take() {
+            Some(m) => m,
+            None => match inbound.message().await {
+                Ok(Some(m)) => m,
+                // The HTTP stream ended (or was reset) before the response did.
+                Ok(None) | Err(_) => break,
+            },
+        };
+        let now = Instant::now();
+        let record = match message.request {
+            Some(ProcRequest::RequestHeaders(h)) => {
+                let facts = request_facts(&h);
+                let reserved_tokens = reserved_tokens(message.metadata_context.as_ref());
+                meter.on_request_headers(
+                    RequestInfo {
+                        request_id: facts.request_id,
+                        tenant: facts.tenant.unwrap_or_default(),
+                        model: facts.model,
+                        pool: facts.pool,
+                        prompt_tokens_estimate: facts.prompt_tokens,
+                        reserved_tokens,
+                    },
+                    now,
+                );
+                None
+            }
+            Some(ProcRequest::ResponseHeaders(h)) => {
+                if !meter.is_active() {
+                    // A local reply (401, 429, ...): never metered.
+                    return Ok(());
+                }
+                let status = header(&h, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+                let content_type = header(&h, "content-type").unwrap_or_default();
+                meter.on_response_headers(status, &content_type, h.end_of_stream, now)
+            }
+            Some(ProcRequest::ResponseBody(b)) => meter.on_response_body(&b.body, b.end_of_stream, now),
+            Some(ProcRequest::ResponseTrailers(_)) => meter.on_stream_end(now),
+            _ => None,
+        };
+        if let Some(record) = record {
+            finish(config, store, record);
+            return Ok(());
+        }
+    }
+    if let Some(record) = meter.on_stream_end(Instant::now()) {
+        finish(config, store, record);
+    }
+    Ok(())
+}
+
+/// Records the usage and settles the reservation, off the stream's path. Each is retried a few
+/// times; a record that still fails is logged whole so that it can be replayed.
+fn finish(config: &Config, store: Store, record: UsageRecord) {
+    let bucket = config
+        .tenant(&record.info.tenant)
+        .and_then(|t| limits::token_bucket(store.prefix(), &record.info.tenant, &t.limits));
+    let span = tracing::info_span!("metering", request_id = %record.info.request_id, tenant = %record.info.tenant);
+    tokio::spawn(
+        async move {
+            info!(
+                model = %record.info.model,
+                status = record.status,
+                prompt_tokens = record.prompt_tokens,
+                completion_tokens = record.completion_tokens,
+                end_reason = ?record.end_reason,
+                usage_source = ?record.usage_source,
+                ttft_us = record.ttft_us,
+                duration_us = record.duration_us,
+                "usage"
+            );
+            if let Some(bucket) = bucket {
+                let delta = i64::try_from(record.info.reserved_tokens).unwrap_or(i64::MAX)
+                    - i64::try_from(record.total_tokens()).unwrap_or(i64::MAX);
+                if delta != 0 {
+                    retry("settle", || store.settle(&bucket, delta)).await;
+                }
+            }
+            if retry("record", || store.record(&record)).await.is_none() {
+                warn!(record = ?record, "usage record not written");
+            }
+        }
+        .instrument(span),
+    );
+}
+
+async fn retry<T, F, Fut>(what: &str, mut f: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, crate::store::StoreError>>,
+{
+    let mut backoff = std::time::Duration::from_millis(20);
+    for attempt in 1..=5 {
+        match f().await {
+            Ok(v) => return Some(v),
+            Err(error) => {
+                warn!(%error, attempt, "{what} failed");
+                tokio::time::sleep(backoff).await;
+                backoff *= 2;
+            }
+        }
+    }
+    None
+}
+
+async fn send(tx: &Tx, response: ProcessingResponse) -> Result<(), Status> {
+    tx.send(Ok(response)).await.map_err(|_| Status::cancelled("envoy closed the stream"))
+}
+
+/// A CONTINUE answer to whatever phase the request was, with optional dynamic metadata.
+fn continue_response(request: &Option<ProcRequest>, metadata: Option<Struct>) -> ProcessingResponse {
+    let headers = HeadersResponse { response: Some(CommonResponse::default()) };
+    let response = match request {
+        Some(ProcRequest::ResponseHeaders(_)) => ProcResponse::ResponseHeaders(headers),
+        Some(ProcRequest::RequestBody(_)) => ProcResponse::RequestBody(Default::default()),
+        Some(ProcRequest::ResponseBody(_)) => ProcResponse::ResponseBody(Default::default()),
+        Some(ProcRequest::RequestTrailers(_)) => ProcResponse::RequestTrailers(Default::default()),
+        Some(ProcRequest::ResponseTrailers(_)) => ProcResponse::ResponseTrailers(Default::default()),
+        Some(ProcRequest::RequestHeaders(_)) | None => ProcResponse::RequestHeaders(headers),
+    };
+    ProcessingResponse { response: Some(response), dynamic_metadata: metadata, ..Default::default() }
+}
+
+fn immediate_response(error: &AdmissionError) -> ProcessingResponse {
+    let reply = error.to_reply();
+    let mut set_headers = vec![header_option("content-type", "application/json")];
+    set_headers.extend(reply.headers.iter().map(|(k, v)| header_option(k, v)));
+    ProcessingResponse {
+        response: Some(ProcResponse::ImmediateResponse(ImmediateResponse {
+            status: Some(HttpStatus { code: i32::from(reply.status) }),
+            headers: Some(HeaderMutation { set_headers, remove_headers: Vec::new() }),
+            body: reply.body,
+            grpc_status: None,
+            details: "llm_gateway_admission".to_owned(),
+        })),
+        ..Default::default()
+    }
+}
+
+fn header_option(key: &str, value: &str) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue { key: key.to_owned(), value: String::new(), raw_value: value.as_bytes().to_vec() }),
+        ..Default::default()
+    }
+}
+
+/// `{"llm_gateway": {"x-ratelimit-...": "...", "reserved_tokens": N}}`.
+fn admission_metadata(admitted: &Admitted) -> Struct {
+    let mut fields: HashMap<String, Value> = admitted
+        .ratelimit_headers
+        .iter()
+        .map(|(k, v)| (k.clone(), Value { kind: Some(Kind::StringValue(v.clone())) }))
+        .collect();
+    fields.insert(
+        RESERVED_TOKENS_KEY.to_owned(),
+        Value { kind: Some(Kind::NumberValue(admitted.reserved_tokens as f64)) },
+    );
+    let inner = Value { kind: Some(Kind::StructValue(Struct { fields })) };
+    Struct { fields: HashMap::from([(METADATA_NAMESPACE.to_owned(), inner)]) }
+}
+
+fn reserved_tokens(metadata: Option<&Metadata>) -> u64 {
+    metadata
+        .and_then(|m| m.filter_metadata.get(METADATA_NAMESPACE))
+        .and_then(|s| s.fields.get(RESERVED_TOKENS_KEY))
+        .and_then(|v| match v.kind {
+            Some(Kind::NumberValue(n)) if n >= 0.0 => Some(n as u64),
+            _ => None,
+        })
+        .unwrap_or(0)
+}
+
+/// A header's value; Envoy sends values in `raw_value` (bytes) with `value` empty.
+fn header(headers: &HttpHeaders, name: &str) -> Option<String> {
+    find_header(headers.headers.as_ref()?, name)
+}
+
+fn find_header(map: &HeaderMap, name: &str) -> Option<String> {
+    map.headers.iter().find(|h| h.key.eq_ignore_ascii_case(name)).map(|h| {
+        if h.raw_value.is_empty() {
+            h.value.clone()
+        } else {
+            String::from_utf8_lossy(&h.raw_value).into_owned()
+        }
+    })
+}
+
+fn request_facts(headers: &HttpHeaders) -> RequestFacts {
+    let number = |name| header(headers, name).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
+    RequestFacts {
+        tenant: header(headers, "x-gateway-tenant").filter(|t| !t.is_empty()),
+        model: header(headers, "x-gateway-model").unwrap_or_default(),
+        pool: header(headers, "x-gateway-pool").unwrap_or_default(),
+        prompt_tokens: number("x-gateway-prompt-tokens"),
+        max_tokens: number("x-gateway-max-tokens"),
+        request_id: header(headers, "x-request-id").unwrap_or_default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &str)]) -> HttpHeaders {
+        HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: pairs
+                    .iter()
+                    .map(|(k, v)| HeaderValue { key: (*k).into(), value: String::new(), raw_value: v.as_bytes().to_vec() })
+                    .collect(),
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn facts_read_raw_values() {
+        let f = request_facts(&headers(&[
+            ("x-gateway-tenant", "acme"),
+            ("x-gateway-prompt-tokens", "12"),
+            ("x-gateway-max-tokens", "30"),
+            ("x-request-id", "abc"),
+        ]));
+        assert_eq!(f.tenant.as_deref(), Some("acme"));
+        assert_eq!(f.reserve_tokens(), 42);
+        assert_eq!(f.request_id, "abc");
+        assert_eq!(request_facts(&headers(&[])).tenant, None);
+    }
+
+    #[test]
+    fn metadata_round_trip() {
+        let s = admission_metadata(&Admitted { ratelimit_headers: vec![], reserved_tokens: 77 });
+        let m = Metadata { filter_metadata: s.fields.into_iter().filter_map(|(k, v)| match v.kind {
+            Some(Kind::StructValue(s)) => Some((k, s)),
+            _ => None,
+        }).collect(), ..Default::default() };
+        assert_eq!(reserved_tokens(Some(&m)), 77);
+        assert_eq!(reserved_tokens(None), 0);
+    }
+
+    #[test]
+    fn immediate_response_sets_status_and_headers() {
+        let r = immediate_response(&AdmissionError::LimiterUnavailable);
+        let Some(ProcResponse::ImmediateResponse(i)) = r.response else { panic!() };
+        assert_eq!(i.status.unwrap().code, 503);
+        assert!(i.headers.unwrap().set_headers.iter().any(|h| h.header.as_ref().unwrap().key == "retry-after"));
+    }
+}

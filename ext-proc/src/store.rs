@@ -1,0 +1,248 @@
+//! Redis: token buckets (Lua scripts run by EVALSHA through `redis::Script`) and usage records
+//! (per tenant × model × day hashes, and a Redis Stream of protobuf `UsageEvent`s). Works on a
+//! single Redis and on Redis Cluster; every command is bounded by the configured timeout.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use prost::Message;
+use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
+
+use crate::config::RedisConfig;
+use crate::limits::{BucketSpec, ReplyError, TakeOutcome};
+use crate::meter::{EndReason, UsageRecord, UsageSource};
+use crate::proto;
+
+/// `lua/token_bucket_take_v1.lua`: take a cost from every bucket or from none.
+const TAKE_LUA: &str = include_str!("../lua/token_bucket_take_v1.lua");
+/// `lua/token_bucket_settle_v1.lua`: settle a reservation against the real usage.
+const SETTLE_LUA: &str = include_str!("../lua/token_bucket_settle_v1.lua");
+
+/// Errors talking to Redis.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The command did not answer within `redis.command_timeout_ms`.
+    #[error("redis command timed out after {0:?}")]
+    Timeout(Duration),
+    /// Redis answered with an error, or the connection failed.
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// A script answered with an unexpected shape.
+    #[error(transparent)]
+    Reply(#[from] ReplyError),
+}
+
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(cmd, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// The sidecar's Redis client. Cheap to clone (connections are multiplexed).
+#[derive(Clone)]
+pub struct Store {
+    conn: Conn,
+    take: Script,
+    settle: Script,
+    timeout: Duration,
+    prefix: String,
+    stream: String,
+    stream_maxlen: u64,
+}
+
+impl Store {
+    /// Connects to the single Redis or the cluster named in the config.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the first connection fails.
+    pub async fn connect(config: &RedisConfig, stream: String, stream_maxlen: u64) -> Result<Self, StoreError> {
+        let timeout = Duration::from_millis(config.command_timeout_ms);
+        let conn = match &config.url {
+            Some(url) => {
+                let client = redis::Client::open(url.as_str())?;
+                let cfg = redis::aio::ConnectionManagerConfig::new()
+                    .set_response_timeout(Some(timeout))
+                    .set_connection_timeout(Some(Duration::from_secs(2)));
+                Conn::Single(ConnectionManager::new_with_config(client, cfg).await?)
+            }
+            None => {
+                let client = redis::cluster::ClusterClientBuilder::new(config.cluster_urls.clone())
+                    .response_timeout(timeout)
+                    .connection_timeout(Duration::from_secs(2))
+                    .build()?;
+                Conn::Cluster(client.get_async_connection().await?)
+            }
+        };
+        Ok(Self {
+            conn,
+            take: Script::new(TAKE_LUA),
+            settle: Script::new(SETTLE_LUA),
+            timeout,
+            prefix: config.key_prefix.clone(),
+            stream,
+            stream_maxlen,
+        })
+    }
+
+    /// The key prefix (`redis.key_prefix`).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    async fn bounded<T>(&self, f: impl std::future::Future<Output = redis::RedisResult<T>>) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.timeout, f).await {
+            Ok(r) => Ok(r?),
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        }
+    }
+
+    /// Atomically takes each bucket's cost from every bucket, or from none.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout, Redis error or a malformed reply.
+    pub async fn take(&self, plan: &[BucketSpec]) -> Result<TakeOutcome, StoreError> {
+        let mut inv = self.take.prepare_invoke();
+        inv.arg(plan.len());
+        for b in plan {
+            inv.key(&b.key).arg(b.capacity).arg(b.rate_per_minute).arg(b.cost);
+        }
+        let mut conn = self.conn.clone();
+        let reply: Vec<i64> = self.bounded(inv.invoke_async(&mut conn)).await?;
+        Ok(TakeOutcome::from_reply(&reply, plan.len())?)
+    }
+
+    /// Settles a reservation: `delta` tokens back into the bucket (negative: charge more).
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error.
+    pub async fn settle(&self, bucket: &BucketSpec, delta: i64) -> Result<i64, StoreError> {
+        let mut conn = self.conn.clone();
+        let mut inv = self.settle.key(&bucket.key);
+        inv.arg(bucket.capacity).arg(bucket.rate_per_minute).arg(delta);
+        self.bounded(inv.invoke_async(&mut conn)).await
+    }
+
+    /// Records one finished request: adds its counts to the tenant's daily hash
+    /// `<prefix>:usage:{<tenant>}:<YYYY-MM-DD>` (fields `<model>:requests`, `<model>:prompt_tokens`,
+    /// `<model>:completion_tokens`, `<model>:cached_tokens`) and appends the protobuf
+    /// `UsageEvent` to the usage stream (field `event`).
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error.
+    pub async fn record(&self, record: &UsageRecord) -> Result<(), StoreError> {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        let key = usage_key(&self.prefix, &record.info.tenant, now.as_secs());
+        let model = &record.info.model;
+        let event = to_event(record, now).encode_to_vec();
+        let mut pipe = redis::pipe();
+        pipe.hincr(&key, format!("{model}:requests"), 1)
+            .ignore()
+            .hincr(&key, format!("{model}:prompt_tokens"), record.prompt_tokens)
+            .ignore()
+            .hincr(&key, format!("{model}:completion_tokens"), record.completion_tokens)
+            .ignore()
+            .hincr(&key, format!("{model}:cached_tokens"), record.cached_tokens)
+            .ignore()
+            .cmd("XADD")
+            .arg(&self.stream)
+            .arg("MAXLEN")
+            .arg("~")
+            .arg(self.stream_maxlen)
+            .arg("*")
+            .arg("event")
+            .arg(event)
+            .arg("tenant")
+            .arg(&record.info.tenant)
+            .ignore();
+        let mut conn = self.conn.clone();
+        self.bounded(pipe.query_async::<()>(&mut conn)).await
+    }
+}
+
+/// The daily usage hash of a tenant: `<prefix>:usage:{<tenant>}:<YYYY-MM-DD>` (UTC).
+pub fn usage_key(prefix: &str, tenant: &str, unix_secs: u64) -> String {
+    let (y, m, d) = civil_from_days((unix_secs / 86_400) as i64);
+    format!("{prefix}:usage:{{{tenant}}}:{y:04}-{m:02}-{d:02}")
+}
+
+/// Days since 1970-01-01 to (year, month, day), proleptic Gregorian (H. Hinnant's algorithm).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+fn to_event(r: &UsageRecord, now: Duration) -> proto::UsageEvent {
+    proto::UsageEvent {
+        request_id: r.info.request_id.clone(),
+        tenant: r.info.tenant.clone(),
+        model: r.info.model.clone(),
+        pool: r.info.pool.clone(),
+        prompt_tokens: r.prompt_tokens,
+        completion_tokens: r.completion_tokens,
+        cached_tokens: r.cached_tokens,
+        ttft_us: r.ttft_us,
+        duration_us: r.duration_us,
+        status: u32::from(r.status),
+        end_reason: match r.end_reason {
+            EndReason::Completed => proto::EndReason::Completed,
+            EndReason::Incomplete => proto::EndReason::Incomplete,
+        } as i32,
+        usage_source: match r.usage_source {
+            UsageSource::Upstream => proto::UsageSource::Upstream,
+            UsageSource::StreamedChunks => proto::UsageSource::StreamedChunks,
+        } as i32,
+        reserved_tokens: r.info.reserved_tokens,
+        finished_at_unix_ms: u64::try_from(now.as_millis()).unwrap_or(u64::MAX),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn daily_key_is_utc_date_with_tenant_hash_tag() {
+        assert_eq!(usage_key("p", "acme", 0), "p:usage:{acme}:1970-01-01");
+        // 2026-11-22T12:00:00Z
+        assert_eq!(usage_key("p", "acme", 1_795_348_800), "p:usage:{acme}:2026-11-22");
+        // 2024-02-29 (leap day)
+        assert_eq!(usage_key("p", "t", 1_709_164_800), "p:usage:{t}:2024-02-29");
+    }
+}
