@@ -1,0 +1,972 @@
+//! Plugin configuration: the JSON string given as the Envoy wasm plugin `configuration`,
+//! parsed strictly (unknown fields are errors) and validated once, in `on_configure`.
+//!
+//! Schema (units in the field docs of the `Raw*` types below):
+//!
+//! ```json
+//! {
+//!   "max_body_bytes": 4194304,
+//!   "tenants": [
+//!     {"id": "demo", "api_keys_sha256": ["<64 lowercase hex>"], "tier": "standard",
+//!      "models": ["qwen", "llama"]}
+//!   ],
+//!   "models": [
+//!     {"name": "qwen", "pool": "pool_a", "served_model_name": "Qwen/Qwen2.5-0.5B-Instruct",
+//!      "max_model_len": 4096, "max_token_bytes": 256, "aliases": ["qwen-latest"],
+//!      "lora_adapters": ["sql-lora"]},
+//!     {"name": "llama", "pools": [{"pool": "pool_b", "weight": 90}, {"pool": "pool_c", "weight": 10}],
+//!      "max_model_len": 8192}
+//!   ]
+//! }
+//! ```
+//!
+//! Every error is a [`ConfigError`] whose text starts with the path of the offending field, e.g.
+//! `models[1].max_model_len: must be > 0`.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use serde::Deserialize;
+
+/// Default `max_body_bytes` when the field is absent: 4 MiB.
+pub const DEFAULT_MAX_BODY_BYTES: u64 = 4 * 1024 * 1024;
+/// Default `tier` of a tenant when the field is absent.
+pub const DEFAULT_TIER: &str = "standard";
+/// Default `max_token_bytes` of a model when the field is absent: 1024 bytes.
+///
+/// Deliberately larger than the longest token of common byte-level BPE vocabularies (including
+/// added/special tokens), so that the context check stays a true lower bound for any model that
+/// does not declare its own value; a model that declares its real value gets a tighter check.
+pub const DEFAULT_MAX_TOKEN_BYTES: u64 = 1024;
+/// Longest identifier (tenant id, tier, model name, alias, adapter, pool) accepted, in bytes.
+pub const MAX_IDENT_BYTES: usize = 256;
+
+/// A configuration error: `path` names the field (`tenants[0].api_keys_sha256[1]`), `message`
+/// says what is wrong. Displays as `"{path}: {message}"`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// Path of the offending field, e.g. `models[1].max_model_len`; `configuration` for the
+    /// document as a whole.
+    pub path: String,
+    /// What is wrong with it.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err(path: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError {
+        path: path.into(),
+        message: message.into(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw (wire) shapes
+// ---------------------------------------------------------------------------------------------
+
+/// The plugin configuration document as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    /// Largest accepted request body, in bytes. Optional, default [`DEFAULT_MAX_BODY_BYTES`];
+    /// must be > 0. Envoy's buffer limit (`per_connection_buffer_limit_bytes`) must be at least
+    /// this large or Envoy answers 413 itself.
+    #[serde(default)]
+    pub max_body_bytes: Option<u64>,
+    /// Tenants and their API-key digests. Required, non-empty.
+    pub tenants: Vec<RawTenant>,
+    /// Served models. Required, non-empty.
+    pub models: Vec<RawModel>,
+}
+
+/// One tenant.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTenant {
+    /// Tenant id sent upstream as `x-gateway-tenant`. Required, unique, 1..=256 visible ASCII.
+    pub id: String,
+    /// SHA-256 digests of the tenant's API keys, each exactly 64 lowercase hex characters.
+    /// Required, non-empty; a digest may belong to one tenant only.
+    pub api_keys_sha256: Vec<String>,
+    /// Rate-limit tier sent upstream as `x-gateway-tier`. Optional, default [`DEFAULT_TIER`];
+    /// 1..=256 visible ASCII.
+    #[serde(default)]
+    pub tier: Option<String>,
+    /// Models the tenant may use, by model name, alias or LoRA adapter name. Optional: absent
+    /// means every model. Listing a model allows it and all its LoRA adapters; listing an adapter
+    /// allows only that adapter. Must not be empty when present.
+    #[serde(default)]
+    pub models: Option<Vec<String>>,
+}
+
+/// One served model.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawModel {
+    /// Public (canonical) model name, as clients send it in `model` and as `x-gateway-model`.
+    /// Required, 1..=256 visible ASCII, unique across all names, aliases and adapters.
+    pub name: String,
+    /// Envoy cluster that serves the model (sent as `x-gateway-pool`). Exactly one of `pool` and
+    /// `pools` is required.
+    #[serde(default)]
+    pub pool: Option<String>,
+    /// Weighted split across clusters; the pool is picked deterministically from a hash of
+    /// `x-request-id`. Exactly one of `pool` and `pools` is required.
+    #[serde(default)]
+    pub pools: Option<Vec<RawWeightedPool>>,
+    /// Model name the vLLM server expects in the body (vLLM `--served-model-name`). Optional,
+    /// default `name`; must not be empty.
+    #[serde(default)]
+    pub served_model_name: Option<String>,
+    /// The model's context window in tokens (vLLM `--max-model-len`). Required, > 0.
+    pub max_model_len: u64,
+    /// Length in bytes of the longest token (including added/special tokens) of the model's
+    /// byte-level BPE vocabulary; the context check's lower bound is
+    /// `ceil(prompt_bytes / max_token_bytes)`. Optional, default [`DEFAULT_MAX_TOKEN_BYTES`];
+    /// must be > 0. Too small a value can reject requests vLLM would accept.
+    #[serde(default)]
+    pub max_token_bytes: Option<u64>,
+    /// Other names clients may use for the model. Optional; each unique across all names.
+    #[serde(default)]
+    pub aliases: Option<Vec<String>>,
+    /// LoRA adapters loaded on the model's pool (vLLM `--lora-modules`). A request for an adapter
+    /// routes to the base model's pool and keeps the adapter name in the body. Optional; each
+    /// unique across all names.
+    #[serde(default)]
+    pub lora_adapters: Option<Vec<String>>,
+}
+
+/// One entry of a weighted split.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawWeightedPool {
+    /// Envoy cluster name. Required, 1..=256 visible ASCII, unique within the split.
+    pub pool: String,
+    /// Relative weight (0 drains the pool). Required; the weights of a split must sum to > 0.
+    pub weight: u32,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Compiled shapes
+// ---------------------------------------------------------------------------------------------
+
+/// The validated, compiled configuration shared (via `Rc`) by every HTTP context.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Largest accepted request body in bytes.
+    pub max_body_bytes: u64,
+    /// Tenants in configuration order.
+    pub tenants: Vec<Tenant>,
+    /// Models in configuration order.
+    pub models: Vec<Model>,
+    /// Decoded API-key digests with the index of their tenant, in configuration order.
+    pub key_digests: Vec<([u8; 32], usize)>,
+    lookup: HashMap<String, Target>,
+}
+
+/// What a public model identifier resolves to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Target {
+    /// Index into [`Config::models`].
+    pub model: usize,
+    /// Index into that model's `lora_adapters` when the identifier names an adapter.
+    pub adapter: Option<usize>,
+}
+
+/// A validated tenant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tenant {
+    /// Tenant id.
+    pub id: String,
+    /// Tier.
+    pub tier: String,
+    /// `None`: every model. `Some`: the listed targets (a base-model target, `adapter: None`,
+    /// also grants the model's adapters).
+    pub allowed: Option<Vec<Target>>,
+}
+
+/// A validated model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Model {
+    /// Canonical public name.
+    pub name: String,
+    /// One entry for `pool`, the split for `pools`.
+    pub pools: Vec<WeightedPool>,
+    /// Name vLLM expects in the body.
+    pub served_model_name: String,
+    /// Context window in tokens.
+    pub max_model_len: u64,
+    /// Longest token of the vocabulary in bytes.
+    pub max_token_bytes: u64,
+    /// Aliases.
+    pub aliases: Vec<String>,
+    /// LoRA adapter names.
+    pub lora_adapters: Vec<String>,
+}
+
+/// A validated pool with its weight (1 for a single `pool`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WeightedPool {
+    /// Envoy cluster name.
+    pub pool: String,
+    /// Relative weight.
+    pub weight: u32,
+}
+
+impl Tenant {
+    /// Whether the tenant may use `target`.
+    pub fn allows(&self, target: Target) -> bool {
+        match &self.allowed {
+            None => true,
+            Some(list) => list
+                .iter()
+                .any(|t| *t == target || (t.model == target.model && t.adapter.is_none())),
+        }
+    }
+}
+
+impl Config {
+    /// Parses and validates the plugin configuration bytes.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the first offending field: JSON syntax and type errors and
+    /// unknown fields (with their path, via `serde_path_to_error`), then the semantic checks
+    /// documented on the `Raw*` fields.
+    pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Err(err("configuration", "must not be empty"));
+        }
+        let de = &mut serde_json::Deserializer::from_slice(bytes);
+        let raw: RawConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let path = if path == "." || path == "?" {
+                "configuration".to_string()
+            } else {
+                path
+            };
+            let inner = e.into_inner();
+            let mut message = inner.to_string();
+            // Data errors are located by the path; syntax errors keep "at line L column C".
+            if inner.classify() == serde_json::error::Category::Data {
+                let suffix = format!(" at line {} column {}", inner.line(), inner.column());
+                if let Some(stripped) = message.strip_suffix(&suffix) {
+                    message = stripped.to_string();
+                }
+            }
+            err(path, message)
+        })?;
+        Config::from_raw(raw)
+    }
+
+    /// Validates an already deserialized [`RawConfig`]. Errors as for [`Config::from_json`].
+    pub fn from_raw(raw: RawConfig) -> Result<Config, ConfigError> {
+        let max_body_bytes = raw.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES);
+        if max_body_bytes == 0 {
+            return Err(err("max_body_bytes", "must be > 0"));
+        }
+        if raw.models.is_empty() {
+            return Err(err("models", "must not be empty"));
+        }
+        if raw.tenants.is_empty() {
+            return Err(err("tenants", "must not be empty"));
+        }
+
+        let mut models = Vec::with_capacity(raw.models.len());
+        // identifier -> (target, path where first defined)
+        let mut names: HashMap<String, (Target, String)> = HashMap::new();
+        for (i, m) in raw.models.into_iter().enumerate() {
+            let at = format!("models[{i}]");
+            check_ident(&format!("{at}.name"), &m.name)?;
+            claim(
+                &mut names,
+                &m.name,
+                Target {
+                    model: i,
+                    adapter: None,
+                },
+                format!("{at}.name"),
+            )?;
+
+            let pools = match (m.pool, m.pools) {
+                (Some(_), Some(_)) | (None, None) => {
+                    return Err(err(at, "exactly one of `pool` and `pools` must be set"));
+                }
+                (Some(p), None) => {
+                    check_ident(&format!("{at}.pool"), &p)?;
+                    vec![WeightedPool { pool: p, weight: 1 }]
+                }
+                (None, Some(list)) => compile_pools(&at, list)?,
+            };
+            let served_model_name = match m.served_model_name {
+                Some(s) if s.is_empty() => {
+                    return Err(err(format!("{at}.served_model_name"), "must not be empty"));
+                }
+                Some(s) => s,
+                None => m.name.clone(),
+            };
+            if m.max_model_len == 0 {
+                return Err(err(format!("{at}.max_model_len"), "must be > 0"));
+            }
+            let max_token_bytes = m.max_token_bytes.unwrap_or(DEFAULT_MAX_TOKEN_BYTES);
+            if max_token_bytes == 0 {
+                return Err(err(format!("{at}.max_token_bytes"), "must be > 0"));
+            }
+            let aliases = m.aliases.unwrap_or_default();
+            for (j, a) in aliases.iter().enumerate() {
+                let p = format!("{at}.aliases[{j}]");
+                check_ident(&p, a)?;
+                claim(
+                    &mut names,
+                    a,
+                    Target {
+                        model: i,
+                        adapter: None,
+                    },
+                    p,
+                )?;
+            }
+            let lora_adapters = m.lora_adapters.unwrap_or_default();
+            for (j, a) in lora_adapters.iter().enumerate() {
+                let p = format!("{at}.lora_adapters[{j}]");
+                check_ident(&p, a)?;
+                claim(
+                    &mut names,
+                    a,
+                    Target {
+                        model: i,
+                        adapter: Some(j),
+                    },
+                    p,
+                )?;
+            }
+            models.push(Model {
+                name: m.name,
+                pools,
+                served_model_name,
+                max_model_len: m.max_model_len,
+                max_token_bytes,
+                aliases,
+                lora_adapters,
+            });
+        }
+
+        let mut tenants = Vec::with_capacity(raw.tenants.len());
+        let mut key_digests = Vec::new();
+        let mut tenant_ids: HashMap<String, usize> = HashMap::new();
+        let mut digest_paths: HashMap<[u8; 32], String> = HashMap::new();
+        for (i, t) in raw.tenants.into_iter().enumerate() {
+            let at = format!("tenants[{i}]");
+            check_ident(&format!("{at}.id"), &t.id)?;
+            if let Some(first) = tenant_ids.get(&t.id) {
+                return Err(err(
+                    format!("{at}.id"),
+                    format!(
+                        "duplicate tenant id \"{}\" (first defined at tenants[{first}].id)",
+                        t.id
+                    ),
+                ));
+            }
+            tenant_ids.insert(t.id.clone(), i);
+            if t.api_keys_sha256.is_empty() {
+                return Err(err(format!("{at}.api_keys_sha256"), "must not be empty"));
+            }
+            for (j, d) in t.api_keys_sha256.iter().enumerate() {
+                let p = format!("{at}.api_keys_sha256[{j}]");
+                let digest = decode_digest(d).ok_or_else(|| {
+                    err(
+                        &p,
+                        "must be exactly 64 lowercase hex characters (the SHA-256 of the key)",
+                    )
+                })?;
+                if let Some(first) = digest_paths.get(&digest) {
+                    return Err(err(p, format!("duplicate digest (also at {first})")));
+                }
+                digest_paths.insert(digest, p);
+                key_digests.push((digest, i));
+            }
+            let tier = match t.tier {
+                Some(tier) => {
+                    check_ident(&format!("{at}.tier"), &tier)?;
+                    tier
+                }
+                None => DEFAULT_TIER.to_string(),
+            };
+            let allowed = match t.models {
+                None => None,
+                Some(list) if list.is_empty() => {
+                    return Err(err(
+                        format!("{at}.models"),
+                        "must not be empty (omit the field to allow every model)",
+                    ));
+                }
+                Some(list) => {
+                    let mut targets: Vec<Target> = Vec::with_capacity(list.len());
+                    for (j, name) in list.iter().enumerate() {
+                        let p = format!("{at}.models[{j}]");
+                        let target = names
+                            .get(name)
+                            .map(|(t, _)| *t)
+                            .ok_or_else(|| err(&p, format!("unknown model \"{name}\"")))?;
+                        if targets.contains(&target) {
+                            return Err(err(p, format!("duplicate entry \"{name}\"")));
+                        }
+                        targets.push(target);
+                    }
+                    Some(targets)
+                }
+            };
+            tenants.push(Tenant {
+                id: t.id,
+                tier,
+                allowed,
+            });
+        }
+
+        let lookup = names.into_iter().map(|(k, (t, _))| (k, t)).collect();
+        Ok(Config {
+            max_body_bytes,
+            tenants,
+            models,
+            key_digests,
+            lookup,
+        })
+    }
+
+    /// Resolves a public model identifier (name, alias or LoRA adapter; exact, case-sensitive).
+    pub fn resolve(&self, name: &str) -> Option<Target> {
+        self.lookup.get(name).copied()
+    }
+}
+
+fn compile_pools(at: &str, list: Vec<RawWeightedPool>) -> Result<Vec<WeightedPool>, ConfigError> {
+    if list.is_empty() {
+        return Err(err(format!("{at}.pools"), "must not be empty"));
+    }
+    let mut out: Vec<WeightedPool> = Vec::with_capacity(list.len());
+    let mut total: u64 = 0;
+    for (j, p) in list.into_iter().enumerate() {
+        let path = format!("{at}.pools[{j}].pool");
+        check_ident(&path, &p.pool)?;
+        if out.iter().any(|q| q.pool == p.pool) {
+            return Err(err(path, format!("duplicate pool \"{}\"", p.pool)));
+        }
+        total += u64::from(p.weight);
+        out.push(WeightedPool {
+            pool: p.pool,
+            weight: p.weight,
+        });
+    }
+    if total == 0 {
+        return Err(err(format!("{at}.pools"), "weights must sum to > 0"));
+    }
+    Ok(out)
+}
+
+fn claim(
+    names: &mut HashMap<String, (Target, String)>,
+    name: &str,
+    target: Target,
+    path: String,
+) -> Result<(), ConfigError> {
+    if let Some((_, first)) = names.get(name) {
+        return Err(err(
+            path,
+            format!("duplicate model name, alias or adapter \"{name}\" (first defined at {first})"),
+        ));
+    }
+    names.insert(name.to_string(), (target, path));
+    Ok(())
+}
+
+/// Identifiers travel in request headers and Envoy cluster names: 1..=256 bytes of visible ASCII
+/// (0x21..=0x7E, so no spaces or control characters).
+fn check_ident(path: &str, s: &str) -> Result<(), ConfigError> {
+    if s.is_empty() || s.len() > MAX_IDENT_BYTES || !s.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+        return Err(err(
+            path,
+            format!("must be 1 to {MAX_IDENT_BYTES} visible ASCII characters (no spaces)"),
+        ));
+    }
+    Ok(())
+}
+
+fn decode_digest(s: &str) -> Option<[u8; 32]> {
+    if s.len() != 64
+        || !s
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    hex::decode_to_slice(s, &mut out).ok()?;
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Value};
+
+    const D1: &str = "1111111111111111111111111111111111111111111111111111111111111111";
+    const D2: &str = "2222222222222222222222222222222222222222222222222222222222222222";
+
+    fn base() -> Value {
+        json!({
+            "max_body_bytes": 4194304,
+            "tenants": [
+                {"id": "demo", "api_keys_sha256": [D1], "tier": "standard", "models": ["qwen", "llama"]},
+                {"id": "other", "api_keys_sha256": [D2]}
+            ],
+            "models": [
+                {"name": "qwen", "pool": "pool_a", "served_model_name": "Qwen/Qwen2.5-0.5B-Instruct",
+                 "max_model_len": 4096, "max_token_bytes": 256, "aliases": ["qwen-latest"],
+                 "lora_adapters": ["sql-lora"]},
+                {"name": "llama", "pools": [{"pool": "pool_b", "weight": 90}, {"pool": "pool_c", "weight": 10}],
+                 "max_model_len": 8192}
+            ]
+        })
+    }
+
+    fn load(v: &Value) -> Result<Config, String> {
+        Config::from_json(v.to_string().as_bytes()).map_err(|e| e.to_string())
+    }
+
+    fn expect_err(v: Value, msg: &str) {
+        assert_eq!(load(&v).unwrap_err(), msg);
+    }
+
+    #[test]
+    fn valid_config_compiles_with_defaults() {
+        let c = load(&base()).unwrap();
+        assert_eq!(c.max_body_bytes, 4194304);
+        assert_eq!(c.tenants[1].tier, "standard");
+        assert_eq!(c.tenants[1].allowed, None);
+        assert_eq!(c.models[1].served_model_name, "llama");
+        assert_eq!(c.models[1].max_token_bytes, DEFAULT_MAX_TOKEN_BYTES);
+        assert_eq!(
+            c.models[0].pools,
+            vec![WeightedPool {
+                pool: "pool_a".into(),
+                weight: 1
+            }]
+        );
+        assert_eq!(
+            c.resolve("qwen-latest"),
+            Some(Target {
+                model: 0,
+                adapter: None
+            })
+        );
+        assert_eq!(
+            c.resolve("sql-lora"),
+            Some(Target {
+                model: 0,
+                adapter: Some(0)
+            })
+        );
+        assert_eq!(
+            c.resolve("llama"),
+            Some(Target {
+                model: 1,
+                adapter: None
+            })
+        );
+        assert_eq!(c.resolve("Qwen/Qwen2.5-0.5B-Instruct"), None);
+        assert_eq!(c.key_digests.len(), 2);
+        assert_eq!(c.key_digests[1].1, 1);
+
+        let mut v = base();
+        v.as_object_mut().unwrap().remove("max_body_bytes");
+        assert_eq!(load(&v).unwrap().max_body_bytes, DEFAULT_MAX_BODY_BYTES);
+    }
+
+    #[test]
+    fn tenant_permissions() {
+        let mut v = base();
+        v["tenants"][1]["models"] = json!(["sql-lora"]);
+        let c = load(&v).unwrap();
+        let qwen = Target {
+            model: 0,
+            adapter: None,
+        };
+        let lora = Target {
+            model: 0,
+            adapter: Some(0),
+        };
+        let llama = Target {
+            model: 1,
+            adapter: None,
+        };
+        assert!(
+            c.tenants[0].allows(qwen) && c.tenants[0].allows(lora) && c.tenants[0].allows(llama)
+        );
+        assert!(
+            !c.tenants[1].allows(qwen) && c.tenants[1].allows(lora) && !c.tenants[1].allows(llama)
+        );
+    }
+
+    // One fixture per configuration error, asserted by exact message.
+
+    #[test]
+    fn err_empty_configuration() {
+        assert_eq!(
+            Config::from_json(b"").unwrap_err().to_string(),
+            "configuration: must not be empty"
+        );
+        assert_eq!(
+            Config::from_json(b" \n").unwrap_err().to_string(),
+            "configuration: must not be empty"
+        );
+    }
+
+    #[test]
+    fn err_not_json() {
+        assert_eq!(
+            Config::from_json(b"{nope").unwrap_err().to_string(),
+            "configuration: key must be a string at line 1 column 2"
+        );
+    }
+
+    #[test]
+    fn err_unknown_top_level_field() {
+        let mut v = base();
+        v["max_body"] = json!(1);
+        expect_err(
+            v,
+            "max_body: unknown field `max_body`, expected one of `max_body_bytes`, `tenants`, `models`",
+        );
+    }
+
+    #[test]
+    fn err_unknown_tenant_field() {
+        let mut v = base();
+        v["tenants"][0]["tierx"] = json!("gold");
+        expect_err(
+            v,
+            "tenants[0].tierx: unknown field `tierx`, expected one of `id`, `api_keys_sha256`, `tier`, `models`",
+        );
+    }
+
+    #[test]
+    fn err_unknown_model_field() {
+        let mut v = base();
+        v["models"][1]["max_len"] = json!(1);
+        assert!(load(&v)
+            .unwrap_err()
+            .starts_with("models[1].max_len: unknown field `max_len`, expected one of"));
+    }
+
+    #[test]
+    fn err_unknown_pool_field() {
+        let mut v = base();
+        v["models"][1]["pools"][0]["w"] = json!(1);
+        expect_err(
+            v,
+            "models[1].pools[0].w: unknown field `w`, expected `pool` or `weight`",
+        );
+    }
+
+    #[test]
+    fn err_missing_tenants() {
+        let mut v = base();
+        v.as_object_mut().unwrap().remove("tenants");
+        expect_err(v, "configuration: missing field `tenants`");
+    }
+
+    #[test]
+    fn err_missing_max_model_len() {
+        let mut v = base();
+        v["models"][1]
+            .as_object_mut()
+            .unwrap()
+            .remove("max_model_len");
+        expect_err(v, "models[1]: missing field `max_model_len`");
+    }
+
+    #[test]
+    fn err_wrong_type() {
+        let mut v = base();
+        v["models"][0]["max_model_len"] = json!("4096");
+        expect_err(
+            v,
+            "models[0].max_model_len: invalid type: string \"4096\", expected u64",
+        );
+    }
+
+    #[test]
+    fn err_negative_max_model_len() {
+        let mut v = base();
+        v["models"][1]["max_model_len"] = json!(-1);
+        expect_err(
+            v,
+            "models[1].max_model_len: invalid value: integer `-1`, expected u64",
+        );
+    }
+
+    #[test]
+    fn err_max_body_bytes_zero() {
+        let mut v = base();
+        v["max_body_bytes"] = json!(0);
+        expect_err(v, "max_body_bytes: must be > 0");
+    }
+
+    #[test]
+    fn err_tenants_empty() {
+        let mut v = base();
+        v["tenants"] = json!([]);
+        expect_err(v, "tenants: must not be empty");
+    }
+
+    #[test]
+    fn err_models_empty() {
+        let mut v = base();
+        v["models"] = json!([]);
+        expect_err(v, "models: must not be empty");
+    }
+
+    #[test]
+    fn err_model_name_empty() {
+        let mut v = base();
+        v["models"][1]["name"] = json!("");
+        expect_err(
+            v,
+            "models[1].name: must be 1 to 256 visible ASCII characters (no spaces)",
+        );
+    }
+
+    #[test]
+    fn err_model_name_with_space() {
+        let mut v = base();
+        v["models"][0]["name"] = json!("qwen 2");
+        expect_err(
+            v,
+            "models[0].name: must be 1 to 256 visible ASCII characters (no spaces)",
+        );
+    }
+
+    #[test]
+    fn err_duplicate_model_name() {
+        let mut v = base();
+        v["models"][1]["name"] = json!("qwen");
+        expect_err(
+            v,
+            "models[1].name: duplicate model name, alias or adapter \"qwen\" (first defined at models[0].name)",
+        );
+    }
+
+    #[test]
+    fn err_alias_clashes_with_name() {
+        let mut v = base();
+        v["models"][1]["aliases"] = json!(["qwen-latest"]);
+        expect_err(
+            v,
+            "models[1].aliases[0]: duplicate model name, alias or adapter \"qwen-latest\" (first defined at models[0].aliases[0])",
+        );
+    }
+
+    #[test]
+    fn err_alias_invalid() {
+        let mut v = base();
+        v["models"][0]["aliases"] = json!(["ok", ""]);
+        expect_err(
+            v,
+            "models[0].aliases[1]: must be 1 to 256 visible ASCII characters (no spaces)",
+        );
+    }
+
+    #[test]
+    fn err_adapter_clashes_with_model() {
+        let mut v = base();
+        v["models"][0]["lora_adapters"] = json!(["llama"]);
+        // models[0] is processed first, so the later model name is the duplicate.
+        expect_err(
+            v,
+            "models[1].name: duplicate model name, alias or adapter \"llama\" (first defined at models[0].lora_adapters[0])",
+        );
+    }
+
+    #[test]
+    fn err_pool_and_pools() {
+        let mut v = base();
+        v["models"][1]["pool"] = json!("x");
+        expect_err(
+            v,
+            "models[1]: exactly one of `pool` and `pools` must be set",
+        );
+    }
+
+    #[test]
+    fn err_no_pool() {
+        let mut v = base();
+        v["models"][0].as_object_mut().unwrap().remove("pool");
+        expect_err(
+            v,
+            "models[0]: exactly one of `pool` and `pools` must be set",
+        );
+    }
+
+    #[test]
+    fn err_pool_empty() {
+        let mut v = base();
+        v["models"][0]["pool"] = json!("");
+        expect_err(
+            v,
+            "models[0].pool: must be 1 to 256 visible ASCII characters (no spaces)",
+        );
+    }
+
+    #[test]
+    fn err_pools_empty() {
+        let mut v = base();
+        v["models"][1]["pools"] = json!([]);
+        expect_err(v, "models[1].pools: must not be empty");
+    }
+
+    #[test]
+    fn err_pools_duplicate() {
+        let mut v = base();
+        v["models"][1]["pools"][1]["pool"] = json!("pool_b");
+        expect_err(v, "models[1].pools[1].pool: duplicate pool \"pool_b\"");
+    }
+
+    #[test]
+    fn err_pools_zero_weight() {
+        let mut v = base();
+        v["models"][1]["pools"] = json!([{"pool": "a", "weight": 0}, {"pool": "b", "weight": 0}]);
+        expect_err(v, "models[1].pools: weights must sum to > 0");
+    }
+
+    #[test]
+    fn err_served_model_name_empty() {
+        let mut v = base();
+        v["models"][0]["served_model_name"] = json!("");
+        expect_err(v, "models[0].served_model_name: must not be empty");
+    }
+
+    #[test]
+    fn err_max_model_len_zero() {
+        let mut v = base();
+        v["models"][1]["max_model_len"] = json!(0);
+        expect_err(v, "models[1].max_model_len: must be > 0");
+    }
+
+    #[test]
+    fn err_max_token_bytes_zero() {
+        let mut v = base();
+        v["models"][0]["max_token_bytes"] = json!(0);
+        expect_err(v, "models[0].max_token_bytes: must be > 0");
+    }
+
+    #[test]
+    fn err_tenant_id_empty() {
+        let mut v = base();
+        v["tenants"][0]["id"] = json!("");
+        expect_err(
+            v,
+            "tenants[0].id: must be 1 to 256 visible ASCII characters (no spaces)",
+        );
+    }
+
+    #[test]
+    fn err_duplicate_tenant_id() {
+        let mut v = base();
+        v["tenants"][1]["id"] = json!("demo");
+        expect_err(
+            v,
+            "tenants[1].id: duplicate tenant id \"demo\" (first defined at tenants[0].id)",
+        );
+    }
+
+    #[test]
+    fn err_no_keys() {
+        let mut v = base();
+        v["tenants"][1]["api_keys_sha256"] = json!([]);
+        expect_err(v, "tenants[1].api_keys_sha256: must not be empty");
+    }
+
+    #[test]
+    fn err_digest_short() {
+        let mut v = base();
+        v["tenants"][0]["api_keys_sha256"] = json!(["abc"]);
+        expect_err(
+            v,
+            "tenants[0].api_keys_sha256[0]: must be exactly 64 lowercase hex characters (the SHA-256 of the key)",
+        );
+    }
+
+    #[test]
+    fn err_digest_uppercase() {
+        let mut v = base();
+        v["tenants"][0]["api_keys_sha256"] = json!([D1, D1.replace('1', "A")]);
+        expect_err(
+            v,
+            "tenants[0].api_keys_sha256[1]: must be exactly 64 lowercase hex characters (the SHA-256 of the key)",
+        );
+    }
+
+    #[test]
+    fn err_digest_non_hex() {
+        let mut v = base();
+        v["tenants"][0]["api_keys_sha256"] = json!([D1.replace('1', "g")]);
+        expect_err(
+            v,
+            "tenants[0].api_keys_sha256[0]: must be exactly 64 lowercase hex characters (the SHA-256 of the key)",
+        );
+    }
+
+    #[test]
+    fn err_digest_shared_between_tenants() {
+        let mut v = base();
+        v["tenants"][1]["api_keys_sha256"] = json!([D1]);
+        expect_err(v, "tenants[1].api_keys_sha256[0]: duplicate digest (also at tenants[0].api_keys_sha256[0])");
+    }
+
+    #[test]
+    fn err_digest_repeated_in_tenant() {
+        let mut v = base();
+        v["tenants"][0]["api_keys_sha256"] = json!([D1, D1]);
+        expect_err(v, "tenants[0].api_keys_sha256[1]: duplicate digest (also at tenants[0].api_keys_sha256[0])");
+    }
+
+    #[test]
+    fn err_tier_invalid() {
+        let mut v = base();
+        v["tenants"][0]["tier"] = json!("gold tier");
+        expect_err(
+            v,
+            "tenants[0].tier: must be 1 to 256 visible ASCII characters (no spaces)",
+        );
+    }
+
+    #[test]
+    fn err_tenant_models_empty() {
+        let mut v = base();
+        v["tenants"][0]["models"] = json!([]);
+        expect_err(
+            v,
+            "tenants[0].models: must not be empty (omit the field to allow every model)",
+        );
+    }
+
+    #[test]
+    fn err_tenant_unknown_model() {
+        let mut v = base();
+        v["tenants"][0]["models"] = json!(["qwen", "mistral"]);
+        expect_err(v, "tenants[0].models[1]: unknown model \"mistral\"");
+    }
+
+    #[test]
+    fn err_tenant_duplicate_model_via_alias() {
+        let mut v = base();
+        v["tenants"][0]["models"] = json!(["qwen", "qwen-latest"]);
+        expect_err(v, "tenants[0].models[1]: duplicate entry \"qwen-latest\"");
+    }
+}

@@ -1,0 +1,427 @@
+//! Context-length check without a tokenizer, and the prompt-token estimate sent to the sidecar.
+//!
+//! In a byte-level BPE vocabulary every token decodes to between 1 and `max_token_bytes` bytes,
+//! so a text of `b` bytes has between `ceil(b / max_token_bytes)` and `b` tokens. The check
+//! rejects a request only when the *lower* bound proves it cannot fit, applying vLLM's rule
+//! (`vllm/entrypoints/openai/serving_engine.py`, input validation):
+//!
+//! * with `max_tokens` set: reject when `prompt_tokens + max_tokens > max_model_len`;
+//! * without: reject when `prompt_tokens >= max_model_len`.
+//!
+//! Because the real prompt has at least as many tokens as the lower bound, this never rejects a
+//! request vLLM would accept (given a correct `max_token_bytes`). An exact tokenizer can replace
+//! the byte bounds by implementing [`TokenCounter`] and returning `lower == upper == estimate`
+//! with [`CountSource::Exact`].
+
+use crate::config::Model;
+use crate::error::GatewayError;
+use crate::request::{ChatMessage, MaxTokens, Prompt, PromptItem};
+
+/// Where a token count comes from; sent as `x-gateway-prompt-tokens-source`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CountSource {
+    /// Byte-bound estimate (`estimate`).
+    Estimate,
+    /// Exact count: a tokenizer, or token ids sent by the client (`exact`).
+    Exact,
+}
+
+impl CountSource {
+    /// The header value: `estimate` or `exact`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CountSource::Estimate => "estimate",
+            CountSource::Exact => "exact",
+        }
+    }
+}
+
+/// Token bounds of one prompt. Invariant: `lower <= estimate <= upper`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenCount {
+    /// Proven minimum number of tokens.
+    pub lower: u64,
+    /// Maximum number of tokens of the counted text (template tokens not included).
+    pub upper: u64,
+    /// Best guess, used for the sidecar's token-per-minute reservation.
+    pub estimate: u64,
+    /// How the numbers were obtained.
+    pub source: CountSource,
+}
+
+impl TokenCount {
+    /// An exact count of `n` tokens.
+    pub fn exact(n: u64) -> Self {
+        TokenCount {
+            lower: n,
+            upper: n,
+            estimate: n,
+            source: CountSource::Exact,
+        }
+    }
+
+    /// Bounds for `bytes` bytes of text: lower `ceil(bytes / max_token_bytes)`, upper `bytes`,
+    /// estimate `clamp(ceil(bytes / 4), lower, upper)`. `max_token_bytes` of 0 is treated as 1.
+    pub fn from_bytes(bytes: u64, max_token_bytes: u64) -> Self {
+        let lower = bytes.div_ceil(max_token_bytes.max(1));
+        let upper = bytes;
+        let estimate = bytes.div_ceil(4).clamp(lower, upper);
+        TokenCount {
+            lower,
+            upper,
+            estimate,
+            source: CountSource::Estimate,
+        }
+    }
+}
+
+/// Counts prompt tokens for one model. Implementations must never overstate `lower`.
+pub trait TokenCounter {
+    /// Bounds for a chat prompt (`messages`, rendered by the model's chat template).
+    fn count_chat(&self, messages: &[ChatMessage<'_>]) -> TokenCount;
+    /// Bounds for one text prompt (completions `prompt`, embeddings `input`), tokenized as is.
+    fn count_text(&self, text: &str) -> TokenCount;
+}
+
+/// The tokenizer-free counter: byte bounds with the model's `max_token_bytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteBoundCounter {
+    /// Longest token of the vocabulary, in bytes of decoded text.
+    pub max_token_bytes: u64,
+}
+
+impl ByteBoundCounter {
+    /// The counter for `model`.
+    pub fn for_model(model: &Model) -> Self {
+        ByteBoundCounter {
+            max_token_bytes: model.max_token_bytes,
+        }
+    }
+}
+
+impl TokenCounter for ByteBoundCounter {
+    fn count_chat(&self, messages: &[ChatMessage<'_>]) -> TokenCount {
+        TokenCount::from_bytes(chat_text_bytes(messages), self.max_token_bytes)
+    }
+
+    fn count_text(&self, text: &str) -> TokenCount {
+        TokenCount::from_bytes(text.len() as u64, self.max_token_bytes)
+    }
+}
+
+/// Bytes of chat text that certainly reach the tokenizer: for every message, its `role` plus each
+/// text part with surrounding whitespace trimmed (templates such as Llama 3's `| trim` it) and,
+/// for `assistant` messages, only what follows the last `</think>` (templates such as Qwen3's drop
+/// earlier reasoning). Every message also adds template tokens that are not counted, which keeps
+/// this a lower bound even for templates that rename roles.
+pub fn chat_text_bytes(messages: &[ChatMessage<'_>]) -> u64 {
+    messages
+        .iter()
+        .map(|m| {
+            let texts: u64 = m
+                .texts
+                .iter()
+                .map(|t| {
+                    let t = if m.role == "assistant" {
+                        t.rsplit("</think>").next().unwrap_or(t)
+                    } else {
+                        t
+                    };
+                    t.trim().len() as u64
+                })
+                .sum();
+            m.role.len() as u64 + texts
+        })
+        .sum()
+}
+
+/// Token counts of a whole request (all prompts of a batch).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptCounts {
+    /// Largest per-prompt lower bound (vLLM checks each prompt of a batch separately).
+    pub max_lower: u64,
+    /// Largest per-prompt estimate.
+    pub max_estimate: u64,
+    /// Sum of the estimates of all prompts; sent as `x-gateway-prompt-tokens`.
+    pub total_estimate: u64,
+    /// `Exact` only when every prompt was counted exactly (and there is at least one).
+    pub source: CountSource,
+}
+
+/// Counts every prompt of `prompt` with `counter`; token-id prompts are counted exactly.
+pub fn count_prompt(counter: &dyn TokenCounter, prompt: &Prompt<'_>) -> PromptCounts {
+    let counts: Vec<TokenCount> = match prompt {
+        Prompt::Chat(messages) => vec![counter.count_chat(messages)],
+        Prompt::Items(items) => items
+            .iter()
+            .map(|item| match item {
+                PromptItem::Text(t) => counter.count_text(t),
+                PromptItem::Tokens(n) => TokenCount::exact(*n),
+            })
+            .collect(),
+    };
+    let all_exact = !counts.is_empty() && counts.iter().all(|c| c.source == CountSource::Exact);
+    PromptCounts {
+        max_lower: counts.iter().map(|c| c.lower).max().unwrap_or(0),
+        max_estimate: counts.iter().map(|c| c.estimate).max().unwrap_or(0),
+        total_estimate: counts
+            .iter()
+            .fold(0u64, |acc, c| acc.saturating_add(c.estimate)),
+        source: if all_exact {
+            CountSource::Exact
+        } else {
+            CountSource::Estimate
+        },
+    }
+}
+
+/// Applies vLLM's context rule to the lower bound.
+///
+/// # Errors
+/// [`GatewayError::MaxTokensTooLarge`] when `max_tokens` alone exceeds `max_model_len`;
+/// [`GatewayError::ContextLengthExceeded`] (param `prompt_param`) when `max_lower + max_tokens >
+/// max_model_len`, or, without `max_tokens`, when `max_lower >= max_model_len`.
+pub fn check_context(
+    max_model_len: u64,
+    counts: &PromptCounts,
+    max_tokens: Option<MaxTokens>,
+    prompt_param: &'static str,
+) -> Result<(), GatewayError> {
+    let lower = counts.max_lower;
+    let exceeded = match max_tokens {
+        Some(mt) if mt.value > max_model_len => {
+            return Err(GatewayError::MaxTokensTooLarge {
+                param: mt.param,
+                requested: mt.value,
+                max_model_len,
+            })
+        }
+        Some(mt) => lower.saturating_add(mt.value) > max_model_len,
+        None => lower >= max_model_len,
+    };
+    if exceeded {
+        return Err(GatewayError::ContextLengthExceeded {
+            param: prompt_param,
+            max_model_len,
+            prompt_lower_bound: lower,
+            max_tokens: max_tokens.map(|m| m.value),
+        });
+    }
+    Ok(())
+}
+
+/// The effective completion limit sent as `x-gateway-max-tokens`: the client's value, else
+/// `max_model_len - max_estimate` floored at 0 (what vLLM would allow for the largest prompt).
+pub fn effective_max_tokens(
+    max_model_len: u64,
+    counts: &PromptCounts,
+    max_tokens: Option<MaxTokens>,
+) -> u64 {
+    match max_tokens {
+        Some(mt) => mt.value,
+        None => max_model_len.saturating_sub(counts.max_estimate),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mt(v: u64) -> Option<MaxTokens> {
+        Some(MaxTokens {
+            value: v,
+            param: "max_tokens",
+        })
+    }
+
+    fn counts(lower: u64) -> PromptCounts {
+        PromptCounts {
+            max_lower: lower,
+            max_estimate: lower,
+            total_estimate: lower,
+            source: CountSource::Estimate,
+        }
+    }
+
+    #[test]
+    fn byte_bounds() {
+        assert_eq!(
+            TokenCount::from_bytes(1000, 256),
+            TokenCount {
+                lower: 4,
+                upper: 1000,
+                estimate: 250,
+                source: CountSource::Estimate
+            }
+        );
+        assert_eq!(
+            TokenCount::from_bytes(0, 256),
+            TokenCount {
+                lower: 0,
+                upper: 0,
+                estimate: 0,
+                source: CountSource::Estimate
+            }
+        );
+        assert_eq!(TokenCount::from_bytes(1, 256).lower, 1);
+        assert_eq!(TokenCount::from_bytes(257, 256).lower, 2);
+        assert_eq!(
+            TokenCount::from_bytes(3, 1),
+            TokenCount {
+                lower: 3,
+                upper: 3,
+                estimate: 3,
+                source: CountSource::Estimate
+            }
+        );
+        // clamp: estimate never below the lower bound
+        assert_eq!(TokenCount::from_bytes(100, 2).estimate, 50);
+        assert_eq!(TokenCount::from_bytes(7, 0).lower, 7);
+    }
+
+    #[test]
+    fn chat_bytes_rules() {
+        let msgs = vec![
+            ChatMessage {
+                role: "system",
+                texts: vec!["  be brief \n"],
+            },
+            ChatMessage {
+                role: "user",
+                texts: vec!["hello", " world "],
+            },
+            ChatMessage {
+                role: "assistant",
+                texts: vec!["<think>long reasoning</think>\n\nanswer"],
+            },
+        ];
+        // system(6)+"be brief"(8) + user(4)+"hello"(5)+"world"(5) + assistant(9)+"answer"(6)
+        assert_eq!(chat_text_bytes(&msgs), 6 + 8 + 4 + 5 + 5 + 9 + 6);
+        // `</think>` only matters for assistant messages
+        let user = vec![ChatMessage {
+            role: "user",
+            texts: vec!["a</think>b"],
+        }];
+        assert_eq!(chat_text_bytes(&user), 4 + 10);
+    }
+
+    #[test]
+    fn count_prompt_variants() {
+        let c = ByteBoundCounter { max_token_bytes: 4 };
+        let p = Prompt::Items(vec![PromptItem::Text("12345678"), PromptItem::Tokens(10)]);
+        let r = count_prompt(&c, &p);
+        assert_eq!(
+            r,
+            PromptCounts {
+                max_lower: 10,
+                max_estimate: 10,
+                total_estimate: 12,
+                source: CountSource::Estimate
+            }
+        );
+        let p = Prompt::Items(vec![PromptItem::Tokens(3), PromptItem::Tokens(5)]);
+        assert_eq!(count_prompt(&c, &p).source, CountSource::Exact);
+        assert_eq!(count_prompt(&c, &p).total_estimate, 8);
+        let empty = count_prompt(&c, &Prompt::Items(vec![]));
+        assert_eq!(
+            empty,
+            PromptCounts {
+                max_lower: 0,
+                max_estimate: 0,
+                total_estimate: 0,
+                source: CountSource::Estimate
+            }
+        );
+    }
+
+    #[test]
+    fn vllm_rule_with_max_tokens() {
+        assert!(check_context(4096, &counts(3096), mt(1000), "messages").is_ok());
+        let e = check_context(4096, &counts(3097), mt(1000), "messages").unwrap_err();
+        assert_eq!(
+            e,
+            GatewayError::ContextLengthExceeded {
+                param: "messages",
+                max_model_len: 4096,
+                prompt_lower_bound: 3097,
+                max_tokens: Some(1000)
+            }
+        );
+        assert_eq!(
+            e.parts(),
+            (
+                400,
+                "invalid_request_error",
+                "context_length_exceeded",
+                Some("messages")
+            )
+        );
+    }
+
+    #[test]
+    fn vllm_rule_without_max_tokens() {
+        assert!(check_context(4096, &counts(4095), None, "prompt").is_ok());
+        let e = check_context(4096, &counts(4096), None, "prompt").unwrap_err();
+        assert_eq!(e.parts().3, Some("prompt"));
+    }
+
+    #[test]
+    fn max_tokens_alone_too_large() {
+        assert!(check_context(4096, &counts(0), mt(4096), "messages").is_ok());
+        let e = check_context(4096, &counts(0), mt(4097), "messages").unwrap_err();
+        assert_eq!(
+            e,
+            GatewayError::MaxTokensTooLarge {
+                param: "max_tokens",
+                requested: 4097,
+                max_model_len: 4096
+            }
+        );
+        assert_eq!(
+            e.parts(),
+            (
+                400,
+                "invalid_request_error",
+                "invalid_value",
+                Some("max_tokens")
+            )
+        );
+        assert_eq!(
+            e.to_string(),
+            "'max_tokens' is too large: 4097. This model's maximum context length is 4096 tokens."
+        );
+    }
+
+    #[test]
+    fn never_rejects_when_true_count_fits() {
+        // For any text, the lower bound is at most the byte count divided by the longest token,
+        // so a prompt whose real token count fits is never rejected: exhaustive over small sizes.
+        for max_token_bytes in [1u64, 2, 3, 16, 256] {
+            for bytes in 0u64..600 {
+                let lower = TokenCount::from_bytes(bytes, max_token_bytes).lower;
+                // the tokenization with the fewest tokens uses the longest tokens
+                let min_real = bytes.div_ceil(max_token_bytes);
+                assert!(lower <= min_real);
+                for len in [100u64, 300, 599] {
+                    let fits = min_real + 10 <= len;
+                    let c = PromptCounts {
+                        max_lower: lower,
+                        max_estimate: lower,
+                        total_estimate: lower,
+                        source: CountSource::Estimate,
+                    };
+                    if fits {
+                        assert!(check_context(len, &c, mt(10), "prompt").is_ok());
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn effective_max() {
+        assert_eq!(effective_max_tokens(4096, &counts(100), mt(50)), 50);
+        assert_eq!(effective_max_tokens(4096, &counts(100), None), 3996);
+        assert_eq!(effective_max_tokens(10, &counts(100), None), 0);
+    }
+}

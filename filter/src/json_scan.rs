@@ -1,0 +1,337 @@
+//! A byte-level scanner for the top-level members of a JSON object, used for surgical edits
+//! (replace one value, insert or remove one member) that keep every other byte of the document
+//! unchanged: key order, number formatting and string escapes are preserved.
+//!
+//! The scanner assumes the input has already been accepted by `serde_json` (it validates only
+//! what it needs) and returns `None` instead of panicking on anything unexpected.
+
+/// One `"key": value` member of an object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    /// The key, with JSON escapes decoded.
+    pub key: String,
+    /// Byte offset of the key's opening quote.
+    pub start: usize,
+    /// Byte offset of the first byte of the value.
+    pub value_start: usize,
+    /// Byte offset one past the last byte of the value.
+    pub value_end: usize,
+}
+
+/// The top-level members of an object and the offsets of its braces.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectScan {
+    /// Offset of `{`.
+    pub open: usize,
+    /// Offset of the matching `}`.
+    pub close: usize,
+    /// Members in document order (duplicates included).
+    pub members: Vec<Member>,
+}
+
+impl ObjectScan {
+    /// The last member named `key` (the one `serde_json` and Python's `json` keep).
+    pub fn get(&self, key: &str) -> Option<&Member> {
+        self.members.iter().rev().find(|m| m.key == key)
+    }
+
+    /// The first key that appears more than once, if any.
+    pub fn first_duplicate(&self) -> Option<&str> {
+        self.members.iter().enumerate().find_map(|(i, m)| {
+            self.members
+                .get(..i)
+                .unwrap_or_default()
+                .iter()
+                .any(|p| p.key == m.key)
+                .then_some(m.key.as_str())
+        })
+    }
+
+    /// The byte range to delete to remove member number `index` together with one separating
+    /// comma: from its key to the start of the next member's key, or, for the last member, from
+    /// the end of the previous member's value to the end of this value.
+    pub fn removal_range(&self, index: usize) -> Option<(usize, usize)> {
+        let m = self.members.get(index)?;
+        if let Some(next) = self.members.get(index + 1) {
+            Some((m.start, next.start))
+        } else if index > 0 {
+            let prev = self.members.get(index - 1)?;
+            Some((prev.value_end, m.value_end))
+        } else {
+            Some((m.start, m.value_end))
+        }
+    }
+}
+
+fn is_ws(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+}
+
+fn skip_ws(s: &[u8], mut i: usize) -> usize {
+    while s.get(i).is_some_and(|b| is_ws(*b)) {
+        i += 1;
+    }
+    i
+}
+
+/// Offset one past the closing quote of the string starting at `i` (which must be `"`).
+fn skip_string(s: &[u8], i: usize) -> Option<usize> {
+    if s.get(i) != Some(&b'"') {
+        return None;
+    }
+    let mut j = i + 1;
+    loop {
+        match s.get(j)? {
+            b'"' => return Some(j + 1),
+            b'\\' => j += 2,
+            _ => j += 1,
+        }
+    }
+}
+
+/// Offset one past the end of the value starting at `i`.
+fn skip_value(s: &[u8], i: usize) -> Option<usize> {
+    match s.get(i)? {
+        b'"' => skip_string(s, i),
+        b'{' | b'[' => {
+            let mut depth = 0usize;
+            let mut j = i;
+            loop {
+                match s.get(j)? {
+                    b'"' => {
+                        j = skip_string(s, j)?;
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth = depth.checked_sub(1)?;
+                        if depth == 0 {
+                            return Some(j + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                j += 1;
+            }
+        }
+        _ => {
+            // number / true / false / null
+            let mut j = i;
+            while let Some(b) = s.get(j) {
+                if is_ws(*b) || matches!(b, b',' | b'}' | b']') {
+                    break;
+                }
+                j += 1;
+            }
+            (j > i).then_some(j)
+        }
+    }
+}
+
+fn decode_key(raw: &[u8]) -> Option<String> {
+    if raw.contains(&b'\\') {
+        serde_json::from_slice::<String>(raw).ok()
+    } else {
+        let inner = raw.get(1..raw.len().checked_sub(1)?)?;
+        std::str::from_utf8(inner).ok().map(str::to_string)
+    }
+}
+
+/// Scans the top-level members of the JSON object in `s` (leading/trailing whitespace allowed).
+/// Returns `None` if `s` is not an object.
+pub fn scan_object(s: &[u8]) -> Option<ObjectScan> {
+    let open = skip_ws(s, 0);
+    if s.get(open) != Some(&b'{') {
+        return None;
+    }
+    let mut members = Vec::new();
+    let mut i = skip_ws(s, open + 1);
+    if s.get(i) == Some(&b'}') {
+        return Some(ObjectScan {
+            open,
+            close: i,
+            members,
+        });
+    }
+    loop {
+        let start = i;
+        let key_end = skip_string(s, start)?;
+        let key = decode_key(s.get(start..key_end)?)?;
+        i = skip_ws(s, key_end);
+        if s.get(i) != Some(&b':') {
+            return None;
+        }
+        let value_start = skip_ws(s, i + 1);
+        let value_end = skip_value(s, value_start)?;
+        members.push(Member {
+            key,
+            start,
+            value_start,
+            value_end,
+        });
+        i = skip_ws(s, value_end);
+        match s.get(i)? {
+            b',' => i = skip_ws(s, i + 1),
+            b'}' => {
+                return Some(ObjectScan {
+                    open,
+                    close: i,
+                    members,
+                })
+            }
+            _ => return None,
+        }
+    }
+}
+
+/// One edit: replace `s[start..end]` with `with`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Edit {
+    /// First byte replaced.
+    pub start: usize,
+    /// One past the last byte replaced (`start` for a pure insertion).
+    pub end: usize,
+    /// Replacement bytes.
+    pub with: Vec<u8>,
+}
+
+/// Applies non-overlapping `edits` to `s`. Returns `None` if an edit is out of range or edits
+/// overlap.
+pub fn apply_edits(s: &[u8], mut edits: Vec<Edit>) -> Option<Vec<u8>> {
+    edits.sort_by_key(|e| (e.start, e.end));
+    let extra: usize = edits.iter().map(|e| e.with.len()).sum();
+    let mut out = Vec::with_capacity(s.len() + extra);
+    let mut pos = 0usize;
+    for e in edits {
+        if e.start < pos || e.end < e.start {
+            return None;
+        }
+        out.extend_from_slice(s.get(pos..e.start)?);
+        out.extend_from_slice(&e.with);
+        pos = e.end;
+    }
+    out.extend_from_slice(s.get(pos..)?);
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(s: &str) -> Vec<String> {
+        scan_object(s.as_bytes())
+            .unwrap()
+            .members
+            .into_iter()
+            .map(|m| m.key)
+            .collect()
+    }
+
+    #[test]
+    fn scans_members() {
+        let s = r#" { "a" : 1 , "b":{"x":[1,{"}":"]"}]}, "c\u0041":"s\"}", "d":null,"e":[ ] } "#;
+        let scan = scan_object(s.as_bytes()).unwrap();
+        assert_eq!(keys(s), vec!["a", "b", "cA", "d", "e"]);
+        let b = scan.get("b").unwrap();
+        assert_eq!(&s[b.value_start..b.value_end], r#"{"x":[1,{"}":"]"}]}"#);
+        let c = scan.get("cA").unwrap();
+        assert_eq!(&s[c.value_start..c.value_end], r#""s\"}""#);
+        let d = scan.get("d").unwrap();
+        assert_eq!(&s[d.value_start..d.value_end], "null");
+        assert_eq!(&s[scan.close..=scan.close], "}");
+    }
+
+    #[test]
+    fn empty_and_non_objects() {
+        assert_eq!(scan_object(b"{}").unwrap().members, vec![]);
+        assert!(scan_object(b"[]").is_none());
+        assert!(scan_object(b"\"x\"").is_none());
+        assert!(scan_object(b"{\"a\":1").is_none());
+        assert!(scan_object(b"").is_none());
+    }
+
+    #[test]
+    fn duplicates_and_last_wins() {
+        let s = r#"{"model":"a","x":1,"model":"b"}"#;
+        let scan = scan_object(s.as_bytes()).unwrap();
+        assert_eq!(scan.first_duplicate(), Some("model"));
+        let m = scan.get("model").unwrap();
+        assert_eq!(&s[m.value_start..m.value_end], r#""b""#);
+        assert_eq!(
+            scan_object(br#"{"a":1,"b":2}"#).unwrap().first_duplicate(),
+            None
+        );
+    }
+
+    #[test]
+    fn removal_ranges() {
+        let remove = |s: &str, k: usize| {
+            let scan = scan_object(s.as_bytes()).unwrap();
+            let (a, b) = scan.removal_range(k).unwrap();
+            format!("{}{}", &s[..a], &s[b..])
+        };
+        assert_eq!(
+            remove(r#"{"a":1,"usage":null,"b":2}"#, 1),
+            r#"{"a":1,"b":2}"#
+        );
+        assert_eq!(remove(r#"{"a":1,"usage":null}"#, 1), r#"{"a":1}"#);
+        assert_eq!(remove(r#"{"usage":null,"a":1}"#, 0), r#"{"a":1}"#);
+        assert_eq!(remove(r#"{"usage":null}"#, 0), r#"{}"#);
+        assert_eq!(
+            remove(r#"{"a": 1, "usage": null, "b": 2}"#, 1),
+            r#"{"a": 1, "b": 2}"#
+        );
+    }
+
+    #[test]
+    fn edits() {
+        let s = b"0123456789";
+        let out = apply_edits(
+            s,
+            vec![
+                Edit {
+                    start: 8,
+                    end: 9,
+                    with: b"X".to_vec(),
+                },
+                Edit {
+                    start: 2,
+                    end: 2,
+                    with: b"++".to_vec(),
+                },
+                Edit {
+                    start: 0,
+                    end: 1,
+                    with: vec![],
+                },
+            ],
+        )
+        .unwrap();
+        assert_eq!(out, b"1++234567X9");
+        assert!(apply_edits(
+            s,
+            vec![
+                Edit {
+                    start: 2,
+                    end: 5,
+                    with: vec![]
+                },
+                Edit {
+                    start: 3,
+                    end: 4,
+                    with: vec![]
+                }
+            ]
+        )
+        .is_none());
+        assert!(apply_edits(
+            s,
+            vec![Edit {
+                start: 9,
+                end: 12,
+                with: vec![]
+            }]
+        )
+        .is_none());
+    }
+}

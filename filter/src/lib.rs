@@ -1,0 +1,23 @@
+//! `gateway-filter`: the proxy-wasm HTTP filter of the LLM inference gateway (Envoy, V8 runtime).
+//!
+//! Per request it removes client-sent `x-gateway-*` headers, authenticates the API key against
+//! SHA-256 digests, validates the OpenAI request body, resolves the model to an Envoy cluster,
+//! rejects requests whose prompt provably exceeds the model's context window, and hands routing and
+//! metering data to Envoy and the sidecar in `x-gateway-*` request headers (see [`pipeline`] for
+//! the header contract and [`error`] for the error replies).
+//!
+//! All decisions are pure, host-testable code; [`wasm`] (wasm32 only) is a thin adapter over
+//! proxy-wasm 0.2.5.
+
+pub mod auth;
+pub mod config;
+pub mod context;
+pub mod error;
+pub mod json_scan;
+pub mod pipeline;
+pub mod request;
+pub mod routing;
+pub mod sse;
+
+#[cfg(target_arch = "wasm32")]
+pub mod wasm;

@@ -1,0 +1,849 @@
+//! The request/response decisions of the filter as pure functions over header lists and body
+//! bytes. The wasm adapter (`wasm.rs`) only moves data between Envoy and these functions.
+//!
+//! Header contract (request headers toward the upstream and the sidecar; every client-sent
+//! `x-gateway-*` header is removed first, as are `authorization` and `x-api-key`):
+//!
+//! | header | value |
+//! |---|---|
+//! | `x-gateway-tenant` | tenant id |
+//! | `x-gateway-tier` | tenant tier |
+//! | `x-gateway-model` | canonical model name (after alias resolution), or the LoRA adapter name |
+//! | `x-gateway-pool` | Envoy cluster (route uses `cluster_header: x-gateway-pool`) |
+//! | `x-gateway-prompt-tokens` | prompt token estimate (decimal integer; sum over a batch) |
+//! | `x-gateway-prompt-tokens-source` | `estimate` or `exact` |
+//! | `x-gateway-max-tokens` | effective max tokens; if unset, `max_model_len - estimate` floored at 0; 0 for embeddings |
+//! | `x-gateway-usage-injected` | `1`, only when the filter injected `stream_options.include_usage` |
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::auth::authenticate;
+use crate::config::Config;
+use crate::context::{
+    check_context, count_prompt, effective_max_tokens, ByteBoundCounter, TokenCounter,
+};
+use crate::error::{GatewayError, LocalReply};
+use crate::json_scan::{apply_edits, scan_object, Edit};
+use crate::request::{classify, parse_json, validate, Endpoint, ValidatedRequest};
+use crate::routing::{listed_models, route, Route};
+
+/// Prefix of the headers the gateway owns; client-sent ones are always removed.
+pub const GATEWAY_HEADER_PREFIX: &str = "x-gateway-";
+/// Tenant id.
+pub const H_TENANT: &str = "x-gateway-tenant";
+/// Tenant tier.
+pub const H_TIER: &str = "x-gateway-tier";
+/// Canonical public model name (or LoRA adapter name).
+pub const H_MODEL: &str = "x-gateway-model";
+/// Envoy cluster name.
+pub const H_POOL: &str = "x-gateway-pool";
+/// Prompt token estimate.
+pub const H_PROMPT_TOKENS: &str = "x-gateway-prompt-tokens";
+/// `estimate` or `exact`.
+pub const H_PROMPT_TOKENS_SOURCE: &str = "x-gateway-prompt-tokens-source";
+/// Effective max tokens.
+pub const H_MAX_TOKENS: &str = "x-gateway-max-tokens";
+/// `1` when `stream_options.include_usage` was injected.
+pub const H_USAGE_INJECTED: &str = "x-gateway-usage-injected";
+
+/// A header list as Envoy hands it over: lowercase names, raw value bytes.
+pub type HeaderList = [(String, Vec<u8>)];
+
+/// First value of header `name` (ASCII case-insensitive), ignoring gateway-owned headers.
+pub fn header<'a>(headers: &'a HeaderList, name: &str) -> Option<&'a [u8]> {
+    headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case(name) && !is_gateway_header(k))
+        .map(|(_, v)| v.as_slice())
+}
+
+fn is_gateway_header(name: &str) -> bool {
+    name.get(..GATEWAY_HEADER_PREFIX.len())
+        .is_some_and(|p| p.eq_ignore_ascii_case(GATEWAY_HEADER_PREFIX))
+}
+
+/// Names of the request headers to remove before anything else: every `x-gateway-*` header, and
+/// `authorization` / `x-api-key` (credentials never go upstream). Lowercase, deduplicated.
+pub fn headers_to_remove(headers: &HeaderList) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for (k, _) in headers {
+        let lower = k.to_ascii_lowercase();
+        let drop = is_gateway_header(&lower) || lower == "authorization" || lower == "x-api-key";
+        if drop && !out.contains(&lower) {
+            out.push(lower);
+        }
+    }
+    out
+}
+
+/// State carried from the request headers to the request body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingRequest {
+    /// The endpoint (never `Models`, which is answered at once).
+    pub endpoint: Endpoint,
+    /// Index of the authenticated tenant in [`Config::tenants`].
+    pub tenant: usize,
+    /// `x-request-id`, for the weighted pool choice.
+    pub request_id: Option<Vec<u8>>,
+    /// Whether the request carries `content-length` (updated when the body is rewritten).
+    pub has_content_length: bool,
+}
+
+/// What to do after the request headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeadersDecision {
+    /// Send this local reply and stop.
+    Reply(LocalReply),
+    /// Buffer the body (return `Pause`), then call [`on_request_body`].
+    AwaitBody(PendingRequest),
+}
+
+/// Result of [`on_request_headers`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeadersOutcome {
+    /// Request headers to remove, in every case.
+    pub remove: Vec<String>,
+    /// The decision.
+    pub decision: HeadersDecision,
+}
+
+/// Request-headers phase: strip gateway headers and credentials, classify the path, authenticate,
+/// enforce `content-length <= max_body_bytes`, answer `GET /v1/models`.
+pub fn on_request_headers(cfg: &Config, headers: &HeaderList) -> HeadersOutcome {
+    let remove = headers_to_remove(headers);
+    let decision = match decide_headers(cfg, headers) {
+        Ok(d) => d,
+        Err(e) => HeadersDecision::Reply(e.to_reply()),
+    };
+    HeadersOutcome { remove, decision }
+}
+
+fn decide_headers(cfg: &Config, headers: &HeaderList) -> Result<HeadersDecision, GatewayError> {
+    let method = String::from_utf8_lossy(header(headers, ":method").unwrap_or_default());
+    let path = String::from_utf8_lossy(header(headers, ":path").unwrap_or_default());
+    let endpoint = classify(&method, &path)?;
+    let tenant_idx = authenticate(
+        &cfg.key_digests,
+        header(headers, "authorization"),
+        header(headers, "x-api-key"),
+    )?;
+    let tenant = cfg.tenants.get(tenant_idx).ok_or(GatewayError::Internal {
+        what: "tenant index out of range",
+    })?;
+
+    if endpoint == Endpoint::Models {
+        let data = listed_models(cfg, tenant)
+            .into_iter()
+            .map(|id| ModelObject {
+                id,
+                object: "model",
+                created: 0,
+                owned_by: "gateway",
+            })
+            .collect();
+        return Ok(HeadersDecision::Reply(LocalReply::json(
+            200,
+            &ModelList {
+                object: "list",
+                data,
+            },
+        )));
+    }
+
+    let content_length = header(headers, "content-length");
+    if let Some(len) = content_length
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(|s| s.trim().parse::<u64>().ok())
+    {
+        check_body_size(cfg, len)?;
+    }
+    Ok(HeadersDecision::AwaitBody(PendingRequest {
+        endpoint,
+        tenant: tenant_idx,
+        request_id: header(headers, "x-request-id").map(<[u8]>::to_vec),
+        has_content_length: content_length.is_some(),
+    }))
+}
+
+/// `GET /v1/models` body: the OpenAI list shape.
+#[derive(Serialize)]
+struct ModelList<'a> {
+    object: &'static str,
+    data: Vec<ModelObject<'a>>,
+}
+
+/// One entry of [`ModelList`]: the OpenAI model object (`created` is always 0).
+#[derive(Serialize)]
+struct ModelObject<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    owned_by: &'static str,
+}
+
+/// Enforces `max_body_bytes` on a declared or buffered body size in bytes.
+///
+/// # Errors
+/// [`GatewayError::RequestTooLarge`] (413) when `size > max_body_bytes`.
+pub fn check_body_size(cfg: &Config, size: u64) -> Result<(), GatewayError> {
+    if size > cfg.max_body_bytes {
+        return Err(GatewayError::RequestTooLarge {
+            limit: cfg.max_body_bytes,
+        });
+    }
+    Ok(())
+}
+
+/// What to forward upstream after a valid body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ForwardPlan {
+    /// Request headers to set (replacing any value), in contract order; includes
+    /// `content-length` when the body changed and the request had one.
+    pub set_headers: Vec<(&'static str, String)>,
+    /// The new body, when it changed (`model` rewritten and/or `stream_options` injected).
+    pub new_body: Option<Vec<u8>>,
+    /// Whether `stream_options.include_usage` was injected (the response must be stripped).
+    pub usage_injected: bool,
+}
+
+/// Request-body phase (whole body buffered): size limit, parse and validate, route, context
+/// check, header outputs and body rewrite.
+///
+/// # Errors
+/// Any [`GatewayError`] to send as a local reply.
+pub fn on_request_body(
+    cfg: &Config,
+    pending: &PendingRequest,
+    body: &[u8],
+) -> Result<ForwardPlan, GatewayError> {
+    check_body_size(cfg, body.len() as u64)?;
+    let tenant = cfg
+        .tenants
+        .get(pending.tenant)
+        .ok_or(GatewayError::Internal {
+            what: "tenant index out of range",
+        })?;
+    let value = parse_json(body)?;
+    let req = validate(pending.endpoint, body, &value)?;
+    let route = route(cfg, tenant, req.model, pending.request_id.as_deref())?;
+
+    let counter = ByteBoundCounter::for_model(route.model);
+    let counts = count_prompt(&counter as &dyn TokenCounter, &req.prompt);
+    let max_model_len = route.model.max_model_len;
+    let max_tokens_header = if pending.endpoint == Endpoint::Embeddings {
+        0
+    } else {
+        check_context(
+            max_model_len,
+            &counts,
+            req.max_tokens,
+            pending.endpoint.prompt_param(),
+        )?;
+        effective_max_tokens(max_model_len, &counts, req.max_tokens)
+    };
+
+    let inject = req.stream && !req.include_usage;
+    let new_body = rewrite_body(body, &req, &value, &route, inject)?;
+
+    let mut set_headers = vec![
+        (H_TENANT, tenant.id.clone()),
+        (H_TIER, tenant.tier.clone()),
+        (H_MODEL, route.public_name.to_string()),
+        (H_POOL, route.pool.to_string()),
+        (H_PROMPT_TOKENS, counts.total_estimate.to_string()),
+        (H_PROMPT_TOKENS_SOURCE, counts.source.as_str().to_string()),
+        (H_MAX_TOKENS, max_tokens_header.to_string()),
+    ];
+    if inject {
+        set_headers.push((H_USAGE_INJECTED, "1".to_string()));
+    }
+    if let Some(b) = &new_body {
+        if pending.has_content_length {
+            set_headers.push(("content-length", b.len().to_string()));
+        }
+    }
+    Ok(ForwardPlan {
+        set_headers,
+        new_body,
+        usage_injected: inject,
+    })
+}
+
+const INCLUDE_USAGE_OBJECT: &[u8] = br#"{"include_usage":true}"#;
+
+/// Surgical body rewrite: replaces the `model` value when vLLM expects another name, and injects
+/// `stream_options.include_usage: true`. Every other byte is kept. `None` when nothing changes.
+fn rewrite_body(
+    body: &[u8],
+    req: &ValidatedRequest<'_>,
+    value: &Value,
+    route: &Route<'_>,
+    inject: bool,
+) -> Result<Option<Vec<u8>>, GatewayError> {
+    let internal = GatewayError::Internal {
+        what: "request body rewrite failed",
+    };
+    let mut edits = Vec::new();
+    if route.body_model != req.model {
+        let m = req.scan.get("model").ok_or_else(|| internal.clone())?;
+        let with = serde_json::to_vec(route.body_model).map_err(|_| internal.clone())?;
+        edits.push(Edit {
+            start: m.value_start,
+            end: m.value_end,
+            with,
+        });
+    }
+    if inject {
+        edits.push(stream_options_edit(body, req, value).ok_or_else(|| internal.clone())?);
+    }
+    if edits.is_empty() {
+        return Ok(None);
+    }
+    apply_edits(body, edits).map(Some).ok_or(internal)
+}
+
+fn stream_options_edit(body: &[u8], req: &ValidatedRequest<'_>, value: &Value) -> Option<Edit> {
+    match req.scan.get("stream_options") {
+        Some(m) if value.get("stream_options").is_some_and(Value::is_object) => {
+            let inner = scan_object(body.get(m.value_start..m.value_end)?)?;
+            if let Some(iu) = inner.get("include_usage") {
+                Some(Edit {
+                    start: m.value_start + iu.value_start,
+                    end: m.value_start + iu.value_end,
+                    with: b"true".to_vec(),
+                })
+            } else if inner.members.is_empty() {
+                Some(Edit {
+                    start: m.value_start,
+                    end: m.value_end,
+                    with: INCLUDE_USAGE_OBJECT.to_vec(),
+                })
+            } else {
+                let at = m.value_start + inner.open + 1;
+                Some(Edit {
+                    start: at,
+                    end: at,
+                    with: br#""include_usage":true,"#.to_vec(),
+                })
+            }
+        }
+        // present but null
+        Some(m) => Some(Edit {
+            start: m.value_start,
+            end: m.value_end,
+            with: INCLUDE_USAGE_OBJECT.to_vec(),
+        }),
+        None => {
+            let (at, with) = match req.scan.members.last() {
+                Some(last) => (
+                    last.value_end,
+                    [br#","stream_options":"#.as_slice(), INCLUDE_USAGE_OBJECT].concat(),
+                ),
+                None => (
+                    req.scan.open + 1,
+                    [br#""stream_options":"#.as_slice(), INCLUDE_USAGE_OBJECT].concat(),
+                ),
+            };
+            Some(Edit {
+                start: at,
+                end: at,
+                with,
+            })
+        }
+    }
+}
+
+/// Whether a response to an injected request must go through the
+/// [`UsageStripper`](crate::sse::UsageStripper): `:status` 200 and `content-type`
+/// `text/event-stream` (case-insensitive, parameters allowed). Error bodies pass untouched.
+pub fn response_needs_stripping(status: Option<&[u8]>, content_type: Option<&[u8]>) -> bool {
+    let ok = status.is_some_and(|s| s == b"200");
+    let sse = content_type.is_some_and(|ct| {
+        ct.get(..17)
+            .is_some_and(|p| p.eq_ignore_ascii_case(b"text/event-stream"))
+    });
+    ok && sse
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::auth::hash_key;
+    use serde_json::json;
+
+    fn cfg() -> Config {
+        let v = json!({
+            "max_body_bytes": 2000,
+            "tenants": [
+                {"id": "demo", "api_keys_sha256": [hex::encode(hash_key(b"sk-demo"))], "tier": "gold", "models": ["qwen", "tiny"]},
+                {"id": "all", "api_keys_sha256": [hex::encode(hash_key(b"sk-all"))]}
+            ],
+            "models": [
+                {"name": "qwen", "pool": "pool_a", "served_model_name": "Qwen/Qwen2.5-0.5B-Instruct",
+                 "max_model_len": 4096, "max_token_bytes": 256, "aliases": ["qwen-latest"], "lora_adapters": ["sql-lora"]},
+                {"name": "llama", "pool": "pool_b", "max_model_len": 8192},
+                {"name": "tiny", "pool": "pool_t", "max_model_len": 100, "max_token_bytes": 4}
+            ]
+        });
+        Config::from_json(v.to_string().as_bytes()).unwrap()
+    }
+
+    fn hdrs(list: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
+        list.iter()
+            .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
+            .collect()
+    }
+
+    fn post(path: &str, key: &str) -> Vec<(String, Vec<u8>)> {
+        hdrs(&[
+            (":method", "POST"),
+            (":path", path),
+            ("authorization", &format!("Bearer {key}")),
+            ("content-length", "10"),
+            ("x-request-id", "rid-1"),
+        ])
+    }
+
+    fn pending(path: &str, key: &str) -> PendingRequest {
+        match on_request_headers(&cfg(), &post(path, key)).decision {
+            HeadersDecision::AwaitBody(p) => p,
+            HeadersDecision::Reply(r) => panic!("unexpected reply {r:?}"),
+        }
+    }
+
+    fn reply(d: HeadersDecision) -> (u32, Value) {
+        match d {
+            HeadersDecision::Reply(r) => (r.status, serde_json::from_slice(&r.body).unwrap()),
+            HeadersDecision::AwaitBody(p) => panic!("unexpected await {p:?}"),
+        }
+    }
+
+    fn chat(body: Value) -> Result<ForwardPlan, GatewayError> {
+        on_request_body(
+            &cfg(),
+            &pending("/v1/chat/completions", "sk-demo"),
+            body.to_string().as_bytes(),
+        )
+    }
+
+    fn header_map(plan: &ForwardPlan) -> Vec<(String, String)> {
+        plan.set_headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn strips_gateway_headers_and_credentials() {
+        let h = hdrs(&[
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            ("x-gateway-tenant", "evil"),
+            ("X-Gateway-Pool", "evil"),
+            ("x-gateway-tenant", "evil2"),
+            ("authorization", "Bearer sk-demo"),
+            ("x-api-key", "sk-demo"),
+            ("x-gatewayish", "keep"),
+        ]);
+        let out = on_request_headers(&cfg(), &h);
+        assert_eq!(
+            out.remove,
+            vec![
+                "x-gateway-tenant",
+                "x-gateway-pool",
+                "authorization",
+                "x-api-key"
+            ]
+        );
+        assert!(matches!(out.decision, HeadersDecision::AwaitBody(_)));
+        // Removed even when the request is rejected.
+        let out = on_request_headers(
+            &cfg(),
+            &hdrs(&[
+                (":method", "POST"),
+                (":path", "/nope"),
+                ("x-gateway-model", "x"),
+            ]),
+        );
+        assert_eq!(out.remove, vec!["x-gateway-model"]);
+    }
+
+    #[test]
+    fn client_gateway_headers_are_never_read() {
+        // A client cannot smuggle `:path`-like or credential data through x-gateway-* names,
+        // and `header()` skips x-gateway-* names.
+        let h = hdrs(&[("x-gateway-tenant", "evil")]);
+        assert_eq!(header(&h, "x-gateway-tenant"), None);
+    }
+
+    #[test]
+    fn path_and_method_errors() {
+        let (s, b) = reply(on_request_headers(&cfg(), &post("/v1/foo", "sk-demo")).decision);
+        assert_eq!(s, 404);
+        assert_eq!(
+            b,
+            json!({"error": {"message": "Invalid URL (POST /v1/foo)", "type": "invalid_request_error", "param": null, "code": "not_found"}})
+        );
+        let h = hdrs(&[(":method", "GET"), (":path", "/v1/chat/completions")]);
+        let out = on_request_headers(&cfg(), &h);
+        match out.decision {
+            HeadersDecision::Reply(r) => {
+                assert_eq!(r.status, 405);
+                assert!(r.headers.contains(&("allow", "POST".to_string())));
+                assert!(r
+                    .headers
+                    .contains(&("content-type", "application/json".to_string())));
+            }
+            HeadersDecision::AwaitBody(_) => panic!(),
+        }
+    }
+
+    #[test]
+    fn auth_errors() {
+        let (s, b) =
+            reply(on_request_headers(&cfg(), &post("/v1/chat/completions", "sk-wrong")).decision);
+        assert_eq!(s, 401);
+        assert_eq!(b["error"]["code"], "invalid_api_key");
+        assert_eq!(b["error"]["message"], "Incorrect API key provided.");
+        let h = hdrs(&[(":method", "POST"), (":path", "/v1/chat/completions")]);
+        let (s, b) = reply(on_request_headers(&cfg(), &h).decision);
+        assert_eq!(s, 401);
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        // x-api-key works too
+        let h = hdrs(&[
+            (":method", "POST"),
+            (":path", "/v1/completions"),
+            ("x-api-key", "sk-all"),
+        ]);
+        assert!(matches!(
+            on_request_headers(&cfg(), &h).decision,
+            HeadersDecision::AwaitBody(PendingRequest { tenant: 1, .. })
+        ));
+    }
+
+    #[test]
+    fn content_length_limit() {
+        let mut h = post("/v1/chat/completions", "sk-demo");
+        h.retain(|(k, _)| k != "content-length");
+        h.push(("content-length".into(), b"2001".to_vec()));
+        let (s, b) = reply(on_request_headers(&cfg(), &h).decision);
+        assert_eq!(s, 413);
+        assert_eq!(b["error"]["code"], "request_too_large");
+        assert_eq!(
+            b["error"]["message"],
+            "Request body too large: the limit is 2000 bytes."
+        );
+        // Unauthenticated oversize requests get 401 first.
+        let mut h = hdrs(&[(":method", "POST"), (":path", "/v1/chat/completions")]);
+        h.push(("content-length".into(), b"999999".to_vec()));
+        assert_eq!(reply(on_request_headers(&cfg(), &h).decision).0, 401);
+        // Buffered size limit.
+        let big = vec![b' '; 2001];
+        let e =
+            on_request_body(&cfg(), &pending("/v1/chat/completions", "sk-demo"), &big).unwrap_err();
+        assert_eq!(e.parts().0, 413);
+        assert!(check_body_size(&cfg(), 2000).is_ok());
+    }
+
+    #[test]
+    fn models_listing() {
+        let h = hdrs(&[
+            (":method", "GET"),
+            (":path", "/v1/models"),
+            ("x-api-key", "sk-demo"),
+        ]);
+        let (s, b) = reply(on_request_headers(&cfg(), &h).decision);
+        assert_eq!(s, 200);
+        assert_eq!(
+            b,
+            json!({"object": "list", "data": [
+                {"id": "qwen", "object": "model", "created": 0, "owned_by": "gateway"},
+                {"id": "sql-lora", "object": "model", "created": 0, "owned_by": "gateway"},
+                {"id": "tiny", "object": "model", "created": 0, "owned_by": "gateway"}
+            ]})
+        );
+        let h = hdrs(&[
+            (":method", "GET"),
+            (":path", "/v1/models?limit=1"),
+            ("x-api-key", "sk-all"),
+        ]);
+        match on_request_headers(&cfg(), &h).decision {
+            HeadersDecision::Reply(r) => {
+                assert_eq!(
+                    r.headers,
+                    vec![("content-type", "application/json".to_string())]
+                );
+                assert!(String::from_utf8(r.body).unwrap().starts_with(
+                    r#"{"object":"list","data":[{"id":"qwen","object":"model","created":0,"owned_by":"gateway"},"#
+                ));
+            }
+            HeadersDecision::AwaitBody(_) => panic!(),
+        }
+        let h = hdrs(&[(":method", "GET"), (":path", "/v1/models")]);
+        assert_eq!(reply(on_request_headers(&cfg(), &h).decision).0, 401);
+    }
+
+    #[test]
+    fn header_outputs_for_chat() {
+        let plan = chat(json!({"model": "qwen-latest", "messages": [{"role": "user", "content": "x".repeat(1000)}], "max_tokens": 100})).unwrap();
+        assert_eq!(
+            header_map(&plan),
+            vec![
+                ("x-gateway-tenant".into(), "demo".into()),
+                ("x-gateway-tier".into(), "gold".into()),
+                ("x-gateway-model".into(), "qwen".into()),
+                ("x-gateway-pool".into(), "pool_a".into()),
+                // (4 + 1000) bytes -> ceil(1004/4) = 251
+                ("x-gateway-prompt-tokens".into(), "251".into()),
+                ("x-gateway-prompt-tokens-source".into(), "estimate".into()),
+                ("x-gateway-max-tokens".into(), "100".into()),
+                (
+                    "content-length".into(),
+                    plan.new_body.as_ref().unwrap().len().to_string()
+                ),
+            ]
+        );
+        assert!(!plan.usage_injected);
+        let body: Value = serde_json::from_slice(plan.new_body.as_ref().unwrap()).unwrap();
+        assert_eq!(body["model"], "Qwen/Qwen2.5-0.5B-Instruct");
+    }
+
+    #[test]
+    fn default_max_tokens_header() {
+        let plan =
+            chat(json!({"model": "tiny", "messages": [{"role": "user", "content": "abcdefgh"}]}))
+                .unwrap();
+        // 12 bytes, max_token_bytes 4: lower 3, estimate 3; 100 - 3 = 97
+        assert!(plan.set_headers.contains(&(H_PROMPT_TOKENS, "3".into())));
+        assert!(plan.set_headers.contains(&(H_MAX_TOKENS, "97".into())));
+        assert_eq!(plan.new_body, None);
+    }
+
+    #[test]
+    fn model_errors() {
+        let e = chat(json!({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}))
+            .unwrap_err();
+        assert_eq!(
+            e.parts(),
+            (
+                404,
+                "invalid_request_error",
+                "model_not_found",
+                Some("model")
+            )
+        );
+        let e = chat(json!({"model": "llama", "messages": [{"role": "user", "content": "x"}]}))
+            .unwrap_err();
+        assert_eq!(
+            e.parts(),
+            (
+                403,
+                "invalid_request_error",
+                "model_not_allowed",
+                Some("model")
+            )
+        );
+    }
+
+    #[test]
+    fn context_errors() {
+        // tiny: max_model_len 100, max_token_bytes 4. user(4) + 392 bytes = 396 -> lower 99.
+        let msg = |n: usize| json!([{"role": "user", "content": "y".repeat(n)}]);
+        assert!(chat(json!({"model": "tiny", "messages": msg(392), "max_tokens": 1})).is_ok());
+        let e = chat(json!({"model": "tiny", "messages": msg(392), "max_tokens": 2})).unwrap_err();
+        assert_eq!(
+            e.parts(),
+            (
+                400,
+                "invalid_request_error",
+                "context_length_exceeded",
+                Some("messages")
+            )
+        );
+        assert_eq!(
+            e.to_string(),
+            "This model's maximum context length is 100 tokens. However, your request needs at least 101 tokens (99 in the prompt, lower bound; 2 for max_tokens)."
+        );
+        assert!(chat(json!({"model": "tiny", "messages": msg(392)})).is_ok());
+        let e = chat(json!({"model": "tiny", "messages": msg(396)})).unwrap_err();
+        assert_eq!(e.parts().2, "context_length_exceeded");
+        let e = chat(json!({"model": "tiny", "messages": msg(1), "max_completion_tokens": 101}))
+            .unwrap_err();
+        assert_eq!(
+            e.parts(),
+            (
+                400,
+                "invalid_request_error",
+                "invalid_value",
+                Some("max_completion_tokens")
+            )
+        );
+
+        let p = pending("/v1/completions", "sk-demo");
+        let body = json!({"model": "tiny", "prompt": ["ok", "z".repeat(400)]}).to_string();
+        let e = on_request_body(&cfg(), &p, body.as_bytes()).unwrap_err();
+        assert_eq!(
+            e.parts(),
+            (
+                400,
+                "invalid_request_error",
+                "context_length_exceeded",
+                Some("prompt")
+            )
+        );
+    }
+
+    #[test]
+    fn completions_token_ids_are_exact() {
+        let p = pending("/v1/completions", "sk-demo");
+        let body = json!({"model": "tiny", "prompt": [1, 2, 3, 4, 5], "max_tokens": 7}).to_string();
+        let plan = on_request_body(&cfg(), &p, body.as_bytes()).unwrap();
+        assert!(plan.set_headers.contains(&(H_PROMPT_TOKENS, "5".into())));
+        assert!(plan
+            .set_headers
+            .contains(&(H_PROMPT_TOKENS_SOURCE, "exact".into())));
+        assert!(plan.set_headers.contains(&(H_MAX_TOKENS, "7".into())));
+    }
+
+    #[test]
+    fn embeddings_route_without_context_check() {
+        let p = pending("/v1/embeddings", "sk-demo");
+        let body = json!({"model": "tiny", "input": "w".repeat(1000)}).to_string();
+        let plan = on_request_body(&cfg(), &p, body.as_bytes()).unwrap();
+        assert!(plan.set_headers.contains(&(H_POOL, "pool_t".into())));
+        assert!(plan.set_headers.contains(&(H_MAX_TOKENS, "0".into())));
+        assert!(plan.set_headers.contains(&(H_PROMPT_TOKENS, "250".into())));
+        assert!(!plan.usage_injected);
+    }
+
+    #[test]
+    fn body_rewrite_keeps_other_bytes() {
+        let body = br#"{ "temperature": 0.70, "model" : "qwen", "messages":[{"role":"user","content":"h\u00e9"}] }"#;
+        let plan =
+            on_request_body(&cfg(), &pending("/v1/chat/completions", "sk-demo"), body).unwrap();
+        assert_eq!(
+            plan.new_body.unwrap(),
+            br#"{ "temperature": 0.70, "model" : "Qwen/Qwen2.5-0.5B-Instruct", "messages":[{"role":"user","content":"h\u00e9"}] }"#.to_vec()
+        );
+        // Adapter names stay in the body.
+        let body = br#"{"model":"sql-lora","messages":[{"role":"user","content":"q"}]}"#;
+        let plan =
+            on_request_body(&cfg(), &pending("/v1/chat/completions", "sk-demo"), body).unwrap();
+        assert_eq!(plan.new_body, None);
+        assert!(plan.set_headers.contains(&(H_MODEL, "sql-lora".into())));
+        assert!(plan.set_headers.contains(&(H_POOL, "pool_a".into())));
+        assert!(!plan.set_headers.iter().any(|(k, _)| *k == "content-length"));
+    }
+
+    #[test]
+    fn usage_injection_variants() {
+        let run = |body: &str| {
+            let plan = on_request_body(
+                &cfg(),
+                &pending("/v1/chat/completions", "sk-demo"),
+                body.as_bytes(),
+            )
+            .unwrap();
+            (
+                plan.usage_injected,
+                plan.new_body.map(|b| String::from_utf8(b).unwrap()),
+                plan.set_headers,
+            )
+        };
+        let (inj, body, hdrs) =
+            run(r#"{"model":"tiny","messages":[{"role":"user","content":"q"}],"stream":true}"#);
+        assert!(inj);
+        assert_eq!(
+            body.as_deref(),
+            Some(
+                r#"{"model":"tiny","messages":[{"role":"user","content":"q"}],"stream":true,"stream_options":{"include_usage":true}}"#
+            )
+        );
+        assert!(hdrs.contains(&(H_USAGE_INJECTED, "1".into())));
+        let (inj, body, _) = run(
+            r#"{"model":"tiny","messages":[{"role":"user","content":"q"}],"stream":true,"stream_options":null}"#,
+        );
+        assert!(inj);
+        assert!(body
+            .unwrap()
+            .ends_with(r#""stream":true,"stream_options":{"include_usage":true}}"#));
+        let (_, body, _) = run(
+            r#"{"model":"tiny","messages":[{"role":"user","content":"q"}],"stream":true,"stream_options":{"include_usage":false}}"#,
+        );
+        assert!(body
+            .unwrap()
+            .ends_with(r#""stream_options":{"include_usage":true}}"#));
+        let (_, body, _) = run(
+            r#"{"model":"tiny","messages":[{"role":"user","content":"q"}],"stream":true,"stream_options":{}}"#,
+        );
+        assert!(body
+            .unwrap()
+            .ends_with(r#""stream_options":{"include_usage":true}}"#));
+        let (_, body, _) = run(
+            r#"{"model":"tiny","messages":[{"role":"user","content":"q"}],"stream":true,"stream_options":{"continuous_usage_stats":false}}"#,
+        );
+        assert!(body.unwrap().ends_with(
+            r#""stream_options":{"include_usage":true,"continuous_usage_stats":false}}"#
+        ));
+        // Client asked for usage itself: nothing injected, nothing stripped.
+        let (inj, body, hdrs) = run(
+            r#"{"model":"tiny","messages":[{"role":"user","content":"q"}],"stream":true,"stream_options":{"include_usage":true}}"#,
+        );
+        assert!(!inj && body.is_none());
+        assert!(!hdrs.iter().any(|(k, _)| *k == H_USAGE_INJECTED));
+        // Not streaming: nothing injected.
+        let (inj, body, _) =
+            run(r#"{"model":"tiny","messages":[{"role":"user","content":"q"}],"stream":false}"#);
+        assert!(!inj && body.is_none());
+        // Both rewrites at once, and the body stays valid JSON.
+        let (inj, body, hdrs) =
+            run(r#"{"model":"qwen","messages":[{"role":"user","content":"q"}],"stream":true}"#);
+        assert!(inj);
+        let body = body.unwrap();
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["model"], "Qwen/Qwen2.5-0.5B-Instruct");
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        assert!(hdrs.contains(&("content-length", body.len().to_string())));
+    }
+
+    #[test]
+    fn validation_errors_surface() {
+        let e = chat(json!({"model": "qwen", "messages": [{"role": "user", "content": "x"}], "stream": "yes"})).unwrap_err();
+        assert_eq!(e.parts().3, Some("stream"));
+        let e = on_request_body(
+            &cfg(),
+            &pending("/v1/chat/completions", "sk-demo"),
+            b"not json",
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.parts(),
+            (400, "invalid_request_error", "invalid_json", None)
+        );
+        let e =
+            on_request_body(&cfg(), &pending("/v1/chat/completions", "sk-demo"), b"").unwrap_err();
+        assert_eq!(e.parts().2, "invalid_json");
+    }
+
+    #[test]
+    fn response_stripping_condition() {
+        assert!(response_needs_stripping(
+            Some(b"200"),
+            Some(b"text/event-stream; charset=utf-8")
+        ));
+        assert!(response_needs_stripping(
+            Some(b"200"),
+            Some(b"Text/Event-Stream")
+        ));
+        assert!(!response_needs_stripping(
+            Some(b"400"),
+            Some(b"text/event-stream")
+        ));
+        assert!(!response_needs_stripping(
+            Some(b"200"),
+            Some(b"application/json")
+        ));
+        assert!(!response_needs_stripping(None, None));
+    }
+}

@@ -1,0 +1,409 @@
+//! Incremental server-sent-events (SSE) processing for streamed completions whose request had
+//! `stream_options.include_usage` injected by the gateway.
+//!
+//! With `include_usage: true`, the OpenAI API (and vLLM) sends one extra event before
+//! `data: [DONE]` whose JSON has `"choices":[]` and a non-null `"usage"`, and may add
+//! `"usage":null` to every other chunk. [`UsageStripper`] removes both so the client receives the
+//! byte stream it would have received without the option, while everything upstream of this
+//! filter (the metering sidecar) still sees the usage.
+//!
+//! Events are split at a blank line: a `\n` followed by `\n` or `\r\n` (so `\n\n`, `\r\n\r\n` and
+//! mixes). A bare `\r` line ending is not recognised (neither vLLM nor OpenAI emits one); such
+//! data passes through unchanged. An event split across chunks is held back until complete; an
+//! incomplete event larger than the configured limit is passed through unchanged, as is the rest
+//! of it up to the next boundary. Events that are not exactly one `data:` line holding a JSON
+//! object are passed through unchanged.
+
+use crate::json_scan::scan_object;
+
+/// Default bound on a held-back partial event: 1 MiB.
+pub const DEFAULT_MAX_EVENT_BYTES: usize = 1 << 20;
+
+/// What to do with one response body chunk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChunkOutput {
+    /// Forward the chunk as received (no copy back into Envoy).
+    Unchanged,
+    /// Replace the chunk with these bytes (possibly empty).
+    Replace(Vec<u8>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Boundary {
+    Normal,
+    SawLf,
+    SawLfCr,
+}
+
+impl Boundary {
+    /// Feeds one byte; true when it completes a blank line (end of event).
+    fn step(&mut self, b: u8) -> bool {
+        let (next, done) = match (*self, b) {
+            (Boundary::SawLf | Boundary::SawLfCr, b'\n') => (Boundary::Normal, true),
+            (Boundary::SawLf, b'\r') => (Boundary::SawLfCr, false),
+            (_, b'\n') => (Boundary::SawLf, false),
+            _ => (Boundary::Normal, false),
+        };
+        *self = next;
+        done
+    }
+}
+
+/// Removes the injected usage event and `"usage":null` members from an SSE byte stream, chunk
+/// by chunk, with bounded memory.
+#[derive(Debug, Clone)]
+pub struct UsageStripper {
+    pending: Vec<u8>,
+    boundary: Boundary,
+    passthrough: bool,
+    max_event_bytes: usize,
+}
+
+impl Default for UsageStripper {
+    fn default() -> Self {
+        Self::new(DEFAULT_MAX_EVENT_BYTES)
+    }
+}
+
+impl UsageStripper {
+    /// A stripper that holds back at most `max_event_bytes` of an incomplete event.
+    pub fn new(max_event_bytes: usize) -> Self {
+        UsageStripper {
+            pending: Vec::new(),
+            boundary: Boundary::Normal,
+            passthrough: false,
+            max_event_bytes,
+        }
+    }
+
+    /// Bytes currently held back.
+    pub fn pending_len(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Processes one chunk. At `end_of_stream`, anything held back is released unchanged.
+    pub fn push(&mut self, chunk: &[u8], end_of_stream: bool) -> ChunkOutput {
+        let mut out = Vec::with_capacity(chunk.len() + self.pending.len());
+        let mut start = 0usize;
+        for (i, b) in chunk.iter().enumerate() {
+            if !self.boundary.step(*b) {
+                continue;
+            }
+            let part = chunk.get(start..=i).unwrap_or_default();
+            start = i + 1;
+            if self.passthrough {
+                out.extend_from_slice(part);
+                self.passthrough = false;
+            } else if self.pending.is_empty() {
+                emit_event(part, &mut out);
+            } else {
+                let mut event = std::mem::take(&mut self.pending);
+                event.extend_from_slice(part);
+                emit_event(&event, &mut out);
+            }
+        }
+        let rest = chunk.get(start..).unwrap_or_default();
+        if self.passthrough {
+            out.extend_from_slice(rest);
+        } else {
+            self.pending.extend_from_slice(rest);
+            if self.pending.len() > self.max_event_bytes {
+                out.append(&mut self.pending);
+                self.passthrough = true;
+            }
+        }
+        if end_of_stream {
+            out.append(&mut self.pending);
+        }
+        if out == chunk {
+            ChunkOutput::Unchanged
+        } else {
+            ChunkOutput::Replace(out)
+        }
+    }
+}
+
+/// Appends the transformed `event` (one complete event including its terminating blank line)
+/// to `out`.
+fn emit_event(event: &[u8], out: &mut Vec<u8>) {
+    match transform_event(event) {
+        EventAction::Keep => out.extend_from_slice(event),
+        EventAction::Drop { keep_prefix } => {
+            out.extend_from_slice(event.get(..keep_prefix).unwrap_or_default())
+        }
+        EventAction::Remove { start, end } => {
+            out.extend_from_slice(event.get(..start).unwrap_or_default());
+            out.extend_from_slice(event.get(end..).unwrap_or_default());
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum EventAction {
+    Keep,
+    /// Drop the event, keeping its first `keep_prefix` bytes (leading blank lines).
+    Drop {
+        keep_prefix: usize,
+    },
+    /// Remove `event[start..end]` (a `"usage":null` member and one comma).
+    Remove {
+        start: usize,
+        end: usize,
+    },
+}
+
+fn is_newline(b: &u8) -> bool {
+    matches!(b, b'\n' | b'\r')
+}
+
+fn transform_event(event: &[u8]) -> EventAction {
+    let lead = event.iter().take_while(|b| is_newline(b)).count();
+    let trail = event.iter().rev().take_while(|b| is_newline(b)).count();
+    let Some(line) = event.get(lead..event.len().saturating_sub(trail)) else {
+        return EventAction::Keep;
+    };
+    if line.is_empty() || line.iter().any(is_newline) {
+        return EventAction::Keep;
+    }
+    let Some(after) = line.strip_prefix(b"data:") else {
+        return EventAction::Keep;
+    };
+    let (payload, offset) = match after.strip_prefix(b" ") {
+        Some(p) => (p, lead + 6),
+        None => (after, lead + 5),
+    };
+    let Some(scan) = scan_object(payload) else {
+        return EventAction::Keep;
+    };
+    let value = |key: &str| {
+        scan.get(key)
+            .and_then(|m| payload.get(m.value_start..m.value_end))
+    };
+    let Some(usage) = value("usage") else {
+        return EventAction::Keep;
+    };
+    if usage == b"null" {
+        let Some(index) = scan.members.iter().rposition(|m| m.key == "usage") else {
+            return EventAction::Keep;
+        };
+        return match scan.removal_range(index) {
+            Some((s, e)) => EventAction::Remove {
+                start: offset + s,
+                end: offset + e,
+            },
+            None => EventAction::Keep,
+        };
+    }
+    let empty_choices = value("choices").is_some_and(|c| {
+        let inner: Vec<u8> = c
+            .iter()
+            .copied()
+            .filter(|b| !b.is_ascii_whitespace())
+            .collect();
+        inner == b"[]"
+    });
+    if empty_choices {
+        EventAction::Drop { keep_prefix: lead }
+    } else {
+        EventAction::Keep
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHUNK_A: &str = r#"data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"Qwen/Qwen2.5-0.5B-Instruct","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]"#;
+    const CHUNK_B: &str = r#"data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"Qwen/Qwen2.5-0.5B-Instruct","choices":[{"index":0,"delta":{"content":"Hello \"world\" {}[]\n\n"},"logprobs":null,"finish_reason":null}]"#;
+    const CHUNK_C: &str = r#"data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"Qwen/Qwen2.5-0.5B-Instruct","choices":[{"index":0,"delta":{"content":"!"},"logprobs":null,"finish_reason":"stop","stop_reason":null}]"#;
+    const USAGE: &str = r#"data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"Qwen/Qwen2.5-0.5B-Instruct","choices":[],"usage":{"prompt_tokens":9,"total_tokens":12,"completion_tokens":3}}"#;
+    const DONE: &str = "data: [DONE]";
+
+    /// (what vLLM sends with include_usage injected, what the client would get without it)
+    fn streams(sep: &str) -> (String, String) {
+        let upstream = [
+            format!("{CHUNK_A},\"usage\":null}}{sep}"),
+            format!("{CHUNK_B},\"usage\":null}}{sep}"),
+            format!("{CHUNK_C},\"usage\":null}}{sep}"),
+            format!("{USAGE}{sep}"),
+            format!("{DONE}{sep}"),
+        ]
+        .concat();
+        let client = [
+            format!("{CHUNK_A}}}{sep}"),
+            format!("{CHUNK_B}}}{sep}"),
+            format!("{CHUNK_C}}}{sep}"),
+            format!("{DONE}{sep}"),
+        ]
+        .concat();
+        (upstream, client)
+    }
+
+    fn feed(s: &mut UsageStripper, chunks: &[&[u8]]) -> Vec<u8> {
+        let mut out = Vec::new();
+        let n = chunks.len();
+        for (i, c) in chunks.iter().enumerate() {
+            match s.push(c, i + 1 == n) {
+                ChunkOutput::Unchanged => out.extend_from_slice(c),
+                ChunkOutput::Replace(r) => out.extend_from_slice(&r),
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn whole_stream_in_one_chunk() {
+        for sep in ["\n\n", "\r\n\r\n"] {
+            let (up, client) = streams(sep);
+            let out = feed(&mut UsageStripper::default(), &[up.as_bytes()]);
+            assert_eq!(String::from_utf8(out).unwrap(), client);
+        }
+    }
+
+    #[test]
+    fn every_single_split_point() {
+        for sep in ["\n\n", "\r\n\r\n", "\n\r\n"] {
+            let (up, client) = streams(sep);
+            let b = up.as_bytes();
+            for cut in 0..=b.len() {
+                let mut s = UsageStripper::default();
+                let out = feed(&mut s, &[&b[..cut], &b[cut..]]);
+                assert_eq!(
+                    String::from_utf8(out).unwrap(),
+                    client,
+                    "sep {sep:?} cut {cut}"
+                );
+                assert_eq!(s.pending_len(), 0);
+            }
+        }
+    }
+
+    #[test]
+    fn every_pair_of_split_points() {
+        // Three chunks, every (i, j) split, on the usage event and its neighbours.
+        let (up, client) = streams("\n\n");
+        let b = up.as_bytes();
+        let start = up.find(USAGE).unwrap() - 40;
+        let end = (start + USAGE.len() + 80).min(b.len());
+        for i in start..end {
+            for j in i..end {
+                let out = feed(&mut UsageStripper::default(), &[&b[..i], &b[i..j], &b[j..]]);
+                assert_eq!(out, client.as_bytes(), "cuts {i} {j}");
+            }
+        }
+    }
+
+    #[test]
+    fn byte_by_byte() {
+        let (up, client) = streams("\r\n\r\n");
+        let chunks: Vec<&[u8]> = up.as_bytes().chunks(1).collect();
+        let out = feed(&mut UsageStripper::default(), &chunks);
+        assert_eq!(out, client.as_bytes());
+    }
+
+    #[test]
+    fn unchanged_chunks_are_not_copied() {
+        let mut s = UsageStripper::default();
+        let done = b"data: [DONE]\n\n";
+        assert_eq!(s.push(done, false), ChunkOutput::Unchanged);
+        let plain = format!("{CHUNK_C}}}\n\n");
+        assert_eq!(s.push(plain.as_bytes(), false), ChunkOutput::Unchanged);
+        assert_eq!(s.push(b": keep-alive\n\n", false), ChunkOutput::Unchanged);
+        assert_eq!(s.push(b"", true), ChunkOutput::Unchanged);
+        // A chunk with a null usage is rewritten.
+        let nulled = format!("{CHUNK_C},\"usage\":null}}\n\n");
+        assert_eq!(
+            s.push(nulled.as_bytes(), false),
+            ChunkOutput::Replace(plain.clone().into_bytes())
+        );
+        // The usage event alone becomes an empty chunk.
+        let usage = format!("{USAGE}\n\n");
+        assert_eq!(
+            s.push(usage.as_bytes(), false),
+            ChunkOutput::Replace(Vec::new())
+        );
+        // A partial event is held back, then released.
+        assert_eq!(
+            s.push(b"data: {\"a\":1", false),
+            ChunkOutput::Replace(Vec::new())
+        );
+        assert_eq!(
+            s.push(b"}\n\n", false),
+            ChunkOutput::Replace(b"data: {\"a\":1}\n\n".to_vec())
+        );
+    }
+
+    #[test]
+    fn completions_stream() {
+        let up = "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"hi\",\"logprobs\":null,\"finish_reason\":null}],\"usage\":null}\n\n\
+                  data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"created\":1,\"model\":\"m\",\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"total_tokens\":2,\"completion_tokens\":1}}\n\n\
+                  data: [DONE]\n\n";
+        let client = "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"hi\",\"logprobs\":null,\"finish_reason\":null}]}\n\n\
+                      data: [DONE]\n\n";
+        assert_eq!(
+            feed(&mut UsageStripper::default(), &[up.as_bytes()]),
+            client.as_bytes()
+        );
+    }
+
+    #[test]
+    fn usage_in_the_middle_or_first_and_spaces() {
+        let mut s = UsageStripper::default();
+        let out = feed(
+            &mut s,
+            &[b"data: {\"usage\":null,\"a\":1}\n\ndata:{\"a\":1, \"usage\" : null , \"b\":2}\n\n"],
+        );
+        assert_eq!(out, b"data: {\"a\":1}\n\ndata:{\"a\":1, \"b\":2}\n\n");
+    }
+
+    #[test]
+    fn non_usage_events_pass() {
+        let input = b"event: error\ndata: {\"choices\":[],\"usage\":{}}\n\n\
+                      data: {\"choices\":[{}],\"usage\":{\"prompt_tokens\":1}}\n\n\
+                      data: not json\n\n\
+                      data: {\"error\":{\"message\":\"x\"}}\n\n";
+        let mut s = UsageStripper::default();
+        assert_eq!(s.push(input, true), ChunkOutput::Unchanged);
+    }
+
+    #[test]
+    fn oversized_partial_event_passes_through() {
+        let mut s = UsageStripper::new(16);
+        let big = format!("data: {{\"x\":\"{}\",\"usage\":null}}", "a".repeat(40));
+        let (first, second) = big.as_bytes().split_at(30);
+        // The first 30 bytes exceed the limit: released at once, unchanged.
+        assert_eq!(s.push(first, false), ChunkOutput::Unchanged);
+        assert_eq!(s.pending_len(), 0);
+        // The rest of that event passes unchanged up to its end; the next event is processed.
+        let mut rest = second.to_vec();
+        rest.extend_from_slice(b"\n\ndata: {\"usage\":null}\n\n");
+        let out = s.push(&rest, false);
+        let mut expected = second.to_vec();
+        expected.extend_from_slice(b"\n\ndata: {}\n\n");
+        assert_eq!(out, ChunkOutput::Replace(expected));
+    }
+
+    #[test]
+    fn incomplete_final_event_is_flushed() {
+        let mut s = UsageStripper::default();
+        assert_eq!(
+            s.push(b"data: {\"usage\":null}", false),
+            ChunkOutput::Replace(vec![])
+        );
+        assert_eq!(
+            s.push(b"\n", true),
+            ChunkOutput::Replace(b"data: {\"usage\":null}\n".to_vec())
+        );
+        assert_eq!(s.pending_len(), 0);
+    }
+
+    #[test]
+    fn leading_blank_line_is_kept_when_dropping() {
+        let mut s = UsageStripper::default();
+        let out = feed(
+            &mut s,
+            &[b"data: [DONE]\n\n\ndata: {\"choices\":[ ],\"usage\":{\"total_tokens\":1}}\n\n"],
+        );
+        assert_eq!(out, b"data: [DONE]\n\n\n");
+    }
+}

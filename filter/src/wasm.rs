@@ -1,0 +1,318 @@
+//! The proxy-wasm adapter (wasm32 only): moves headers, bodies and local replies between Envoy
+//! and the pure functions of [`crate::pipeline`] and [`crate::sse`]. No decisions live here.
+//!
+//! Host calls go through `proxy_wasm::hostcalls` (byte variants) rather than the SDK trait
+//! helpers, which `unwrap()` on host errors and on non-UTF-8 header values; a panic would kill
+//! the VM of the whole Envoy worker. Host errors are logged and turned into a 500 local reply or
+//! ignored where nothing better can be done.
+//!
+//! Envoy requirements: the wasm plugin must set `allow_on_headers_stop_iteration: true` (the
+//! filter returns `Pause` from `on_http_request_headers` to buffer the body), and Envoy's buffer
+//! limit (`per_connection_buffer_limit_bytes`) must be at least `max_body_bytes`.
+
+use std::rc::Rc;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
+
+use crate::config::Config;
+use crate::error::{GatewayError, LocalReply};
+use crate::pipeline::{
+    on_request_body, on_request_headers, response_needs_stripping, HeadersDecision, PendingRequest,
+};
+use crate::sse::{ChunkOutput, UsageStripper};
+
+/// The module entry point (`_initialize`), in a private module so the exported symbol is not
+/// part of the crate's documented API.
+mod entry {
+    use proxy_wasm::traits::RootContext;
+    use proxy_wasm::types::LogLevel;
+
+    proxy_wasm::main! {{
+        proxy_wasm::set_log_level(LogLevel::Info);
+        proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
+            Box::new(super::GatewayRoot { config: None })
+        });
+    }}
+}
+
+fn log(level: LogLevel, message: &str) {
+    let _ = hostcalls::log(level, message);
+}
+
+/// Root context: parses the plugin configuration once per (re)configuration.
+struct GatewayRoot {
+    config: Option<Rc<Config>>,
+}
+
+impl Context for GatewayRoot {}
+
+impl RootContext for GatewayRoot {
+    fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
+        let raw = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
+            Ok(bytes) => bytes.unwrap_or_default(),
+            Err(status) => {
+                log(
+                    LogLevel::Error,
+                    &format!("gateway-filter: cannot read plugin configuration: {status:?}"),
+                );
+                return false;
+            }
+        };
+        match Config::from_json(&raw) {
+            Ok(cfg) => {
+                log(
+                    LogLevel::Info,
+                    &format!(
+                        "gateway-filter: configured {} tenants, {} models",
+                        cfg.tenants.len(),
+                        cfg.models.len()
+                    ),
+                );
+                self.config = Some(Rc::new(cfg));
+                true
+            }
+            Err(e) => {
+                log(
+                    LogLevel::Error,
+                    &format!("gateway-filter: invalid plugin configuration: {e}"),
+                );
+                false
+            }
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        // Must never return None (the SDK panics). Without a configuration the context fails
+        // closed with a 500 on every request.
+        Some(Box::new(GatewayHttp {
+            config: self.config.clone(),
+            pending: None,
+            usage_injected: false,
+            stripper: None,
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+/// Per-request context.
+struct GatewayHttp {
+    config: Option<Rc<Config>>,
+    /// Set between the request headers and the end of the request body.
+    pending: Option<PendingRequest>,
+    /// Whether `stream_options.include_usage` was injected into this request.
+    usage_injected: bool,
+    /// Set when the response is an SSE stream that must be stripped.
+    stripper: Option<UsageStripper>,
+}
+
+impl Context for GatewayHttp {}
+
+fn request_headers() -> Result<Vec<(String, Vec<u8>)>, GatewayError> {
+    hostcalls::get_map_bytes(MapType::HttpRequestHeaders).map_err(|_| GatewayError::Internal {
+        what: "cannot read request headers",
+    })
+}
+
+fn send_reply(reply: &LocalReply) -> Action {
+    let headers: Vec<(&str, &str)> = reply
+        .headers
+        .iter()
+        .map(|(k, v)| (*k, v.as_str()))
+        .collect();
+    if let Err(status) = hostcalls::send_http_response(reply.status, headers, Some(&reply.body)) {
+        log(
+            LogLevel::Error,
+            &format!("gateway-filter: send_http_response failed: {status:?}"),
+        );
+    }
+    Action::Pause
+}
+
+fn send_error(e: &GatewayError) -> Action {
+    let (status, _, code, _) = e.parts();
+    log(
+        LogLevel::Debug,
+        &format!("gateway-filter: local reply {status} {code}"),
+    );
+    send_reply(&e.to_reply())
+}
+
+impl GatewayHttp {
+    /// Runs the body phase on the complete body and applies the plan.
+    fn finish_request(
+        &mut self,
+        cfg: &Config,
+        pending: &PendingRequest,
+        body: &[u8],
+        body_in_buffer: bool,
+    ) -> Action {
+        let plan = match on_request_body(cfg, pending, body) {
+            Ok(plan) => plan,
+            Err(e) => return send_error(&e),
+        };
+        if let Some(new_body) = &plan.new_body {
+            if body_in_buffer {
+                if let Err(status) =
+                    hostcalls::set_buffer(BufferType::HttpRequestBody, 0, body.len(), new_body)
+                {
+                    log(
+                        LogLevel::Error,
+                        &format!("gateway-filter: set request body failed: {status:?}"),
+                    );
+                    return send_error(&GatewayError::Internal {
+                        what: "cannot rewrite request body",
+                    });
+                }
+            }
+        }
+        for (name, value) in &plan.set_headers {
+            if let Err(status) = hostcalls::set_map_value_bytes(
+                MapType::HttpRequestHeaders,
+                name,
+                Some(value.as_bytes()),
+            ) {
+                log(
+                    LogLevel::Error,
+                    &format!("gateway-filter: set header {name} failed: {status:?}"),
+                );
+                return send_error(&GatewayError::Internal {
+                    what: "cannot set request headers",
+                });
+            }
+        }
+        self.usage_injected = plan.usage_injected;
+        // Envoy picked a route before these headers existed; make it re-pick with x-gateway-pool.
+        if let Err(status) = hostcalls::call_foreign_function("clear_route_cache", None) {
+            log(
+                LogLevel::Warn,
+                &format!("gateway-filter: clear_route_cache failed: {status:?}"),
+            );
+        }
+        Action::Continue
+    }
+
+    fn take_body_and_finish(&mut self, body_size: usize) -> Action {
+        let (Some(cfg), Some(pending)) = (self.config.clone(), self.pending.take()) else {
+            return Action::Continue;
+        };
+        let body = match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size) {
+            Ok(b) => b.unwrap_or_default(),
+            Err(_) => {
+                return send_error(&GatewayError::Internal {
+                    what: "cannot read request body",
+                })
+            }
+        };
+        self.finish_request(&cfg, &pending, &body, true)
+    }
+}
+
+impl HttpContext for GatewayHttp {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let Some(cfg) = self.config.clone() else {
+            return send_error(&GatewayError::Internal {
+                what: "filter not configured",
+            });
+        };
+        let headers = match request_headers() {
+            Ok(h) => h,
+            Err(e) => return send_error(&e),
+        };
+        let outcome = on_request_headers(&cfg, &headers);
+        for name in &outcome.remove {
+            if hostcalls::remove_map_value(MapType::HttpRequestHeaders, name).is_err() {
+                return send_error(&GatewayError::Internal {
+                    what: "cannot remove request headers",
+                });
+            }
+        }
+        match outcome.decision {
+            HeadersDecision::Reply(reply) => send_reply(&reply),
+            HeadersDecision::AwaitBody(pending) if end_of_stream => {
+                // No body at all: validate the empty body now (it fails as invalid JSON).
+                self.finish_request(&cfg, &pending, &[], false)
+            }
+            HeadersDecision::AwaitBody(pending) => {
+                self.pending = Some(pending);
+                Action::Pause
+            }
+        }
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(cfg) = self.config.clone() else {
+            return Action::Continue;
+        };
+        if self.pending.is_none() {
+            return Action::Continue;
+        }
+        if let Err(e) = crate::pipeline::check_body_size(&cfg, body_size as u64) {
+            self.pending = None;
+            return send_error(&e);
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        self.take_body_and_finish(body_size)
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        // A request with trailers never sees end_of_stream on its body: finish here with
+        // whatever was buffered.
+        if self.pending.is_none() {
+            return Action::Continue;
+        }
+        let limit = self.config.as_ref().map_or(0, |c| c.max_body_bytes);
+        let read = usize::try_from(limit.saturating_add(1)).unwrap_or(usize::MAX);
+        self.take_body_and_finish(read)
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if !self.usage_injected {
+            return Action::Continue;
+        }
+        let status = hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, ":status")
+            .ok()
+            .flatten();
+        let content_type =
+            hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, "content-type")
+                .ok()
+                .flatten();
+        if response_needs_stripping(status.as_deref(), content_type.as_deref()) {
+            // The body shrinks, so its length is no longer known.
+            let _ = hostcalls::remove_map_value(MapType::HttpResponseHeaders, "content-length");
+            self.stripper = Some(UsageStripper::default());
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(stripper) = self.stripper.as_mut() else {
+            return Action::Continue;
+        };
+        let chunk = match hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size) {
+            Ok(b) => b.unwrap_or_default(),
+            Err(_) => {
+                // Cannot read: stop stripping and let the stream through untouched.
+                self.stripper = None;
+                return Action::Continue;
+            }
+        };
+        if let ChunkOutput::Replace(out) = stripper.push(&chunk, end_of_stream) {
+            if let Err(status) =
+                hostcalls::set_buffer(BufferType::HttpResponseBody, 0, body_size, &out)
+            {
+                log(
+                    LogLevel::Warn,
+                    &format!("gateway-filter: set response body failed: {status:?}"),
+                );
+            }
+        }
+        Action::Continue
+    }
+}
