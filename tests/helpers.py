@@ -1,0 +1,61 @@
+"""Small HTTP helpers shared by the integration tests."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+
+
+def chat_body(model: str, content: str = "Hello there", **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def post(stack, path: str, body, key: str | None = None, headers: dict | None = None, timeout: float = 10) -> httpx.Response:
+    h = dict(headers or {})
+    if key:
+        h.update(auth(key))
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    h.setdefault("content-type", "application/json")
+    return httpx.post(stack.base_url + path, content=content, headers=h, timeout=timeout)
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:
+    """Asserts an OpenAI-shaped error: {"error": {"message", "type", "param", "code"}}."""
+    assert response.status_code == status, (response.status_code, response.text)
+    assert response.headers["content-type"].startswith("application/json"), response.headers
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    if code is not None:
+        assert error["code"] == code, error
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def sse_events(lines) -> list[dict | str]:
+    """Parses `data:` events of an SSE body (already split in lines)."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
+    """Polls `predicate` until it returns a truthy value or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    return last
