@@ -1,0 +1,80 @@
+//! `vllm-sim`: a vLLM-compatible OpenAI upstream for integration tests and benchmarks.
+//!
+//! It answers like `vllm serve` (same routes, JSON shapes, SSE framing, error bodies and
+//! metric names) without a GPU, a model or a tokenizer, and generates tokens at a
+//! configured pace, so tests and benchmarks can put it where a GPU pool would be.
+//!
+//! # Routes
+//!
+//! * `POST /v1/chat/completions`, `POST /v1/completions`: streamed (`"stream": true`,
+//!   `text/event-stream`) or not; see [`sse`] and [`response`].
+//! * `GET /v1/models`: the served names, OpenAI's list shape.
+//! * `GET /health`: 200 with an empty body.
+//! * `GET /metrics`: Prometheus text under vLLM's names; see [`metrics`].
+//!
+//! # Prompt tokens
+//!
+//! With no tokenizer, prompt tokens are counted by a fixed formula ([`tokens`]):
+//!
+//! * a text costs `tokens(text) = ceil(utf8_bytes(text) / 4)` (0 for `""`, at least 1 otherwise;
+//!   bytes after JSON unescaping);
+//! * chat: `sum over messages of (tokens(role) + tokens(content) + 3) + 3`, where `content` is
+//!   a string, `null` (0), or an array of parts of which only `{"type":"text","text":...}`
+//!   parts count (the sum of their `tokens(text)`); the last `+ 3` is the assistant
+//!   generation prompt;
+//! * completions: `tokens(prompt)` for a string prompt; for an array, the sum over its
+//!   elements, a string costing `tokens(string)`, a token id 1 and an array of ids its length
+//!   (a batch of prompts is answered as one choice).
+//!
+//! # Output
+//!
+//! Output token `i` is the word `response::WORDS[i % 8]` plus a space ("the ", "quick ", ...), so a
+//! completion of `n` tokens is `n` words and a stream has `n` content chunks. Length rules
+//! (vLLM's): the effective `max_tokens` is `max_completion_tokens`, else `max_tokens`, else
+//! `max_model_len - prompt_tokens`; the completion has the effective `max_tokens` tokens
+//! with `ignore_eos`, else `min(effective max_tokens, --output-tokens)`; `finish_reason` is
+//! `"length"` when it reached the effective `max_tokens`, else `"stop"`. A request whose
+//! `prompt + max_tokens` exceeds `--max-model-len` (or whose prompt alone fills it when
+//! `max_tokens` is absent) gets vLLM's 400.
+//!
+//! # Pacing and queueing
+//!
+//! At most `--max-num-seqs` requests generate at once; the rest wait in FIFO order
+//! ([`queue`]). A request's first token comes `--ttft-ms` after it leaves the queue, the next
+//! ones `--itl-ms` apart. Streamed responses send their headers at once (as vLLM does) and
+//! wait for their slot inside the body.
+//!
+//! # Embedding
+//!
+//! ```no_run
+//! # async fn run() -> std::io::Result<()> {
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+//! let addr = listener.local_addr()?;
+//! let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+//! let server = tokio::spawn(vllm_sim::serve(
+//!     vllm_sim::SimConfig { ttft_ms: 20.0, ..Default::default() },
+//!     listener,
+//!     async move { let _ = stopped.await; },
+//! ));
+//! // ... send requests to http://{addr} ...
+//! # let _ = addr;
+//! let _ = stop.send(());
+//! server.await??;
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod body;
+pub mod config;
+pub mod error;
+pub mod fault;
+pub mod metrics;
+pub mod queue;
+pub mod request;
+pub mod response;
+pub mod server;
+pub mod sse;
+pub mod tokens;
+
+pub use config::{Cli, SimConfig};
+pub use server::serve;

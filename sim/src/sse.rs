@@ -1,0 +1,376 @@
+//! Server-sent events as vLLM streams them: `data: {json}\n\n` per chunk, then
+//! `data: [DONE]\n\n`.
+//!
+//! Chat streams (`chat.completion.chunk`): a role chunk
+//! (`"delta":{"role":"assistant","content":""}`), one chunk per output token
+//! (`"delta":{"content":"<word>"}`), the last one carrying `finish_reason` (and
+//! `"stop_reason":null`), then, with `stream_options.include_usage`, a chunk with
+//! `"choices":[]` and `usage`, and `[DONE]`. With `include_usage` every other chunk has
+//! `"usage":null`, as vLLM sets it. Completions streams (`text_completion`) have no role chunk
+//! and put the token in `choices[0].text`.
+//!
+//! All fixed parts of one stream are serialised once per request into a single buffer;
+//! a token event is three shared slices (prefix, word, suffix), so emitting a token
+//! allocates nothing.
+
+use std::iter::Cycle;
+use std::slice;
+
+use bytes::buf::Chain;
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+use crate::request::Endpoint;
+use crate::response::{ResponseMeta, WORDS};
+use crate::tokens::OutputPlan;
+
+/// One SSE event on the wire: up to three byte slices written back to back
+/// (hyper sends them with vectored writes).
+pub type EventBuf = Chain<Chain<Bytes, Bytes>, Bytes>;
+
+/// The terminating event.
+pub const DONE: &[u8] = b"data: [DONE]\n\n";
+
+/// An event made of one slice.
+pub fn whole(bytes: Bytes) -> EventBuf {
+    bytes.chain(Bytes::new()).chain(Bytes::new())
+}
+
+/// What an event is, for pacing and accounting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventKind {
+    /// Chat only: the first chunk, `delta.role`; sent together with the first token.
+    Role,
+    /// The output token `index` (0-based): one content chunk.
+    Token {
+        /// 0-based token position.
+        index: u64,
+    },
+    /// The `include_usage` chunk: `"choices":[]` and `usage`.
+    Usage,
+    /// `data: [DONE]`.
+    Done,
+}
+
+/// One event: its kind and its bytes.
+#[derive(Debug)]
+pub struct SseEvent {
+    /// What the event is.
+    pub kind: EventKind,
+    /// The `data: ...\n\n` bytes.
+    pub buf: EventBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    Role,
+    Token(u64),
+    Usage,
+    Done,
+    End,
+}
+
+/// The events of one stream, in order; see the module docs for the sequence.
+#[derive(Debug)]
+pub struct SseEvents {
+    role: Bytes,
+    token_prefix: Bytes,
+    token_suffix: Bytes,
+    last_suffix: Bytes,
+    usage: Option<Bytes>,
+    words: Cycle<slice::Iter<'static, &'static str>>,
+    tokens: u64,
+    step: Step,
+}
+
+impl SseEvents {
+    /// Serialises the fixed parts of the stream for `meta` and `plan`
+    /// (`plan.completion_tokens` content chunks, at least 1).
+    pub fn new(meta: &ResponseMeta<'_>, plan: &OutputPlan, include_usage: bool) -> Self {
+        let usage_null: &[u8] = if include_usage {
+            b",\"usage\":null"
+        } else {
+            b""
+        };
+        let mut buf = BytesMut::with_capacity(4 * (meta.id.len() + meta.model.len() + 128) + 256);
+        let head = |buf: &mut BytesMut| {
+            buf.put_slice(b"data: {\"id\":\"");
+            buf.put_slice(meta.id.as_bytes());
+            buf.put_slice(match meta.endpoint {
+                Endpoint::Chat => b"\",\"object\":\"chat.completion.chunk\",\"created\":",
+                Endpoint::Completions => b"\",\"object\":\"text_completion\",\"created\":",
+            });
+            buf.put_slice(meta.created.to_string().as_bytes());
+            buf.put_slice(b",\"model\":");
+            put_json_str(buf, meta.model);
+            buf.put_slice(b",\"choices\":[");
+        };
+        let tail = |buf: &mut BytesMut, choice_end: &[u8]| {
+            buf.put_slice(choice_end);
+            buf.put_slice(usage_null);
+            buf.put_slice(b"}\n\n");
+        };
+        let finish = plan.finish_reason.as_str().as_bytes();
+
+        let role = match meta.endpoint {
+            Endpoint::Chat => {
+                head(&mut buf);
+                tail(
+                    &mut buf,
+                    b"{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]",
+                );
+                buf.split().freeze()
+            }
+            Endpoint::Completions => Bytes::new(),
+        };
+        head(&mut buf);
+        buf.put_slice(match meta.endpoint {
+            Endpoint::Chat => b"{\"index\":0,\"delta\":{\"content\":\"",
+            Endpoint::Completions => b"{\"index\":0,\"text\":\"",
+        });
+        let token_prefix = buf.split().freeze();
+        let (mid_end, last_start): (&[u8], &[u8]) = match meta.endpoint {
+            Endpoint::Chat => (
+                b"\"},\"logprobs\":null,\"finish_reason\":null}]",
+                b"\"},\"logprobs\":null,\"finish_reason\":\"",
+            ),
+            Endpoint::Completions => (
+                b"\",\"logprobs\":null,\"finish_reason\":null,\"stop_reason\":null}]",
+                b"\",\"logprobs\":null,\"finish_reason\":\"",
+            ),
+        };
+        tail(&mut buf, mid_end);
+        let token_suffix = buf.split().freeze();
+        buf.put_slice(last_start);
+        buf.put_slice(finish);
+        tail(&mut buf, b"\",\"stop_reason\":null}]");
+        let last_suffix = buf.split().freeze();
+        let usage = include_usage.then(|| {
+            head(&mut buf);
+            let total = plan.prompt_tokens.saturating_add(plan.completion_tokens);
+            let usage = format!(
+                "],\"usage\":{{\"prompt_tokens\":{},\"completion_tokens\":{},\"total_tokens\":{total}}}}}\n\n",
+                plan.prompt_tokens, plan.completion_tokens
+            );
+            buf.put_slice(usage.as_bytes());
+            buf.split().freeze()
+        });
+        Self {
+            role,
+            token_prefix,
+            token_suffix,
+            last_suffix,
+            usage,
+            words: WORDS.iter().cycle(),
+            tokens: plan.completion_tokens,
+            step: match meta.endpoint {
+                Endpoint::Chat => Step::Role,
+                Endpoint::Completions => Step::Token(0),
+            },
+        }
+    }
+}
+
+impl Iterator for SseEvents {
+    type Item = SseEvent;
+
+    fn next(&mut self) -> Option<SseEvent> {
+        let (kind, buf, next) = match self.step {
+            Step::Role => (EventKind::Role, whole(self.role.clone()), Step::Token(0)),
+            Step::Token(index) => {
+                let word = self.words.next().copied().unwrap_or_default();
+                let last = index.saturating_add(1) >= self.tokens;
+                let suffix = if last {
+                    &self.last_suffix
+                } else {
+                    &self.token_suffix
+                };
+                let buf = self
+                    .token_prefix
+                    .clone()
+                    .chain(Bytes::from_static(word.as_bytes()))
+                    .chain(suffix.clone());
+                let next = match (last, self.usage.is_some()) {
+                    (false, _) => Step::Token(index + 1),
+                    (true, true) => Step::Usage,
+                    (true, false) => Step::Done,
+                };
+                (EventKind::Token { index }, buf, next)
+            }
+            Step::Usage => {
+                let usage = self.usage.clone().unwrap_or_default();
+                (EventKind::Usage, whole(usage), Step::Done)
+            }
+            Step::Done => (EventKind::Done, whole(Bytes::from_static(DONE)), Step::End),
+            Step::End => return None,
+        };
+        self.step = next;
+        Some(SseEvent { kind, buf })
+    }
+}
+
+/// Appends `s` as a JSON string literal, quotes included.
+fn put_json_str(buf: &mut BytesMut, s: &str) {
+    buf.put_u8(b'"');
+    for c in s.chars() {
+        match c {
+            '"' => buf.put_slice(b"\\\""),
+            '\\' => buf.put_slice(b"\\\\"),
+            c if u32::from(c) < 0x20 => {
+                buf.put_slice(format!("\\u{:04x}", u32::from(c)).as_bytes())
+            }
+            c => buf.put_slice(c.encode_utf8(&mut [0u8; 4]).as_bytes()),
+        }
+    }
+    buf.put_u8(b'"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tokens::FinishReason;
+    use serde_json::Value;
+
+    fn meta(endpoint: Endpoint) -> ResponseMeta<'static> {
+        ResponseMeta {
+            endpoint,
+            id: "chatcmpl-abc".to_owned(),
+            created: 17,
+            model: "sim \"model\"",
+        }
+    }
+
+    fn plan(n: u64, finish_reason: FinishReason) -> OutputPlan {
+        OutputPlan {
+            prompt_tokens: 10,
+            completion_tokens: n,
+            finish_reason,
+        }
+    }
+
+    /// The events as (kind, wire text).
+    fn collect(
+        endpoint: Endpoint,
+        n: u64,
+        reason: FinishReason,
+        usage: bool,
+    ) -> Vec<(EventKind, String)> {
+        SseEvents::new(&meta(endpoint), &plan(n, reason), usage)
+            .map(|mut e| {
+                let bytes = e.buf.copy_to_bytes(e.buf.remaining());
+                (e.kind, String::from_utf8(bytes.to_vec()).unwrap())
+            })
+            .collect()
+    }
+
+    fn json(event: &str) -> Value {
+        let body = event
+            .strip_prefix("data: ")
+            .unwrap()
+            .strip_suffix("\n\n")
+            .unwrap();
+        serde_json::from_str(body).unwrap()
+    }
+
+    #[test]
+    fn chat_stream_sequence_without_usage() {
+        let events = collect(Endpoint::Chat, 3, FinishReason::Length, false);
+        let kinds: Vec<_> = events.iter().map(|e| e.0).collect();
+        assert_eq!(
+            kinds,
+            [
+                EventKind::Role,
+                EventKind::Token { index: 0 },
+                EventKind::Token { index: 1 },
+                EventKind::Token { index: 2 },
+                EventKind::Done
+            ]
+        );
+        for (_, text) in &events {
+            assert!(
+                text.starts_with("data: ") && text.ends_with("\n\n"),
+                "{text:?}"
+            );
+        }
+        let role = json(&events[0].1);
+        assert_eq!(
+            role,
+            serde_json::json!({"id": "chatcmpl-abc", "object": "chat.completion.chunk", "created": 17,
+                "model": "sim \"model\"", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                "logprobs": null, "finish_reason": null}]})
+        );
+        let first = json(&events[1].1);
+        assert_eq!(
+            first["choices"][0]["delta"],
+            serde_json::json!({"content": "the "})
+        );
+        assert_eq!(first["choices"][0]["finish_reason"], Value::Null);
+        assert!(first.get("usage").is_none());
+        let last = json(&events[3].1);
+        assert_eq!(last["choices"][0]["delta"]["content"], "brown ");
+        assert_eq!(last["choices"][0]["finish_reason"], "length");
+        assert_eq!(events[4].1, "data: [DONE]\n\n");
+    }
+
+    #[test]
+    fn chat_stream_with_usage_ends_with_usage_then_done() {
+        let events = collect(Endpoint::Chat, 2, FinishReason::Stop, true);
+        assert_eq!(events.len(), 1 + 2 + 1 + 1);
+        for (_, text) in &events[..3] {
+            assert_eq!(json(text)["usage"], Value::Null, "{text}");
+            assert!(json(text).get("usage").is_some());
+        }
+        assert_eq!(json(&events[2].1)["choices"][0]["finish_reason"], "stop");
+        let usage = json(&events[3].1);
+        assert_eq!(events[3].0, EventKind::Usage);
+        assert_eq!(usage["choices"], serde_json::json!([]));
+        assert_eq!(
+            usage["usage"],
+            serde_json::json!({"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12})
+        );
+        assert_eq!(usage["object"], "chat.completion.chunk");
+        assert_eq!(events[4], (EventKind::Done, "data: [DONE]\n\n".to_owned()));
+    }
+
+    #[test]
+    fn completions_stream_has_no_role_chunk() {
+        let events = collect(Endpoint::Completions, 2, FinishReason::Length, false);
+        let kinds: Vec<_> = events.iter().map(|e| e.0).collect();
+        assert_eq!(
+            kinds,
+            [
+                EventKind::Token { index: 0 },
+                EventKind::Token { index: 1 },
+                EventKind::Done
+            ]
+        );
+        let first = json(&events[0].1);
+        assert_eq!(first["object"], "text_completion");
+        assert_eq!(first["choices"][0]["text"], "the ");
+        assert_eq!(first["choices"][0]["finish_reason"], Value::Null);
+        assert_eq!(json(&events[1].1)["choices"][0]["finish_reason"], "length");
+    }
+
+    #[test]
+    fn single_token_stream_finishes_on_its_only_chunk() {
+        let events = collect(Endpoint::Chat, 1, FinishReason::Length, true);
+        let kinds: Vec<_> = events.iter().map(|e| e.0).collect();
+        assert_eq!(
+            kinds,
+            [
+                EventKind::Role,
+                EventKind::Token { index: 0 },
+                EventKind::Usage,
+                EventKind::Done
+            ]
+        );
+        assert_eq!(json(&events[1].1)["choices"][0]["finish_reason"], "length");
+    }
+
+    #[test]
+    fn json_strings_are_escaped() {
+        let mut buf = BytesMut::new();
+        put_json_str(&mut buf, "a\"b\\c\nd é");
+        let parsed: String = serde_json::from_slice(&buf).unwrap();
+        assert_eq!(parsed, "a\"b\\c\nd é");
+    }
+}
