@@ -65,7 +65,10 @@ pub fn decide(plan: &[BucketSpec], outcome: &TakeOutcome) -> Result<Admitted, Ad
         .filter(|b| b.kind == limits::BucketKind::Tokens)
         .map(|b| b.cost)
         .sum();
-    Ok(Admitted { ratelimit_headers, reserved_tokens })
+    Ok(Admitted {
+        ratelimit_headers,
+        reserved_tokens,
+    })
 }
 
 #[cfg(test)]
@@ -74,7 +77,12 @@ mod tests {
     use crate::config::Limits;
 
     fn plan() -> Vec<BucketSpec> {
-        let l = Limits { requests_per_minute: Some(2), request_burst: None, tokens_per_minute: Some(1000), token_burst: None };
+        let l = Limits {
+            requests_per_minute: Some(2),
+            request_burst: None,
+            tokens_per_minute: Some(1000),
+            token_burst: None,
+        };
         limits::plan("p", "t", &l, 300)
     }
 
@@ -84,7 +92,9 @@ mod tests {
         let o = TakeOutcome::from_reply(&[1, 0, 1, 30000, 0, 700, 18000, 0], 2).unwrap();
         let a = decide(&p, &o).unwrap();
         assert_eq!(a.reserved_tokens, 300);
-        assert!(a.ratelimit_headers.contains(&("x-ratelimit-remaining-requests".into(), "1".into())));
+        assert!(a
+            .ratelimit_headers
+            .contains(&("x-ratelimit-remaining-requests".into(), "1".into())));
     }
 
     #[test]
@@ -92,8 +102,17 @@ mod tests {
         let p = plan();
         let o = TakeOutcome::from_reply(&[0, 1, 0, 60000, 29001, 1000, 0, 0], 2).unwrap();
         match decide(&p, &o).unwrap_err() {
-            AdmissionError::RateLimited { kind, limit, requested, retry_after_secs, .. } => {
-                assert_eq!((kind, limit, requested, retry_after_secs), (limits::BucketKind::Requests, 2, 1, 30));
+            AdmissionError::RateLimited {
+                kind,
+                limit,
+                requested,
+                retry_after_secs,
+                ..
+            } => {
+                assert_eq!(
+                    (kind, limit, requested, retry_after_secs),
+                    (limits::BucketKind::Requests, 2, 1, 30)
+                );
             }
             other => panic!("{other:?}"),
         }
@@ -101,7 +120,11 @@ mod tests {
 
     #[test]
     fn reservation_saturates() {
-        let f = RequestFacts { prompt_tokens: u64::MAX, max_tokens: 5, ..Default::default() };
+        let f = RequestFacts {
+            prompt_tokens: u64::MAX,
+            max_tokens: 5,
+            ..Default::default()
+        };
         assert_eq!(f.reserve_tokens(), u64::MAX);
     }
 }

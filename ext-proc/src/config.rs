@@ -39,7 +39,10 @@ pub enum ConfigError {
 }
 
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid { field: field.into(), message: message.into() }
+    ConfigError::Invalid {
+        field: field.into(),
+        message: message.into(),
+    }
 }
 
 /// The whole sidecar configuration.
@@ -171,10 +174,15 @@ impl Config {
     /// [`ConfigError`] naming the file (read and parse errors) or the field (validation).
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let display = path.display().to_string();
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: display.clone(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: display.clone(),
+            source,
+        })?;
         Self::from_yaml(&text).map_err(|e| match e {
-            ConfigError::Parse { message, .. } => ConfigError::Parse { path: display, message },
+            ConfigError::Parse { message, .. } => ConfigError::Parse {
+                path: display,
+                message,
+            },
             other => other,
         })
     }
@@ -184,8 +192,10 @@ impl Config {
     /// # Errors
     /// [`ConfigError::Parse`] (with an empty path) or [`ConfigError::Invalid`].
     pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
-        let config: Config = serde_yaml_ng::from_str(text)
-            .map_err(|e| ConfigError::Parse { path: String::new(), message: e.to_string() })?;
+        let config: Config = serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Parse {
+            path: String::new(),
+            message: e.to_string(),
+        })?;
         config.validate()?;
         Ok(config)
     }
@@ -217,7 +227,10 @@ impl Config {
                 ));
             }
             if !ids.insert(tenant.id.as_str()) {
-                return Err(invalid(format!("{field}.id"), format!("duplicate tenant '{}'", tenant.id)));
+                return Err(invalid(
+                    format!("{field}.id"),
+                    format!("duplicate tenant '{}'", tenant.id),
+                ));
             }
             tenant.limits.validate(&format!("{field}.limits"))?;
         }
@@ -243,8 +256,20 @@ impl Config {
 
 impl Limits {
     fn validate(&self, field: &str) -> Result<(), ConfigError> {
-        check_pair(field, "requests_per_minute", self.requests_per_minute, "request_burst", self.request_burst)?;
-        check_pair(field, "tokens_per_minute", self.tokens_per_minute, "token_burst", self.token_burst)
+        check_pair(
+            field,
+            "requests_per_minute",
+            self.requests_per_minute,
+            "request_burst",
+            self.request_burst,
+        )?;
+        check_pair(
+            field,
+            "tokens_per_minute",
+            self.tokens_per_minute,
+            "token_burst",
+            self.token_burst,
+        )
     }
 }
 
@@ -256,10 +281,16 @@ fn check_pair(
     burst: Option<u64>,
 ) -> Result<(), ConfigError> {
     if rate == Some(0) {
-        return Err(invalid(format!("{field}.{rate_name}"), "must be > 0 (omit it for no limit)"));
+        return Err(invalid(
+            format!("{field}.{rate_name}"),
+            "must be > 0 (omit it for no limit)",
+        ));
     }
     match (rate, burst) {
-        (None, Some(_)) => Err(invalid(format!("{field}.{burst_name}"), format!("needs {rate_name}"))),
+        (None, Some(_)) => Err(invalid(
+            format!("{field}.{burst_name}"),
+            format!("needs {rate_name}"),
+        )),
         (Some(_), Some(0)) => Err(invalid(format!("{field}.{burst_name}"), "must be > 0")),
         _ => Ok(()),
     }
@@ -267,7 +298,8 @@ fn check_pair(
 
 fn valid_key_part(s: &str) -> bool {
     !s.is_empty()
-        && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b':'))
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b':'))
 }
 
 #[cfg(test)]
@@ -299,14 +331,18 @@ mod tests {
 
     #[test]
     fn unknown_limit_field_is_named() {
-        let e = err(&format!("{BASE}tenants:\n  - id: a\n    limits: {{rpm: 1}}\n"));
+        let e = err(&format!(
+            "{BASE}tenants:\n  - id: a\n    limits: {{rpm: 1}}\n"
+        ));
         assert!(e.contains("unknown field `rpm`"), "{e}");
     }
 
     #[test]
     fn zero_rate() {
         assert_eq!(
-            err(&format!("{BASE}tenants:\n  - id: a\n    limits: {{requests_per_minute: 0}}\n")),
+            err(&format!(
+                "{BASE}tenants:\n  - id: a\n    limits: {{requests_per_minute: 0}}\n"
+            )),
             "tenants[0].limits.requests_per_minute: must be > 0 (omit it for no limit)"
         );
     }
@@ -314,7 +350,9 @@ mod tests {
     #[test]
     fn burst_without_rate() {
         assert_eq!(
-            err(&format!("{BASE}tenants:\n  - id: a\n    limits: {{token_burst: 5}}\n")),
+            err(&format!(
+                "{BASE}tenants:\n  - id: a\n    limits: {{token_burst: 5}}\n"
+            )),
             "tenants[0].limits.token_burst: needs tokens_per_minute"
         );
     }
@@ -332,7 +370,9 @@ mod tests {
     #[test]
     fn duplicate_tenant() {
         assert_eq!(
-            err(&format!("{BASE}tenants:\n  - {{id: a, limits: {{}}}}\n  - {{id: a, limits: {{}}}}\n")),
+            err(&format!(
+                "{BASE}tenants:\n  - {{id: a, limits: {{}}}}\n  - {{id: a, limits: {{}}}}\n"
+            )),
             "tenants[1].id: duplicate tenant 'a'"
         );
     }
@@ -340,7 +380,9 @@ mod tests {
     #[test]
     fn bad_tenant_id() {
         assert_eq!(
-            err(&format!("{BASE}tenants:\n  - {{id: 'a{{b}}', limits: {{}}}}\n")),
+            err(&format!(
+                "{BASE}tenants:\n  - {{id: 'a{{b}}', limits: {{}}}}\n"
+            )),
             "tenants[0].id: must be non-empty letters, digits, '.', '_' or '-'"
         );
     }

@@ -92,8 +92,13 @@ impl AdmissionError {
                 vec![("retry-after".to_owned(), "1".to_owned())],
             ),
         };
-        let body = json!({"error": {"message": message, "type": kind, "param": null, "code": code}});
-        LocalReply { status, body: body.to_string().into_bytes(), headers }
+        let body =
+            json!({"error": {"message": message, "type": kind, "param": null, "code": code}});
+        LocalReply {
+            status,
+            body: body.to_string().into_bytes(),
+            headers,
+        }
     }
 }
 
@@ -116,9 +121,14 @@ mod tests {
         assert_eq!(v["error"]["type"], "requests");
         assert_eq!(v["error"]["code"], "rate_limit_exceeded");
         assert_eq!(v["error"]["param"], serde_json::Value::Null);
-        assert!(v["error"]["message"].as_str().unwrap().contains("Limit 60, Requested 1"));
+        assert!(v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("Limit 60, Requested 1"));
         assert!(r.headers.contains(&("retry-after".into(), "2".into())));
-        assert!(r.headers.contains(&("x-ratelimit-limit-requests".into(), "60".into())));
+        assert!(r
+            .headers
+            .contains(&("x-ratelimit-limit-requests".into(), "60".into())));
     }
 
     #[test]

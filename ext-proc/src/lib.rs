@@ -64,12 +64,26 @@ pub enum RunError {
 /// # Errors
 /// [`RunError`] when Redis is unreachable at start, the address cannot be bound, or the server
 /// fails.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> Result<(), RunError> {
-    let store = Store::connect(&config.redis, config.usage_stream(), config.metering.stream_maxlen).await?;
+pub async fn run(
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), RunError> {
+    let store = Store::connect(
+        &config.redis,
+        config.usage_stream(),
+        config.metering.stream_maxlen,
+    )
+    .await?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
-        .map_err(|source| RunError::Bind { addr: config.listen, source })?;
-    let addr = listener.local_addr().map_err(|source| RunError::Bind { addr: config.listen, source })?;
+        .map_err(|source| RunError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(|source| RunError::Bind {
+        addr: config.listen,
+        source,
+    })?;
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let service = ExternalProcessorServer::new(Gateway::new(Arc::new(config), store));
     println!("gateway-ext-proc listening on {addr}");

@@ -115,7 +115,10 @@ impl TakeOutcome {
     /// [`ReplyError`] when the reply does not have that shape.
     pub fn from_reply(reply: &[i64], n: usize) -> Result<Self, ReplyError> {
         if reply.len() != 2 + 3 * n {
-            return Err(ReplyError(format!("{} values for {n} buckets", reply.len())));
+            return Err(ReplyError(format!(
+                "{} values for {n} buckets",
+                reply.len()
+            )));
         }
         let (head, rest) = reply.split_at(2);
         let denied = match head {
@@ -131,7 +134,11 @@ impl TakeOutcome {
                     reset_ms: (*reset).max(0) as u64,
                     retry_after_ms: u64::try_from(*retry).ok(),
                 },
-                _ => BucketState { remaining: 0, reset_ms: 0, retry_after_ms: None },
+                _ => BucketState {
+                    remaining: 0,
+                    reset_ms: 0,
+                    retry_after_ms: None,
+                },
             })
             .collect();
         Ok(Self { denied, states })
@@ -146,9 +153,18 @@ pub fn ratelimit_headers(plan: &[BucketSpec], outcome: &TakeOutcome) -> Vec<(Str
     let mut headers = Vec::with_capacity(plan.len() * 3);
     for (bucket, state) in plan.iter().zip(&outcome.states) {
         let kind = bucket.kind.as_str();
-        headers.push((format!("x-ratelimit-limit-{kind}"), bucket.rate_per_minute.to_string()));
-        headers.push((format!("x-ratelimit-remaining-{kind}"), state.remaining.to_string()));
-        headers.push((format!("x-ratelimit-reset-{kind}"), format_reset(state.reset_ms)));
+        headers.push((
+            format!("x-ratelimit-limit-{kind}"),
+            bucket.rate_per_minute.to_string(),
+        ));
+        headers.push((
+            format!("x-ratelimit-remaining-{kind}"),
+            state.remaining.to_string(),
+        ));
+        headers.push((
+            format!("x-ratelimit-reset-{kind}"),
+            format_reset(state.reset_ms),
+        ));
     }
     headers
 }
@@ -164,7 +180,7 @@ pub fn format_reset(ms: u64) -> String {
     let hours = ms / 3_600_000;
     let minutes = (ms / 60_000) % 60;
     let millis = ms % 60_000;
-    let seconds = if millis % 1000 == 0 {
+    let seconds = if millis.is_multiple_of(1000) {
         format!("{}s", millis / 1000)
     } else {
         let s = format!("{:.3}", millis as f64 / 1000.0);
@@ -182,7 +198,12 @@ mod tests {
     use super::*;
 
     fn limits(rpm: Option<u64>, tpm: Option<u64>) -> Limits {
-        Limits { requests_per_minute: rpm, request_burst: None, tokens_per_minute: tpm, token_burst: None }
+        Limits {
+            requests_per_minute: rpm,
+            request_burst: None,
+            tokens_per_minute: tpm,
+            token_burst: None,
+        }
     }
 
     #[test]
@@ -208,7 +229,14 @@ mod tests {
     fn reads_an_admitted_reply() {
         let o = TakeOutcome::from_reply(&[1, 0, 59, 1000, 0, 700, 18000, 0], 2).unwrap();
         assert_eq!(o.denied, None);
-        assert_eq!(o.states[0], BucketState { remaining: 59, reset_ms: 1000, retry_after_ms: Some(0) });
+        assert_eq!(
+            o.states[0],
+            BucketState {
+                remaining: 59,
+                reset_ms: 1000,
+                retry_after_ms: Some(0)
+            }
+        );
         assert_eq!(o.states[1].remaining, 700);
     }
 

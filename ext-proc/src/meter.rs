@@ -168,7 +168,10 @@ enum State {
 impl Meter {
     /// A meter that buffers at most `max_json_body_bytes` of a non-streaming response body.
     pub fn new(max_json_body_bytes: usize) -> Self {
-        Self { state: State::Unadmitted, max_json_body_bytes }
+        Self {
+            state: State::Unadmitted,
+            max_json_body_bytes,
+        }
     }
 
     /// The request headers arrived: the request was admitted and is now metered.
@@ -204,7 +207,10 @@ impl Meter {
             a.body = if content_type.trim_start().starts_with("text/event-stream") {
                 Body::Sse(SseParser::new(MAX_SSE_EVENT_BYTES))
             } else {
-                Body::Json { buf: Vec::new(), overflowed: false }
+                Body::Json {
+                    buf: Vec::new(),
+                    overflowed: false,
+                }
             };
         }
         if end_of_stream {
@@ -215,16 +221,29 @@ impl Meter {
     }
 
     /// A response body chunk arrived. Returns the record on the last chunk.
-    pub fn on_response_body(&mut self, chunk: &[u8], end_of_stream: bool, now: Instant) -> Option<UsageRecord> {
+    pub fn on_response_body(
+        &mut self,
+        chunk: &[u8],
+        end_of_stream: bool,
+        now: Instant,
+    ) -> Option<UsageRecord> {
         let max_json = self.max_json_body_bytes;
         if let State::Active(a) = &mut self.state {
-            let Active { body, usage, content_chunks, first_content, .. } = a.as_mut();
+            let Active {
+                body,
+                usage,
+                content_chunks,
+                first_content,
+                ..
+            } = a.as_mut();
             match body {
                 Body::Sse(parser) => parser.feed(chunk, |data| {
                     if data == b"[DONE]" {
                         return;
                     }
-                    let Ok(parsed) = serde_json::from_slice::<Chunk>(data) else { return };
+                    let Ok(parsed) = serde_json::from_slice::<Chunk>(data) else {
+                        return;
+                    };
                     if parsed.usage.is_some() {
                         *usage = parsed.usage;
                     }
@@ -266,22 +285,33 @@ impl Meter {
         };
         let a = *a;
         let usage = a.usage.or_else(|| match &a.body {
-            Body::Json { buf, overflowed: false } if !buf.is_empty() => {
-                serde_json::from_slice::<JsonBody>(buf).ok().and_then(|b| b.usage)
-            }
+            Body::Json {
+                buf,
+                overflowed: false,
+            } if !buf.is_empty() => serde_json::from_slice::<JsonBody>(buf)
+                .ok()
+                .and_then(|b| b.usage),
             _ => None,
         });
-        let micros = |t: Instant| u64::try_from(t.saturating_duration_since(a.started).as_micros()).unwrap_or(u64::MAX);
+        let micros = |t: Instant| {
+            u64::try_from(t.saturating_duration_since(a.started).as_micros()).unwrap_or(u64::MAX)
+        };
         let (prompt_tokens, completion_tokens, cached_tokens, usage_source) = match usage {
             Some(u) => (
                 u.prompt_tokens,
                 u.completion_tokens,
-                u.prompt_tokens_details.and_then(|d| d.cached_tokens).unwrap_or(0),
+                u.prompt_tokens_details
+                    .and_then(|d| d.cached_tokens)
+                    .unwrap_or(0),
                 UsageSource::Upstream,
             ),
             None => {
                 let started = (200..300).contains(&a.status);
-                let prompt = if started { a.info.prompt_tokens_estimate } else { 0 };
+                let prompt = if started {
+                    a.info.prompt_tokens_estimate
+                } else {
+                    0
+                };
                 (prompt, a.content_chunks, 0, UsageSource::StreamedChunks)
             }
         };
@@ -303,7 +333,10 @@ impl Choice {
     fn has_content(&self) -> bool {
         let nonempty = |s: &Option<String>| s.as_deref().is_some_and(|s| !s.is_empty());
         nonempty(&self.text)
-            || self.delta.as_ref().is_some_and(|d| nonempty(&d.content) || nonempty(&d.reasoning_content))
+            || self
+                .delta
+                .as_ref()
+                .is_some_and(|d| nonempty(&d.content) || nonempty(&d.reasoning_content))
     }
 }
 
@@ -352,11 +385,21 @@ mod tests {
             let t0 = Instant::now();
             let mut m = Meter::new(1024);
             m.on_request_headers(info(), t0);
-            assert!(m.on_response_headers(200, "text/event-stream", false, t0).is_none());
+            assert!(m
+                .on_response_headers(200, "text/event-stream", false, t0)
+                .is_none());
             let (a, b) = s.as_bytes().split_at(split);
-            assert!(m.on_response_body(a, false, t0 + Duration::from_millis(5)).is_none());
-            let r = m.on_response_body(b, true, t0 + Duration::from_millis(9)).unwrap();
-            assert_eq!((r.prompt_tokens, r.completion_tokens, r.cached_tokens), (17, 3, 5), "split {split}");
+            assert!(m
+                .on_response_body(a, false, t0 + Duration::from_millis(5))
+                .is_none());
+            let r = m
+                .on_response_body(b, true, t0 + Duration::from_millis(9))
+                .unwrap();
+            assert_eq!(
+                (r.prompt_tokens, r.completion_tokens, r.cached_tokens),
+                (17, 3, 5),
+                "split {split}"
+            );
             assert_eq!(r.usage_source, UsageSource::Upstream);
             assert_eq!(r.end_reason, EndReason::Completed);
             assert_eq!(r.duration_us, 9000);
@@ -376,7 +419,10 @@ mod tests {
         let r = m.on_stream_end(t0 + Duration::from_millis(4)).unwrap();
         assert_eq!((r.prompt_tokens, r.completion_tokens), (42, 2));
         assert_eq!(r.ttft_us, 2000, "the role chunk carries no content");
-        assert_eq!((r.end_reason, r.usage_source), (EndReason::Incomplete, UsageSource::StreamedChunks));
+        assert_eq!(
+            (r.end_reason, r.usage_source),
+            (EndReason::Incomplete, UsageSource::StreamedChunks)
+        );
         assert!(m.on_stream_end(t0).is_none());
         assert!(m.on_response_body(b"", true, t0).is_none());
     }
@@ -391,7 +437,10 @@ mod tests {
         let (a, b) = body.split_at(30);
         m.on_response_body(a, false, t0);
         let r = m.on_response_body(b, true, t0).unwrap();
-        assert_eq!((r.prompt_tokens, r.completion_tokens, r.usage_source), (7, 2, UsageSource::Upstream));
+        assert_eq!(
+            (r.prompt_tokens, r.completion_tokens, r.usage_source),
+            (7, 2, UsageSource::Upstream)
+        );
     }
 
     #[test]
@@ -401,7 +450,11 @@ mod tests {
         m.on_request_headers(info(), t0);
         m.on_response_headers(400, "application/json", false, t0);
         let r = m
-            .on_response_body(br#"{"error":{"message":"too long","type":"BadRequestError","code":400}}"#, true, t0)
+            .on_response_body(
+                br#"{"error":{"message":"too long","type":"BadRequestError","code":400}}"#,
+                true,
+                t0,
+            )
             .unwrap();
         assert_eq!((r.status, r.total_tokens()), (400, 0));
     }
@@ -412,15 +465,22 @@ mod tests {
         let mut m = Meter::new(8);
         m.on_request_headers(info(), t0);
         m.on_response_headers(200, "application/json", false, t0);
-        let r = m.on_response_body(b"{\"usage\":{\"prompt_tokens\":1}}", true, t0).unwrap();
-        assert_eq!((r.prompt_tokens, r.usage_source), (42, UsageSource::StreamedChunks));
+        let r = m
+            .on_response_body(b"{\"usage\":{\"prompt_tokens\":1}}", true, t0)
+            .unwrap();
+        assert_eq!(
+            (r.prompt_tokens, r.usage_source),
+            (42, UsageSource::StreamedChunks)
+        );
     }
 
     #[test]
     fn local_replies_are_never_metered() {
         let t0 = Instant::now();
         let mut m = Meter::new(1024);
-        assert!(m.on_response_headers(429, "application/json", false, t0).is_none());
+        assert!(m
+            .on_response_headers(429, "application/json", false, t0)
+            .is_none());
         assert!(m.on_response_body(b"{}", true, t0).is_none());
         assert!(m.on_stream_end(t0).is_none());
         assert!(!m.is_active());
@@ -441,7 +501,10 @@ mod tests {
         let mut m = Meter::new(1024);
         m.on_request_headers(info(), t0);
         let r = m.on_stream_end(t0).unwrap();
-        assert_eq!((r.status, r.total_tokens(), r.end_reason), (0, 0, EndReason::Incomplete));
+        assert_eq!(
+            (r.status, r.total_tokens(), r.end_reason),
+            (0, 0, EndReason::Incomplete)
+        );
     }
 
     #[test]

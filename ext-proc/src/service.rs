@@ -15,14 +15,16 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption, Metadata};
+use envoy_types::pb::envoy::config::core::v3::{
+    HeaderMap, HeaderValue, HeaderValueOption, Metadata,
+};
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as ProcRequest;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as ProcResponse;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    CommonResponse, HeaderMutation, HeadersResponse, HttpHeaders, ImmediateResponse, ProcessingRequest,
-    ProcessingResponse,
+    CommonResponse, HeaderMutation, HeadersResponse, HttpHeaders, ImmediateResponse,
+    ProcessingRequest, ProcessingResponse,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 use tokio::sync::mpsc;
@@ -71,10 +73,18 @@ impl ExternalProcessor for Gateway {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
-        let role = match request.metadata().get(ROLE_METADATA_KEY).map(|v| v.to_str()) {
+        let role = match request
+            .metadata()
+            .get(ROLE_METADATA_KEY)
+            .map(|v| v.to_str())
+        {
             Some(Ok("admission")) => Some(Role::Admission),
             Some(Ok("metering")) => Some(Role::Metering),
-            Some(_) => return Err(Status::invalid_argument(format!("{ROLE_METADATA_KEY}: expected admission or metering"))),
+            Some(_) => {
+                return Err(Status::invalid_argument(format!(
+                    "{ROLE_METADATA_KEY}: expected admission or metering"
+                )))
+            }
             None => None,
         };
         let inbound = request.into_inner();
@@ -100,8 +110,14 @@ async fn serve_stream(
     config: Arc<Config>,
     store: Store,
 ) -> Result<(), Status> {
-    let Some(first) = inbound.message().await? else { return Ok(()) };
-    let role = role.unwrap_or(if first.observability_mode { Role::Metering } else { Role::Admission });
+    let Some(first) = inbound.message().await? else {
+        return Ok(());
+    };
+    let role = role.unwrap_or(if first.observability_mode {
+        Role::Metering
+    } else {
+        Role::Admission
+    });
     match role {
         Role::Admission => admission_stream(first, tx, &config, &store).await,
         Role::Metering => metering_stream(first, inbound, &config, store).await,
@@ -109,7 +125,12 @@ async fn serve_stream(
 }
 
 /// Admission: answers the request headers, then ends the RPC (nothing else is sent to it).
-async fn admission_stream(first: ProcessingRequest, tx: &Tx, config: &Config, store: &Store) -> Result<(), Status> {
+async fn admission_stream(
+    first: ProcessingRequest,
+    tx: &Tx,
+    config: &Config,
+    store: &Store,
+) -> Result<(), Status> {
     let Some(ProcRequest::RequestHeaders(headers)) = &first.request else {
         // Misconfigured processing mode: let the request through untouched.
         return send(tx, continue_response(&first.request, None)).await;
@@ -132,19 +153,39 @@ async fn admission_stream(first: ProcessingRequest, tx: &Tx, config: &Config, st
     send(tx, response).await
 }
 
-async fn admit(config: &Config, store: &Store, facts: &RequestFacts) -> Result<Admitted, AdmissionError> {
-    let tenant = facts.tenant.as_deref().ok_or(AdmissionError::MissingTenant)?;
-    let tenant_config = config.tenant(tenant).ok_or(AdmissionError::TenantNotConfigured)?;
-    let plan = limits::plan(store.prefix(), tenant, &tenant_config.limits, facts.reserve_tokens());
+async fn admit(
+    config: &Config,
+    store: &Store,
+    facts: &RequestFacts,
+) -> Result<Admitted, AdmissionError> {
+    let tenant = facts
+        .tenant
+        .as_deref()
+        .ok_or(AdmissionError::MissingTenant)?;
+    let tenant_config = config
+        .tenant(tenant)
+        .ok_or(AdmissionError::TenantNotConfigured)?;
+    let plan = limits::plan(
+        store.prefix(),
+        tenant,
+        &tenant_config.limits,
+        facts.reserve_tokens(),
+    );
     if plan.is_empty() {
-        return Ok(Admitted { ratelimit_headers: Vec::new(), reserved_tokens: 0 });
+        return Ok(Admitted {
+            ratelimit_headers: Vec::new(),
+            reserved_tokens: 0,
+        });
     }
     match store.take(&plan).await {
         Ok(outcome) => admission::decide(&plan, &outcome),
         Err(error) => {
             warn!(%error, failure_mode = ?config.redis.failure_mode, "limiter unavailable");
             match config.redis.failure_mode {
-                FailureMode::Open => Ok(Admitted { ratelimit_headers: Vec::new(), reserved_tokens: 0 }),
+                FailureMode::Open => Ok(Admitted {
+                    ratelimit_headers: Vec::new(),
+                    reserved_tokens: 0,
+                }),
                 FailureMode::Closed => Err(AdmissionError::LimiterUnavailable),
             }
         }
@@ -193,11 +234,15 @@ async fn metering_stream(
                     // A local reply (401, 429, ...): never metered.
                     return Ok(());
                 }
-                let status = header(&h, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+                let status = header(&h, ":status")
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(0);
                 let content_type = header(&h, "content-type").unwrap_or_default();
                 meter.on_response_headers(status, &content_type, h.end_of_stream, now)
             }
-            Some(ProcRequest::ResponseBody(b)) => meter.on_response_body(&b.body, b.end_of_stream, now),
+            Some(ProcRequest::ResponseBody(b)) => {
+                meter.on_response_body(&b.body, b.end_of_stream, now)
+            }
             Some(ProcRequest::ResponseTrailers(_)) => meter.on_stream_end(now),
             _ => None,
         };
@@ -267,21 +312,34 @@ where
 }
 
 async fn send(tx: &Tx, response: ProcessingResponse) -> Result<(), Status> {
-    tx.send(Ok(response)).await.map_err(|_| Status::cancelled("envoy closed the stream"))
+    tx.send(Ok(response))
+        .await
+        .map_err(|_| Status::cancelled("envoy closed the stream"))
 }
 
 /// A CONTINUE answer to whatever phase the request was, with optional dynamic metadata.
-fn continue_response(request: &Option<ProcRequest>, metadata: Option<Struct>) -> ProcessingResponse {
-    let headers = HeadersResponse { response: Some(CommonResponse::default()) };
+fn continue_response(
+    request: &Option<ProcRequest>,
+    metadata: Option<Struct>,
+) -> ProcessingResponse {
+    let headers = HeadersResponse {
+        response: Some(CommonResponse::default()),
+    };
     let response = match request {
         Some(ProcRequest::ResponseHeaders(_)) => ProcResponse::ResponseHeaders(headers),
         Some(ProcRequest::RequestBody(_)) => ProcResponse::RequestBody(Default::default()),
         Some(ProcRequest::ResponseBody(_)) => ProcResponse::ResponseBody(Default::default()),
         Some(ProcRequest::RequestTrailers(_)) => ProcResponse::RequestTrailers(Default::default()),
-        Some(ProcRequest::ResponseTrailers(_)) => ProcResponse::ResponseTrailers(Default::default()),
+        Some(ProcRequest::ResponseTrailers(_)) => {
+            ProcResponse::ResponseTrailers(Default::default())
+        }
         Some(ProcRequest::RequestHeaders(_)) | None => ProcResponse::RequestHeaders(headers),
     };
-    ProcessingResponse { response: Some(response), dynamic_metadata: metadata, ..Default::default() }
+    ProcessingResponse {
+        response: Some(response),
+        dynamic_metadata: metadata,
+        ..Default::default()
+    }
 }
 
 fn immediate_response(error: &AdmissionError) -> ProcessingResponse {
@@ -290,8 +348,13 @@ fn immediate_response(error: &AdmissionError) -> ProcessingResponse {
     set_headers.extend(reply.headers.iter().map(|(k, v)| header_option(k, v)));
     ProcessingResponse {
         response: Some(ProcResponse::ImmediateResponse(ImmediateResponse {
-            status: Some(HttpStatus { code: i32::from(reply.status) }),
-            headers: Some(HeaderMutation { set_headers, remove_headers: Vec::new() }),
+            status: Some(HttpStatus {
+                code: i32::from(reply.status),
+            }),
+            headers: Some(HeaderMutation {
+                set_headers,
+                remove_headers: Vec::new(),
+            }),
             body: reply.body,
             grpc_status: None,
             details: "llm_gateway_admission".to_owned(),
@@ -302,7 +365,11 @@ fn immediate_response(error: &AdmissionError) -> ProcessingResponse {
 
 fn header_option(key: &str, value: &str) -> HeaderValueOption {
     HeaderValueOption {
-        header: Some(HeaderValue { key: key.to_owned(), value: String::new(), raw_value: value.as_bytes().to_vec() }),
+        header: Some(HeaderValue {
+            key: key.to_owned(),
+            value: String::new(),
+            raw_value: value.as_bytes().to_vec(),
+        }),
         ..Default::default()
     }
 }
@@ -312,14 +379,27 @@ fn admission_metadata(admitted: &Admitted) -> Struct {
     let mut fields: HashMap<String, Value> = admitted
         .ratelimit_headers
         .iter()
-        .map(|(k, v)| (k.clone(), Value { kind: Some(Kind::StringValue(v.clone())) }))
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                Value {
+                    kind: Some(Kind::StringValue(v.clone())),
+                },
+            )
+        })
         .collect();
     fields.insert(
         RESERVED_TOKENS_KEY.to_owned(),
-        Value { kind: Some(Kind::NumberValue(admitted.reserved_tokens as f64)) },
+        Value {
+            kind: Some(Kind::NumberValue(admitted.reserved_tokens as f64)),
+        },
     );
-    let inner = Value { kind: Some(Kind::StructValue(Struct { fields })) };
-    Struct { fields: HashMap::from([(METADATA_NAMESPACE.to_owned(), inner)]) }
+    let inner = Value {
+        kind: Some(Kind::StructValue(Struct { fields })),
+    };
+    Struct {
+        fields: HashMap::from([(METADATA_NAMESPACE.to_owned(), inner)]),
+    }
 }
 
 fn reserved_tokens(metadata: Option<&Metadata>) -> u64 {
@@ -339,17 +419,24 @@ fn header(headers: &HttpHeaders, name: &str) -> Option<String> {
 }
 
 fn find_header(map: &HeaderMap, name: &str) -> Option<String> {
-    map.headers.iter().find(|h| h.key.eq_ignore_ascii_case(name)).map(|h| {
-        if h.raw_value.is_empty() {
-            h.value.clone()
-        } else {
-            String::from_utf8_lossy(&h.raw_value).into_owned()
-        }
-    })
+    map.headers
+        .iter()
+        .find(|h| h.key.eq_ignore_ascii_case(name))
+        .map(|h| {
+            if h.raw_value.is_empty() {
+                h.value.clone()
+            } else {
+                String::from_utf8_lossy(&h.raw_value).into_owned()
+            }
+        })
 }
 
 fn request_facts(headers: &HttpHeaders) -> RequestFacts {
-    let number = |name| header(headers, name).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
+    let number = |name| {
+        header(headers, name)
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    };
     RequestFacts {
         tenant: header(headers, "x-gateway-tenant").filter(|t| !t.is_empty()),
         model: header(headers, "x-gateway-model").unwrap_or_default(),
@@ -369,7 +456,11 @@ mod tests {
             headers: Some(HeaderMap {
                 headers: pairs
                     .iter()
-                    .map(|(k, v)| HeaderValue { key: (*k).into(), value: String::new(), raw_value: v.as_bytes().to_vec() })
+                    .map(|(k, v)| HeaderValue {
+                        key: (*k).into(),
+                        value: String::new(),
+                        raw_value: v.as_bytes().to_vec(),
+                    })
                     .collect(),
             }),
             ..Default::default()
@@ -392,11 +483,21 @@ mod tests {
 
     #[test]
     fn metadata_round_trip() {
-        let s = admission_metadata(&Admitted { ratelimit_headers: vec![], reserved_tokens: 77 });
-        let m = Metadata { filter_metadata: s.fields.into_iter().filter_map(|(k, v)| match v.kind {
-            Some(Kind::StructValue(s)) => Some((k, s)),
-            _ => None,
-        }).collect(), ..Default::default() };
+        let s = admission_metadata(&Admitted {
+            ratelimit_headers: vec![],
+            reserved_tokens: 77,
+        });
+        let m = Metadata {
+            filter_metadata: s
+                .fields
+                .into_iter()
+                .filter_map(|(k, v)| match v.kind {
+                    Some(Kind::StructValue(s)) => Some((k, s)),
+                    _ => None,
+                })
+                .collect(),
+            ..Default::default()
+        };
         assert_eq!(reserved_tokens(Some(&m)), 77);
         assert_eq!(reserved_tokens(None), 0);
     }
@@ -404,8 +505,15 @@ mod tests {
     #[test]
     fn immediate_response_sets_status_and_headers() {
         let r = immediate_response(&AdmissionError::LimiterUnavailable);
-        let Some(ProcResponse::ImmediateResponse(i)) = r.response else { panic!() };
+        let Some(ProcResponse::ImmediateResponse(i)) = r.response else {
+            panic!()
+        };
         assert_eq!(i.status.unwrap().code, 503);
-        assert!(i.headers.unwrap().set_headers.iter().any(|h| h.header.as_ref().unwrap().key == "retry-after"));
+        assert!(i
+            .headers
+            .unwrap()
+            .set_headers
+            .iter()
+            .any(|h| h.header.as_ref().unwrap().key == "retry-after"));
     }
 }

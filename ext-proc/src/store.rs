@@ -84,7 +84,11 @@ impl Store {
     ///
     /// # Errors
     /// [`StoreError`] when the first connection fails.
-    pub async fn connect(config: &RedisConfig, stream: String, stream_maxlen: u64) -> Result<Self, StoreError> {
+    pub async fn connect(
+        config: &RedisConfig,
+        stream: String,
+        stream_maxlen: u64,
+    ) -> Result<Self, StoreError> {
         let timeout = Duration::from_millis(config.command_timeout_ms);
         let conn = match &config.url {
             Some(url) => {
@@ -118,7 +122,10 @@ impl Store {
         &self.prefix
     }
 
-    async fn bounded<T>(&self, f: impl std::future::Future<Output = redis::RedisResult<T>>) -> Result<T, StoreError> {
+    async fn bounded<T>(
+        &self,
+        f: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, StoreError> {
         match tokio::time::timeout(self.timeout, f).await {
             Ok(r) => Ok(r?),
             Err(_) => Err(StoreError::Timeout(self.timeout)),
@@ -133,7 +140,10 @@ impl Store {
         let mut inv = self.take.prepare_invoke();
         inv.arg(plan.len());
         for b in plan {
-            inv.key(&b.key).arg(b.capacity).arg(b.rate_per_minute).arg(b.cost);
+            inv.key(&b.key)
+                .arg(b.capacity)
+                .arg(b.rate_per_minute)
+                .arg(b.cost);
         }
         let mut conn = self.conn.clone();
         let reply: Vec<i64> = self.bounded(inv.invoke_async(&mut conn)).await?;
@@ -147,7 +157,9 @@ impl Store {
     pub async fn settle(&self, bucket: &BucketSpec, delta: i64) -> Result<i64, StoreError> {
         let mut conn = self.conn.clone();
         let mut inv = self.settle.key(&bucket.key);
-        inv.arg(bucket.capacity).arg(bucket.rate_per_minute).arg(delta);
+        inv.arg(bucket.capacity)
+            .arg(bucket.rate_per_minute)
+            .arg(delta);
         self.bounded(inv.invoke_async(&mut conn)).await
     }
 
@@ -159,7 +171,9 @@ impl Store {
     /// # Errors
     /// [`StoreError`] on timeout or Redis error.
     pub async fn record(&self, record: &UsageRecord) -> Result<(), StoreError> {
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
         let key = usage_key(&self.prefix, &record.info.tenant, now.as_secs());
         let model = &record.info.model;
         let event = to_event(record, now).encode_to_vec();
@@ -168,7 +182,11 @@ impl Store {
             .ignore()
             .hincr(&key, format!("{model}:prompt_tokens"), record.prompt_tokens)
             .ignore()
-            .hincr(&key, format!("{model}:completion_tokens"), record.completion_tokens)
+            .hincr(
+                &key,
+                format!("{model}:completion_tokens"),
+                record.completion_tokens,
+            )
             .ignore()
             .hincr(&key, format!("{model}:cached_tokens"), record.cached_tokens)
             .ignore()
@@ -241,7 +259,10 @@ mod tests {
     fn daily_key_is_utc_date_with_tenant_hash_tag() {
         assert_eq!(usage_key("p", "acme", 0), "p:usage:{acme}:1970-01-01");
         // 2026-11-22T12:00:00Z
-        assert_eq!(usage_key("p", "acme", 1_795_348_800), "p:usage:{acme}:2026-11-22");
+        assert_eq!(
+            usage_key("p", "acme", 1_795_348_800),
+            "p:usage:{acme}:2026-11-22"
+        );
         // 2024-02-29 (leap day)
         assert_eq!(usage_key("p", "t", 1_709_164_800), "p:usage:{t}:2024-02-29");
     }
