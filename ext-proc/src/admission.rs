@@ -19,6 +19,8 @@ pub struct RequestFacts {
     pub max_tokens: u64,
     /// `x-request-id`.
     pub request_id: String,
+    /// `x-gateway-tier`: the tenant's priority tier (empty when absent).
+    pub tier: String,
 }
 
 impl RequestFacts {
@@ -60,21 +62,14 @@ pub fn decide(plan: &[BucketSpec], outcome: &TakeOutcome) -> Result<Admitted, Ad
             ratelimit_headers,
         });
     }
-    let reserved_tokens = plan
-        .iter()
-        .filter(|b| b.kind == limits::BucketKind::Tokens)
-        .map(|b| b.cost)
-        .sum();
-    Ok(Admitted {
-        ratelimit_headers,
-        reserved_tokens,
-    })
+    let reserved_tokens = plan.iter().filter(|b| b.kind == limits::BucketKind::Tokens).map(|b| b.cost).sum();
+    Ok(Admitted { ratelimit_headers, reserved_tokens })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Limits;
+    use crate::config::{Limits, TenantConfig};
 
     fn plan() -> Vec<BucketSpec> {
         let l = Limits {
@@ -83,7 +78,7 @@ mod tests {
             tokens_per_minute: Some(1000),
             token_burst: None,
         };
-        limits::plan("p", "t", &l, 300)
+        limits::plan("p", &TenantConfig { id: "t".into(), limits: l, model_limits: Default::default() }, "m", 300)
     }
 
     #[test]
@@ -92,9 +87,7 @@ mod tests {
         let o = TakeOutcome::from_reply(&[1, 0, 1, 30000, 0, 700, 18000, 0], 2).unwrap();
         let a = decide(&p, &o).unwrap();
         assert_eq!(a.reserved_tokens, 300);
-        assert!(a
-            .ratelimit_headers
-            .contains(&("x-ratelimit-remaining-requests".into(), "1".into())));
+        assert!(a.ratelimit_headers.contains(&("x-ratelimit-remaining-requests".into(), "1".into())));
     }
 
     #[test]
@@ -102,13 +95,7 @@ mod tests {
         let p = plan();
         let o = TakeOutcome::from_reply(&[0, 1, 0, 60000, 29001, 1000, 0, 0], 2).unwrap();
         match decide(&p, &o).unwrap_err() {
-            AdmissionError::RateLimited {
-                kind,
-                limit,
-                requested,
-                retry_after_secs,
-                ..
-            } => {
+            AdmissionError::RateLimited { kind, limit, requested, retry_after_secs, .. } => {
                 assert_eq!(
                     (kind, limit, requested, retry_after_secs),
                     (limits::BucketKind::Requests, 2, 1, 30)
@@ -120,11 +107,7 @@ mod tests {
 
     #[test]
     fn reservation_saturates() {
-        let f = RequestFacts {
-            prompt_tokens: u64::MAX,
-            max_tokens: 5,
-            ..Default::default()
-        };
+        let f = RequestFacts { prompt_tokens: u64::MAX, max_tokens: 5, ..Default::default() };
         assert_eq!(f.reserve_tokens(), u64::MAX);
     }
 }

@@ -3,7 +3,7 @@
 //! Unknown fields are rejected (`deny_unknown_fields`) and every check names the field it failed
 //! on, e.g. `tenants[1].limits.requests_per_minute: must be > 0`.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
 use std::path::Path;
 
@@ -39,10 +39,7 @@ pub enum ConfigError {
 }
 
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        field: field.into(),
-        message: message.into(),
-    }
+    ConfigError::Invalid { field: field.into(), message: message.into() }
 }
 
 /// The whole sidecar configuration.
@@ -59,6 +56,64 @@ pub struct Config {
     /// Metering settings.
     #[serde(default)]
     pub metering: MeteringConfig,
+    /// vLLM pools whose load the sidecar watches to shed requests (429 `overloaded`) before their
+    /// queues grow. A pool not listed is never shed.
+    #[serde(default)]
+    pub pools: Vec<PoolConfig>,
+    /// How tiers are shed.
+    #[serde(default)]
+    pub shedding: SheddingConfig,
+    /// Address of the Prometheus `/metrics` HTTP listener (absent: no listener).
+    #[serde(default)]
+    pub metrics_listen: Option<SocketAddr>,
+}
+
+/// One vLLM pool (an Envoy cluster, named as the filter's `x-gateway-pool`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// The Envoy cluster name.
+    pub name: String,
+    /// Base URLs of its vLLM endpoints (`http://host:port`), whose `/metrics` are scraped for
+    /// `vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`
+    /// (or the older `vllm:gpu_cache_usage_perc`) and `vllm:request_success_total`.
+    #[serde(default)]
+    pub endpoints: Vec<String>,
+    /// Scrape interval in milliseconds (default 500).
+    #[serde(default = "default_scrape_interval_ms")]
+    pub scrape_interval_ms: u64,
+    /// Requests waiting in the pool's queues (summed over endpoints) at which the pool is full.
+    #[serde(default)]
+    pub max_queue_depth: Option<u64>,
+    /// KV-cache usage (0..1, the highest endpoint's) at which the pool is full.
+    #[serde(default)]
+    pub max_kv_cache_usage: Option<f64>,
+    /// Requests this sidecar has admitted to the pool and not yet seen finish, at which the pool
+    /// is full (assumes one sidecar per Envoy).
+    #[serde(default)]
+    pub max_in_flight: Option<u64>,
+}
+
+fn default_scrape_interval_ms() -> u64 {
+    500
+}
+
+/// Tier shedding levels: a request of a tier is shed when its pool's load (the highest of
+/// waiting/max_queue_depth, kv_cache_usage/max_kv_cache_usage, in_flight/max_in_flight) reaches
+/// the tier's level. Tiers not listed (the highest) are shed only at the hard ceiling, 1.0.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SheddingConfig {
+    /// Level per tier, in (0, 1], e.g. `{batch: 0.5, standard: 0.8}`.
+    #[serde(default)]
+    pub tier_levels: BTreeMap<String, f64>,
+}
+
+impl SheddingConfig {
+    /// The load level at which a tier is shed (1.0 for tiers not listed).
+    pub fn level(&self, tier: &str) -> f64 {
+        self.tier_levels.get(tier).copied().unwrap_or(1.0)
+    }
 }
 
 /// Redis connection settings.
@@ -78,10 +133,51 @@ pub struct RedisConfig {
     /// Prefix of every key the sidecar writes (default `llmgw`).
     #[serde(default = "default_key_prefix")]
     pub key_prefix: String,
-    /// What admission does when Redis cannot decide (error or timeout): `open` admits the
-    /// request unlimited, `closed` answers 503 `rate_limiter_unavailable`. Default `open`.
+    /// What admission does when Redis cannot decide (error, timeout, open breaker): `open`
+    /// applies approximate limits from in-memory buckets in this sidecar, `closed` answers 503
+    /// `rate_limiter_unavailable`. Default `open`; per tier in `tier_failure_modes`.
     #[serde(default)]
     pub failure_mode: FailureMode,
+    /// Failure mode per tenant tier (`x-gateway-tier`), overriding `failure_mode`.
+    #[serde(default)]
+    pub tier_failure_modes: BTreeMap<String, FailureMode>,
+    /// Circuit breaker in front of Redis.
+    #[serde(default)]
+    pub breaker: BreakerConfig,
+}
+
+impl RedisConfig {
+    /// The failure mode of a tier.
+    pub fn failure_mode(&self, tier: &str) -> FailureMode {
+        self.tier_failure_modes.get(tier).copied().unwrap_or(self.failure_mode)
+    }
+}
+
+/// Circuit breaker settings: after `failure_threshold` consecutive Redis failures, decisions are
+/// made degraded at once for `open_ms`, then one probe goes to Redis.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BreakerConfig {
+    /// Consecutive failures that open the breaker (default 3).
+    #[serde(default = "default_failure_threshold")]
+    pub failure_threshold: u32,
+    /// How long it stays open, in milliseconds (default 1000).
+    #[serde(default = "default_open_ms")]
+    pub open_ms: u64,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        Self { failure_threshold: default_failure_threshold(), open_ms: default_open_ms() }
+    }
+}
+
+fn default_failure_threshold() -> u32 {
+    3
+}
+
+fn default_open_ms() -> u64 {
+    1000
 }
 
 /// Admission's behaviour when the limiter cannot decide.
@@ -111,6 +207,10 @@ pub struct TenantConfig {
     pub id: String,
     /// The tenant's limits across all models.
     pub limits: Limits,
+    /// Further limits per model (public model name, `x-gateway-model`), applied on top of
+    /// `limits`: a request draws on both.
+    #[serde(default)]
+    pub model_limits: BTreeMap<String, Limits>,
 }
 
 /// Requests-per-minute and tokens-per-minute limits; each is a token bucket that refills
@@ -147,6 +247,15 @@ pub struct MeteringConfig {
     /// (default 4 MiB). Larger bodies are metered from what was seen.
     #[serde(default = "default_max_json_body_bytes")]
     pub max_json_body_bytes: usize,
+    /// Usage records held in memory while Redis is unavailable, flushed when it returns
+    /// (default 100,000). Past it, the oldest record is logged whole at error level and counted
+    /// in `llm_gateway_usage_records_dropped_total`, never dropped silently.
+    #[serde(default = "default_buffer_records")]
+    pub buffer_records: usize,
+}
+
+fn default_buffer_records() -> usize {
+    100_000
 }
 
 impl Default for MeteringConfig {
@@ -155,6 +264,7 @@ impl Default for MeteringConfig {
             stream: None,
             stream_maxlen: default_stream_maxlen(),
             max_json_body_bytes: default_max_json_body_bytes(),
+            buffer_records: default_buffer_records(),
         }
     }
 }
@@ -174,15 +284,10 @@ impl Config {
     /// [`ConfigError`] naming the file (read and parse errors) or the field (validation).
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let display = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: display.clone(),
-            source,
-        })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: display.clone(), source })?;
         Self::from_yaml(&text).map_err(|e| match e {
-            ConfigError::Parse { message, .. } => ConfigError::Parse {
-                path: display,
-                message,
-            },
+            ConfigError::Parse { message, .. } => ConfigError::Parse { path: display, message },
             other => other,
         })
     }
@@ -192,19 +297,15 @@ impl Config {
     /// # Errors
     /// [`ConfigError::Parse`] (with an empty path) or [`ConfigError::Invalid`].
     pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
-        let config: Config = serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Parse {
-            path: String::new(),
-            message: e.to_string(),
-        })?;
+        let config: Config = serde_yaml_ng::from_str(text)
+            .map_err(|e| ConfigError::Parse { path: String::new(), message: e.to_string() })?;
         config.validate()?;
         Ok(config)
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
         match (&self.redis.url, self.redis.cluster_urls.is_empty()) {
-            (Some(_), false) => {
-                return Err(invalid("redis", "set either url or cluster_urls, not both"))
-            }
+            (Some(_), false) => return Err(invalid("redis", "set either url or cluster_urls, not both")),
             (None, true) => return Err(invalid("redis", "one of url or cluster_urls is required")),
             _ => {}
         }
@@ -227,15 +328,77 @@ impl Config {
                 ));
             }
             if !ids.insert(tenant.id.as_str()) {
-                return Err(invalid(
-                    format!("{field}.id"),
-                    format!("duplicate tenant '{}'", tenant.id),
-                ));
+                return Err(invalid(format!("{field}.id"), format!("duplicate tenant '{}'", tenant.id)));
             }
             tenant.limits.validate(&format!("{field}.limits"))?;
+            for (model, limits) in &tenant.model_limits {
+                if model.is_empty() || model.contains(['{', '}']) {
+                    return Err(invalid(
+                        format!("{field}.model_limits"),
+                        format!("invalid model name '{model}'"),
+                    ));
+                }
+                limits.validate(&format!("{field}.model_limits.{model}"))?;
+            }
         }
         if self.metering.max_json_body_bytes == 0 {
             return Err(invalid("metering.max_json_body_bytes", "must be > 0"));
+        }
+        if self.metering.buffer_records == 0 {
+            return Err(invalid("metering.buffer_records", "must be > 0"));
+        }
+        if self.redis.breaker.failure_threshold == 0 {
+            return Err(invalid("redis.breaker.failure_threshold", "must be > 0"));
+        }
+        if self.redis.breaker.open_ms == 0 {
+            return Err(invalid("redis.breaker.open_ms", "must be > 0"));
+        }
+        let mut pools = HashSet::new();
+        for (i, pool) in self.pools.iter().enumerate() {
+            let field = format!("pools[{i}]");
+            if pool.name.is_empty() {
+                return Err(invalid(format!("{field}.name"), "must be non-empty"));
+            }
+            if !pools.insert(pool.name.as_str()) {
+                return Err(invalid(format!("{field}.name"), format!("duplicate pool '{}'", pool.name)));
+            }
+            for (j, url) in pool.endpoints.iter().enumerate() {
+                if !url.starts_with("http://") {
+                    return Err(invalid(format!("{field}.endpoints[{j}]"), "must be an http:// URL"));
+                }
+            }
+            if pool.scrape_interval_ms == 0 {
+                return Err(invalid(format!("{field}.scrape_interval_ms"), "must be > 0"));
+            }
+            if pool.max_queue_depth == Some(0) {
+                return Err(invalid(format!("{field}.max_queue_depth"), "must be > 0"));
+            }
+            if pool.max_in_flight == Some(0) {
+                return Err(invalid(format!("{field}.max_in_flight"), "must be > 0"));
+            }
+            if let Some(kv) = pool.max_kv_cache_usage {
+                if !(kv > 0.0 && kv <= 1.0) {
+                    return Err(invalid(format!("{field}.max_kv_cache_usage"), "must be in (0, 1]"));
+                }
+            }
+            let scraped = pool.max_queue_depth.is_some() || pool.max_kv_cache_usage.is_some();
+            if scraped && pool.endpoints.is_empty() {
+                return Err(invalid(
+                    format!("{field}.endpoints"),
+                    "needed to scrape max_queue_depth / max_kv_cache_usage",
+                ));
+            }
+            if !scraped && pool.max_in_flight.is_none() {
+                return Err(invalid(
+                    field,
+                    "set at least one of max_queue_depth, max_kv_cache_usage, max_in_flight",
+                ));
+            }
+        }
+        for (tier, level) in &self.shedding.tier_levels {
+            if !(*level > 0.0 && *level <= 1.0) {
+                return Err(invalid(format!("shedding.tier_levels.{tier}"), "must be in (0, 1]"));
+            }
         }
         Ok(())
     }
@@ -247,10 +410,7 @@ impl Config {
 
     /// Name of the usage-event Redis Stream.
     pub fn usage_stream(&self) -> String {
-        self.metering
-            .stream
-            .clone()
-            .unwrap_or_else(|| format!("{}:usage-events", self.redis.key_prefix))
+        self.metering.stream.clone().unwrap_or_else(|| format!("{}:usage-events", self.redis.key_prefix))
     }
 }
 
@@ -263,13 +423,7 @@ impl Limits {
             "request_burst",
             self.request_burst,
         )?;
-        check_pair(
-            field,
-            "tokens_per_minute",
-            self.tokens_per_minute,
-            "token_burst",
-            self.token_burst,
-        )
+        check_pair(field, "tokens_per_minute", self.tokens_per_minute, "token_burst", self.token_burst)
     }
 }
 
@@ -281,25 +435,17 @@ fn check_pair(
     burst: Option<u64>,
 ) -> Result<(), ConfigError> {
     if rate == Some(0) {
-        return Err(invalid(
-            format!("{field}.{rate_name}"),
-            "must be > 0 (omit it for no limit)",
-        ));
+        return Err(invalid(format!("{field}.{rate_name}"), "must be > 0 (omit it for no limit)"));
     }
     match (rate, burst) {
-        (None, Some(_)) => Err(invalid(
-            format!("{field}.{burst_name}"),
-            format!("needs {rate_name}"),
-        )),
+        (None, Some(_)) => Err(invalid(format!("{field}.{burst_name}"), format!("needs {rate_name}"))),
         (Some(_), Some(0)) => Err(invalid(format!("{field}.{burst_name}"), "must be > 0")),
         _ => Ok(()),
     }
 }
 
 fn valid_key_part(s: &str) -> bool {
-    !s.is_empty()
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b':'))
+    !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b':'))
 }
 
 #[cfg(test)]
@@ -331,18 +477,14 @@ mod tests {
 
     #[test]
     fn unknown_limit_field_is_named() {
-        let e = err(&format!(
-            "{BASE}tenants:\n  - id: a\n    limits: {{rpm: 1}}\n"
-        ));
+        let e = err(&format!("{BASE}tenants:\n  - id: a\n    limits: {{rpm: 1}}\n"));
         assert!(e.contains("unknown field `rpm`"), "{e}");
     }
 
     #[test]
     fn zero_rate() {
         assert_eq!(
-            err(&format!(
-                "{BASE}tenants:\n  - id: a\n    limits: {{requests_per_minute: 0}}\n"
-            )),
+            err(&format!("{BASE}tenants:\n  - id: a\n    limits: {{requests_per_minute: 0}}\n")),
             "tenants[0].limits.requests_per_minute: must be > 0 (omit it for no limit)"
         );
     }
@@ -350,9 +492,7 @@ mod tests {
     #[test]
     fn burst_without_rate() {
         assert_eq!(
-            err(&format!(
-                "{BASE}tenants:\n  - id: a\n    limits: {{token_burst: 5}}\n"
-            )),
+            err(&format!("{BASE}tenants:\n  - id: a\n    limits: {{token_burst: 5}}\n")),
             "tenants[0].limits.token_burst: needs tokens_per_minute"
         );
     }
@@ -370,9 +510,7 @@ mod tests {
     #[test]
     fn duplicate_tenant() {
         assert_eq!(
-            err(&format!(
-                "{BASE}tenants:\n  - {{id: a, limits: {{}}}}\n  - {{id: a, limits: {{}}}}\n"
-            )),
+            err(&format!("{BASE}tenants:\n  - {{id: a, limits: {{}}}}\n  - {{id: a, limits: {{}}}}\n")),
             "tenants[1].id: duplicate tenant 'a'"
         );
     }
@@ -380,9 +518,7 @@ mod tests {
     #[test]
     fn bad_tenant_id() {
         assert_eq!(
-            err(&format!(
-                "{BASE}tenants:\n  - {{id: 'a{{b}}', limits: {{}}}}\n"
-            )),
+            err(&format!("{BASE}tenants:\n  - {{id: 'a{{b}}', limits: {{}}}}\n")),
             "tenants[0].id: must be non-empty letters, digits, '.', '_' or '-'"
         );
     }
@@ -405,6 +541,84 @@ mod tests {
             err("listen: 127.0.0.1:0\nredis: {url: 'redis://x', command_timeout_ms: 0}\ntenants: []\n"),
             "redis.command_timeout_ms: must be > 0"
         );
+    }
+
+    const POOL: &str = "listen: 127.0.0.1:0\nredis: {url: 'redis://x'}\ntenants: []\npools:\n";
+
+    #[test]
+    fn pool_needs_a_threshold() {
+        assert_eq!(
+            err(&format!("{POOL}  - {{name: a, endpoints: ['http://127.0.0.1:1']}}\n")),
+            "pools[0]: set at least one of max_queue_depth, max_kv_cache_usage, max_in_flight"
+        );
+    }
+
+    #[test]
+    fn scraped_threshold_needs_endpoints() {
+        assert_eq!(
+            err(&format!("{POOL}  - {{name: a, max_queue_depth: 4}}\n")),
+            "pools[0].endpoints: needed to scrape max_queue_depth / max_kv_cache_usage"
+        );
+    }
+
+    #[test]
+    fn kv_cache_usage_is_a_fraction() {
+        assert_eq!(
+            err(&format!("{POOL}  - {{name: a, endpoints: ['http://h:1'], max_kv_cache_usage: 95}}\n")),
+            "pools[0].max_kv_cache_usage: must be in (0, 1]"
+        );
+    }
+
+    #[test]
+    fn endpoint_must_be_http() {
+        assert_eq!(
+            err(&format!("{POOL}  - {{name: a, endpoints: ['h:1'], max_queue_depth: 1}}\n")),
+            "pools[0].endpoints[0]: must be an http:// URL"
+        );
+    }
+
+    #[test]
+    fn duplicate_pool() {
+        assert_eq!(
+            err(&format!("{POOL}  - {{name: a, max_in_flight: 1}}\n  - {{name: a, max_in_flight: 1}}\n")),
+            "pools[1].name: duplicate pool 'a'"
+        );
+    }
+
+    #[test]
+    fn tier_level_range() {
+        assert_eq!(
+            err("listen: 127.0.0.1:0\nredis: {url: 'redis://x'}\ntenants: []\nshedding: {tier_levels: {batch: 0}}\n"),
+            "shedding.tier_levels.batch: must be in (0, 1]"
+        );
+    }
+
+    #[test]
+    fn model_limits_are_validated() {
+        assert_eq!(
+            err(&format!(
+                "{BASE}tenants:\n  - id: a\n    limits: {{}}\n    model_limits: {{m1: {{tokens_per_minute: 0}}}}\n"
+            )),
+            "tenants[0].model_limits.m1.tokens_per_minute: must be > 0 (omit it for no limit)"
+        );
+    }
+
+    #[test]
+    fn breaker_threshold() {
+        assert_eq!(
+            err("listen: 127.0.0.1:0\nredis: {url: 'redis://x', breaker: {failure_threshold: 0}}\ntenants: []\n"),
+            "redis.breaker.failure_threshold: must be > 0"
+        );
+    }
+
+    #[test]
+    fn tier_failure_modes() {
+        let c = Config::from_yaml(
+            "listen: 127.0.0.1:0\nredis: {url: 'redis://x', failure_mode: closed, tier_failure_modes: {premium: open}}\ntenants: []\n",
+        )
+        .unwrap();
+        assert_eq!(c.redis.failure_mode("premium"), FailureMode::Open);
+        assert_eq!(c.redis.failure_mode("free"), FailureMode::Closed);
     }
 
     #[test]

@@ -3,6 +3,8 @@
 //! Every error the client sees has OpenAI's shape, `{"error": {"message", "type", "param",
 //! "code"}}`. Rate-limit 429s follow OpenAI's: `type` is `requests` or `tokens`, `code` is
 //! `rate_limit_exceeded`, with `Retry-After` (whole seconds) and the `x-ratelimit-*` headers.
+//! Overload 429s (the pool, not the tenant's quota) have code `overloaded`, so clients and
+//! dashboards can tell them apart.
 
 use serde_json::json;
 
@@ -35,6 +37,14 @@ pub enum AdmissionError {
     /// Redis could not decide and the failure mode is `closed`.
     #[error("the rate limiter is unavailable")]
     LimiterUnavailable,
+    /// The request's pool is over its load threshold for this tier: shed before its queue grows.
+    #[error("pool {pool} is overloaded")]
+    Overloaded {
+        /// The pool (Envoy cluster).
+        pool: String,
+        /// Seconds until it is expected to have room (`Retry-After`).
+        retry_after_secs: u64,
+    },
 }
 
 /// A local reply: status, JSON body and headers.
@@ -84,6 +94,15 @@ impl AdmissionError {
                     .to_owned(),
                 Vec::new(),
             ),
+            AdmissionError::Overloaded { retry_after_secs, .. } => (
+                429,
+                "server_overloaded",
+                "overloaded",
+                format!(
+                    "The model's servers are overloaded; please retry in {retry_after_secs}s. This is not your rate limit."
+                ),
+                vec![("retry-after".to_owned(), retry_after_secs.to_string())],
+            ),
             AdmissionError::LimiterUnavailable => (
                 503,
                 "server_error",
@@ -92,13 +111,8 @@ impl AdmissionError {
                 vec![("retry-after".to_owned(), "1".to_owned())],
             ),
         };
-        let body =
-            json!({"error": {"message": message, "type": kind, "param": null, "code": code}});
-        LocalReply {
-            status,
-            body: body.to_string().into_bytes(),
-            headers,
-        }
+        let body = json!({"error": {"message": message, "type": kind, "param": null, "code": code}});
+        LocalReply { status, body: body.to_string().into_bytes(), headers }
     }
 }
 
@@ -121,14 +135,9 @@ mod tests {
         assert_eq!(v["error"]["type"], "requests");
         assert_eq!(v["error"]["code"], "rate_limit_exceeded");
         assert_eq!(v["error"]["param"], serde_json::Value::Null);
-        assert!(v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("Limit 60, Requested 1"));
+        assert!(v["error"]["message"].as_str().unwrap().contains("Limit 60, Requested 1"));
         assert!(r.headers.contains(&("retry-after".into(), "2".into())));
-        assert!(r
-            .headers
-            .contains(&("x-ratelimit-limit-requests".into(), "60".into())));
+        assert!(r.headers.contains(&("x-ratelimit-limit-requests".into(), "60".into())));
     }
 
     #[test]
@@ -136,5 +145,10 @@ mod tests {
         assert_eq!(AdmissionError::MissingTenant.to_reply().status, 403);
         assert_eq!(AdmissionError::TenantNotConfigured.to_reply().status, 403);
         assert_eq!(AdmissionError::LimiterUnavailable.to_reply().status, 503);
+        let o = AdmissionError::Overloaded { pool: "p".into(), retry_after_secs: 3 }.to_reply();
+        assert_eq!(o.status, 429);
+        let v: serde_json::Value = serde_json::from_slice(&o.body).unwrap();
+        assert_eq!(v["error"]["code"], "overloaded");
+        assert!(o.headers.contains(&("retry-after".into(), "3".into())));
     }
 }

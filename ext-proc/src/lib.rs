@@ -1,10 +1,15 @@
 //! `gateway-ext-proc`: the gateway's Envoy External Processing (ext_proc) sidecar.
 //!
-//! It enforces per-tenant requests-per-minute and tokens-per-minute limits in Redis (atomic Lua
-//! token buckets, answering 429 with `Retry-After` and OpenAI's `x-ratelimit-*` headers), and
-//! meters each admitted request's token usage from the streamed SSE response, recording it once
-//! in Redis. The decisions are pure code ([`limits`], [`admission`], [`meter`], [`sse`]); the
-//! tonic adapter ([`service`]) and the Redis client ([`store`]) only move data.
+//! It enforces per-tenant (and per tenant × model) requests-per-minute and tokens-per-minute
+//! limits in Redis (atomic Lua token buckets, answering 429 with `Retry-After` and OpenAI's
+//! `x-ratelimit-*` headers), sheds requests (429 `overloaded`) in front of vLLM pools whose queue
+//! or KV cache is over its threshold, lower tiers first, and meters each admitted request's
+//! token usage from the streamed SSE response, recording it exactly once in Redis. Redis
+//! failures are bounded by a timeout and a circuit breaker, with a failure mode per tier.
+//!
+//! The decisions are pure code ([`limits`], [`admission`], [`shedding`], [`breaker`],
+//! [`local_limiter`], [`meter`], [`sse`]); the tonic adapter ([`service`]), the Redis client
+//! ([`store`], [`limiter`], [`recorder`]) and the scraper ([`pools`]) only move data.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -14,11 +19,18 @@
 //! ```
 
 pub mod admission;
+pub mod breaker;
 pub mod config;
 pub mod error;
+pub mod limiter;
 pub mod limits;
+pub mod local_limiter;
 pub mod meter;
+pub mod metrics;
+pub mod pools;
+pub mod recorder;
 pub mod service;
+pub mod shedding;
 pub mod sse;
 pub mod store;
 
@@ -36,7 +48,11 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::Ex
 use tonic::transport::server::TcpIncoming;
 
 use crate::config::Config;
-use crate::service::Gateway;
+use crate::limiter::Limiter;
+use crate::metrics::Metrics;
+use crate::pools::Pools;
+use crate::recorder::Recorder;
+use crate::service::{Gateway, Shared};
 use crate::store::Store;
 
 /// Errors that stop the sidecar.
@@ -58,39 +74,40 @@ pub enum RunError {
     Serve(#[from] tonic::transport::Error),
 }
 
-/// Connects to Redis, binds the gRPC listener, prints `gateway-ext-proc listening on ADDR` on
-/// stdout (test harnesses read the port from it), and serves until `shutdown` completes.
+/// Connects to Redis, starts the pool scrapers, the usage writer and the metrics listener, binds
+/// the gRPC listener, prints `gateway-ext-proc listening on ADDR` on stdout (test harnesses read
+/// the port from it), and serves until `shutdown` completes; then flushes the usage records.
 ///
 /// # Errors
-/// [`RunError`] when Redis is unreachable at start, the address cannot be bound, or the server
+/// [`RunError`] when Redis is unreachable at start, an address cannot be bound, or the server
 /// fails.
-pub async fn run(
-    config: Config,
-    shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), RunError> {
-    let store = Store::connect(
-        &config.redis,
-        config.usage_stream(),
-        config.metering.stream_maxlen,
-    )
-    .await?;
+pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> Result<(), RunError> {
+    let metrics = Metrics::new();
+    let store = Store::connect(&config.redis, config.usage_stream(), config.metering.stream_maxlen).await?;
+    if let Some(addr) = config.metrics_listen {
+        let bound = metrics::serve(addr, Arc::clone(&metrics)).await.map_err(|source| RunError::Bind { addr, source })?;
+        println!("gateway-ext-proc metrics on {bound}");
+        tracing::info!(%bound, "metrics listening");
+    }
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
-        .map_err(|source| RunError::Bind {
-            addr: config.listen,
-            source,
-        })?;
-    let addr = listener.local_addr().map_err(|source| RunError::Bind {
-        addr: config.listen,
-        source,
-    })?;
+        .map_err(|source| RunError::Bind { addr: config.listen, source })?;
+    let addr = listener.local_addr().map_err(|source| RunError::Bind { addr: config.listen, source })?;
+    let pools = Pools::new(&config.pools, Arc::clone(&metrics));
+    pools.spawn_scrapers();
+    let (recorder, writer) = Recorder::start(store.clone(), config.metering.buffer_records, Arc::clone(&metrics));
+    let limiter = Limiter::new(store, &config.redis, Arc::clone(&metrics));
+    let shared = Arc::new(Shared::new(config, limiter, recorder, pools, metrics));
+    let service = ExternalProcessorServer::new(Gateway::new(shared));
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let service = ExternalProcessorServer::new(Gateway::new(Arc::new(config), store));
     println!("gateway-ext-proc listening on {addr}");
     tracing::info!(%addr, "listening");
-    tonic::transport::Server::builder()
+    let served = tonic::transport::Server::builder()
         .add_service(service)
         .serve_with_incoming_shutdown(incoming, shutdown)
-        .await?;
+        .await;
+    // The server (and with it every Recorder) is gone: the writer flushes what is buffered.
+    let _ = writer.await;
+    served?;
     Ok(())
 }

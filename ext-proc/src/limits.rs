@@ -5,7 +5,7 @@
 //! (`<prefix>:rl:{<tenant>}:rpm`) so one tenant's buckets share a Redis Cluster slot and one
 //! script call can touch them all atomically.
 
-use crate::config::Limits;
+use crate::config::TenantConfig;
 
 /// What a bucket counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,45 +41,66 @@ pub struct BucketSpec {
     pub cost: u64,
 }
 
-/// The Redis key of a tenant's bucket of the given kind.
-pub fn bucket_key(prefix: &str, tenant: &str, kind: BucketKind) -> String {
+/// Whose bucket: the tenant's across all models, or the tenant's for one model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope<'a> {
+    /// `tenants[].limits`.
+    Tenant,
+    /// `tenants[].model_limits.<model>`.
+    Model(&'a str),
+}
+
+/// The Redis key of a bucket: `<prefix>:rl:{<tenant>}:rpm` (or `:tpm`), and
+/// `<prefix>:rl:{<tenant>}:m:<model>:rpm` for a per-model bucket. The `{tenant}` hash tag puts
+/// all of a tenant's buckets in one Redis Cluster slot.
+pub fn bucket_key(prefix: &str, tenant: &str, scope: Scope<'_>, kind: BucketKind) -> String {
     let suffix = match kind {
         BucketKind::Requests => "rpm",
         BucketKind::Tokens => "tpm",
     };
-    format!("{prefix}:rl:{{{tenant}}}:{suffix}")
-}
-
-/// The token bucket of a tenant, if it has a tokens-per-minute limit (cost 0).
-pub fn token_bucket(prefix: &str, tenant: &str, limits: &Limits) -> Option<BucketSpec> {
-    limits.tokens_per_minute.map(|rate| BucketSpec {
-        kind: BucketKind::Tokens,
-        key: bucket_key(prefix, tenant, BucketKind::Tokens),
-        capacity: limits.token_burst.unwrap_or(rate),
-        rate_per_minute: rate,
-        cost: 0,
-    })
-}
-
-/// The buckets one request draws on: one request from the RPM bucket, and `reserve_tokens` from
-/// the TPM bucket, capped at the bucket's capacity (a reservation larger than the burst could
-/// never be admitted; the excess is charged when the request is settled).
-pub fn plan(prefix: &str, tenant: &str, limits: &Limits, reserve_tokens: u64) -> Vec<BucketSpec> {
-    let mut buckets = Vec::with_capacity(2);
-    if let Some(rate) = limits.requests_per_minute {
-        buckets.push(BucketSpec {
-            kind: BucketKind::Requests,
-            key: bucket_key(prefix, tenant, BucketKind::Requests),
-            capacity: limits.request_burst.unwrap_or(rate),
-            rate_per_minute: rate,
-            cost: 1,
-        });
+    match scope {
+        Scope::Tenant => format!("{prefix}:rl:{{{tenant}}}:{suffix}"),
+        Scope::Model(model) => format!("{prefix}:rl:{{{tenant}}}:m:{model}:{suffix}"),
     }
-    if let Some(mut bucket) = token_bucket(prefix, tenant, limits) {
-        bucket.cost = reserve_tokens.min(bucket.capacity);
-        buckets.push(bucket);
+}
+
+/// The buckets one request draws on, for the tenant and (if configured) the tenant × model:
+/// one request from each RPM bucket, and `reserve_tokens` from each TPM bucket, capped at the
+/// bucket's capacity (a reservation larger than the burst could never be admitted; the excess is
+/// charged when the request is settled).
+pub fn plan(prefix: &str, tenant: &TenantConfig, model: &str, reserve_tokens: u64) -> Vec<BucketSpec> {
+    let mut scopes = vec![(Scope::Tenant, &tenant.limits)];
+    if let Some(limits) = tenant.model_limits.get(model) {
+        scopes.push((Scope::Model(model), limits));
+    }
+    let mut buckets = Vec::with_capacity(4);
+    for (scope, limits) in scopes {
+        if let Some(rate) = limits.requests_per_minute {
+            buckets.push(BucketSpec {
+                kind: BucketKind::Requests,
+                key: bucket_key(prefix, &tenant.id, scope, BucketKind::Requests),
+                capacity: limits.request_burst.unwrap_or(rate),
+                rate_per_minute: rate,
+                cost: 1,
+            });
+        }
+        if let Some(rate) = limits.tokens_per_minute {
+            let capacity = limits.token_burst.unwrap_or(rate);
+            buckets.push(BucketSpec {
+                kind: BucketKind::Tokens,
+                key: bucket_key(prefix, &tenant.id, scope, BucketKind::Tokens),
+                capacity,
+                rate_per_minute: rate,
+                cost: reserve_tokens.min(capacity),
+            });
+        }
     }
     buckets
+}
+
+/// The token buckets a request's usage is settled against (cost 0), tenant and tenant × model.
+pub fn token_buckets(prefix: &str, tenant: &TenantConfig, model: &str) -> Vec<BucketSpec> {
+    plan(prefix, tenant, model, 0).into_iter().filter(|b| b.kind == BucketKind::Tokens).collect()
 }
 
 /// State of one bucket after a take, as the script reports it.
@@ -115,10 +136,7 @@ impl TakeOutcome {
     /// [`ReplyError`] when the reply does not have that shape.
     pub fn from_reply(reply: &[i64], n: usize) -> Result<Self, ReplyError> {
         if reply.len() != 2 + 3 * n {
-            return Err(ReplyError(format!(
-                "{} values for {n} buckets",
-                reply.len()
-            )));
+            return Err(ReplyError(format!("{} values for {n} buckets", reply.len())));
         }
         let (head, rest) = reply.split_at(2);
         let denied = match head {
@@ -134,11 +152,7 @@ impl TakeOutcome {
                     reset_ms: (*reset).max(0) as u64,
                     retry_after_ms: u64::try_from(*retry).ok(),
                 },
-                _ => BucketState {
-                    remaining: 0,
-                    reset_ms: 0,
-                    retry_after_ms: None,
-                },
+                _ => BucketState { remaining: 0, reset_ms: 0, retry_after_ms: None },
             })
             .collect();
         Ok(Self { denied, states })
@@ -148,23 +162,19 @@ impl TakeOutcome {
 /// OpenAI's `x-ratelimit-*` response headers for the buckets of a request, e.g.
 /// `x-ratelimit-limit-requests: 60`, `x-ratelimit-remaining-requests: 59`,
 /// `x-ratelimit-reset-requests: 1s` (a duration in OpenAI's `1m30s` / `0.5s` style).
-/// The limit is the per-minute rate.
+/// The limit is the per-minute rate. When a request draws on a tenant bucket and a tenant × model
+/// bucket of the same kind, the one with the fewest remaining is reported.
 pub fn ratelimit_headers(plan: &[BucketSpec], outcome: &TakeOutcome) -> Vec<(String, String)> {
-    let mut headers = Vec::with_capacity(plan.len() * 3);
-    for (bucket, state) in plan.iter().zip(&outcome.states) {
-        let kind = bucket.kind.as_str();
-        headers.push((
-            format!("x-ratelimit-limit-{kind}"),
-            bucket.rate_per_minute.to_string(),
-        ));
-        headers.push((
-            format!("x-ratelimit-remaining-{kind}"),
-            state.remaining.to_string(),
-        ));
-        headers.push((
-            format!("x-ratelimit-reset-{kind}"),
-            format_reset(state.reset_ms),
-        ));
+    let mut headers = Vec::with_capacity(6);
+    for kind in [BucketKind::Requests, BucketKind::Tokens] {
+        let tightest =
+            plan.iter().zip(&outcome.states).filter(|(b, _)| b.kind == kind).min_by_key(|(_, s)| s.remaining);
+        if let Some((bucket, state)) = tightest {
+            let kind = kind.as_str();
+            headers.push((format!("x-ratelimit-limit-{kind}"), bucket.rate_per_minute.to_string()));
+            headers.push((format!("x-ratelimit-remaining-{kind}"), state.remaining.to_string()));
+            headers.push((format!("x-ratelimit-reset-{kind}"), format_reset(state.reset_ms)));
+        }
     }
     headers
 }
@@ -196,14 +206,42 @@ pub fn format_reset(ms: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Limits;
 
     fn limits(rpm: Option<u64>, tpm: Option<u64>) -> Limits {
-        Limits {
-            requests_per_minute: rpm,
-            request_burst: None,
-            tokens_per_minute: tpm,
-            token_burst: None,
-        }
+        Limits { requests_per_minute: rpm, request_burst: None, tokens_per_minute: tpm, token_burst: None }
+    }
+
+    fn tenant(id: &str, l: Limits) -> TenantConfig {
+        TenantConfig { id: id.into(), limits: l, model_limits: Default::default() }
+    }
+
+    fn plan(prefix: &str, id: &str, l: &Limits, reserve: u64) -> Vec<BucketSpec> {
+        super::plan(prefix, &tenant(id, *l), "m", reserve)
+    }
+
+    #[test]
+    fn model_limits_add_buckets_in_the_same_slot() {
+        let mut t = tenant("acme", limits(Some(60), None));
+        t.model_limits.insert("big".into(), limits(Some(5), Some(100)));
+        let p = super::plan("p", &t, "big", 300);
+        let keys: Vec<_> = p.iter().map(|b| b.key.as_str()).collect();
+        assert_eq!(keys, ["p:rl:{acme}:rpm", "p:rl:{acme}:m:big:rpm", "p:rl:{acme}:m:big:tpm"]);
+        assert_eq!(p[2].cost, 100, "capped at the model bucket's burst");
+        assert_eq!(super::plan("p", &t, "small", 1).len(), 1);
+        assert_eq!(token_buckets("p", &t, "big").len(), 1);
+    }
+
+    #[test]
+    fn headers_report_the_tightest_bucket_of_a_kind() {
+        let mut t = tenant("acme", limits(Some(60), None));
+        t.model_limits.insert("big".into(), limits(Some(5), None));
+        let p = super::plan("p", &t, "big", 0);
+        let o = TakeOutcome::from_reply(&[1, 0, 59, 1000, 0, 4, 12000, 0], 2).unwrap();
+        let h = ratelimit_headers(&p, &o);
+        assert!(h.contains(&("x-ratelimit-limit-requests".into(), "5".into())));
+        assert!(h.contains(&("x-ratelimit-remaining-requests".into(), "4".into())));
+        assert_eq!(h.len(), 3);
     }
 
     #[test]
@@ -229,14 +267,7 @@ mod tests {
     fn reads_an_admitted_reply() {
         let o = TakeOutcome::from_reply(&[1, 0, 59, 1000, 0, 700, 18000, 0], 2).unwrap();
         assert_eq!(o.denied, None);
-        assert_eq!(
-            o.states[0],
-            BucketState {
-                remaining: 59,
-                reset_ms: 1000,
-                retry_after_ms: Some(0)
-            }
-        );
+        assert_eq!(o.states[0], BucketState { remaining: 59, reset_ms: 1000, retry_after_ms: Some(0) });
         assert_eq!(o.states[1].remaining, 700);
     }
 

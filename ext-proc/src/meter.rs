@@ -18,6 +18,9 @@ use crate::sse::SseParser;
 /// Largest single SSE event the meter holds while parsing, in bytes.
 pub const MAX_SSE_EVENT_BYTES: usize = 1 << 20;
 
+/// Most inter-token gaps held between two [`Meter::drain_gaps`] calls.
+const MAX_PENDING_GAPS: usize = 256;
+
 /// What the request headers told the meter (set by the wasm filter and the admission step).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RequestInfo {
@@ -33,6 +36,11 @@ pub struct RequestInfo {
     pub prompt_tokens_estimate: u64,
     /// Tokens reserved at admission against the tenant's TPM bucket (0 when it has none).
     pub reserved_tokens: u64,
+    /// `x-gateway-tier`.
+    pub tier: String,
+    /// Unique id of the usage record, made by the sidecar (the key that makes its write
+    /// idempotent).
+    pub record_id: String,
 }
 
 /// How the request ended, as the meter saw it.
@@ -148,6 +156,8 @@ struct Active {
     usage: Option<Usage>,
     content_chunks: u64,
     first_content: Option<Instant>,
+    last_content: Option<Instant>,
+    gaps: Vec<std::time::Duration>,
 }
 
 /// The metering state of one HTTP request. Feed it events in order; it returns the record once.
@@ -168,10 +178,7 @@ enum State {
 impl Meter {
     /// A meter that buffers at most `max_json_body_bytes` of a non-streaming response body.
     pub fn new(max_json_body_bytes: usize) -> Self {
-        Self {
-            state: State::Unadmitted,
-            max_json_body_bytes,
-        }
+        Self { state: State::Unadmitted, max_json_body_bytes }
     }
 
     /// The request headers arrived: the request was admitted and is now metered.
@@ -185,7 +192,18 @@ impl Meter {
                 usage: None,
                 content_chunks: 0,
                 first_content: None,
+                last_content: None,
+                gaps: Vec::new(),
             }));
+        }
+    }
+
+    /// Takes the inter-token gaps (between consecutive content chunks) seen since the last call,
+    /// for the ITL histogram.
+    pub fn drain_gaps(&mut self) -> Vec<std::time::Duration> {
+        match &mut self.state {
+            State::Active(a) => std::mem::take(&mut a.gaps),
+            _ => Vec::new(),
         }
     }
 
@@ -207,10 +225,7 @@ impl Meter {
             a.body = if content_type.trim_start().starts_with("text/event-stream") {
                 Body::Sse(SseParser::new(MAX_SSE_EVENT_BYTES))
             } else {
-                Body::Json {
-                    buf: Vec::new(),
-                    overflowed: false,
-                }
+                Body::Json { buf: Vec::new(), overflowed: false }
             };
         }
         if end_of_stream {
@@ -229,13 +244,7 @@ impl Meter {
     ) -> Option<UsageRecord> {
         let max_json = self.max_json_body_bytes;
         if let State::Active(a) = &mut self.state {
-            let Active {
-                body,
-                usage,
-                content_chunks,
-                first_content,
-                ..
-            } = a.as_mut();
+            let Active { body, usage, content_chunks, first_content, last_content, gaps, .. } = a.as_mut();
             match body {
                 Body::Sse(parser) => parser.feed(chunk, |data| {
                     if data == b"[DONE]" {
@@ -250,6 +259,11 @@ impl Meter {
                     if parsed.choices.iter().any(Choice::has_content) {
                         *content_chunks += 1;
                         first_content.get_or_insert(now);
+                        if let Some(last) = last_content.replace(now) {
+                            if gaps.len() < MAX_PENDING_GAPS {
+                                gaps.push(now.saturating_duration_since(last));
+                            }
+                        }
                     }
                 }),
                 Body::Json { buf, overflowed } => {
@@ -285,12 +299,9 @@ impl Meter {
         };
         let a = *a;
         let usage = a.usage.or_else(|| match &a.body {
-            Body::Json {
-                buf,
-                overflowed: false,
-            } if !buf.is_empty() => serde_json::from_slice::<JsonBody>(buf)
-                .ok()
-                .and_then(|b| b.usage),
+            Body::Json { buf, overflowed: false } if !buf.is_empty() => {
+                serde_json::from_slice::<JsonBody>(buf).ok().and_then(|b| b.usage)
+            }
             _ => None,
         });
         let micros = |t: Instant| {
@@ -300,18 +311,12 @@ impl Meter {
             Some(u) => (
                 u.prompt_tokens,
                 u.completion_tokens,
-                u.prompt_tokens_details
-                    .and_then(|d| d.cached_tokens)
-                    .unwrap_or(0),
+                u.prompt_tokens_details.and_then(|d| d.cached_tokens).unwrap_or(0),
                 UsageSource::Upstream,
             ),
             None => {
                 let started = (200..300).contains(&a.status);
-                let prompt = if started {
-                    a.info.prompt_tokens_estimate
-                } else {
-                    0
-                };
+                let prompt = if started { a.info.prompt_tokens_estimate } else { 0 };
                 (prompt, a.content_chunks, 0, UsageSource::StreamedChunks)
             }
         };
@@ -333,10 +338,7 @@ impl Choice {
     fn has_content(&self) -> bool {
         let nonempty = |s: &Option<String>| s.as_deref().is_some_and(|s| !s.is_empty());
         nonempty(&self.text)
-            || self
-                .delta
-                .as_ref()
-                .is_some_and(|d| nonempty(&d.content) || nonempty(&d.reasoning_content))
+            || self.delta.as_ref().is_some_and(|d| nonempty(&d.content) || nonempty(&d.reasoning_content))
     }
 }
 
@@ -354,6 +356,8 @@ mod tests {
             pool: "pool_a".into(),
             prompt_tokens_estimate: 42,
             reserved_tokens: 100,
+            tier: "standard".into(),
+            record_id: "rec-1".into(),
         }
     }
 
@@ -363,7 +367,8 @@ mod tests {
         )
     }
 
-    const ROLE: &str = "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n";
+    const ROLE: &str =
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n";
     const USAGE: &str = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":17,\"completion_tokens\":3,\"total_tokens\":20,\"prompt_tokens_details\":{\"cached_tokens\":5}}}\n\n";
 
     fn stream(with_usage: bool) -> String {
@@ -385,21 +390,11 @@ mod tests {
             let t0 = Instant::now();
             let mut m = Meter::new(1024);
             m.on_request_headers(info(), t0);
-            assert!(m
-                .on_response_headers(200, "text/event-stream", false, t0)
-                .is_none());
+            assert!(m.on_response_headers(200, "text/event-stream", false, t0).is_none());
             let (a, b) = s.as_bytes().split_at(split);
-            assert!(m
-                .on_response_body(a, false, t0 + Duration::from_millis(5))
-                .is_none());
-            let r = m
-                .on_response_body(b, true, t0 + Duration::from_millis(9))
-                .unwrap();
-            assert_eq!(
-                (r.prompt_tokens, r.completion_tokens, r.cached_tokens),
-                (17, 3, 5),
-                "split {split}"
-            );
+            assert!(m.on_response_body(a, false, t0 + Duration::from_millis(5)).is_none());
+            let r = m.on_response_body(b, true, t0 + Duration::from_millis(9)).unwrap();
+            assert_eq!((r.prompt_tokens, r.completion_tokens, r.cached_tokens), (17, 3, 5), "split {split}");
             assert_eq!(r.usage_source, UsageSource::Upstream);
             assert_eq!(r.end_reason, EndReason::Completed);
             assert_eq!(r.duration_us, 9000);
@@ -419,12 +414,27 @@ mod tests {
         let r = m.on_stream_end(t0 + Duration::from_millis(4)).unwrap();
         assert_eq!((r.prompt_tokens, r.completion_tokens), (42, 2));
         assert_eq!(r.ttft_us, 2000, "the role chunk carries no content");
-        assert_eq!(
-            (r.end_reason, r.usage_source),
-            (EndReason::Incomplete, UsageSource::StreamedChunks)
-        );
+        assert!(m.drain_gaps().is_empty(), "finished: nothing pending");
+        assert_eq!((r.end_reason, r.usage_source), (EndReason::Incomplete, UsageSource::StreamedChunks));
         assert!(m.on_stream_end(t0).is_none());
         assert!(m.on_response_body(b"", true, t0).is_none());
+    }
+
+    #[test]
+    fn inter_token_gaps_are_drained() {
+        let t0 = Instant::now();
+        let mut m = Meter::new(1024);
+        m.on_request_headers(info(), t0);
+        m.on_response_headers(200, "text/event-stream", false, t0);
+        m.on_response_body(chunk("a").as_bytes(), false, t0 + Duration::from_millis(10));
+        assert!(m.drain_gaps().is_empty());
+        m.on_response_body(
+            format!("{}{}", chunk("b"), chunk("c")).as_bytes(),
+            false,
+            t0 + Duration::from_millis(25),
+        );
+        assert_eq!(m.drain_gaps(), vec![Duration::from_millis(15), Duration::ZERO]);
+        assert!(m.drain_gaps().is_empty());
     }
 
     #[test]
@@ -437,10 +447,7 @@ mod tests {
         let (a, b) = body.split_at(30);
         m.on_response_body(a, false, t0);
         let r = m.on_response_body(b, true, t0).unwrap();
-        assert_eq!(
-            (r.prompt_tokens, r.completion_tokens, r.usage_source),
-            (7, 2, UsageSource::Upstream)
-        );
+        assert_eq!((r.prompt_tokens, r.completion_tokens, r.usage_source), (7, 2, UsageSource::Upstream));
     }
 
     #[test]
@@ -465,22 +472,15 @@ mod tests {
         let mut m = Meter::new(8);
         m.on_request_headers(info(), t0);
         m.on_response_headers(200, "application/json", false, t0);
-        let r = m
-            .on_response_body(b"{\"usage\":{\"prompt_tokens\":1}}", true, t0)
-            .unwrap();
-        assert_eq!(
-            (r.prompt_tokens, r.usage_source),
-            (42, UsageSource::StreamedChunks)
-        );
+        let r = m.on_response_body(b"{\"usage\":{\"prompt_tokens\":1}}", true, t0).unwrap();
+        assert_eq!((r.prompt_tokens, r.usage_source), (42, UsageSource::StreamedChunks));
     }
 
     #[test]
     fn local_replies_are_never_metered() {
         let t0 = Instant::now();
         let mut m = Meter::new(1024);
-        assert!(m
-            .on_response_headers(429, "application/json", false, t0)
-            .is_none());
+        assert!(m.on_response_headers(429, "application/json", false, t0).is_none());
         assert!(m.on_response_body(b"{}", true, t0).is_none());
         assert!(m.on_stream_end(t0).is_none());
         assert!(!m.is_active());
@@ -501,10 +501,7 @@ mod tests {
         let mut m = Meter::new(1024);
         m.on_request_headers(info(), t0);
         let r = m.on_stream_end(t0).unwrap();
-        assert_eq!(
-            (r.status, r.total_tokens(), r.end_reason),
-            (0, 0, EndReason::Incomplete)
-        );
+        assert_eq!((r.status, r.total_tokens(), r.end_reason), (0, 0, EndReason::Incomplete));
     }
 
     #[test]

@@ -1,43 +1,49 @@
 //! The tonic adapter: Envoy's `envoy.service.ext_proc.v3.ExternalProcessor` service. It reads
-//! `ProcessingRequest`s, calls the pure decisions ([`crate::admission`], [`crate::meter`]) and
-//! the [`Store`], and builds `ProcessingResponse`s. Nothing else here decides anything.
+//! `ProcessingRequest`s, calls the decisions ([`crate::admission`], [`crate::shedding`] through
+//! [`Pools`], [`crate::meter`]) and the [`Limiter`] and [`Recorder`], and builds
+//! `ProcessingResponse`s. Nothing here decides anything itself.
 //!
 //! One service serves both ext_proc filters of the Envoy chain; the gRPC initial metadata
 //! `x-gateway-ext-proc-role` (`admission` or `metering`, set in the filter's `grpc_service`)
 //! tells them apart, falling back to `observability_mode` (metering) when absent.
-//! - admission (blocking, request headers only): RPM/TPM token buckets; a 429 ImmediateResponse
-//!   or a CONTINUE whose dynamic metadata (namespace `llm_gateway`) carries the `x-ratelimit-*`
-//!   values, which Envoy's route adds to the response, and the tokens reserved.
+//! - admission (blocking, request headers only): pool shedding, then the RPM/TPM token buckets;
+//!   a 429 ImmediateResponse, or a CONTINUE whose dynamic metadata (namespace `llm_gateway`)
+//!   carries the `x-ratelimit-*` values, which Envoy's route adds to the response, and the tokens
+//!   reserved.
 //! - metering (observability mode, request headers + response headers + streamed response body):
-//!   feeds the [`Meter`], records the usage once and settles the reservation, then ends the RPC.
+//!   feeds the [`Meter`], settles the reservation, queues the usage record once, then ends the
+//!   RPC.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use envoy_types::pb::envoy::config::core::v3::{
-    HeaderMap, HeaderValue, HeaderValueOption, Metadata,
-};
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption, Metadata};
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as ProcRequest;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as ProcResponse;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    CommonResponse, HeaderMutation, HeadersResponse, HttpHeaders, ImmediateResponse,
-    ProcessingRequest, ProcessingResponse,
+    CommonResponse, HeaderMutation, HeadersResponse, HttpHeaders, ImmediateResponse, ProcessingRequest,
+    ProcessingResponse,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
-use tracing::{debug, info, warn, Instrument};
+use tracing::{debug, info, Instrument};
 
 use crate::admission::{self, Admitted, RequestFacts};
-use crate::config::{Config, FailureMode};
+use crate::config::Config;
 use crate::error::AdmissionError;
-use crate::limits;
-use crate::meter::{Meter, RequestInfo, UsageRecord};
-use crate::store::Store;
+use crate::limiter::{Limiter, Take};
+use crate::limits::{self, BucketKind};
+use crate::meter::{EndReason, Meter, RequestInfo, UsageRecord};
+use crate::metrics::{Decision, Finished, Metrics, ModelLabel, PoolTier, TenantTokens, TokenType};
+use crate::pools::Pools;
+use crate::recorder::Recorder;
 
 /// Dynamic metadata namespace the sidecar writes and reads (Envoy `metadata_options`).
 pub const METADATA_NAMESPACE: &str = "llm_gateway";
@@ -46,16 +52,60 @@ pub const RESERVED_TOKENS_KEY: &str = "reserved_tokens";
 /// gRPC initial-metadata key naming the role of an ext_proc filter.
 pub const ROLE_METADATA_KEY: &str = "x-gateway-ext-proc-role";
 
-/// Shared state of the service.
+/// What every stream of the service shares.
+pub struct Shared {
+    /// The sidecar's config.
+    pub config: Config,
+    /// Rate limits (Redis, breaker, local fallback).
+    pub limiter: Limiter,
+    /// Usage records' way to Redis.
+    pub recorder: Recorder,
+    /// Pool load for shedding.
+    pub pools: Arc<Pools>,
+    /// Prometheus metrics.
+    pub metrics: Arc<Metrics>,
+    ids: RecordIds,
+}
+
+impl Shared {
+    /// Bundles the parts.
+    pub fn new(
+        config: Config,
+        limiter: Limiter,
+        recorder: Recorder,
+        pools: Arc<Pools>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self { config, limiter, recorder, pools, metrics, ids: RecordIds::new() }
+    }
+}
+
+/// Unique usage-record ids: a random per-process prefix and a counter.
+struct RecordIds {
+    prefix: u64,
+    next: AtomicU64,
+}
+
+impl RecordIds {
+    fn new() -> Self {
+        let prefix = RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now()));
+        Self { prefix, next: AtomicU64::new(0) }
+    }
+
+    fn next(&self) -> String {
+        format!("{:016x}-{:x}", self.prefix, self.next.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+/// The ext_proc service.
 pub struct Gateway {
-    config: Arc<Config>,
-    store: Store,
+    shared: Arc<Shared>,
 }
 
 impl Gateway {
-    /// A service over the given config and Redis store.
-    pub fn new(config: Arc<Config>, store: Store) -> Self {
-        Self { config, store }
+    /// A service over the shared state.
+    pub fn new(shared: Arc<Shared>) -> Self {
+        Self { shared }
     }
 }
 
@@ -73,11 +123,7 @@ impl ExternalProcessor for Gateway {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
-        let role = match request
-            .metadata()
-            .get(ROLE_METADATA_KEY)
-            .map(|v| v.to_str())
-        {
+        let role = match request.metadata().get(ROLE_METADATA_KEY).map(|v| v.to_str()) {
             Some(Ok("admission")) => Some(Role::Admission),
             Some(Ok("metering")) => Some(Role::Metering),
             Some(_) => {
@@ -89,10 +135,9 @@ impl ExternalProcessor for Gateway {
         };
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(4);
-        let config = Arc::clone(&self.config);
-        let store = self.store.clone();
+        let shared = Arc::clone(&self.shared);
         tokio::spawn(async move {
-            if let Err(status) = serve_stream(role, inbound, &tx, config, store).await {
+            if let Err(status) = serve_stream(role, inbound, &tx, shared).await {
                 // Envoy resets the gRPC stream at the end of every HTTP stream; that is normal.
                 debug!(code = ?status.code(), "ext_proc stream ended: {}", status.message());
             }
@@ -107,89 +152,90 @@ async fn serve_stream(
     role: Option<Role>,
     mut inbound: Streaming<ProcessingRequest>,
     tx: &Tx,
-    config: Arc<Config>,
-    store: Store,
+    shared: Arc<Shared>,
 ) -> Result<(), Status> {
-    let Some(first) = inbound.message().await? else {
-        return Ok(());
-    };
-    let role = role.unwrap_or(if first.observability_mode {
-        Role::Metering
-    } else {
-        Role::Admission
-    });
+    let Some(first) = inbound.message().await? else { return Ok(()) };
+    let role = role.unwrap_or(if first.observability_mode { Role::Metering } else { Role::Admission });
     match role {
-        Role::Admission => admission_stream(first, tx, &config, &store).await,
-        Role::Metering => metering_stream(first, inbound, &config, store).await,
+        Role::Admission => admission_stream(first, tx, &shared).await,
+        Role::Metering => metering_stream(first, inbound, &shared).await,
     }
 }
 
 /// Admission: answers the request headers, then ends the RPC (nothing else is sent to it).
-async fn admission_stream(
-    first: ProcessingRequest,
-    tx: &Tx,
-    config: &Config,
-    store: &Store,
-) -> Result<(), Status> {
+async fn admission_stream(first: ProcessingRequest, tx: &Tx, shared: &Shared) -> Result<(), Status> {
     let Some(ProcRequest::RequestHeaders(headers)) = &first.request else {
         // Misconfigured processing mode: let the request through untouched.
         return send(tx, continue_response(&first.request, None)).await;
     };
     let facts = request_facts(headers);
-    let span = tracing::info_span!("admission", request_id = %facts.request_id, tenant = facts.tenant.as_deref().unwrap_or(""));
-    let decision = admit(config, store, &facts).instrument(span.clone()).await;
+    let span = tracing::info_span!(
+        "admission",
+        request_id = %facts.request_id,
+        tenant = facts.tenant.as_deref().unwrap_or("")
+    );
+    let decision = admit(shared, &facts).instrument(span.clone()).await;
+    let _e = span.enter();
+    let tenant = facts.tenant.as_deref().unwrap_or("");
     let response = match decision {
         Ok(admitted) => {
-            let _e = span.enter();
             debug!(reserved_tokens = admitted.reserved_tokens, "admitted");
+            shared.pools.admitted(&facts.pool);
+            shared.metrics.request(tenant, &facts.model, "admitted");
             continue_response(&first.request, Some(admission_metadata(&admitted)))
         }
         Err(error) => {
-            let _e = span.enter();
             info!(reason = %error, "refused");
+            shared.metrics.request(tenant, &facts.model, outcome_label(&error));
             immediate_response(&error)
         }
     };
     send(tx, response).await
 }
 
-async fn admit(
-    config: &Config,
-    store: &Store,
-    facts: &RequestFacts,
-) -> Result<Admitted, AdmissionError> {
-    let tenant = facts
-        .tenant
-        .as_deref()
-        .ok_or(AdmissionError::MissingTenant)?;
-    let tenant_config = config
-        .tenant(tenant)
-        .ok_or(AdmissionError::TenantNotConfigured)?;
-    let plan = limits::plan(
-        store.prefix(),
-        tenant,
-        &tenant_config.limits,
-        facts.reserve_tokens(),
-    );
-    if plan.is_empty() {
-        return Ok(Admitted {
-            ratelimit_headers: Vec::new(),
-            reserved_tokens: 0,
+/// The `outcome` label of a refusal.
+fn outcome_label(error: &AdmissionError) -> &'static str {
+    match error {
+        AdmissionError::RateLimited { kind: BucketKind::Requests, .. } => "rate_limited_requests",
+        AdmissionError::RateLimited { kind: BucketKind::Tokens, .. } => "rate_limited_tokens",
+        AdmissionError::Overloaded { .. } => "overloaded",
+        AdmissionError::LimiterUnavailable => "limiter_unavailable",
+        AdmissionError::TenantNotConfigured => "tenant_not_configured",
+        AdmissionError::MissingTenant => "missing_tenant",
+    }
+}
+
+async fn admit(shared: &Shared, facts: &RequestFacts) -> Result<Admitted, AdmissionError> {
+    let config = &shared.config;
+    let tenant = facts.tenant.as_deref().ok_or(AdmissionError::MissingTenant)?;
+    let tenant_config = config.tenant(tenant).ok_or(AdmissionError::TenantNotConfigured)?;
+    // Shed before taking quota: a request the pool cannot serve soon costs the tenant nothing.
+    if let Some(shed) = shared.pools.check(&facts.pool, config.shedding.level(&facts.tier)) {
+        let labels =
+            PoolTier { pool: shared.metrics.bounded(&facts.pool), tier: shared.metrics.bounded(&facts.tier) };
+        shared.metrics.shed.get_or_create(&labels).inc();
+        debug!(load = shed.load, pool = %facts.pool, "shed");
+        return Err(AdmissionError::Overloaded {
+            pool: facts.pool.clone(),
+            retry_after_secs: shed.retry_after_secs,
         });
     }
-    match store.take(&plan).await {
-        Ok(outcome) => admission::decide(&plan, &outcome),
-        Err(error) => {
-            warn!(%error, failure_mode = ?config.redis.failure_mode, "limiter unavailable");
-            match config.redis.failure_mode {
-                FailureMode::Open => Ok(Admitted {
-                    ratelimit_headers: Vec::new(),
-                    reserved_tokens: 0,
-                }),
-                FailureMode::Closed => Err(AdmissionError::LimiterUnavailable),
-            }
-        }
+    let plan = limits::plan(shared.limiter.store().prefix(), tenant_config, &facts.model, facts.reserve_tokens());
+    if plan.is_empty() {
+        return Ok(Admitted { ratelimit_headers: Vec::new(), reserved_tokens: 0 });
     }
+    let (outcome, degraded) = match shared.limiter.take(&plan, config.redis.failure_mode(&facts.tier)).await {
+        Take::Redis(outcome) => (outcome, false),
+        Take::Local(outcome) => (outcome, true),
+        Take::Unavailable => return Err(AdmissionError::LimiterUnavailable),
+    };
+    let decision = admission::decide(&plan, &outcome);
+    let labels = Decision {
+        decision: if decision.is_ok() { "admit" } else { "deny" }.to_owned(),
+        degraded: degraded.to_string(),
+    };
+    shared.metrics.limit_decisions.get_or_create(&labels).inc();
+    decision
 }
 
 /// Metering: observability mode, so nothing is ever answered; the RPC ends when the response
@@ -197,10 +243,10 @@ async fn admit(
 async fn metering_stream(
     first: ProcessingRequest,
     mut inbound: Streaming<ProcessingRequest>,
-    config: &Config,
-    store: Store,
+    shared: &Arc<Shared>,
 ) -> Result<(), Status> {
-    let mut meter = Meter::new(config.metering.max_json_body_bytes);
+    let mut meter = Meter::new(shared.config.metering.max_json_body_bytes);
+    let mut itl = None;
     let mut next = Some(first);
     loop {
         let message = match next.take() {
@@ -216,6 +262,8 @@ async fn metering_stream(
             Some(ProcRequest::RequestHeaders(h)) => {
                 let facts = request_facts(&h);
                 let reserved_tokens = reserved_tokens(message.metadata_context.as_ref());
+                let label = ModelLabel { model: shared.metrics.bounded(&facts.model) };
+                itl = Some(shared.metrics.itl.get_or_create(&label).clone());
                 meter.on_request_headers(
                     RequestInfo {
                         request_id: facts.request_id,
@@ -224,6 +272,8 @@ async fn metering_stream(
                         pool: facts.pool,
                         prompt_tokens_estimate: facts.prompt_tokens,
                         reserved_tokens,
+                        tier: facts.tier,
+                        record_id: shared.ids.next(),
                     },
                     now,
                 );
@@ -234,112 +284,114 @@ async fn metering_stream(
                     // A local reply (401, 429, ...): never metered.
                     return Ok(());
                 }
-                let status = header(&h, ":status")
-                    .and_then(|s| s.parse().ok())
-                    .unwrap_or(0);
+                let status = header(&h, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
                 let content_type = header(&h, "content-type").unwrap_or_default();
                 meter.on_response_headers(status, &content_type, h.end_of_stream, now)
             }
-            Some(ProcRequest::ResponseBody(b)) => {
-                meter.on_response_body(&b.body, b.end_of_stream, now)
-            }
+            Some(ProcRequest::ResponseBody(b)) => meter.on_response_body(&b.body, b.end_of_stream, now),
             Some(ProcRequest::ResponseTrailers(_)) => meter.on_stream_end(now),
             _ => None,
         };
+        if let Some(histogram) = &itl {
+            for gap in meter.drain_gaps() {
+                histogram.observe(gap.as_secs_f64());
+            }
+        }
         if let Some(record) = record {
-            finish(config, store, record);
+            finish(shared, record);
             return Ok(());
         }
     }
     if let Some(record) = meter.on_stream_end(Instant::now()) {
-        finish(config, store, record);
+        finish(shared, record);
     }
     Ok(())
 }
 
-/// Records the usage and settles the reservation, off the stream's path. Each is retried a few
-/// times; a record that still fails is logged whole so that it can be replayed.
-fn finish(config: &Config, store: Store, record: UsageRecord) {
-    let bucket = config
+/// Counts the metrics, settles the reservation (off the stream's path) and queues the record.
+fn finish(shared: &Arc<Shared>, record: UsageRecord) {
+    let span =
+        tracing::info_span!("metering", request_id = %record.info.request_id, tenant = %record.info.tenant);
+    let _e = span.enter();
+    info!(
+        model = %record.info.model,
+        status = record.status,
+        prompt_tokens = record.prompt_tokens,
+        completion_tokens = record.completion_tokens,
+        end_reason = ?record.end_reason,
+        usage_source = ?record.usage_source,
+        ttft_us = record.ttft_us,
+        duration_us = record.duration_us,
+        "usage"
+    );
+    shared.pools.finished(&record.info.pool);
+    observe(&shared.metrics, &record);
+    let buckets = shared
+        .config
         .tenant(&record.info.tenant)
-        .and_then(|t| limits::token_bucket(store.prefix(), &record.info.tenant, &t.limits));
-    let span = tracing::info_span!("metering", request_id = %record.info.request_id, tenant = %record.info.tenant);
-    tokio::spawn(
-        async move {
-            info!(
-                model = %record.info.model,
-                status = record.status,
-                prompt_tokens = record.prompt_tokens,
-                completion_tokens = record.completion_tokens,
-                end_reason = ?record.end_reason,
-                usage_source = ?record.usage_source,
-                ttft_us = record.ttft_us,
-                duration_us = record.duration_us,
-                "usage"
-            );
-            if let Some(bucket) = bucket {
-                let delta = i64::try_from(record.info.reserved_tokens).unwrap_or(i64::MAX)
-                    - i64::try_from(record.total_tokens()).unwrap_or(i64::MAX);
-                if delta != 0 {
-                    retry("settle", || store.settle(&bucket, delta)).await;
+        .map(|t| limits::token_buckets(shared.limiter.store().prefix(), t, &record.info.model))
+        .unwrap_or_default();
+    let delta = i64::try_from(record.info.reserved_tokens).unwrap_or(i64::MAX)
+        - i64::try_from(record.total_tokens()).unwrap_or(i64::MAX);
+    if !buckets.is_empty() && delta != 0 {
+        let shared = Arc::clone(shared);
+        tokio::spawn(
+            async move {
+                for bucket in &buckets {
+                    shared.limiter.settle(bucket, delta).await;
                 }
             }
-            if retry("record", || store.record(&record)).await.is_none() {
-                warn!(record = ?record, "usage record not written");
-            }
-        }
-        .instrument(span),
-    );
+            .instrument(span.clone()),
+        );
+    }
+    shared.recorder.record(record);
 }
 
-async fn retry<T, F, Fut>(what: &str, mut f: F) -> Option<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, crate::store::StoreError>>,
-{
-    let mut backoff = std::time::Duration::from_millis(20);
-    for attempt in 1..=5 {
-        match f().await {
-            Ok(v) => return Some(v),
-            Err(error) => {
-                warn!(%error, attempt, "{what} failed");
-                tokio::time::sleep(backoff).await;
-                backoff *= 2;
-            }
-        }
+/// Per-request metrics of a finished request.
+fn observe(metrics: &Metrics, r: &UsageRecord) {
+    let model = metrics.bounded(&r.info.model);
+    let tenant = metrics.bounded(&r.info.tenant);
+    let status = match r.status {
+        0 => "none".to_owned(),
+        s => format!("{}xx", s / 100),
+    };
+    let end_reason = match r.end_reason {
+        EndReason::Completed => "completed",
+        EndReason::Incomplete => "incomplete",
+    };
+    let finished =
+        Finished { tenant: tenant.clone(), model: model.clone(), status, end_reason: end_reason.to_owned() };
+    metrics.responses.get_or_create(&finished).inc();
+    let label = ModelLabel { model: model.clone() };
+    if r.ttft_us > 0 {
+        metrics.ttft.get_or_create(&label).observe(r.ttft_us as f64 / 1e6);
     }
-    None
+    metrics.duration.get_or_create(&label).observe(r.duration_us as f64 / 1e6);
+    for (token_type, n) in [("input", r.prompt_tokens), ("output", r.completion_tokens)] {
+        let usage = TokenType { model: model.clone(), token_type: token_type.to_owned() };
+        metrics.token_usage.get_or_create(&usage).observe(n as f64);
+        let tokens =
+            TenantTokens { tenant: tenant.clone(), model: model.clone(), token_type: token_type.to_owned() };
+        metrics.tokens.get_or_create(&tokens).inc_by(n);
+    }
 }
 
 async fn send(tx: &Tx, response: ProcessingResponse) -> Result<(), Status> {
-    tx.send(Ok(response))
-        .await
-        .map_err(|_| Status::cancelled("envoy closed the stream"))
+    tx.send(Ok(response)).await.map_err(|_| Status::cancelled("envoy closed the stream"))
 }
 
 /// A CONTINUE answer to whatever phase the request was, with optional dynamic metadata.
-fn continue_response(
-    request: &Option<ProcRequest>,
-    metadata: Option<Struct>,
-) -> ProcessingResponse {
-    let headers = HeadersResponse {
-        response: Some(CommonResponse::default()),
-    };
+fn continue_response(request: &Option<ProcRequest>, metadata: Option<Struct>) -> ProcessingResponse {
+    let headers = HeadersResponse { response: Some(CommonResponse::default()) };
     let response = match request {
         Some(ProcRequest::ResponseHeaders(_)) => ProcResponse::ResponseHeaders(headers),
         Some(ProcRequest::RequestBody(_)) => ProcResponse::RequestBody(Default::default()),
         Some(ProcRequest::ResponseBody(_)) => ProcResponse::ResponseBody(Default::default()),
         Some(ProcRequest::RequestTrailers(_)) => ProcResponse::RequestTrailers(Default::default()),
-        Some(ProcRequest::ResponseTrailers(_)) => {
-            ProcResponse::ResponseTrailers(Default::default())
-        }
+        Some(ProcRequest::ResponseTrailers(_)) => ProcResponse::ResponseTrailers(Default::default()),
         Some(ProcRequest::RequestHeaders(_)) | None => ProcResponse::RequestHeaders(headers),
     };
-    ProcessingResponse {
-        response: Some(response),
-        dynamic_metadata: metadata,
-        ..Default::default()
-    }
+    ProcessingResponse { response: Some(response), dynamic_metadata: metadata, ..Default::default() }
 }
 
 fn immediate_response(error: &AdmissionError) -> ProcessingResponse {
@@ -348,13 +400,8 @@ fn immediate_response(error: &AdmissionError) -> ProcessingResponse {
     set_headers.extend(reply.headers.iter().map(|(k, v)| header_option(k, v)));
     ProcessingResponse {
         response: Some(ProcResponse::ImmediateResponse(ImmediateResponse {
-            status: Some(HttpStatus {
-                code: i32::from(reply.status),
-            }),
-            headers: Some(HeaderMutation {
-                set_headers,
-                remove_headers: Vec::new(),
-            }),
+            status: Some(HttpStatus { code: i32::from(reply.status) }),
+            headers: Some(HeaderMutation { set_headers, remove_headers: Vec::new() }),
             body: reply.body,
             grpc_status: None,
             details: "llm_gateway_admission".to_owned(),
@@ -379,27 +426,14 @@ fn admission_metadata(admitted: &Admitted) -> Struct {
     let mut fields: HashMap<String, Value> = admitted
         .ratelimit_headers
         .iter()
-        .map(|(k, v)| {
-            (
-                k.clone(),
-                Value {
-                    kind: Some(Kind::StringValue(v.clone())),
-                },
-            )
-        })
+        .map(|(k, v)| (k.clone(), Value { kind: Some(Kind::StringValue(v.clone())) }))
         .collect();
     fields.insert(
         RESERVED_TOKENS_KEY.to_owned(),
-        Value {
-            kind: Some(Kind::NumberValue(admitted.reserved_tokens as f64)),
-        },
+        Value { kind: Some(Kind::NumberValue(admitted.reserved_tokens as f64)) },
     );
-    let inner = Value {
-        kind: Some(Kind::StructValue(Struct { fields })),
-    };
-    Struct {
-        fields: HashMap::from([(METADATA_NAMESPACE.to_owned(), inner)]),
-    }
+    let inner = Value { kind: Some(Kind::StructValue(Struct { fields })) };
+    Struct { fields: HashMap::from([(METADATA_NAMESPACE.to_owned(), inner)]) }
 }
 
 fn reserved_tokens(metadata: Option<&Metadata>) -> u64 {
@@ -419,24 +453,17 @@ fn header(headers: &HttpHeaders, name: &str) -> Option<String> {
 }
 
 fn find_header(map: &HeaderMap, name: &str) -> Option<String> {
-    map.headers
-        .iter()
-        .find(|h| h.key.eq_ignore_ascii_case(name))
-        .map(|h| {
-            if h.raw_value.is_empty() {
-                h.value.clone()
-            } else {
-                String::from_utf8_lossy(&h.raw_value).into_owned()
-            }
-        })
+    map.headers.iter().find(|h| h.key.eq_ignore_ascii_case(name)).map(|h| {
+        if h.raw_value.is_empty() {
+            h.value.clone()
+        } else {
+            String::from_utf8_lossy(&h.raw_value).into_owned()
+        }
+    })
 }
 
 fn request_facts(headers: &HttpHeaders) -> RequestFacts {
-    let number = |name| {
-        header(headers, name)
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0)
-    };
+    let number = |name| header(headers, name).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
     RequestFacts {
         tenant: header(headers, "x-gateway-tenant").filter(|t| !t.is_empty()),
         model: header(headers, "x-gateway-model").unwrap_or_default(),
@@ -444,6 +471,7 @@ fn request_facts(headers: &HttpHeaders) -> RequestFacts {
         prompt_tokens: number("x-gateway-prompt-tokens"),
         max_tokens: number("x-gateway-max-tokens"),
         request_id: header(headers, "x-request-id").unwrap_or_default(),
+        tier: header(headers, "x-gateway-tier").unwrap_or_default(),
     }
 }
 
@@ -483,10 +511,7 @@ mod tests {
 
     #[test]
     fn metadata_round_trip() {
-        let s = admission_metadata(&Admitted {
-            ratelimit_headers: vec![],
-            reserved_tokens: 77,
-        });
+        let s = admission_metadata(&Admitted { ratelimit_headers: vec![], reserved_tokens: 77 });
         let m = Metadata {
             filter_metadata: s
                 .fields
@@ -505,9 +530,7 @@ mod tests {
     #[test]
     fn immediate_response_sets_status_and_headers() {
         let r = immediate_response(&AdmissionError::LimiterUnavailable);
-        let Some(ProcResponse::ImmediateResponse(i)) = r.response else {
-            panic!()
-        };
+        let Some(ProcResponse::ImmediateResponse(i)) = r.response else { panic!() };
         assert_eq!(i.status.unwrap().code, 503);
         assert!(i
             .headers

@@ -132,10 +132,7 @@ mod tests {
     #[test]
     fn parses_every_case_in_one_chunk() {
         let (events, dropped) = parse_all(&[STREAM], 1024);
-        assert_eq!(
-            events,
-            vec!["{\"a\":1}", "{\"b\":2}", "line1\nline2", "[DONE]"]
-        );
+        assert_eq!(events, vec!["{\"a\":1}", "{\"b\":2}", "line1\nline2", "[DONE]"]);
         assert_eq!(dropped, 0);
     }
 
@@ -177,11 +174,7 @@ mod tests {
 
     #[test]
     fn multi_line_data_over_the_bound_is_dropped() {
-        let s = format!(
-            "data: {}\ndata: {}\n\ndata: ok\n\n",
-            "a".repeat(20),
-            "b".repeat(20)
-        );
+        let s = format!("data: {}\ndata: {}\n\ndata: ok\n\n", "a".repeat(20), "b".repeat(20));
         let (events, dropped) = parse_all(&[s.as_bytes()], 32);
         assert_eq!(events, vec!["ok"]);
         assert_eq!(dropped, 1);

@@ -18,6 +18,8 @@ use crate::proto;
 const TAKE_LUA: &str = include_str!("../lua/token_bucket_take_v1.lua");
 /// `lua/token_bucket_settle_v1.lua`: settle a reservation against the real usage.
 const SETTLE_LUA: &str = include_str!("../lua/token_bucket_settle_v1.lua");
+/// `lua/usage_record_v1.lua`: add a record to the daily aggregates exactly once.
+const USAGE_LUA: &str = include_str!("../lua/usage_record_v1.lua");
 
 /// Errors talking to Redis.
 #[derive(Debug, thiserror::Error)]
@@ -73,6 +75,7 @@ pub struct Store {
     conn: Conn,
     take: Script,
     settle: Script,
+    usage: Script,
     timeout: Duration,
     prefix: String,
     stream: String,
@@ -110,6 +113,7 @@ impl Store {
             conn,
             take: Script::new(TAKE_LUA),
             settle: Script::new(SETTLE_LUA),
+            usage: Script::new(USAGE_LUA),
             timeout,
             prefix: config.key_prefix.clone(),
             stream,
@@ -140,10 +144,7 @@ impl Store {
         let mut inv = self.take.prepare_invoke();
         inv.arg(plan.len());
         for b in plan {
-            inv.key(&b.key)
-                .arg(b.capacity)
-                .arg(b.rate_per_minute)
-                .arg(b.cost);
+            inv.key(&b.key).arg(b.capacity).arg(b.rate_per_minute).arg(b.cost);
         }
         let mut conn = self.conn.clone();
         let reply: Vec<i64> = self.bounded(inv.invoke_async(&mut conn)).await?;
@@ -157,41 +158,34 @@ impl Store {
     pub async fn settle(&self, bucket: &BucketSpec, delta: i64) -> Result<i64, StoreError> {
         let mut conn = self.conn.clone();
         let mut inv = self.settle.key(&bucket.key);
-        inv.arg(bucket.capacity)
-            .arg(bucket.rate_per_minute)
-            .arg(delta);
+        inv.arg(bucket.capacity).arg(bucket.rate_per_minute).arg(delta);
         self.bounded(inv.invoke_async(&mut conn)).await
     }
 
     /// Records one finished request: adds its counts to the tenant's daily hash
     /// `<prefix>:usage:{<tenant>}:<YYYY-MM-DD>` (fields `<model>:requests`, `<model>:prompt_tokens`,
-    /// `<model>:completion_tokens`, `<model>:cached_tokens`) and appends the protobuf
-    /// `UsageEvent` to the usage stream (field `event`).
+    /// `<model>:completion_tokens`, `<model>:cached_tokens`) exactly once per record id
+    /// (`lua/usage_record_v1.lua`), then appends the protobuf `UsageEvent` to the usage stream
+    /// (fields `event`, `tenant`, `record_id`). Safe to retry.
     ///
     /// # Errors
     /// [`StoreError`] on timeout or Redis error.
     pub async fn record(&self, record: &UsageRecord) -> Result<(), StoreError> {
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default();
-        let key = usage_key(&self.prefix, &record.info.tenant, now.as_secs());
-        let model = &record.info.model;
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        let info = &record.info;
+        let key = usage_key(&self.prefix, &info.tenant, now.as_secs());
+        let seen = format!("{}:usage-seen:{{{}}}:{}", self.prefix, info.tenant, info.record_id);
+        let mut inv = self.usage.key(&seen);
+        inv.key(&key)
+            .arg(&info.model)
+            .arg(record.prompt_tokens)
+            .arg(record.completion_tokens)
+            .arg(record.cached_tokens);
+        let mut conn = self.conn.clone();
+        let _applied: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
         let event = to_event(record, now).encode_to_vec();
-        let mut pipe = redis::pipe();
-        pipe.hincr(&key, format!("{model}:requests"), 1)
-            .ignore()
-            .hincr(&key, format!("{model}:prompt_tokens"), record.prompt_tokens)
-            .ignore()
-            .hincr(
-                &key,
-                format!("{model}:completion_tokens"),
-                record.completion_tokens,
-            )
-            .ignore()
-            .hincr(&key, format!("{model}:cached_tokens"), record.cached_tokens)
-            .ignore()
-            .cmd("XADD")
-            .arg(&self.stream)
+        let mut xadd = redis::cmd("XADD");
+        xadd.arg(&self.stream)
             .arg("MAXLEN")
             .arg("~")
             .arg(self.stream_maxlen)
@@ -199,10 +193,11 @@ impl Store {
             .arg("event")
             .arg(event)
             .arg("tenant")
-            .arg(&record.info.tenant)
-            .ignore();
-        let mut conn = self.conn.clone();
-        self.bounded(pipe.query_async::<()>(&mut conn)).await
+            .arg(&info.tenant)
+            .arg("record_id")
+            .arg(&info.record_id);
+        self.bounded(xadd.query_async::<redis::Value>(&mut conn)).await?;
+        Ok(())
     }
 }
 
@@ -248,6 +243,8 @@ fn to_event(r: &UsageRecord, now: Duration) -> proto::UsageEvent {
         } as i32,
         reserved_tokens: r.info.reserved_tokens,
         finished_at_unix_ms: u64::try_from(now.as_millis()).unwrap_or(u64::MAX),
+        record_id: r.info.record_id.clone(),
+        tier: r.info.tier.clone(),
     }
 }
 
@@ -259,10 +256,7 @@ mod tests {
     fn daily_key_is_utc_date_with_tenant_hash_tag() {
         assert_eq!(usage_key("p", "acme", 0), "p:usage:{acme}:1970-01-01");
         // 2026-11-22T12:00:00Z
-        assert_eq!(
-            usage_key("p", "acme", 1_795_348_800),
-            "p:usage:{acme}:2026-11-22"
-        );
+        assert_eq!(usage_key("p", "acme", 1_795_348_800), "p:usage:{acme}:2026-11-22");
         // 2024-02-29 (leap day)
         assert_eq!(usage_key("p", "t", 1_709_164_800), "p:usage:{t}:2024-02-29");
     }

@@ -1,0 +1,111 @@
+//! Rate-limit decisions with Redis's failure policy: Redis decides while it answers (within
+//! `command_timeout_ms`); after repeated failures a circuit breaker stops asking it, so a dead
+//! Redis costs requests no wait; while Redis cannot decide, each tier's failure mode applies:
+//! `open` decides from in-memory buckets ([`LocalLimiter`]), `closed` refuses (503). Every
+//! degraded decision is counted in `llm_gateway_degraded_decisions_total`.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tracing::warn;
+
+use crate::breaker::Breaker;
+use crate::config::{FailureMode, RedisConfig};
+use crate::limits::{BucketSpec, TakeOutcome};
+use crate::local_limiter::LocalLimiter;
+use crate::metrics::{Metrics, Reason};
+use crate::store::Store;
+
+/// Result of a take.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Take {
+    /// Redis decided.
+    Redis(TakeOutcome),
+    /// Redis could not; the in-memory buckets decided (failure mode `open`).
+    Local(TakeOutcome),
+    /// Redis could not and the failure mode is `closed`.
+    Unavailable,
+}
+
+/// The limiter: Redis, its breaker and the local fallback.
+pub struct Limiter {
+    store: Store,
+    breaker: Mutex<Breaker>,
+    local: Mutex<LocalLimiter>,
+    metrics: Arc<Metrics>,
+}
+
+impl Limiter {
+    /// A limiter over `store`.
+    pub fn new(store: Store, config: &RedisConfig, metrics: Arc<Metrics>) -> Self {
+        Self {
+            store,
+            breaker: Mutex::new(Breaker::new(
+                config.breaker.failure_threshold,
+                Duration::from_millis(config.breaker.open_ms),
+            )),
+            local: Mutex::new(LocalLimiter::new()),
+            metrics,
+        }
+    }
+
+    /// The Redis store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    fn allow(&self) -> bool {
+        self.breaker.lock().map(|mut b| b.allow(Instant::now())).unwrap_or(true)
+    }
+
+    fn record(&self, ok: bool) {
+        if let Ok(mut b) = self.breaker.lock() {
+            b.record(ok, Instant::now());
+        }
+    }
+
+    /// Takes the plan's costs: from Redis, or degraded per `mode`.
+    pub async fn take(&self, plan: &[BucketSpec], mode: FailureMode) -> Take {
+        let reason = if self.allow() {
+            let started = Instant::now();
+            let result = self.store.take(plan).await;
+            self.metrics.redis_call("take", started.elapsed(), result.is_ok());
+            self.record(result.is_ok());
+            match result {
+                Ok(outcome) => return Take::Redis(outcome),
+                Err(error) => {
+                    warn!(%error, "rate limit take failed");
+                    "redis_error"
+                }
+            }
+        } else {
+            "breaker_open"
+        };
+        self.metrics.degraded.get_or_create(&Reason { reason: reason.to_owned() }).inc();
+        match mode {
+            FailureMode::Open => match self.local.lock() {
+                Ok(mut local) => Take::Local(local.take(plan, Instant::now())),
+                Err(_) => Take::Unavailable,
+            },
+            FailureMode::Closed => Take::Unavailable,
+        }
+    }
+
+    /// Settles a reservation: `delta` tokens back into the bucket (negative charges more). While
+    /// Redis is away the local bucket is settled instead; Redis's own bucket refills by itself.
+    pub async fn settle(&self, bucket: &BucketSpec, delta: i64) {
+        if self.allow() {
+            let started = Instant::now();
+            let result = self.store.settle(bucket, delta).await;
+            self.metrics.redis_call("settle", started.elapsed(), result.is_ok());
+            self.record(result.is_ok());
+            match result {
+                Ok(_) => return,
+                Err(error) => warn!(%error, key = %bucket.key, delta, "settle failed"),
+            }
+        }
+        if let Ok(mut local) = self.local.lock() {
+            local.settle(bucket, delta, Instant::now());
+        }
+    }
+}

@@ -1,0 +1,353 @@
+//! Prometheus metrics of the sidecar (prometheus-client), served on `metrics_listen` at
+//! `/metrics`. Names follow the OpenTelemetry GenAI semantic conventions where one exists
+//! (`gen_ai.server.time_to_first_token` → `gen_ai_server_time_to_first_token_seconds`,
+//! `gen_ai.server.time_per_output_token`, `gen_ai.server.request.duration`,
+//! `gen_ai.client.token.usage`), and `llm_gateway_*` for the gateway's own decisions.
+//!
+//! Label sets are bounded: tenant and model values come from the filter's validated headers,
+//! and at most 3 × [`MAX_LABEL_VALUES`] distinct values are kept across the tenant, model and
+//! pool labels; later ones read `other`.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
+use tracing::warn;
+
+/// Distinct values kept per label kind (tenant, model, pool) before `other`.
+pub const MAX_LABEL_VALUES: usize = 1000;
+
+/// `{tenant, model}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantModel {
+    /// Tenant id.
+    pub tenant: String,
+    /// Public model name.
+    pub model: String,
+}
+
+/// `{tenant, model, outcome}`: what admission decided.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Outcome {
+    /// Tenant id.
+    pub tenant: String,
+    /// Public model name.
+    pub model: String,
+    /// `admitted`, `rate_limited_requests`, `rate_limited_tokens`, `overloaded`,
+    /// `context_length_exceeded`, `limiter_unavailable`, `tenant_not_configured`, `missing_tenant`.
+    pub outcome: String,
+}
+
+/// `{tenant, model, status, end_reason}`: how metered responses ended.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Finished {
+    /// Tenant id.
+    pub tenant: String,
+    /// Public model name.
+    pub model: String,
+    /// Status class, `2xx`..`5xx`, or `none` when no response arrived.
+    pub status: String,
+    /// `completed` or `incomplete`.
+    pub end_reason: String,
+}
+
+/// `{model}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabel {
+    /// Public model name.
+    pub model: String,
+}
+
+/// `{model, token_type}` (OTel `gen_ai.token.type`: `input` or `output`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TokenType {
+    /// Public model name.
+    pub model: String,
+    /// `input` or `output`.
+    pub token_type: String,
+}
+
+/// `{tenant, model, token_type}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantTokens {
+    /// Tenant id.
+    pub tenant: String,
+    /// Public model name.
+    pub model: String,
+    /// `input` or `output`.
+    pub token_type: String,
+}
+
+/// `{decision, degraded}` of a limit decision.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Decision {
+    /// `admit` or `deny`.
+    pub decision: String,
+    /// `true` when made without Redis (local buckets or failure mode closed).
+    pub degraded: String,
+}
+
+/// `{reason}` of a degraded decision: `breaker_open`, `redis_error`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Reason {
+    /// Why Redis did not decide.
+    pub reason: String,
+}
+
+/// `{pool}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabel {
+    /// Envoy cluster of the pool.
+    pub pool: String,
+}
+
+/// `{pool, tier}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolTier {
+    /// Envoy cluster of the pool.
+    pub pool: String,
+    /// Tenant tier.
+    pub tier: String,
+}
+
+/// `{op}` of a Redis call: `take`, `settle`, `record`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Op {
+    /// The operation.
+    pub op: String,
+}
+
+type GaugeF64 = Gauge<f64, AtomicU64>;
+
+/// Every metric of the sidecar.
+pub struct Metrics {
+    registry: Registry,
+    labels: Mutex<LabelBudget>,
+    /// `llm_gateway_requests_total{tenant,model,outcome}`: admission outcomes.
+    pub requests: Family<Outcome, Counter>,
+    /// `llm_gateway_responses_total{tenant,model,status,end_reason}`: metered responses.
+    pub responses: Family<Finished, Counter>,
+    /// `gen_ai_server_time_to_first_token_seconds{model}`.
+    pub ttft: Family<ModelLabel, Histogram>,
+    /// `gen_ai_server_time_per_output_token_seconds{model}`: each inter-token (inter-chunk) gap.
+    pub itl: Family<ModelLabel, Histogram>,
+    /// `gen_ai_server_request_duration_seconds{model}`.
+    pub duration: Family<ModelLabel, Histogram>,
+    /// `gen_ai_client_token_usage{model,token_type}`: tokens per request.
+    pub token_usage: Family<TokenType, Histogram>,
+    /// `llm_gateway_tokens_total{tenant,model,token_type}`.
+    pub tokens: Family<TenantTokens, Counter>,
+    /// `llm_gateway_limit_decisions_total{decision,degraded}`.
+    pub limit_decisions: Family<Decision, Counter>,
+    /// `llm_gateway_degraded_decisions_total{reason}`: every decision made without Redis.
+    pub degraded: Family<Reason, Counter>,
+    /// `llm_gateway_shed_total{pool,tier}`.
+    pub shed: Family<PoolTier, Counter>,
+    /// `llm_gateway_in_flight_requests{pool}`: admitted by this sidecar, not yet finished.
+    pub in_flight: Family<PoolLabel, Gauge>,
+    /// `llm_gateway_pool_load{pool}`: the load ratio shedding compares with tier levels.
+    pub pool_load: Family<PoolLabel, GaugeF64>,
+    /// `llm_gateway_pool_requests_waiting{pool}`: scraped `vllm:num_requests_waiting`, summed.
+    pub pool_waiting: Family<PoolLabel, GaugeF64>,
+    /// `llm_gateway_pool_kv_cache_usage{pool}`: scraped `vllm:kv_cache_usage_perc`, highest.
+    pub pool_kv_cache: Family<PoolLabel, GaugeF64>,
+    /// `llm_gateway_redis_command_duration_seconds{op}`.
+    pub redis_latency: Family<Op, Histogram>,
+    /// `llm_gateway_redis_errors_total{op}`.
+    pub redis_errors: Family<Op, Counter>,
+    /// `llm_gateway_usage_records_buffered`: records waiting for Redis.
+    pub records_buffered: Gauge,
+    /// `llm_gateway_usage_records_written_total`.
+    pub records_written: Counter,
+    /// `llm_gateway_usage_records_dropped_total`: past `metering.buffer_records` (each logged).
+    pub records_dropped: Counter,
+}
+
+#[derive(Default)]
+struct LabelBudget {
+    seen: HashSet<String>,
+}
+
+fn latency_buckets() -> impl Iterator<Item = f64> {
+    // 100 µs .. ~100 s
+    exponential_buckets(0.0001, 2.0, 21)
+}
+
+impl Metrics {
+    /// Registers every metric.
+    pub fn new() -> Arc<Self> {
+        let mut r = Registry::default();
+        let hist = || Family::<ModelLabel, Histogram>::new_with_constructor(|| Histogram::new(latency_buckets()));
+        let m = Self {
+            labels: Mutex::new(LabelBudget::default()),
+            requests: Family::default(),
+            responses: Family::default(),
+            ttft: hist(),
+            itl: hist(),
+            duration: hist(),
+            token_usage: Family::new_with_constructor(|| Histogram::new(exponential_buckets(1.0, 4.0, 12))),
+            tokens: Family::default(),
+            limit_decisions: Family::default(),
+            degraded: Family::default(),
+            shed: Family::default(),
+            in_flight: Family::default(),
+            pool_load: Family::default(),
+            pool_waiting: Family::default(),
+            pool_kv_cache: Family::default(),
+            redis_latency: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.00005, 2.0, 16))),
+            redis_errors: Family::default(),
+            records_buffered: Gauge::default(),
+            records_written: Counter::default(),
+            records_dropped: Counter::default(),
+            registry: Registry::default(),
+        };
+        r.register("llm_gateway_requests", "Admission outcomes", m.requests.clone());
+        r.register("llm_gateway_responses", "Metered responses by status class and end", m.responses.clone());
+        r.register_with_unit(
+            "gen_ai_server_time_to_first_token",
+            "Time from the request reaching the sidecar to the first content chunk",
+            Unit::Seconds,
+            m.ttft.clone(),
+        );
+        r.register_with_unit(
+            "gen_ai_server_time_per_output_token",
+            "Gap between consecutive content chunks of a stream",
+            Unit::Seconds,
+            m.itl.clone(),
+        );
+        r.register_with_unit(
+            "gen_ai_server_request_duration",
+            "Duration of metered requests",
+            Unit::Seconds,
+            m.duration.clone(),
+        );
+        r.register("gen_ai_client_token_usage", "Tokens per request, input or output", m.token_usage.clone());
+        r.register("llm_gateway_tokens", "Prompt (input) and completion (output) tokens", m.tokens.clone());
+        r.register("llm_gateway_limit_decisions", "Rate-limit decisions", m.limit_decisions.clone());
+        r.register("llm_gateway_degraded_decisions", "Decisions made without Redis", m.degraded.clone());
+        r.register("llm_gateway_shed", "Requests shed (429 overloaded) by pool and tier", m.shed.clone());
+        r.register("llm_gateway_in_flight_requests", "Requests admitted and not finished", m.in_flight.clone());
+        r.register("llm_gateway_pool_load", "Pool load ratio used for shedding", m.pool_load.clone());
+        r.register("llm_gateway_pool_requests_waiting", "Scraped vllm:num_requests_waiting", m.pool_waiting.clone());
+        r.register("llm_gateway_pool_kv_cache_usage", "Scraped vLLM KV-cache usage (0..1)", m.pool_kv_cache.clone());
+        r.register_with_unit(
+            "llm_gateway_redis_command_duration",
+            "Redis command latency",
+            Unit::Seconds,
+            m.redis_latency.clone(),
+        );
+        r.register("llm_gateway_redis_errors", "Redis errors and timeouts", m.redis_errors.clone());
+        r.register("llm_gateway_usage_records_buffered", "Usage records waiting for Redis", m.records_buffered.clone());
+        r.register("llm_gateway_usage_records_written", "Usage records written", m.records_written.clone());
+        r.register("llm_gateway_usage_records_dropped", "Usage records dropped (logged)", m.records_dropped.clone());
+        Arc::new(Self { registry: r, ..m })
+    }
+
+    /// A label value, or `other` once [`MAX_LABEL_VALUES`] distinct values have been seen.
+    pub fn bounded(&self, value: &str) -> String {
+        let Ok(mut budget) = self.labels.lock() else { return "other".to_owned() };
+        if budget.seen.contains(value) || budget.seen.len() < MAX_LABEL_VALUES * 3 {
+            budget.seen.insert(value.to_owned());
+            value.to_owned()
+        } else {
+            "other".to_owned()
+        }
+    }
+
+    /// `{tenant, model}` with bounded values.
+    pub fn tenant_model(&self, tenant: &str, model: &str) -> TenantModel {
+        TenantModel { tenant: self.bounded(tenant), model: self.bounded(model) }
+    }
+
+    /// Counts an admission outcome.
+    pub fn request(&self, tenant: &str, model: &str, outcome: &str) {
+        let tm = self.tenant_model(tenant, model);
+        self.requests.get_or_create(&Outcome { tenant: tm.tenant, model: tm.model, outcome: outcome.to_owned() }).inc();
+    }
+
+    /// Records the latency (and failure) of a Redis call.
+    pub fn redis_call(&self, op: &str, elapsed: Duration, ok: bool) {
+        let op = Op { op: op.to_owned() };
+        self.redis_latency.get_or_create(&op).observe(elapsed.as_secs_f64());
+        if !ok {
+            self.redis_errors.get_or_create(&op).inc();
+        }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+/// Serves `GET /metrics` (anything else: 404) until the process ends.
+pub async fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> std::io::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else { continue };
+            let metrics = Arc::clone(&metrics);
+            tokio::spawn(async move {
+                let service = service_fn(move |req: Request<hyper::body::Incoming>| {
+                    let metrics = Arc::clone(&metrics);
+                    async move {
+                        let response = if req.uri().path() == "/metrics" {
+                            Response::builder()
+                                .header("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")
+                                .body(Full::new(Bytes::from(metrics.encode())))
+                        } else {
+                            Response::builder().status(404).body(Full::new(Bytes::new()))
+                        };
+                        response.map_err(std::io::Error::other)
+                    }
+                });
+                if let Err(error) =
+                    hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), service).await
+                {
+                    warn!(%error, "metrics connection");
+                }
+            });
+        }
+    });
+    Ok(bound)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposes_otel_names_and_bounds_labels() {
+        let m = Metrics::new();
+        m.request("acme", "m1", "admitted");
+        m.ttft.get_or_create(&ModelLabel { model: "m1".into() }).observe(0.05);
+        m.redis_call("take", Duration::from_micros(300), false);
+        let text = m.encode();
+        assert!(text.contains("llm_gateway_requests_total{tenant=\"acme\",model=\"m1\",outcome=\"admitted\"} 1"), "{text}");
+        assert!(text.contains("gen_ai_server_time_to_first_token_seconds_bucket"), "{text}");
+        assert!(text.contains("llm_gateway_redis_errors_total{op=\"take\"} 1"), "{text}");
+        for i in 0..(MAX_LABEL_VALUES * 3 + 10) {
+            m.bounded(&format!("t{i}"));
+        }
+        assert_eq!(m.bounded("late-newcomer"), "other");
+        assert_eq!(m.bounded("acme"), "acme");
+    }
+}
