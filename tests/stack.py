@@ -114,7 +114,9 @@ class Pool:
     served_models: list[str]
     sim_args: list[str] = field(default_factory=list)
     replicas: int = 1
-    kind: str = "vllm-sim"  # or "xpyd-sim"
+    # "vllm-sim", "xpyd-sim", or "external": upstreams already running at `urls`, which the stack
+    # neither starts nor stops (the benchmark shares one upstream between several stacks).
+    kind: str = "vllm-sim"
     max_model_len: int = 4096
     urls: list[str] = field(default_factory=list)
 
@@ -151,6 +153,7 @@ class Stack:
         filter_extra: dict | None = None,
         redis_failure_mode: str = "open",
         envoy_concurrency: int = 2,
+        redis_port: int | None = None,
     ):
         if profile not in ("gateway", "filter", "bare"):
             raise ValueError(f"unknown profile {profile}")
@@ -165,7 +168,9 @@ class Stack:
         self.redis_failure_mode = redis_failure_mode
         self.envoy_concurrency = envoy_concurrency
         self.procs: list[Proc] = []
-        self.redis_port: int | None = None
+        # A redis-server already running (shared by several stacks) is used as is, never stopped.
+        self.redis_port: int | None = redis_port
+        self._own_redis = redis_port is None
         self.ext_proc_port: int | None = None
         self.admin_url: str | None = None
         self.base_url: str | None = None
@@ -185,9 +190,13 @@ class Stack:
         self.close()
 
     def start(self) -> None:
-        if self.profile == "gateway":
+        if self.profile == "gateway" and self._own_redis:
             self._start_redis()
         for pool in self.pools:
+            if pool.kind == "external":
+                if not pool.urls:
+                    raise StackError(f"pool {pool.name}: kind 'external' needs its upstream urls")
+                continue
             for i in range(pool.replicas):
                 pool.urls.append(self._start_upstream(pool, i))
         if self.profile == "gateway":
