@@ -86,6 +86,18 @@ pub struct SimConfig {
     /// Seed of the injected-error sequence: the same seed and request order fail the same requests.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// LoRA adapters served on top of the base model (vLLM `--lora-modules name=path`; the path is
+    /// ignored). A request naming one is served, and its response's `model` names the adapter,
+    /// as vLLM answers.
+    #[arg(long = "lora-modules", value_name = "NAME[=PATH]", num_args = 1.., value_parser = parse_lora)]
+    pub lora_modules: Vec<String>,
+}
+
+fn parse_lora(value: &str) -> Result<String, String> {
+    match value.split_once('=').map_or(value, |(name, _)| name) {
+        "" => Err("empty LoRA adapter name".to_owned()),
+        name => Ok(name.to_owned()),
+    }
 }
 
 impl Default for SimConfig {
@@ -100,6 +112,7 @@ impl Default for SimConfig {
             error_rate: 0.0,
             fail_after_chunks: None,
             seed: 0,
+            lora_modules: Vec::new(),
         }
     }
 }

@@ -91,6 +91,7 @@ where
 /// Everything the handlers share.
 struct AppState {
     served_names: Vec<String>,
+    lora_names: Vec<String>,
     response_model: String,
     limits: Limits,
     pacing: Pacing,
@@ -134,8 +135,15 @@ impl AppState {
                 response::unix_now(),
             ),
             served_names: config.served_model_names,
+            lora_names: config.lora_modules,
             response_model,
         })
+    }
+
+    /// The `model` a response carries: the adapter's name for a LoRA request, else the first
+    /// served name (vLLM's `model_name(lora_request)`).
+    fn response_model_for(&self, requested: Option<&str>) -> &str {
+        self.lora_names.iter().find(|n| Some(n.as_str()) == requested).unwrap_or(&self.response_model)
     }
 
     /// Parses and checks a request the way vLLM does: body, then `model`, then lengths;
@@ -143,7 +151,7 @@ impl AppState {
     fn accept<'a>(&self, endpoint: Endpoint, body: &'a [u8]) -> Result<Accepted<'a>, ApiError> {
         let request = request::parse(endpoint, body)?;
         if let Some(model) = &request.model {
-            if !self.served_names.iter().any(|n| n == model) {
+            if !self.served_names.iter().chain(&self.lora_names).any(|n| n == model) {
                 return Err(ApiError::model_not_found(model));
             }
         }
@@ -212,7 +220,7 @@ async fn inference(
         endpoint,
         id: state.ids.next(endpoint),
         created: response::unix_now(),
-        model: &state.response_model,
+        model: state.response_model_for(request.model.as_deref()),
     };
     let tracker = RequestTracker::new(state.metrics.clone(), arrival, plan.prompt_tokens);
     if request.stream {
