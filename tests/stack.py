@@ -30,6 +30,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -114,11 +115,26 @@ class Pool:
     served_models: list[str]
     sim_args: list[str] = field(default_factory=list)
     replicas: int = 1
-    # "vllm-sim", "xpyd-sim", or "external": upstreams already running at `urls`, which the stack
-    # neither starts nor stops (the benchmark shares one upstream between several stacks).
+    # "vllm-sim", "xpyd-sim", "llmock" (PyPI `llmock`, a fault-injecting OpenAI mock driven through
+    # its /_llmock/scenario API; `sim_args` go to `llmock serve`), or "external": upstreams already
+    # running at `urls`, which the stack neither starts nor stops (the benchmark shares one upstream
+    # between several stacks).
     kind: str = "vllm-sim"
     max_model_len: int = 4096
     urls: list[str] = field(default_factory=list)
+    # When set, the sidecar sheds requests in front of this pool: an entry of the sidecar's
+    # `pools:` with these settings (e.g. {"max_queue_depth": 4, "scrape_interval_ms": 100}) and
+    # the pool's upstream URLs as `endpoints`.
+    shedding: dict | None = None
+
+
+@dataclass
+class Fallback:
+    """An ordered fallback chain of pools: a composite cluster named `name` that the filter's
+    models can name as their pool (envoy/fallback_cluster.yaml, envoy/fallback_route.yaml)."""
+
+    name: str
+    pools: list[str]
 
 
 @dataclass
@@ -128,12 +144,14 @@ class Tenant:
     limits: dict = field(default_factory=dict)
     models: list[str] | None = None
     tier: str = "standard"
+    # Per-model limits on top of `limits` (the sidecar's `tenants[].model_limits`).
+    model_limits: dict | None = None
 
 
 @dataclass
 class Model:
     name: str
-    pool: str
+    pool: str | None  # None when `extra` gives weighted `pools`
     max_model_len: int = 4096
     served_model_name: str | None = None
     extra: dict = field(default_factory=dict)
@@ -154,6 +172,12 @@ class Stack:
         redis_failure_mode: str = "open",
         envoy_concurrency: int = 2,
         redis_port: int | None = None,
+        fallbacks: list[Fallback] | None = None,
+        dynamic_listeners: bool = False,
+        sidecar_overrides: dict | None = None,
+        redis_cluster_nodes: int = 0,
+        sidecar_config_from: Callable[[Stack], dict] | None = None,
+        envoy_config_from: Callable[[Stack], dict] | None = None,
     ):
         if profile not in ("gateway", "filter", "bare"):
             raise ValueError(f"unknown profile {profile}")
@@ -167,11 +191,28 @@ class Stack:
         self.filter_extra = filter_extra or {}
         self.redis_failure_mode = redis_failure_mode
         self.envoy_concurrency = envoy_concurrency
+        self.fallbacks = fallbacks or []
+        # The listener in a filesystem-watched LDS file instead of the bootstrap, so that
+        # `reload()` can replace it (and with it the filter's config) without a restart.
+        self.dynamic_listeners = dynamic_listeners
+        self.filter_config_override: dict | None = None
         self.procs: list[Proc] = []
         # A redis-server already running (shared by several stacks) is used as is, never stopped.
         self.redis_port: int | None = redis_port
         self._own_redis = redis_port is None
+        # Merged (recursively) into the sidecar config, e.g. {"redis": {"tier_failure_modes": ...},
+        # "shedding": ..., "metrics_listen": "127.0.0.1:0"}.
+        self.sidecar_overrides = sidecar_overrides or {}
+        # A Redis Cluster of this many masters on loopback instead of one redis-server.
+        self.redis_cluster_nodes = redis_cluster_nodes
+        self.redis_cluster_ports: list[int] = []
+        # Configs from elsewhere (tests/test_deploy.py: rendered by gatewayctl), called when the
+        # sidecar and Envoy start, once the ports of Redis, the upstreams (and the sidecar) are known.
+        self.sidecar_config_from = sidecar_config_from
+        self.envoy_config_from = envoy_config_from
         self.ext_proc_port: int | None = None
+        # http://ADDR of the sidecar's Prometheus listener, when `metrics_listen` is configured.
+        self.sidecar_metrics_url: str | None = None
         self.admin_url: str | None = None
         self.base_url: str | None = None
         self.envoy: Proc | None = None
@@ -222,8 +263,9 @@ class Stack:
         self.procs.append(proc)
         return proc
 
-    def _read_banner(self, proc: Proc, prefix: str) -> str:
-        """Reads the `... listening on ADDR` line a process prints once bound."""
+    def _read_banner(self, proc: Proc, prefix: str, others: list[str] | None = None) -> str:
+        """Reads the `... listening on ADDR` line a process prints once bound (the lines printed
+        before it are appended to `others`)."""
         deadline = time.monotonic() + START_DEADLINE_S
         stream = proc.popen.stdout
         assert stream is not None
@@ -233,6 +275,8 @@ class Stack:
                 line = stream.readline().decode(errors="replace").strip()
                 if line.startswith(prefix):
                     return line[len(prefix):].strip()
+                if line and others is not None:
+                    others.append(line)
                 if not line and not proc.alive():
                     break
             elif not proc.alive():
@@ -258,8 +302,11 @@ class Stack:
 
     # ---------------------------------------------------------------- components
 
-    def _start_redis(self) -> None:
-        self.redis_port = free_port()
+    def _start_redis(self, port: int | None = None) -> None:
+        if self.redis_cluster_nodes:
+            self._start_redis_cluster()
+            return
+        self.redis_port = port or free_port()
         proc = self._spawn(
             "redis",
             [redis_binary(), "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
@@ -276,6 +323,77 @@ class Stack:
             except redis.ConnectionError:
                 time.sleep(0.05)
         raise StackError(f"redis-server did not start:\n{proc.log_tail()}")
+
+    def stop_redis(self) -> None:
+        """Stops the stack's own redis-server (SIGTERM; it keeps no data): the sidecar loses it."""
+        if not self._own_redis or self.redis_cluster_nodes:
+            raise StackError("stop_redis() needs the stack's own single redis-server")
+        for proc in [p for p in self.procs if p.name == "redis"]:
+            proc.stop()
+            self.procs.remove(proc)
+
+    def restart_redis(self) -> None:
+        """Starts redis-server again on the same port (empty), as after an outage."""
+        if any(p.name == "redis" for p in self.procs):
+            raise StackError("redis-server is still running")
+        self._start_redis(port=self.redis_port)
+
+    @staticmethod
+    def _cluster_ports(n: int) -> list[int]:
+        """`n` ports P that are free along with their cluster bus port P + 10000."""
+        ports: list[int] = []
+        start = 20000 + secrets.randbelow(30000)
+        for port in (20000 + (start - 20000 + i) % 35000 for i in range(35000)):
+            try:
+                for p in (port, port + 10000):
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", p))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+        raise StackError("no free ports for a redis cluster")
+
+    def _start_redis_cluster(self) -> None:
+        """`redis_cluster_nodes` masters (cluster mode, no replicas) on loopback, slots assigned by
+        `redis-cli --cluster create`, ready once every node reports `cluster_state:ok`."""
+        import redis  # noqa: PLC0415
+
+        redis_cli = shutil.which("redis-cli")
+        if not redis_cli:
+            raise StackError("redis-cli not found: run `make setup` (installs Debian's redis-tools)")
+        self.redis_cluster_ports = self._cluster_ports(self.redis_cluster_nodes)
+        procs = []
+        for port in self.redis_cluster_ports:
+            procs.append(self._spawn(f"redis-{port}", [
+                redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", str(self.workdir), "--cluster-enabled", "yes",
+                "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", "5000"]))
+        deadline = time.monotonic() + START_DEADLINE_S
+        pending = list(zip(self.redis_cluster_ports, procs))
+        while pending and time.monotonic() < deadline:
+            port, proc = pending[0]
+            if not proc.alive():
+                raise StackError(f"redis-server {port} did not start:\n{proc.log_tail()}")
+            try:
+                redis.Redis(port=port, socket_timeout=1).ping()
+                pending.pop(0)
+            except redis.ConnectionError:
+                time.sleep(0.05)  # polling interval of a readiness loop bounded by the deadline
+        create = subprocess.run(
+            [redis_cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.redis_cluster_ports),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True, text=True, timeout=START_DEADLINE_S, check=False)
+        if create.returncode != 0:
+            raise StackError(f"redis-cli --cluster create failed:\n{create.stdout}\n{create.stderr}")
+        for port in self.redis_cluster_ports:
+            client = redis.Redis(port=port, socket_timeout=1, decode_responses=True)
+            while "cluster_state:ok" not in client.execute_command("CLUSTER INFO"):
+                if time.monotonic() > deadline:
+                    raise StackError(f"redis cluster node {port} not ok:\n{create.stdout}")
+                time.sleep(0.05)  # polling interval of a readiness loop bounded by the deadline
+        self.redis_port = self.redis_cluster_ports[0]
 
     def _start_upstream(self, pool: Pool, index: int) -> str:
         name = f"{pool.name}-{index}"
@@ -294,23 +412,49 @@ class Stack:
             url = f"http://127.0.0.1:{port}"
             self._wait_http(proc, url + "/health")
             return url
+        if pool.kind == "llmock":
+            port = free_port()
+            argv = [str(Path(sys.executable).parent / "llmock"), "serve", "--host", "127.0.0.1",
+                    "--port", str(port), "--log-level", "warning", *pool.sim_args]
+            proc = self._spawn(name, argv)
+            url = f"http://127.0.0.1:{port}"
+            self._wait_http(proc, url + "/health")
+            return url
         raise ValueError(f"unknown upstream kind {pool.kind}")
 
     def sidecar_config(self) -> dict:
-        return {
+        if self.sidecar_config_from:
+            return self.sidecar_config_from(self)
+        config = {
             "listen": "127.0.0.1:0",
             "redis": {"url": f"redis://127.0.0.1:{self.redis_port}/0", "failure_mode": self.redis_failure_mode},
-            "tenants": [{"id": t.id, "limits": t.limits} for t in self.tenants],
+            "tenants": [{"id": t.id, "limits": t.limits,
+                         **({"model_limits": t.model_limits} if t.model_limits else {})}
+                        for t in self.tenants],
         }
+        if self.redis_cluster_ports:
+            del config["redis"]["url"]
+            config["redis"]["cluster_urls"] = [f"redis://127.0.0.1:{p}" for p in self.redis_cluster_ports]
+        shed = [{"name": p.name, "endpoints": list(p.urls), **p.shedding} for p in self.pools if p.shedding]
+        if shed:
+            config["pools"] = shed
+        return _merged(config, self.sidecar_overrides)
 
     def _start_sidecar(self) -> None:
         path = self.workdir / "sidecar.yaml"
         path.write_text(yaml.safe_dump(self.sidecar_config(), sort_keys=False))
         proc = self._spawn("sidecar", [str(SIDECAR_BIN), "--config", str(path)], stdout_pipe=True)
-        addr = self._read_banner(proc, "gateway-ext-proc listening on")
+        before: list[str] = []
+        addr = self._read_banner(proc, "gateway-ext-proc listening on", others=before)
         self.ext_proc_port = int(addr.rsplit(":", 1)[1])
+        metrics = "gateway-ext-proc metrics on"
+        for line in before:
+            if line.startswith(metrics):
+                self.sidecar_metrics_url = "http://" + line[len(metrics):].strip()
 
     def filter_config(self) -> dict:
+        if self.filter_config_override is not None:
+            return self.filter_config_override
         config = {
             "tenants": [
                 {
@@ -324,7 +468,7 @@ class Stack:
             "models": [
                 {
                     "name": m.name,
-                    "pool": m.pool,
+                    **({"pool": m.pool} if m.pool else {}),
                     "max_model_len": m.max_model_len,
                     **({"served_model_name": m.served_model_name} if m.served_model_name else {}),
                     **m.extra,
@@ -336,6 +480,8 @@ class Stack:
         return config
 
     def envoy_config(self) -> dict:
+        if self.envoy_config_from:
+            return self.envoy_config_from(self)
         max_body = self.filter_config().get("max_body_bytes", 4 << 20)
         values = {
             "ADMIN_PORT": 0,
@@ -374,11 +520,55 @@ class Stack:
                 for url in pool.urls
             ]
             clusters.append(render("pool_cluster.yaml", {"POOL": pool.name, "ENDPOINTS": json.dumps(endpoints)}))
+        routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+        for i, fb in enumerate(self.fallbacks):
+            sub = {"NAME": json.dumps(fb.name), "SUB_CLUSTERS": json.dumps([{"name": p} for p in fb.pools]),
+                   "RETRIES": len(fb.pools) - 1}
+            clusters.append(render("fallback_cluster.yaml", sub))
+            routes.insert(i, render("fallback_route.yaml", sub))
         return bootstrap
+
+    def _dynamic(self, bootstrap: dict) -> dict:
+        """Moves the listener out of the bootstrap into the filesystem-watched LDS file."""
+        self._write_lds(bootstrap["static_resources"].pop("listeners"))
+        bootstrap["dynamic_resources"] = {"lds_config": {
+            "resource_api_version": "V3",
+            "path_config_source": {"path": str(self.lds_path),
+                                   "watched_directory": {"path": str(self.lds_path.parent)}},
+        }}
+        bootstrap.setdefault("node", {"id": "gateway", "cluster": "gateway"})
+        return bootstrap
+
+    @property
+    def lds_path(self) -> Path:
+        return self.workdir / "lds" / "lds.json"
+
+    def _write_lds(self, listeners: list[dict]) -> None:
+        """Writes the LDS file atomically: a temporary file renamed into the watched directory,
+        which is the move Envoy's `watched_directory` reacts to."""
+        self.lds_path.parent.mkdir(exist_ok=True)
+        resources = [{"@type": "type.googleapis.com/envoy.config.listener.v3.Listener", **listener}
+                     for listener in listeners]
+        tmp = self.lds_path.parent / ".lds.json.tmp"
+        tmp.write_text(json.dumps({"resources": resources}))
+        tmp.rename(self.lds_path)
+
+    def reload(self, filter_config: dict) -> None:
+        """Replaces the listener (with `dynamic_listeners`) by one whose wasm filter has this
+        plugin configuration, without restarting Envoy. Envoy drains the old listener, so
+        requests in flight finish on it; a configuration the filter rejects leaves the old
+        listener serving."""
+        if not self.dynamic_listeners:
+            raise StackError("reload() needs dynamic_listeners=True")
+        self.filter_config_override = filter_config
+        self._write_lds(self.envoy_config()["static_resources"]["listeners"])
 
     def _start_envoy(self) -> None:
         config_path = self.workdir / "envoy.json"
-        config_path.write_text(json.dumps(self.envoy_config(), indent=1))
+        bootstrap = self.envoy_config()
+        if self.dynamic_listeners:
+            bootstrap = self._dynamic(bootstrap)
+        config_path.write_text(json.dumps(bootstrap, indent=1))
         admin_path = self.workdir / "envoy-admin.txt"
         admin_path.unlink(missing_ok=True)
         # Spawned from the long-lived process: Envoy sets a parent-death signal.
@@ -400,6 +590,7 @@ class Stack:
             listeners = json.load(r)
         port = listeners["listener_statuses"][0]["local_address"]["socket_address"]["port_value"]
         self.base_url = f"http://127.0.0.1:{port}"
+        self.listen_port = port  # a reload keeps the same address
 
     # ---------------------------------------------------------------- helpers for tests
 
@@ -411,6 +602,17 @@ class Stack:
 
     def pool(self, name: str) -> Pool:
         return next(p for p in self.pools if p.name == name)
+
+
+def _merged(base: dict, overrides: dict) -> dict:
+    """`base` with `overrides` merged in recursively (dicts merge, other values replace)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def upstream_metric(url: str, name: str) -> float:
