@@ -13,10 +13,7 @@ use crate::error::GatewayError;
 
 /// Extracts the API key: `Authorization: Bearer <key>` first, then `x-api-key: <key>`.
 /// Surrounding spaces/tabs are trimmed; an empty key counts as absent.
-pub fn extract_api_key<'a>(
-    authorization: Option<&'a [u8]>,
-    x_api_key: Option<&'a [u8]>,
-) -> Option<&'a [u8]> {
+pub fn extract_api_key<'a>(authorization: Option<&'a [u8]>, x_api_key: Option<&'a [u8]>) -> Option<&'a [u8]> {
     let bearer = authorization.and_then(|v| {
         let v = trim(v);
         let scheme = v.get(..7)?;
@@ -26,9 +23,7 @@ pub fn extract_api_key<'a>(
             None
         }
     });
-    bearer
-        .filter(|k| !k.is_empty())
-        .or_else(|| x_api_key.map(trim).filter(|k| !k.is_empty()))
+    bearer.filter(|k| !k.is_empty()).or_else(|| x_api_key.map(trim).filter(|k| !k.is_empty()))
 }
 
 fn trim(mut v: &[u8]) -> &[u8] {
@@ -82,93 +77,49 @@ mod tests {
     use super::*;
 
     fn digests() -> Vec<([u8; 32], usize)> {
-        vec![
-            (hash_key(b"sk-one"), 0),
-            (hash_key(b"sk-two"), 1),
-            (hash_key(b"sk-three"), 1),
-        ]
+        vec![(hash_key(b"sk-one"), 0), (hash_key(b"sk-two"), 1), (hash_key(b"sk-three"), 1)]
     }
 
     #[test]
     fn bearer() {
-        assert_eq!(
-            authenticate(&digests(), Some(b"Bearer sk-one"), None),
-            Ok(0)
-        );
-        assert_eq!(
-            authenticate(&digests(), Some(b"bearer  sk-two "), None),
-            Ok(1)
-        );
-        assert_eq!(
-            authenticate(&digests(), Some(b"BEARER sk-three"), None),
-            Ok(1)
-        );
+        assert_eq!(authenticate(&digests(), Some(b"Bearer sk-one"), None), Ok(0));
+        assert_eq!(authenticate(&digests(), Some(b"bearer  sk-two "), None), Ok(1));
+        assert_eq!(authenticate(&digests(), Some(b"BEARER sk-three"), None), Ok(1));
     }
 
     #[test]
     fn x_api_key() {
         assert_eq!(authenticate(&digests(), None, Some(b"sk-two")), Ok(1));
         // Non-Bearer Authorization falls back to x-api-key.
-        assert_eq!(
-            authenticate(&digests(), Some(b"Basic Zm9vOmJhcg=="), Some(b"sk-one")),
-            Ok(0)
-        );
+        assert_eq!(authenticate(&digests(), Some(b"Basic Zm9vOmJhcg=="), Some(b"sk-one")), Ok(0));
         // Bearer wins over x-api-key.
-        assert_eq!(
-            authenticate(&digests(), Some(b"Bearer sk-one"), Some(b"sk-two")),
-            Ok(0)
-        );
+        assert_eq!(authenticate(&digests(), Some(b"Bearer sk-one"), Some(b"sk-two")), Ok(0));
         // An empty bearer falls back too.
-        assert_eq!(
-            authenticate(&digests(), Some(b"Bearer "), Some(b"sk-two")),
-            Ok(1)
-        );
+        assert_eq!(authenticate(&digests(), Some(b"Bearer "), Some(b"sk-two")), Ok(1));
     }
 
     #[test]
     fn wrong_key() {
-        assert_eq!(
-            authenticate(&digests(), Some(b"Bearer sk-nope"), None),
-            Err(GatewayError::InvalidApiKey)
-        );
+        assert_eq!(authenticate(&digests(), Some(b"Bearer sk-nope"), None), Err(GatewayError::InvalidApiKey));
         assert_eq!(authenticate(&digests(), None, Some(b"sk-one ")), Ok(0));
-        assert_eq!(
-            authenticate(&digests(), None, Some(b"SK-ONE")),
-            Err(GatewayError::InvalidApiKey)
-        );
-        assert_eq!(
-            authenticate(&[], None, Some(b"sk-one")),
-            Err(GatewayError::InvalidApiKey)
-        );
+        assert_eq!(authenticate(&digests(), None, Some(b"SK-ONE")), Err(GatewayError::InvalidApiKey));
+        assert_eq!(authenticate(&[], None, Some(b"sk-one")), Err(GatewayError::InvalidApiKey));
     }
 
     #[test]
     fn missing_key() {
-        assert_eq!(
-            authenticate(&digests(), None, None),
-            Err(GatewayError::MissingApiKey)
-        );
-        assert_eq!(
-            authenticate(&digests(), Some(b"Bearer"), None),
-            Err(GatewayError::MissingApiKey)
-        );
-        assert_eq!(
-            authenticate(&digests(), Some(b"Basic abc"), None),
-            Err(GatewayError::MissingApiKey)
-        );
-        assert_eq!(
-            authenticate(&digests(), None, Some(b"  ")),
-            Err(GatewayError::MissingApiKey)
-        );
+        assert_eq!(authenticate(&digests(), None, None), Err(GatewayError::MissingApiKey));
+        assert_eq!(authenticate(&digests(), Some(b"Bearer"), None), Err(GatewayError::MissingApiKey));
+        assert_eq!(authenticate(&digests(), Some(b"Basic abc"), None), Err(GatewayError::MissingApiKey));
+        assert_eq!(authenticate(&digests(), None, Some(b"  ")), Err(GatewayError::MissingApiKey));
     }
 
     #[test]
     fn constant_time_scan_finds_last_entry() {
         // The match at the end of a long list is found, and a match at the start still scans the
         // rest (the result does not depend on position).
-        let mut many: Vec<([u8; 32], usize)> = (0..100)
-            .map(|i| (hash_key(format!("k{i}").as_bytes()), i))
-            .collect();
+        let mut many: Vec<([u8; 32], usize)> =
+            (0..100).map(|i| (hash_key(format!("k{i}").as_bytes()), i)).collect();
         assert_eq!(find_tenant(&many, &hash_key(b"k99")), Some(99));
         assert_eq!(find_tenant(&many, &hash_key(b"k0")), Some(0));
         many.push((hash_key(b"last"), 7));

@@ -61,10 +61,7 @@ impl fmt::Display for ConfigError {
 impl std::error::Error for ConfigError {}
 
 fn err(path: impl Into<String>, message: impl Into<String>) -> ConfigError {
-    ConfigError {
-        path: path.into(),
-        message: message.into(),
-    }
+    ConfigError { path: path.into(), message: message.into() }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -141,6 +138,36 @@ pub struct RawModel {
     /// unique across all names.
     #[serde(default)]
     pub lora_adapters: Option<Vec<String>>,
+    /// Bytes the chat template adds to the messages' roles and text, for the upper bound on
+    /// prompt tokens (a prompt never has more tokens than bytes of its rendered text). Optional:
+    /// absent, chat prompts have no upper bound and only an exact count can accept one near the
+    /// limit.
+    #[serde(default)]
+    pub template_overhead_bytes: Option<RawTemplateOverhead>,
+    /// The tokenizer's Unicode normalization, `none` or `nfc` (NFC can lengthen non-ASCII text
+    /// up to 3x, which the upper bound then allows for). Optional, default `none`.
+    #[serde(default)]
+    pub normalization: Option<String>,
+    /// Whether the sidecar counts this model's prompts exactly (its `models` lists the model's
+    /// tokenizer): requests the bounds cannot decide then carry `x-gateway-context-check: exact`.
+    /// Optional, default false.
+    #[serde(default)]
+    pub exact_count: Option<bool>,
+}
+
+/// What a model's chat template adds, in bytes of rendered text (see the README's context
+/// check section for how to measure it).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTemplateOverhead {
+    /// Most bytes the template writes around one message besides its role and text (ChatML:
+    /// `<|im_start|>` + `\n` + `<|im_end|>` + `\n` = 24). Required.
+    pub per_message: u64,
+    /// Most bytes the template writes once per conversation: BOS, the generation prompt, and a
+    /// default system prompt it adds when the request has none (Qwen2.5: 120, the generation
+    /// prompt's 22 and the default system prompt's 98).
+    /// Required.
+    pub fixed: u64,
 }
 
 /// One entry of a weighted split.
@@ -209,6 +236,21 @@ pub struct Model {
     pub aliases: Vec<String>,
     /// LoRA adapter names.
     pub lora_adapters: Vec<String>,
+    /// Bytes the chat template adds (None: unknown, no upper bound for chat prompts).
+    pub template_overhead: Option<TemplateOverhead>,
+    /// Whether the tokenizer applies NFC (the upper bound allows 3x for non-ASCII bytes).
+    pub nfc: bool,
+    /// Whether the sidecar can count this model's prompts exactly.
+    pub exact_count: bool,
+}
+
+/// A validated [`RawTemplateOverhead`], in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TemplateOverhead {
+    /// Per message, besides role and text.
+    pub per_message: u64,
+    /// Once per conversation.
+    pub fixed: u64,
 }
 
 /// A validated pool with its weight (1 for a single `pool`).
@@ -225,9 +267,9 @@ impl Tenant {
     pub fn allows(&self, target: Target) -> bool {
         match &self.allowed {
             None => true,
-            Some(list) => list
-                .iter()
-                .any(|t| *t == target || (t.model == target.model && t.adapter.is_none())),
+            Some(list) => {
+                list.iter().any(|t| *t == target || (t.model == target.model && t.adapter.is_none()))
+            }
         }
     }
 }
@@ -246,11 +288,7 @@ impl Config {
         let de = &mut serde_json::Deserializer::from_slice(bytes);
         let raw: RawConfig = serde_path_to_error::deserialize(de).map_err(|e| {
             let path = e.path().to_string();
-            let path = if path == "." || path == "?" {
-                "configuration".to_string()
-            } else {
-                path
-            };
+            let path = if path == "." || path == "?" { "configuration".to_string() } else { path };
             let inner = e.into_inner();
             let mut message = inner.to_string();
             // Data errors are located by the path; syntax errors keep "at line L column C".
@@ -284,15 +322,7 @@ impl Config {
         for (i, m) in raw.models.into_iter().enumerate() {
             let at = format!("models[{i}]");
             check_ident(&format!("{at}.name"), &m.name)?;
-            claim(
-                &mut names,
-                &m.name,
-                Target {
-                    model: i,
-                    adapter: None,
-                },
-                format!("{at}.name"),
-            )?;
+            claim(&mut names, &m.name, Target { model: i, adapter: None }, format!("{at}.name"))?;
 
             let pools = match (m.pool, m.pools) {
                 (Some(_), Some(_)) | (None, None) => {
@@ -322,30 +352,19 @@ impl Config {
             for (j, a) in aliases.iter().enumerate() {
                 let p = format!("{at}.aliases[{j}]");
                 check_ident(&p, a)?;
-                claim(
-                    &mut names,
-                    a,
-                    Target {
-                        model: i,
-                        adapter: None,
-                    },
-                    p,
-                )?;
+                claim(&mut names, a, Target { model: i, adapter: None }, p)?;
             }
             let lora_adapters = m.lora_adapters.unwrap_or_default();
             for (j, a) in lora_adapters.iter().enumerate() {
                 let p = format!("{at}.lora_adapters[{j}]");
                 check_ident(&p, a)?;
-                claim(
-                    &mut names,
-                    a,
-                    Target {
-                        model: i,
-                        adapter: Some(j),
-                    },
-                    p,
-                )?;
+                claim(&mut names, a, Target { model: i, adapter: Some(j) }, p)?;
             }
+            let nfc = match m.normalization.as_deref() {
+                None | Some("none") => false,
+                Some("nfc") => true,
+                Some(_) => return Err(err(format!("{at}.normalization"), "must be \"none\" or \"nfc\"")),
+            };
             models.push(Model {
                 name: m.name,
                 pools,
@@ -354,6 +373,11 @@ impl Config {
                 max_token_bytes,
                 aliases,
                 lora_adapters,
+                template_overhead: m
+                    .template_overhead_bytes
+                    .map(|t| TemplateOverhead { per_message: t.per_message, fixed: t.fixed }),
+                nfc,
+                exact_count: m.exact_count.unwrap_or(false),
             });
         }
 
@@ -367,10 +391,7 @@ impl Config {
             if let Some(first) = tenant_ids.get(&t.id) {
                 return Err(err(
                     format!("{at}.id"),
-                    format!(
-                        "duplicate tenant id \"{}\" (first defined at tenants[{first}].id)",
-                        t.id
-                    ),
+                    format!("duplicate tenant id \"{}\" (first defined at tenants[{first}].id)", t.id),
                 ));
             }
             tenant_ids.insert(t.id.clone(), i);
@@ -380,10 +401,7 @@ impl Config {
             for (j, d) in t.api_keys_sha256.iter().enumerate() {
                 let p = format!("{at}.api_keys_sha256[{j}]");
                 let digest = decode_digest(d).ok_or_else(|| {
-                    err(
-                        &p,
-                        "must be exactly 64 lowercase hex characters (the SHA-256 of the key)",
-                    )
+                    err(&p, "must be exactly 64 lowercase hex characters (the SHA-256 of the key)")
                 })?;
                 if let Some(first) = digest_paths.get(&digest) {
                     return Err(err(p, format!("duplicate digest (also at {first})")));
@@ -422,21 +440,11 @@ impl Config {
                     Some(targets)
                 }
             };
-            tenants.push(Tenant {
-                id: t.id,
-                tier,
-                allowed,
-            });
+            tenants.push(Tenant { id: t.id, tier, allowed });
         }
 
         let lookup = names.into_iter().map(|(k, (t, _))| (k, t)).collect();
-        Ok(Config {
-            max_body_bytes,
-            tenants,
-            models,
-            key_digests,
-            lookup,
-        })
+        Ok(Config { max_body_bytes, tenants, models, key_digests, lookup })
     }
 
     /// Resolves a public model identifier (name, alias or LoRA adapter; exact, case-sensitive).
@@ -458,10 +466,7 @@ fn compile_pools(at: &str, list: Vec<RawWeightedPool>) -> Result<Vec<WeightedPoo
             return Err(err(path, format!("duplicate pool \"{}\"", p.pool)));
         }
         total += u64::from(p.weight);
-        out.push(WeightedPool {
-            pool: p.pool,
-            weight: p.weight,
-        });
+        out.push(WeightedPool { pool: p.pool, weight: p.weight });
     }
     if total == 0 {
         return Err(err(format!("{at}.pools"), "weights must sum to > 0"));
@@ -498,11 +503,7 @@ fn check_ident(path: &str, s: &str) -> Result<(), ConfigError> {
 }
 
 fn decode_digest(s: &str) -> Option<[u8; 32]> {
-    if s.len() != 64
-        || !s
-            .bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    {
+    if s.len() != 64 || !s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
         return None;
     }
     let mut out = [0u8; 32];
@@ -551,34 +552,10 @@ mod tests {
         assert_eq!(c.tenants[1].allowed, None);
         assert_eq!(c.models[1].served_model_name, "llama");
         assert_eq!(c.models[1].max_token_bytes, DEFAULT_MAX_TOKEN_BYTES);
-        assert_eq!(
-            c.models[0].pools,
-            vec![WeightedPool {
-                pool: "pool_a".into(),
-                weight: 1
-            }]
-        );
-        assert_eq!(
-            c.resolve("qwen-latest"),
-            Some(Target {
-                model: 0,
-                adapter: None
-            })
-        );
-        assert_eq!(
-            c.resolve("sql-lora"),
-            Some(Target {
-                model: 0,
-                adapter: Some(0)
-            })
-        );
-        assert_eq!(
-            c.resolve("llama"),
-            Some(Target {
-                model: 1,
-                adapter: None
-            })
-        );
+        assert_eq!(c.models[0].pools, vec![WeightedPool { pool: "pool_a".into(), weight: 1 }]);
+        assert_eq!(c.resolve("qwen-latest"), Some(Target { model: 0, adapter: None }));
+        assert_eq!(c.resolve("sql-lora"), Some(Target { model: 0, adapter: Some(0) }));
+        assert_eq!(c.resolve("llama"), Some(Target { model: 1, adapter: None }));
         assert_eq!(c.resolve("Qwen/Qwen2.5-0.5B-Instruct"), None);
         assert_eq!(c.key_digests.len(), 2);
         assert_eq!(c.key_digests[1].1, 1);
@@ -593,38 +570,19 @@ mod tests {
         let mut v = base();
         v["tenants"][1]["models"] = json!(["sql-lora"]);
         let c = load(&v).unwrap();
-        let qwen = Target {
-            model: 0,
-            adapter: None,
-        };
-        let lora = Target {
-            model: 0,
-            adapter: Some(0),
-        };
-        let llama = Target {
-            model: 1,
-            adapter: None,
-        };
-        assert!(
-            c.tenants[0].allows(qwen) && c.tenants[0].allows(lora) && c.tenants[0].allows(llama)
-        );
-        assert!(
-            !c.tenants[1].allows(qwen) && c.tenants[1].allows(lora) && !c.tenants[1].allows(llama)
-        );
+        let qwen = Target { model: 0, adapter: None };
+        let lora = Target { model: 0, adapter: Some(0) };
+        let llama = Target { model: 1, adapter: None };
+        assert!(c.tenants[0].allows(qwen) && c.tenants[0].allows(lora) && c.tenants[0].allows(llama));
+        assert!(!c.tenants[1].allows(qwen) && c.tenants[1].allows(lora) && !c.tenants[1].allows(llama));
     }
 
     // One fixture per configuration error, asserted by exact message.
 
     #[test]
     fn err_empty_configuration() {
-        assert_eq!(
-            Config::from_json(b"").unwrap_err().to_string(),
-            "configuration: must not be empty"
-        );
-        assert_eq!(
-            Config::from_json(b" \n").unwrap_err().to_string(),
-            "configuration: must not be empty"
-        );
+        assert_eq!(Config::from_json(b"").unwrap_err().to_string(), "configuration: must not be empty");
+        assert_eq!(Config::from_json(b" \n").unwrap_err().to_string(), "configuration: must not be empty");
     }
 
     #[test]
@@ -668,10 +626,7 @@ mod tests {
     fn err_unknown_pool_field() {
         let mut v = base();
         v["models"][1]["pools"][0]["w"] = json!(1);
-        expect_err(
-            v,
-            "models[1].pools[0].w: unknown field `w`, expected `pool` or `weight`",
-        );
+        expect_err(v, "models[1].pools[0].w: unknown field `w`, expected `pool` or `weight`");
     }
 
     #[test]
@@ -684,10 +639,7 @@ mod tests {
     #[test]
     fn err_missing_max_model_len() {
         let mut v = base();
-        v["models"][1]
-            .as_object_mut()
-            .unwrap()
-            .remove("max_model_len");
+        v["models"][1].as_object_mut().unwrap().remove("max_model_len");
         expect_err(v, "models[1]: missing field `max_model_len`");
     }
 
@@ -695,20 +647,14 @@ mod tests {
     fn err_wrong_type() {
         let mut v = base();
         v["models"][0]["max_model_len"] = json!("4096");
-        expect_err(
-            v,
-            "models[0].max_model_len: invalid type: string \"4096\", expected u64",
-        );
+        expect_err(v, "models[0].max_model_len: invalid type: string \"4096\", expected u64");
     }
 
     #[test]
     fn err_negative_max_model_len() {
         let mut v = base();
         v["models"][1]["max_model_len"] = json!(-1);
-        expect_err(
-            v,
-            "models[1].max_model_len: invalid value: integer `-1`, expected u64",
-        );
+        expect_err(v, "models[1].max_model_len: invalid value: integer `-1`, expected u64");
     }
 
     #[test]
@@ -736,20 +682,14 @@ mod tests {
     fn err_model_name_empty() {
         let mut v = base();
         v["models"][1]["name"] = json!("");
-        expect_err(
-            v,
-            "models[1].name: must be 1 to 256 visible ASCII characters (no spaces)",
-        );
+        expect_err(v, "models[1].name: must be 1 to 256 visible ASCII characters (no spaces)");
     }
 
     #[test]
     fn err_model_name_with_space() {
         let mut v = base();
         v["models"][0]["name"] = json!("qwen 2");
-        expect_err(
-            v,
-            "models[0].name: must be 1 to 256 visible ASCII characters (no spaces)",
-        );
+        expect_err(v, "models[0].name: must be 1 to 256 visible ASCII characters (no spaces)");
     }
 
     #[test]
@@ -776,10 +716,7 @@ mod tests {
     fn err_alias_invalid() {
         let mut v = base();
         v["models"][0]["aliases"] = json!(["ok", ""]);
-        expect_err(
-            v,
-            "models[0].aliases[1]: must be 1 to 256 visible ASCII characters (no spaces)",
-        );
+        expect_err(v, "models[0].aliases[1]: must be 1 to 256 visible ASCII characters (no spaces)");
     }
 
     #[test]
@@ -797,30 +734,21 @@ mod tests {
     fn err_pool_and_pools() {
         let mut v = base();
         v["models"][1]["pool"] = json!("x");
-        expect_err(
-            v,
-            "models[1]: exactly one of `pool` and `pools` must be set",
-        );
+        expect_err(v, "models[1]: exactly one of `pool` and `pools` must be set");
     }
 
     #[test]
     fn err_no_pool() {
         let mut v = base();
         v["models"][0].as_object_mut().unwrap().remove("pool");
-        expect_err(
-            v,
-            "models[0]: exactly one of `pool` and `pools` must be set",
-        );
+        expect_err(v, "models[0]: exactly one of `pool` and `pools` must be set");
     }
 
     #[test]
     fn err_pool_empty() {
         let mut v = base();
         v["models"][0]["pool"] = json!("");
-        expect_err(
-            v,
-            "models[0].pool: must be 1 to 256 visible ASCII characters (no spaces)",
-        );
+        expect_err(v, "models[0].pool: must be 1 to 256 visible ASCII characters (no spaces)");
     }
 
     #[test]
@@ -859,6 +787,50 @@ mod tests {
     }
 
     #[test]
+    fn context_bound_fields() {
+        let mut v = base();
+        v["models"][0]["template_overhead_bytes"] = json!({"per_message": 24, "fixed": 109});
+        v["models"][0]["normalization"] = json!("nfc");
+        v["models"][0]["exact_count"] = json!(true);
+        let c = load(&v).unwrap();
+        assert_eq!(c.models[0].template_overhead, Some(TemplateOverhead { per_message: 24, fixed: 109 }));
+        assert!(c.models[0].nfc && c.models[0].exact_count);
+        assert_eq!(c.models[1].template_overhead, None);
+        assert!(!c.models[1].nfc && !c.models[1].exact_count);
+    }
+
+    #[test]
+    fn err_normalization_unknown() {
+        let mut v = base();
+        v["models"][1]["normalization"] = json!("NFKC");
+        expect_err(v, "models[1].normalization: must be \"none\" or \"nfc\"");
+    }
+
+    #[test]
+    fn err_template_overhead_missing_field() {
+        let mut v = base();
+        v["models"][0]["template_overhead_bytes"] = json!({"per_message": 24});
+        expect_err(v, "models[0].template_overhead_bytes: missing field `fixed`");
+    }
+
+    #[test]
+    fn err_template_overhead_unknown_field() {
+        let mut v = base();
+        v["models"][0]["template_overhead_bytes"] = json!({"per_message": 24, "fixed": 1, "per_turn": 2});
+        expect_err(
+            v,
+            "models[0].template_overhead_bytes.per_turn: unknown field `per_turn`, expected `per_message` or `fixed`",
+        );
+    }
+
+    #[test]
+    fn err_exact_count_type() {
+        let mut v = base();
+        v["models"][0]["exact_count"] = json!("yes");
+        expect_err(v, "models[0].exact_count: invalid type: string \"yes\", expected a boolean");
+    }
+
+    #[test]
     fn err_max_token_bytes_zero() {
         let mut v = base();
         v["models"][0]["max_token_bytes"] = json!(0);
@@ -869,20 +841,14 @@ mod tests {
     fn err_tenant_id_empty() {
         let mut v = base();
         v["tenants"][0]["id"] = json!("");
-        expect_err(
-            v,
-            "tenants[0].id: must be 1 to 256 visible ASCII characters (no spaces)",
-        );
+        expect_err(v, "tenants[0].id: must be 1 to 256 visible ASCII characters (no spaces)");
     }
 
     #[test]
     fn err_duplicate_tenant_id() {
         let mut v = base();
         v["tenants"][1]["id"] = json!("demo");
-        expect_err(
-            v,
-            "tenants[1].id: duplicate tenant id \"demo\" (first defined at tenants[0].id)",
-        );
+        expect_err(v, "tenants[1].id: duplicate tenant id \"demo\" (first defined at tenants[0].id)");
     }
 
     #[test]
@@ -926,34 +892,34 @@ mod tests {
     fn err_digest_shared_between_tenants() {
         let mut v = base();
         v["tenants"][1]["api_keys_sha256"] = json!([D1]);
-        expect_err(v, "tenants[1].api_keys_sha256[0]: duplicate digest (also at tenants[0].api_keys_sha256[0])");
+        expect_err(
+            v,
+            "tenants[1].api_keys_sha256[0]: duplicate digest (also at tenants[0].api_keys_sha256[0])",
+        );
     }
 
     #[test]
     fn err_digest_repeated_in_tenant() {
         let mut v = base();
         v["tenants"][0]["api_keys_sha256"] = json!([D1, D1]);
-        expect_err(v, "tenants[0].api_keys_sha256[1]: duplicate digest (also at tenants[0].api_keys_sha256[0])");
+        expect_err(
+            v,
+            "tenants[0].api_keys_sha256[1]: duplicate digest (also at tenants[0].api_keys_sha256[0])",
+        );
     }
 
     #[test]
     fn err_tier_invalid() {
         let mut v = base();
         v["tenants"][0]["tier"] = json!("gold tier");
-        expect_err(
-            v,
-            "tenants[0].tier: must be 1 to 256 visible ASCII characters (no spaces)",
-        );
+        expect_err(v, "tenants[0].tier: must be 1 to 256 visible ASCII characters (no spaces)");
     }
 
     #[test]
     fn err_tenant_models_empty() {
         let mut v = base();
         v["tenants"][0]["models"] = json!([]);
-        expect_err(
-            v,
-            "tenants[0].models: must not be empty (omit the field to allow every model)",
-        );
+        expect_err(v, "tenants[0].models: must not be empty (omit the field to allow every model)");
     }
 
     #[test]

@@ -9,11 +9,21 @@
 //! * without: reject when `prompt_tokens >= max_model_len`.
 //!
 //! Because the real prompt has at least as many tokens as the lower bound, this never rejects a
-//! request vLLM would accept (given a correct `max_token_bytes`). An exact tokenizer can replace
-//! the byte bounds by implementing [`TokenCounter`] and returning `lower == upper == estimate`
-//! with [`CountSource::Exact`].
+//! request vLLM would accept (given a correct `max_token_bytes`).
+//!
+//! The other side is an upper bound, [`prompt_upper`]: a token stands for at least one byte of
+//! the text the tokenizer sees, so a prompt has at most as many tokens as bytes of its rendered
+//! template (the messages' roles and text plus the model's configured `template_overhead_bytes`;
+//! with NFC normalization, 3 bytes per non-ASCII byte, NFC's (and NFD's) largest growth), plus
+//! [`UPPER_BOUND_SLACK_TOKENS`]. When it fits ([`fits`]), the request is accepted without
+//! counting. Between the bounds, only an exact count decides: the filter never tokenizes (no
+//! vocabulary in the VM, no worker-thread stall) and marks the request for the sidecar's exact
+//! check (`x-gateway-context-check: exact`) when the model has `exact_count`, else lets vLLM
+//! decide.
 
-use crate::config::Model;
+use serde_json::Value;
+
+use crate::config::{Model, TemplateOverhead};
 use crate::error::GatewayError;
 use crate::request::{ChatMessage, MaxTokens, Prompt, PromptItem};
 
@@ -52,12 +62,7 @@ pub struct TokenCount {
 impl TokenCount {
     /// An exact count of `n` tokens.
     pub fn exact(n: u64) -> Self {
-        TokenCount {
-            lower: n,
-            upper: n,
-            estimate: n,
-            source: CountSource::Exact,
-        }
+        TokenCount { lower: n, upper: n, estimate: n, source: CountSource::Exact }
     }
 
     /// Bounds for `bytes` bytes of text: lower `ceil(bytes / max_token_bytes)`, upper `bytes`,
@@ -66,12 +71,7 @@ impl TokenCount {
         let lower = bytes.div_ceil(max_token_bytes.max(1));
         let upper = bytes;
         let estimate = bytes.div_ceil(4).clamp(lower, upper);
-        TokenCount {
-            lower,
-            upper,
-            estimate,
-            source: CountSource::Estimate,
-        }
+        TokenCount { lower, upper, estimate, source: CountSource::Estimate }
     }
 }
 
@@ -93,9 +93,7 @@ pub struct ByteBoundCounter {
 impl ByteBoundCounter {
     /// The counter for `model`.
     pub fn for_model(model: &Model) -> Self {
-        ByteBoundCounter {
-            max_token_bytes: model.max_token_bytes,
-        }
+        ByteBoundCounter { max_token_bytes: model.max_token_bytes }
     }
 }
 
@@ -122,17 +120,128 @@ pub fn chat_text_bytes(messages: &[ChatMessage<'_>]) -> u64 {
                 .texts
                 .iter()
                 .map(|t| {
-                    let t = if m.role == "assistant" {
-                        t.rsplit("</think>").next().unwrap_or(t)
-                    } else {
-                        t
-                    };
+                    let t = if m.role == "assistant" { t.rsplit("</think>").next().unwrap_or(t) } else { t };
                     t.trim().len() as u64
                 })
                 .sum();
             m.role.len() as u64 + texts
         })
         .sum()
+}
+
+/// Tokens the upper bound allows beyond the bytes of the rendered text: the ones that stand for no
+/// byte of it (a BOS added by the tokenizer's post-processor, SentencePiece's dummy-prefix `▁`).
+pub const UPPER_BOUND_SLACK_TOKENS: u64 = 2;
+
+/// Most tokens `text` can become: its bytes, or with NFC normalization its ASCII bytes plus three
+/// times the others (no code point's NFD form is longer than 3x its UTF-8 bytes, composition
+/// only shortens, and ASCII never changes).
+pub fn text_upper(text: &str, nfc: bool) -> u64 {
+    let bytes = text.len() as u64;
+    if !nfc {
+        return bytes;
+    }
+    bytes.saturating_add(non_ascii_bytes(text.as_bytes()).saturating_mul(2))
+}
+
+/// Bytes >= 0x80, counted 8 at a time (this runs on Envoy's worker threads).
+fn non_ascii_bytes(s: &[u8]) -> u64 {
+    let chunks = s.chunks_exact(8);
+    let tail = chunks.remainder().iter().filter(|b| !b.is_ascii()).count() as u64;
+    chunks.fold(tail, |n, chunk| {
+        let word = <[u8; 8]>::try_from(chunk).map_or(0, u64::from_le_bytes);
+        n + u64::from((word & 0x8080_8080_8080_8080).count_ones())
+    })
+}
+
+/// Whether a chat request renders only what [`chat_upper`] counts: top-level `tools`,
+/// `documents`, `chat_template`, `chat_template_kwargs` absent or null,
+/// `continue_final_message` and `add_special_tokens` not true, and every message made of `role`
+/// and `content` only (a string, null, or `{"type": "text"}` parts).
+pub fn chat_is_plain(body: &Value) -> bool {
+    let Some(obj) = body.as_object() else { return false };
+    let set = |k: &str| obj.get(k).is_some_and(|v| !v.is_null());
+    let on = |k: &str| obj.get(k).and_then(Value::as_bool) == Some(true);
+    if ["tools", "documents", "chat_template", "chat_template_kwargs"].iter().any(|k| set(k))
+        || on("continue_final_message")
+        || on("add_special_tokens")
+    {
+        return false;
+    }
+    let Some(messages) = obj.get("messages").and_then(Value::as_array) else { return false };
+    messages.iter().all(|m| {
+        m.as_object().is_some_and(|m| {
+            m.keys().all(|k| k == "role" || k == "content")
+                && match m.get("content") {
+                    None | Some(Value::Null | Value::String(_)) => true,
+                    Some(Value::Array(parts)) => {
+                        parts.iter().all(|p| p.get("type").and_then(Value::as_str) == Some("text"))
+                    }
+                    Some(_) => false,
+                }
+        })
+    })
+}
+
+/// Upper bound on the tokens of a plain chat prompt (see [`chat_is_plain`]): every message's role
+/// and text (parts joined with a newline, as vLLM joins them) and `per_message` bytes, plus
+/// `fixed` bytes, plus [`UPPER_BOUND_SLACK_TOKENS`].
+pub fn chat_upper(messages: &[ChatMessage<'_>], overhead: TemplateOverhead, nfc: bool) -> u64 {
+    let per_messages = messages.iter().fold(0u64, |acc, m| {
+        let texts = m.texts.iter().fold(0u64, |a, t| a.saturating_add(text_upper(t, nfc)));
+        let joins = m.texts.len().saturating_sub(1) as u64;
+        acc.saturating_add(text_upper(m.role, nfc))
+            .saturating_add(texts)
+            .saturating_add(joins)
+            .saturating_add(overhead.per_message)
+    });
+    per_messages.saturating_add(overhead.fixed).saturating_add(UPPER_BOUND_SLACK_TOKENS)
+}
+
+/// Upper bound on the largest prompt of a request, `None` when there is none: a chat prompt that
+/// is not plain or whose model has no `template_overhead_bytes`. Completions prompts: their bytes
+/// (NFC-adjusted) plus [`UPPER_BOUND_SLACK_TOKENS`]; token ids exactly.
+pub fn prompt_upper(model: &Model, prompt: &Prompt<'_>, body: &Value) -> Option<u64> {
+    upper_with(model, prompt, body, model.nfc)
+}
+
+fn upper_with(model: &Model, prompt: &Prompt<'_>, body: &Value, nfc: bool) -> Option<u64> {
+    match prompt {
+        Prompt::Chat(messages) => {
+            let overhead = model.template_overhead?;
+            chat_is_plain(body).then(|| chat_upper(messages, overhead, nfc))
+        }
+        Prompt::Items(items) => items
+            .iter()
+            .map(|item| match item {
+                PromptItem::Text(t) => text_upper(t, nfc).saturating_add(UPPER_BOUND_SLACK_TOKENS),
+                PromptItem::Tokens(n) => *n,
+            })
+            .max(),
+    }
+}
+
+/// Whether the upper bound proves the request fits vLLM's rule. The NFC allowance (a scan for
+/// non-ASCII bytes) is only computed when the plain byte bound fits, which keeps that scan below
+/// `max_model_len` bytes.
+pub fn fits_by_upper_bound(
+    model: &Model,
+    prompt: &Prompt<'_>,
+    body: &Value,
+    max_tokens: Option<MaxTokens>,
+) -> bool {
+    let fits_with =
+        |nfc| upper_with(model, prompt, body, nfc).is_some_and(|u| fits(model.max_model_len, u, max_tokens));
+    fits_with(false) && (!model.nfc || fits_with(true))
+}
+
+/// vLLM's rule for a prompt of `prompt_tokens`: `prompt + max_tokens <= max_model_len`, or
+/// without max tokens `prompt < max_model_len`.
+pub fn fits(max_model_len: u64, prompt_tokens: u64, max_tokens: Option<MaxTokens>) -> bool {
+    match max_tokens {
+        Some(mt) => prompt_tokens.saturating_add(mt.value) <= max_model_len,
+        None => prompt_tokens < max_model_len,
+    }
 }
 
 /// Token counts of a whole request (all prompts of a batch).
@@ -164,14 +273,8 @@ pub fn count_prompt(counter: &dyn TokenCounter, prompt: &Prompt<'_>) -> PromptCo
     PromptCounts {
         max_lower: counts.iter().map(|c| c.lower).max().unwrap_or(0),
         max_estimate: counts.iter().map(|c| c.estimate).max().unwrap_or(0),
-        total_estimate: counts
-            .iter()
-            .fold(0u64, |acc, c| acc.saturating_add(c.estimate)),
-        source: if all_exact {
-            CountSource::Exact
-        } else {
-            CountSource::Estimate
-        },
+        total_estimate: counts.iter().fold(0u64, |acc, c| acc.saturating_add(c.estimate)),
+        source: if all_exact { CountSource::Exact } else { CountSource::Estimate },
     }
 }
 
@@ -212,11 +315,7 @@ pub fn check_context(
 
 /// The effective completion limit sent as `x-gateway-max-tokens`: the client's value, else
 /// `max_model_len - max_estimate` floored at 0 (what vLLM would allow for the largest prompt).
-pub fn effective_max_tokens(
-    max_model_len: u64,
-    counts: &PromptCounts,
-    max_tokens: Option<MaxTokens>,
-) -> u64 {
+pub fn effective_max_tokens(max_model_len: u64, counts: &PromptCounts, max_tokens: Option<MaxTokens>) -> u64 {
     match max_tokens {
         Some(mt) => mt.value,
         None => max_model_len.saturating_sub(counts.max_estimate),
@@ -228,10 +327,7 @@ mod tests {
     use super::*;
 
     fn mt(v: u64) -> Option<MaxTokens> {
-        Some(MaxTokens {
-            value: v,
-            param: "max_tokens",
-        })
+        Some(MaxTokens { value: v, param: "max_tokens" })
     }
 
     fn counts(lower: u64) -> PromptCounts {
@@ -247,32 +343,17 @@ mod tests {
     fn byte_bounds() {
         assert_eq!(
             TokenCount::from_bytes(1000, 256),
-            TokenCount {
-                lower: 4,
-                upper: 1000,
-                estimate: 250,
-                source: CountSource::Estimate
-            }
+            TokenCount { lower: 4, upper: 1000, estimate: 250, source: CountSource::Estimate }
         );
         assert_eq!(
             TokenCount::from_bytes(0, 256),
-            TokenCount {
-                lower: 0,
-                upper: 0,
-                estimate: 0,
-                source: CountSource::Estimate
-            }
+            TokenCount { lower: 0, upper: 0, estimate: 0, source: CountSource::Estimate }
         );
         assert_eq!(TokenCount::from_bytes(1, 256).lower, 1);
         assert_eq!(TokenCount::from_bytes(257, 256).lower, 2);
         assert_eq!(
             TokenCount::from_bytes(3, 1),
-            TokenCount {
-                lower: 3,
-                upper: 3,
-                estimate: 3,
-                source: CountSource::Estimate
-            }
+            TokenCount { lower: 3, upper: 3, estimate: 3, source: CountSource::Estimate }
         );
         // clamp: estimate never below the lower bound
         assert_eq!(TokenCount::from_bytes(100, 2).estimate, 50);
@@ -282,26 +363,14 @@ mod tests {
     #[test]
     fn chat_bytes_rules() {
         let msgs = vec![
-            ChatMessage {
-                role: "system",
-                texts: vec!["  be brief \n"],
-            },
-            ChatMessage {
-                role: "user",
-                texts: vec!["hello", " world "],
-            },
-            ChatMessage {
-                role: "assistant",
-                texts: vec!["<think>long reasoning</think>\n\nanswer"],
-            },
+            ChatMessage { role: "system", texts: vec!["  be brief \n"] },
+            ChatMessage { role: "user", texts: vec!["hello", " world "] },
+            ChatMessage { role: "assistant", texts: vec!["<think>long reasoning</think>\n\nanswer"] },
         ];
         // system(6)+"be brief"(8) + user(4)+"hello"(5)+"world"(5) + assistant(9)+"answer"(6)
         assert_eq!(chat_text_bytes(&msgs), 6 + 8 + 4 + 5 + 5 + 9 + 6);
         // `</think>` only matters for assistant messages
-        let user = vec![ChatMessage {
-            role: "user",
-            texts: vec!["a</think>b"],
-        }];
+        let user = vec![ChatMessage { role: "user", texts: vec!["a</think>b"] }];
         assert_eq!(chat_text_bytes(&user), 4 + 10);
     }
 
@@ -325,12 +394,7 @@ mod tests {
         let empty = count_prompt(&c, &Prompt::Items(vec![]));
         assert_eq!(
             empty,
-            PromptCounts {
-                max_lower: 0,
-                max_estimate: 0,
-                total_estimate: 0,
-                source: CountSource::Estimate
-            }
+            PromptCounts { max_lower: 0, max_estimate: 0, total_estimate: 0, source: CountSource::Estimate }
         );
     }
 
@@ -347,15 +411,7 @@ mod tests {
                 max_tokens: Some(1000)
             }
         );
-        assert_eq!(
-            e.parts(),
-            (
-                400,
-                "invalid_request_error",
-                "context_length_exceeded",
-                Some("messages")
-            )
-        );
+        assert_eq!(e.parts(), (400, "invalid_request_error", "context_length_exceeded", Some("messages")));
     }
 
     #[test]
@@ -371,21 +427,9 @@ mod tests {
         let e = check_context(4096, &counts(0), mt(4097), "messages").unwrap_err();
         assert_eq!(
             e,
-            GatewayError::MaxTokensTooLarge {
-                param: "max_tokens",
-                requested: 4097,
-                max_model_len: 4096
-            }
+            GatewayError::MaxTokensTooLarge { param: "max_tokens", requested: 4097, max_model_len: 4096 }
         );
-        assert_eq!(
-            e.parts(),
-            (
-                400,
-                "invalid_request_error",
-                "invalid_value",
-                Some("max_tokens")
-            )
-        );
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_value", Some("max_tokens")));
         assert_eq!(
             e.to_string(),
             "'max_tokens' is too large: 4097. This model's maximum context length is 4096 tokens."
@@ -416,6 +460,89 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn text_upper_bounds() {
+        assert_eq!(text_upper("hello", false), 5);
+        assert_eq!(text_upper("hello", true), 5);
+        assert_eq!(text_upper("héllo", false), 6);
+        // 4 ASCII bytes + 2 non-ASCII bytes counted thrice
+        assert_eq!(text_upper("héllo", true), 10);
+        assert_eq!(text_upper("", true), 0);
+    }
+
+    #[test]
+    fn non_ascii_counting() {
+        for text in [
+            "",
+            "a",
+            "é",
+            "abcdefgh",
+            "abcdefgé",
+            "日本語のテキストと English mixed 😀😀",
+            "é".repeat(33).as_str(),
+        ] {
+            let want = text.bytes().filter(|b| !b.is_ascii()).count() as u64;
+            assert_eq!(non_ascii_bytes(text.as_bytes()), want, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn nfc_growth_is_within_the_bound() {
+        // The largest NFC growths of single code points: U+0344 (2 -> 4 bytes), U+0F73 (3 -> 6),
+        // U+FB2C (3 -> 6), U+1D160 (4 -> 12, the 3x worst case); U+0390 is NFD's 3x worst case.
+        for (c, nfc_bytes) in
+            [("\u{344}", 4u64), ("\u{f73}", 6), ("\u{fb2c}", 6), ("\u{1d160}", 12), ("\u{390}", 2)]
+        {
+            assert!(text_upper(c, true) >= nfc_bytes, "{c:?}");
+        }
+    }
+
+    #[test]
+    fn chat_upper_sums_roles_texts_and_overhead() {
+        let msgs = vec![
+            ChatMessage { role: "system", texts: vec!["  be brief \n"] },
+            ChatMessage { role: "user", texts: vec!["hello", "world"] },
+        ];
+        let o = TemplateOverhead { per_message: 24, fixed: 109 };
+        // system(6) + 12 + 24, user(4) + 5 + 5 + one "\n" join + 24, fixed 109, slack 2.
+        assert_eq!(chat_upper(&msgs, o, false), 6 + 12 + 24 + 4 + 5 + 5 + 1 + 24 + 109 + 2);
+        assert_eq!(chat_upper(&[], o, false), 109 + 2);
+    }
+
+    #[test]
+    fn plain_chats() {
+        use serde_json::json;
+        assert!(chat_is_plain(&json!({"messages": [{"role": "user", "content": "x"}]})));
+        assert!(chat_is_plain(&json!({"messages": [{"role": "assistant", "content": null}], "tools": null})));
+        assert!(chat_is_plain(
+            &json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+            "add_generation_prompt": false, "continue_final_message": false})
+        ));
+        for body in [
+            json!({"messages": [{"role": "user", "content": "x"}], "tools": []}),
+            json!({"messages": [{"role": "user", "content": "x"}], "documents": [{"text": "d"}]}),
+            json!({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}),
+            json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {}}),
+            json!({"messages": [{"role": "user", "content": "x"}], "continue_final_message": true}),
+            json!({"messages": [{"role": "user", "content": "x"}], "add_special_tokens": true}),
+            json!({"messages": [{"role": "user", "content": "x", "name": "n"}]}),
+            json!({"messages": [{"role": "assistant", "content": null, "tool_calls": []}]}),
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}),
+            json!({"messages": "x"}),
+            json!([]),
+        ] {
+            assert!(!chat_is_plain(&body), "{body}");
+        }
+    }
+
+    #[test]
+    fn fits_is_vllms_rule() {
+        assert!(fits(100, 90, mt(10)));
+        assert!(!fits(100, 91, mt(10)));
+        assert!(fits(100, 99, None));
+        assert!(!fits(100, 100, None));
     }
 
     #[test]

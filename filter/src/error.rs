@@ -199,11 +199,7 @@ impl LocalReply {
             br#"{"error":{"message":"internal error","type":"server_error","param":null,"code":"internal_error"}}"#
                 .to_vec()
         });
-        LocalReply {
-            status,
-            headers: vec![("content-type", "application/json".to_string())],
-            body,
-        }
+        LocalReply { status, headers: vec![("content-type", "application/json".to_string())], body }
     }
 }
 
@@ -214,24 +210,16 @@ impl GatewayError {
         match self {
             GatewayError::NotFound { .. } => (404, IRE, "not_found", None),
             GatewayError::MethodNotAllowed { .. } => (405, IRE, "method_not_allowed", None),
-            GatewayError::MissingApiKey | GatewayError::InvalidApiKey => {
-                (401, IRE, "invalid_api_key", None)
-            }
+            GatewayError::MissingApiKey | GatewayError::InvalidApiKey => (401, IRE, "invalid_api_key", None),
             GatewayError::RequestTooLarge { .. } => (413, IRE, "request_too_large", None),
             GatewayError::InvalidJson { .. } => (400, IRE, "invalid_json", None),
-            GatewayError::DuplicateParameter { param } => {
-                (400, IRE, "duplicate_parameter", Some(param))
-            }
-            GatewayError::MissingParameter { param } => {
-                (400, IRE, "missing_required_parameter", Some(param))
-            }
+            GatewayError::DuplicateParameter { param } => (400, IRE, "duplicate_parameter", Some(param)),
+            GatewayError::MissingParameter { param } => (400, IRE, "missing_required_parameter", Some(param)),
             GatewayError::InvalidType { param, .. } => (400, IRE, "invalid_type", Some(param)),
             GatewayError::InvalidValue { param, .. } => (400, IRE, "invalid_value", Some(param)),
             GatewayError::ModelNotFound { .. } => (404, IRE, "model_not_found", Some("model")),
             GatewayError::ModelNotAllowed { .. } => (403, IRE, "model_not_allowed", Some("model")),
-            GatewayError::MaxTokensTooLarge { param, .. } => {
-                (400, IRE, "invalid_value", Some(param))
-            }
+            GatewayError::MaxTokensTooLarge { param, .. } => (400, IRE, "invalid_value", Some(param)),
             GatewayError::ContextLengthExceeded { param, .. } => {
                 (400, IRE, "context_length_exceeded", Some(param))
             }
@@ -244,14 +232,7 @@ impl GatewayError {
     /// `content-type: application/json`, and `allow` for 405.
     pub fn to_reply(&self) -> LocalReply {
         let (status, kind, code, param) = self.parts();
-        let body = ErrorBody {
-            error: ErrorObject {
-                message: self.to_string(),
-                kind,
-                param,
-                code,
-            },
-        };
+        let body = ErrorBody { error: ErrorObject { message: self.to_string(), kind, param, code } };
         let mut reply = LocalReply::json(status, &body);
         if let GatewayError::MethodNotAllowed { allow, .. } = self {
             reply.headers.push(("allow", (*allow).to_string()));
@@ -283,10 +264,7 @@ mod tests {
         let e = GatewayError::InvalidApiKey;
         let r = e.to_reply();
         assert_eq!(r.status, 401);
-        assert_eq!(
-            r.headers,
-            vec![("content-type", "application/json".to_string())]
-        );
+        assert_eq!(r.headers, vec![("content-type", "application/json".to_string())]);
         assert_eq!(
             body(&e),
             json!({"error":{"message":"Incorrect API key provided.","type":"invalid_request_error","param":null,"code":"invalid_api_key"}})
@@ -352,51 +330,27 @@ mod tests {
     #[test]
     fn every_variant_maps() {
         let all = [
-            GatewayError::NotFound {
-                method: "POST".into(),
-                path: "/x".into(),
-            },
+            GatewayError::NotFound { method: "POST".into(), path: "/x".into() },
             GatewayError::MissingApiKey,
             GatewayError::RequestTooLarge { limit: 1 },
             GatewayError::InvalidJson { detail: "x".into() },
-            GatewayError::DuplicateParameter {
-                param: "model".into(),
-            },
-            GatewayError::MissingParameter {
-                param: "model".into(),
-            },
-            GatewayError::InvalidType {
-                param: "stream".into(),
-                expected: "a boolean",
-                got: "a string",
-            },
-            GatewayError::InvalidValue {
-                param: "max_tokens".into(),
-                reason: "x".into(),
-            },
+            GatewayError::DuplicateParameter { param: "model".into() },
+            GatewayError::MissingParameter { param: "model".into() },
+            GatewayError::InvalidType { param: "stream".into(), expected: "a boolean", got: "a string" },
+            GatewayError::InvalidValue { param: "max_tokens".into(), reason: "x".into() },
             GatewayError::ModelNotFound { model: "m".into() },
             GatewayError::ModelNotAllowed { model: "m".into() },
-            GatewayError::MaxTokensTooLarge {
-                param: "max_tokens",
-                requested: 9,
-                max_model_len: 8,
-            },
+            GatewayError::MaxTokensTooLarge { param: "max_tokens", requested: 9, max_model_len: 8 },
             GatewayError::Internal { what: "x" },
         ];
         let statuses: Vec<u32> = all.iter().map(|e| e.to_reply().status).collect();
-        assert_eq!(
-            statuses,
-            vec![404, 401, 413, 400, 400, 400, 400, 400, 404, 403, 400, 500]
-        );
+        assert_eq!(statuses, vec![404, 401, 413, 400, 400, 400, 400, 400, 404, 403, 400, 500]);
         for e in &all {
             let b = body(e);
             assert!(b["error"]["message"].is_string());
             assert!(b["error"]["type"].is_string());
             assert!(b["error"]["code"].is_string());
         }
-        assert_eq!(
-            body(&GatewayError::Internal { what: "x" })["error"]["type"],
-            "server_error"
-        );
+        assert_eq!(body(&GatewayError::Internal { what: "x" })["error"]["type"], "server_error");
     }
 }

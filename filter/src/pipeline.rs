@@ -14,6 +14,8 @@
 //! | `x-gateway-prompt-tokens-source` | `estimate` or `exact` |
 //! | `x-gateway-max-tokens` | effective max tokens; if unset, `max_model_len - estimate` floored at 0; 0 for embeddings |
 //! | `x-gateway-usage-injected` | `1`, only when the filter injected `stream_options.include_usage` |
+//! | `x-gateway-context-check` | `exact`, only when the bounds cannot decide the context rule and the model has `exact_count` (the sidecar counts exactly) |
+//! | `x-gateway-context-model` | with `x-gateway-context-check`: the base model whose tokenizer counts |
 
 use serde::Serialize;
 use serde_json::Value;
@@ -21,7 +23,7 @@ use serde_json::Value;
 use crate::auth::authenticate;
 use crate::config::Config;
 use crate::context::{
-    check_context, count_prompt, effective_max_tokens, ByteBoundCounter, TokenCounter,
+    check_context, count_prompt, effective_max_tokens, fits_by_upper_bound, ByteBoundCounter, TokenCounter,
 };
 use crate::error::{GatewayError, LocalReply};
 use crate::json_scan::{apply_edits, scan_object, Edit};
@@ -46,6 +48,10 @@ pub const H_PROMPT_TOKENS_SOURCE: &str = "x-gateway-prompt-tokens-source";
 pub const H_MAX_TOKENS: &str = "x-gateway-max-tokens";
 /// `1` when `stream_options.include_usage` was injected.
 pub const H_USAGE_INJECTED: &str = "x-gateway-usage-injected";
+/// `exact` when only an exact count can decide the context rule (the sidecar's check).
+pub const H_CONTEXT_CHECK: &str = "x-gateway-context-check";
+/// The base model whose tokenizer the sidecar's exact check uses.
+pub const H_CONTEXT_MODEL: &str = "x-gateway-context-model";
 
 /// A header list as Envoy hands it over: lowercase names, raw value bytes.
 pub type HeaderList = [(String, Vec<u8>)];
@@ -59,8 +65,7 @@ pub fn header<'a>(headers: &'a HeaderList, name: &str) -> Option<&'a [u8]> {
 }
 
 fn is_gateway_header(name: &str) -> bool {
-    name.get(..GATEWAY_HEADER_PREFIX.len())
-        .is_some_and(|p| p.eq_ignore_ascii_case(GATEWAY_HEADER_PREFIX))
+    name.get(..GATEWAY_HEADER_PREFIX.len()).is_some_and(|p| p.eq_ignore_ascii_case(GATEWAY_HEADER_PREFIX))
 }
 
 /// Names of the request headers to remove before anything else: every `x-gateway-*` header, and
@@ -123,38 +128,22 @@ fn decide_headers(cfg: &Config, headers: &HeaderList) -> Result<HeadersDecision,
     let method = String::from_utf8_lossy(header(headers, ":method").unwrap_or_default());
     let path = String::from_utf8_lossy(header(headers, ":path").unwrap_or_default());
     let endpoint = classify(&method, &path)?;
-    let tenant_idx = authenticate(
-        &cfg.key_digests,
-        header(headers, "authorization"),
-        header(headers, "x-api-key"),
-    )?;
-    let tenant = cfg.tenants.get(tenant_idx).ok_or(GatewayError::Internal {
-        what: "tenant index out of range",
-    })?;
+    let tenant_idx =
+        authenticate(&cfg.key_digests, header(headers, "authorization"), header(headers, "x-api-key"))?;
+    let tenant =
+        cfg.tenants.get(tenant_idx).ok_or(GatewayError::Internal { what: "tenant index out of range" })?;
 
     if endpoint == Endpoint::Models {
         let data = listed_models(cfg, tenant)
             .into_iter()
-            .map(|id| ModelObject {
-                id,
-                object: "model",
-                created: 0,
-                owned_by: "gateway",
-            })
+            .map(|id| ModelObject { id, object: "model", created: 0, owned_by: "gateway" })
             .collect();
-        return Ok(HeadersDecision::Reply(LocalReply::json(
-            200,
-            &ModelList {
-                object: "list",
-                data,
-            },
-        )));
+        return Ok(HeadersDecision::Reply(LocalReply::json(200, &ModelList { object: "list", data })));
     }
 
     let content_length = header(headers, "content-length");
-    if let Some(len) = content_length
-        .and_then(|v| std::str::from_utf8(v).ok())
-        .and_then(|s| s.trim().parse::<u64>().ok())
+    if let Some(len) =
+        content_length.and_then(|v| std::str::from_utf8(v).ok()).and_then(|s| s.trim().parse::<u64>().ok())
     {
         check_body_size(cfg, len)?;
     }
@@ -188,9 +177,7 @@ struct ModelObject<'a> {
 /// [`GatewayError::RequestTooLarge`] (413) when `size > max_body_bytes`.
 pub fn check_body_size(cfg: &Config, size: u64) -> Result<(), GatewayError> {
     if size > cfg.max_body_bytes {
-        return Err(GatewayError::RequestTooLarge {
-            limit: cfg.max_body_bytes,
-        });
+        return Err(GatewayError::RequestTooLarge { limit: cfg.max_body_bytes });
     }
     Ok(())
 }
@@ -221,9 +208,7 @@ pub fn on_request_body(
     let tenant = cfg
         .tenants
         .get(pending.tenant)
-        .ok_or(GatewayError::Internal {
-            what: "tenant index out of range",
-        })?;
+        .ok_or(GatewayError::Internal { what: "tenant index out of range" })?;
     let value = parse_json(body)?;
     let req = validate(pending.endpoint, body, &value)?;
     let route = route(cfg, tenant, req.model, pending.request_id.as_deref())?;
@@ -231,15 +216,14 @@ pub fn on_request_body(
     let counter = ByteBoundCounter::for_model(route.model);
     let counts = count_prompt(&counter as &dyn TokenCounter, &req.prompt);
     let max_model_len = route.model.max_model_len;
+    let mut exact_check = false;
     let max_tokens_header = if pending.endpoint == Endpoint::Embeddings {
         0
     } else {
-        check_context(
-            max_model_len,
-            &counts,
-            req.max_tokens,
-            pending.endpoint.prompt_param(),
-        )?;
+        check_context(max_model_len, &counts, req.max_tokens, pending.endpoint.prompt_param())?;
+        // The lower bound fits; the upper bound settles it unless it is unknown or too large.
+        let settled = fits_by_upper_bound(route.model, &req.prompt, &value, req.max_tokens);
+        exact_check = !settled && route.model.exact_count;
         effective_max_tokens(max_model_len, &counts, req.max_tokens)
     };
 
@@ -258,16 +242,16 @@ pub fn on_request_body(
     if inject {
         set_headers.push((H_USAGE_INJECTED, "1".to_string()));
     }
+    if exact_check {
+        set_headers.push((H_CONTEXT_CHECK, "exact".to_string()));
+        set_headers.push((H_CONTEXT_MODEL, route.model.name.clone()));
+    }
     if let Some(b) = &new_body {
         if pending.has_content_length {
             set_headers.push(("content-length", b.len().to_string()));
         }
     }
-    Ok(ForwardPlan {
-        set_headers,
-        new_body,
-        usage_injected: inject,
-    })
+    Ok(ForwardPlan { set_headers, new_body, usage_injected: inject })
 }
 
 const INCLUDE_USAGE_OBJECT: &[u8] = br#"{"include_usage":true}"#;
@@ -281,18 +265,12 @@ fn rewrite_body(
     route: &Route<'_>,
     inject: bool,
 ) -> Result<Option<Vec<u8>>, GatewayError> {
-    let internal = GatewayError::Internal {
-        what: "request body rewrite failed",
-    };
+    let internal = GatewayError::Internal { what: "request body rewrite failed" };
     let mut edits = Vec::new();
     if route.body_model != req.model {
         let m = req.scan.get("model").ok_or_else(|| internal.clone())?;
         let with = serde_json::to_vec(route.body_model).map_err(|_| internal.clone())?;
-        edits.push(Edit {
-            start: m.value_start,
-            end: m.value_end,
-            with,
-        });
+        edits.push(Edit { start: m.value_start, end: m.value_end, with });
     }
     if inject {
         edits.push(stream_options_edit(body, req, value).ok_or_else(|| internal.clone())?);
@@ -314,42 +292,24 @@ fn stream_options_edit(body: &[u8], req: &ValidatedRequest<'_>, value: &Value) -
                     with: b"true".to_vec(),
                 })
             } else if inner.members.is_empty() {
-                Some(Edit {
-                    start: m.value_start,
-                    end: m.value_end,
-                    with: INCLUDE_USAGE_OBJECT.to_vec(),
-                })
+                Some(Edit { start: m.value_start, end: m.value_end, with: INCLUDE_USAGE_OBJECT.to_vec() })
             } else {
                 let at = m.value_start + inner.open + 1;
-                Some(Edit {
-                    start: at,
-                    end: at,
-                    with: br#""include_usage":true,"#.to_vec(),
-                })
+                Some(Edit { start: at, end: at, with: br#""include_usage":true,"#.to_vec() })
             }
         }
         // present but null
-        Some(m) => Some(Edit {
-            start: m.value_start,
-            end: m.value_end,
-            with: INCLUDE_USAGE_OBJECT.to_vec(),
-        }),
+        Some(m) => Some(Edit { start: m.value_start, end: m.value_end, with: INCLUDE_USAGE_OBJECT.to_vec() }),
         None => {
             let (at, with) = match req.scan.members.last() {
-                Some(last) => (
-                    last.value_end,
-                    [br#","stream_options":"#.as_slice(), INCLUDE_USAGE_OBJECT].concat(),
-                ),
-                None => (
-                    req.scan.open + 1,
-                    [br#""stream_options":"#.as_slice(), INCLUDE_USAGE_OBJECT].concat(),
-                ),
+                Some(last) => {
+                    (last.value_end, [br#","stream_options":"#.as_slice(), INCLUDE_USAGE_OBJECT].concat())
+                }
+                None => {
+                    (req.scan.open + 1, [br#""stream_options":"#.as_slice(), INCLUDE_USAGE_OBJECT].concat())
+                }
             };
-            Some(Edit {
-                start: at,
-                end: at,
-                with,
-            })
+            Some(Edit { start: at, end: at, with })
         }
     }
 }
@@ -359,10 +319,8 @@ fn stream_options_edit(body: &[u8], req: &ValidatedRequest<'_>, value: &Value) -
 /// `text/event-stream` (case-insensitive, parameters allowed). Error bodies pass untouched.
 pub fn response_needs_stripping(status: Option<&[u8]>, content_type: Option<&[u8]>) -> bool {
     let ok = status.is_some_and(|s| s == b"200");
-    let sse = content_type.is_some_and(|ct| {
-        ct.get(..17)
-            .is_some_and(|p| p.eq_ignore_ascii_case(b"text/event-stream"))
-    });
+    let sse = content_type
+        .is_some_and(|ct| ct.get(..17).is_some_and(|p| p.eq_ignore_ascii_case(b"text/event-stream")));
     ok && sse
 }
 
@@ -390,9 +348,7 @@ mod tests {
     }
 
     fn hdrs(list: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
-        list.iter()
-            .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
-            .collect()
+        list.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())).collect()
     }
 
     fn post(path: &str, key: &str) -> Vec<(String, Vec<u8>)> {
@@ -420,18 +376,11 @@ mod tests {
     }
 
     fn chat(body: Value) -> Result<ForwardPlan, GatewayError> {
-        on_request_body(
-            &cfg(),
-            &pending("/v1/chat/completions", "sk-demo"),
-            body.to_string().as_bytes(),
-        )
+        on_request_body(&cfg(), &pending("/v1/chat/completions", "sk-demo"), body.to_string().as_bytes())
     }
 
     fn header_map(plan: &ForwardPlan) -> Vec<(String, String)> {
-        plan.set_headers
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.clone()))
-            .collect()
+        plan.set_headers.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
     }
 
     #[test]
@@ -447,24 +396,12 @@ mod tests {
             ("x-gatewayish", "keep"),
         ]);
         let out = on_request_headers(&cfg(), &h);
-        assert_eq!(
-            out.remove,
-            vec![
-                "x-gateway-tenant",
-                "x-gateway-pool",
-                "authorization",
-                "x-api-key"
-            ]
-        );
+        assert_eq!(out.remove, vec!["x-gateway-tenant", "x-gateway-pool", "authorization", "x-api-key"]);
         assert!(matches!(out.decision, HeadersDecision::AwaitBody(_)));
         // Removed even when the request is rejected.
         let out = on_request_headers(
             &cfg(),
-            &hdrs(&[
-                (":method", "POST"),
-                (":path", "/nope"),
-                ("x-gateway-model", "x"),
-            ]),
+            &hdrs(&[(":method", "POST"), (":path", "/nope"), ("x-gateway-model", "x")]),
         );
         assert_eq!(out.remove, vec!["x-gateway-model"]);
     }
@@ -491,9 +428,7 @@ mod tests {
             HeadersDecision::Reply(r) => {
                 assert_eq!(r.status, 405);
                 assert!(r.headers.contains(&("allow", "POST".to_string())));
-                assert!(r
-                    .headers
-                    .contains(&("content-type", "application/json".to_string())));
+                assert!(r.headers.contains(&("content-type", "application/json".to_string())));
             }
             HeadersDecision::AwaitBody(_) => panic!(),
         }
@@ -501,8 +436,7 @@ mod tests {
 
     #[test]
     fn auth_errors() {
-        let (s, b) =
-            reply(on_request_headers(&cfg(), &post("/v1/chat/completions", "sk-wrong")).decision);
+        let (s, b) = reply(on_request_headers(&cfg(), &post("/v1/chat/completions", "sk-wrong")).decision);
         assert_eq!(s, 401);
         assert_eq!(b["error"]["code"], "invalid_api_key");
         assert_eq!(b["error"]["message"], "Incorrect API key provided.");
@@ -511,11 +445,7 @@ mod tests {
         assert_eq!(s, 401);
         assert_eq!(b["error"]["type"], "invalid_request_error");
         // x-api-key works too
-        let h = hdrs(&[
-            (":method", "POST"),
-            (":path", "/v1/completions"),
-            ("x-api-key", "sk-all"),
-        ]);
+        let h = hdrs(&[(":method", "POST"), (":path", "/v1/completions"), ("x-api-key", "sk-all")]);
         assert!(matches!(
             on_request_headers(&cfg(), &h).decision,
             HeadersDecision::AwaitBody(PendingRequest { tenant: 1, .. })
@@ -530,29 +460,21 @@ mod tests {
         let (s, b) = reply(on_request_headers(&cfg(), &h).decision);
         assert_eq!(s, 413);
         assert_eq!(b["error"]["code"], "request_too_large");
-        assert_eq!(
-            b["error"]["message"],
-            "Request body too large: the limit is 2000 bytes."
-        );
+        assert_eq!(b["error"]["message"], "Request body too large: the limit is 2000 bytes.");
         // Unauthenticated oversize requests get 401 first.
         let mut h = hdrs(&[(":method", "POST"), (":path", "/v1/chat/completions")]);
         h.push(("content-length".into(), b"999999".to_vec()));
         assert_eq!(reply(on_request_headers(&cfg(), &h).decision).0, 401);
         // Buffered size limit.
         let big = vec![b' '; 2001];
-        let e =
-            on_request_body(&cfg(), &pending("/v1/chat/completions", "sk-demo"), &big).unwrap_err();
+        let e = on_request_body(&cfg(), &pending("/v1/chat/completions", "sk-demo"), &big).unwrap_err();
         assert_eq!(e.parts().0, 413);
         assert!(check_body_size(&cfg(), 2000).is_ok());
     }
 
     #[test]
     fn models_listing() {
-        let h = hdrs(&[
-            (":method", "GET"),
-            (":path", "/v1/models"),
-            ("x-api-key", "sk-demo"),
-        ]);
+        let h = hdrs(&[(":method", "GET"), (":path", "/v1/models"), ("x-api-key", "sk-demo")]);
         let (s, b) = reply(on_request_headers(&cfg(), &h).decision);
         assert_eq!(s, 200);
         assert_eq!(
@@ -563,17 +485,10 @@ mod tests {
                 {"id": "tiny", "object": "model", "created": 0, "owned_by": "gateway"}
             ]})
         );
-        let h = hdrs(&[
-            (":method", "GET"),
-            (":path", "/v1/models?limit=1"),
-            ("x-api-key", "sk-all"),
-        ]);
+        let h = hdrs(&[(":method", "GET"), (":path", "/v1/models?limit=1"), ("x-api-key", "sk-all")]);
         match on_request_headers(&cfg(), &h).decision {
             HeadersDecision::Reply(r) => {
-                assert_eq!(
-                    r.headers,
-                    vec![("content-type", "application/json".to_string())]
-                );
+                assert_eq!(r.headers, vec![("content-type", "application/json".to_string())]);
                 assert!(String::from_utf8(r.body).unwrap().starts_with(
                     r#"{"object":"list","data":[{"id":"qwen","object":"model","created":0,"owned_by":"gateway"},"#
                 ));
@@ -598,10 +513,7 @@ mod tests {
                 ("x-gateway-prompt-tokens".into(), "251".into()),
                 ("x-gateway-prompt-tokens-source".into(), "estimate".into()),
                 ("x-gateway-max-tokens".into(), "100".into()),
-                (
-                    "content-length".into(),
-                    plan.new_body.as_ref().unwrap().len().to_string()
-                ),
+                ("content-length".into(), plan.new_body.as_ref().unwrap().len().to_string()),
             ]
         );
         assert!(!plan.usage_injected);
@@ -612,8 +524,7 @@ mod tests {
     #[test]
     fn default_max_tokens_header() {
         let plan =
-            chat(json!({"model": "tiny", "messages": [{"role": "user", "content": "abcdefgh"}]}))
-                .unwrap();
+            chat(json!({"model": "tiny", "messages": [{"role": "user", "content": "abcdefgh"}]})).unwrap();
         // 12 bytes, max_token_bytes 4: lower 3, estimate 3; 100 - 3 = 97
         assert!(plan.set_headers.contains(&(H_PROMPT_TOKENS, "3".into())));
         assert!(plan.set_headers.contains(&(H_MAX_TOKENS, "97".into())));
@@ -622,28 +533,10 @@ mod tests {
 
     #[test]
     fn model_errors() {
-        let e = chat(json!({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}))
-            .unwrap_err();
-        assert_eq!(
-            e.parts(),
-            (
-                404,
-                "invalid_request_error",
-                "model_not_found",
-                Some("model")
-            )
-        );
-        let e = chat(json!({"model": "llama", "messages": [{"role": "user", "content": "x"}]}))
-            .unwrap_err();
-        assert_eq!(
-            e.parts(),
-            (
-                403,
-                "invalid_request_error",
-                "model_not_allowed",
-                Some("model")
-            )
-        );
+        let e = chat(json!({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})).unwrap_err();
+        assert_eq!(e.parts(), (404, "invalid_request_error", "model_not_found", Some("model")));
+        let e = chat(json!({"model": "llama", "messages": [{"role": "user", "content": "x"}]})).unwrap_err();
+        assert_eq!(e.parts(), (403, "invalid_request_error", "model_not_allowed", Some("model")));
     }
 
     #[test]
@@ -652,15 +545,7 @@ mod tests {
         let msg = |n: usize| json!([{"role": "user", "content": "y".repeat(n)}]);
         assert!(chat(json!({"model": "tiny", "messages": msg(392), "max_tokens": 1})).is_ok());
         let e = chat(json!({"model": "tiny", "messages": msg(392), "max_tokens": 2})).unwrap_err();
-        assert_eq!(
-            e.parts(),
-            (
-                400,
-                "invalid_request_error",
-                "context_length_exceeded",
-                Some("messages")
-            )
-        );
+        assert_eq!(e.parts(), (400, "invalid_request_error", "context_length_exceeded", Some("messages")));
         assert_eq!(
             e.to_string(),
             "This model's maximum context length is 100 tokens. However, your request needs at least 101 tokens (99 in the prompt, lower bound; 2 for max_tokens)."
@@ -668,30 +553,13 @@ mod tests {
         assert!(chat(json!({"model": "tiny", "messages": msg(392)})).is_ok());
         let e = chat(json!({"model": "tiny", "messages": msg(396)})).unwrap_err();
         assert_eq!(e.parts().2, "context_length_exceeded");
-        let e = chat(json!({"model": "tiny", "messages": msg(1), "max_completion_tokens": 101}))
-            .unwrap_err();
-        assert_eq!(
-            e.parts(),
-            (
-                400,
-                "invalid_request_error",
-                "invalid_value",
-                Some("max_completion_tokens")
-            )
-        );
+        let e = chat(json!({"model": "tiny", "messages": msg(1), "max_completion_tokens": 101})).unwrap_err();
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_value", Some("max_completion_tokens")));
 
         let p = pending("/v1/completions", "sk-demo");
         let body = json!({"model": "tiny", "prompt": ["ok", "z".repeat(400)]}).to_string();
         let e = on_request_body(&cfg(), &p, body.as_bytes()).unwrap_err();
-        assert_eq!(
-            e.parts(),
-            (
-                400,
-                "invalid_request_error",
-                "context_length_exceeded",
-                Some("prompt")
-            )
-        );
+        assert_eq!(e.parts(), (400, "invalid_request_error", "context_length_exceeded", Some("prompt")));
     }
 
     #[test]
@@ -700,9 +568,7 @@ mod tests {
         let body = json!({"model": "tiny", "prompt": [1, 2, 3, 4, 5], "max_tokens": 7}).to_string();
         let plan = on_request_body(&cfg(), &p, body.as_bytes()).unwrap();
         assert!(plan.set_headers.contains(&(H_PROMPT_TOKENS, "5".into())));
-        assert!(plan
-            .set_headers
-            .contains(&(H_PROMPT_TOKENS_SOURCE, "exact".into())));
+        assert!(plan.set_headers.contains(&(H_PROMPT_TOKENS_SOURCE, "exact".into())));
         assert!(plan.set_headers.contains(&(H_MAX_TOKENS, "7".into())));
     }
 
@@ -719,17 +585,16 @@ mod tests {
 
     #[test]
     fn body_rewrite_keeps_other_bytes() {
-        let body = br#"{ "temperature": 0.70, "model" : "qwen", "messages":[{"role":"user","content":"h\u00e9"}] }"#;
-        let plan =
-            on_request_body(&cfg(), &pending("/v1/chat/completions", "sk-demo"), body).unwrap();
+        let body =
+            br#"{ "temperature": 0.70, "model" : "qwen", "messages":[{"role":"user","content":"h\u00e9"}] }"#;
+        let plan = on_request_body(&cfg(), &pending("/v1/chat/completions", "sk-demo"), body).unwrap();
         assert_eq!(
             plan.new_body.unwrap(),
             br#"{ "temperature": 0.70, "model" : "Qwen/Qwen2.5-0.5B-Instruct", "messages":[{"role":"user","content":"h\u00e9"}] }"#.to_vec()
         );
         // Adapter names stay in the body.
         let body = br#"{"model":"sql-lora","messages":[{"role":"user","content":"q"}]}"#;
-        let plan =
-            on_request_body(&cfg(), &pending("/v1/chat/completions", "sk-demo"), body).unwrap();
+        let plan = on_request_body(&cfg(), &pending("/v1/chat/completions", "sk-demo"), body).unwrap();
         assert_eq!(plan.new_body, None);
         assert!(plan.set_headers.contains(&(H_MODEL, "sql-lora".into())));
         assert!(plan.set_headers.contains(&(H_POOL, "pool_a".into())));
@@ -739,17 +604,9 @@ mod tests {
     #[test]
     fn usage_injection_variants() {
         let run = |body: &str| {
-            let plan = on_request_body(
-                &cfg(),
-                &pending("/v1/chat/completions", "sk-demo"),
-                body.as_bytes(),
-            )
-            .unwrap();
-            (
-                plan.usage_injected,
-                plan.new_body.map(|b| String::from_utf8(b).unwrap()),
-                plan.set_headers,
-            )
+            let plan = on_request_body(&cfg(), &pending("/v1/chat/completions", "sk-demo"), body.as_bytes())
+                .unwrap();
+            (plan.usage_injected, plan.new_body.map(|b| String::from_utf8(b).unwrap()), plan.set_headers)
         };
         let (inj, body, hdrs) =
             run(r#"{"model":"tiny","messages":[{"role":"user","content":"q"}],"stream":true}"#);
@@ -765,27 +622,21 @@ mod tests {
             r#"{"model":"tiny","messages":[{"role":"user","content":"q"}],"stream":true,"stream_options":null}"#,
         );
         assert!(inj);
-        assert!(body
-            .unwrap()
-            .ends_with(r#""stream":true,"stream_options":{"include_usage":true}}"#));
+        assert!(body.unwrap().ends_with(r#""stream":true,"stream_options":{"include_usage":true}}"#));
         let (_, body, _) = run(
             r#"{"model":"tiny","messages":[{"role":"user","content":"q"}],"stream":true,"stream_options":{"include_usage":false}}"#,
         );
-        assert!(body
-            .unwrap()
-            .ends_with(r#""stream_options":{"include_usage":true}}"#));
+        assert!(body.unwrap().ends_with(r#""stream_options":{"include_usage":true}}"#));
         let (_, body, _) = run(
             r#"{"model":"tiny","messages":[{"role":"user","content":"q"}],"stream":true,"stream_options":{}}"#,
         );
-        assert!(body
-            .unwrap()
-            .ends_with(r#""stream_options":{"include_usage":true}}"#));
+        assert!(body.unwrap().ends_with(r#""stream_options":{"include_usage":true}}"#));
         let (_, body, _) = run(
             r#"{"model":"tiny","messages":[{"role":"user","content":"q"}],"stream":true,"stream_options":{"continuous_usage_stats":false}}"#,
         );
-        assert!(body.unwrap().ends_with(
-            r#""stream_options":{"include_usage":true,"continuous_usage_stats":false}}"#
-        ));
+        assert!(body
+            .unwrap()
+            .ends_with(r#""stream_options":{"include_usage":true,"continuous_usage_stats":false}}"#));
         // Client asked for usage itself: nothing injected, nothing stripped.
         let (inj, body, hdrs) = run(
             r#"{"model":"tiny","messages":[{"role":"user","content":"q"}],"stream":true,"stream_options":{"include_usage":true}}"#,
@@ -809,41 +660,117 @@ mod tests {
 
     #[test]
     fn validation_errors_surface() {
-        let e = chat(json!({"model": "qwen", "messages": [{"role": "user", "content": "x"}], "stream": "yes"})).unwrap_err();
-        assert_eq!(e.parts().3, Some("stream"));
-        let e = on_request_body(
-            &cfg(),
-            &pending("/v1/chat/completions", "sk-demo"),
-            b"not json",
-        )
-        .unwrap_err();
-        assert_eq!(
-            e.parts(),
-            (400, "invalid_request_error", "invalid_json", None)
-        );
         let e =
-            on_request_body(&cfg(), &pending("/v1/chat/completions", "sk-demo"), b"").unwrap_err();
+            chat(json!({"model": "qwen", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}))
+                .unwrap_err();
+        assert_eq!(e.parts().3, Some("stream"));
+        let e =
+            on_request_body(&cfg(), &pending("/v1/chat/completions", "sk-demo"), b"not json").unwrap_err();
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_json", None));
+        let e = on_request_body(&cfg(), &pending("/v1/chat/completions", "sk-demo"), b"").unwrap_err();
         assert_eq!(e.parts().2, "invalid_json");
+    }
+
+    /// Models for the bound decisions: `ex` (sidecar counts exactly), `noex` (no exact count),
+    /// `nfc` (NFC tokenizer, exact count), `bare` (exact count, no template overhead).
+    fn bounds_cfg() -> Config {
+        let overhead = json!({"per_message": 10, "fixed": 20});
+        let v = json!({
+            "tenants": [{"id": "t", "api_keys_sha256": [hex::encode(hash_key(b"sk-t"))]}],
+            "models": [
+                {"name": "ex", "pool": "p", "max_model_len": 100, "max_token_bytes": 4,
+                 "template_overhead_bytes": overhead, "exact_count": true, "lora_adapters": ["ex-lora"]},
+                {"name": "noex", "pool": "p", "max_model_len": 100, "max_token_bytes": 4,
+                 "template_overhead_bytes": overhead},
+                {"name": "nfc", "pool": "p", "max_model_len": 100, "max_token_bytes": 4,
+                 "template_overhead_bytes": overhead, "normalization": "nfc", "exact_count": true},
+                {"name": "bare", "pool": "p", "max_model_len": 100, "max_token_bytes": 4, "exact_count": true}
+            ]
+        });
+        Config::from_json(v.to_string().as_bytes()).unwrap()
+    }
+
+    /// The `x-gateway-context-check` / `-model` headers the filter sets for `body` on `path`.
+    fn context_headers(path: &str, body: Value) -> Vec<(String, String)> {
+        let cfg = bounds_cfg();
+        let p = match on_request_headers(&cfg, &post(path, "sk-t")).decision {
+            HeadersDecision::AwaitBody(p) => p,
+            HeadersDecision::Reply(r) => panic!("unexpected reply {r:?}"),
+        };
+        let plan = on_request_body(&cfg, &p, body.to_string().as_bytes()).unwrap();
+        header_map(&plan).into_iter().filter(|(k, _)| k.starts_with("x-gateway-context")).collect()
+    }
+
+    fn exact(model: &str) -> Vec<(String, String)> {
+        vec![(H_CONTEXT_CHECK.into(), "exact".into()), (H_CONTEXT_MODEL.into(), model.into())]
+    }
+
+    #[test]
+    fn upper_bound_settles_or_asks_for_the_exact_count() {
+        let chat = |model: &str, content: &str, extra: Value| {
+            let mut body = json!({"model": model, "messages": [{"role": "user", "content": content}]});
+            for (k, v) in extra.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            context_headers("/v1/chat/completions", body)
+        };
+        let c60 = "z".repeat(60);
+        // upper = user(4) + 60 + per_message 10 + fixed 20 + slack 2 = 96 tokens.
+        assert_eq!(chat("ex", &c60, json!({"max_tokens": 4})), vec![]); // 96 + 4 <= 100
+        assert_eq!(chat("ex", &c60, json!({"max_tokens": 5})), exact("ex")); // 101 > 100, lower 16 + 5 fits
+        assert_eq!(chat("ex", &c60, json!({})), vec![]); // 96 < 100
+        assert_eq!(chat("ex", &"z".repeat(64), json!({})), exact("ex")); // 100, not < 100
+                                                                         // Without exact_count, vLLM decides.
+        assert_eq!(chat("noex", &c60, json!({"max_tokens": 5})), vec![]);
+        // Adapters count with the base model's tokenizer.
+        assert_eq!(chat("ex-lora", &c60, json!({"max_tokens": 5})), exact("ex"));
+        // No template overhead configured: no upper bound for chat.
+        assert_eq!(chat("bare", "hi", json!({"max_tokens": 5})), exact("bare"));
+        // What the template may render beyond roles and text: no upper bound.
+        assert_eq!(chat("ex", "hi", json!({"tools": [{"type": "function"}]})), exact("ex"));
+        assert_eq!(
+            chat("ex", "hi", json!({"chat_template_kwargs": {"enable_thinking": false}})),
+            exact("ex")
+        );
+        assert_eq!(chat("ex", "hi", json!({"tools": null})), vec![]);
+        let named = json!({"model": "ex", "messages": [{"role": "user", "content": "hi", "name": "bob"}]});
+        assert_eq!(context_headers("/v1/chat/completions", named), exact("ex"));
+        // NFC may triple non-ASCII bytes: 4 + 3 * 40 + 32 = 156.
+        let accents = "é".repeat(20);
+        assert_eq!(chat("nfc", &accents, json!({})), exact("nfc"));
+        assert_eq!(chat("ex", &accents, json!({})), vec![]); // 4 + 40 + 32 = 76
+                                                             // Completions: bytes + slack, token ids exact, the largest prompt of a batch decides.
+        let comp = |prompt: Value, max: u64| {
+            context_headers("/v1/completions", json!({"model": "ex", "prompt": prompt, "max_tokens": max}))
+        };
+        assert_eq!(comp(json!("y".repeat(90)), 8), vec![]); // 92 + 8
+        assert_eq!(comp(json!("y".repeat(90)), 9), exact("ex"));
+        assert_eq!(comp(json!(["a", "y".repeat(90)]), 9), exact("ex"));
+        assert_eq!(comp(json!([[1, 2, 3], [4]]), 90), vec![]);
+        // Embeddings are never checked.
+        let emb = json!({"model": "ex", "input": "w".repeat(1000)});
+        assert_eq!(context_headers("/v1/embeddings", emb), vec![]);
+    }
+
+    #[test]
+    fn lower_bound_still_rejects_first() {
+        let cfg = bounds_cfg();
+        let p = match on_request_headers(&cfg, &post("/v1/chat/completions", "sk-t")).decision {
+            HeadersDecision::AwaitBody(p) => p,
+            HeadersDecision::Reply(r) => panic!("unexpected reply {r:?}"),
+        };
+        // user(4) + 392 bytes, max_token_bytes 4: lower 99 + 2 > 100.
+        let body = json!({"model": "ex", "messages": [{"role": "user", "content": "y".repeat(392)}], "max_tokens": 2});
+        let e = on_request_body(&cfg, &p, body.to_string().as_bytes()).unwrap_err();
+        assert_eq!(e.parts().2, "context_length_exceeded");
     }
 
     #[test]
     fn response_stripping_condition() {
-        assert!(response_needs_stripping(
-            Some(b"200"),
-            Some(b"text/event-stream; charset=utf-8")
-        ));
-        assert!(response_needs_stripping(
-            Some(b"200"),
-            Some(b"Text/Event-Stream")
-        ));
-        assert!(!response_needs_stripping(
-            Some(b"400"),
-            Some(b"text/event-stream")
-        ));
-        assert!(!response_needs_stripping(
-            Some(b"200"),
-            Some(b"application/json")
-        ));
+        assert!(response_needs_stripping(Some(b"200"), Some(b"text/event-stream; charset=utf-8")));
+        assert!(response_needs_stripping(Some(b"200"), Some(b"Text/Event-Stream")));
+        assert!(!response_needs_stripping(Some(b"400"), Some(b"text/event-stream")));
+        assert!(!response_needs_stripping(Some(b"200"), Some(b"application/json")));
         assert!(!response_needs_stripping(None, None));
     }
 }

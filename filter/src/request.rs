@@ -135,13 +135,10 @@ pub struct ValidatedRequest<'a> {
 /// [`GatewayError::InvalidJson`] for an empty body, invalid JSON, or a non-object document.
 pub fn parse_json(body: &[u8]) -> Result<Value, GatewayError> {
     if body.iter().all(u8::is_ascii_whitespace) {
-        return Err(GatewayError::InvalidJson {
-            detail: "the body is empty".into(),
-        });
+        return Err(GatewayError::InvalidJson { detail: "the body is empty".into() });
     }
-    let value: Value = serde_json::from_slice(body).map_err(|e| GatewayError::InvalidJson {
-        detail: e.to_string(),
-    })?;
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| GatewayError::InvalidJson { detail: e.to_string() })?;
     if !value.is_object() {
         return Err(GatewayError::InvalidJson {
             detail: format!("expected a JSON object, but got {}", type_name(&value)),
@@ -164,11 +161,7 @@ pub fn type_name(v: &Value) -> &'static str {
 }
 
 fn invalid_type(param: impl Into<String>, expected: &'static str, got: &Value) -> GatewayError {
-    GatewayError::InvalidType {
-        param: param.into(),
-        expected,
-        got: type_name(got),
-    }
+    GatewayError::InvalidType { param: param.into(), expected, got: type_name(got) }
 }
 
 /// `obj[key]`, with JSON `null` treated as absent.
@@ -191,25 +184,16 @@ pub fn validate<'a>(
     let obj = value.as_object().ok_or_else(|| GatewayError::InvalidJson {
         detail: format!("expected a JSON object, but got {}", type_name(value)),
     })?;
-    let scan = scan_object(body).ok_or(GatewayError::InvalidJson {
-        detail: "the top-level object could not be scanned".into(),
-    })?;
+    let scan = scan_object(body)
+        .ok_or(GatewayError::InvalidJson { detail: "the top-level object could not be scanned".into() })?;
     if let Some(dup) = scan.first_duplicate() {
-        return Err(GatewayError::DuplicateParameter {
-            param: truncate_for_echo(dup),
-        });
+        return Err(GatewayError::DuplicateParameter { param: truncate_for_echo(dup) });
     }
 
     let model = match field(obj, "model") {
-        None => {
-            return Err(GatewayError::MissingParameter {
-                param: "model".into(),
-            })
-        }
+        None => return Err(GatewayError::MissingParameter { param: "model".into() }),
         Some(Value::String(s)) if s.is_empty() => {
-            return Err(GatewayError::MissingParameter {
-                param: "model".into(),
-            })
+            return Err(GatewayError::MissingParameter { param: "model".into() })
         }
         Some(Value::String(s)) => s.as_str(),
         Some(other) => return Err(invalid_type("model", "a string", other)),
@@ -225,11 +209,7 @@ pub fn validate<'a>(
         }
         Endpoint::Completions => {
             let prompt = match field(obj, "prompt") {
-                None => {
-                    return Err(GatewayError::MissingParameter {
-                        param: "prompt".into(),
-                    })
-                }
+                None => return Err(GatewayError::MissingParameter { param: "prompt".into() }),
                 Some(p) => prompt_items(p, "prompt")?,
             };
             let mt = max_tokens_field(obj, "max_tokens")?;
@@ -245,23 +225,12 @@ pub fn validate<'a>(
         }
     };
 
-    Ok(ValidatedRequest {
-        model,
-        prompt,
-        max_tokens,
-        stream,
-        include_usage,
-        scan,
-    })
+    Ok(ValidatedRequest { model, prompt, max_tokens, stream, include_usage, scan })
 }
 
 fn chat_messages(obj: &Map<String, Value>) -> Result<Prompt<'_>, GatewayError> {
     let messages = match field(obj, "messages") {
-        None => {
-            return Err(GatewayError::MissingParameter {
-                param: "messages".into(),
-            })
-        }
+        None => return Err(GatewayError::MissingParameter { param: "messages".into() }),
         Some(Value::Array(a)) => a,
         Some(other) => return Err(invalid_type("messages", "an array", other)),
     };
@@ -273,23 +242,11 @@ fn chat_messages(obj: &Map<String, Value>) -> Result<Prompt<'_>, GatewayError> {
     }
     let mut out = Vec::with_capacity(messages.len());
     for (i, m) in messages.iter().enumerate() {
-        let m = m
-            .as_object()
-            .ok_or_else(|| invalid_type(format!("messages[{i}]"), "an object", m))?;
+        let m = m.as_object().ok_or_else(|| invalid_type(format!("messages[{i}]"), "an object", m))?;
         let role = match field(m, "role") {
-            None => {
-                return Err(GatewayError::MissingParameter {
-                    param: format!("messages[{i}].role"),
-                })
-            }
+            None => return Err(GatewayError::MissingParameter { param: format!("messages[{i}].role") }),
             Some(Value::String(s)) => s.as_str(),
-            Some(other) => {
-                return Err(invalid_type(
-                    format!("messages[{i}].role"),
-                    "a string",
-                    other,
-                ))
-            }
+            Some(other) => return Err(invalid_type(format!("messages[{i}].role"), "a string", other)),
         };
         let texts = match field(m, "content") {
             None => Vec::new(),
@@ -321,11 +278,7 @@ fn chat_messages(obj: &Map<String, Value>) -> Result<Prompt<'_>, GatewayError> {
                 texts
             }
             Some(other) => {
-                return Err(invalid_type(
-                    format!("messages[{i}].content"),
-                    "a string or an array",
-                    other,
-                ))
+                return Err(invalid_type(format!("messages[{i}].content"), "a string or an array", other))
             }
         };
         out.push(ChatMessage { role, texts });
@@ -345,18 +298,10 @@ fn prompt_items<'a>(v: &'a Value, param: &'static str) -> Result<Prompt<'a>, Gat
         }),
         Value::Array(a) => {
             if a.iter().all(Value::is_string) {
-                Ok(Prompt::Items(
-                    a.iter()
-                        .filter_map(Value::as_str)
-                        .map(PromptItem::Text)
-                        .collect(),
-                ))
+                Ok(Prompt::Items(a.iter().filter_map(Value::as_str).map(PromptItem::Text).collect()))
             } else if a.iter().all(Value::is_u64) {
                 Ok(Prompt::Items(vec![PromptItem::Tokens(a.len() as u64)]))
-            } else if a
-                .iter()
-                .all(|x| x.as_array().is_some_and(|t| t.iter().all(Value::is_u64)))
-            {
+            } else if a.iter().all(|x| x.as_array().is_some_and(|t| t.iter().all(Value::is_u64))) {
                 Ok(Prompt::Items(
                     a.iter()
                         .filter_map(Value::as_array)
@@ -381,15 +326,11 @@ fn max_tokens_field(
             (Some(v), _) if v >= 1 => Ok(Some(MaxTokens { value: v, param })),
             (Some(v), _) => Err(GatewayError::InvalidValue {
                 param: param.into(),
-                reason: format!(
-                    "integer below minimum value. Expected a value >= 1, but got {v} instead."
-                ),
+                reason: format!("integer below minimum value. Expected a value >= 1, but got {v} instead."),
             }),
             (None, Some(v)) => Err(GatewayError::InvalidValue {
                 param: param.into(),
-                reason: format!(
-                    "integer below minimum value. Expected a value >= 1, but got {v} instead."
-                ),
+                reason: format!("integer below minimum value. Expected a value >= 1, but got {v} instead."),
             }),
             (None, None) => Err(GatewayError::InvalidType {
                 param: param.into(),
@@ -412,13 +353,7 @@ fn stream_fields(obj: &Map<String, Value>) -> Result<(bool, bool), GatewayError>
         Some(Value::Object(o)) => match field(o, "include_usage") {
             None => false,
             Some(Value::Bool(b)) => *b,
-            Some(other) => {
-                return Err(invalid_type(
-                    "stream_options.include_usage",
-                    "a boolean",
-                    other,
-                ))
-            }
+            Some(other) => return Err(invalid_type("stream_options.include_usage", "a boolean", other)),
         },
         Some(other) => return Err(invalid_type("stream_options", "an object", other)),
     };
@@ -430,19 +365,11 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn run(
-        endpoint: Endpoint,
-        v: &Value,
-    ) -> Result<(Option<MaxTokens>, bool, bool, String), GatewayError> {
+    fn run(endpoint: Endpoint, v: &Value) -> Result<(Option<MaxTokens>, bool, bool, String), GatewayError> {
         let body = serde_json::to_vec(v).unwrap();
         let parsed = parse_json(&body)?;
         let r = validate(endpoint, &body, &parsed)?;
-        Ok((
-            r.max_tokens,
-            r.stream,
-            r.include_usage,
-            format!("{:?}", r.prompt),
-        ))
+        Ok((r.max_tokens, r.stream, r.include_usage, format!("{:?}", r.prompt)))
     }
 
     fn chat_err(v: Value) -> GatewayError {
@@ -455,14 +382,8 @@ mod tests {
 
     #[test]
     fn classify_paths_and_methods() {
-        assert_eq!(
-            classify("POST", "/v1/chat/completions"),
-            Ok(Endpoint::ChatCompletions)
-        );
-        assert_eq!(
-            classify("POST", "/v1/completions?x=1"),
-            Ok(Endpoint::Completions)
-        );
+        assert_eq!(classify("POST", "/v1/chat/completions"), Ok(Endpoint::ChatCompletions));
+        assert_eq!(classify("POST", "/v1/completions?x=1"), Ok(Endpoint::Completions));
         assert_eq!(classify("POST", "/v1/embeddings"), Ok(Endpoint::Embeddings));
         assert_eq!(classify("GET", "/v1/models"), Ok(Endpoint::Models));
         assert_eq!(
@@ -482,13 +403,7 @@ mod tests {
             })
         );
         let e = classify("POST", "/v1/foo?key=secret").unwrap_err();
-        assert_eq!(
-            e,
-            GatewayError::NotFound {
-                method: "POST".into(),
-                path: "/v1/foo".into()
-            }
-        );
+        assert_eq!(e, GatewayError::NotFound { method: "POST".into(), path: "/v1/foo".into() });
         assert_eq!(e.to_string(), "Invalid URL (POST /v1/foo)");
         assert_eq!(e.parts(), (404, "invalid_request_error", "not_found", None));
         assert!(classify("POST", "/v1/chat/completions/").is_err());
@@ -498,14 +413,8 @@ mod tests {
     #[test]
     fn invalid_json() {
         let e = parse_json(b"").unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "We could not parse the JSON body of your request: the body is empty."
-        );
-        assert_eq!(
-            e.parts(),
-            (400, "invalid_request_error", "invalid_json", None)
-        );
+        assert_eq!(e.to_string(), "We could not parse the JSON body of your request: the body is empty.");
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_json", None));
         let e = parse_json(b"{\"model\":").unwrap_err();
         assert_eq!(
             e.to_string(),
@@ -520,49 +429,24 @@ mod tests {
 
     #[test]
     fn duplicate_key() {
-        let body =
-            br#"{"model":"qwen","messages":[{"role":"user","content":"hi"}],"model":"llama"}"#;
+        let body = br#"{"model":"qwen","messages":[{"role":"user","content":"hi"}],"model":"llama"}"#;
         let v = parse_json(body).unwrap();
         let e = validate(Endpoint::ChatCompletions, body, &v).unwrap_err();
-        assert_eq!(
-            e,
-            GatewayError::DuplicateParameter {
-                param: "model".into()
-            }
-        );
-        assert_eq!(
-            e.parts(),
-            (
-                400,
-                "invalid_request_error",
-                "duplicate_parameter",
-                Some("model")
-            )
-        );
+        assert_eq!(e, GatewayError::DuplicateParameter { param: "model".into() });
+        assert_eq!(e.parts(), (400, "invalid_request_error", "duplicate_parameter", Some("model")));
     }
 
     #[test]
     fn model_errors() {
         let e = chat_err(json!({"messages": [{"role": "user", "content": "hi"}]}));
         assert_eq!(e.to_string(), "Missing required parameter: 'model'.");
-        assert_eq!(
-            e.parts(),
-            (
-                400,
-                "invalid_request_error",
-                "missing_required_parameter",
-                Some("model")
-            )
-        );
+        assert_eq!(e.parts(), (400, "invalid_request_error", "missing_required_parameter", Some("model")));
         let e = chat_err(json!({"model": null, "messages": []}));
         assert_eq!(param(&e).as_deref(), Some("model"));
         let e = chat_err(json!({"model": "", "messages": []}));
         assert_eq!(param(&e).as_deref(), Some("model"));
         let e = chat_err(json!({"model": 5, "messages": []}));
-        assert_eq!(
-            e.to_string(),
-            "Invalid type for 'model': expected a string, but got an integer instead."
-        );
+        assert_eq!(e.to_string(), "Invalid type for 'model': expected a string, but got an integer instead.");
         assert_eq!(e.parts().2, "invalid_type");
     }
 
@@ -575,15 +459,7 @@ mod tests {
             e.to_string(),
             "Invalid 'messages': expected an array with at least 1 element, but got an empty array."
         );
-        assert_eq!(
-            e.parts(),
-            (
-                400,
-                "invalid_request_error",
-                "invalid_value",
-                Some("messages")
-            )
-        );
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_value", Some("messages")));
         let e = chat_err(json!({"model": "m", "messages": "hi"}));
         assert_eq!(
             e.to_string(),
@@ -591,13 +467,9 @@ mod tests {
         );
         let e = chat_err(json!({"model": "m", "messages": ["hi"]}));
         assert_eq!(param(&e).as_deref(), Some("messages[0]"));
-        let e = chat_err(
-            json!({"model": "m", "messages": [{"role": "user", "content": "a"}, {"content": "b"}]}),
-        );
-        assert_eq!(
-            e.to_string(),
-            "Missing required parameter: 'messages[1].role'."
-        );
+        let e =
+            chat_err(json!({"model": "m", "messages": [{"role": "user", "content": "a"}, {"content": "b"}]}));
+        assert_eq!(e.to_string(), "Missing required parameter: 'messages[1].role'.");
         let e = chat_err(json!({"model": "m", "messages": [{"role": 1, "content": "b"}]}));
         assert_eq!(param(&e).as_deref(), Some("messages[0].role"));
         let e = chat_err(json!({"model": "m", "messages": [{"role": "user", "content": 5}]}));
@@ -609,9 +481,8 @@ mod tests {
             json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}),
         );
         assert_eq!(param(&e).as_deref(), Some("messages[0].content[0].text"));
-        let e = chat_err(
-            json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}),
-        );
+        let e =
+            chat_err(json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}));
         assert_eq!(param(&e).as_deref(), Some("messages[0].content[0].text"));
         let e = chat_err(json!({"model": "m", "messages": [{"role": "user", "content": ["x"]}]}));
         assert_eq!(param(&e).as_deref(), Some("messages[0].content[0]"));
@@ -630,18 +501,9 @@ mod tests {
         assert_eq!(
             r.prompt,
             Prompt::Chat(vec![
-                ChatMessage {
-                    role: "system",
-                    texts: vec!["sys"]
-                },
-                ChatMessage {
-                    role: "user",
-                    texts: vec!["a", "b"]
-                },
-                ChatMessage {
-                    role: "assistant",
-                    texts: vec![]
-                },
+                ChatMessage { role: "system", texts: vec!["sys"] },
+                ChatMessage { role: "user", texts: vec!["a", "b"] },
+                ChatMessage { role: "assistant", texts: vec![] },
             ])
         );
         assert_eq!(r.model, "m");
@@ -659,30 +521,12 @@ mod tests {
             v
         };
         let (mt, ..) = run(Endpoint::ChatCompletions, &base(json!({"max_tokens": 10}))).unwrap();
-        assert_eq!(
-            mt,
-            Some(MaxTokens {
-                value: 10,
-                param: "max_tokens"
-            })
-        );
-        let (mt, ..) = run(
-            Endpoint::ChatCompletions,
-            &base(json!({"max_tokens": 10, "max_completion_tokens": 20})),
-        )
-        .unwrap();
-        assert_eq!(
-            mt,
-            Some(MaxTokens {
-                value: 20,
-                param: "max_completion_tokens"
-            })
-        );
-        let (mt, ..) = run(
-            Endpoint::ChatCompletions,
-            &base(json!({"max_tokens": null})),
-        )
-        .unwrap();
+        assert_eq!(mt, Some(MaxTokens { value: 10, param: "max_tokens" }));
+        let (mt, ..) =
+            run(Endpoint::ChatCompletions, &base(json!({"max_tokens": 10, "max_completion_tokens": 20})))
+                .unwrap();
+        assert_eq!(mt, Some(MaxTokens { value: 20, param: "max_completion_tokens" }));
+        let (mt, ..) = run(Endpoint::ChatCompletions, &base(json!({"max_tokens": null}))).unwrap();
         assert_eq!(mt, None);
 
         let e = chat_err(base(json!({"max_tokens": "10"})));
@@ -690,15 +534,7 @@ mod tests {
             e.to_string(),
             "Invalid type for 'max_tokens': expected an integer, but got a string instead."
         );
-        assert_eq!(
-            e.parts(),
-            (
-                400,
-                "invalid_request_error",
-                "invalid_type",
-                Some("max_tokens")
-            )
-        );
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_type", Some("max_tokens")));
         let e = chat_err(base(json!({"max_tokens": 1.5})));
         assert_eq!(
             e.to_string(),
@@ -709,15 +545,7 @@ mod tests {
             e.to_string(),
             "Invalid 'max_tokens': integer below minimum value. Expected a value >= 1, but got -3 instead."
         );
-        assert_eq!(
-            e.parts(),
-            (
-                400,
-                "invalid_request_error",
-                "invalid_value",
-                Some("max_tokens")
-            )
-        );
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_value", Some("max_tokens")));
         let e = chat_err(base(json!({"max_tokens": 0})));
         assert_eq!(param(&e).as_deref(), Some("max_tokens"));
         let e = chat_err(base(json!({"max_completion_tokens": true})));
@@ -739,10 +567,7 @@ mod tests {
         let (_, s, iu, _) = run(Endpoint::ChatCompletions, &v).unwrap();
         assert!(s && iu);
         let e = chat_err(with("stream", json!("yes")));
-        assert_eq!(
-            e.to_string(),
-            "Invalid type for 'stream': expected a boolean, but got a string instead."
-        );
+        assert_eq!(e.to_string(), "Invalid type for 'stream': expected a boolean, but got a string instead.");
         assert_eq!(param(&e).as_deref(), Some("stream"));
         let e = chat_err(with("stream_options", json!(true)));
         assert_eq!(param(&e).as_deref(), Some("stream_options"));
@@ -754,26 +579,12 @@ mod tests {
     fn completions_prompt_forms() {
         let p = |x: Value| run(Endpoint::Completions, &json!({"model": "m", "prompt": x}));
         assert_eq!(p(json!("hello")).unwrap().3, r#"Items([Text("hello")])"#);
-        assert_eq!(
-            p(json!(["a", "b"])).unwrap().3,
-            r#"Items([Text("a"), Text("b")])"#
-        );
+        assert_eq!(p(json!(["a", "b"])).unwrap().3, r#"Items([Text("a"), Text("b")])"#);
         assert_eq!(p(json!([1, 2, 3])).unwrap().3, "Items([Tokens(3)])");
-        assert_eq!(
-            p(json!([[1, 2], [3]])).unwrap().3,
-            "Items([Tokens(2), Tokens(1)])"
-        );
+        assert_eq!(p(json!([[1, 2], [3]])).unwrap().3, "Items([Tokens(2), Tokens(1)])");
         let e = run(Endpoint::Completions, &json!({"model": "m"})).unwrap_err();
         assert_eq!(e.to_string(), "Missing required parameter: 'prompt'.");
-        assert_eq!(
-            e.parts(),
-            (
-                400,
-                "invalid_request_error",
-                "missing_required_parameter",
-                Some("prompt")
-            )
-        );
+        assert_eq!(e.parts(), (400, "invalid_request_error", "missing_required_parameter", Some("prompt")));
         let e = p(json!([])).unwrap_err();
         assert_eq!(param(&e).as_deref(), Some("prompt"));
         let e = p(json!(["a", 1])).unwrap_err();
@@ -785,11 +596,8 @@ mod tests {
         assert_eq!(param(&e).as_deref(), Some("prompt"));
         let e = p(json!([-1])).unwrap_err();
         assert_eq!(param(&e).as_deref(), Some("prompt"));
-        let e = run(
-            Endpoint::Completions,
-            &json!({"model": "m", "prompt": "x", "max_tokens": "a"}),
-        )
-        .unwrap_err();
+        let e =
+            run(Endpoint::Completions, &json!({"model": "m", "prompt": "x", "max_tokens": "a"})).unwrap_err();
         assert_eq!(param(&e).as_deref(), Some("max_tokens"));
     }
 
@@ -800,20 +608,8 @@ mod tests {
             &json!({"model": "m", "input": ["a", "b"], "max_tokens": "x", "stream": 3}),
         )
         .unwrap();
-        assert_eq!(
-            r,
-            (
-                None,
-                false,
-                false,
-                r#"Items([Text("a"), Text("b")])"#.to_string()
-            )
-        );
-        let r = run(
-            Endpoint::Embeddings,
-            &json!({"model": "m", "input": {"weird": 1}}),
-        )
-        .unwrap();
+        assert_eq!(r, (None, false, false, r#"Items([Text("a"), Text("b")])"#.to_string()));
+        let r = run(Endpoint::Embeddings, &json!({"model": "m", "input": {"weird": 1}})).unwrap();
         assert_eq!(r.3, "Items([])");
         let e = run(Endpoint::Embeddings, &json!({"input": "x"})).unwrap_err();
         assert_eq!(param(&e).as_deref(), Some("model"));

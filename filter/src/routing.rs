@@ -38,36 +38,25 @@ pub fn route<'c>(
 ) -> Result<Route<'c>, GatewayError> {
     let target = cfg
         .resolve(requested)
-        .ok_or_else(|| GatewayError::ModelNotFound {
-            model: truncate_for_echo(requested),
-        })?;
-    let model = cfg.models.get(target.model).ok_or(GatewayError::Internal {
-        what: "model index out of range",
-    })?;
+        .ok_or_else(|| GatewayError::ModelNotFound { model: truncate_for_echo(requested) })?;
+    let model =
+        cfg.models.get(target.model).ok_or(GatewayError::Internal { what: "model index out of range" })?;
     if !tenant.allows(target) {
-        return Err(GatewayError::ModelNotAllowed {
-            model: truncate_for_echo(requested),
-        });
+        return Err(GatewayError::ModelNotAllowed { model: truncate_for_echo(requested) });
     }
     let (public_name, body_model) = match target.adapter {
         None => (model.name.as_str(), model.served_model_name.as_str()),
         Some(i) => {
-            let adapter = model.lora_adapters.get(i).ok_or(GatewayError::Internal {
-                what: "adapter index out of range",
-            })?;
+            let adapter = model
+                .lora_adapters
+                .get(i)
+                .ok_or(GatewayError::Internal { what: "adapter index out of range" })?;
             (adapter.as_str(), adapter.as_str())
         }
     };
-    let pool = pick_pool(&model.pools, request_id).ok_or(GatewayError::Internal {
-        what: "model has no pool",
-    })?;
-    Ok(Route {
-        model,
-        target,
-        public_name,
-        pool,
-        body_model,
-    })
+    let pool =
+        pick_pool(&model.pools, request_id).ok_or(GatewayError::Internal { what: "model has no pool" })?;
+    Ok(Route { model, target, public_name, pool, body_model })
 }
 
 /// Picks a pool: the only one, or by weight from the first 8 bytes of `SHA-256(request_id)`
@@ -101,17 +90,11 @@ pub fn pick_pool<'p>(pools: &'p [WeightedPool], request_id: Option<&[u8]>) -> Op
 pub fn listed_models<'c>(cfg: &'c Config, tenant: &Tenant) -> Vec<&'c str> {
     let mut out = Vec::new();
     for (i, m) in cfg.models.iter().enumerate() {
-        if tenant.allows(Target {
-            model: i,
-            adapter: None,
-        }) {
+        if tenant.allows(Target { model: i, adapter: None }) {
             out.push(m.name.as_str());
         }
         for (j, a) in m.lora_adapters.iter().enumerate() {
-            if tenant.allows(Target {
-                model: i,
-                adapter: Some(j),
-            }) {
+            if tenant.allows(Target { model: i, adapter: Some(j) }) {
                 out.push(a.as_str());
             }
         }
@@ -148,17 +131,11 @@ mod tests {
         let c = cfg();
         let t = &c.tenants[0];
         let r = route(&c, t, "qwen", None).unwrap();
-        assert_eq!(
-            (r.public_name, r.pool, r.body_model),
-            ("qwen", "pool_a", "Qwen/Qwen2.5-0.5B-Instruct")
-        );
+        assert_eq!((r.public_name, r.pool, r.body_model), ("qwen", "pool_a", "Qwen/Qwen2.5-0.5B-Instruct"));
         let r = route(&c, t, "qwen-latest", None).unwrap();
         assert_eq!(r.public_name, "qwen");
         let r = route(&c, t, "sql-lora", None).unwrap();
-        assert_eq!(
-            (r.public_name, r.pool, r.body_model),
-            ("sql-lora", "pool_a", "sql-lora")
-        );
+        assert_eq!((r.public_name, r.pool, r.body_model), ("sql-lora", "pool_a", "sql-lora"));
     }
 
     #[test]
@@ -166,29 +143,10 @@ mod tests {
         let c = cfg();
         let e = route(&c, &c.tenants[0], "gpt-5", None).unwrap_err();
         assert_eq!(e.to_string(), "The model `gpt-5` does not exist.");
-        assert_eq!(
-            e.parts(),
-            (
-                404,
-                "invalid_request_error",
-                "model_not_found",
-                Some("model")
-            )
-        );
+        assert_eq!(e.parts(), (404, "invalid_request_error", "model_not_found", Some("model")));
         let e = route(&c, &c.tenants[0], "llama", None).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "You do not have access to the model `llama`."
-        );
-        assert_eq!(
-            e.parts(),
-            (
-                403,
-                "invalid_request_error",
-                "model_not_allowed",
-                Some("model")
-            )
-        );
+        assert_eq!(e.to_string(), "You do not have access to the model `llama`.");
+        assert_eq!(e.parts(), (403, "invalid_request_error", "model_not_allowed", Some("model")));
         // adapter-only tenant: adapter yes, base no
         assert!(route(&c, &c.tenants[1], "sql-lora", None).is_ok());
         assert!(route(&c, &c.tenants[1], "qwen", None).is_err());
@@ -210,26 +168,12 @@ mod tests {
                 b += 1;
             }
         }
-        assert!(
-            (8_700..=9_300).contains(&b),
-            "pool_b chosen {b} times out of 10000"
-        );
+        assert!((8_700..=9_300).contains(&b), "pool_b chosen {b} times out of 10000");
         assert!(pick_pool(pools, None).is_some());
-        let drained = vec![
-            WeightedPool {
-                pool: "x".into(),
-                weight: 0,
-            },
-            WeightedPool {
-                pool: "y".into(),
-                weight: 5,
-            },
-        ];
+        let drained =
+            vec![WeightedPool { pool: "x".into(), weight: 0 }, WeightedPool { pool: "y".into(), weight: 5 }];
         for i in 0..100 {
-            assert_eq!(
-                pick_pool(&drained, Some(format!("{i}").as_bytes())),
-                Some("y")
-            );
+            assert_eq!(pick_pool(&drained, Some(format!("{i}").as_bytes())), Some("y"));
         }
         assert_eq!(pick_pool(&[], None), None);
     }

@@ -68,12 +68,7 @@ impl Default for UsageStripper {
 impl UsageStripper {
     /// A stripper that holds back at most `max_event_bytes` of an incomplete event.
     pub fn new(max_event_bytes: usize) -> Self {
-        UsageStripper {
-            pending: Vec::new(),
-            boundary: Boundary::Normal,
-            passthrough: false,
-            max_event_bytes,
-        }
+        UsageStripper { pending: Vec::new(), boundary: Boundary::Normal, passthrough: false, max_event_bytes }
     }
 
     /// Bytes currently held back.
@@ -175,10 +170,7 @@ fn transform_event(event: &[u8]) -> EventAction {
     let Some(scan) = scan_object(payload) else {
         return EventAction::Keep;
     };
-    let value = |key: &str| {
-        scan.get(key)
-            .and_then(|m| payload.get(m.value_start..m.value_end))
-    };
+    let value = |key: &str| scan.get(key).and_then(|m| payload.get(m.value_start..m.value_end));
     let Some(usage) = value("usage") else {
         return EventAction::Keep;
     };
@@ -187,19 +179,12 @@ fn transform_event(event: &[u8]) -> EventAction {
             return EventAction::Keep;
         };
         return match scan.removal_range(index) {
-            Some((s, e)) => EventAction::Remove {
-                start: offset + s,
-                end: offset + e,
-            },
+            Some((s, e)) => EventAction::Remove { start: offset + s, end: offset + e },
             None => EventAction::Keep,
         };
     }
     let empty_choices = value("choices").is_some_and(|c| {
-        let inner: Vec<u8> = c
-            .iter()
-            .copied()
-            .filter(|b| !b.is_ascii_whitespace())
-            .collect();
+        let inner: Vec<u8> = c.iter().copied().filter(|b| !b.is_ascii_whitespace()).collect();
         inner == b"[]"
     });
     if empty_choices {
@@ -268,11 +253,7 @@ mod tests {
             for cut in 0..=b.len() {
                 let mut s = UsageStripper::default();
                 let out = feed(&mut s, &[&b[..cut], &b[cut..]]);
-                assert_eq!(
-                    String::from_utf8(out).unwrap(),
-                    client,
-                    "sep {sep:?} cut {cut}"
-                );
+                assert_eq!(String::from_utf8(out).unwrap(), client, "sep {sep:?} cut {cut}");
                 assert_eq!(s.pending_len(), 0);
             }
         }
@@ -312,25 +293,13 @@ mod tests {
         assert_eq!(s.push(b"", true), ChunkOutput::Unchanged);
         // A chunk with a null usage is rewritten.
         let nulled = format!("{CHUNK_C},\"usage\":null}}\n\n");
-        assert_eq!(
-            s.push(nulled.as_bytes(), false),
-            ChunkOutput::Replace(plain.clone().into_bytes())
-        );
+        assert_eq!(s.push(nulled.as_bytes(), false), ChunkOutput::Replace(plain.clone().into_bytes()));
         // The usage event alone becomes an empty chunk.
         let usage = format!("{USAGE}\n\n");
-        assert_eq!(
-            s.push(usage.as_bytes(), false),
-            ChunkOutput::Replace(Vec::new())
-        );
+        assert_eq!(s.push(usage.as_bytes(), false), ChunkOutput::Replace(Vec::new()));
         // A partial event is held back, then released.
-        assert_eq!(
-            s.push(b"data: {\"a\":1", false),
-            ChunkOutput::Replace(Vec::new())
-        );
-        assert_eq!(
-            s.push(b"}\n\n", false),
-            ChunkOutput::Replace(b"data: {\"a\":1}\n\n".to_vec())
-        );
+        assert_eq!(s.push(b"data: {\"a\":1", false), ChunkOutput::Replace(Vec::new()));
+        assert_eq!(s.push(b"}\n\n", false), ChunkOutput::Replace(b"data: {\"a\":1}\n\n".to_vec()));
     }
 
     #[test]
@@ -340,10 +309,7 @@ mod tests {
                   data: [DONE]\n\n";
         let client = "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"hi\",\"logprobs\":null,\"finish_reason\":null}]}\n\n\
                       data: [DONE]\n\n";
-        assert_eq!(
-            feed(&mut UsageStripper::default(), &[up.as_bytes()]),
-            client.as_bytes()
-        );
+        assert_eq!(feed(&mut UsageStripper::default(), &[up.as_bytes()]), client.as_bytes());
     }
 
     #[test]
@@ -386,24 +352,16 @@ mod tests {
     #[test]
     fn incomplete_final_event_is_flushed() {
         let mut s = UsageStripper::default();
-        assert_eq!(
-            s.push(b"data: {\"usage\":null}", false),
-            ChunkOutput::Replace(vec![])
-        );
-        assert_eq!(
-            s.push(b"\n", true),
-            ChunkOutput::Replace(b"data: {\"usage\":null}\n".to_vec())
-        );
+        assert_eq!(s.push(b"data: {\"usage\":null}", false), ChunkOutput::Replace(vec![]));
+        assert_eq!(s.push(b"\n", true), ChunkOutput::Replace(b"data: {\"usage\":null}\n".to_vec()));
         assert_eq!(s.pending_len(), 0);
     }
 
     #[test]
     fn leading_blank_line_is_kept_when_dropping() {
         let mut s = UsageStripper::default();
-        let out = feed(
-            &mut s,
-            &[b"data: [DONE]\n\n\ndata: {\"choices\":[ ],\"usage\":{\"total_tokens\":1}}\n\n"],
-        );
+        let out =
+            feed(&mut s, &[b"data: [DONE]\n\n\ndata: {\"choices\":[ ],\"usage\":{\"total_tokens\":1}}\n\n"]);
         assert_eq!(out, b"data: [DONE]\n\n\n");
     }
 }

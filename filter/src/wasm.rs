@@ -74,10 +74,7 @@ impl RootContext for GatewayRoot {
                 true
             }
             Err(e) => {
-                log(
-                    LogLevel::Error,
-                    &format!("gateway-filter: invalid plugin configuration: {e}"),
-                );
+                log(LogLevel::Error, &format!("gateway-filter: invalid plugin configuration: {e}"));
                 false
             }
         }
@@ -113,32 +110,21 @@ struct GatewayHttp {
 impl Context for GatewayHttp {}
 
 fn request_headers() -> Result<Vec<(String, Vec<u8>)>, GatewayError> {
-    hostcalls::get_map_bytes(MapType::HttpRequestHeaders).map_err(|_| GatewayError::Internal {
-        what: "cannot read request headers",
-    })
+    hostcalls::get_map_bytes(MapType::HttpRequestHeaders)
+        .map_err(|_| GatewayError::Internal { what: "cannot read request headers" })
 }
 
 fn send_reply(reply: &LocalReply) -> Action {
-    let headers: Vec<(&str, &str)> = reply
-        .headers
-        .iter()
-        .map(|(k, v)| (*k, v.as_str()))
-        .collect();
+    let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
     if let Err(status) = hostcalls::send_http_response(reply.status, headers, Some(&reply.body)) {
-        log(
-            LogLevel::Error,
-            &format!("gateway-filter: send_http_response failed: {status:?}"),
-        );
+        log(LogLevel::Error, &format!("gateway-filter: send_http_response failed: {status:?}"));
     }
     Action::Pause
 }
 
 fn send_error(e: &GatewayError) -> Action {
     let (status, _, code, _) = e.parts();
-    log(
-        LogLevel::Debug,
-        &format!("gateway-filter: local reply {status} {code}"),
-    );
+    log(LogLevel::Debug, &format!("gateway-filter: local reply {status} {code}"));
     send_reply(&e.to_reply())
 }
 
@@ -160,38 +146,23 @@ impl GatewayHttp {
                 if let Err(status) =
                     hostcalls::set_buffer(BufferType::HttpRequestBody, 0, body.len(), new_body)
                 {
-                    log(
-                        LogLevel::Error,
-                        &format!("gateway-filter: set request body failed: {status:?}"),
-                    );
-                    return send_error(&GatewayError::Internal {
-                        what: "cannot rewrite request body",
-                    });
+                    log(LogLevel::Error, &format!("gateway-filter: set request body failed: {status:?}"));
+                    return send_error(&GatewayError::Internal { what: "cannot rewrite request body" });
                 }
             }
         }
         for (name, value) in &plan.set_headers {
-            if let Err(status) = hostcalls::set_map_value_bytes(
-                MapType::HttpRequestHeaders,
-                name,
-                Some(value.as_bytes()),
-            ) {
-                log(
-                    LogLevel::Error,
-                    &format!("gateway-filter: set header {name} failed: {status:?}"),
-                );
-                return send_error(&GatewayError::Internal {
-                    what: "cannot set request headers",
-                });
+            if let Err(status) =
+                hostcalls::set_map_value_bytes(MapType::HttpRequestHeaders, name, Some(value.as_bytes()))
+            {
+                log(LogLevel::Error, &format!("gateway-filter: set header {name} failed: {status:?}"));
+                return send_error(&GatewayError::Internal { what: "cannot set request headers" });
             }
         }
         self.usage_injected = plan.usage_injected;
         // Envoy picked a route before these headers existed; make it re-pick with x-gateway-pool.
         if let Err(status) = hostcalls::call_foreign_function("clear_route_cache", None) {
-            log(
-                LogLevel::Warn,
-                &format!("gateway-filter: clear_route_cache failed: {status:?}"),
-            );
+            log(LogLevel::Warn, &format!("gateway-filter: clear_route_cache failed: {status:?}"));
         }
         Action::Continue
     }
@@ -200,24 +171,30 @@ impl GatewayHttp {
         let (Some(cfg), Some(pending)) = (self.config.clone(), self.pending.take()) else {
             return Action::Continue;
         };
+        // At debug level, the time this request's body spends in the VM (reading it, deciding,
+        // writing headers and body) is logged: `gateway-filter: body of N bytes decided in U us`.
+        let timed = matches!(hostcalls::get_log_level(), Ok(LogLevel::Trace | LogLevel::Debug));
+        let start = if timed { hostcalls::get_current_time().ok() } else { None };
         let body = match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size) {
             Ok(b) => b.unwrap_or_default(),
-            Err(_) => {
-                return send_error(&GatewayError::Internal {
-                    what: "cannot read request body",
-                })
-            }
+            Err(_) => return send_error(&GatewayError::Internal { what: "cannot read request body" }),
         };
-        self.finish_request(&cfg, &pending, &body, true)
+        let action = self.finish_request(&cfg, &pending, &body, true);
+        if let Some(start) = start {
+            let us = hostcalls::get_current_time()
+                .ok()
+                .and_then(|end| end.duration_since(start).ok())
+                .map_or(0, |d| d.as_micros());
+            log(LogLevel::Debug, &format!("gateway-filter: body of {} bytes decided in {us} us", body.len()));
+        }
+        action
     }
 }
 
 impl HttpContext for GatewayHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let Some(cfg) = self.config.clone() else {
-            return send_error(&GatewayError::Internal {
-                what: "filter not configured",
-            });
+            return send_error(&GatewayError::Internal { what: "filter not configured" });
         };
         let headers = match request_headers() {
             Ok(h) => h,
@@ -226,9 +203,7 @@ impl HttpContext for GatewayHttp {
         let outcome = on_request_headers(&cfg, &headers);
         for name in &outcome.remove {
             if hostcalls::remove_map_value(MapType::HttpRequestHeaders, name).is_err() {
-                return send_error(&GatewayError::Internal {
-                    what: "cannot remove request headers",
-                });
+                return send_error(&GatewayError::Internal { what: "cannot remove request headers" });
             }
         }
         match outcome.decision {
@@ -276,13 +251,9 @@ impl HttpContext for GatewayHttp {
         if !self.usage_injected {
             return Action::Continue;
         }
-        let status = hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, ":status")
-            .ok()
-            .flatten();
+        let status = hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, ":status").ok().flatten();
         let content_type =
-            hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, "content-type")
-                .ok()
-                .flatten();
+            hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, "content-type").ok().flatten();
         if response_needs_stripping(status.as_deref(), content_type.as_deref()) {
             // The body shrinks, so its length is no longer known.
             let _ = hostcalls::remove_map_value(MapType::HttpResponseHeaders, "content-length");
@@ -304,13 +275,8 @@ impl HttpContext for GatewayHttp {
             }
         };
         if let ChunkOutput::Replace(out) = stripper.push(&chunk, end_of_stream) {
-            if let Err(status) =
-                hostcalls::set_buffer(BufferType::HttpResponseBody, 0, body_size, &out)
-            {
-                log(
-                    LogLevel::Warn,
-                    &format!("gateway-filter: set response body failed: {status:?}"),
-                );
+            if let Err(status) = hostcalls::set_buffer(BufferType::HttpResponseBody, 0, body_size, &out) {
+                log(LogLevel::Warn, &format!("gateway-filter: set response body failed: {status:?}"));
             }
         }
         Action::Continue
