@@ -1,0 +1,1215 @@
+//! The gateway config: one strict YAML file, the source of truth from which every component
+//! config and manifest is rendered.
+//!
+//! Unknown fields are errors (`deny_unknown_fields` everywhere), and every error names the file
+//! and the field, e.g. `gateway.yaml: pools[1].fallback[0]: unknown pool 'pool_c'`. Checks that
+//! belong to a component (a tenant's limits, a model's aliases) are made by that component's own
+//! parser when the config is rendered (see [`crate::render`]); its error is reported against the
+//! same field of this file.
+//!
+//! ```yaml
+//! envoy: {listen: 0.0.0.0:8080, admin_port: 9901}
+//! filter: {wasm_file: /etc/llm-gateway/gateway_filter.wasm}
+//! sidecar: {listen: 127.0.0.1:50051}
+//! redis: {url: redis://127.0.0.1:6379/0, failure_mode: open}
+//! tiers: {batch: {shed_level: 0.5, failure_mode: closed}}
+//! tenants:
+//!   - {id: acme, api_keys_sha256: [<64 hex>], tier: standard, limits: {requests_per_minute: 600}}
+//! models:
+//!   - {name: qwen, pool: pool_qwen, served_model_name: Qwen/Qwen2.5-0.5B-Instruct, max_model_len: 32768}
+//! pools:
+//!   - {name: pool_qwen, endpoints: ["10.0.0.7:8000"], fallback: [pool_spare]}
+//!   - {name: pool_spare, endpoints: ["10.0.0.8:8000"]}
+//! ```
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// A config error: the file, the field (dotted path, e.g. `pools[0].endpoints[1]`) and what is
+/// wrong. Displays as `{file}: {field}: {message}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The config file as given on the command line.
+    pub file: String,
+    /// Path of the offending field; empty for errors about the whole file (unreadable).
+    pub field: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "{}: {}", self.file, self.message)
+        } else {
+            write!(f, "{}: {}: {}", self.file, self.field, self.message)
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// A field-level error before the file is known; [`FieldError::in_file`] completes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    /// Path of the offending field.
+    pub field: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl FieldError {
+    /// A field error.
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self { field: field.into(), message: message.into() }
+    }
+
+    /// The same error, located in `file`.
+    pub fn in_file(self, file: &str) -> ConfigError {
+        ConfigError { file: file.to_owned(), field: self.field, message: self.message }
+    }
+}
+
+fn fail<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T, FieldError> {
+    Err(FieldError::new(field, message))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Schema
+// ---------------------------------------------------------------------------------------------
+
+/// The whole gateway config.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatewayConfig {
+    /// The standalone Envoy (listener, admin).
+    #[serde(default)]
+    pub envoy: EnvoySection,
+    /// The wasm filter: where its module is, and its body limit.
+    pub filter: FilterSection,
+    /// The ext_proc sidecar's own settings.
+    #[serde(default)]
+    pub sidecar: SidecarSection,
+    /// Redis, shared by every sidecar.
+    pub redis: RedisSection,
+    /// Per-tier behaviour (shedding level, failure mode), by tier name.
+    #[serde(default)]
+    pub tiers: BTreeMap<String, TierSection>,
+    /// Tenants: API-key digests, tier, allowed models, limits.
+    pub tenants: Vec<TenantSection>,
+    /// Served models: public names, aliases, LoRA adapters, pool, context window.
+    pub models: Vec<ModelSection>,
+    /// vLLM pools: endpoints, health checks, fallback order, shedding thresholds.
+    pub pools: Vec<PoolSection>,
+    /// Kubernetes (the sidecar and Redis as workloads); needed by the istio and envoy-gateway
+    /// targets.
+    #[serde(default)]
+    pub kubernetes: Option<KubernetesSection>,
+    /// Istio ingress gateway; needed by the istio target.
+    #[serde(default)]
+    pub istio: Option<IstioSection>,
+    /// Envoy Gateway; needed by the envoy-gateway target.
+    #[serde(default)]
+    pub envoy_gateway: Option<EnvoyGatewaySection>,
+}
+
+/// The standalone Envoy (retries are those of envoy/fallback_route.yaml, for pools with a
+/// `fallback`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvoySection {
+    /// Listener address (default `0.0.0.0:8080`).
+    #[serde(default = "default_envoy_listen")]
+    pub listen: SocketAddr,
+    /// Admin port, always bound to 127.0.0.1 (default 9901; 0 picks a free port).
+    #[serde(default = "default_admin_port")]
+    pub admin_port: u16,
+}
+
+impl Default for EnvoySection {
+    fn default() -> Self {
+        Self { listen: default_envoy_listen(), admin_port: default_admin_port() }
+    }
+}
+
+fn default_envoy_listen() -> SocketAddr {
+    SocketAddr::from(([0, 0, 0, 0], 8080))
+}
+
+fn default_admin_port() -> u16 {
+    9901
+}
+
+/// The wasm filter.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilterSection {
+    /// Largest request body in bytes (the filter's `max_body_bytes`, default 4 MiB). Envoy's
+    /// per-connection buffer is set 1 MiB above it.
+    #[serde(default)]
+    pub max_body_bytes: Option<u64>,
+    /// Path of `gateway_filter.wasm` as the standalone Envoy sees it (needed by the standalone
+    /// target). A relative path is relative to this config file.
+    #[serde(default)]
+    pub wasm_file: Option<PathBuf>,
+    /// Where Istio and Envoy Gateway fetch the module (needed by the mesh targets).
+    #[serde(default)]
+    pub module: Option<WasmModule>,
+}
+
+/// A published wasm module.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WasmModule {
+    /// `oci://registry/repository:tag` (an OCI image holding `plugin.wasm`) or an
+    /// `http://` / `https://` URL of the `.wasm` file.
+    pub url: String,
+    /// SHA-256 of the module (64 lowercase hex): required for an HTTP URL; for an OCI image,
+    /// optional (it is then the image's digest).
+    #[serde(default)]
+    pub sha256: Option<String>,
+}
+
+/// The sidecar.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SidecarSection {
+    /// gRPC listen address of the standalone sidecar (default `127.0.0.1:50051`). On
+    /// Kubernetes the sidecar listens on `0.0.0.0` at the same port.
+    #[serde(default = "default_sidecar_listen")]
+    pub listen: SocketAddr,
+    /// `host:port` where the standalone Envoy reaches the sidecar (default: `listen`, with an
+    /// unspecified address replaced by 127.0.0.1).
+    #[serde(default)]
+    pub address: Option<String>,
+    /// Prometheus `/metrics` listen address (absent: none). On Kubernetes, `0.0.0.0` at the same
+    /// port, with scrape annotations on the pods.
+    #[serde(default)]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Metering settings, as the sidecar's `metering` section.
+    #[serde(default)]
+    pub metering: Option<MeteringSection>,
+}
+
+impl Default for SidecarSection {
+    fn default() -> Self {
+        Self { listen: default_sidecar_listen(), address: None, metrics_listen: None, metering: None }
+    }
+}
+
+fn default_sidecar_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 50051))
+}
+
+/// The sidecar's metering settings (each optional; the sidecar's defaults apply).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MeteringSection {
+    /// Redis Stream of usage events.
+    #[serde(default)]
+    pub stream: Option<String>,
+    /// Approximate maximum length of that stream.
+    #[serde(default)]
+    pub stream_maxlen: Option<u64>,
+    /// Largest non-streaming JSON response buffered to read its usage, in bytes.
+    #[serde(default)]
+    pub max_json_body_bytes: Option<u64>,
+}
+
+/// Redis.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisSection {
+    /// Single-instance URL, `redis://host:port/db`. Exactly one of `url` and `cluster_urls`.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// Seed node URLs of a Redis Cluster.
+    #[serde(default)]
+    pub cluster_urls: Vec<String>,
+    /// Admission when Redis cannot decide: `open` (approximate local limits) or `closed` (503).
+    /// Default `open`; per tier in `tiers.<tier>.failure_mode`.
+    #[serde(default)]
+    pub failure_mode: Option<FailureMode>,
+    /// Timeout of one Redis command in milliseconds (sidecar default 25).
+    #[serde(default)]
+    pub command_timeout_ms: Option<u64>,
+    /// Prefix of every key (sidecar default `llmgw`).
+    #[serde(default)]
+    pub key_prefix: Option<String>,
+    /// Circuit breaker in front of Redis (sidecar defaults).
+    #[serde(default)]
+    pub breaker: Option<BreakerSection>,
+}
+
+/// Admission's behaviour when the limiter cannot decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureMode {
+    /// Admit with approximate local limits.
+    Open,
+    /// Refuse with 503.
+    Closed,
+}
+
+impl FailureMode {
+    /// The name in the sidecar's config.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureMode::Open => "open",
+            FailureMode::Closed => "closed",
+        }
+    }
+}
+
+/// Redis circuit breaker.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BreakerSection {
+    /// Consecutive failures that open the breaker.
+    #[serde(default)]
+    pub failure_threshold: Option<u32>,
+    /// How long it stays open, in milliseconds.
+    #[serde(default)]
+    pub open_ms: Option<u64>,
+}
+
+/// One tier's behaviour.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TierSection {
+    /// Pool load, in (0, 1], at which this tier's requests are shed (429 `overloaded`). Absent:
+    /// shed only at the pool's hard ceiling.
+    #[serde(default)]
+    pub shed_level: Option<f64>,
+    /// Failure mode of this tier, overriding `redis.failure_mode`.
+    #[serde(default)]
+    pub failure_mode: Option<FailureMode>,
+}
+
+/// One tenant.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantSection {
+    /// Tenant id (letters, digits, `.`, `_`, `-`).
+    pub id: String,
+    /// SHA-256 digests of the tenant's API keys (`gatewayctl hash-key` prints one).
+    pub api_keys_sha256: Vec<String>,
+    /// Tier (default `standard`).
+    #[serde(default)]
+    pub tier: Option<String>,
+    /// Models the tenant may use (names, aliases or adapters); absent: all.
+    #[serde(default)]
+    pub models: Option<Vec<String>>,
+    /// Limits across all models (absent: none).
+    #[serde(default)]
+    pub limits: LimitsSection,
+    /// Limits per model, on top of `limits`.
+    #[serde(default)]
+    pub model_limits: BTreeMap<String, LimitsSection>,
+}
+
+/// Requests-per-minute and tokens-per-minute token buckets.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsSection {
+    /// Requests per minute.
+    #[serde(default)]
+    pub requests_per_minute: Option<u64>,
+    /// Request bucket size (default: the rate).
+    #[serde(default)]
+    pub request_burst: Option<u64>,
+    /// Tokens per minute (prompt + completion).
+    #[serde(default)]
+    pub tokens_per_minute: Option<u64>,
+    /// Token bucket size (default: the rate).
+    #[serde(default)]
+    pub token_burst: Option<u64>,
+}
+
+/// One served model.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// Public name.
+    pub name: String,
+    /// The pool serving it. Exactly one of `pool` and `pools`.
+    #[serde(default)]
+    pub pool: Option<String>,
+    /// A weighted split across pools.
+    #[serde(default)]
+    pub pools: Option<Vec<WeightedPoolSection>>,
+    /// Name vLLM serves it under (default `name`).
+    #[serde(default)]
+    pub served_model_name: Option<String>,
+    /// Context window in tokens (vLLM `--max-model-len`).
+    pub max_model_len: u64,
+    /// Longest token of the vocabulary, in bytes (filter default 1024).
+    #[serde(default)]
+    pub max_token_bytes: Option<u64>,
+    /// Other public names.
+    #[serde(default)]
+    pub aliases: Option<Vec<String>>,
+    /// LoRA adapters served on the model's pool.
+    #[serde(default)]
+    pub lora_adapters: Option<Vec<String>>,
+    /// `tokenizer.json` of the model (relative to this file). Reserved: rendering refuses it
+    /// until the filter can load a tokenizer.
+    #[serde(default)]
+    pub tokenizer: Option<PathBuf>,
+    /// Chat template of the model (relative to this file). Reserved like `tokenizer`.
+    #[serde(default)]
+    pub chat_template: Option<PathBuf>,
+}
+
+/// One entry of a weighted split.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WeightedPoolSection {
+    /// Pool name.
+    pub pool: String,
+    /// Relative weight.
+    pub weight: u32,
+}
+
+/// One vLLM pool.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSection {
+    /// Pool name: the Envoy cluster, the `x-gateway-pool` value.
+    pub name: String,
+    /// `host:port` of each vLLM server (standalone target; a hostname is resolved by DNS and
+    /// every address it returns is an endpoint).
+    #[serde(default)]
+    pub endpoints: Vec<String>,
+    /// The Kubernetes Service of the pool (mesh targets).
+    #[serde(default)]
+    pub service: Option<ServiceRef>,
+    /// Active health check.
+    #[serde(default)]
+    pub health_check: HealthCheckSection,
+    /// Passive health (outlier detection).
+    #[serde(default)]
+    pub outlier_detection: OutlierSection,
+    /// Envoy's circuit breakers of the pool: past these, Envoy answers 503 at once.
+    #[serde(default)]
+    pub circuit_breakers: CircuitBreakersSection,
+    /// Pools tried in this order when this pool has no healthy endpoint or a request to it fails
+    /// before its response starts. Their own fallbacks are not followed.
+    #[serde(default)]
+    pub fallback: Vec<String>,
+    /// Load thresholds at which the sidecar sheds requests to this pool (absent: never shed).
+    #[serde(default)]
+    pub shedding: Option<PoolSheddingSection>,
+    /// Connect timeout to an endpoint in milliseconds (default 1000).
+    #[serde(default = "default_connect_timeout_ms")]
+    pub connect_timeout_ms: u64,
+}
+
+fn default_connect_timeout_ms() -> u64 {
+    1000
+}
+
+/// A Kubernetes Service.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceRef {
+    /// Service name.
+    pub name: String,
+    /// Its namespace.
+    pub namespace: String,
+    /// Its port.
+    pub port: u16,
+}
+
+impl ServiceRef {
+    /// `name.namespace.svc.cluster.local`.
+    pub fn fqdn(&self) -> String {
+        format!("{}.{}.svc.cluster.local", self.name, self.namespace)
+    }
+}
+
+/// Active health check on `path` (HTTP 200 = healthy).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HealthCheckSection {
+    /// Path (default `/health`, vLLM's).
+    #[serde(default = "default_health_path")]
+    pub path: String,
+    /// Interval in milliseconds (default 5000).
+    #[serde(default = "default_health_interval_ms")]
+    pub interval_ms: u64,
+    /// Timeout in milliseconds (default 1000).
+    #[serde(default = "default_health_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Failures before an endpoint is unhealthy (default 2).
+    #[serde(default = "default_unhealthy_threshold")]
+    pub unhealthy_threshold: u32,
+    /// Successes before it is healthy again (default 1).
+    #[serde(default = "default_healthy_threshold")]
+    pub healthy_threshold: u32,
+}
+
+impl Default for HealthCheckSection {
+    fn default() -> Self {
+        Self {
+            path: default_health_path(),
+            interval_ms: default_health_interval_ms(),
+            timeout_ms: default_health_timeout_ms(),
+            unhealthy_threshold: default_unhealthy_threshold(),
+            healthy_threshold: default_healthy_threshold(),
+        }
+    }
+}
+
+fn default_health_path() -> String {
+    "/health".to_owned()
+}
+fn default_health_interval_ms() -> u64 {
+    5000
+}
+fn default_health_timeout_ms() -> u64 {
+    1000
+}
+fn default_unhealthy_threshold() -> u32 {
+    2
+}
+fn default_healthy_threshold() -> u32 {
+    1
+}
+
+/// Outlier detection: an endpoint answering `consecutive_5xx` 5xx in a row is ejected.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutlierSection {
+    /// Consecutive 5xx before ejection (default 5).
+    #[serde(default = "default_consecutive_5xx")]
+    pub consecutive_5xx: u32,
+    /// Base ejection time in milliseconds (default 10000).
+    #[serde(default = "default_base_ejection_time_ms")]
+    pub base_ejection_time_ms: u64,
+    /// Largest share of the pool's endpoints ejected at once, in percent (default 50).
+    #[serde(default = "default_max_ejection_percent")]
+    pub max_ejection_percent: u32,
+}
+
+impl Default for OutlierSection {
+    fn default() -> Self {
+        Self {
+            consecutive_5xx: default_consecutive_5xx(),
+            base_ejection_time_ms: default_base_ejection_time_ms(),
+            max_ejection_percent: default_max_ejection_percent(),
+        }
+    }
+}
+
+fn default_consecutive_5xx() -> u32 {
+    5
+}
+fn default_base_ejection_time_ms() -> u64 {
+    10_000
+}
+fn default_max_ejection_percent() -> u32 {
+    50
+}
+
+/// Envoy circuit breakers of one pool.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CircuitBreakersSection {
+    /// Connections to the pool (default 4096).
+    #[serde(default = "default_breaker_limit")]
+    pub max_connections: u32,
+    /// Requests waiting for a connection (default 4096).
+    #[serde(default = "default_breaker_limit")]
+    pub max_pending_requests: u32,
+    /// Requests in flight (default 4096).
+    #[serde(default = "default_breaker_limit")]
+    pub max_requests: u32,
+}
+
+impl Default for CircuitBreakersSection {
+    fn default() -> Self {
+        Self {
+            max_connections: default_breaker_limit(),
+            max_pending_requests: default_breaker_limit(),
+            max_requests: default_breaker_limit(),
+        }
+    }
+}
+
+fn default_breaker_limit() -> u32 {
+    4096
+}
+
+/// Sidecar shedding thresholds of one pool (each optional; at least one).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSheddingSection {
+    /// Waiting requests (summed over endpoints) at which the pool is full.
+    #[serde(default)]
+    pub max_queue_depth: Option<u64>,
+    /// KV-cache usage in (0, 1] at which the pool is full.
+    #[serde(default)]
+    pub max_kv_cache_usage: Option<f64>,
+    /// Requests admitted by one sidecar and not finished, at which the pool is full.
+    #[serde(default)]
+    pub max_in_flight: Option<u64>,
+    /// Interval of the sidecar's `/metrics` scrape of the endpoints, in milliseconds.
+    #[serde(default)]
+    pub scrape_interval_ms: Option<u64>,
+}
+
+/// Kubernetes workloads.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesSection {
+    /// Namespace of the sidecar and of the trial Redis (default `llm-gateway`).
+    #[serde(default = "default_namespace")]
+    pub namespace: String,
+    /// The sidecar Deployment.
+    pub sidecar: SidecarWorkload,
+    /// A single-instance Redis for trials (absent: use `redis` as configured, e.g. an
+    /// existing Redis Cluster).
+    #[serde(default)]
+    pub trial_redis: Option<TrialRedis>,
+}
+
+fn default_namespace() -> String {
+    "llm-gateway".to_owned()
+}
+
+/// The sidecar Deployment.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SidecarWorkload {
+    /// Container image of `gateway-ext-proc`.
+    pub image: String,
+    /// Replicas (default 2).
+    #[serde(default = "default_replicas")]
+    pub replicas: u32,
+    /// Resource requests and limits.
+    #[serde(default)]
+    pub resources: Resources,
+}
+
+fn default_replicas() -> u32 {
+    2
+}
+
+/// Container resources.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Resources {
+    /// CPU request (default `250m`).
+    #[serde(default = "default_cpu_request")]
+    pub cpu_request: String,
+    /// Memory request (default `128Mi`).
+    #[serde(default = "default_memory_request")]
+    pub memory_request: String,
+    /// Memory limit (default `512Mi`).
+    #[serde(default = "default_memory_limit")]
+    pub memory_limit: String,
+}
+
+impl Default for Resources {
+    fn default() -> Self {
+        Self {
+            cpu_request: default_cpu_request(),
+            memory_request: default_memory_request(),
+            memory_limit: default_memory_limit(),
+        }
+    }
+}
+
+fn default_cpu_request() -> String {
+    "250m".to_owned()
+}
+fn default_memory_request() -> String {
+    "128Mi".to_owned()
+}
+fn default_memory_limit() -> String {
+    "512Mi".to_owned()
+}
+
+/// The trial Redis.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrialRedis {
+    /// Image (default `redis:7.4`).
+    #[serde(default = "default_redis_image")]
+    pub image: String,
+}
+
+fn default_redis_image() -> String {
+    "redis:7.4".to_owned()
+}
+
+/// Istio.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IstioSection {
+    /// Namespace of the ingress gateway's pods, where the EnvoyFilter lives (default
+    /// `istio-system`).
+    #[serde(default = "default_istio_namespace")]
+    pub namespace: String,
+    /// Labels of the ingress gateway's pods (default `{istio: ingressgateway}`).
+    #[serde(default = "default_istio_selector")]
+    pub selector: BTreeMap<String, String>,
+    /// Istio Gateways (`namespace/name`) the VirtualService binds to.
+    pub gateways: Vec<String>,
+    /// Hosts of the VirtualService (default `["*"]`).
+    #[serde(default = "default_hosts")]
+    pub hosts: Vec<String>,
+    /// How the wasm filter is delivered: `envoy_filter` (default; an ECDS extension config that
+    /// sets `allow_on_headers_stop_iteration`) or `wasm_plugin` (a WasmPlugin, which cannot set
+    /// it: see docs/deploy.md).
+    #[serde(default)]
+    pub wasm_delivery: WasmDelivery,
+}
+
+/// How Istio receives the wasm filter.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WasmDelivery {
+    /// EnvoyFilter with an EXTENSION_CONFIG patch.
+    #[default]
+    EnvoyFilter,
+    /// WasmPlugin.
+    WasmPlugin,
+}
+
+fn default_istio_namespace() -> String {
+    "istio-system".to_owned()
+}
+
+fn default_istio_selector() -> BTreeMap<String, String> {
+    BTreeMap::from([("istio".to_owned(), "ingressgateway".to_owned())])
+}
+
+fn default_hosts() -> Vec<String> {
+    vec!["*".to_owned()]
+}
+
+/// Envoy Gateway.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvoyGatewaySection {
+    /// The Gateway the HTTPRoute attaches to.
+    pub gateway: ObjectRef,
+    /// What the EnvoyExtensionPolicy targets: `http_route` (default; the rendered HTTPRoute)
+    /// or `gateway` (every route of the Gateway).
+    #[serde(default)]
+    pub attach_to: AttachTo,
+    /// Hostnames of the HTTPRoute (default: none, i.e. every hostname of the Gateway).
+    #[serde(default)]
+    pub hostnames: Vec<String>,
+}
+
+/// A namespaced object.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ObjectRef {
+    /// Name.
+    pub name: String,
+    /// Namespace.
+    pub namespace: String,
+}
+
+/// The EnvoyExtensionPolicy's target.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttachTo {
+    /// The rendered HTTPRoute.
+    #[default]
+    HttpRoute,
+    /// The Gateway.
+    Gateway,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loading and validation
+// ---------------------------------------------------------------------------------------------
+
+/// A loaded, validated config with the file it came from.
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    /// The config.
+    pub config: GatewayConfig,
+    /// The file as given (for error messages).
+    pub file: String,
+    /// Directory of the file (relative paths in the config are relative to it).
+    pub dir: PathBuf,
+}
+
+impl Loaded {
+    /// Reads, parses and validates a config file.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the file and the first offending field.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: file.clone(),
+            field: String::new(),
+            message: format!("cannot read: {e}"),
+        })?;
+        let dir = path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
+        Self::from_yaml(&text, &file, dir)
+    }
+
+    /// Parses and validates config text; `file` names it in errors.
+    ///
+    /// # Errors
+    /// As [`Loaded::load`].
+    pub fn from_yaml(text: &str, file: &str, dir: PathBuf) -> Result<Self, ConfigError> {
+        let config = parse(text).map_err(|e| e.in_file(file))?;
+        config.validate().map_err(|e| e.in_file(file))?;
+        Ok(Self { config, file: file.to_owned(), dir })
+    }
+
+    /// A path from the config, resolved against the config file's directory.
+    pub fn resolve(&self, path: &Path) -> PathBuf {
+        if path.is_absolute() {
+            path.to_path_buf()
+        } else {
+            self.dir.join(path)
+        }
+    }
+}
+
+fn parse(text: &str) -> Result<GatewayConfig, FieldError> {
+    if text.trim().is_empty() {
+        return fail("", "the file is empty");
+    }
+    let de = serde_yaml_ng::Deserializer::from_str(text);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let field = if path == "." || path == "?" { String::new() } else { path };
+        let message = e.into_inner().to_string();
+        // serde_yaml_ng prefixes its message with the path of the enclosing value
+        // (`tenants[0]: unknown field ...`), which the field already names.
+        let message = match message.split_once(": ") {
+            Some((prefix, rest))
+                if !prefix.is_empty()
+                    && !prefix.contains(' ')
+                    && (field == prefix
+                        || field.starts_with(&format!("{prefix}."))
+                        || field.starts_with(&format!("{prefix}["))) =>
+            {
+                rest.to_owned()
+            }
+            _ => message,
+        };
+        FieldError::new(field, message)
+    })
+}
+
+/// Letters, digits, `.`, `_`, `-` (the sidecar's rule for tenant ids and tier names).
+fn is_key_part(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 256
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+/// A Kubernetes object name (RFC 1123 label: lowercase letters, digits, `-`, at most 63).
+pub fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+/// The DNS label derived from a pool name, for per-pool Kubernetes objects and route names:
+/// lowercase, `_` and `.` become `-`.
+pub fn pool_label(pool: &str) -> String {
+    pool.to_ascii_lowercase().chars().map(|c| if c == '_' || c == '.' { '-' } else { c }).collect()
+}
+
+/// Name of the Envoy cluster holding a pool's own endpoints when the pool has a fallback (its
+/// name is then an aggregate cluster).
+pub fn primary_cluster(pool: &str) -> String {
+    format!("{pool}-primary")
+}
+
+/// A `host:port` endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostPort {
+    /// IP address or DNS name.
+    pub host: String,
+    /// Port.
+    pub port: u16,
+    /// Whether `host` is an IP address (else a name Envoy resolves).
+    pub is_ip: bool,
+}
+
+/// Parses `host:port` (`[v6]:port` for IPv6).
+pub fn parse_host_port(s: &str) -> Option<HostPort> {
+    if let Ok(addr) = s.parse::<SocketAddr>() {
+        return Some(HostPort { host: addr.ip().to_string(), port: addr.port(), is_ip: true });
+    }
+    let (host, port) = s.rsplit_once(':')?;
+    let port: u16 = port.parse().ok()?;
+    let valid = !host.is_empty()
+        && host.len() <= 253
+        && host.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-'))
+        && !host.starts_with(['.', '-']);
+    if !valid || port == 0 {
+        return None;
+    }
+    Some(HostPort { host: host.to_owned(), port, is_ip: host.parse::<IpAddr>().is_ok() })
+}
+
+fn is_sha256_hex(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+impl GatewayConfig {
+    /// Checks what no component checks: pools and their references, addresses, Kubernetes
+    /// names. Component-owned rules are checked at render time by the components' parsers.
+    ///
+    /// # Errors
+    /// The first offending field.
+    pub fn validate(&self) -> Result<(), FieldError> {
+        if self.tenants.is_empty() {
+            return fail("tenants", "must not be empty");
+        }
+        if self.models.is_empty() {
+            return fail("models", "must not be empty");
+        }
+        if self.pools.is_empty() {
+            return fail("pools", "must not be empty");
+        }
+        self.validate_filter()?;
+        self.validate_sidecar()?;
+        self.validate_redis()?;
+        self.validate_tiers()?;
+        let pools = self.validate_pools()?;
+        self.validate_models(&pools)?;
+        self.validate_tenants()?;
+        self.validate_kubernetes()?;
+        Ok(())
+    }
+
+    fn validate_filter(&self) -> Result<(), FieldError> {
+        if let Some(module) = &self.filter.module {
+            let http = module.url.starts_with("http://") || module.url.starts_with("https://");
+            let oci = module.url.starts_with("oci://");
+            if !(http || oci) || module.url.contains(char::is_whitespace) {
+                return fail("filter.module.url", "must be an oci://, http:// or https:// URL");
+            }
+            if oci && module.url.len() <= "oci://".len() {
+                return fail("filter.module.url", "names no image");
+            }
+            match &module.sha256 {
+                Some(h) if !is_sha256_hex(h) => {
+                    return fail("filter.module.sha256", "must be 64 lowercase hex characters")
+                }
+                None if http => {
+                    return fail(
+                        "filter.module.sha256",
+                        "required for an http(s) URL (sha256sum gateway_filter.wasm)",
+                    )
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_sidecar(&self) -> Result<(), FieldError> {
+        if let Some(address) = &self.sidecar.address {
+            if parse_host_port(address).is_none() {
+                return fail("sidecar.address", "must be host:port");
+            }
+        }
+        if self.sidecar.listen.port() == 0 && self.sidecar.address.is_none() {
+            return fail(
+                "sidecar.listen",
+                "port 0 needs sidecar.address (Envoy must know the sidecar's port)",
+            );
+        }
+        if let Some(metrics) = self.sidecar.metrics_listen {
+            if metrics.port() == self.sidecar.listen.port() && metrics.port() != 0 {
+                return fail("sidecar.metrics_listen", "same port as sidecar.listen");
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_redis(&self) -> Result<(), FieldError> {
+        match (&self.redis.url, self.redis.cluster_urls.is_empty()) {
+            (Some(_), false) => return fail("redis", "set either url or cluster_urls, not both"),
+            (None, true) => return fail("redis", "one of url or cluster_urls is required"),
+            _ => {}
+        }
+        let urls = self.redis.url.iter().map(|u| ("redis.url".to_owned(), u)).chain(
+            self.redis.cluster_urls.iter().enumerate().map(|(i, u)| (format!("redis.cluster_urls[{i}]"), u)),
+        );
+        for (field, url) in urls {
+            if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+                return fail(field, "must be a redis:// or rediss:// URL");
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_tiers(&self) -> Result<(), FieldError> {
+        for (tier, section) in &self.tiers {
+            if !is_key_part(tier) {
+                return fail(format!("tiers.{tier}"), "tier names are letters, digits, '.', '_' or '-'");
+            }
+            if let Some(level) = section.shed_level {
+                if !(level > 0.0 && level <= 1.0) {
+                    return fail(format!("tiers.{tier}.shed_level"), "must be in (0, 1]");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Returns the pool names.
+    fn validate_pools(&self) -> Result<HashSet<&str>, FieldError> {
+        let mut names: HashMap<&str, usize> = HashMap::new();
+        let mut labels: HashMap<String, usize> = HashMap::new();
+        for (i, pool) in self.pools.iter().enumerate() {
+            let at = format!("pools[{i}]");
+            let valid = !pool.name.is_empty()
+                && pool.name.len() <= 60
+                && pool.name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-'));
+            if !valid {
+                return fail(format!("{at}.name"), "must be 1 to 60 letters, digits, '_' or '-'");
+            }
+            if let Some(j) = names.insert(&pool.name, i) {
+                return fail(
+                    format!("{at}.name"),
+                    format!("duplicate pool '{}' (also pools[{j}])", pool.name),
+                );
+            }
+            if let Some(j) = labels.insert(pool_label(&pool.name), i) {
+                return fail(
+                    format!("{at}.name"),
+                    format!(
+                        "'{}' and pools[{j}] map to the same Kubernetes name '{}'",
+                        pool.name,
+                        pool_label(&pool.name)
+                    ),
+                );
+            }
+            for (k, endpoint) in pool.endpoints.iter().enumerate() {
+                if parse_host_port(endpoint).is_none() {
+                    return fail(
+                        format!("{at}.endpoints[{k}]"),
+                        "must be host:port (a vLLM server's address)",
+                    );
+                }
+            }
+            if pool.endpoints.is_empty() && pool.service.is_none() {
+                return fail(at, "set endpoints (standalone), service (meshes) or both");
+            }
+            if let Some(service) = &pool.service {
+                if !is_dns_label(&service.name) {
+                    return fail(
+                        format!("{at}.service.name"),
+                        "must be a Kubernetes name (lowercase letters, digits, '-')",
+                    );
+                }
+                if !is_dns_label(&service.namespace) {
+                    return fail(
+                        format!("{at}.service.namespace"),
+                        "must be a Kubernetes name (lowercase letters, digits, '-')",
+                    );
+                }
+                if service.port == 0 {
+                    return fail(format!("{at}.service.port"), "must be > 0");
+                }
+            }
+            let hc = &pool.health_check;
+            if !hc.path.starts_with('/') {
+                return fail(format!("{at}.health_check.path"), "must start with '/'");
+            }
+            for (name, value) in [
+                ("interval_ms", hc.interval_ms),
+                ("timeout_ms", hc.timeout_ms),
+                ("unhealthy_threshold", u64::from(hc.unhealthy_threshold)),
+                ("healthy_threshold", u64::from(hc.healthy_threshold)),
+            ] {
+                if value == 0 {
+                    return fail(format!("{at}.health_check.{name}"), "must be > 0");
+                }
+            }
+            let od = &pool.outlier_detection;
+            if od.consecutive_5xx == 0 {
+                return fail(format!("{at}.outlier_detection.consecutive_5xx"), "must be > 0");
+            }
+            if od.base_ejection_time_ms == 0 {
+                return fail(format!("{at}.outlier_detection.base_ejection_time_ms"), "must be > 0");
+            }
+            if od.max_ejection_percent > 100 {
+                return fail(format!("{at}.outlier_detection.max_ejection_percent"), "must be 0 to 100");
+            }
+            let cb = &pool.circuit_breakers;
+            for (name, value) in [
+                ("max_connections", cb.max_connections),
+                ("max_pending_requests", cb.max_pending_requests),
+                ("max_requests", cb.max_requests),
+            ] {
+                if value == 0 {
+                    return fail(format!("{at}.circuit_breakers.{name}"), "must be > 0");
+                }
+            }
+            if pool.connect_timeout_ms == 0 {
+                return fail(format!("{at}.connect_timeout_ms"), "must be > 0");
+            }
+        }
+        for (i, pool) in self.pools.iter().enumerate() {
+            let mut seen = HashSet::new();
+            for (k, other) in pool.fallback.iter().enumerate() {
+                let field = format!("pools[{i}].fallback[{k}]");
+                if !names.contains_key(other.as_str()) {
+                    return fail(field, format!("unknown pool '{other}'"));
+                }
+                if *other == pool.name {
+                    return fail(field, "a pool cannot fall back to itself");
+                }
+                if !seen.insert(other) {
+                    return fail(field, format!("'{other}' is listed twice"));
+                }
+            }
+            // The aggregate cluster's members must not collide with a pool's name.
+            if !pool.fallback.is_empty() {
+                let primary = primary_cluster(&pool.name);
+                if let Some(j) = names.get(primary.as_str()) {
+                    return fail(
+                        format!("pools[{j}].name"),
+                        format!(
+                            "'{primary}' is reserved for the endpoints of pools[{i}] (it has a fallback)"
+                        ),
+                    );
+                }
+            }
+        }
+        Ok(names.into_keys().collect())
+    }
+
+    fn validate_models(&self, pools: &HashSet<&str>) -> Result<(), FieldError> {
+        for (i, model) in self.models.iter().enumerate() {
+            let at = format!("models[{i}]");
+            if let Some(pool) = &model.pool {
+                if !pools.contains(pool.as_str()) {
+                    return fail(format!("{at}.pool"), format!("unknown pool '{pool}'"));
+                }
+            }
+            for (k, split) in model.pools.iter().flatten().enumerate() {
+                if !pools.contains(split.pool.as_str()) {
+                    return fail(format!("{at}.pools[{k}].pool"), format!("unknown pool '{}'", split.pool));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_tenants(&self) -> Result<(), FieldError> {
+        for (i, tenant) in self.tenants.iter().enumerate() {
+            if let Some(tier) = &tenant.tier {
+                if !is_key_part(tier) {
+                    return fail(format!("tenants[{i}].tier"), "must be letters, digits, '.', '_' or '-'");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_kubernetes(&self) -> Result<(), FieldError> {
+        if let Some(k8s) = &self.kubernetes {
+            if !is_dns_label(&k8s.namespace) {
+                return fail(
+                    "kubernetes.namespace",
+                    "must be a Kubernetes name (lowercase letters, digits, '-')",
+                );
+            }
+            if k8s.sidecar.image.is_empty() || k8s.sidecar.image.contains(char::is_whitespace) {
+                return fail("kubernetes.sidecar.image", "must be an image reference");
+            }
+            if k8s.sidecar.replicas == 0 {
+                return fail("kubernetes.sidecar.replicas", "must be > 0");
+            }
+        }
+        if let Some(istio) = &self.istio {
+            if !is_dns_label(&istio.namespace) {
+                return fail("istio.namespace", "must be a Kubernetes name");
+            }
+            if istio.selector.is_empty() {
+                return fail(
+                    "istio.selector",
+                    "must select the ingress gateway's pods (e.g. {istio: ingressgateway})",
+                );
+            }
+            if istio.gateways.is_empty() {
+                return fail("istio.gateways", "must name at least one Istio Gateway");
+            }
+            for (i, gw) in istio.gateways.iter().enumerate() {
+                let ok = match gw.split_once('/') {
+                    Some((ns, name)) => is_dns_label(ns) && is_dns_label(name),
+                    None => false,
+                };
+                if !ok {
+                    return fail(format!("istio.gateways[{i}]"), "must be namespace/name");
+                }
+            }
+            if istio.hosts.is_empty() {
+                return fail("istio.hosts", "must not be empty");
+            }
+        }
+        if let Some(eg) = &self.envoy_gateway {
+            if !is_dns_label(&eg.gateway.name) {
+                return fail("envoy_gateway.gateway.name", "must be a Kubernetes name");
+            }
+            if !is_dns_label(&eg.gateway.namespace) {
+                return fail("envoy_gateway.gateway.namespace", "must be a Kubernetes name");
+            }
+        }
+        Ok(())
+    }
+
+    /// The tier of a tenant (the filter's default when absent).
+    pub fn tenant_tier(tenant: &TenantSection) -> &str {
+        tenant.tier.as_deref().unwrap_or(gateway_filter::config::DEFAULT_TIER)
+    }
+
+    /// A pool by name.
+    pub fn pool(&self, name: &str) -> Option<&PoolSection> {
+        self.pools.iter().find(|p| p.name == name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_port() {
+        assert_eq!(
+            parse_host_port("10.0.0.1:8000"),
+            Some(HostPort { host: "10.0.0.1".into(), port: 8000, is_ip: true })
+        );
+        assert_eq!(parse_host_port("[::1]:80").map(|h| h.is_ip), Some(true));
+        assert_eq!(parse_host_port("vllm.ns.svc.cluster.local:8000").map(|h| h.is_ip), Some(false));
+        assert_eq!(parse_host_port("vllm"), None);
+        assert_eq!(parse_host_port("vllm:0"), None);
+        assert_eq!(parse_host_port("http://vllm:80"), None);
+        assert_eq!(parse_host_port(":80"), None);
+    }
+
+    #[test]
+    fn labels() {
+        assert_eq!(pool_label("Pool_A.x"), "pool-a-x");
+        assert!(is_dns_label("llm-gateway"));
+        assert!(!is_dns_label("llm_gateway"));
+        assert!(!is_dns_label("-a"));
+    }
+}

@@ -1,0 +1,101 @@
+//! `gatewayctl` binary: `render`, `validate`, `hash-key`.
+
+use std::io::Read as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use gatewayctl::config::Loaded;
+use gatewayctl::{keys, render};
+
+/// Renders the LLM gateway's Envoy, sidecar and Kubernetes / Istio / Envoy Gateway configuration
+/// from one gateway config, and makes API keys.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Renders the files of a target into a directory (nothing is written if any fails).
+    Render {
+        /// The gateway config (YAML).
+        #[arg(long)]
+        config: PathBuf,
+        /// Output directory (created if needed; files of the same name are replaced).
+        #[arg(long)]
+        out: PathBuf,
+        /// What to render; `all` renders every target the config has the sections for.
+        #[arg(long, value_enum, default_value = "all")]
+        target: render::Target,
+    },
+    /// Checks a gateway config: parses it and renders every target it configures, in memory.
+    Validate {
+        /// The gateway config (YAML).
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Makes a new API key and prints it once with its SHA-256 digest for
+    /// `tenants[].api_keys_sha256`; with `--key`, reads a key from stdin and prints its digest.
+    HashKey {
+        /// Read the key from stdin instead of generating one.
+        #[arg(long)]
+        key: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    match run(Args::parse().command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("gatewayctl: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(command: Command) -> Result<(), String> {
+    match command {
+        Command::Render { config, out, target } => {
+            let loaded = Loaded::load(&config).map_err(|e| e.to_string())?;
+            let output = render::render(&loaded, target).map_err(|e| e.to_string())?;
+            render::write(&output.files, &out)?;
+            for note in &output.notes {
+                eprintln!("note: {note}");
+            }
+            for file in &output.files {
+                println!("{}", out.join(&file.path).display());
+            }
+            Ok(())
+        }
+        Command::Validate { config } => {
+            let loaded = Loaded::load(&config).map_err(|e| e.to_string())?;
+            let output = render::render(&loaded, render::Target::All).map_err(|e| e.to_string())?;
+            for note in &output.notes {
+                eprintln!("note: {note}");
+            }
+            println!("{}: valid ({} files would be rendered)", loaded.file, output.files.len());
+            Ok(())
+        }
+        Command::HashKey { key: from_stdin } => {
+            if from_stdin {
+                let mut key = String::new();
+                std::io::stdin().read_to_string(&mut key).map_err(|e| format!("reading stdin: {e}"))?;
+                let key = key.trim_end_matches(['\n', '\r']);
+                keys::check_key(key)?;
+                println!("sha256: {}", keys::digest(key));
+            } else {
+                let key = keys::new_key()?;
+                println!("api_key: {key}");
+                println!("sha256: {}", keys::digest(&key));
+                eprintln!(
+                    "The key is shown only this once: give it to the tenant. Put the sha256 in \
+                     tenants[].api_keys_sha256 of the gateway config and re-render."
+                );
+            }
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,295 @@
+//! The filter's plugin config and the sidecar's config, each accepted by the component's own
+//! parser before it is returned: a rendered config that the component would refuse at start-up
+//! is an error here, reported against the gateway config's field.
+
+use crate::config::FieldError;
+use crate::config::{GatewayConfig, LimitsSection, Loaded, PoolSection};
+use crate::tree::{f, map, n, s, seq, strings, to_json, to_yaml, Value};
+
+use super::Error;
+
+/// The wasm filter's plugin config, validated by `gateway_filter::config::Config::from_json`.
+///
+/// # Errors
+/// A field the filter rejects (named as in the gateway config), or a field the filter cannot
+/// carry yet (`models[].tokenizer`, `models[].chat_template`).
+pub fn filter_config(loaded: &Loaded) -> Result<Value, Error> {
+    let c = &loaded.config;
+    let mut top = Vec::new();
+    if let Some(max) = c.filter.max_body_bytes {
+        top.push(("max_body_bytes", n(max)));
+    }
+    let tenants = c.tenants.iter().map(|t| {
+        let mut fields = vec![("id", s(&t.id)), ("api_keys_sha256", strings(&t.api_keys_sha256))];
+        if let Some(tier) = &t.tier {
+            fields.push(("tier", s(tier)));
+        }
+        if let Some(models) = &t.models {
+            fields.push(("models", strings(models)));
+        }
+        map(fields)
+    });
+    top.push(("tenants", seq(tenants)));
+    let mut models = Vec::with_capacity(c.models.len());
+    for (i, m) in c.models.iter().enumerate() {
+        if m.tokenizer.is_some() {
+            return Err(FieldError::new(
+                format!("models[{i}].tokenizer"),
+                "not supported yet: the gateway-filter in this build cannot load a tokenizer \
+                 (remove the field; the context check then uses max_token_bytes)",
+            )
+            .into());
+        }
+        if m.chat_template.is_some() {
+            return Err(FieldError::new(
+                format!("models[{i}].chat_template"),
+                "not supported yet: the gateway-filter in this build cannot apply a chat template \
+                 (remove the field)",
+            )
+            .into());
+        }
+        let mut fields = vec![("name", s(&m.name))];
+        if let Some(pool) = &m.pool {
+            fields.push(("pool", s(pool)));
+        }
+        if let Some(pools) = &m.pools {
+            let split = pools.iter().map(|p| map([("pool", s(&p.pool)), ("weight", n(p.weight))]));
+            fields.push(("pools", seq(split)));
+        }
+        if let Some(served) = &m.served_model_name {
+            fields.push(("served_model_name", s(served)));
+        }
+        fields.push(("max_model_len", n(m.max_model_len)));
+        if let Some(bytes) = m.max_token_bytes {
+            fields.push(("max_token_bytes", n(bytes)));
+        }
+        if let Some(aliases) = &m.aliases {
+            fields.push(("aliases", strings(aliases)));
+        }
+        if let Some(adapters) = &m.lora_adapters {
+            fields.push(("lora_adapters", strings(adapters)));
+        }
+        models.push(map(fields));
+    }
+    top.push(("models", seq(models)));
+    let config = map(top);
+
+    let json = to_json(&config).map_err(Error::Internal)?;
+    if let Err(e) = gateway_filter::config::Config::from_json(json.as_bytes()) {
+        // The filter's paths are the gateway config's (tenants[i], models[i] map one to one),
+        // except for the top-level body limit.
+        let field = match e.path.as_str() {
+            "max_body_bytes" => "filter.max_body_bytes".to_owned(),
+            "configuration" => "config".to_owned(),
+            other => other.to_owned(),
+        };
+        return Err(FieldError::new(field, format!("{} (gateway-filter)", e.message)).into());
+    }
+    Ok(config)
+}
+
+/// Where a sidecar config is for: the standalone host, or a Kubernetes pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavor {
+    /// Next to the standalone Envoy: `sidecar.listen`, pool `endpoints`, `redis` as given.
+    Standalone,
+    /// A pod: all interfaces, pool Services, the trial Redis when configured.
+    Kubernetes,
+}
+
+/// The trial Redis's URL inside the cluster.
+pub fn trial_redis_url(namespace: &str) -> String {
+    format!("redis://llm-gateway-redis.{namespace}.svc.cluster.local:6379/0")
+}
+
+fn limits(l: &LimitsSection) -> Value {
+    let mut fields = Vec::new();
+    for (name, value) in [
+        ("requests_per_minute", l.requests_per_minute),
+        ("request_burst", l.request_burst),
+        ("tokens_per_minute", l.tokens_per_minute),
+        ("token_burst", l.token_burst),
+    ] {
+        if let Some(v) = value {
+            fields.push((name, n(v)));
+        }
+    }
+    map(fields)
+}
+
+/// Scrape URLs of a pool's endpoints for the sidecar (its `/metrics`).
+fn scrape_urls(pool: &PoolSection, flavor: Flavor) -> Vec<String> {
+    match (flavor, &pool.service) {
+        (Flavor::Kubernetes, Some(service)) => {
+            vec![format!("http://{}:{}", service.fqdn(), service.port)]
+        }
+        _ => pool.endpoints.iter().map(|e| format!("http://{e}")).collect(),
+    }
+}
+
+/// The sidecar's config, validated by `gateway_ext_proc::config::Config::from_yaml`.
+///
+/// # Errors
+/// A field the sidecar rejects, named as in the gateway config.
+pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
+    let c = &loaded.config;
+    let mut top = Vec::new();
+    let listen = match flavor {
+        Flavor::Standalone => c.sidecar.listen.to_string(),
+        Flavor::Kubernetes => format!("0.0.0.0:{}", c.sidecar.listen.port()),
+    };
+    top.push(("listen", s(listen)));
+    top.push(("redis", redis(c, flavor)));
+    let tenants = c.tenants.iter().map(|t| {
+        let mut fields = vec![("id", s(&t.id)), ("limits", limits(&t.limits))];
+        if !t.model_limits.is_empty() {
+            let per_model = t.model_limits.iter().map(|(model, l)| (model.clone(), limits(l)));
+            fields.push(("model_limits", map(per_model)));
+        }
+        map(fields)
+    });
+    top.push(("tenants", seq(tenants)));
+    if let Some(m) = &c.sidecar.metering {
+        let mut fields = Vec::new();
+        if let Some(stream) = &m.stream {
+            fields.push(("stream", s(stream)));
+        }
+        if let Some(len) = m.stream_maxlen {
+            fields.push(("stream_maxlen", n(len)));
+        }
+        if let Some(bytes) = m.max_json_body_bytes {
+            fields.push(("max_json_body_bytes", n(bytes)));
+        }
+        top.push(("metering", map(fields)));
+    }
+    // Sidecar pools[j] is the gateway config's pools[shed[j]].
+    let shed: Vec<usize> =
+        c.pools.iter().enumerate().filter(|(_, p)| p.shedding.is_some()).map(|(i, _)| i).collect();
+    if !shed.is_empty() {
+        let pools = c.pools.iter().filter_map(|p| {
+            let sh = p.shedding.as_ref()?;
+            let mut fields = vec![("name", s(&p.name)), ("endpoints", strings(scrape_urls(p, flavor)))];
+            if let Some(v) = sh.scrape_interval_ms {
+                fields.push(("scrape_interval_ms", n(v)));
+            }
+            if let Some(v) = sh.max_queue_depth {
+                fields.push(("max_queue_depth", n(v)));
+            }
+            if let Some(v) = sh.max_kv_cache_usage {
+                fields.push(("max_kv_cache_usage", f(v)));
+            }
+            if let Some(v) = sh.max_in_flight {
+                fields.push(("max_in_flight", n(v)));
+            }
+            Some(map(fields))
+        });
+        top.push(("pools", seq(pools)));
+    }
+    let levels: Vec<(String, Value)> =
+        c.tiers.iter().filter_map(|(tier, t)| Some((tier.clone(), f(t.shed_level?)))).collect();
+    if !levels.is_empty() {
+        top.push(("shedding", map([("tier_levels", map(levels))])));
+    }
+    if let Some(metrics) = c.sidecar.metrics_listen {
+        let addr = match flavor {
+            Flavor::Standalone => metrics.to_string(),
+            Flavor::Kubernetes => format!("0.0.0.0:{}", metrics.port()),
+        };
+        top.push(("metrics_listen", s(addr)));
+    }
+    let config = map(top);
+
+    let yaml = to_yaml(&config).map_err(Error::Internal)?;
+    match gateway_ext_proc::config::Config::from_yaml(&yaml) {
+        Ok(_) => Ok(config),
+        Err(gateway_ext_proc::config::ConfigError::Invalid { field, message }) => {
+            Err(FieldError::new(sidecar_field(&field, &shed), format!("{message} (gateway-ext-proc)")).into())
+        }
+        Err(other) => {
+            Err(Error::Internal(format!("gateway-ext-proc rejects the rendered sidecar config: {other}")))
+        }
+    }
+}
+
+fn redis(c: &GatewayConfig, flavor: Flavor) -> Value {
+    let r = &c.redis;
+    let mut fields = Vec::new();
+    let trial = match (flavor, &c.kubernetes) {
+        (Flavor::Kubernetes, Some(k8s)) if k8s.trial_redis.is_some() => Some(trial_redis_url(&k8s.namespace)),
+        _ => None,
+    };
+    match (trial, &r.url) {
+        (Some(url), _) => fields.push(("url", s(url))),
+        (None, Some(url)) => fields.push(("url", s(url))),
+        (None, None) => fields.push(("cluster_urls", strings(&r.cluster_urls))),
+    }
+    if let Some(ms) = r.command_timeout_ms {
+        fields.push(("command_timeout_ms", n(ms)));
+    }
+    if let Some(prefix) = &r.key_prefix {
+        fields.push(("key_prefix", s(prefix)));
+    }
+    if let Some(mode) = r.failure_mode {
+        fields.push(("failure_mode", s(mode.as_str())));
+    }
+    let per_tier: Vec<(String, Value)> =
+        c.tiers.iter().filter_map(|(tier, t)| Some((tier.clone(), s(t.failure_mode?.as_str())))).collect();
+    if !per_tier.is_empty() {
+        fields.push(("tier_failure_modes", map(per_tier)));
+    }
+    if let Some(breaker) = &r.breaker {
+        let mut b = Vec::new();
+        if let Some(t) = breaker.failure_threshold {
+            b.push(("failure_threshold", n(t)));
+        }
+        if let Some(ms) = breaker.open_ms {
+            b.push(("open_ms", n(ms)));
+        }
+        fields.push(("breaker", map(b)));
+    }
+    map(fields)
+}
+
+/// Maps a field of the rendered sidecar config back to the gateway config's field.
+fn sidecar_field(field: &str, shed: &[usize]) -> String {
+    if let Some(rest) = field.strip_prefix("pools[") {
+        if let Some((j, rest)) = rest.split_once(']') {
+            if let Some(i) = j.parse::<usize>().ok().and_then(|j| shed.get(j)) {
+                return match rest.strip_prefix('.') {
+                    Some("name") => format!("pools[{i}].name"),
+                    Some(r) if r.starts_with("endpoints") => format!("pools[{i}].{r}"),
+                    Some(r) => format!("pools[{i}].shedding.{r}"),
+                    None => format!("pools[{i}].shedding"),
+                };
+            }
+        }
+    }
+    if let Some(tier) = field.strip_prefix("shedding.tier_levels.") {
+        return format!("tiers.{tier}.shed_level");
+    }
+    if let Some(tier) = field.strip_prefix("redis.tier_failure_modes.") {
+        return format!("tiers.{tier}.failure_mode");
+    }
+    if field == "listen" || field == "metrics_listen" || field.starts_with("metering") {
+        return format!("sidecar.{field}");
+    }
+    field.to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sidecar_field;
+
+    #[test]
+    fn sidecar_fields_map_back() {
+        assert_eq!(sidecar_field("pools[1].max_queue_depth", &[0, 3]), "pools[3].shedding.max_queue_depth");
+        assert_eq!(sidecar_field("pools[0]", &[2]), "pools[2].shedding");
+        assert_eq!(sidecar_field("pools[0].endpoints[1]", &[2]), "pools[2].endpoints[1]");
+        assert_eq!(sidecar_field("shedding.tier_levels.batch", &[]), "tiers.batch.shed_level");
+        assert_eq!(sidecar_field("tenants[0].limits.token_burst", &[]), "tenants[0].limits.token_burst");
+        assert_eq!(
+            sidecar_field("metering.max_json_body_bytes", &[]),
+            "sidecar.metering.max_json_body_bytes"
+        );
+    }
+}

@@ -1,0 +1,220 @@
+//! Envoy Gateway: the EnvoyExtensionPolicy (wasm + two extProc entries), the HTTPRoute routing
+//! the filter's `x-gateway-pool` header to the pools' Services, the ReferenceGrants that
+//! cross-namespace references need, and the EnvoyProxy filter order.
+
+use std::collections::BTreeMap;
+
+use crate::config::{AttachTo, EnvoyGatewaySection, FieldError, Loaded};
+use crate::template::{self, Values};
+use crate::tree::{map, n, s, seq, strings, Value};
+
+use super::kubernetes::{self, SIDECAR_NAME};
+use super::{module, pool_service, ratelimit_headers, Error, File};
+
+const GATEWAY_API: &str = "gateway.networking.k8s.io";
+/// Gateway API allows 16 rules per HTTPRoute; one is the catch-all.
+const MAX_POOLS: usize = 15;
+
+/// One ReferenceGrant: who may refer (kind, namespace, group) to which Services.
+#[derive(Debug, Default)]
+struct Grant {
+    from: Vec<(&'static str, String, &'static str)>,
+    to: Vec<String>,
+}
+
+impl Grant {
+    fn allow(&mut self, from: (&'static str, String, &'static str), service: &str) {
+        if !self.from.contains(&from) {
+            self.from.push(from);
+        }
+        if !self.to.iter().any(|s| s == service) {
+            self.to.push(service.to_owned());
+        }
+    }
+}
+
+fn section(loaded: &Loaded) -> Result<&EnvoyGatewaySection, Error> {
+    loaded.config.envoy_gateway.as_ref().ok_or_else(|| {
+        FieldError::new("envoy_gateway", "required by the envoy-gateway target (the Gateway to attach to)")
+            .into()
+    })
+}
+
+fn backend_ref(name: &str, namespace: Option<&str>, port: u16) -> Value {
+    let mut fields = vec![("group", s("")), ("kind", s("Service")), ("name", s(name))];
+    if let Some(ns) = namespace {
+        fields.push(("namespace", s(ns)));
+    }
+    fields.push(("port", n(port)));
+    map(fields)
+}
+
+/// Every manifest under `envoy-gateway/` (and `kubernetes/`).
+///
+/// # Errors
+/// A section or field the envoy-gateway target needs, or a component rejecting its config.
+pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Error> {
+    let c = &loaded.config;
+    let eg = section(loaded)?;
+    let k8s = kubernetes::section(loaded, "envoy-gateway")?;
+    let module = module(loaded, "envoy-gateway")?;
+    if c.pools.len() > MAX_POOLS {
+        return Err(FieldError::new(
+            "pools",
+            format!("the envoy-gateway target routes at most {MAX_POOLS} pools (one HTTPRoute)"),
+        )
+        .into());
+    }
+    let mut files = kubernetes::manifests(loaded, "envoy-gateway")?;
+    let labels = kubernetes::labels("llm-gateway");
+    let route_ns = k8s.namespace.as_str();
+
+    // The HTTPRoute, in the sidecar's namespace.
+    let filters = seq([map([
+        ("type", s("ResponseHeaderModifier")),
+        (
+            "responseHeaderModifier",
+            map([(
+                "add",
+                seq(ratelimit_headers()
+                    .into_iter()
+                    .map(|(name, value)| map([("name", s(name)), ("value", value)]))),
+            )]),
+        ),
+    ])]);
+    // Cross-namespace references need a ReferenceGrant in the referenced namespace, allowing the
+    // referring kinds to reach the named Services only.
+    let mut grants: BTreeMap<String, Grant> = BTreeMap::new();
+    let mut rules = Vec::new();
+    for (i, pool) in c.pools.iter().enumerate() {
+        let service = pool_service(i, pool, "envoy-gateway")?;
+        let ns = (service.namespace != route_ns).then_some(service.namespace.as_str());
+        if ns.is_some() {
+            grants
+                .entry(service.namespace.clone())
+                .or_default()
+                .allow(("HTTPRoute", route_ns.to_owned(), GATEWAY_API), &service.name);
+        }
+        rules.push(map([
+            (
+                "matches",
+                seq([map([(
+                    "headers",
+                    seq([map([
+                        ("type", s("Exact")),
+                        ("name", s("x-gateway-pool")),
+                        ("value", s(&pool.name)),
+                    ])]),
+                )])]),
+            ),
+            ("filters", filters.clone()),
+            ("backendRefs", seq([backend_ref(&service.name, ns, service.port)])),
+            ("timeouts", map([("request", s("0s"))])),
+        ]));
+    }
+    if let Some(first) = c.pools.first() {
+        let service = pool_service(0, first, "envoy-gateway")?;
+        let ns = (service.namespace != route_ns).then_some(service.namespace.as_str());
+        rules.push(map([
+            ("matches", seq([map([("path", map([("type", s("PathPrefix")), ("value", s("/"))]))])])),
+            ("filters", filters.clone()),
+            ("backendRefs", seq([backend_ref(&service.name, ns, service.port)])),
+            ("timeouts", map([("request", s("0s"))])),
+        ]));
+    }
+    let route = template::render(
+        template::EG_HTTP_ROUTE,
+        &Values::new()
+            .set("NAMESPACE", route_ns)
+            .set("LABELS", labels.clone())
+            .set(
+                "PARENT_REFS",
+                seq([map([
+                    ("group", s(GATEWAY_API)),
+                    ("kind", s("Gateway")),
+                    ("name", s(&eg.gateway.name)),
+                    ("namespace", s(&eg.gateway.namespace)),
+                ])]),
+            )
+            .set("HOSTNAMES", strings(&eg.hostnames))
+            .set("RULES", seq(rules)),
+    )?;
+    files.push(File::yaml("envoy-gateway/httproute.yaml", &route)?);
+
+    // The policy lives with its target.
+    let (policy_ns, target) = match eg.attach_to {
+        AttachTo::HttpRoute => (route_ns.to_owned(), ("HTTPRoute", "llm-gateway".to_owned())),
+        AttachTo::Gateway => (eg.gateway.namespace.clone(), ("Gateway", eg.gateway.name.clone())),
+    };
+    let sidecar_ns = (policy_ns != route_ns).then_some(route_ns);
+    if sidecar_ns.is_some() {
+        grants
+            .entry(route_ns.to_owned())
+            .or_default()
+            .allow(("EnvoyExtensionPolicy", policy_ns.clone(), "gateway.envoyproxy.io"), SIDECAR_NAME);
+    }
+    let code = if let Some(image) = module.url.strip_prefix("oci://") {
+        let mut fields = vec![("url", s(image))];
+        if let Some(sha) = &module.sha256 {
+            fields.push(("sha256", s(sha)));
+        }
+        map([("type", s("Image")), ("image", map(fields))])
+    } else {
+        let mut fields = vec![("url", s(&module.url))];
+        if let Some(sha) = &module.sha256 {
+            fields.push(("sha256", s(sha)));
+        }
+        map([("type", s("HTTP")), ("http", map(fields))])
+    };
+    let policy = template::render(
+        template::EG_EXTENSION_POLICY,
+        &Values::new()
+            .set("NAMESPACE", policy_ns.as_str())
+            .set("LABELS", labels.clone())
+            .set(
+                "TARGET_REFS",
+                seq([map([("group", s(GATEWAY_API)), ("kind", s(target.0)), ("name", s(target.1))])]),
+            )
+            .set("CODE", code)
+            .set("PLUGIN_CONFIG", filter_config.clone())
+            .set(
+                "SIDECAR_BACKEND_REFS",
+                seq([backend_ref(SIDECAR_NAME, sidecar_ns, kubernetes::sidecar_port(loaded))]),
+            ),
+    )?;
+    files.push(File::yaml("envoy-gateway/envoyextensionpolicy.yaml", &policy)?);
+
+    for (ns, grant) in &grants {
+        let from = grant.from.iter().map(|(kind, from_ns, group)| {
+            map([("group", s(*group)), ("kind", s(*kind)), ("namespace", s(from_ns))])
+        });
+        let grant = map([
+            ("apiVersion", s("gateway.networking.k8s.io/v1beta1")),
+            ("kind", s("ReferenceGrant")),
+            ("metadata", map([("name", s("llm-gateway")), ("namespace", s(ns)), ("labels", labels.clone())])),
+            (
+                "spec",
+                map([
+                    ("from", seq(from)),
+                    (
+                        "to",
+                        seq(grant
+                            .to
+                            .iter()
+                            .map(|name| map([("group", s("")), ("kind", s("Service")), ("name", s(name))]))),
+                    ),
+                ]),
+            ),
+        ]);
+        files.push(File::yaml(&format!("envoy-gateway/referencegrant-{ns}.yaml"), &grant)?);
+    }
+    let proxy = template::render(
+        template::EG_ENVOY_PROXY,
+        &Values::new().set("NAMESPACE", eg.gateway.namespace.as_str()).set("LABELS", labels),
+    )?;
+    files.push(File::yaml("envoy-gateway/envoyproxy.yaml", &proxy)?);
+    let eg_files: Vec<File> =
+        files.iter().filter(|f| f.path.starts_with("envoy-gateway/")).cloned().collect();
+    files.push(kubernetes::kustomization("envoy-gateway", &eg_files)?);
+    Ok(files)
+}

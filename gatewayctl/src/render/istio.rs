@@ -1,0 +1,254 @@
+//! Istio: the EnvoyFilter that adds the gateway's filters to an ingress gateway (and the
+//! WasmPlugin when `istio.wasm_delivery` is `wasm_plugin`), the VirtualService routing the
+//! filter's `x-gateway-pool` header to the pools' Services, and a DestinationRule per pool.
+//!
+//! The filter definitions are the standalone bootstrap's (envoy/filters/*.yaml), with the
+//! module fetched from `filter.module` and the sidecar reached through Istio's outbound cluster
+//! of its Service.
+
+use crate::config::{FieldError, IstioSection, Loaded, WasmDelivery};
+use crate::template::{self, Values};
+use crate::tree::{at_mut, map, n, s, seq, strings, to_json, Value};
+
+use super::kubernetes::{self, SIDECAR_NAME};
+use super::standalone::duration;
+use super::{module, pool_service, ratelimit_headers, Error, File};
+
+/// The HTTP filter name of the wasm filter (and of its ECDS extension config).
+const WASM_FILTER_NAME: &str = "llm_gateway.filter";
+/// Name of the admission filter in envoy/filters/ext_proc_admission.yaml.
+const ADMISSION_FILTER_NAME: &str = "llm_gateway.admission";
+const WASM_TYPE_URL: &str = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm";
+const HCM: &str = "envoy.filters.network.http_connection_manager";
+const ROUTER: &str = "envoy.filters.http.router";
+
+fn section(loaded: &Loaded) -> Result<&IstioSection, Error> {
+    loaded.config.istio.as_ref().ok_or_else(|| {
+        FieldError::new("istio", "required by the istio target (ingress gateway selector and Gateways)")
+            .into()
+    })
+}
+
+/// The names a WasmPlugin's filter has in the gateway's HTTP filter chain, by Istio release:
+/// up to 1.25 (with Istio's typo), 1.26 to 1.29, and 1.30 on (translated to a
+/// TrafficExtension). An EnvoyFilter patch anchored on a name that does not exist is a no-op,
+/// so one patch per name inserts the filter exactly once.
+fn wasm_plugin_filter_names(namespace: &str, name: &str) -> [String; 3] {
+    [
+        format!("extenstions.istio.io/wasmplugin/{namespace}.{name}"),
+        format!("extensions.istio.io/wasmplugin/{namespace}.{name}"),
+        format!("extensions.istio.io/trafficextension/{namespace}.{name}~istio-translated-wasmplugin"),
+    ]
+}
+
+fn http_filter_patch(operation: &str, anchor: &str, value: Value) -> Value {
+    map([
+        ("applyTo", s("HTTP_FILTER")),
+        (
+            "match",
+            map([
+                ("context", s("GATEWAY")),
+                (
+                    "listener",
+                    map([(
+                        "filterChain",
+                        map([("filter", map([("name", s(HCM)), ("subFilter", map([("name", s(anchor))]))]))]),
+                    )]),
+                ),
+            ]),
+        ),
+        ("patch", map([("operation", s(operation)), ("value", value)])),
+    ])
+}
+
+/// Every manifest under `istio/` (and `kubernetes/`).
+///
+/// # Errors
+/// A section or field the istio target needs, or a component rejecting its rendered config.
+pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Error> {
+    let c = &loaded.config;
+    let istio = section(loaded)?;
+    let k8s = kubernetes::section(loaded, "istio")?;
+    let module = module(loaded, "istio")?;
+    let mut files = kubernetes::manifests(loaded, "istio")?;
+
+    let labels = kubernetes::labels("llm-gateway");
+    let selector = map(istio.selector.iter().map(|(k, v)| (k.clone(), s(v))));
+    let filter_json = to_json(filter_config).map_err(Error::Internal)?;
+    let max_body = c.filter.max_body_bytes.unwrap_or(gateway_filter::config::DEFAULT_MAX_BODY_BYTES);
+    let sidecar_cluster = format!(
+        "outbound|{}||{SIDECAR_NAME}.{}.svc.cluster.local",
+        kubernetes::sidecar_port(loaded),
+        k8s.namespace
+    );
+    let values = Values::new()
+        .set("FILTER_CONFIG_JSON", filter_json.as_str())
+        .set("WASM_PATH", "/unused.wasm")
+        .set("NAMESPACE", istio.namespace.as_str())
+        .set("LABELS", labels.clone())
+        .set("SELECTOR", selector.clone());
+
+    let mut ext_proc = Vec::new();
+    for t in [template::FILTER_ADMISSION, template::FILTER_METERING] {
+        let mut filter = template::render(t, &values)?;
+        let cluster = at_mut(
+            &mut filter,
+            &["typed_config".into(), "grpc_service".into(), "envoy_grpc".into(), "cluster_name".into()],
+        )
+        .ok_or_else(|| Error::Internal(format!("{}: no envoy_grpc cluster_name", t.path)))?;
+        *cluster = s(&sidecar_cluster);
+        ext_proc.push(filter);
+    }
+    let [admission, metering] = <[Value; 2]>::try_from(ext_proc)
+        .map_err(|_| Error::Internal("two ext_proc filters expected".into()))?;
+
+    // The filter buffers the body: the listener's buffer must exceed the body limit.
+    let mut patches = vec![map([
+        ("applyTo", s("LISTENER")),
+        ("match", map([("context", s("GATEWAY"))])),
+        (
+            "patch",
+            map([
+                ("operation", s("MERGE")),
+                ("value", map([("per_connection_buffer_limit_bytes", n(max_body.saturating_add(1 << 20)))])),
+            ]),
+        ),
+    ])];
+    match istio.wasm_delivery {
+        WasmDelivery::EnvoyFilter => {
+            let mut wasm = template::render(template::FILTER_WASM, &values)?;
+            let config = at_mut(&mut wasm, &["typed_config".into(), "config".into()])
+                .ok_or_else(|| Error::Internal("envoy/filters/wasm.yaml: no config".into()))?;
+            let code = at_mut(config, &["vm_config".into(), "code".into()])
+                .ok_or_else(|| Error::Internal("envoy/filters/wasm.yaml: no code".into()))?;
+            let mut remote = vec![("http_uri", map([("uri", s(&module.url)), ("timeout", s("30s"))]))];
+            if let Some(sha) = &module.sha256 {
+                remote.push(("sha256", s(sha)));
+            }
+            *code = map([("remote", map(remote))]);
+            let typed_config = wasm
+                .get("typed_config")
+                .cloned()
+                .ok_or_else(|| Error::Internal("envoy/filters/wasm.yaml: no typed_config".into()))?;
+            patches.push(map([
+                ("applyTo", s("EXTENSION_CONFIG")),
+                (
+                    "patch",
+                    map([
+                        ("operation", s("ADD")),
+                        ("value", map([("name", s(WASM_FILTER_NAME)), ("typed_config", typed_config)])),
+                    ]),
+                ),
+            ]));
+            let discovered = map([
+                ("name", s(WASM_FILTER_NAME)),
+                (
+                    "config_discovery",
+                    map([
+                        ("config_source", map([("ads", map::<&str>([]))])),
+                        ("type_urls", strings([WASM_TYPE_URL])),
+                    ]),
+                ),
+            ]);
+            // Each INSERT_BEFORE the router lands after the previous one: wasm, admission,
+            // metering, router.
+            patches.push(http_filter_patch("INSERT_BEFORE", ROUTER, discovered));
+            patches.push(http_filter_patch("INSERT_BEFORE", ROUTER, admission));
+            patches.push(http_filter_patch("INSERT_BEFORE", ROUTER, metering));
+        }
+        WasmDelivery::WasmPlugin => {
+            for anchor in wasm_plugin_filter_names(&istio.namespace, "llm-gateway") {
+                patches.push(http_filter_patch("INSERT_AFTER", &anchor, admission.clone()));
+            }
+            patches.push(http_filter_patch("INSERT_AFTER", ADMISSION_FILTER_NAME, metering));
+            let plugin_config: Value =
+                serde_yaml_ng::from_str(&filter_json).map_err(|e| Error::Internal(e.to_string()))?;
+            let url = if module.url.starts_with("oci://")
+                || module.url.starts_with("http://")
+                || module.url.starts_with("https://")
+            {
+                module.url.clone()
+            } else {
+                format!("oci://{}", module.url)
+            };
+            let plugin = template::render(
+                template::ISTIO_WASM_PLUGIN,
+                &values
+                    .clone()
+                    .set("URL", url)
+                    .set("SHA256", module.sha256.clone().unwrap_or_default())
+                    .set("PLUGIN_CONFIG", plugin_config),
+            )?;
+            files.push(File::yaml("istio/wasmplugin.yaml", &plugin)?);
+        }
+    }
+    let envoy_filter =
+        template::render(template::ISTIO_ENVOY_FILTER, &values.clone().set("PATCHES", seq(patches)))?;
+    files.push(File::yaml("istio/envoyfilter.yaml", &envoy_filter)?);
+
+    let retry_on = super::standalone::fallback_retry_on()?;
+    let mut routes = Vec::new();
+    for (i, pool) in c.pools.iter().enumerate() {
+        let service = pool_service(i, pool, "istio")?;
+        let destination = map([(
+            "destination",
+            map([("host", s(service.fqdn())), ("port", map([("number", n(service.port))]))]),
+        )]);
+        routes.push(map([
+            ("name", s(crate::config::pool_label(&pool.name))),
+            ("match", seq([map([("headers", map([("x-gateway-pool", map([("exact", s(&pool.name))]))]))])])),
+            ("route", seq([destination])),
+            ("timeout", s("0s")),
+            ("retries", map([("attempts", n(1u64)), ("retryOn", s(&retry_on))])),
+            ("headers", map([("response", map([("add", map(ratelimit_headers()))]))])),
+        ]));
+        let rule = template::render(
+            template::ISTIO_DESTINATION_RULE,
+            &Values::new()
+                .set("NAME", format!("llm-gateway-{}", crate::config::pool_label(&pool.name)))
+                .set("NAMESPACE", istio.namespace.as_str())
+                .set("LABELS", labels.clone())
+                .set("HOST", service.fqdn())
+                .set("MAX_CONNECTIONS", pool.circuit_breakers.max_connections)
+                .set("CONNECT_TIMEOUT", duration(pool.connect_timeout_ms))
+                .set("MAX_PENDING_REQUESTS", pool.circuit_breakers.max_pending_requests)
+                .set("MAX_REQUESTS", pool.circuit_breakers.max_requests)
+                .set("CONSECUTIVE_5XX", pool.outlier_detection.consecutive_5xx)
+                .set("BASE_EJECTION_TIME", duration(pool.outlier_detection.base_ejection_time_ms))
+                .set("MAX_EJECTION_PERCENT", pool.outlier_detection.max_ejection_percent),
+        )?;
+        files.push(File::yaml(
+            &format!("istio/destinationrule-{}.yaml", crate::config::pool_label(&pool.name)),
+            &rule,
+        )?);
+    }
+    // Every request that passes the filter carries x-gateway-pool; the filter answers the rest
+    // itself. The default route only mirrors the standalone bootstrap's.
+    if let Some(first) = c.pools.first() {
+        let service = pool_service(0, first, "istio")?;
+        routes.push(map([
+            ("name", s("default")),
+            (
+                "route",
+                seq([map([(
+                    "destination",
+                    map([("host", s(service.fqdn())), ("port", map([("number", n(service.port))]))]),
+                )])]),
+            ),
+            ("timeout", s("0s")),
+        ]));
+    }
+    let virtual_service = template::render(
+        template::ISTIO_VIRTUAL_SERVICE,
+        &Values::new()
+            .set("NAMESPACE", k8s.namespace.as_str())
+            .set("LABELS", labels)
+            .set("HOSTS", strings(&istio.hosts))
+            .set("GATEWAYS", strings(&istio.gateways))
+            .set("ROUTES", seq(routes)),
+    )?;
+    files.push(File::yaml("istio/virtualservice.yaml", &virtual_service)?);
+    let istio_files: Vec<File> = files.iter().filter(|f| f.path.starts_with("istio/")).cloned().collect();
+    files.push(kubernetes::kustomization("istio", &istio_files)?);
+    Ok(files)
+}

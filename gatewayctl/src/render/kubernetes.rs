@@ -1,0 +1,165 @@
+//! Kubernetes manifests of the sidecar (ConfigMap, Deployment, Service, PodDisruptionBudget)
+//! and of the trial Redis, from the templates in envoy/kubernetes/.
+
+use sha2::{Digest, Sha256};
+
+use crate::config::{FieldError, KubernetesSection, Loaded};
+use crate::template::{self, Values};
+use crate::tree::{map, n, s, seq, to_yaml, Value};
+
+use super::components::{self, Flavor};
+use super::{Error, File};
+
+/// Name of the sidecar's Deployment, Service, ConfigMap and PodDisruptionBudget.
+pub const SIDECAR_NAME: &str = "llm-gateway-ext-proc";
+
+/// The labels of every gateway object (`app.kubernetes.io/*`).
+pub fn labels(component: &str) -> Value {
+    map([
+        ("app.kubernetes.io/name", s(component)),
+        ("app.kubernetes.io/part-of", s("llm-gateway")),
+        ("app.kubernetes.io/managed-by", s("gatewayctl")),
+    ])
+}
+
+fn selector(component: &str) -> Value {
+    map([("app.kubernetes.io/name", s(component))])
+}
+
+/// The `kubernetes` section, or the error naming it for `target`.
+pub fn section<'c>(loaded: &'c Loaded, target: &str) -> Result<&'c KubernetesSection, Error> {
+    loaded.config.kubernetes.as_ref().ok_or_else(|| {
+        FieldError::new(
+            "kubernetes",
+            format!("required by the {target} target (namespace and sidecar image)"),
+        )
+        .into()
+    })
+}
+
+/// The sidecar's gRPC port (the same in a pod as on a host).
+pub fn sidecar_port(loaded: &Loaded) -> u16 {
+    loaded.config.sidecar.listen.port()
+}
+
+/// Every manifest under `kubernetes/`, with a kustomization.yaml listing them.
+///
+/// # Errors
+/// A missing `kubernetes` section, a sidecar config the sidecar rejects, or an internal
+/// template error.
+pub fn manifests(loaded: &Loaded, target: &str) -> Result<Vec<File>, Error> {
+    let k8s = section(loaded, target)?;
+    let c = &loaded.config;
+    let ns = k8s.namespace.as_str();
+    let sidecar_yaml =
+        to_yaml(&components::sidecar_config(loaded, Flavor::Kubernetes)?).map_err(Error::Internal)?;
+    let digest = hex::encode(Sha256::digest(sidecar_yaml.as_bytes()));
+    let port = sidecar_port(loaded);
+    if port == 0 {
+        return Err(FieldError::new(
+            "sidecar.listen",
+            format!("the {target} target needs a fixed port (the Service's)"),
+        )
+        .into());
+    }
+
+    let mut annotations = vec![("llm-gateway.io/sidecar-config-sha256", s(digest))];
+    let mut container_ports = vec![map([("name", s("grpc")), ("containerPort", n(port))])];
+    let mut service_ports = vec![map([
+        ("name", s("grpc")),
+        ("port", n(port)),
+        ("targetPort", s("grpc")),
+        ("appProtocol", s("grpc")),
+    ])];
+    if let Some(metrics) = c.sidecar.metrics_listen {
+        let mport = metrics.port();
+        annotations.extend([
+            ("prometheus.io/scrape", s("true")),
+            ("prometheus.io/port", s(mport.to_string())),
+            ("prometheus.io/path", s("/metrics")),
+        ]);
+        container_ports.push(map([("name", s("metrics")), ("containerPort", n(mport))]));
+        service_ports.push(map([("name", s("metrics")), ("port", n(mport)), ("targetPort", s("metrics"))]));
+    }
+    // The gRPC port is bound last, once Redis was reached: ready means able to serve.
+    let readiness = map([("tcpSocket", map([("port", s("grpc"))])), ("periodSeconds", n(5u64))]);
+
+    let base = Values::new()
+        .set("NAMESPACE", ns)
+        .set("LABELS", labels(SIDECAR_NAME))
+        .set("SELECTOR", selector(SIDECAR_NAME));
+    let mut files = Vec::new();
+    files.push(File::yaml(
+        "kubernetes/namespace.yaml",
+        &map([
+            ("apiVersion", s("v1")),
+            ("kind", s("Namespace")),
+            ("metadata", map([("name", s(ns)), ("labels", labels("llm-gateway"))])),
+        ]),
+    )?);
+    files.push(File::yaml(
+        "kubernetes/sidecar-configmap.yaml",
+        &template::render(
+            template::K8S_SIDECAR_CONFIG,
+            &base.clone().set("SIDECAR_YAML", sidecar_yaml.as_str()),
+        )?,
+    )?);
+    let r = &k8s.sidecar.resources;
+    files.push(File::yaml(
+        "kubernetes/sidecar-deployment.yaml",
+        &template::render(
+            template::K8S_SIDECAR_DEPLOYMENT,
+            &base
+                .clone()
+                .set("REPLICAS", k8s.sidecar.replicas)
+                .set("POD_ANNOTATIONS", map(annotations))
+                .set("IMAGE", k8s.sidecar.image.as_str())
+                .set("PORTS", seq(container_ports))
+                .set("READINESS_PROBE", readiness)
+                .set("CPU_REQUEST", r.cpu_request.as_str())
+                .set("MEMORY_REQUEST", r.memory_request.as_str())
+                .set("MEMORY_LIMIT", r.memory_limit.as_str()),
+        )?,
+    )?);
+    files.push(File::yaml(
+        "kubernetes/sidecar-service.yaml",
+        &template::render(template::K8S_SIDECAR_SERVICE, &base.clone().set("PORTS", seq(service_ports)))?,
+    )?);
+    files.push(File::yaml(
+        "kubernetes/sidecar-pdb.yaml",
+        &template::render(template::K8S_SIDECAR_PDB, &base)?,
+    )?);
+    if let Some(redis) = &k8s.trial_redis {
+        let redis_values = Values::new()
+            .set("NAMESPACE", ns)
+            .set("LABELS", labels("llm-gateway-redis"))
+            .set("SELECTOR", selector("llm-gateway-redis"))
+            .set("IMAGE", redis.image.as_str());
+        files.push(File::yaml(
+            "kubernetes/redis-deployment.yaml",
+            &template::render(template::K8S_REDIS_DEPLOYMENT, &redis_values)?,
+        )?);
+        files.push(File::yaml(
+            "kubernetes/redis-service.yaml",
+            &template::render(template::K8S_REDIS_SERVICE, &redis_values)?,
+        )?);
+    }
+    files.push(kustomization("kubernetes", &files)?);
+    Ok(files)
+}
+
+/// A `kustomization.yaml` in `dir` listing `files` (those under `dir`), so that
+/// `kubectl apply -k <dir>` applies them.
+pub fn kustomization(dir: &str, files: &[File]) -> Result<File, Error> {
+    let prefix = format!("{dir}/");
+    let resources =
+        files.iter().filter_map(|f| f.path.strip_prefix(&prefix)).filter(|p| p.ends_with(".yaml")).map(s);
+    File::yaml(
+        &format!("{dir}/kustomization.yaml"),
+        &map([
+            ("apiVersion", s("kustomize.config.k8s.io/v1beta1")),
+            ("kind", s("Kustomization")),
+            ("resources", seq(resources)),
+        ]),
+    )
+}

@@ -1,0 +1,261 @@
+//! Rendering: from a loaded gateway config to the files of each target.
+//!
+//! | target | files |
+//! |---|---|
+//! | `standalone` | `standalone/envoy.yaml` (bootstrap), `standalone/filter.json`, `standalone/sidecar.yaml` |
+//! | `istio` | `kubernetes/*` (sidecar, trial Redis), `istio/*` (EnvoyFilter, VirtualService, DestinationRules) |
+//! | `envoy-gateway` | `kubernetes/*`, `envoy-gateway/*` (EnvoyExtensionPolicy, HTTPRoute, ReferenceGrants, EnvoyProxy) |
+//!
+//! Nothing is written until every file has rendered, and every filter and sidecar config has
+//! been accepted by that component's own parser first.
+
+pub mod components;
+pub mod envoy_gateway;
+pub mod istio;
+pub mod kubernetes;
+pub mod standalone;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use crate::config::{ConfigError, FieldError, Loaded, PoolSection, ServiceRef, WasmModule};
+use crate::template::TemplateError;
+use crate::tree::{s, to_json, to_yaml, Value};
+
+/// A render target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
+pub enum Target {
+    /// Envoy bootstrap, filter config and sidecar config for an Envoy you run yourself.
+    Standalone,
+    /// Kubernetes manifests and Istio resources for an Istio ingress gateway.
+    Istio,
+    /// Kubernetes manifests and Envoy Gateway resources.
+    EnvoyGateway,
+    /// Every target the config has the sections for.
+    All,
+}
+
+impl Target {
+    fn name(self) -> &'static str {
+        match self {
+            Target::Standalone => "standalone",
+            Target::Istio => "istio",
+            Target::EnvoyGateway => "envoy-gateway",
+            Target::All => "all",
+        }
+    }
+}
+
+/// A rendering error: one naming a field of the config, or a bug (a template that does not
+/// render, a component rejecting a config for a reason no field explains).
+#[derive(Debug)]
+pub enum Error {
+    /// A field of the gateway config.
+    Field(FieldError),
+    /// A template file.
+    Template(TemplateError),
+    /// Anything else (a bug in gatewayctl).
+    Internal(String),
+}
+
+impl From<FieldError> for Error {
+    fn from(e: FieldError) -> Self {
+        Error::Field(e)
+    }
+}
+
+impl From<TemplateError> for Error {
+    fn from(e: TemplateError) -> Self {
+        Error::Template(e)
+    }
+}
+
+impl Error {
+    /// The error as a [`ConfigError`] located in `file` (template errors name the template).
+    pub fn in_file(self, file: &str) -> ConfigError {
+        match self {
+            Error::Field(e) => e.in_file(file),
+            Error::Template(e) => ConfigError {
+                file: e.path.to_owned(),
+                field: String::new(),
+                message: format!("{} (a gatewayctl bug)", e.message),
+            },
+            Error::Internal(message) => ConfigError {
+                file: file.to_owned(),
+                field: String::new(),
+                message: format!("{message} (a gatewayctl bug)"),
+            },
+        }
+    }
+}
+
+/// One rendered file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct File {
+    /// Path relative to the output directory, `/`-separated.
+    pub path: String,
+    /// Its content.
+    pub content: String,
+}
+
+const HEADER: &str = "# Rendered by gatewayctl from the gateway config; edit that and re-render.\n";
+
+impl File {
+    /// A YAML file.
+    ///
+    /// # Errors
+    /// A tree YAML cannot represent (a bug).
+    pub fn yaml(path: &str, value: &Value) -> Result<File, Error> {
+        Ok(File {
+            path: path.to_owned(),
+            content: format!("{HEADER}{}", to_yaml(value).map_err(Error::Internal)?),
+        })
+    }
+
+    /// A JSON file (pretty-printed).
+    ///
+    /// # Errors
+    /// A tree JSON cannot represent (a bug).
+    pub fn json(path: &str, value: &Value) -> Result<File, Error> {
+        let text = serde_json::to_string_pretty(value).map_err(|e| Error::Internal(e.to_string()))?;
+        Ok(File { path: path.to_owned(), content: format!("{text}\n") })
+    }
+}
+
+/// The rendered files, and notes for the operator (settings a target cannot carry).
+#[derive(Debug, Default)]
+pub struct Output {
+    /// Files by path.
+    pub files: Vec<File>,
+    /// One line each.
+    pub notes: Vec<String>,
+}
+
+/// The module the mesh targets fetch, or the error naming `filter.module`.
+fn module<'c>(loaded: &'c Loaded, target: &str) -> Result<&'c WasmModule, Error> {
+    loaded.config.filter.module.as_ref().ok_or_else(|| {
+        FieldError::new(
+            "filter.module",
+            format!("required by the {target} target (OCI image or HTTP URL of the wasm module)"),
+        )
+        .into()
+    })
+}
+
+/// A pool's Service, or the error naming `pools[i].service`.
+fn pool_service<'c>(i: usize, pool: &'c PoolSection, target: &str) -> Result<&'c ServiceRef, Error> {
+    pool.service.as_ref().ok_or_else(|| {
+        FieldError::new(
+            format!("pools[{i}].service"),
+            format!("required by the {target} target (the pool's Kubernetes Service)"),
+        )
+        .into()
+    })
+}
+
+/// OpenAI's rate-limit response headers, from the admission filter's dynamic metadata (an
+/// absent value adds no header).
+fn ratelimit_headers() -> Vec<(String, Value)> {
+    [
+        "x-ratelimit-limit-requests",
+        "x-ratelimit-remaining-requests",
+        "x-ratelimit-reset-requests",
+        "x-ratelimit-limit-tokens",
+        "x-ratelimit-remaining-tokens",
+        "x-ratelimit-reset-tokens",
+    ]
+    .into_iter()
+    .map(|h| (h.to_owned(), s(format!("%DYNAMIC_METADATA(llm_gateway:{h})%"))))
+    .collect()
+}
+
+/// The targets `target` stands for: itself, or for `all` each target the config has the
+/// sections for.
+fn expand(loaded: &Loaded, target: Target) -> Vec<Target> {
+    if target != Target::All {
+        return vec![target];
+    }
+    let c = &loaded.config;
+    let mut targets = Vec::new();
+    if c.filter.wasm_file.is_some() {
+        targets.push(Target::Standalone);
+    }
+    if c.istio.is_some() {
+        targets.push(Target::Istio);
+    }
+    if c.envoy_gateway.is_some() {
+        targets.push(Target::EnvoyGateway);
+    }
+    if targets.is_empty() {
+        // Nothing configured for any target: let the standalone target say what it needs.
+        targets.push(Target::Standalone);
+    }
+    targets
+}
+
+/// Renders `target` in memory.
+///
+/// # Errors
+/// A [`ConfigError`] naming the config file and field (or the template, for a bug).
+pub fn render(loaded: &Loaded, target: Target) -> Result<Output, ConfigError> {
+    render_inner(loaded, target).map_err(|e| e.in_file(&loaded.file))
+}
+
+fn render_inner(loaded: &Loaded, target: Target) -> Result<Output, Error> {
+    let filter_config = components::filter_config(loaded)?;
+    let mut files: BTreeMap<String, File> = BTreeMap::new();
+    let mut notes = Vec::new();
+    for t in expand(loaded, target) {
+        let rendered = match t {
+            Target::Standalone => {
+                let sidecar = components::sidecar_config(loaded, components::Flavor::Standalone)?;
+                let bootstrap = standalone::bootstrap(loaded, &filter_config)?;
+                vec![
+                    File::yaml("standalone/envoy.yaml", &bootstrap)?,
+                    File::json("standalone/filter.json", &filter_config)?,
+                    File::yaml("standalone/sidecar.yaml", &sidecar)?,
+                ]
+            }
+            Target::Istio => istio::manifests(loaded, &filter_config)?,
+            Target::EnvoyGateway => envoy_gateway::manifests(loaded, &filter_config)?,
+            Target::All => Vec::new(),
+        };
+        if t != Target::Standalone {
+            for (i, pool) in loaded.config.pools.iter().enumerate() {
+                if !pool.fallback.is_empty() {
+                    let instead = match t {
+                        Target::Istio => "retries once within the pool",
+                        _ => "does not retry",
+                    };
+                    notes.push(format!(
+                        "{}: pools[{i}].fallback applies to the standalone target only; the {} \
+                         target {instead} (docs/deploy.md)",
+                        loaded.file,
+                        t.name()
+                    ));
+                }
+            }
+        }
+        for file in rendered {
+            files.insert(file.path.clone(), file);
+        }
+    }
+    // The filter config is embedded in every target; its JSON must round-trip.
+    to_json(&filter_config).map_err(Error::Internal)?;
+    Ok(Output { files: files.into_values().collect(), notes })
+}
+
+/// Writes rendered files under `out` (creating directories).
+///
+/// # Errors
+/// The first I/O error, with the path.
+pub fn write(files: &[File], out: &Path) -> Result<(), String> {
+    for file in files {
+        let path = out.join(&file.path);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+        }
+        std::fs::write(&path, &file.content).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,281 @@
+//! The standalone edge: the Envoy bootstrap, assembled from the same template files that
+//! `tests/stack.py` assembles (envoy/bootstrap.yaml, envoy/filters/*.yaml,
+//! envoy/ext_proc_cluster.yaml, envoy/pool_cluster.yaml, envoy/fallback_cluster.yaml,
+//! envoy/fallback_route.yaml), plus what an edge needs on top: the listener address, each pool's
+//! health check, outlier detection and circuit breakers, and DNS endpoints.
+//!
+//! Fallback: a pool with `fallback: [b, c]` becomes a fallback chain of the same name, a
+//! composite cluster (`envoy.clusters.composite`, RETRY mode) over `[<pool>-primary, b, c]`,
+//! where `<pool>-primary` holds the pool's own endpoints, with its own route whose retry policy
+//! (`connect-failure,refused-stream,reset,5xx`, one retry per further pool) moves each retry to
+//! the next pool. The first attempt always goes to the pool itself; a pool with no healthy
+//! endpoint answers 503 at once, which is retried on the next. The filter keeps naming the pool
+//! (`x-gateway-pool: <pool>`), so routing, the sidecar's shedding and the metering see one name.
+
+use crate::config::FieldError;
+use crate::config::{parse_host_port, primary_cluster, Loaded, PoolSection};
+use crate::template::{self, Values};
+use crate::tree::{at_mut, map, n, s, seq, set, to_json, Key, Value};
+
+use super::Error;
+
+/// Default body limit of the filter when the config sets none (the filter's own default).
+const DEFAULT_MAX_BODY_BYTES: u64 = gateway_filter::config::DEFAULT_MAX_BODY_BYTES;
+
+/// Formats milliseconds as a protobuf JSON duration (`1.5s`).
+pub fn duration(ms: u64) -> String {
+    let (secs, rest) = (ms / 1000, ms % 1000);
+    if rest == 0 {
+        format!("{secs}s")
+    } else {
+        format!("{secs}.{rest:03}s")
+    }
+}
+
+fn missing(what: &str) -> Error {
+    Error::Internal(format!("envoy/bootstrap.yaml: {what} not found where expected"))
+}
+
+/// Name of the cluster holding a pool's own endpoints.
+fn endpoints_cluster(pool: &PoolSection) -> String {
+    if pool.fallback.is_empty() {
+        pool.name.clone()
+    } else {
+        primary_cluster(&pool.name)
+    }
+}
+
+/// The Envoy bootstrap for the standalone edge, with `filter_config` embedded.
+///
+/// # Errors
+/// A field the standalone target needs but the config lacks, or an internal template error.
+pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error> {
+    let c = &loaded.config;
+    let wasm_file = c.filter.wasm_file.as_ref().ok_or_else(|| {
+        FieldError::new(
+            "filter.wasm_file",
+            "required by the standalone target (path of gateway_filter.wasm on the Envoy host)",
+        )
+    })?;
+    let wasm_path = loaded.resolve(wasm_file);
+    let sidecar_address = match &c.sidecar.address {
+        Some(a) => a.clone(),
+        None => {
+            let ip = if c.sidecar.listen.ip().is_unspecified() {
+                "127.0.0.1".to_owned()
+            } else {
+                c.sidecar.listen.ip().to_string()
+            };
+            // An IPv6 literal needs brackets in host:port.
+            if ip.contains(':') {
+                format!("[{ip}]:{}", c.sidecar.listen.port())
+            } else {
+                format!("{ip}:{}", c.sidecar.listen.port())
+            }
+        }
+    };
+    let sidecar = parse_host_port(&sidecar_address)
+        .ok_or_else(|| FieldError::new("sidecar.address", "must be host:port"))?;
+    let max_body = c.filter.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES);
+    let first_pool = c.pools.first().ok_or_else(|| FieldError::new("pools", "must not be empty"))?;
+
+    let values = Values::new()
+        .set("ADMIN_PORT", c.envoy.admin_port)
+        .set("LISTEN_PORT", c.envoy.listen.port())
+        .set("BUFFER_LIMIT_BYTES", max_body.saturating_add(1 << 20))
+        .set("DEFAULT_POOL", first_pool.name.as_str())
+        .set("FILTER_CONFIG_JSON", to_json(filter_config).map_err(Error::Internal)?)
+        .set("WASM_PATH", wasm_path.display().to_string())
+        .set("EXT_PROC_PORT", sidecar.port);
+
+    let mut bootstrap = template::render(template::BOOTSTRAP, &values)?;
+    let listener = [Key::from("static_resources"), "listeners".into(), 0.into()];
+    let mut address_path = listener.to_vec();
+    address_path.extend([Key::from("address"), "socket_address".into(), "address".into()]);
+    *at_mut(&mut bootstrap, &address_path).ok_or_else(|| missing("listener address"))? =
+        s(c.envoy.listen.ip().to_string());
+
+    let mut hcm_path = listener.to_vec();
+    hcm_path.extend([
+        Key::from("filter_chains"),
+        0.into(),
+        "filters".into(),
+        0.into(),
+        "typed_config".into(),
+    ]);
+    let hcm = at_mut(&mut bootstrap, &hcm_path).ok_or_else(|| missing("http_connection_manager"))?;
+    let filters = seq([
+        template::render(template::FILTER_WASM, &values)?,
+        template::render(template::FILTER_ADMISSION, &values)?,
+        template::render(template::FILTER_METERING, &values)?,
+        router(),
+    ]);
+    if !set(hcm, "http_filters", filters) {
+        return Err(missing("http_filters"));
+    }
+    let mut fallback_routes = Vec::new();
+    let mut clusters = vec![ext_proc_cluster(&values, &sidecar)?];
+    for (i, pool) in c.pools.iter().enumerate() {
+        clusters.push(pool_cluster(i, pool)?);
+    }
+    for pool in c.pools.iter().filter(|p| !p.fallback.is_empty()) {
+        let mut members = vec![map([("name", s(endpoints_cluster(pool)))])];
+        for other in &pool.fallback {
+            let other =
+                c.pool(other).ok_or_else(|| FieldError::new("pools", format!("unknown pool '{other}'")))?;
+            members.push(map([("name", s(endpoints_cluster(other)))]));
+        }
+        let chain = Values::new()
+            .set("NAME", pool.name.as_str())
+            .set("SUB_CLUSTERS", seq(members))
+            .set("RETRIES", pool.fallback.len());
+        clusters.push(template::render(template::FALLBACK_CLUSTER, &chain)?);
+        fallback_routes.push(template::render(template::FALLBACK_ROUTE, &chain)?);
+    }
+    // Each chain's route goes before the generic x-gateway-pool route, as tests/stack.py does.
+    let routes = at_mut(
+        &mut bootstrap,
+        &[
+            "static_resources".into(),
+            "listeners".into(),
+            0.into(),
+            "filter_chains".into(),
+            0.into(),
+            "filters".into(),
+            0.into(),
+            "typed_config".into(),
+            "route_config".into(),
+            "virtual_hosts".into(),
+            0.into(),
+            "routes".into(),
+        ],
+    )
+    .and_then(Value::as_sequence_mut)
+    .ok_or_else(|| missing("routes"))?;
+    for (i, route) in fallback_routes.into_iter().enumerate() {
+        routes.insert(i, route);
+    }
+    *at_mut(&mut bootstrap, &["static_resources".into(), "clusters".into()])
+        .ok_or_else(|| missing("clusters"))? = seq(clusters);
+    Ok(bootstrap)
+}
+
+/// The retry conditions of a fallback chain's route (envoy/fallback_route.yaml), which the mesh
+/// targets reuse for their retries.
+///
+/// # Errors
+/// An internal template error.
+pub fn fallback_retry_on() -> Result<String, Error> {
+    let route =
+        template::render(template::FALLBACK_ROUTE, &Values::new().set("NAME", "chain").set("RETRIES", 1))?;
+    route
+        .get("route")
+        .and_then(|r| r.get("retry_policy"))
+        .and_then(|r| r.get("retry_on"))
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+        .ok_or_else(|| Error::Internal("envoy/fallback_route.yaml: no retry_on".into()))
+}
+
+fn router() -> Value {
+    map([
+        ("name", s("envoy.filters.http.router")),
+        (
+            "typed_config",
+            map([("@type", s("type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"))]),
+        ),
+    ])
+}
+
+fn ext_proc_cluster(values: &Values, sidecar: &crate::config::HostPort) -> Result<Value, Error> {
+    let mut cluster = template::render(template::EXT_PROC_CLUSTER, values)?;
+    let address = at_mut(
+        &mut cluster,
+        &[
+            "load_assignment".into(),
+            "endpoints".into(),
+            0.into(),
+            "lb_endpoints".into(),
+            0.into(),
+            "endpoint".into(),
+            "address".into(),
+            "socket_address".into(),
+            "address".into(),
+        ],
+    )
+    .ok_or_else(|| Error::Internal("envoy/ext_proc_cluster.yaml: no endpoint address".into()))?;
+    *address = s(&sidecar.host);
+    if !sidecar.is_ip {
+        set(&mut cluster, "type", s("STRICT_DNS"));
+    }
+    Ok(cluster)
+}
+
+fn pool_cluster(i: usize, pool: &PoolSection) -> Result<Value, Error> {
+    let name = endpoints_cluster(pool);
+    let mut endpoints = Vec::with_capacity(pool.endpoints.len());
+    let mut all_ip = true;
+    for (k, e) in pool.endpoints.iter().enumerate() {
+        let hp = parse_host_port(e)
+            .ok_or_else(|| FieldError::new(format!("pools[{i}].endpoints[{k}]"), "must be host:port"))?;
+        all_ip &= hp.is_ip;
+        endpoints.push(map([(
+            "endpoint",
+            map([(
+                "address",
+                map([("socket_address", map([("address", s(hp.host)), ("port_value", n(hp.port))]))]),
+            )]),
+        )]));
+    }
+    if endpoints.is_empty() {
+        return Err(FieldError::new(
+            format!("pools[{i}].endpoints"),
+            "required by the standalone target (host:port of each vLLM server)",
+        )
+        .into());
+    }
+    let values = Values::new().set("POOL", name.as_str()).set("ENDPOINTS", seq(endpoints));
+    let mut cluster = template::render(template::POOL_CLUSTER, &values)?;
+    let bad = || Error::Internal("envoy/pool_cluster.yaml: unexpected shape".into());
+    if !all_ip {
+        // Names are resolved, every address they return is an endpoint (a headless Service).
+        set(&mut cluster, "type", s("STRICT_DNS"));
+    }
+    set(&mut cluster, "connect_timeout", s(duration(pool.connect_timeout_ms)));
+    let cb = &pool.circuit_breakers;
+    let thresholds =
+        at_mut(&mut cluster, &["circuit_breakers".into(), "thresholds".into(), 0.into()]).ok_or_else(bad)?;
+    set(thresholds, "max_connections", n(cb.max_connections));
+    set(thresholds, "max_pending_requests", n(cb.max_pending_requests));
+    set(thresholds, "max_requests", n(cb.max_requests));
+    let hc = &pool.health_check;
+    let check = at_mut(&mut cluster, &["health_checks".into(), 0.into()]).ok_or_else(bad)?;
+    set(check, "timeout", s(duration(hc.timeout_ms)));
+    set(check, "interval", s(duration(hc.interval_ms)));
+    set(check, "unhealthy_threshold", n(hc.unhealthy_threshold));
+    set(check, "healthy_threshold", n(hc.healthy_threshold));
+    set(check, "http_health_check", map([("path", s(&hc.path))]));
+    let od = &pool.outlier_detection;
+    set(
+        &mut cluster,
+        "outlier_detection",
+        map([
+            ("consecutive_5xx", n(od.consecutive_5xx)),
+            ("base_ejection_time", s(duration(od.base_ejection_time_ms))),
+            ("max_ejection_percent", n(od.max_ejection_percent)),
+        ]),
+    );
+    Ok(cluster)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::duration;
+
+    #[test]
+    fn durations() {
+        assert_eq!(duration(1000), "1s");
+        assert_eq!(duration(1500), "1.500s");
+        assert_eq!(duration(50), "0.050s");
+    }
+}

@@ -1,0 +1,204 @@
+//! The template files under `envoy/`, compiled in, and their `${NAME}` placeholders.
+//!
+//! The syntax is the subset of Python's `string.Template` that `tests/stack.py` renders the same
+//! files with: `${NAME}` is replaced by a value, `$$` is a literal `$`. Values are inserted as
+//! JSON (a string is quoted, a list is a one-line flow sequence), which YAML reads unchanged, so
+//! the result is parsed with `serde_yaml_ng` into a [`Value`] tree (ordered mappings).
+
+use std::collections::BTreeMap;
+
+use crate::tree::Value;
+
+/// One template: its path under the repository (for error messages) and its text.
+#[derive(Debug, Clone, Copy)]
+pub struct Template {
+    /// Path relative to the repository root, e.g. `envoy/bootstrap.yaml`.
+    pub path: &'static str,
+    /// The file's text.
+    pub text: &'static str,
+}
+
+macro_rules! template {
+    ($path:literal) => {
+        Template { path: $path, text: include_str!(concat!("../../", $path)) }
+    };
+}
+
+/// The Envoy bootstrap (listener, route, admin); filters and clusters are inserted.
+pub const BOOTSTRAP: Template = template!("envoy/bootstrap.yaml");
+/// The wasm filter's HTTP filter entry.
+pub const FILTER_WASM: Template = template!("envoy/filters/wasm.yaml");
+/// The admission ext_proc HTTP filter entry.
+pub const FILTER_ADMISSION: Template = template!("envoy/filters/ext_proc_admission.yaml");
+/// The metering ext_proc HTTP filter entry.
+pub const FILTER_METERING: Template = template!("envoy/filters/ext_proc_metering.yaml");
+/// The sidecar's cluster.
+pub const EXT_PROC_CLUSTER: Template = template!("envoy/ext_proc_cluster.yaml");
+/// One vLLM pool's cluster.
+pub const POOL_CLUSTER: Template = template!("envoy/pool_cluster.yaml");
+/// An ordered fallback chain: a composite cluster over pool clusters.
+pub const FALLBACK_CLUSTER: Template = template!("envoy/fallback_cluster.yaml");
+/// The route of a fallback chain, with its retry policy.
+pub const FALLBACK_ROUTE: Template = template!("envoy/fallback_route.yaml");
+
+/// Kubernetes: the sidecar's ConfigMap.
+pub const K8S_SIDECAR_CONFIG: Template = template!("envoy/kubernetes/sidecar-configmap.yaml");
+/// Kubernetes: the sidecar's Deployment.
+pub const K8S_SIDECAR_DEPLOYMENT: Template = template!("envoy/kubernetes/sidecar-deployment.yaml");
+/// Kubernetes: the sidecar's Service.
+pub const K8S_SIDECAR_SERVICE: Template = template!("envoy/kubernetes/sidecar-service.yaml");
+/// Kubernetes: the sidecar's PodDisruptionBudget.
+pub const K8S_SIDECAR_PDB: Template = template!("envoy/kubernetes/sidecar-pdb.yaml");
+/// Kubernetes: the trial Redis Deployment.
+pub const K8S_REDIS_DEPLOYMENT: Template = template!("envoy/kubernetes/redis-deployment.yaml");
+/// Kubernetes: the trial Redis Service.
+pub const K8S_REDIS_SERVICE: Template = template!("envoy/kubernetes/redis-service.yaml");
+
+/// Istio: the EnvoyFilter that adds the wasm filter (ECDS) and the two ext_proc filters.
+pub const ISTIO_ENVOY_FILTER: Template = template!("envoy/istio/envoyfilter.yaml");
+/// Istio: the WasmPlugin (alternative delivery of the wasm filter).
+pub const ISTIO_WASM_PLUGIN: Template = template!("envoy/istio/wasmplugin.yaml");
+/// Istio: the VirtualService routing `x-gateway-pool` to the pools' Services.
+pub const ISTIO_VIRTUAL_SERVICE: Template = template!("envoy/istio/virtualservice.yaml");
+/// Istio: one DestinationRule per pool (outlier detection, connection pool).
+pub const ISTIO_DESTINATION_RULE: Template = template!("envoy/istio/destinationrule.yaml");
+
+/// Envoy Gateway: the EnvoyExtensionPolicy (wasm + two extProc entries).
+pub const EG_EXTENSION_POLICY: Template = template!("envoy/envoy-gateway/envoyextensionpolicy.yaml");
+/// Envoy Gateway: the HTTPRoute routing `x-gateway-pool` to the pools' Services.
+pub const EG_HTTP_ROUTE: Template = template!("envoy/envoy-gateway/httproute.yaml");
+/// Envoy Gateway: the EnvoyProxy filter order (wasm before ext_proc).
+pub const EG_ENVOY_PROXY: Template = template!("envoy/envoy-gateway/envoyproxy.yaml");
+
+/// A template could not be rendered: a placeholder without a value, or YAML that does not
+/// parse after substitution. Both are bugs in gatewayctl or in the template, never in the
+/// user's config (values are JSON-encoded).
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {message}")]
+pub struct TemplateError {
+    /// The template's path.
+    pub path: &'static str,
+    /// What went wrong.
+    pub message: String,
+}
+
+/// Values for a template's placeholders, JSON-encoded on insertion.
+#[derive(Debug, Default, Clone)]
+pub struct Values(BTreeMap<&'static str, Value>);
+
+impl Values {
+    /// An empty set of values.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets one value (builder style).
+    pub fn set(mut self, name: &'static str, value: impl Into<Value>) -> Self {
+        self.0.insert(name, value.into());
+        self
+    }
+}
+
+/// Substitutes the placeholders of `template` with `values` (text out, not yet parsed).
+///
+/// # Errors
+/// A placeholder without a value, or a `$` not followed by `{NAME}` or `$`.
+pub fn substitute(template: Template, values: &Values) -> Result<String, TemplateError> {
+    let fail = |message: String| TemplateError { path: template.path, message };
+    let text = template.text;
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find('$') {
+        let (before, after) = rest.split_at(at);
+        out.push_str(before);
+        let after = after.get(1..).unwrap_or_default();
+        if let Some(tail) = after.strip_prefix('$') {
+            out.push('$');
+            rest = tail;
+        } else if let Some(tail) = after.strip_prefix('{') {
+            let end = tail.find('}').ok_or_else(|| fail("unterminated ${ placeholder".to_owned()))?;
+            let (name, tail) = tail.split_at(end);
+            let value = values.0.get(name).ok_or_else(|| fail(format!("no value for ${{{name}}}")))?;
+            let json = crate::tree::to_json(value).map_err(fail)?;
+            out.push_str(&json);
+            rest = tail.get(1..).unwrap_or_default();
+        } else {
+            return Err(fail("a '$' must start ${NAME} or be written $$".to_owned()));
+        }
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// Substitutes and parses a template into a value tree.
+///
+/// # Errors
+/// As [`substitute`], or YAML that does not parse.
+pub fn render(template: Template, values: &Values) -> Result<Value, TemplateError> {
+    let text = substitute(template, values)?;
+    serde_yaml_ng::from_str(&text).map_err(|e| TemplateError {
+        path: template.path,
+        message: format!("does not parse after substitution: {e}"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T: Template = Template { path: "t.yaml", text: "a: ${A}\nb: ${B}\nc: '$$5'\n" };
+
+    #[test]
+    fn substitutes_json_values() {
+        let v = Values::new()
+            .set("A", "x: y")
+            .set("B", crate::tree::seq([crate::tree::n(1u64), crate::tree::n(2u64)]));
+        assert_eq!(substitute(T, &v).unwrap(), "a: \"x: y\"\nb: [1,2]\nc: '$5'\n");
+        let parsed = render(T, &v).unwrap();
+        assert_eq!(parsed["a"], "x: y");
+        assert_eq!(parsed["b"][1], 2);
+        assert_eq!(parsed["c"], "$5");
+    }
+
+    #[test]
+    fn missing_value_is_an_error() {
+        let e = substitute(T, &Values::new().set("A", 1)).unwrap_err();
+        assert_eq!(e.to_string(), "t.yaml: no value for ${B}");
+    }
+
+    #[test]
+    fn stray_dollar_is_an_error() {
+        let t = Template { path: "u.yaml", text: "a: $A\n" };
+        assert!(substitute(t, &Values::new()).is_err());
+    }
+
+    #[test]
+    fn every_template_parses_with_its_placeholders_filled() {
+        // Each template with every placeholder it uses set to a plausible value.
+        for t in [
+            BOOTSTRAP,
+            FILTER_WASM,
+            FILTER_ADMISSION,
+            FILTER_METERING,
+            EXT_PROC_CLUSTER,
+            POOL_CLUSTER,
+            FALLBACK_CLUSTER,
+            FALLBACK_ROUTE,
+        ] {
+            let v = Values::new()
+                .set("ADMIN_PORT", 1)
+                .set("LISTEN_PORT", 2)
+                .set("BUFFER_LIMIT_BYTES", 3)
+                .set("DEFAULT_POOL", "p")
+                .set("FILTER_CONFIG_JSON", "{}")
+                .set("WASM_PATH", "/x.wasm")
+                .set("EXT_PROC_PORT", 4)
+                .set("POOL", "p")
+                .set("ENDPOINTS", crate::tree::seq([]))
+                .set("NAME", "chain")
+                .set("SUB_CLUSTERS", crate::tree::seq([]))
+                .set("RETRIES", 1);
+            render(t, &v).unwrap();
+        }
+    }
+}

@@ -1,0 +1,187 @@
+//! Rendering the example config (envoy/examples/gateway.yaml): the shape of the standalone
+//! bootstrap (filters, fallback, health checks, retries, admin on loopback), the components'
+//! configs, and the manifests of each target.
+
+// Test helpers outside #[test] fns are not covered by clippy.toml's allow-*-in-tests settings.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use gatewayctl::config::Loaded;
+use gatewayctl::render::{render, Target};
+use serde_yaml_ng::Value;
+
+const EXAMPLE: &str = "../envoy/examples/gateway.yaml";
+
+fn files(target: Target) -> BTreeMap<String, String> {
+    let loaded = Loaded::load(Path::new(EXAMPLE)).unwrap();
+    render(&loaded, target).unwrap().files.into_iter().map(|f| (f.path, f.content)).collect()
+}
+
+fn yaml(text: &str) -> Value {
+    serde_yaml_ng::from_str(text).unwrap()
+}
+
+fn names(list: &Value) -> Vec<&str> {
+    list.as_sequence().unwrap().iter().map(|x| x["name"].as_str().unwrap()).collect()
+}
+
+#[test]
+fn targets_render_their_files() {
+    let standalone: Vec<String> = files(Target::Standalone).into_keys().collect();
+    assert_eq!(standalone, ["standalone/envoy.yaml", "standalone/filter.json", "standalone/sidecar.yaml"]);
+    let istio = files(Target::Istio);
+    for f in [
+        "istio/envoyfilter.yaml",
+        "istio/virtualservice.yaml",
+        "istio/destinationrule-pool-qwen.yaml",
+        "istio/kustomization.yaml",
+        "kubernetes/sidecar-deployment.yaml",
+        "kubernetes/sidecar-service.yaml",
+        "kubernetes/sidecar-pdb.yaml",
+        "kubernetes/sidecar-configmap.yaml",
+        "kubernetes/redis-deployment.yaml",
+        "kubernetes/kustomization.yaml",
+    ] {
+        assert!(istio.contains_key(f), "{f} missing: {:?}", istio.keys());
+    }
+    assert!(!istio.keys().any(|k| k.starts_with("standalone/") || k.starts_with("envoy-gateway/")));
+    let eg = files(Target::EnvoyGateway);
+    for f in [
+        "envoy-gateway/envoyextensionpolicy.yaml",
+        "envoy-gateway/httproute.yaml",
+        "envoy-gateway/referencegrant-inference.yaml",
+        "envoy-gateway/envoyproxy.yaml",
+    ] {
+        assert!(eg.contains_key(f), "{f} missing: {:?}", eg.keys());
+    }
+    assert_eq!(files(Target::All).len(), 22);
+}
+
+#[test]
+fn standalone_bootstrap_shape() {
+    let f = files(Target::Standalone);
+    let b = yaml(&f["standalone/envoy.yaml"]);
+    assert_eq!(b["admin"]["address"]["socket_address"]["address"], "127.0.0.1");
+    assert_eq!(b["admin"]["address"]["socket_address"]["port_value"], 9901);
+    let listener = &b["static_resources"]["listeners"][0];
+    assert_eq!(listener["address"]["socket_address"]["address"], "0.0.0.0");
+    assert_eq!(listener["address"]["socket_address"]["port_value"], 8080);
+    assert_eq!(listener["per_connection_buffer_limit_bytes"], 4194304 + 1048576);
+    let hcm = &listener["filter_chains"][0]["filters"][0]["typed_config"];
+    assert_eq!(
+        names(&hcm["http_filters"]),
+        ["llm_gateway.filter", "llm_gateway.admission", "llm_gateway.metering", "envoy.filters.http.router"]
+    );
+    let wasm = &hcm["http_filters"][0]["typed_config"]["config"];
+    assert_eq!(wasm["allow_on_headers_stop_iteration"], true);
+    assert_eq!(wasm["vm_config"]["code"]["local"]["filename"], "/etc/llm-gateway/gateway_filter.wasm");
+    // The embedded plugin config is filter.json.
+    let embedded: serde_json::Value =
+        serde_json::from_str(wasm["configuration"]["value"].as_str().unwrap()).unwrap();
+    let file: serde_json::Value = serde_json::from_str(&f["standalone/filter.json"]).unwrap();
+    assert_eq!(embedded, file);
+    gateway_filter::config::Config::from_json(f["standalone/filter.json"].as_bytes()).unwrap();
+
+    // The fallback chain's route (envoy/fallback_route.yaml) comes first, then the generic
+    // x-gateway-pool route and the default route of envoy/bootstrap.yaml.
+    let routes = &hcm["route_config"]["virtual_hosts"][0]["routes"];
+    assert_eq!(routes.as_sequence().unwrap().len(), 3);
+    assert_eq!(routes[0]["match"]["headers"][0]["string_match"]["exact"], "pool_qwen");
+    assert_eq!(routes[0]["route"]["cluster"], "pool_qwen");
+    let retry = &routes[0]["route"]["retry_policy"];
+    assert_eq!(retry["retry_on"], "connect-failure,refused-stream,reset,5xx");
+    assert_eq!(retry["num_retries"], 1);
+    assert_eq!(routes[1]["route"]["cluster_header"], "x-gateway-pool");
+
+    let clusters = &b["static_resources"]["clusters"];
+    assert_eq!(
+        names(clusters),
+        ["llm_gateway_ext_proc", "pool_qwen-primary", "pool_qwen_spare", "pool_llama", "pool_qwen"]
+    );
+    let by_name = |n: &str| clusters.as_sequence().unwrap().iter().find(|c| c["name"] == n).unwrap().clone();
+    let chain = by_name("pool_qwen");
+    assert_eq!(chain["cluster_type"]["name"], "envoy.clusters.composite");
+    assert_eq!(
+        chain["cluster_type"]["typed_config"]["clusters"],
+        yaml("[{name: pool_qwen-primary}, {name: pool_qwen_spare}]")
+    );
+    let primary = by_name("pool_qwen-primary");
+    assert_eq!(primary["type"], "STATIC");
+    assert_eq!(primary["health_checks"][0]["http_health_check"]["path"], "/health");
+    assert_eq!(primary["health_checks"][0]["interval"], "5s");
+    assert_eq!(primary["outlier_detection"]["consecutive_5xx"], 5);
+    assert_eq!(primary["circuit_breakers"]["thresholds"][0]["max_requests"], 1024);
+    assert_eq!(primary["load_assignment"]["endpoints"][0]["lb_endpoints"].as_sequence().unwrap().len(), 2);
+    // A DNS name is resolved (every address is an endpoint).
+    assert_eq!(by_name("pool_qwen_spare")["type"], "STRICT_DNS");
+    let ext_proc = by_name("llm_gateway_ext_proc");
+    assert_eq!(
+        ext_proc["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+            ["socket_address"],
+        yaml("{address: 127.0.0.1, port_value: 50051}")
+    );
+}
+
+#[test]
+fn sidecar_configs_parse_and_differ_by_flavor() {
+    let f = files(Target::All);
+    let standalone = gateway_ext_proc::config::Config::from_yaml(&f["standalone/sidecar.yaml"]).unwrap();
+    assert_eq!(standalone.listen.to_string(), "127.0.0.1:50051");
+    assert_eq!(standalone.redis.url.as_deref(), Some("redis://127.0.0.1:6379/0"));
+    let configmap = yaml(&f["kubernetes/sidecar-configmap.yaml"]);
+    let pod =
+        gateway_ext_proc::config::Config::from_yaml(configmap["data"]["sidecar.yaml"].as_str().unwrap())
+            .unwrap();
+    assert_eq!(pod.listen.to_string(), "0.0.0.0:50051");
+    assert_eq!(
+        pod.redis.url.as_deref(),
+        Some("redis://llm-gateway-redis.llm-gateway.svc.cluster.local:6379/0")
+    );
+    // The Deployment rolls when the config changes.
+    let deployment = yaml(&f["kubernetes/sidecar-deployment.yaml"]);
+    let annotations = &deployment["spec"]["template"]["metadata"]["annotations"];
+    assert_eq!(annotations["llm-gateway.io/sidecar-config-sha256"].as_str().unwrap().len(), 64);
+    assert_eq!(annotations["prometheus.io/port"], "9464");
+}
+
+#[test]
+fn istio_inserts_wasm_then_ext_proc_before_the_router() {
+    let f = files(Target::Istio);
+    let ef = yaml(&f["istio/envoyfilter.yaml"]);
+    let patches = ef["spec"]["configPatches"].as_sequence().unwrap();
+    let kinds: Vec<&str> = patches.iter().map(|p| p["applyTo"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["LISTENER", "EXTENSION_CONFIG", "HTTP_FILTER", "HTTP_FILTER", "HTTP_FILTER"]);
+    let ecds = &patches[1]["patch"]["value"];
+    assert_eq!(ecds["typed_config"]["config"]["allow_on_headers_stop_iteration"], true);
+    assert_eq!(
+        ecds["typed_config"]["config"]["vm_config"]["code"]["remote"]["http_uri"]["uri"],
+        "oci://ghcr.io/example/llm-gateway-filter:0.1.0"
+    );
+    let inserted: Vec<&str> =
+        patches[2..].iter().map(|p| p["patch"]["value"]["name"].as_str().unwrap()).collect();
+    assert_eq!(inserted, ["llm_gateway.filter", "llm_gateway.admission", "llm_gateway.metering"]);
+    assert_eq!(
+        patches[3]["patch"]["value"]["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"],
+        "outbound|50051||llm-gateway-ext-proc.llm-gateway.svc.cluster.local"
+    );
+}
+
+#[test]
+fn envoy_gateway_policy_carries_the_plugin_config() {
+    let f = files(Target::EnvoyGateway);
+    let policy = yaml(&f["envoy-gateway/envoyextensionpolicy.yaml"]);
+    let config = serde_json::to_string(&policy["spec"]["wasm"][0]["config"]).unwrap();
+    gateway_filter::config::Config::from_json(config.as_bytes()).unwrap();
+    assert_eq!(
+        policy["spec"]["wasm"][0]["code"],
+        yaml("{type: Image, image: {url: ghcr.io/example/llm-gateway-filter:0.1.0}}")
+    );
+    assert_eq!(policy["spec"]["extProc"][1]["shadowMode"], true);
+    let route = yaml(&f["envoy-gateway/httproute.yaml"]);
+    let rules = route["spec"]["rules"].as_sequence().unwrap();
+    // One rule per pool, then the catch-all that enables the policy's filters on every request.
+    assert_eq!(rules.len(), 4);
+    assert_eq!(rules[3]["matches"][0]["path"]["value"], "/");
+}
