@@ -36,15 +36,32 @@ impl RequestFacts {
 pub struct Admitted {
     /// OpenAI's `x-ratelimit-*` headers for the response.
     pub ratelimit_headers: Vec<(String, String)>,
-    /// Tokens actually taken from the TPM bucket (0 without one).
+    /// The reservation: prompt + max tokens, when the request drew on a TPM bucket (0 without
+    /// one). Each TPM bucket took `min(reserved_tokens, its capacity)`; [`settlement`] gives each
+    /// its own difference back.
     pub reserved_tokens: u64,
+    /// Whether the buckets were taken in this sidecar's memory (Redis unavailable, failure mode
+    /// `open`), so the settlement goes there too.
+    pub reserved_locally: bool,
+}
+
+/// What settling a finished request gives back to (positive) or charges (negative) one TPM
+/// bucket: the bucket's own reservation, `min(reserved, capacity)`, minus the tokens used.
+pub fn settlement(bucket: &BucketSpec, reserved_tokens: u64, used_tokens: u64) -> i64 {
+    let taken = reserved_tokens.min(bucket.capacity);
+    i64::try_from(taken).unwrap_or(i64::MAX).saturating_sub(i64::try_from(used_tokens).unwrap_or(i64::MAX))
 }
 
 /// Reads the limiter's outcome for the planned buckets.
 ///
 /// # Errors
 /// [`AdmissionError::RateLimited`] naming the first bucket that lacked tokens.
-pub fn decide(plan: &[BucketSpec], outcome: &TakeOutcome) -> Result<Admitted, AdmissionError> {
+/// `reserve_tokens` is the request's reservation (prompt + max tokens) before capping.
+pub fn decide(
+    plan: &[BucketSpec],
+    outcome: &TakeOutcome,
+    reserve_tokens: u64,
+) -> Result<Admitted, AdmissionError> {
     let ratelimit_headers = limits::ratelimit_headers(plan, outcome);
     if let Some(i) = outcome.denied {
         let (bucket, state) = match (plan.get(i), outcome.states.get(i)) {
@@ -62,8 +79,12 @@ pub fn decide(plan: &[BucketSpec], outcome: &TakeOutcome) -> Result<Admitted, Ad
             ratelimit_headers,
         });
     }
-    let reserved_tokens = plan.iter().filter(|b| b.kind == limits::BucketKind::Tokens).map(|b| b.cost).sum();
-    Ok(Admitted { ratelimit_headers, reserved_tokens })
+    let has_tokens = plan.iter().any(|b| b.kind == limits::BucketKind::Tokens);
+    Ok(Admitted {
+        ratelimit_headers,
+        reserved_tokens: if has_tokens { reserve_tokens } else { 0 },
+        reserved_locally: false,
+    })
 }
 
 #[cfg(test)]
@@ -78,14 +99,19 @@ mod tests {
             tokens_per_minute: Some(1000),
             token_burst: None,
         };
-        limits::plan("p", &TenantConfig { id: "t".into(), limits: l, model_limits: Default::default() }, "m", 300)
+        limits::plan(
+            "p",
+            &TenantConfig { id: "t".into(), limits: l, model_limits: Default::default() },
+            "m",
+            300,
+        )
     }
 
     #[test]
     fn admitted_carries_headers_and_reservation() {
         let p = plan();
         let o = TakeOutcome::from_reply(&[1, 0, 1, 30000, 0, 700, 18000, 0], 2).unwrap();
-        let a = decide(&p, &o).unwrap();
+        let a = decide(&p, &o, 300).unwrap();
         assert_eq!(a.reserved_tokens, 300);
         assert!(a.ratelimit_headers.contains(&("x-ratelimit-remaining-requests".into(), "1".into())));
     }
@@ -94,7 +120,7 @@ mod tests {
     fn denied_names_the_bucket_and_rounds_retry_after_up() {
         let p = plan();
         let o = TakeOutcome::from_reply(&[0, 1, 0, 60000, 29001, 1000, 0, 0], 2).unwrap();
-        match decide(&p, &o).unwrap_err() {
+        match decide(&p, &o, 300).unwrap_err() {
             AdmissionError::RateLimited { kind, limit, requested, retry_after_secs, .. } => {
                 assert_eq!(
                     (kind, limit, requested, retry_after_secs),
@@ -103,6 +129,22 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn each_bucket_is_settled_against_its_own_reservation() {
+        let small = BucketSpec {
+            kind: limits::BucketKind::Tokens,
+            key: "k".into(),
+            capacity: 100,
+            rate_per_minute: 1,
+            cost: 100,
+        };
+        let big = BucketSpec { capacity: 10_000, cost: 300, ..small.clone() };
+        assert_eq!(settlement(&big, 300, 18), 282);
+        assert_eq!(settlement(&small, 300, 18), 82, "it took only its capacity");
+        assert_eq!(settlement(&small, 300, 250), -150, "usage beyond a capped reservation is charged");
+        assert_eq!(settlement(&big, 0, 18), -18, "no reservation: the usage is charged");
     }
 
     #[test]

@@ -35,7 +35,11 @@ impl Breaker {
     /// A closed breaker that opens after `failure_threshold` consecutive failures (at least 1)
     /// for `open_for`.
     pub fn new(failure_threshold: u32, open_for: Duration) -> Self {
-        Self { state: BreakerState::Closed { failures: 0 }, failure_threshold: failure_threshold.max(1), open_for }
+        Self {
+            state: BreakerState::Closed { failures: 0 },
+            failure_threshold: failure_threshold.max(1),
+            open_for,
+        }
     }
 
     /// Whether a call may go to Redis now. In the open state, the first call after the cool-down

@@ -66,6 +66,51 @@ pub struct Config {
     /// Address of the Prometheus `/metrics` HTTP listener (absent: no listener).
     #[serde(default)]
     pub metrics_listen: Option<SocketAddr>,
+    /// Models whose prompts the sidecar can count exactly (their tokenizer files are loaded at
+    /// start-up), for the requests the filter sends with `x-gateway-context-check: exact`.
+    #[serde(default)]
+    pub models: Vec<ModelConfig>,
+    /// The exact context check's settings.
+    #[serde(default)]
+    pub context: ContextConfig,
+}
+
+/// A model with an exact tokenizer (see [`crate::context`]).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// The canonical model name, as the filter sends it in `x-gateway-model`. Unique, non-empty.
+    pub name: String,
+    /// The model's context window in tokens (vLLM `--max-model-len`), > 0.
+    pub max_model_len: u64,
+    /// The vocabulary: `{huggingface: PATH}`, `{tiktoken: {ranks, pattern, special_tokens,
+    /// normalization, add_bos}}` or `{tekken: PATH}` (see `gateway_tokenize::spec`).
+    pub tokenizer: gateway_tokenize::spec::TokenizerSpec,
+    /// The chat template: `{tokenizer_config: PATH, jinja: PATH, bos_token, eos_token,
+    /// content_format}`. Absent: only completions prompts are counted exactly.
+    #[serde(default)]
+    pub chat_template: Option<gateway_tokenize::spec::ChatTemplateSpec>,
+}
+
+/// Settings of the exact context check.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContextConfig {
+    /// Longest time one exact count may take, in milliseconds (default 300); past it the request
+    /// goes on with the filter's estimate and vLLM decides. Keep it below the admission filter's
+    /// `message_timeout`.
+    #[serde(default = "default_count_timeout_ms")]
+    pub count_timeout_ms: u64,
+}
+
+impl Default for ContextConfig {
+    fn default() -> Self {
+        Self { count_timeout_ms: default_count_timeout_ms() }
+    }
+}
+
+fn default_count_timeout_ms() -> u64 {
+    300
 }
 
 /// One vLLM pool (an Envoy cluster, named as the filter's `x-gateway-pool`).
@@ -395,6 +440,27 @@ impl Config {
                 ));
             }
         }
+        let mut models = HashSet::new();
+        for (i, model) in self.models.iter().enumerate() {
+            let field = format!("models[{i}]");
+            if model.name.is_empty() {
+                return Err(invalid(format!("{field}.name"), "must be non-empty"));
+            }
+            if !models.insert(model.name.as_str()) {
+                return Err(invalid(format!("{field}.name"), format!("duplicate model '{}'", model.name)));
+            }
+            if model.max_model_len == 0 {
+                return Err(invalid(format!("{field}.max_model_len"), "must be > 0"));
+            }
+            let spec = model.tokenizer.validate().and_then(|()| match &model.chat_template {
+                Some(t) => t.validate(),
+                None => Ok(()),
+            });
+            spec.map_err(|e| invalid(format!("{field}.{}", e.field), e.message))?;
+        }
+        if self.context.count_timeout_ms == 0 {
+            return Err(invalid("context.count_timeout_ms", "must be > 0"));
+        }
         for (tier, level) in &self.shedding.tier_levels {
             if !(*level > 0.0 && *level <= 1.0) {
                 return Err(invalid(format!("shedding.tier_levels.{tier}"), "must be in (0, 1]"));
@@ -467,6 +533,64 @@ mod tests {
         assert_eq!(c.tenant("acme").unwrap().limits.token_burst, Some(2000));
         assert_eq!(c.redis.command_timeout_ms, 25);
         assert_eq!(c.usage_stream(), "llmgw:usage-events");
+    }
+
+    #[test]
+    fn models_with_tokenizers() {
+        let c = Config::from_yaml(&format!(
+            "{BASE}tenants: []\nmodels:\n  - name: qwen\n    max_model_len: 32768\n    tokenizer: {{huggingface: /m/tokenizer.json}}\n    chat_template: {{tokenizer_config: /m/tokenizer_config.json}}\n  - name: gpt\n    max_model_len: 8192\n    tokenizer: {{tiktoken: {{ranks: cl100k_base}}}}\n"
+        ))
+        .unwrap();
+        assert_eq!(c.models.len(), 2);
+        assert!(c.models[1].chat_template.is_none());
+        assert_eq!(c.context.count_timeout_ms, 300);
+    }
+
+    #[test]
+    fn model_errors_name_the_field() {
+        let model = |body: &str| err(&format!("{BASE}tenants: []\nmodels:\n  - {body}\n"));
+        assert_eq!(
+            model("{name: '', max_model_len: 1, tokenizer: {tiktoken: {ranks: cl100k_base}}}"),
+            "models[0].name: must be non-empty"
+        );
+        assert_eq!(
+            model("{name: a, max_model_len: 0, tokenizer: {tiktoken: {ranks: cl100k_base}}}"),
+            "models[0].max_model_len: must be > 0"
+        );
+        assert_eq!(
+            model("{name: a, max_model_len: 1, tokenizer: {}}"),
+            "models[0].tokenizer: exactly one of `huggingface`, `tiktoken` and `tekken` must be set"
+        );
+        assert_eq!(
+            model("{name: a, max_model_len: 1, tokenizer: {tiktoken: {ranks: /x.tiktoken}}}"),
+            "models[0].tokenizer.tiktoken.pattern: required with a ranks file"
+        );
+        assert_eq!(
+            model("{name: a, max_model_len: 1, tokenizer: {tiktoken: {ranks: o200k_base, special_tokens: ['<x>']}}}"),
+            "models[0].tokenizer.tiktoken.special_tokens: not allowed with a builtin encoding (it has its own)"
+        );
+        assert_eq!(
+            model("{name: a, max_model_len: 1, tokenizer: {tiktoken: {ranks: /r, pattern: p, special_tokens: ['<x>', '<x>']}}}"),
+            "models[0].tokenizer.tiktoken.special_tokens[1]: duplicate special token \"<x>\""
+        );
+        assert_eq!(
+            model("{name: a, max_model_len: 1, tokenizer: {tekken: /t.json}, chat_template: {bos_token: '<s>'}}"),
+            "models[0].chat_template: at least one of `tokenizer_config` and `jinja` must be set"
+        );
+        let e = model("{name: a, max_model_len: 1, tokenizer: {tekken: /t.json, hf: 1}}");
+        assert!(e.contains("unknown field `hf`"), "{e}");
+        let e = model(
+            "{name: a, max_model_len: 1, tokenizer: {tiktoken: {ranks: cl100k_base, normalization: nfd}}}",
+        );
+        assert!(e.contains("unknown variant `nfd`"), "{e}");
+        let two = err(&format!(
+            "{BASE}tenants: []\nmodels:\n  - {{name: a, max_model_len: 1, tokenizer: {{tekken: /t}}}}\n  - {{name: a, max_model_len: 1, tokenizer: {{tekken: /t}}}}\n"
+        ));
+        assert_eq!(two, "models[1].name: duplicate model 'a'");
+        assert_eq!(
+            err(&format!("{BASE}tenants: []\ncontext: {{count_timeout_ms: 0}}\n")),
+            "context.count_timeout_ms: must be > 0"
+        );
     }
 
     #[test]

@@ -37,6 +37,20 @@ pub enum AdmissionError {
     /// Redis could not decide and the failure mode is `closed`.
     #[error("the rate limiter is unavailable")]
     LimiterUnavailable,
+    /// The exact prompt-token count (the model's own tokenizer and chat template, see
+    /// [`crate::context`]) proves vLLM would refuse the request. 400, `invalid_request_error`,
+    /// code `context_length_exceeded`, param `messages` or `prompt`.
+    #[error("prompt of {prompt_tokens} tokens exceeds the context window")]
+    ContextLengthExceeded {
+        /// `messages` (chat) or `prompt` (completions).
+        param: &'static str,
+        /// Exact prompt tokens (the largest prompt of a batch).
+        prompt_tokens: u64,
+        /// The request's completion cap, when it set one.
+        max_tokens: Option<u64>,
+        /// The model's context window in tokens.
+        max_model_len: u64,
+    },
     /// The request's pool is over its load threshold for this tier: shed before its queue grows.
     #[error("pool {pool} is overloaded")]
     Overloaded {
@@ -103,6 +117,19 @@ impl AdmissionError {
                 ),
                 vec![("retry-after".to_owned(), retry_after_secs.to_string())],
             ),
+            AdmissionError::ContextLengthExceeded { param, prompt_tokens, max_tokens, max_model_len } => {
+                let (what, has) = if *param == "prompt" { ("prompt", "has") } else { ("messages", "have") };
+                let message = match max_tokens {
+                    Some(m) => format!(
+                        "This model's maximum context length is {max_model_len} tokens. However, you requested {} tokens ({prompt_tokens} in the {what}, {m} in the completion). Please reduce the length of the {what} or completion.",
+                        prompt_tokens.saturating_add(*m)
+                    ),
+                    None => format!(
+                        "This model's maximum context length is {max_model_len} tokens. However, your {what} {has} {prompt_tokens} tokens, which leaves no room for the completion. Please reduce the length of the {what}."
+                    ),
+                };
+                (400, "invalid_request_error", "context_length_exceeded", message, Vec::new())
+            }
             AdmissionError::LimiterUnavailable => (
                 503,
                 "server_error",
@@ -111,7 +138,11 @@ impl AdmissionError {
                 vec![("retry-after".to_owned(), "1".to_owned())],
             ),
         };
-        let body = json!({"error": {"message": message, "type": kind, "param": null, "code": code}});
+        let param = match self {
+            AdmissionError::ContextLengthExceeded { param, .. } => Some(*param),
+            _ => None,
+        };
+        let body = json!({"error": {"message": message, "type": kind, "param": param, "code": code}});
         LocalReply { status, body: body.to_string().into_bytes(), headers }
     }
 }
@@ -119,6 +150,39 @@ impl AdmissionError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn context_length_exceeded_names_both_numbers() {
+        let e = AdmissionError::ContextLengthExceeded {
+            param: "messages",
+            prompt_tokens: 4000,
+            max_tokens: Some(200),
+            max_model_len: 4096,
+        };
+        let r = e.to_reply();
+        assert_eq!(r.status, 400);
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["code"], "context_length_exceeded");
+        assert_eq!(v["error"]["param"], "messages");
+        assert_eq!(
+            v["error"]["message"],
+            "This model's maximum context length is 4096 tokens. However, you requested 4200 tokens (4000 in the messages, 200 in the completion). Please reduce the length of the messages or completion."
+        );
+        let e = AdmissionError::ContextLengthExceeded {
+            param: "prompt",
+            prompt_tokens: 4096,
+            max_tokens: None,
+            max_model_len: 4096,
+        };
+        let v: serde_json::Value = serde_json::from_slice(&e.to_reply().body).unwrap();
+        assert_eq!(v["error"]["param"], "prompt");
+        assert_eq!(
+            v["error"]["message"],
+            "This model's maximum context length is 4096 tokens. However, your prompt has 4096 tokens, which leaves no room for the completion. Please reduce the length of the prompt."
+        );
+        assert!(r.headers.is_empty());
+    }
 
     #[test]
     fn rate_limited_is_openai_shaped() {

@@ -21,6 +21,7 @@
 pub mod admission;
 pub mod breaker;
 pub mod config;
+pub mod context;
 pub mod error;
 pub mod limiter;
 pub mod limits;
@@ -72,6 +73,9 @@ pub enum RunError {
     /// The gRPC server failed.
     #[error("grpc server: {0}")]
     Serve(#[from] tonic::transport::Error),
+    /// A model's tokenizer files could not be loaded (the error names the field and the file).
+    #[error("{0}")]
+    Tokenizer(config::ConfigError),
 }
 
 /// Connects to Redis, starts the pool scrapers, the usage writer and the metrics listener, binds
@@ -82,10 +86,14 @@ pub enum RunError {
 /// [`RunError`] when Redis is unreachable at start, an address cannot be bound, or the server
 /// fails.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> Result<(), RunError> {
+    let context =
+        Arc::new(context::ContextChecker::from_config(&config.models).map_err(RunError::Tokenizer)?);
     let metrics = Metrics::new();
     let store = Store::connect(&config.redis, config.usage_stream(), config.metering.stream_maxlen).await?;
     if let Some(addr) = config.metrics_listen {
-        let bound = metrics::serve(addr, Arc::clone(&metrics)).await.map_err(|source| RunError::Bind { addr, source })?;
+        let bound = metrics::serve(addr, Arc::clone(&metrics))
+            .await
+            .map_err(|source| RunError::Bind { addr, source })?;
         println!("gateway-ext-proc metrics on {bound}");
         tracing::info!(%bound, "metrics listening");
     }
@@ -95,9 +103,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
     let addr = listener.local_addr().map_err(|source| RunError::Bind { addr: config.listen, source })?;
     let pools = Pools::new(&config.pools, Arc::clone(&metrics));
     pools.spawn_scrapers();
-    let (recorder, writer) = Recorder::start(store.clone(), config.metering.buffer_records, Arc::clone(&metrics));
+    let (recorder, writer) =
+        Recorder::start(store.clone(), config.metering.buffer_records, Arc::clone(&metrics));
     let limiter = Limiter::new(store, &config.redis, Arc::clone(&metrics));
-    let shared = Arc::new(Shared::new(config, limiter, recorder, pools, metrics));
+    let shared = Arc::new(Shared::new(config, limiter, recorder, pools, metrics, context));
     let service = ExternalProcessorServer::new(Gateway::new(shared));
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     println!("gateway-ext-proc listening on {addr}");

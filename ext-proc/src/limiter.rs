@@ -91,10 +91,11 @@ impl Limiter {
         }
     }
 
-    /// Settles a reservation: `delta` tokens back into the bucket (negative charges more). While
-    /// Redis is away the local bucket is settled instead; Redis's own bucket refills by itself.
-    pub async fn settle(&self, bucket: &BucketSpec, delta: i64) {
-        if self.allow() {
+    /// Settles a reservation: `delta` tokens back into the bucket (negative charges more), in
+    /// Redis, or in the local bucket when the reservation was taken there (`locally`) or Redis is
+    /// away (Redis's own bucket then refills by itself).
+    pub async fn settle(&self, bucket: &BucketSpec, delta: i64, locally: bool) {
+        if !locally && self.allow() {
             let started = Instant::now();
             let result = self.store.settle(bucket, delta).await;
             self.metrics.redis_call("settle", started.elapsed(), result.is_ok());

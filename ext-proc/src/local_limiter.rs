@@ -44,7 +44,11 @@ impl LocalLimiter {
                 BucketState {
                     remaining: after.max(0.0).floor() as u64,
                     reset_ms: (missing / rate_per_ms).ceil() as u64,
-                    retry_after_ms: Some(if denied.is_some() { (lacking / rate_per_ms).ceil() as u64 } else { 0 }),
+                    retry_after_ms: Some(if denied.is_some() {
+                        (lacking / rate_per_ms).ceil() as u64
+                    } else {
+                        0
+                    }),
                 }
             })
             .collect();
@@ -83,7 +87,12 @@ mod tests {
             tokens_per_minute: Some(600),
             token_burst: None,
         };
-        limits::plan("p", &TenantConfig { id: "t".into(), limits: l, model_limits: Default::default() }, "m", reserve)
+        limits::plan(
+            "p",
+            &TenantConfig { id: "t".into(), limits: l, model_limits: Default::default() },
+            "m",
+            reserve,
+        )
     }
 
     #[test]

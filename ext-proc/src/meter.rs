@@ -36,6 +36,8 @@ pub struct RequestInfo {
     pub prompt_tokens_estimate: u64,
     /// Tokens reserved at admission against the tenant's TPM bucket (0 when it has none).
     pub reserved_tokens: u64,
+    /// Whether the reservation was taken in the sidecar's memory (Redis was unavailable).
+    pub reserved_locally: bool,
     /// `x-gateway-tier`.
     pub tier: String,
     /// Unique id of the usage record, made by the sidecar (the key that makes its write
@@ -48,7 +50,8 @@ pub struct RequestInfo {
 pub enum EndReason {
     /// The last response body chunk (or a body-less response) arrived.
     Completed,
-    /// The stream ended before the response did (abort, reset, timeout).
+    /// The stream ended before the response did (abort, reset, timeout), or a 2xx SSE stream
+    /// ended without `data: [DONE]` (truncated upstream).
     Incomplete,
 }
 
@@ -82,6 +85,9 @@ pub struct UsageRecord {
     pub end_reason: EndReason,
     /// Where the counts came from.
     pub usage_source: UsageSource,
+    /// Unix time of the end, in milliseconds; stamped by the caller (the meter reads no clock
+    /// but the monotonic instants it is given). 0 until then.
+    pub finished_at_unix_ms: u64,
 }
 
 impl UsageRecord {
@@ -158,6 +164,7 @@ struct Active {
     first_content: Option<Instant>,
     last_content: Option<Instant>,
     gaps: Vec<std::time::Duration>,
+    saw_done: bool,
 }
 
 /// The metering state of one HTTP request. Feed it events in order; it returns the record once.
@@ -194,6 +201,7 @@ impl Meter {
                 first_content: None,
                 last_content: None,
                 gaps: Vec::new(),
+                saw_done: false,
             }));
         }
     }
@@ -244,10 +252,12 @@ impl Meter {
     ) -> Option<UsageRecord> {
         let max_json = self.max_json_body_bytes;
         if let State::Active(a) = &mut self.state {
-            let Active { body, usage, content_chunks, first_content, last_content, gaps, .. } = a.as_mut();
+            let Active { body, usage, content_chunks, first_content, last_content, gaps, saw_done, .. } =
+                a.as_mut();
             match body {
                 Body::Sse(parser) => parser.feed(chunk, |data| {
                     if data == b"[DONE]" {
+                        *saw_done = true;
                         return;
                     }
                     let Ok(parsed) = serde_json::from_slice::<Chunk>(data) else {
@@ -298,6 +308,13 @@ impl Meter {
             return None;
         };
         let a = *a;
+        // An SSE stream that ended cleanly but without `data: [DONE]` was truncated upstream.
+        let end_reason = match (&a.body, end_reason) {
+            (Body::Sse(_), EndReason::Completed) if !a.saw_done && (200..300).contains(&a.status) => {
+                EndReason::Incomplete
+            }
+            (_, reason) => reason,
+        };
         let usage = a.usage.or_else(|| match &a.body {
             Body::Json { buf, overflowed: false } if !buf.is_empty() => {
                 serde_json::from_slice::<JsonBody>(buf).ok().and_then(|b| b.usage)
@@ -329,6 +346,7 @@ impl Meter {
             status: a.status,
             end_reason,
             usage_source,
+            finished_at_unix_ms: 0,
             info: a.info,
         })
     }
@@ -356,6 +374,7 @@ mod tests {
             pool: "pool_a".into(),
             prompt_tokens_estimate: 42,
             reserved_tokens: 100,
+            reserved_locally: false,
             tier: "standard".into(),
             record_id: "rec-1".into(),
         }
@@ -474,6 +493,16 @@ mod tests {
         m.on_response_headers(200, "application/json", false, t0);
         let r = m.on_response_body(b"{\"usage\":{\"prompt_tokens\":1}}", true, t0).unwrap();
         assert_eq!((r.prompt_tokens, r.usage_source), (42, UsageSource::StreamedChunks));
+    }
+
+    #[test]
+    fn a_stream_without_done_is_incomplete() {
+        let t0 = Instant::now();
+        let mut m = Meter::new(1024);
+        m.on_request_headers(info(), t0);
+        m.on_response_headers(200, "text/event-stream", false, t0);
+        let r = m.on_response_body(format!("{ROLE}{}", chunk("a")).as_bytes(), true, t0).unwrap();
+        assert_eq!((r.end_reason, r.completion_tokens), (EndReason::Incomplete, 1));
     }
 
     #[test]

@@ -190,7 +190,8 @@ impl Metrics {
     /// Registers every metric.
     pub fn new() -> Arc<Self> {
         let mut r = Registry::default();
-        let hist = || Family::<ModelLabel, Histogram>::new_with_constructor(|| Histogram::new(latency_buckets()));
+        let hist =
+            || Family::<ModelLabel, Histogram>::new_with_constructor(|| Histogram::new(latency_buckets()));
         let m = Self {
             labels: Mutex::new(LabelBudget::default()),
             requests: Family::default(),
@@ -207,7 +208,9 @@ impl Metrics {
             pool_load: Family::default(),
             pool_waiting: Family::default(),
             pool_kv_cache: Family::default(),
-            redis_latency: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.00005, 2.0, 16))),
+            redis_latency: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.00005, 2.0, 16))
+            }),
             redis_errors: Family::default(),
             records_buffered: Gauge::default(),
             records_written: Counter::default(),
@@ -239,10 +242,22 @@ impl Metrics {
         r.register("llm_gateway_limit_decisions", "Rate-limit decisions", m.limit_decisions.clone());
         r.register("llm_gateway_degraded_decisions", "Decisions made without Redis", m.degraded.clone());
         r.register("llm_gateway_shed", "Requests shed (429 overloaded) by pool and tier", m.shed.clone());
-        r.register("llm_gateway_in_flight_requests", "Requests admitted and not finished", m.in_flight.clone());
+        r.register(
+            "llm_gateway_in_flight_requests",
+            "Requests admitted and not finished",
+            m.in_flight.clone(),
+        );
         r.register("llm_gateway_pool_load", "Pool load ratio used for shedding", m.pool_load.clone());
-        r.register("llm_gateway_pool_requests_waiting", "Scraped vllm:num_requests_waiting", m.pool_waiting.clone());
-        r.register("llm_gateway_pool_kv_cache_usage", "Scraped vLLM KV-cache usage (0..1)", m.pool_kv_cache.clone());
+        r.register(
+            "llm_gateway_pool_requests_waiting",
+            "Scraped vllm:num_requests_waiting",
+            m.pool_waiting.clone(),
+        );
+        r.register(
+            "llm_gateway_pool_kv_cache_usage",
+            "Scraped vLLM KV-cache usage (0..1)",
+            m.pool_kv_cache.clone(),
+        );
         r.register_with_unit(
             "llm_gateway_redis_command_duration",
             "Redis command latency",
@@ -250,9 +265,17 @@ impl Metrics {
             m.redis_latency.clone(),
         );
         r.register("llm_gateway_redis_errors", "Redis errors and timeouts", m.redis_errors.clone());
-        r.register("llm_gateway_usage_records_buffered", "Usage records waiting for Redis", m.records_buffered.clone());
+        r.register(
+            "llm_gateway_usage_records_buffered",
+            "Usage records waiting for Redis",
+            m.records_buffered.clone(),
+        );
         r.register("llm_gateway_usage_records_written", "Usage records written", m.records_written.clone());
-        r.register("llm_gateway_usage_records_dropped", "Usage records dropped (logged)", m.records_dropped.clone());
+        r.register(
+            "llm_gateway_usage_records_dropped",
+            "Usage records dropped (logged)",
+            m.records_dropped.clone(),
+        );
         Arc::new(Self { registry: r, ..m })
     }
 
@@ -275,7 +298,9 @@ impl Metrics {
     /// Counts an admission outcome.
     pub fn request(&self, tenant: &str, model: &str, outcome: &str) {
         let tm = self.tenant_model(tenant, model);
-        self.requests.get_or_create(&Outcome { tenant: tm.tenant, model: tm.model, outcome: outcome.to_owned() }).inc();
+        self.requests
+            .get_or_create(&Outcome { tenant: tm.tenant, model: tm.model, outcome: outcome.to_owned() })
+            .inc();
     }
 
     /// Records the latency (and failure) of a Redis call.
@@ -311,7 +336,10 @@ pub async fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> std::io::Result<S
                     async move {
                         let response = if req.uri().path() == "/metrics" {
                             Response::builder()
-                                .header("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")
+                                .header(
+                                    "content-type",
+                                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                                )
                                 .body(Full::new(Bytes::from(metrics.encode())))
                         } else {
                             Response::builder().status(404).body(Full::new(Bytes::new()))
@@ -319,8 +347,9 @@ pub async fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> std::io::Result<S
                         response.map_err(std::io::Error::other)
                     }
                 });
-                if let Err(error) =
-                    hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), service).await
+                if let Err(error) = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await
                 {
                     warn!(%error, "metrics connection");
                 }
@@ -341,7 +370,10 @@ mod tests {
         m.ttft.get_or_create(&ModelLabel { model: "m1".into() }).observe(0.05);
         m.redis_call("take", Duration::from_micros(300), false);
         let text = m.encode();
-        assert!(text.contains("llm_gateway_requests_total{tenant=\"acme\",model=\"m1\",outcome=\"admitted\"} 1"), "{text}");
+        assert!(
+            text.contains("llm_gateway_requests_total{tenant=\"acme\",model=\"m1\",outcome=\"admitted\"} 1"),
+            "{text}"
+        );
         assert!(text.contains("gen_ai_server_time_to_first_token_seconds_bucket"), "{text}");
         assert!(text.contains("llm_gateway_redis_errors_total{op=\"take\"} 1"), "{text}");
         for i in 0..(MAX_LABEL_VALUES * 3 + 10) {

@@ -142,7 +142,8 @@ impl Pools {
             let secs = now.saturating_duration_since(at).as_secs_f64();
             if secs > 0.0 && total.finished >= finished {
                 let sample = (total.finished - finished) / secs;
-                state.signals.drain_per_s = Some(shedding::smooth_rate(state.signals.drain_per_s, sample, DRAIN_ALPHA));
+                state.signals.drain_per_s =
+                    Some(shedding::smooth_rate(state.signals.drain_per_s, sample, DRAIN_ALPHA));
             }
         }
         state.last_finished = Some((now, total.finished));

@@ -47,7 +47,12 @@ impl Recorder {
     }
 }
 
-async fn writer(mut rx: mpsc::UnboundedReceiver<UsageRecord>, store: Store, capacity: usize, metrics: Arc<Metrics>) {
+async fn writer(
+    mut rx: mpsc::UnboundedReceiver<UsageRecord>,
+    store: Store,
+    capacity: usize,
+    metrics: Arc<Metrics>,
+) {
     let mut buffer: VecDeque<UsageRecord> = VecDeque::new();
     let mut backoff = Duration::from_millis(50);
     let mut open = true;
@@ -72,7 +77,13 @@ async fn writer(mut rx: mpsc::UnboundedReceiver<UsageRecord>, store: Store, capa
             break;
         }
         let n = buffer.len().min(BATCH);
-        let results = join_all(buffer.iter().take(n).map(|r| store.record(r))).await;
+        let results = join_all(buffer.iter().take(n).map(|r| async {
+            let started = std::time::Instant::now();
+            let result = store.record(r).await;
+            metrics.redis_call("record", started.elapsed(), result.is_ok());
+            result
+        }))
+        .await;
         let mut failed = VecDeque::new();
         for (record, result) in buffer.drain(..n).zip(results) {
             match result {

@@ -21,6 +21,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption, Metadata};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::ProcessingMode;
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as ProcRequest;
@@ -37,6 +39,9 @@ use tracing::{debug, info, Instrument};
 
 use crate::admission::{self, Admitted, RequestFacts};
 use crate::config::Config;
+use crate::context::{
+    ContextChecker, ContextError, Counted, CONTEXT_CHECK_EXACT, CONTEXT_CHECK_HEADER, CONTEXT_MODEL_HEADER,
+};
 use crate::error::AdmissionError;
 use crate::limiter::{Limiter, Take};
 use crate::limits::{self, BucketKind};
@@ -49,6 +54,8 @@ use crate::recorder::Recorder;
 pub const METADATA_NAMESPACE: &str = "llm_gateway";
 /// Metadata key of the tokens reserved at admission.
 pub const RESERVED_TOKENS_KEY: &str = "reserved_tokens";
+/// Metadata key, `true` when the reservation was taken from this sidecar's in-memory buckets.
+pub const RESERVED_LOCALLY_KEY: &str = "reserved_locally";
 /// gRPC initial-metadata key naming the role of an ext_proc filter.
 pub const ROLE_METADATA_KEY: &str = "x-gateway-ext-proc-role";
 
@@ -64,6 +71,8 @@ pub struct Shared {
     pub pools: Arc<Pools>,
     /// Prometheus metrics.
     pub metrics: Arc<Metrics>,
+    /// Exact prompt-token counting for the context check (models with a tokenizer).
+    pub context: Arc<ContextChecker>,
     ids: RecordIds,
 }
 
@@ -75,8 +84,9 @@ impl Shared {
         recorder: Recorder,
         pools: Arc<Pools>,
         metrics: Arc<Metrics>,
+        context: Arc<ContextChecker>,
     ) -> Self {
-        Self { config, limiter, recorder, pools, metrics, ids: RecordIds::new() }
+        Self { config, limiter, recorder, pools, metrics, context, ids: RecordIds::new() }
     }
 }
 
@@ -157,23 +167,64 @@ async fn serve_stream(
     let Some(first) = inbound.message().await? else { return Ok(()) };
     let role = role.unwrap_or(if first.observability_mode { Role::Metering } else { Role::Admission });
     match role {
-        Role::Admission => admission_stream(first, tx, &shared).await,
+        Role::Admission => admission_stream(first, inbound, tx, &shared).await,
         Role::Metering => metering_stream(first, inbound, &shared).await,
     }
 }
 
-/// Admission: answers the request headers, then ends the RPC (nothing else is sent to it).
-async fn admission_stream(first: ProcessingRequest, tx: &Tx, shared: &Shared) -> Result<(), Status> {
+/// Admission: answers the request headers, then ends the RPC (nothing else is sent to it) --
+/// unless the filter asks for the exact context check (`x-gateway-context-check: exact`) of a
+/// model with a tokenizer here: then the headers are answered with a `mode_override` for the
+/// buffered body, and the body is answered with the decision (see [`exact_context`]).
+async fn admission_stream(
+    first: ProcessingRequest,
+    mut inbound: Streaming<ProcessingRequest>,
+    tx: &Tx,
+    shared: &Shared,
+) -> Result<(), Status> {
     let Some(ProcRequest::RequestHeaders(headers)) = &first.request else {
         // Misconfigured processing mode: let the request through untouched.
         return send(tx, continue_response(&first.request, None)).await;
     };
-    let facts = request_facts(headers);
+    let mut facts = request_facts(headers);
+    // The base model's tokenizer (for a LoRA adapter, `x-gateway-model` names the adapter).
+    let context_model = header(headers, CONTEXT_MODEL_HEADER).unwrap_or_else(|| facts.model.clone());
+    let exact = header(headers, CONTEXT_CHECK_HEADER).as_deref() == Some(CONTEXT_CHECK_EXACT)
+        && shared.context.knows(&context_model);
     let span = tracing::info_span!(
         "admission",
         request_id = %facts.request_id,
         tenant = facts.tenant.as_deref().unwrap_or("")
     );
+    let mut first = first;
+    let mut exact_headers = Vec::new();
+    if exact {
+        let Some((body, outcome)) = exact_context(&context_model, &mut inbound, tx, shared).await? else {
+            return Ok(());
+        };
+        first = body;
+        let _e = span.enter();
+        match outcome {
+            Ok(counted) => {
+                debug!(prompt_tokens = counted.prompt_tokens, "exact context check passed");
+                facts.prompt_tokens = counted.prompt_tokens;
+                facts.max_tokens = counted.max_tokens;
+                exact_headers = exact_count_headers(&counted);
+            }
+            Err(ContextError::Exceeded { param, prompt_tokens, max_tokens, max_model_len }) => {
+                let error =
+                    AdmissionError::ContextLengthExceeded { param, prompt_tokens, max_tokens, max_model_len };
+                debug!(reason = %error, "refused");
+                shared.metrics.request(
+                    facts.tenant.as_deref().unwrap_or(""),
+                    &facts.model,
+                    outcome_label(&error),
+                );
+                return send(tx, immediate_response(&error)).await;
+            }
+            Err(ContextError::Undecided(why)) => debug!(%why, "no exact count; vLLM decides"),
+        }
+    }
     let decision = admit(shared, &facts).instrument(span.clone()).await;
     let _e = span.enter();
     let tenant = facts.tenant.as_deref().unwrap_or("");
@@ -182,10 +233,20 @@ async fn admission_stream(first: ProcessingRequest, tx: &Tx, shared: &Shared) ->
             debug!(reserved_tokens = admitted.reserved_tokens, "admitted");
             shared.pools.admitted(&facts.pool);
             shared.metrics.request(tenant, &facts.model, "admitted");
-            continue_response(&first.request, Some(admission_metadata(&admitted)))
+            let mut response = continue_response(&first.request, Some(admission_metadata(&admitted)));
+            if let Some(ProcResponse::RequestBody(body)) = &mut response.response {
+                body.response = Some(CommonResponse {
+                    header_mutation: Some(HeaderMutation {
+                        set_headers: exact_headers,
+                        remove_headers: Vec::new(),
+                    }),
+                    ..Default::default()
+                });
+            }
+            response
         }
         Err(error) => {
-            info!(reason = %error, "refused");
+            debug!(reason = %error, "refused");
             shared.metrics.request(tenant, &facts.model, outcome_label(&error));
             immediate_response(&error)
         }
@@ -202,7 +263,50 @@ fn outcome_label(error: &AdmissionError) -> &'static str {
         AdmissionError::LimiterUnavailable => "limiter_unavailable",
         AdmissionError::TenantNotConfigured => "tenant_not_configured",
         AdmissionError::MissingTenant => "missing_tenant",
+        AdmissionError::ContextLengthExceeded { .. } => "context_length_exceeded",
     }
+}
+
+/// The exact context check: asks Envoy for the whole request body (a `mode_override` to
+/// `BUFFERED` in the answer to the request headers; the admission filter needs
+/// `allow_mode_override: true`), then counts it on a blocking thread (never on the async
+/// workers, one count per CPU at a time) within `context.count_timeout_ms`. Returns the body message, which the caller
+/// answers, and the outcome; `None` when the stream ended first.
+async fn exact_context(
+    model: &str,
+    inbound: &mut Streaming<ProcessingRequest>,
+    tx: &Tx,
+    shared: &Shared,
+) -> Result<Option<(ProcessingRequest, Result<Counted, ContextError>)>, Status> {
+    let mut response = continue_response(&None, None);
+    response.mode_override =
+        Some(ProcessingMode { request_body_mode: BodySendMode::Buffered as i32, ..Default::default() });
+    send(tx, response).await?;
+    let mut message = loop {
+        match inbound.message().await? {
+            None => return Ok(None),
+            Some(m) if matches!(m.request, Some(ProcRequest::RequestBody(_))) => break m,
+            // Nothing else is sent before the body in this mode; answer it unchanged.
+            Some(m) => send(tx, continue_response(&m.request, None)).await?,
+        }
+    };
+    // The caller answers the message by its kind only: the body itself moves to the count.
+    let body = match &mut message.request {
+        Some(ProcRequest::RequestBody(b)) => std::mem::take(&mut b.body),
+        _ => Vec::new(),
+    };
+    let limit = std::time::Duration::from_millis(shared.config.context.count_timeout_ms);
+    let outcome = shared.context.check_blocking(model, body, limit).await;
+    Ok(Some((message, outcome)))
+}
+
+/// Request headers carrying the exact count toward the metering filter and the upstream.
+fn exact_count_headers(counted: &Counted) -> Vec<HeaderValueOption> {
+    vec![
+        header_option("x-gateway-prompt-tokens", &counted.prompt_tokens.to_string()),
+        header_option("x-gateway-prompt-tokens-source", "exact"),
+        header_option("x-gateway-max-tokens", &counted.max_tokens.to_string()),
+    ]
 }
 
 async fn admit(shared: &Shared, facts: &RequestFacts) -> Result<Admitted, AdmissionError> {
@@ -220,16 +324,18 @@ async fn admit(shared: &Shared, facts: &RequestFacts) -> Result<Admitted, Admiss
             retry_after_secs: shed.retry_after_secs,
         });
     }
-    let plan = limits::plan(shared.limiter.store().prefix(), tenant_config, &facts.model, facts.reserve_tokens());
+    let plan =
+        limits::plan(shared.limiter.store().prefix(), tenant_config, &facts.model, facts.reserve_tokens());
     if plan.is_empty() {
-        return Ok(Admitted { ratelimit_headers: Vec::new(), reserved_tokens: 0 });
+        return Ok(Admitted { ratelimit_headers: Vec::new(), reserved_tokens: 0, reserved_locally: false });
     }
     let (outcome, degraded) = match shared.limiter.take(&plan, config.redis.failure_mode(&facts.tier)).await {
         Take::Redis(outcome) => (outcome, false),
         Take::Local(outcome) => (outcome, true),
         Take::Unavailable => return Err(AdmissionError::LimiterUnavailable),
     };
-    let decision = admission::decide(&plan, &outcome);
+    let decision = admission::decide(&plan, &outcome, facts.reserve_tokens())
+        .map(|admitted| Admitted { reserved_locally: degraded, ..admitted });
     let labels = Decision {
         decision: if decision.is_ok() { "admit" } else { "deny" }.to_owned(),
         degraded: degraded.to_string(),
@@ -261,7 +367,7 @@ async fn metering_stream(
         let record = match message.request {
             Some(ProcRequest::RequestHeaders(h)) => {
                 let facts = request_facts(&h);
-                let reserved_tokens = reserved_tokens(message.metadata_context.as_ref());
+                let (reserved_tokens, reserved_locally) = reservation(message.metadata_context.as_ref());
                 let label = ModelLabel { model: shared.metrics.bounded(&facts.model) };
                 itl = Some(shared.metrics.itl.get_or_create(&label).clone());
                 meter.on_request_headers(
@@ -272,6 +378,7 @@ async fn metering_stream(
                         pool: facts.pool,
                         prompt_tokens_estimate: facts.prompt_tokens,
                         reserved_tokens,
+                        reserved_locally,
                         tier: facts.tier,
                         record_id: shared.ids.next(),
                     },
@@ -326,19 +433,31 @@ fn finish(shared: &Arc<Shared>, record: UsageRecord) {
     );
     shared.pools.finished(&record.info.pool);
     observe(&shared.metrics, &record);
+    let mut record = record;
+    // The end of the request, not of its (possibly delayed) write, dates the record.
+    record.finished_at_unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
     let buckets = shared
         .config
         .tenant(&record.info.tenant)
         .map(|t| limits::token_buckets(shared.limiter.store().prefix(), t, &record.info.model))
         .unwrap_or_default();
-    let delta = i64::try_from(record.info.reserved_tokens).unwrap_or(i64::MAX)
-        - i64::try_from(record.total_tokens()).unwrap_or(i64::MAX);
-    if !buckets.is_empty() && delta != 0 {
+    let settlements: Vec<_> = buckets
+        .into_iter()
+        .map(|b| {
+            let delta = admission::settlement(&b, record.info.reserved_tokens, record.total_tokens());
+            (b, delta)
+        })
+        .filter(|(_, delta)| *delta != 0)
+        .collect();
+    if !settlements.is_empty() {
         let shared = Arc::clone(shared);
+        let locally = record.info.reserved_locally;
         tokio::spawn(
             async move {
-                for bucket in &buckets {
-                    shared.limiter.settle(bucket, delta).await;
+                for (bucket, delta) in &settlements {
+                    shared.limiter.settle(bucket, *delta, locally).await;
                 }
             }
             .instrument(span.clone()),
@@ -432,19 +551,29 @@ fn admission_metadata(admitted: &Admitted) -> Struct {
         RESERVED_TOKENS_KEY.to_owned(),
         Value { kind: Some(Kind::NumberValue(admitted.reserved_tokens as f64)) },
     );
+    fields.insert(
+        RESERVED_LOCALLY_KEY.to_owned(),
+        Value { kind: Some(Kind::BoolValue(admitted.reserved_locally)) },
+    );
     let inner = Value { kind: Some(Kind::StructValue(Struct { fields })) };
     Struct { fields: HashMap::from([(METADATA_NAMESPACE.to_owned(), inner)]) }
 }
 
-fn reserved_tokens(metadata: Option<&Metadata>) -> u64 {
-    metadata
-        .and_then(|m| m.filter_metadata.get(METADATA_NAMESPACE))
-        .and_then(|s| s.fields.get(RESERVED_TOKENS_KEY))
+/// The reservation admission made, from the forwarded `llm_gateway` metadata: (tokens, whether
+/// in this sidecar's memory). None forwarded: (0, false).
+fn reservation(metadata: Option<&Metadata>) -> (u64, bool) {
+    let fields = metadata.and_then(|m| m.filter_metadata.get(METADATA_NAMESPACE)).map(|s| &s.fields);
+    let tokens = fields
+        .and_then(|f| f.get(RESERVED_TOKENS_KEY))
         .and_then(|v| match v.kind {
             Some(Kind::NumberValue(n)) if n >= 0.0 => Some(n as u64),
             _ => None,
         })
-        .unwrap_or(0)
+        .unwrap_or(0);
+    let locally = fields
+        .and_then(|f| f.get(RESERVED_LOCALLY_KEY))
+        .is_some_and(|v| matches!(v.kind, Some(Kind::BoolValue(true))));
+    (tokens, locally)
 }
 
 /// A header's value; Envoy sends values in `raw_value` (bytes) with `value` empty.
@@ -511,7 +640,11 @@ mod tests {
 
     #[test]
     fn metadata_round_trip() {
-        let s = admission_metadata(&Admitted { ratelimit_headers: vec![], reserved_tokens: 77 });
+        let s = admission_metadata(&Admitted {
+            ratelimit_headers: vec![],
+            reserved_tokens: 77,
+            reserved_locally: true,
+        });
         let m = Metadata {
             filter_metadata: s
                 .fields
@@ -523,8 +656,8 @@ mod tests {
                 .collect(),
             ..Default::default()
         };
-        assert_eq!(reserved_tokens(Some(&m)), 77);
-        assert_eq!(reserved_tokens(None), 0);
+        assert_eq!(reservation(Some(&m)), (77, true));
+        assert_eq!(reservation(None), (0, false));
     }
 
     #[test]

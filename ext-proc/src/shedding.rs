@@ -96,7 +96,9 @@ pub fn parse_vllm_metrics(text: &str) -> Scrape {
         match name {
             "vllm:num_requests_waiting" => s.waiting += value,
             "vllm:num_requests_running" => s.running += value,
-            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => s.kv_cache_usage = s.kv_cache_usage.max(value),
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
+                s.kv_cache_usage = s.kv_cache_usage.max(value)
+            }
             "vllm:request_success_total" => s.finished += value,
             _ => {}
         }

@@ -171,9 +171,13 @@ impl Store {
     /// # Errors
     /// [`StoreError`] on timeout or Redis error.
     pub async fn record(&self, record: &UsageRecord) -> Result<(), StoreError> {
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        // Dated by the request's end (a record written after an outage keeps its own day).
+        let finished_ms = match record.finished_at_unix_ms {
+            0 => SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+            ms => ms,
+        };
         let info = &record.info;
-        let key = usage_key(&self.prefix, &info.tenant, now.as_secs());
+        let key = usage_key(&self.prefix, &info.tenant, finished_ms / 1000);
         let seen = format!("{}:usage-seen:{{{}}}:{}", self.prefix, info.tenant, info.record_id);
         let mut inv = self.usage.key(&seen);
         inv.key(&key)
@@ -183,7 +187,7 @@ impl Store {
             .arg(record.cached_tokens);
         let mut conn = self.conn.clone();
         let _applied: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
-        let event = to_event(record, now).encode_to_vec();
+        let event = to_event(record, finished_ms).encode_to_vec();
         let mut xadd = redis::cmd("XADD");
         xadd.arg(&self.stream)
             .arg("MAXLEN")
@@ -221,7 +225,7 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
     (y, m, d)
 }
 
-fn to_event(r: &UsageRecord, now: Duration) -> proto::UsageEvent {
+fn to_event(r: &UsageRecord, finished_at_unix_ms: u64) -> proto::UsageEvent {
     proto::UsageEvent {
         request_id: r.info.request_id.clone(),
         tenant: r.info.tenant.clone(),
@@ -242,7 +246,7 @@ fn to_event(r: &UsageRecord, now: Duration) -> proto::UsageEvent {
             UsageSource::StreamedChunks => proto::UsageSource::StreamedChunks,
         } as i32,
         reserved_tokens: r.info.reserved_tokens,
-        finished_at_unix_ms: u64::try_from(now.as_millis()).unwrap_or(u64::MAX),
+        finished_at_unix_ms,
         record_id: r.info.record_id.clone(),
         tier: r.info.tier.clone(),
     }
