@@ -11,6 +11,7 @@ finally charged after reconciliation), which must also equal what the upstream r
 
     .venv/bin/python bench/over_admission.py                 # 2 replicas, 20 s
     .venv/bin/python bench/over_admission.py --replicas 2 --duration-s 20 --rpm 3000 --tpm 120000
+    .venv/bin/python bench/over_admission.py --redis-cluster-nodes 3   # on a 3-node Redis Cluster
 """
 
 from __future__ import annotations
@@ -66,10 +67,16 @@ def run(args: argparse.Namespace) -> dict:
             pools = [Pool("pool", ["sim/m"], kind="external", urls=[url])]
             redis_port = stacks[0].redis_port if stacks else None
             stack = Stack(workdir / f"replica{i}", pools, models, tenants, redis_port=redis_port,
-                          envoy_concurrency=1)
+                          envoy_concurrency=1, redis_cluster_nodes=0 if stacks else args.redis_cluster_nodes)
+            if stacks:
+                # Later replicas share the first one's Redis (or Redis Cluster).
+                stack.redis_cluster_ports = stacks[0].redis_cluster_ports
             stacks.append(stack)
             stack.start()
-        client = redis.Redis(port=stacks[0].redis_port, decode_responses=True)
+        if args.redis_cluster_nodes:
+            client = redis.RedisCluster(host="127.0.0.1", port=stacks[0].redis_port, decode_responses=True)
+        else:
+            client = redis.Redis(port=stacks[0].redis_port, decode_responses=True)
         generated_before = upstream_metric(url, "vllm:generation_tokens_total")
         prompt_before = upstream_metric(url, "vllm:prompt_tokens_total")
         benches = []
@@ -111,6 +118,7 @@ def run(args: argparse.Namespace) -> dict:
         allowed_tokens = args.token_burst + args.tpm * elapsed / 60
         return {
             "replicas": args.replicas,
+            "redis": f"cluster of {args.redis_cluster_nodes}" if args.redis_cluster_nodes else "single",
             "duration_s": round(elapsed, 2),
             "concurrency_per_replica": args.concurrency,
             "limits": limits,
@@ -135,6 +143,7 @@ def run(args: argparse.Namespace) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--redis-cluster-nodes", type=int, default=0, help="0: one redis-server")
     parser.add_argument("--duration-s", type=float, default=20)
     parser.add_argument("--concurrency", type=int, default=16, help="clients per replica")
     parser.add_argument("--rpm", type=int, default=3000)

@@ -151,10 +151,7 @@ impl Cli {
             Sweep::Concurrency { values: v }
         } else if !self.sweep_rate.is_empty() {
             let mut v = self.sweep_rate.clone();
-            v.sort_by(|a, b| {
-                a.unwrap_or(f64::INFINITY)
-                    .total_cmp(&b.unwrap_or(f64::INFINITY))
-            });
+            v.sort_by(|a, b| a.unwrap_or(f64::INFINITY).total_cmp(&b.unwrap_or(f64::INFINITY)));
             v.dedup();
             Sweep::Rate { values: v }
         } else {
@@ -181,10 +178,9 @@ impl Cli {
                 burst_interval_s: self.burst_interval_s,
             },
             sweep,
-            slo: self.slo_ttft_p99_ms.map(|ttft_p99_ms| SloSpec {
-                ttft_p99_ms,
-                min_success_rate: self.slo_min_success_rate,
-            }),
+            slo: self
+                .slo_ttft_p99_ms
+                .map(|ttft_p99_ms| SloSpec { ttft_p99_ms, min_success_rate: self.slo_min_success_rate }),
             capacity: self.daily_volume.map(|daily_volume| CapacitySpec {
                 daily_volume,
                 headroom: self.headroom,
@@ -209,21 +205,12 @@ mod tests {
         let c = cli(&[]).unwrap().to_config().unwrap();
         assert_eq!(c.points().len(), 1);
         assert_eq!(c.points()[0].label, "c=unbounded r=inf");
-        let c = cli(&["--sweep-concurrency", "16,1,4"])
-            .unwrap()
-            .to_config()
-            .unwrap();
+        let c = cli(&["--sweep-concurrency", "16,1,4"]).unwrap().to_config().unwrap();
         let labels: Vec<_> = c.points().into_iter().map(|p| p.label).collect();
         assert_eq!(labels, ["c=1", "c=4", "c=16"]);
-        let c = cli(&["--sweep-rate", "inf,10,2.5", "--max-concurrency", "8"])
-            .unwrap()
-            .to_config()
-            .unwrap();
+        let c = cli(&["--sweep-rate", "inf,10,2.5", "--max-concurrency", "8"]).unwrap().to_config().unwrap();
         let pts = c.points();
-        assert_eq!(
-            pts.iter().map(|p| p.request_rate).collect::<Vec<_>>(),
-            [Some(2.5), Some(10.0), None]
-        );
+        assert_eq!(pts.iter().map(|p| p.request_rate).collect::<Vec<_>>(), [Some(2.5), Some(10.0), None]);
         assert!(pts.iter().all(|p| p.max_concurrency == Some(8)));
         assert_eq!(pts[2].label, "r=inf");
     }
@@ -233,28 +220,12 @@ mod tests {
         assert!(cli(&["--sweep-rate", "1", "--sweep-concurrency", "2"]).is_err());
         assert!(cli(&["--request-rate", "0"]).is_err());
         assert!(cli(&["--burst-size", "4"]).is_err());
-        let burst_and_rate = cli(&[
-            "--burst-size",
-            "4",
-            "--burst-interval-s",
-            "1",
-            "--request-rate",
-            "5",
-        ])
-        .unwrap();
+        let burst_and_rate =
+            cli(&["--burst-size", "4", "--burst-interval-s", "1", "--request-rate", "5"]).unwrap();
         assert!(burst_and_rate.to_config().is_err());
-        assert!(cli(&["--max-concurrency", "0"])
-            .unwrap()
-            .to_config()
-            .is_err());
-        assert!(cli(&["--headroom", "0.5", "--daily-volume", "100"])
-            .unwrap()
-            .to_config()
-            .is_err());
-        assert!(cli(&["--base-url", "https://x"])
-            .unwrap()
-            .to_config()
-            .is_err());
+        assert!(cli(&["--max-concurrency", "0"]).unwrap().to_config().is_err());
+        assert!(cli(&["--headroom", "0.5", "--daily-volume", "100"]).unwrap().to_config().is_err());
+        assert!(cli(&["--base-url", "https://x"]).unwrap().to_config().is_err());
         assert!(parse_rate("inf").unwrap().is_none());
         assert_eq!(parse_rate("12.5").unwrap(), Some(12.5));
         assert!(parse_rate("-1").is_err());
@@ -263,25 +234,11 @@ mod tests {
     #[test]
     fn workload_defaults() {
         let c = cli(&[]).unwrap().to_config().unwrap();
+        assert_eq!(c.workload, WorkloadSpec::Random { input_len: 256, output_len: 128, ignore_eos: true });
+        let c = cli(&["--dataset-path", "x.jsonl"]).unwrap().to_config().unwrap();
         assert_eq!(
             c.workload,
-            WorkloadSpec::Random {
-                input_len: 256,
-                output_len: 128,
-                ignore_eos: true
-            }
-        );
-        let c = cli(&["--dataset-path", "x.jsonl"])
-            .unwrap()
-            .to_config()
-            .unwrap();
-        assert_eq!(
-            c.workload,
-            WorkloadSpec::Dataset {
-                path: "x.jsonl".into(),
-                output_len: None,
-                ignore_eos: false
-            }
+            WorkloadSpec::Dataset { path: "x.jsonl".into(), output_len: None, ignore_eos: false }
         );
     }
 }

@@ -78,13 +78,7 @@ impl ArrivalGenerator {
                 Gaps::None
             }
         };
-        Ok(Self {
-            pattern,
-            gaps,
-            rng: StdRng::seed_from_u64(seed),
-            next_s: 0.0,
-            issued: 0,
-        })
+        Ok(Self { pattern, gaps, rng: StdRng::seed_from_u64(seed), next_s: 0.0, issued: 0 })
     }
 
     /// Scheduled send offset of the next request from the start of the point.
@@ -114,14 +108,7 @@ mod tests {
     #[test]
     fn poisson_mean_rate_within_5_percent() {
         for rate in [5.0, 100.0, 5000.0] {
-            let mut g = ArrivalGenerator::new(
-                ArrivalPattern::Poisson {
-                    rate,
-                    burstiness: 1.0,
-                },
-                42,
-            )
-            .unwrap();
+            let mut g = ArrivalGenerator::new(ArrivalPattern::Poisson { rate, burstiness: 1.0 }, 42).unwrap();
             let mut last = Duration::ZERO;
             let mut prev = Duration::ZERO;
             // 10,001 offsets = 10,000 gaps.
@@ -131,19 +118,13 @@ mod tests {
                 prev = last;
             }
             let measured = 10_000.0 / last.as_secs_f64();
-            assert!(
-                (measured - rate).abs() / rate < 0.05,
-                "rate {rate}: measured {measured}"
-            );
+            assert!((measured - rate).abs() / rate < 0.05, "rate {rate}: measured {measured}");
         }
     }
 
     #[test]
     fn poisson_is_seeded_and_gamma_keeps_mean() {
-        let p = ArrivalPattern::Poisson {
-            rate: 50.0,
-            burstiness: 1.0,
-        };
+        let p = ArrivalPattern::Poisson { rate: 50.0, burstiness: 1.0 };
         let a: Vec<_> = {
             let mut g = ArrivalGenerator::new(p, 7).unwrap();
             (0..100).map(|_| g.next_offset()).collect()
@@ -153,14 +134,8 @@ mod tests {
             (0..100).map(|_| g.next_offset()).collect()
         };
         assert_eq!(a, b);
-        let mut g = ArrivalGenerator::new(
-            ArrivalPattern::Poisson {
-                rate: 50.0,
-                burstiness: 0.5,
-            },
-            1,
-        )
-        .unwrap();
+        let mut g =
+            ArrivalGenerator::new(ArrivalPattern::Poisson { rate: 50.0, burstiness: 0.5 }, 1).unwrap();
         let mut last = Duration::ZERO;
         for _ in 0..=10_000 {
             last = g.next_offset();
@@ -171,14 +146,9 @@ mod tests {
 
     #[test]
     fn bursts_and_unlimited() {
-        let mut g = ArrivalGenerator::new(
-            ArrivalPattern::Burst {
-                size: 3,
-                interval: Duration::from_millis(500),
-            },
-            0,
-        )
-        .unwrap();
+        let mut g =
+            ArrivalGenerator::new(ArrivalPattern::Burst { size: 3, interval: Duration::from_millis(500) }, 0)
+                .unwrap();
         let offs: Vec<u128> = (0..7).map(|_| g.next_offset().as_millis()).collect();
         assert_eq!(offs, vec![0, 0, 0, 500, 500, 500, 1000]);
         let mut u = ArrivalGenerator::new(ArrivalPattern::Unlimited, 0).unwrap();
@@ -187,35 +157,12 @@ mod tests {
 
     #[test]
     fn rejects_bad_parameters() {
+        assert!(ArrivalGenerator::new(ArrivalPattern::Poisson { rate: 0.0, burstiness: 1.0 }, 0).is_err());
+        assert!(ArrivalGenerator::new(ArrivalPattern::Poisson { rate: f64::INFINITY, burstiness: 1.0 }, 0)
+            .is_err());
+        assert!(ArrivalGenerator::new(ArrivalPattern::Poisson { rate: 1.0, burstiness: 0.0 }, 0).is_err());
         assert!(ArrivalGenerator::new(
-            ArrivalPattern::Poisson {
-                rate: 0.0,
-                burstiness: 1.0
-            },
-            0
-        )
-        .is_err());
-        assert!(ArrivalGenerator::new(
-            ArrivalPattern::Poisson {
-                rate: f64::INFINITY,
-                burstiness: 1.0
-            },
-            0
-        )
-        .is_err());
-        assert!(ArrivalGenerator::new(
-            ArrivalPattern::Poisson {
-                rate: 1.0,
-                burstiness: 0.0
-            },
-            0
-        )
-        .is_err());
-        assert!(ArrivalGenerator::new(
-            ArrivalPattern::Burst {
-                size: 0,
-                interval: Duration::from_secs(1)
-            },
+            ArrivalPattern::Burst { size: 0, interval: Duration::from_secs(1) },
             0
         )
         .is_err());

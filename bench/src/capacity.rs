@@ -71,8 +71,7 @@ pub fn best_under_slo(samples: &[Sample], slo: SloSpec) -> Option<usize> {
         .iter()
         .enumerate()
         .filter(|(_, s)| {
-            s.ttft_p99_ms.is_some_and(|y| y <= slo.ttft_p99_ms)
-                && s.success_rate >= slo.min_success_rate
+            s.ttft_p99_ms.is_some_and(|y| y <= slo.ttft_p99_ms) && s.success_rate >= slo.min_success_rate
         })
         .max_by(|a, b| a.1.throughput.total_cmp(&b.1.throughput))
         .map(|(i, _)| i)
@@ -171,11 +170,7 @@ pub fn build_report(cfg: &BenchConfig, points: Vec<PointResult>) -> SweepReport 
             Some(s) => ("slo", s.max_sustained_rate),
             None => (
                 "peak_throughput",
-                samples
-                    .iter()
-                    .map(|s| s.throughput)
-                    .filter(|t| *t > 0.0)
-                    .max_by(f64::total_cmp),
+                samples.iter().map(|s| s.throughput).filter(|t| *t > 0.0).max_by(f64::total_cmp),
             ),
         };
         let per_node = measured.map(|r| r / f64::from(c.nodes_under_test));
@@ -206,32 +201,19 @@ mod tests {
     use super::*;
 
     fn s(throughput: f64, p99: f64) -> Sample {
-        Sample {
-            throughput,
-            ttft_p99_ms: Some(p99),
-            success_rate: 1.0,
-        }
+        Sample { throughput, ttft_p99_ms: Some(p99), success_rate: 1.0 }
     }
 
     #[test]
     fn knee_at_last_point_before_saturation() {
         // Throughput scales, then flattens while TTFT p99 explodes.
-        let pts = [
-            s(10.0, 50.0),
-            s(39.0, 55.0),
-            s(120.0, 70.0),
-            s(128.0, 400.0),
-            s(129.0, 2000.0),
-        ];
+        let pts = [s(10.0, 50.0), s(39.0, 55.0), s(120.0, 70.0), s(128.0, 400.0), s(129.0, 2000.0)];
         assert_eq!(find_knee(&pts), Some(2));
     }
 
     #[test]
     fn no_knee_when_scaling_or_latency_flat() {
-        assert_eq!(
-            find_knee(&[s(10.0, 50.0), s(20.0, 60.0), s(40.0, 80.0)]),
-            None
-        );
+        assert_eq!(find_knee(&[s(10.0, 50.0), s(20.0, 60.0), s(40.0, 80.0)]), None);
         // Flat throughput but latency only +20 %.
         assert_eq!(find_knee(&[s(10.0, 50.0), s(10.5, 60.0)]), None);
         // Latency doubles but throughput still +50 %.
@@ -248,11 +230,7 @@ mod tests {
         // Exactly +50 % TTFT is not "> 50 %".
         assert_eq!(find_knee(&[s(100.0, 10.0), s(100.0, 15.0)]), None);
         // All failures at the next point: infinite TTFT growth.
-        let dead = Sample {
-            throughput: 0.0,
-            ttft_p99_ms: None,
-            success_rate: 0.0,
-        };
+        let dead = Sample { throughput: 0.0, ttft_p99_ms: None, success_rate: 0.0 };
         assert_eq!(find_knee(&[s(10.0, 50.0), s(20.0, 55.0), dead]), Some(1));
         // Previous point without data is skipped.
         assert_eq!(find_knee(&[dead, s(20.0, 55.0)]), None);
@@ -260,29 +238,12 @@ mod tests {
 
     #[test]
     fn slo_picks_highest_rate_meeting_bound_and_success() {
-        let mut pts = vec![
-            s(10.0, 100.0),
-            s(40.0, 180.0),
-            s(60.0, 250.0),
-            s(30.0, 150.0),
-        ];
-        let slo = SloSpec {
-            ttft_p99_ms: 200.0,
-            min_success_rate: 0.99,
-        };
+        let mut pts = vec![s(10.0, 100.0), s(40.0, 180.0), s(60.0, 250.0), s(30.0, 150.0)];
+        let slo = SloSpec { ttft_p99_ms: 200.0, min_success_rate: 0.99 };
         assert_eq!(best_under_slo(&pts, slo), Some(1));
         pts[1].success_rate = 0.5; // heavy 429s: not sustained
         assert_eq!(best_under_slo(&pts, slo), Some(3));
-        assert_eq!(
-            best_under_slo(
-                &pts,
-                SloSpec {
-                    ttft_p99_ms: 50.0,
-                    min_success_rate: 0.0
-                }
-            ),
-            None
-        );
+        assert_eq!(best_under_slo(&pts, SloSpec { ttft_p99_ms: 50.0, min_success_rate: 0.0 }), None);
     }
 
     #[test]

@@ -51,11 +51,7 @@ impl Target {
             None => return Err(bad("missing http:// scheme")),
         }
         let auth = uri.authority().ok_or_else(|| bad("missing host"))?;
-        let host = auth
-            .host()
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .to_string();
+        let host = auth.host().trim_start_matches('[').trim_end_matches(']').to_string();
         if host.is_empty() {
             return Err(bad("missing host"));
         }
@@ -80,11 +76,7 @@ pub struct ConnPool {
 impl ConnPool {
     /// Creates an empty pool for `target`.
     pub fn new(target: &Target) -> Self {
-        Self {
-            host: target.host.clone(),
-            port: target.port,
-            idle: Mutex::new(Vec::new()),
-        }
+        Self { host: target.host.clone(), port: target.port, idle: Mutex::new(Vec::new()) }
     }
 
     /// Number of idle connections (for tests/diagnostics).
@@ -116,13 +108,10 @@ impl ConnPool {
     }
 
     async fn connect(&self) -> Result<Sender, ()> {
-        let stream = TcpStream::connect((self.host.as_str(), self.port))
-            .await
-            .map_err(|_| ())?;
+        let stream = TcpStream::connect((self.host.as_str(), self.port)).await.map_err(|_| ())?;
         let _ = stream.set_nodelay(true);
-        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|_| ())?;
+        let (sender, conn) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|_| ())?;
         tokio::spawn(async move {
             let _ = conn.await;
         });
@@ -151,19 +140,12 @@ impl RequestContext {
         let uri: Uri = format!("{}{}", target.path_prefix, path)
             .parse()
             .map_err(|e| bad(format!("request path: {e}")))?;
-        let host =
-            HeaderValue::from_str(&target.authority).map_err(|e| bad(format!("host: {e}")))?;
+        let host = HeaderValue::from_str(&target.authority).map_err(|e| bad(format!("host: {e}")))?;
         let auth = api_key
             .map(|k| HeaderValue::from_str(&format!("Bearer {k}")))
             .transpose()
             .map_err(|_| bad("--api-key contains invalid header characters".into()))?;
-        Ok(Self {
-            pool: ConnPool::new(target),
-            uri,
-            host,
-            auth,
-            timeout,
-        })
+        Ok(Self { pool: ConnPool::new(target), uri, host, auth, timeout })
     }
 
     /// The connection pool (shared by all requests of the point).
@@ -245,24 +227,20 @@ impl RequestContext {
         }
 
         let mut parser = SseParser::new();
-        let mut itl_us =
-            Vec::with_capacity(usize::try_from(req.max_tokens).unwrap_or(0).min(16_384));
+        let mut itl_us = Vec::with_capacity(usize::try_from(req.max_tokens).unwrap_or(0).min(16_384));
         let mut ttft = None;
         let mut last = start;
         let mut body_ok = true;
-        let mut on_tokens =
-            |n: u32, now: Instant, ttft: &mut Option<Duration>, itl_us: &mut Vec<u64>| {
-                for _ in 0..n {
-                    if ttft.is_none() {
-                        *ttft = Some(now.duration_since(start));
-                    } else {
-                        itl_us.push(
-                            u64::try_from(now.duration_since(last).as_micros()).unwrap_or(u64::MAX),
-                        );
-                    }
-                    last = now;
+        let mut on_tokens = |n: u32, now: Instant, ttft: &mut Option<Duration>, itl_us: &mut Vec<u64>| {
+            for _ in 0..n {
+                if ttft.is_none() {
+                    *ttft = Some(now.duration_since(start));
+                } else {
+                    itl_us.push(u64::try_from(now.duration_since(last).as_micros()).unwrap_or(u64::MAX));
                 }
-            };
+                last = now;
+            }
+        };
         loop {
             match body.frame().await {
                 Some(Ok(frame)) => {
@@ -300,12 +278,8 @@ impl RequestContext {
             ttft,
             e2e: end.duration_since(start),
             itl_us,
-            prompt_tokens: usage
-                .and_then(|u| u.prompt_tokens)
-                .unwrap_or(req.prompt_words),
-            completion_tokens: usage
-                .and_then(|u| u.completion_tokens)
-                .unwrap_or(parser.content_events()),
+            prompt_tokens: usage.and_then(|u| u.prompt_tokens).unwrap_or(req.prompt_words),
+            completion_tokens: usage.and_then(|u| u.completion_tokens).unwrap_or(parser.content_events()),
             usage_reported: usage.is_some(),
             sse_parse_errors: parser.parse_errors(),
         }
@@ -324,19 +298,11 @@ mod tests {
     fn parses_base_urls() {
         let t = Target::parse("http://127.0.0.1:8080").unwrap();
         assert_eq!(
-            (
-                t.host.as_str(),
-                t.port,
-                t.authority.as_str(),
-                t.path_prefix.as_str()
-            ),
+            (t.host.as_str(), t.port, t.authority.as_str(), t.path_prefix.as_str()),
             ("127.0.0.1", 8080, "127.0.0.1:8080", "")
         );
         let t = Target::parse("http://gw.local/openai/").unwrap();
-        assert_eq!(
-            (t.host.as_str(), t.port, t.path_prefix.as_str()),
-            ("gw.local", 80, "/openai")
-        );
+        assert_eq!((t.host.as_str(), t.port, t.path_prefix.as_str()), ("gw.local", 80, "/openai"));
         let t = Target::parse("http://[::1]:9000").unwrap();
         assert_eq!((t.host.as_str(), t.port), ("::1", 9000));
         assert!(Target::parse("https://x").is_err());

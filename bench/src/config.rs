@@ -32,9 +32,7 @@ impl Endpoint {
         match s.trim().trim_end_matches('/') {
             "chat" | "/v1/chat/completions" | "v1/chat/completions" => Ok(Endpoint::Chat),
             "completions" | "/v1/completions" | "v1/completions" => Ok(Endpoint::Completions),
-            other => Err(format!(
-                "unknown endpoint {other:?}; use /v1/chat/completions or /v1/completions"
-            )),
+            other => Err(format!("unknown endpoint {other:?}; use /v1/chat/completions or /v1/completions")),
         }
     }
 }
@@ -66,19 +64,14 @@ impl LoadSpec {
                 size,
                 interval: Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX),
             },
-            (_, _, Some(rate)) => ArrivalPattern::Poisson {
-                rate,
-                burstiness: self.burstiness,
-            },
+            (_, _, Some(rate)) => ArrivalPattern::Poisson { rate, burstiness: self.burstiness },
             _ => ArrivalPattern::Unlimited,
         }
     }
 
     /// A descriptive label from the fields (used for single points).
     pub fn describe(&self) -> String {
-        let c = self
-            .max_concurrency
-            .map_or("unbounded".to_string(), |c| c.to_string());
+        let c = self.max_concurrency.map_or("unbounded".to_string(), |c| c.to_string());
         match (self.burst_size, self.burst_interval_s, self.request_rate) {
             (Some(n), Some(t), _) => format!("burst={n}/{t}s c={c}"),
             (_, _, Some(r)) => format!("r={} c={c}", fmt_num(r)),
@@ -189,11 +182,7 @@ impl BenchConfig {
             }
             Sweep::Concurrency { values } => values
                 .iter()
-                .map(|&c| LoadSpec {
-                    label: format!("c={c}"),
-                    max_concurrency: Some(c),
-                    ..self.load.clone()
-                })
+                .map(|&c| LoadSpec { label: format!("c={c}"), max_concurrency: Some(c), ..self.load.clone() })
                 .collect(),
             Sweep::Rate { values } => values
                 .iter()
@@ -247,9 +236,7 @@ impl BenchConfig {
         }
         if let Some(slo) = self.slo {
             if !(slo.ttft_p99_ms > 0.0 && (0.0..=1.0).contains(&slo.min_success_rate)) {
-                return bad(
-                    "--slo-ttft-p99-ms must be > 0, --slo-min-success-rate in 0..=1".into(),
-                );
+                return bad("--slo-ttft-p99-ms must be > 0, --slo-min-success-rate in 0..=1".into());
             }
         }
         if let Some(c) = self.capacity {

@@ -114,10 +114,8 @@ fn is_overload_body(body: &[u8]) -> bool {
     let Ok(Body { error: Some(inner) }) = serde_json::from_slice::<Body>(body) else {
         return false;
     };
-    let says_overload = |v: &serde_json::Value| {
-        v.as_str()
-            .is_some_and(|s| s.to_ascii_lowercase().contains("overload"))
-    };
+    let says_overload =
+        |v: &serde_json::Value| v.as_str().is_some_and(|s| s.to_ascii_lowercase().contains("overload"));
     match inner.code {
         Some(serde_json::Value::Null) | None => inner.kind.as_ref().is_some_and(says_overload),
         Some(code) => says_overload(&code),
@@ -403,11 +401,7 @@ impl Collector {
             requests_without_usage: self.without_usage,
             sse_parse_errors: self.sse_parse_errors,
             errors: classes,
-            status_codes: self
-                .status_codes
-                .iter()
-                .map(|(k, v)| (k.to_string(), *v))
-                .collect(),
+            status_codes: self.status_codes.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
             ttft_ms: self.ttft.summary(),
             itl_ms: self.itl.summary(),
             tpot_ms: self.tpot.summary(),
@@ -506,44 +500,26 @@ mod tests {
     #[test]
     fn classify_429_bodies() {
         let c = |b: &str| classify_status(429, b.as_bytes());
-        assert_eq!(
-            c(r#"{"error":{"code":"overloaded","message":"busy"}}"#),
-            ErrorClass::RateLimitedOverload
-        );
-        assert_eq!(
-            c(r#"{"error":{"code":"upstream_overload"}}"#),
-            ErrorClass::RateLimitedOverload
-        );
-        assert_eq!(
-            c(r#"{"error":{"code":"OVERLOADED"}}"#),
-            ErrorClass::RateLimitedOverload
-        );
+        assert_eq!(c(r#"{"error":{"code":"overloaded","message":"busy"}}"#), ErrorClass::RateLimitedOverload);
+        assert_eq!(c(r#"{"error":{"code":"upstream_overload"}}"#), ErrorClass::RateLimitedOverload);
+        assert_eq!(c(r#"{"error":{"code":"OVERLOADED"}}"#), ErrorClass::RateLimitedOverload);
         assert_eq!(
             c(r#"{"error":{"code":null,"type":"overloaded_error"}}"#),
             ErrorClass::RateLimitedOverload
         );
-        assert_eq!(
-            c(r#"{"error":{"code":"rate_limit_exceeded"}}"#),
-            ErrorClass::RateLimitedQuota
-        );
+        assert_eq!(c(r#"{"error":{"code":"rate_limit_exceeded"}}"#), ErrorClass::RateLimitedQuota);
         assert_eq!(
             c(r#"{"error":{"code":"tokens_quota_exceeded","type":"overloaded"}}"#),
             ErrorClass::RateLimitedQuota
         );
         assert_eq!(c(r#"{"error":{"code":429}}"#), ErrorClass::RateLimitedQuota);
-        assert_eq!(
-            c(r#"{"error":{"message":"slow down"}}"#),
-            ErrorClass::RateLimitedQuota
-        );
+        assert_eq!(c(r#"{"error":{"message":"slow down"}}"#), ErrorClass::RateLimitedQuota);
         assert_eq!(c("too many requests"), ErrorClass::RateLimitedQuota);
         assert_eq!(c(""), ErrorClass::RateLimitedQuota);
         assert_eq!(classify_status(400, b""), ErrorClass::Http4xx);
         assert_eq!(classify_status(404, b""), ErrorClass::Http4xx);
         assert_eq!(classify_status(302, b""), ErrorClass::Http4xx);
-        assert_eq!(
-            classify_status(503, br#"{"error":{"code":"overloaded"}}"#),
-            ErrorClass::Http5xx
-        );
+        assert_eq!(classify_status(503, br#"{"error":{"code":"overloaded"}}"#), ErrorClass::Http5xx);
         assert_eq!(classify_status(200, b""), ErrorClass::Ok);
     }
 
@@ -569,11 +545,7 @@ mod tests {
             Some(429),
             Duration::from_millis(1),
         ));
-        c.record(&RequestOutcome::failed(
-            ErrorClass::Timeout,
-            None,
-            Duration::from_secs(5),
-        ));
+        c.record(&RequestOutcome::failed(ErrorClass::Timeout, None, Duration::from_secs(5)));
         let s = c.finish(Duration::from_secs(2));
         assert_eq!((s.sent, s.completed, s.failed), (4, 2, 2));
         assert_eq!(s.errors.total(), 4);

@@ -25,21 +25,12 @@ pub fn write_svg(r: &SweepReport, path: &Path) -> Result<(), BenchError> {
         .collect();
     let slo = r.slo.as_ref().map(|s| s.ttft_p99_ms);
     let x_max = pts.iter().map(|p| p.2).fold(0.0_f64, f64::max).max(1e-3) * 1.15;
-    let y_max = pts
-        .iter()
-        .map(|p| p.3)
-        .chain(slo)
-        .fold(0.0_f64, f64::max)
-        .max(1e-3)
-        * 1.15;
+    let y_max = pts.iter().map(|p| p.3).chain(slo).fold(0.0_f64, f64::max).max(1e-3) * 1.15;
 
     let root = SVGBackend::new(path, (900, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(plot_err)?;
     let title = match &r.knee {
-        Some(k) => format!(
-            "{} — throughput vs TTFT p99 (knee: {})",
-            r.config.model, k.label
-        ),
+        Some(k) => format!("{} — throughput vs TTFT p99 (knee: {})", r.config.model, k.label),
         None => format!("{} — throughput vs TTFT p99", r.config.model),
     };
     let mut chart = ChartBuilder::on(&root)
@@ -57,36 +48,19 @@ pub fn write_svg(r: &SweepReport, path: &Path) -> Result<(), BenchError> {
         .map_err(plot_err)?;
 
     chart
-        .draw_series(LineSeries::new(
-            pts.iter().map(|p| (p.2, p.3)),
-            BLUE.stroke_width(2),
-        ))
+        .draw_series(LineSeries::new(pts.iter().map(|p| (p.2, p.3)), BLUE.stroke_width(2)))
         .map_err(plot_err)?;
-    chart
-        .draw_series(
-            pts.iter()
-                .map(|p| Circle::new((p.2, p.3), 4, BLUE.filled())),
-        )
-        .map_err(plot_err)?;
+    chart.draw_series(pts.iter().map(|p| Circle::new((p.2, p.3), 4, BLUE.filled()))).map_err(plot_err)?;
     chart
         .draw_series(pts.iter().map(|p| {
             EmptyElement::at((p.2, p.3))
-                + Text::new(
-                    p.1.to_string(),
-                    (6, -16),
-                    ("sans-serif", 13).into_font().color(&BLACK),
-                )
+                + Text::new(p.1.to_string(), (6, -16), ("sans-serif", 13).into_font().color(&BLACK))
         }))
         .map_err(plot_err)?;
 
     if let Some(y) = slo {
         chart
-            .draw_series(DashedLineSeries::new(
-                [(0.0, y), (x_max, y)],
-                8,
-                6,
-                GREEN.stroke_width(2),
-            ))
+            .draw_series(DashedLineSeries::new([(0.0, y), (x_max, y)], 8, 6, GREEN.stroke_width(2)))
             .map_err(plot_err)?
             .label(format!("SLO TTFT p99 {y} ms"))
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], GREEN));

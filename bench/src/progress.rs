@@ -48,11 +48,7 @@ impl Reporter {
     pub fn start(label: String, total: u64, counters: Arc<Counters>) -> Self {
         let tty = std::io::stderr().is_terminal();
         let start = Instant::now();
-        let period = if tty {
-            Duration::from_millis(250)
-        } else {
-            Duration::from_secs(5)
-        };
+        let period = if tty { Duration::from_millis(250) } else { Duration::from_secs(5) };
         let (l, c) = (label.clone(), counters.clone());
         let task = tokio::spawn(async move {
             let mut tick = tokio::time::interval_at(start + period, period);
@@ -60,35 +56,18 @@ impl Reporter {
                 tick.tick().await;
                 let line = c.line(&l, total, start.elapsed());
                 let mut err = std::io::stderr().lock();
-                let _ = if tty {
-                    write!(err, "\r\x1b[2K{line}")
-                } else {
-                    writeln!(err, "{line}")
-                };
+                let _ = if tty { write!(err, "\r\x1b[2K{line}") } else { writeln!(err, "{line}") };
                 let _ = err.flush();
             }
         });
-        Self {
-            task,
-            label,
-            total,
-            counters,
-            start,
-            tty,
-        }
+        Self { task, label, total, counters, start, tty }
     }
 
     /// Stops the reporter and prints the final state on its own line.
     pub fn finish(self) {
         self.task.abort();
-        let line = self
-            .counters
-            .line(&self.label, self.total, self.start.elapsed());
+        let line = self.counters.line(&self.label, self.total, self.start.elapsed());
         let mut err = std::io::stderr().lock();
-        let _ = if self.tty {
-            writeln!(err, "\r\x1b[2K{line}")
-        } else {
-            writeln!(err, "{line}")
-        };
+        let _ = if self.tty { writeln!(err, "\r\x1b[2K{line}") } else { writeln!(err, "{line}") };
     }
 }

@@ -76,11 +76,7 @@ pub fn write_table(r: &SweepReport, out: &mut impl Write) -> std::io::Result<()>
     for (i, p) in r.points.iter().enumerate() {
         let s = &p.stats;
         let pair = |l: &LatencySummary| format!("{}/{}", ms(l.p50_ms), ms(l.p99_ms));
-        let knee = if r.knee.as_ref().is_some_and(|k| k.index == i) {
-            " *"
-        } else {
-            ""
-        };
+        let knee = if r.knee.as_ref().is_some_and(|k| k.index == i) { " *" } else { "" };
         writeln!(
             out,
             "{:<22} {:>7} {:>7} {:>6} {:>9.2} {:>10.1} {:>7.2} {:>6.2} {:>15} {:>15} {:>15} {:>15}{knee}",
@@ -119,12 +115,7 @@ pub fn write_table(r: &SweepReport, out: &mut impl Write) -> std::io::Result<()>
             } else {
                 format!(" (HTTP status {})", statuses.join(" "))
             };
-            writeln!(
-                out,
-                "errors {}: {}{statuses}",
-                p.load.label,
-                parts.join(" ")
-            )?;
+            writeln!(out, "errors {}: {}{statuses}", p.load.label, parts.join(" "))?;
         }
     }
     match &r.knee {
@@ -146,11 +137,7 @@ pub fn write_table(r: &SweepReport, out: &mut impl Write) -> std::io::Result<()>
                 fmt_num(s.ttft_p99_ms),
                 ms(s.ttft_p99_at_rate_ms)
             )?,
-            _ => writeln!(
-                out,
-                "SLO TTFT p99 <= {} ms: no point meets it",
-                fmt_num(s.ttft_p99_ms)
-            )?,
+            _ => writeln!(out, "SLO TTFT p99 <= {} ms: no point meets it", fmt_num(s.ttft_p99_ms))?,
         }
     }
     if let Some(c) = &r.capacity {
@@ -206,11 +193,7 @@ pub fn csv_header() -> Vec<String> {
     .iter()
     .map(|s| s.to_string())
     .collect();
-    h.extend(
-        ErrorClass::ALL
-            .iter()
-            .map(|c| format!("errors_{}", c.as_str())),
-    );
+    h.extend(ErrorClass::ALL.iter().map(|c| format!("errors_{}", c.as_str())));
     for m in ["ttft", "itl", "tpot", "e2e"] {
         for s in ["count", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms"] {
             h.push(format!("{m}_{s}"));
@@ -227,8 +210,7 @@ pub fn csv_row(r: &SweepReport, i: usize, p: &PointResult) -> Vec<String> {
     let mut row = vec![
         l.label.clone(),
         opt(l.max_concurrency),
-        l.request_rate
-            .map_or_else(|| "inf".to_string(), |r| r.to_string()),
+        l.request_rate.map_or_else(|| "inf".to_string(), |r| r.to_string()),
         l.burstiness.to_string(),
         opt(l.burst_size),
         opt(l.burst_interval_s),
@@ -291,21 +273,11 @@ mod tests {
                 sse_parse_errors: 0,
             });
         }
-        c.record(&RequestOutcome::failed(
-            ErrorClass::RateLimitedQuota,
-            Some(429),
-            Duration::ZERO,
-        ));
-        let cfg = Cli::try_parse_from(["b", "--model", "m"])
-            .unwrap()
-            .to_config()
-            .unwrap();
+        c.record(&RequestOutcome::failed(ErrorClass::RateLimitedQuota, Some(429), Duration::ZERO));
+        let cfg = Cli::try_parse_from(["b", "--model", "m"]).unwrap().to_config().unwrap();
         let mut load = cfg.points().remove(0);
         load.label = label.into();
-        PointResult {
-            load,
-            stats: c.finish(Duration::from_secs(1)),
-        }
+        PointResult { load, stats: c.finish(Duration::from_secs(1)) }
     }
 
     #[test]
@@ -326,11 +298,7 @@ mod tests {
         .unwrap();
         let cfg = cli.to_config().unwrap();
         // 10 → 20 req/s scales; 20 → 21 req/s with TTFT 50 → 400 ms: knee at index 1.
-        let pts = vec![
-            point("c=1", 40, 10),
-            point("c=2", 50, 20),
-            point("c=4", 400, 21),
-        ];
+        let pts = vec![point("c=1", 40, 10), point("c=2", 50, 20), point("c=4", 400, 21)];
         let r = build_report(&cfg, pts);
         assert_eq!(r.knee.as_ref().map(|k| k.index), Some(1));
         let slo = r.slo.as_ref().unwrap();
@@ -342,14 +310,8 @@ mod tests {
         write_table(&r, &mut table).unwrap();
         let table = String::from_utf8(table).unwrap();
         assert!(table.contains("knee: c=2"), "{table}");
-        assert!(
-            table.contains("rate_limited_quota=1 (HTTP status 429:1)"),
-            "{table}"
-        );
-        assert!(
-            table.contains("max sustained 20.00 req/s at c=2"),
-            "{table}"
-        );
+        assert!(table.contains("rate_limited_quota=1 (HTTP status 429:1)"), "{table}");
+        assert!(table.contains("max sustained 20.00 req/s at c=2"), "{table}");
 
         let header = csv_header();
         for (i, p) in r.points.iter().enumerate() {

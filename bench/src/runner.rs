@@ -74,20 +74,12 @@ pub async fn run_point(cfg: &PointConfig) -> Result<PointResult, BenchError> {
     if cfg.requests.is_empty() {
         return Err(BenchError::InvalidArgument("no prepared requests".into()));
     }
-    let ctx = Arc::new(RequestContext::new(
-        &cfg.target,
-        cfg.endpoint.path(),
-        cfg.api_key.as_deref(),
-        cfg.timeout,
-    )?);
+    let ctx =
+        Arc::new(RequestContext::new(&cfg.target, cfg.endpoint.path(), cfg.api_key.as_deref(), cfg.timeout)?);
     let closed = |_| BenchError::InvalidArgument("semaphore closed".into());
 
     if cfg.warmup > 0 {
-        let cap = cfg
-            .load
-            .max_concurrency
-            .map_or(cfg.warmup, u64::from)
-            .min(cfg.warmup);
+        let cap = cfg.load.max_concurrency.map_or(cfg.warmup, u64::from).min(cfg.warmup);
         let sem = Arc::new(Semaphore::new(usize::try_from(cap).unwrap_or(1)));
         let mut set = JoinSet::new();
         for i in 0..cfg.warmup {
@@ -106,15 +98,12 @@ pub async fn run_point(cfg: &PointConfig) -> Result<PointResult, BenchError> {
 
     let collector = Arc::new(Mutex::new(Collector::new()?));
     let counters = Arc::new(Counters::default());
-    let reporter = cfg
-        .progress
-        .then(|| Reporter::start(cfg.load.label.clone(), cfg.num_prompts, counters.clone()));
-    let sem = cfg
-        .load
-        .max_concurrency
-        .map(|c| Arc::new(Semaphore::new(usize::try_from(c).unwrap_or(usize::MAX))));
-    let mut arrivals = ArrivalGenerator::new(cfg.load.arrival_pattern(), cfg.seed)
-        .map_err(BenchError::InvalidArgument)?;
+    let reporter =
+        cfg.progress.then(|| Reporter::start(cfg.load.label.clone(), cfg.num_prompts, counters.clone()));
+    let sem =
+        cfg.load.max_concurrency.map(|c| Arc::new(Semaphore::new(usize::try_from(c).unwrap_or(usize::MAX))));
+    let mut arrivals =
+        ArrivalGenerator::new(cfg.load.arrival_pattern(), cfg.seed).map_err(BenchError::InvalidArgument)?;
 
     let start = Instant::now();
     let deadline = cfg.duration.and_then(|d| start.checked_add(d));
@@ -144,16 +133,9 @@ pub async fn run_point(cfg: &PointConfig) -> Result<PointResult, BenchError> {
         set.spawn(async move {
             let outcome = ctx.execute(&req).await;
             drop(permit);
-            let c = if outcome.class == ErrorClass::Ok {
-                &counters.ok
-            } else {
-                &counters.failed
-            };
+            let c = if outcome.class == ErrorClass::Ok { &counters.ok } else { &counters.failed };
             c.fetch_add(1, Ordering::Relaxed);
-            collector
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .record(&outcome);
+            collector.lock().unwrap_or_else(|e| e.into_inner()).record(&outcome);
         });
         while set.try_join_next().is_some() {}
     }
@@ -162,14 +144,8 @@ pub async fn run_point(cfg: &PointConfig) -> Result<PointResult, BenchError> {
     if let Some(r) = reporter {
         r.finish();
     }
-    let stats = collector
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .finish(duration);
-    Ok(PointResult {
-        load: cfg.load.clone(),
-        stats,
-    })
+    let stats = collector.lock().unwrap_or_else(|e| e.into_inner()).finish(duration);
+    Ok(PointResult { load: cfg.load.clone(), stats })
 }
 
 /// Runs every point of `cfg` in order and analyses the sweep (knee, SLO,
@@ -183,8 +159,7 @@ pub async fn run_sweep(cfg: &BenchConfig, progress: bool) -> Result<SweepReport,
     let mut results = Vec::with_capacity(total);
     for (i, load) in points.into_iter().enumerate() {
         let seed = cfg.seed.wrapping_add(i as u64);
-        let requests =
-            workload.requests_for_point(cfg.num_prompts.saturating_add(cfg.warmup), seed)?;
+        let requests = workload.requests_for_point(cfg.num_prompts.saturating_add(cfg.warmup), seed)?;
         let mut load = load;
         let label = load.label.clone();
         if progress {
@@ -199,9 +174,7 @@ pub async fn run_sweep(cfg: &BenchConfig, progress: bool) -> Result<SweepReport,
             requests,
             num_prompts: cfg.num_prompts,
             warmup: cfg.warmup,
-            duration: cfg
-                .duration_s
-                .and_then(|s| Duration::try_from_secs_f64(s).ok()),
+            duration: cfg.duration_s.and_then(|s| Duration::try_from_secs_f64(s).ok()),
             timeout: Duration::try_from_secs_f64(cfg.timeout_s).unwrap_or(Duration::MAX),
             seed,
             progress,

@@ -236,9 +236,7 @@ impl Choice {
     fn has_content(&self) -> bool {
         let text = self.text.as_ref().is_some_and(|t| t.0);
         let delta = self.delta.as_ref().is_some_and(|d| {
-            [&d.content, &d.reasoning_content, &d.reasoning]
-                .iter()
-                .any(|f| f.as_ref().is_some_and(|v| v.0))
+            [&d.content, &d.reasoning_content, &d.reasoning].iter().any(|f| f.as_ref().is_some_and(|v| v.0))
         });
         text || delta
     }
@@ -265,9 +263,7 @@ impl<'de> Deserialize<'de> for FirstChoiceHasContent {
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
                 let first = seq.next_element::<Choice>()?;
                 while seq.next_element::<IgnoredAny>()?.is_some() {}
-                Ok(FirstChoiceHasContent(
-                    first.is_some_and(|c| c.has_content()),
-                ))
+                Ok(FirstChoiceHasContent(first.is_some_and(|c| c.has_content())))
             }
         }
         d.deserialize_any(V)
@@ -368,13 +364,7 @@ mod tests {
         assert!(p.done());
         assert!(!p.error_event());
         assert_eq!(p.parse_errors(), 0);
-        assert_eq!(
-            p.usage(),
-            Some(Usage {
-                prompt_tokens: Some(7),
-                completion_tokens: Some(4)
-            })
-        );
+        assert_eq!(p.usage(), Some(Usage { prompt_tokens: Some(7), completion_tokens: Some(4) }));
     }
 
     #[test]
@@ -398,9 +388,7 @@ mod tests {
             // Pseudo-random split sizes.
             let mut state = 12345u64;
             let (p, n) = feed_split(bytes, &mut || {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 ((state >> 33) % 40) as usize + 1
             });
             assert_eq!(n, 5);
@@ -438,8 +426,7 @@ mod tests {
 
     #[test]
     fn multi_line_data_comments_other_fields_and_errors() {
-        let s =
-            "event: message\nid: 1\n: comment\ndata: {\"choices\":\ndata: [{\"text\":\"x\"}]}\n\n\
+        let s = "event: message\nid: 1\n: comment\ndata: {\"choices\":\ndata: [{\"text\":\"x\"}]}\n\n\
                  data: not json\n\n\
                  data: {\"error\":{\"message\":\"boom\",\"code\":500}}\n\n";
         let mut p = SseParser::new();
@@ -452,10 +439,7 @@ mod tests {
     #[test]
     fn lenient_finish_without_trailing_blank_line() {
         let mut p = SseParser::new();
-        assert_eq!(
-            p.feed(b"data: {\"choices\":[{\"text\":\"x\"}]}\n\ndata: [DONE]"),
-            1
-        );
+        assert_eq!(p.feed(b"data: {\"choices\":[{\"text\":\"x\"}]}\n\ndata: [DONE]"), 1);
         assert!(!p.done());
         assert_eq!(p.finish(), 0);
         assert!(p.done());

@@ -312,28 +312,14 @@ const VOCAB: &[&str] = &[
 impl Workload {
     /// Loads the workload (reads and validates the dataset file if any).
     pub fn load(spec: &WorkloadSpec, endpoint: Endpoint, model: &str) -> Result<Self, BenchError> {
-        let mut w = Self {
-            spec: spec.clone(),
-            endpoint,
-            model: model.to_string(),
-            dataset: Vec::new(),
-        };
-        if let WorkloadSpec::Dataset {
-            path,
-            output_len,
-            ignore_eos,
-        } = spec
-        {
+        let mut w = Self { spec: spec.clone(), endpoint, model: model.to_string(), dataset: Vec::new() };
+        if let WorkloadSpec::Dataset { path, output_len, ignore_eos } = spec {
             let entries = read_dataset(path)?;
             for e in entries {
                 let max_tokens = output_len.or(e.max_tokens).unwrap_or(DEFAULT_OUTPUT_LEN);
                 let body = build_body(endpoint, model, &e.prompt, max_tokens, *ignore_eos)?;
                 let prompt_words = e.prompt.split_whitespace().count() as u64;
-                w.dataset.push(PreparedRequest {
-                    body,
-                    prompt_words,
-                    max_tokens,
-                });
+                w.dataset.push(PreparedRequest { body, prompt_words, max_tokens });
             }
         }
         Ok(w)
@@ -346,30 +332,16 @@ impl Workload {
 
     /// Prepares `min(count, MAX_UNIQUE_REQUESTS)` request bodies for one
     /// point; the runner cycles through them.
-    pub fn requests_for_point(
-        &self,
-        count: u64,
-        seed: u64,
-    ) -> Result<Arc<[PreparedRequest]>, BenchError> {
+    pub fn requests_for_point(&self, count: u64, seed: u64) -> Result<Arc<[PreparedRequest]>, BenchError> {
         let n = usize::try_from(count.clamp(1, MAX_UNIQUE_REQUESTS)).unwrap_or(1);
         let mut rng = StdRng::seed_from_u64(seed);
         match &self.spec {
-            WorkloadSpec::Random {
-                input_len,
-                output_len,
-                ignore_eos,
-            } => {
+            WorkloadSpec::Random { input_len, output_len, ignore_eos } => {
                 let mut out = Vec::with_capacity(n);
                 let mut prompt = String::new();
                 for _ in 0..n {
                     random_prompt(&mut rng, *input_len, &mut prompt);
-                    let body = build_body(
-                        self.endpoint,
-                        &self.model,
-                        &prompt,
-                        *output_len,
-                        *ignore_eos,
-                    )?;
+                    let body = build_body(self.endpoint, &self.model, &prompt, *output_len, *ignore_eos)?;
                     out.push(PreparedRequest {
                         body,
                         prompt_words: u64::from(*input_len),
@@ -381,12 +353,7 @@ impl Workload {
             WorkloadSpec::Dataset { .. } => {
                 let mut order: Vec<usize> = (0..self.dataset.len()).collect();
                 order.shuffle(&mut rng);
-                Ok(order
-                    .iter()
-                    .cycle()
-                    .take(n)
-                    .filter_map(|&i| self.dataset.get(i).cloned())
-                    .collect())
+                Ok(order.iter().cycle().take(n).filter_map(|&i| self.dataset.get(i).cloned()).collect())
             }
         }
     }
@@ -399,10 +366,7 @@ pub fn random_prompt(rng: &mut impl Rng, words: u32, out: &mut String) {
         if i > 0 {
             out.push(' ');
         }
-        let w = VOCAB
-            .get(rng.random_range(0..VOCAB.len()))
-            .copied()
-            .unwrap_or("the");
+        let w = VOCAB.get(rng.random_range(0..VOCAB.len())).copied().unwrap_or("the");
         out.push_str(w);
     }
 }
@@ -441,13 +405,7 @@ pub fn build_body(
     ignore_eos: bool,
 ) -> Result<Bytes, BenchError> {
     let (messages, prompt) = match endpoint {
-        Endpoint::Chat => (
-            Some([Message {
-                role: "user",
-                content: prompt,
-            }]),
-            None,
-        ),
+        Endpoint::Chat => (Some([Message { role: "user", content: prompt }]), None),
         Endpoint::Completions => (None, Some(prompt)),
     };
     let body = Body {
@@ -456,9 +414,7 @@ pub fn build_body(
         prompt,
         max_tokens,
         stream: true,
-        stream_options: StreamOptions {
-            include_usage: true,
-        },
+        stream_options: StreamOptions { include_usage: true },
         ignore_eos,
     };
     Ok(Bytes::from(serde_json::to_vec(&body)?))
@@ -494,31 +450,20 @@ struct Turn {
 impl RawEntry {
     fn normalize(self) -> Option<DatasetEntry> {
         if let Some(prompt) = self.prompt.filter(|p| !p.trim().is_empty()) {
-            return Some(DatasetEntry {
-                prompt,
-                max_tokens: self.max_tokens,
-            });
+            return Some(DatasetEntry { prompt, max_tokens: self.max_tokens });
         }
         let turns = self.conversations?;
-        let pos = turns
-            .iter()
-            .position(|t| t.from == "human" || t.from == "user")?;
+        let pos = turns.iter().position(|t| t.from == "human" || t.from == "user")?;
         let reply = turns
             .get(pos + 1..)
-            .and_then(|rest| {
-                rest.iter()
-                    .find(|t| t.from == "gpt" || t.from == "assistant")
-            })
+            .and_then(|rest| rest.iter().find(|t| t.from == "gpt" || t.from == "assistant"))
             .map(|t| u32::try_from(t.value.split_whitespace().count()).unwrap_or(u32::MAX))
             .filter(|&n| n > 0);
         let prompt = turns.into_iter().nth(pos)?.value;
         if prompt.trim().is_empty() {
             return None;
         }
-        Some(DatasetEntry {
-            prompt,
-            max_tokens: self.max_tokens.or(reply),
-        })
+        Some(DatasetEntry { prompt, max_tokens: self.max_tokens.or(reply) })
     }
 }
 
@@ -534,8 +479,7 @@ pub fn parse_dataset(text: &str) -> Result<Vec<DatasetEntry>, String> {
         if line.trim().is_empty() {
             continue;
         }
-        let raw: RawEntry =
-            serde_json::from_str(line).map_err(|e| format!("line {}: {e}", i + 1))?;
+        let raw: RawEntry = serde_json::from_str(line).map_err(|e| format!("line {}: {e}", i + 1))?;
         out.extend(raw.normalize());
     }
     Ok(out)
@@ -543,15 +487,10 @@ pub fn parse_dataset(text: &str) -> Result<Vec<DatasetEntry>, String> {
 
 fn read_dataset(path: &Path) -> Result<Vec<DatasetEntry>, BenchError> {
     let text = std::fs::read_to_string(path).map_err(|e| BenchError::io(path, e))?;
-    let entries = parse_dataset(&text).map_err(|message| BenchError::Dataset {
-        path: path.into(),
-        message,
-    })?;
+    let entries =
+        parse_dataset(&text).map_err(|message| BenchError::Dataset { path: path.into(), message })?;
     if entries.is_empty() {
-        return Err(BenchError::Dataset {
-            path: path.into(),
-            message: "no usable prompts".into(),
-        });
+        return Err(BenchError::Dataset { path: path.into(), message: "no usable prompts".into() });
     }
     Ok(entries)
 }
@@ -563,11 +502,7 @@ mod tests {
     #[test]
     fn random_prompts_have_requested_length_and_differ() {
         let w = Workload::load(
-            &WorkloadSpec::Random {
-                input_len: 32,
-                output_len: 16,
-                ignore_eos: true,
-            },
+            &WorkloadSpec::Random { input_len: 32, output_len: 16, ignore_eos: true },
             Endpoint::Chat,
             "m",
         )
@@ -608,27 +543,12 @@ mod tests {
 "#;
         let e = parse_dataset(jsonl).unwrap();
         assert_eq!(e.len(), 3);
-        assert_eq!(
-            e[0],
-            DatasetEntry {
-                prompt: "tell me a story".into(),
-                max_tokens: Some(50)
-            }
-        );
+        assert_eq!(e[0], DatasetEntry { prompt: "tell me a story".into(), max_tokens: Some(50) });
         assert_eq!(e[1].max_tokens, None);
-        assert_eq!(
-            e[2],
-            DatasetEntry {
-                prompt: "what is rust".into(),
-                max_tokens: Some(3)
-            }
-        );
-        let arr =
-            r#"[{"conversations":[{"from":"human","value":"q"},{"from":"gpt","value":"a b"}]}]"#;
+        assert_eq!(e[2], DatasetEntry { prompt: "what is rust".into(), max_tokens: Some(3) });
+        let arr = r#"[{"conversations":[{"from":"human","value":"q"},{"from":"gpt","value":"a b"}]}]"#;
         assert_eq!(parse_dataset(arr).unwrap()[0].max_tokens, Some(2));
-        assert!(parse_dataset("{not json}\n")
-            .unwrap_err()
-            .contains("line 1"));
+        assert!(parse_dataset("{not json}\n").unwrap_err().contains("line 1"));
     }
 
     #[test]
@@ -636,16 +556,8 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("gateway-bench-ds-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("d.jsonl");
-        std::fs::write(
-            &path,
-            "{\"prompt\":\"a\",\"max_tokens\":5}\n{\"prompt\":\"b\"}\n",
-        )
-        .unwrap();
-        let spec = WorkloadSpec::Dataset {
-            path: path.clone(),
-            output_len: Some(9),
-            ignore_eos: false,
-        };
+        std::fs::write(&path, "{\"prompt\":\"a\",\"max_tokens\":5}\n{\"prompt\":\"b\"}\n").unwrap();
+        let spec = WorkloadSpec::Dataset { path: path.clone(), output_len: Some(9), ignore_eos: false };
         let w = Workload::load(&spec, Endpoint::Completions, "m").unwrap();
         assert_eq!(w.dataset_len(), 2);
         let reqs = w.requests_for_point(5, 0).unwrap();

@@ -3,12 +3,7 @@
 
 // Test helpers outside #[test] fns are not covered by clippy.toml's
 // allow-*-in-tests settings.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use bytes::Bytes;
 use clap::Parser;
@@ -68,9 +63,7 @@ impl Body for SseBody {
         }
         if !self.delay.is_zero() {
             let delay = self.delay;
-            let sleep = self
-                .sleep
-                .get_or_insert_with(|| Box::pin(tokio::time::sleep(delay)));
+            let sleep = self.sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep(delay)));
             if sleep.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
             }
@@ -112,8 +105,7 @@ fn stream_frames(chat: bool, prompt_tokens: u64, tokens: u64, done: bool) -> Vec
 }
 
 fn error_response(status: u16, code: &str) -> Response<SseBody> {
-    let body = serde_json::json!({"error": {"message": "nope", "type": "error", "code": code}})
-        .to_string();
+    let body = serde_json::json!({"error": {"message": "nope", "type": "error", "code": code}}).to_string();
     let mut r = Response::new(SseBody {
         frames: VecDeque::from([Bytes::from(body)]),
         delay: Duration::ZERO,
@@ -131,18 +123,10 @@ async fn handle(
 ) -> Result<Response<SseBody>, Infallible> {
     let n = stats.requests.fetch_add(1, Ordering::Relaxed);
     let chat = req.uri().path() == "/v1/chat/completions";
-    let auth = req
-        .headers()
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
+    let auth = req.headers().get("authorization").and_then(|v| v.to_str().ok()).map(str::to_string);
     let body = req.into_body().collect().await.unwrap().to_bytes();
     let v: Value = serde_json::from_slice(&body).unwrap();
-    let prompt = if chat {
-        v["messages"][0]["content"].as_str()
-    } else {
-        v["prompt"].as_str()
-    };
+    let prompt = if chat { v["messages"][0]["content"].as_str() } else { v["prompt"].as_str() };
     let prompt_tokens = prompt.unwrap_or("").split_whitespace().count() as u64;
     let tokens = v["max_tokens"].as_u64().unwrap_or(4);
     *stats.last_body.lock().unwrap() = Some(v);
@@ -154,13 +138,8 @@ async fn handle(
         (Mode::Mixed, 3) => stream_frames(chat, prompt_tokens, tokens, false),
         _ => stream_frames(chat, prompt_tokens, tokens, true),
     };
-    let mut r = Response::new(SseBody {
-        frames,
-        delay,
-        sleep: None,
-    });
-    r.headers_mut()
-        .insert("content-type", "text/event-stream".parse().unwrap());
+    let mut r = Response::new(SseBody { frames, delay, sleep: None });
+    r.headers_mut().insert("content-type", "text/event-stream".parse().unwrap());
     Ok(r)
 }
 
@@ -170,10 +149,7 @@ fn start_server(mode: Mode, delay: Duration) -> (u16, Arc<ServerStats>) {
     let s = stats.clone();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async move {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             tx.send(listener.local_addr().unwrap().port()).unwrap();
@@ -260,10 +236,7 @@ fn concurrency_sweep_writes_consistent_json_csv_and_svg() {
     assert_eq!(body["max_tokens"], 8);
     assert_eq!(body["ignore_eos"], true);
     assert_eq!(body["messages"][0]["role"], "user");
-    assert_eq!(
-        stats.last_auth.lock().unwrap().as_deref(),
-        Some("Bearer sk-test")
-    );
+    assert_eq!(stats.last_auth.lock().unwrap().as_deref(), Some("Bearer sk-test"));
 
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(v["tool"], "gateway-bench");
@@ -326,20 +299,14 @@ fn concurrency_sweep_writes_consistent_json_csv_and_svg() {
         ] {
             assert!(p.get(k).is_some(), "{label}: {k} missing");
         }
-        let (sent, completed, failed) = (
-            p["sent"].as_u64().unwrap(),
-            p["completed"].as_u64().unwrap(),
-            p["failed"].as_u64().unwrap(),
-        );
+        let (sent, completed, failed) =
+            (p["sent"].as_u64().unwrap(), p["completed"].as_u64().unwrap(), p["failed"].as_u64().unwrap());
         assert_eq!(completed + failed, sent);
         assert_eq!(sent, 20);
         assert_eq!(completed, 20, "{p}");
         let errors = p["errors"].as_object().unwrap();
         assert_eq!(errors.len(), 8);
-        assert_eq!(
-            errors.values().map(|e| e.as_u64().unwrap()).sum::<u64>(),
-            sent
-        );
+        assert_eq!(errors.values().map(|e| e.as_u64().unwrap()).sum::<u64>(), sent);
         assert_eq!(p["status_codes"]["200"], 20);
         assert_eq!(p["total_completion_tokens"], 20 * 8);
         assert_eq!(p["total_prompt_tokens"], 20 * 16);
@@ -352,21 +319,11 @@ fn concurrency_sweep_writes_consistent_json_csv_and_svg() {
         assert!((f(&p["request_throughput"]) - expect_rps).abs() < 1e-6 * expect_rps);
         assert_eq!(f(&p["success_rate"]), 1.0);
         assert_eq!(f(&p["rate_limited_rate"]), 0.0);
-        for (m, count) in [
-            ("ttft_ms", 20),
-            ("itl_ms", 20 * 7),
-            ("tpot_ms", 20),
-            ("e2e_ms", 20),
-        ] {
+        for (m, count) in [("ttft_ms", 20), ("itl_ms", 20 * 7), ("tpot_ms", 20), ("e2e_ms", 20)] {
             let s = &p[m];
             assert_eq!(s["count"], count, "{label} {m}");
-            let (p50, p90, p99, max, mean) = (
-                f(&s["p50_ms"]),
-                f(&s["p90_ms"]),
-                f(&s["p99_ms"]),
-                f(&s["max_ms"]),
-                f(&s["mean_ms"]),
-            );
+            let (p50, p90, p99, max, mean) =
+                (f(&s["p50_ms"]), f(&s["p90_ms"]), f(&s["p99_ms"]), f(&s["max_ms"]), f(&s["mean_ms"]));
             assert!(p50 <= p90 && p90 <= p99 && p99 <= max, "{label} {m}: {s}");
             assert!(mean > 0.0 && mean <= max, "{label} {m}: {s}");
         }
@@ -379,10 +336,7 @@ fn concurrency_sweep_writes_consistent_json_csv_and_svg() {
     let slo = &v["slo"];
     assert_eq!(slo["met"], true);
     let rate = f(&slo["max_sustained_rate"]);
-    let best = points
-        .iter()
-        .map(|p| f(&p["request_throughput"]))
-        .fold(0.0, f64::max);
+    let best = points.iter().map(|p| f(&p["request_throughput"])).fold(0.0, f64::max);
     assert_eq!(rate, best);
     let cap = &v["capacity"];
     assert_eq!(cap["rate_basis"], "slo");
@@ -402,11 +356,7 @@ fn concurrency_sweep_writes_consistent_json_csv_and_svg() {
 }
 
 fn point_config(port: u16, endpoint: Endpoint, n: u64, load: LoadSpec) -> PointConfig {
-    let spec = WorkloadSpec::Random {
-        input_len: 8,
-        output_len: 6,
-        ignore_eos: true,
-    };
+    let spec = WorkloadSpec::Random { input_len: 8, output_len: 6, ignore_eos: true };
     let w = Workload::load(&spec, endpoint, "test").unwrap();
     PointConfig {
         target: Target::parse(&format!("http://127.0.0.1:{port}")).unwrap(),
@@ -437,10 +387,7 @@ fn load(max_concurrency: Option<u32>, request_rate: Option<f64>) -> LoadSpec {
 #[test]
 fn error_classes_and_poisson_point_via_library() {
     let (port, stats) = start_server(Mode::Mixed, Duration::ZERO);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let cfg = point_config(port, Endpoint::Completions, 20, load(Some(2), Some(400.0)));
     let r = rt.block_on(run_point(&cfg)).unwrap();
     let s = &r.stats;
@@ -465,21 +412,11 @@ fn error_classes_and_poisson_point_via_library() {
 #[test]
 fn unreachable_target_counts_connection_errors() {
     // Bind then drop a listener to get a port with nothing behind it.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let cfg = point_config(port, Endpoint::Chat, 5, load(Some(2), None));
     let r = rt.block_on(run_point(&cfg)).unwrap();
-    assert_eq!(
-        (r.stats.sent, r.stats.failed, r.stats.errors.connection),
-        (5, 5, 5)
-    );
+    assert_eq!((r.stats.sent, r.stats.failed, r.stats.errors.connection), (5, 5, 5));
     assert_eq!(r.stats.ttft_ms.p99_ms, None);
 }
 
@@ -490,21 +427,11 @@ fn unreachable_target_counts_connection_errors() {
 #[ignore]
 fn generator_throughput_single_thread() {
     let (port, _stats) = start_server(Mode::Ok, Duration::ZERO);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let n = 50_000;
     let mut cfg = point_config(port, Endpoint::Chat, n, load(Some(64), None));
-    let spec = WorkloadSpec::Random {
-        input_len: 16,
-        output_len: 16,
-        ignore_eos: true,
-    };
-    cfg.requests = Workload::load(&spec, Endpoint::Chat, "test")
-        .unwrap()
-        .requests_for_point(n, 1)
-        .unwrap();
+    let spec = WorkloadSpec::Random { input_len: 16, output_len: 16, ignore_eos: true };
+    cfg.requests = Workload::load(&spec, Endpoint::Chat, "test").unwrap().requests_for_point(n, 1).unwrap();
     cfg.warmup = 1000;
     let r = rt.block_on(run_point(&cfg)).unwrap();
     println!(

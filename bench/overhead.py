@@ -1,0 +1,1088 @@
+"""The gateway's benchmark suite: `make bench` runs it and writes docs/benchmarks.md.
+
+It measures what the gateway costs, side by side and interleaved, so that machine noise hits every
+target alike. One `vllm-sim` upstream is started per scenario and shared by every target, which are:
+
+    direct    gateway-bench → vllm-sim (what Envoy itself costs)
+    bare      → Envoy (same bootstrap, no filter, no sidecar) → vllm-sim
+    filter    → Envoy + the wasm filter → vllm-sim
+    gateway   → Envoy + filter + ext_proc sidecar (+ redis-server) → vllm-sim
+    gateway-no-metering   (diagnostic) the gateway without its metering ext_proc: admission only
+
+Scenarios (`--scenarios`, all by default):
+
+    overhead    streaming at concurrency 16 against a paced upstream (TTFT 20 ms, ITL 5 ms,
+                32 tokens): TTFT / ITL / E2E percentiles, CPU seconds per 1,000 requests, peak RSS
+    saturation  the same small request against an upstream with no simulated latency: req/s
+    sweep       concurrency sweep of the full gateway (the bench tool's chart)
+    limits      limit decisions per second of the sidecar (every request refused with 429)
+    streams     sidecar and Envoy RSS with 1,000 streams open
+    overload    Poisson arrivals up to 4x the capacity of an upstream with a small
+                --max-num-seqs, without and (once the sidecar supports it) with shedding
+    tool        the load generator alone against the upstream, on one thread
+
+Rounds run the targets in turn (A B C D, B C D A, ...: the order rotates so that no target always
+runs first) and are aggregated as the median of the per-round values; differences and ratios
+against bare Envoy are medians of the per-round paired differences and ratios. Raw reports go to
+target/bench-results/<stamp>/ (not committed); the results page (bench/results_page.py, from the
+template bench/benchmarks.md.tmpl) and its charts to docs/.
+
+    python bench/overhead.py                  # the full run (~10 min), rewrites docs/benchmarks.md
+    python bench/overhead.py --quick          # smoke run (seconds); docs untouched
+    python bench/overhead.py --quick --targets direct,bare --scenarios overhead,saturation
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import resource
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import stack as stack_module  # noqa: E402
+from results_page import fmt, overhead_tables, ratio, render_page, signed, targets_table, write_charts  # noqa: E402
+from stack import (  # noqa: E402
+    TARGET,
+    Model,
+    Pool,
+    Stack,
+    StackError,
+    Tenant,
+    envoy_binary,
+    new_api_key,
+)
+
+# The binaries the suite runs (tests/stack.py's, plus the load generator); `snapshot_binaries`
+# points them at copies for the length of a run.
+BIN = {
+    "gateway-bench": Path(os.environ.get("GATEWAY_BENCH_BIN", TARGET / "release" / "gateway-bench")),
+    "vllm-sim": stack_module.SIM_BIN,
+    "gateway-ext-proc": stack_module.SIDECAR_BIN,
+    "gateway_filter.wasm": stack_module.WASM_PATH,
+}
+ORIGINAL_BIN = dict(BIN)
+DOC = ROOT / "docs" / "benchmarks.md"
+CHART_DIR = ROOT / "docs" / "benchmarks"
+RESULTS_DIR = TARGET / "bench-results"
+
+MODEL = "sim-model"
+POOL = "pool_sim"
+TARGETS = ("direct", "bare", "filter", "gateway", "gateway-no-metering")
+# Target name -> (tests/stack.py profile, Envoy HTTP filters removed from it). The last one is a
+# diagnostic: the gateway without its metering ext_proc, which tells admission's cost from
+# metering's.
+PROFILES = {
+    "direct": ("direct", ()),
+    "bare": ("bare", ()),
+    "filter": ("filter", ()),
+    "gateway": ("gateway", ()),
+    "gateway-no-metering": ("gateway", ("llm_gateway.metering",)),
+}
+SCENARIOS = ("overhead", "saturation", "sweep", "limits", "streams", "overload", "tool")
+START_DEADLINE_S = 30.0
+IDLE_DEADLINE_S = 60.0
+SAMPLE_INTERVAL_S = 0.2
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+SEED = 1
+
+# One key per tenant, identical for every target so that every target gets the same request bytes
+# (bare Envoy and the simulator ignore the Authorization header).
+KEY = new_api_key()
+LIMITED_KEY = new_api_key()
+TENANTS = [
+    # Limits high enough never to refuse: every request still runs the Redis token buckets.
+    Tenant("bench", [KEY], {"requests_per_minute": 10**9, "tokens_per_minute": 10**12}),
+    # One request per minute: after the first, every request is a 429 decided by the sidecar.
+    Tenant("bench-limited", [LIMITED_KEY], {"requests_per_minute": 1}),
+]
+
+
+# ------------------------------------------------------------------------------------ the plan
+
+
+@dataclass(frozen=True)
+class Load:
+    """The gateway-bench flags that define one workload (identical for every target)."""
+
+    concurrency: int
+    num_prompts: int
+    warmup: int
+    input_len: int
+    output_len: int
+    # Stop sending this many seconds into a run: at saturation every target then runs for the same
+    # time (and meets the same machine noise) however fast it is; `num_prompts` is only a ceiling.
+    duration_s: float | None = None
+
+    def args(self) -> list[str]:
+        """gateway-bench flags of this workload."""
+        args = ["--max-concurrency", str(self.concurrency), "--num-prompts", str(self.num_prompts),
+                "--warmup", str(self.warmup), "--input-len", str(self.input_len),
+                "--output-len", str(self.output_len)]
+        return args + (["--duration-s", f"{self.duration_s:g}"] if self.duration_s else [])
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """vllm-sim pacing of one scenario's shared upstream."""
+
+    ttft_ms: float = 0.0
+    itl_ms: float = 0.0
+    max_num_seqs: int = 256
+
+    def args(self) -> list[str]:
+        """vllm-sim flags."""
+        return ["--ttft-ms", f"{self.ttft_ms:g}", "--itl-ms", f"{self.itl_ms:g}",
+                "--max-num-seqs", str(self.max_num_seqs)]
+
+    def service_s(self, output_tokens: int) -> float:
+        """Seconds one request holds a slot: TTFT plus (tokens - 1) inter-token gaps."""
+        return (self.ttft_ms + (output_tokens - 1) * self.itl_ms) / 1000.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes of every scenario: the full run, or the `--quick` smoke run."""
+
+    rounds: int
+    paced: SimSettings
+    overhead: Load
+    fast: SimSettings
+    saturation: Load
+    sweep: str
+    sweep_load: Load
+    sweep_duration_s: float
+    limits: Load
+    limits_runs: int
+    slow: SimSettings
+    streams: Load
+    overload_sim: SimSettings
+    overload_output_len: int
+    overload_factors: tuple[float, ...]
+    overload_duration_s: float
+    overload_timeout_s: float
+    tool: Load
+
+
+FULL = Plan(
+    rounds=5,
+    paced=SimSettings(ttft_ms=20, itl_ms=5),
+    overhead=Load(concurrency=16, num_prompts=400, warmup=48, input_len=128, output_len=32),
+    fast=SimSettings(),
+    saturation=Load(concurrency=16, num_prompts=100000, warmup=400, input_len=16, output_len=16, duration_s=3),
+    sweep="1,4,16,64,256,512",
+    sweep_load=Load(concurrency=0, num_prompts=2000, warmup=16, input_len=128, output_len=32),
+    sweep_duration_s=5.0,
+    limits=Load(concurrency=16, num_prompts=100000, warmup=200, input_len=16, output_len=16, duration_s=3),
+    limits_runs=3,
+    # 50 tokens 100 ms apart: streams that stay open ~5 s, so that 1,000 are open at once.
+    slow=SimSettings(ttft_ms=100, itl_ms=100, max_num_seqs=4096),
+    streams=Load(concurrency=1000, num_prompts=2000, warmup=0, input_len=16, output_len=50),
+    overload_sim=SimSettings(ttft_ms=100, itl_ms=5, max_num_seqs=8),
+    overload_output_len=32,
+    overload_factors=(0.25, 1.0, 2.0, 4.0),
+    overload_duration_s=8.0,
+    overload_timeout_s=10.0,
+    tool=Load(concurrency=64, num_prompts=20000, warmup=1000, input_len=16, output_len=16),
+)
+
+QUICK = Plan(
+    rounds=2,
+    paced=FULL.paced,
+    overhead=Load(concurrency=8, num_prompts=64, warmup=8, input_len=128, output_len=32),
+    fast=FULL.fast,
+    saturation=Load(concurrency=16, num_prompts=20000, warmup=40, input_len=16, output_len=16, duration_s=0.5),
+    sweep="1,16,64",
+    sweep_load=Load(concurrency=0, num_prompts=200, warmup=4, input_len=128, output_len=32),
+    sweep_duration_s=1.0,
+    limits=Load(concurrency=16, num_prompts=20000, warmup=20, input_len=16, output_len=16, duration_s=0.5),
+    limits_runs=1,
+    slow=SimSettings(ttft_ms=100, itl_ms=100, max_num_seqs=4096),
+    streams=Load(concurrency=100, num_prompts=200, warmup=0, input_len=16, output_len=10),
+    overload_sim=FULL.overload_sim,
+    overload_output_len=FULL.overload_output_len,
+    overload_factors=(0.25, 4.0),
+    overload_duration_s=1.5,
+    overload_timeout_s=3.0,
+    tool=Load(concurrency=64, num_prompts=2000, warmup=200, input_len=16, output_len=16),
+)
+
+
+# ============================================================================================
+# SHEDDING: the overload scenario's sidecar configuration. <<< the one place to edit >>>
+#
+# Merged into the sidecar config of the `gateway+shedding` variant of the overload scenario (the
+# `gateway` variant runs without it), in the schema of ext-proc/src/config.rs (`pools[]`,
+# `shedding.tier_levels`; the bench tenant's tier is `standard`, unlisted, so shed at load 1.0).
+# If the sidecar rejects it (a sidecar built without shedding), the variant is reported as
+# pending with the sidecar's message and the rest of the run goes on.
+#
+# With TTFT 100 ms and a 255 ms service time, a single request queued at the engine may wait up
+# to a whole service time, more than the 2x TTFT budget: hence the cap on this sidecar's own
+# in-flight requests at the engine's slots (it reacts at once), and the scraped queue depth only
+# as a backstop for pools that other gateways also feed (it lags by a scrape interval).
+# ============================================================================================
+def shedding_sidecar_config(pool: str, urls: list[str], sim: SimSettings) -> dict:
+    """Sidecar config keys that turn on shedding for `pool` (served by `urls`)."""
+    return {
+        "pools": [{
+            "name": pool,
+            "endpoints": urls,
+            "scrape_interval_ms": 100,
+            "max_in_flight": sim.max_num_seqs,
+            "max_queue_depth": 1,
+        }],
+    }
+
+
+# ------------------------------------------------------------------------- process accounting
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a running process (all its threads), from /proc/<pid>/stat."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    fields = text[text.rfind(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def vm_mb(pid: int, key: str) -> float | None:
+    """A `Vm*` line of /proc/<pid>/status (VmRSS: resident now, VmHWM: peak resident), in MiB."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    total = sum(values[:8])  # guest time is already counted in user time
+    idle = values[3] + values[4]
+    return (total - idle) / CLK_TCK, total / CLK_TCK
+
+
+def own_cpu() -> float:
+    """CPU seconds of this process and of its children that have been waited for."""
+    cpu = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        cpu += usage.ru_utime + usage.ru_stime
+    return cpu
+
+
+def children_cpu() -> float:
+    """CPU seconds of the children waited for so far (a gateway-bench run, once reaped)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of a Prometheus metric's samples from an upstream's /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=2) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {":
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# ------------------------------------------------------------------------------- processes
+
+
+class BenchError(RuntimeError):
+    """A benchmark step failed; the message says which and includes the log's tail."""
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    """The last lines of a log file."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class Upstream:
+    """One vllm-sim process, shared by every target of a scenario (each sees the same upstream)."""
+
+    def __init__(self, workdir: Path, sim: SimSettings):
+        self.workdir = workdir
+        self.sim = sim
+        self.popen: subprocess.Popen | None = None
+        self.url = ""
+        self.log = workdir / "vllm-sim.log"
+
+    def __enter__(self) -> Upstream:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        argv = [str(BIN["vllm-sim"]), "--port", "0", "--served-model-name", MODEL, *self.sim.args()]
+        with open(self.log, "wb") as log:
+            self.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        prefix = "vllm-sim listening on"
+        deadline = time.monotonic() + START_DEADLINE_S
+        while time.monotonic() < deadline and self.popen.poll() is None:
+            for line in self.log.read_text(errors="replace").splitlines():
+                if line.startswith(prefix):
+                    self.url = line[len(prefix):].strip()
+                    return self
+            time.sleep(0.05)  # polling interval of a readiness loop bounded by the deadline
+        self.close()
+        raise BenchError(f"vllm-sim did not start:\n{log_tail(self.log)}")
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stops the simulator (SIGTERM, then SIGKILL after 5 s)."""
+        if self.popen and self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=5)
+
+    def in_flight(self) -> float:
+        """Requests running plus waiting in the simulator."""
+        return metric(self.url, "vllm:num_requests_running") + metric(self.url, "vllm:num_requests_waiting")
+
+    def wait_idle(self) -> None:
+        """Waits (bounded) until no request is running or queued, so rounds do not overlap."""
+        deadline = time.monotonic() + IDLE_DEADLINE_S
+        while self.in_flight() > 0:
+            if time.monotonic() > deadline:
+                raise BenchError(f"vllm-sim still busy after {IDLE_DEADLINE_S} s")
+            time.sleep(0.05)  # polling interval of a wait bounded by the deadline
+
+
+class BenchStack(Stack):
+    """A `tests/stack.py` stack with extra sidecar config keys and fewer Envoy HTTP filters.
+
+    The extra keys turn on shedding in the overload scenario; dropped filters make diagnostic
+    targets (PROFILES).
+    """
+
+    def __init__(self, *args, sidecar_extra: dict | None = None, drop_filters: tuple[str, ...] = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sidecar_extra = sidecar_extra or {}
+        self.drop_filters = drop_filters
+
+    def sidecar_config(self) -> dict:
+        """The stack's sidecar config with the extra keys merged in."""
+        return {**super().sidecar_config(), **self.sidecar_extra}
+
+    def envoy_config(self) -> dict:
+        """The stack's Envoy bootstrap without the dropped HTTP filters."""
+        config = super().envoy_config()
+        chain = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        chain["http_filters"] = [f for f in chain["http_filters"] if f["name"] not in self.drop_filters]
+        return config
+
+
+@dataclass
+class Target:
+    """Where a workload is sent, and the processes whose CPU and memory are charged to it."""
+
+    name: str
+    base_url: str
+    pids: dict[str, int] = field(default_factory=dict)  # role (envoy, sidecar, redis) -> pid
+
+    def peak_rss_mb(self) -> dict[str, float | None]:
+        """VmHWM of each process, in MiB."""
+        return {role: vm_mb(pid, "VmHWM") for role, pid in self.pids.items()}
+
+
+def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency: int,
+                 exits: contextlib.ExitStack, sidecar_extra: dict | None = None, profile: str | None = None) -> Target:
+    """Starts one target's Envoy stack (see PROFILES) in front of `upstream`."""
+    profile, drop = PROFILES[profile or name]
+    if profile == "direct":
+        return Target(name, upstream.url)
+    stack = BenchStack(
+        workdir / name,
+        pools=[Pool(POOL, [MODEL], kind="external", urls=[upstream.url])],
+        models=[Model(MODEL, POOL)],
+        tenants=TENANTS,
+        profile=profile,
+        envoy_concurrency=envoy_concurrency,
+        sidecar_extra=sidecar_extra,
+        drop_filters=drop,
+    )
+    exits.enter_context(stack)
+    assert stack.envoy is not None and stack.base_url is not None
+    pids = {"envoy": stack.envoy.popen.pid}
+    pids.update({p.name: p.popen.pid for p in stack.procs if p.name in ("sidecar", "redis")})
+    return Target(name, stack.base_url, pids)
+
+
+@dataclass
+class BenchRun:
+    """One gateway-bench invocation: its report, the exact command, wall and CPU seconds."""
+
+    report: dict
+    argv: list[str]
+    wall_s: float
+    cpu_s: float
+
+
+def run_bench(args: list[str], out_json: Path, timeout_s: float,
+              sample: Callable[[], None] | None = None) -> BenchRun:
+    """Runs gateway-bench to completion (bounded by `timeout_s`), calling `sample` meanwhile."""
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    argv = [str(BIN["gateway-bench"]), "--model", MODEL, "--seed", str(SEED), "--no-progress", *args,
+            "--output-json", str(out_json)]
+    log = out_json.with_suffix(".log")
+    cpu_before = children_cpu()
+    start = time.monotonic()
+    with open(log, "wb") as f:
+        popen = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        while popen.poll() is None:
+            if time.monotonic() - start > timeout_s:
+                raise BenchError(f"gateway-bench ran past {timeout_s:.0f} s: {shlex.join(argv)}")
+            if sample:
+                sample()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(timeout=SAMPLE_INTERVAL_S)
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait(timeout=5)
+    wall = time.monotonic() - start
+    if popen.returncode != 0:
+        raise BenchError(f"gateway-bench exited {popen.returncode}: {shlex.join(argv)}\n{log_tail(log)}")
+    return BenchRun(json.loads(out_json.read_text()), argv, wall, children_cpu() - cpu_before)
+
+
+# --------------------------------------------------------------------------------- metrics
+
+
+LATENCY_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
+
+
+def point_metrics(point: dict) -> dict:
+    """The per-point figures the suite aggregates, flattened from a gateway-bench report point."""
+    m = {k: point[k] for k in ("sent", "completed", "failed", "duration_s", "request_throughput",
+                               "output_throughput", "success_rate", "errors", "status_codes")}
+    for name in ("ttft", "itl", "tpot", "e2e"):
+        stats = point.get(f"{name}_ms") or {}
+        for p in ("p50", "p99"):
+            m[f"{name}_{p}_ms"] = stats.get(f"{p}_ms")
+    return m
+
+
+def median(values: list) -> float | None:
+    """Median of the non-null values (None when there are none)."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def spread(values: list) -> dict:
+    """Median, min and max of the non-null values."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(present), "min": min(present), "max": max(present)}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Aggregates one target's rounds: medians (with min/max) of each figure, sums of counts."""
+    out: dict = {"rounds": len(rows)}
+    for key in ("request_throughput", "output_throughput", *LATENCY_KEYS, "tpot_p50_ms", "bench_cpu_share"):
+        out[key] = spread([r.get(key) for r in rows])
+    roles = sorted({role for r in rows for role in r["cpu_s_per_1k"]})
+    out["cpu_s_per_1k"] = {role: spread([r["cpu_s_per_1k"].get(role) for r in rows]) for role in roles}
+    for key in ("sent", "completed", "failed"):
+        out[key] = sum(r[key] for r in rows)
+    out["errors"] = {k: sum(r["errors"][k] for r in rows) for k in rows[0]["errors"]} if rows else {}
+    return out
+
+
+def paired(rows: dict[str, list[dict]], base: str) -> dict:
+    """Per target: medians over rounds of (target − base) latencies and target/base throughput."""
+    out = {}
+    for name, target_rows in rows.items():
+        if name == base:
+            continue
+        pairs = list(zip(target_rows, rows[base], strict=True))
+        diff = {}
+        for key in LATENCY_KEYS:
+            diff[key] = spread([a[key] - b[key] for a, b in pairs if a[key] is not None and b[key] is not None])
+        diff["throughput_ratio"] = spread([a["request_throughput"] / b["request_throughput"]
+                                           for a, b in pairs if b["request_throughput"]])
+        out[name] = diff
+    return out
+
+
+def interleaved(scenario: str, targets: dict[str, Target], upstream: Upstream, load: Load, rounds: int,
+                raw: Path, timeout_s: float) -> dict:
+    """Runs `load` against every target, `rounds` times, rotating the order each round."""
+    names = list(targets)
+    rows: dict[str, list[dict]] = {n: [] for n in names}
+    commands = {}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for position, name in enumerate(order):
+            target = targets[name]
+            upstream.wait_idle()
+            before = {role: cpu_seconds(pid) for role, pid in target.pids.items()}
+            run = run_bench(["--base-url", target.base_url, "--api-key", KEY, *load.args()],
+                            raw / scenario / f"{name}-r{r}.json", timeout_s)
+            after = {role: cpu_seconds(pid) for role, pid in target.pids.items()}
+            m = point_metrics(run.report["points"][0])
+            requests = m["sent"] + load.warmup  # warm-up requests cost CPU too
+            m.update(round=r, position=position, wall_s=run.wall_s, bench_cpu_s=run.cpu_s,
+                     bench_cpu_share=run.cpu_s / run.wall_s,
+                     cpu_s={role: after[role] - before[role] for role in before},
+                     cpu_s_per_1k={role: (after[role] - before[role]) * 1000.0 / requests for role in before})
+            rows[name].append(m)
+            commands.setdefault(name, run.argv)
+            say(f"[{scenario}] round {r + 1}/{rounds} {name:8} {m['request_throughput']:9.1f} req/s  "
+                f"TTFT p50 {fmt(m['ttft_p50_ms'])} p99 {fmt(m['ttft_p99_ms'])}  ITL p99 {fmt(m['itl_p99_ms'])}  "
+                f"E2E p50 {fmt(m['e2e_p50_ms'])} ms  failed {m['failed']}")
+    return {
+        "load": asdict(load),
+        "rounds": rounds,
+        "order": names,
+        "targets": {n: {**summarize(rows[n]), "peak_rss_mb": targets[n].peak_rss_mb(),
+                        "command": commands[n]} for n in names},
+        "vs_bare": paired(rows, "bare") if "bare" in rows else None,
+        "per_round": rows,
+    }
+
+
+# ------------------------------------------------------------------------------- scenarios
+
+
+def sweep(target: Target, plan: Plan, raw: Path) -> dict:
+    """Concurrency sweep of the full gateway, with the bench tool's chart."""
+    load = plan.sweep_load
+    args = ["--base-url", target.base_url, "--api-key", KEY, "--sweep-concurrency", plan.sweep,
+            "--num-prompts", str(load.num_prompts), "--warmup", str(load.warmup),
+            "--duration-s", f"{plan.sweep_duration_s:g}", "--input-len", str(load.input_len),
+            "--output-len", str(load.output_len), "--plot", str(raw / "sweep" / "gateway-sweep.svg")]
+    points = len(plan.sweep.split(","))
+    run = run_bench(args, raw / "sweep" / "gateway-sweep.json", timeout_s=points * (plan.sweep_duration_s + 60))
+    rows = [{"label": p["label"], **point_metrics(p)} for p in run.report["points"]]
+    for row in rows:
+        say(f"[sweep] {row['label']:12} {row['request_throughput']:9.1f} req/s  TTFT p99 {fmt(row['ttft_p99_ms'])} ms")
+    return {"command": run.argv, "points": rows, "knee": run.report.get("knee"),
+            "chart": str(raw / "sweep" / "gateway-sweep.svg")}
+
+
+def limits(target: Target, plan: Plan, raw: Path) -> dict:
+    """Limit decisions/s of the sidecar: a tenant whose every request (but the first) gets a 429."""
+    runs = []
+    for r in range(plan.limits_runs):
+        before = {role: cpu_seconds(pid) for role, pid in target.pids.items()}
+        run = run_bench(["--base-url", target.base_url, "--api-key", LIMITED_KEY, *plan.limits.args()],
+                        raw / "limits" / f"refused-r{r}.json", timeout_s=120)
+        after = {role: cpu_seconds(pid) for role, pid in target.pids.items()}
+        m = point_metrics(run.report["points"][0])
+        decisions = m["sent"] + plan.limits.warmup
+        m.update(decisions_per_s=m["sent"] / m["duration_s"] if m["duration_s"] else None,
+                 cpu_s_per_1k={role: (after[role] - before[role]) * 1000.0 / decisions for role in before})
+        runs.append(m)
+        say(f"[limits] run {r + 1}: {m['decisions_per_s']:.0f} decisions/s, 429s {m['status_codes'].get('429', 0)}"
+            f" of {m['sent']}")
+    roles = sorted(runs[0]["cpu_s_per_1k"])
+    return {
+        "load": asdict(plan.limits),
+        "command": run.argv,
+        "runs": runs,
+        "refused_per_s": spread([m["decisions_per_s"] for m in runs]),
+        "refused_share": sum(m["status_codes"].get("429", 0) for m in runs) / sum(m["sent"] for m in runs),
+        "cpu_s_per_1k": {role: spread([m["cpu_s_per_1k"][role] for m in runs]) for role in roles},
+    }
+
+
+def streams(target: Target, upstream: Upstream, plan: Plan, raw: Path) -> dict:
+    """Sidecar and Envoy RSS while `plan.streams.concurrency` streams are open through the gateway."""
+    idle = {role: vm_mb(pid, "VmRSS") for role, pid in target.pids.items()}
+    peak: dict = {"open_streams": 0.0, "rss_mb": {}, "rss_at_most_open_mb": {}}
+    last_scrape = [0.0]
+
+    def sample() -> None:
+        rss = {role: vm_mb(pid, "VmRSS") for role, pid in target.pids.items()}
+        for role, mb in rss.items():
+            if mb is not None and mb > (peak["rss_mb"].get(role) or 0.0):
+                peak["rss_mb"][role] = mb
+        if time.monotonic() - last_scrape[0] >= 0.5:
+            last_scrape[0] = time.monotonic()
+            running = metric(upstream.url, "vllm:num_requests_running")
+            if running >= peak["open_streams"]:
+                peak["open_streams"] = running
+                peak["rss_at_most_open_mb"] = rss
+
+    load = plan.streams
+    upstream.wait_idle()
+    run = run_bench(["--base-url", target.base_url, "--api-key", KEY, "--timeout-s", "120", *load.args()],
+                    raw / "streams" / "gateway.json", timeout_s=300, sample=sample)
+    m = point_metrics(run.report["points"][0])
+    # VmHWM is updated lazily by the kernel and may trail the sampled VmRSS: the peak is the larger.
+    hwm = target.peak_rss_mb()
+    peak_mb = {role: max(filter(None, [hwm.get(role), peak["rss_mb"].get(role)]), default=None)
+               for role in target.pids}
+    result = {"load": asdict(load), "command": run.argv, "idle_rss_mb": idle, "peak_sampled_rss_mb": peak["rss_mb"],
+              "open_streams_max": peak["open_streams"], "rss_at_most_open_mb": peak["rss_at_most_open_mb"],
+              "peak_rss_mb": peak_mb, "point": m}
+    say(f"[streams] {peak['open_streams']:.0f} streams open at most; sidecar RSS "
+        f"{fmt(peak['rss_mb'].get('sidecar'))} MiB (peak {fmt(result['peak_rss_mb'].get('sidecar'))}), "
+        f"envoy {fmt(peak['rss_mb'].get('envoy'))} MiB; failed {m['failed']}")
+    return result
+
+
+def overload(variants: dict[str, Target | str], upstream: Upstream, plan: Plan, raw: Path) -> dict:
+    """Poisson arrivals at multiples of the upstream's capacity, per variant (with/without shedding).
+
+    A variant whose value is a string could not start (its reason); it is reported, not run.
+    """
+    sim = plan.overload_sim
+    capacity = sim.max_num_seqs / sim.service_s(plan.overload_output_len)
+    running = {n: t for n, t in variants.items() if isinstance(t, Target)}
+    points: dict[str, list[dict]] = {n: [] for n in running}
+    commands = {}
+    for i, factor in enumerate(plan.overload_factors):
+        rate = factor * capacity
+        names = list(running)
+        for name in names[i % max(len(names), 1):] + names[:i % max(len(names), 1)]:
+            upstream.wait_idle()
+            num = math.ceil(rate * plan.overload_duration_s * 2) + 10  # --duration-s ends the point
+            args = ["--base-url", running[name].base_url, "--api-key", KEY, "--request-rate", f"{rate:.2f}",
+                    "--max-concurrency", "2048", "--num-prompts", str(num), "--warmup", "0",
+                    "--duration-s", f"{plan.overload_duration_s:g}", "--timeout-s", f"{plan.overload_timeout_s:g}",
+                    "--input-len", "16", "--output-len", str(plan.overload_output_len)]
+            run = run_bench(args, raw / "overload" / f"{name}-x{factor:g}.json",
+                            timeout_s=plan.overload_duration_s + plan.overload_timeout_s + 60)
+            m = point_metrics(run.report["points"][0])
+            m.update(factor=factor, offered_rate=rate)
+            points[name].append(m)
+            commands[name] = run.argv  # the last, highest load
+            e = m["errors"]
+            say(f"[overload] {name:18} {factor:4g}x ({rate:6.1f} req/s): served {m['completed']}/{m['sent']}, "
+                f"429 {e['rate_limited_quota'] + e['rate_limited_overload']}, timeouts {e['timeout']}, "
+                f"TTFT p99 {fmt(m['ttft_p99_ms'])} ms")
+    verdicts = {}
+    for name, rows in points.items():
+        if not rows:
+            continue
+        unloaded, top = rows[0], rows[-1]
+        e = top["errors"]
+        refused = e["rate_limited_quota"] + e["rate_limited_overload"]
+        ratio = (top["ttft_p99_ms"] / unloaded["ttft_p99_ms"]
+                 if top["ttft_p99_ms"] is not None and unloaded["ttft_p99_ms"] else None)
+        verdicts[name] = {
+            "unloaded_factor": unloaded["factor"], "top_factor": top["factor"],
+            "unloaded_ttft_p99_ms": unloaded["ttft_p99_ms"], "top_ttft_p99_ms": top["ttft_p99_ms"],
+            "ttft_p99_ratio": ratio, "top_refused_429": refused, "top_timeouts": e["timeout"],
+            "top_other_failures": top["failed"] - refused - e["timeout"],
+            "pass": ratio is not None and ratio <= 2.0 and e["timeout"] == 0 and refused > 0,
+        }
+    return {"sim": asdict(sim), "output_len": plan.overload_output_len, "capacity_rps": capacity,
+            "duration_s": plan.overload_duration_s, "timeout_s": plan.overload_timeout_s,
+            "points": points, "verdicts": verdicts, "commands": commands,
+            "pending": {n: why for n, why in variants.items() if isinstance(why, str)}}
+
+
+def tool(upstream: Upstream, plan: Plan, raw: Path) -> dict:
+    """The load generator alone, one thread, against the no-latency upstream."""
+    upstream.wait_idle()
+    run = run_bench(["--base-url", upstream.url, "--threads", "1", *plan.tool.args()],
+                    raw / "tool" / "direct.json", timeout_s=300)
+    m = point_metrics(run.report["points"][0])
+    result = {"load": asdict(plan.tool), "command": run.argv, "point": m, "wall_s": run.wall_s,
+              "bench_cpu_s": run.cpu_s, "bench_cpu_share": run.cpu_s / run.wall_s}
+    say(f"[tool] {m['request_throughput']:.0f} streamed req/s, generator at {100 * result['bench_cpu_share']:.0f} % "
+        f"of one core, failed {m['failed']}")
+    return result
+
+
+# ------------------------------------------------------------------------------------- run
+
+
+def say(line: str) -> None:
+    """Progress line on stdout."""
+    print(line, flush=True)
+
+
+def command_output(argv: list[str]) -> str:
+    """First line of a version command's output ("?" when it cannot run)."""
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    text = (out.stdout or out.stderr).strip()
+    return text.splitlines()[0] if text else "?"
+
+
+def snapshot_binaries(dest: Path) -> dict[str, str]:
+    """Copies the binaries into `dest` and runs the copies; returns when each original was built.
+
+    Other engineers build on the same machine: without copies, a rebuild in the middle of a run
+    would mix two builds in one results page.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    built = {}
+    for name, path in BIN.items():
+        mtime = path.stat().st_mtime
+        built[name] = datetime.datetime.fromtimestamp(mtime, datetime.UTC).isoformat(timespec="seconds")
+        BIN[name] = Path(shutil.copy2(path, dest / name))
+    use_binaries()
+    return built
+
+
+def use_binaries() -> None:
+    """Makes tests/stack.py start the binaries named in BIN."""
+    stack_module.SIM_BIN = BIN["vllm-sim"]
+    stack_module.SIDECAR_BIN = BIN["gateway-ext-proc"]
+    stack_module.WASM_PATH = BIN["gateway_filter.wasm"]
+
+
+def machine_info() -> dict:
+    """Machine and software versions recorded with the results."""
+    model = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    mem_gib = None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem_gib = int(Path("/proc/meminfo").read_text().splitlines()[0].split()[1]) / 1024 / 1024
+    envoy = command_output([envoy_binary(), "--version"])
+    commit = command_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
+    dirty = command_output(["git", "-C", str(ROOT), "--no-optional-locks", "status", "--porcelain",
+                            "--untracked-files=no"])
+    return {
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu_model": model,
+        "mem_gib": mem_gib,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "envoy": envoy.split("version:")[-1].strip(),
+        "rustc": command_output(["rustc", "--version"]),
+        "redis": command_output(["redis-server", "--version"]),
+        "gateway_bench": command_output([str(BIN["gateway-bench"]), "--version"]),
+        "vllm_sim": command_output([str(BIN["vllm-sim"]), "--version"]),
+        "gateway_ext_proc": command_output([str(BIN["gateway-ext-proc"]), "--version"]),
+        "commit": commit + (" (with uncommitted changes)" if dirty not in ("", "?") else ""),
+    }
+
+
+def display_command_line(argv: list[str]) -> str:
+    """The orchestrator's command line, with the `--note` text (shown on its own) elided."""
+    shown, skip = [], False
+    for arg in argv:
+        if skip:
+            shown.append("...")
+            skip = False
+        elif arg == "--note":
+            shown.append(arg)
+            skip = True
+        else:
+            shown.append("--note=..." if arg.startswith("--note=") else arg)
+    return shlex.join(["python", "bench/overhead.py", *shown])
+
+
+def run_suite(args: argparse.Namespace, plan: Plan, results: Path, argv: list[str] | None = None) -> dict:
+    """Runs the selected scenarios; returns the summary (also written to results/summary.json)."""
+    raw = results / "raw"
+    work = results / "work"
+    summary: dict = {
+        "schema": 1,
+        "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": display_command_line(sys.argv[1:] if argv is None else argv),
+        "quick": args.quick,
+        "model": MODEL,
+        "note": args.note,
+        "targets": args.targets,
+        "scenarios": args.scenarios,
+        "envoy_concurrency": args.envoy_concurrency,
+        "plan": asdict(plan),
+        "binaries_built": snapshot_binaries(results / "bin"),
+        "machine": machine_info(),
+        "results": {},
+    }
+    say(f"results in {results}")
+    busy0, total0 = machine_cpu()
+    ours0 = own_cpu()
+    load0 = os.getloadavg()
+    start = time.monotonic()
+    res = summary["results"]
+    selected = set(args.scenarios)
+
+    def start_targets(names, upstream, phase, exits) -> dict[str, Target]:
+        return {n: start_target(n, upstream, work / phase, args.envoy_concurrency, exits) for n in names}
+
+    if selected & {"overhead", "sweep"}:
+        with contextlib.ExitStack() as exits:
+            upstream = exits.enter_context(Upstream(work / "paced", plan.paced))
+            names = list(args.targets) if "overhead" in selected else []
+            if "sweep" in selected and "gateway" not in names:
+                names.append("gateway")
+            targets = start_targets(names, upstream, "paced", exits)
+            if "overhead" in selected:
+                res["overhead"] = interleaved("overhead", {n: targets[n] for n in args.targets}, upstream,
+                                              plan.overhead, plan.rounds, raw, timeout_s=300)
+                res["overhead"]["sim"] = asdict(plan.paced)
+            if "sweep" in selected:
+                res["sweep"] = sweep(targets["gateway"], plan, raw)
+                res["sweep"]["sim"] = asdict(plan.paced)
+
+    if selected & {"saturation", "limits", "tool"}:
+        with contextlib.ExitStack() as exits:
+            upstream = exits.enter_context(Upstream(work / "fast", plan.fast))
+            names = list(args.targets) if "saturation" in selected else []
+            if "limits" in selected and "gateway" not in names:
+                names.append("gateway")
+            targets = start_targets(names, upstream, "fast", exits)
+            if "saturation" in selected:
+                res["saturation"] = interleaved("saturation", {n: targets[n] for n in args.targets}, upstream,
+                                                plan.saturation, plan.rounds, raw, timeout_s=300)
+                res["saturation"]["sim"] = asdict(plan.fast)
+            if "limits" in selected:
+                res["limits"] = limits(targets["gateway"], plan, raw)
+            if "tool" in selected:
+                res["tool"] = tool(upstream, plan, raw)
+
+    if "streams" in selected:
+        with contextlib.ExitStack() as exits:
+            upstream = exits.enter_context(Upstream(work / "slow", plan.slow))
+            target = start_target("gateway", upstream, work / "slow", args.envoy_concurrency, exits)
+            res["streams"] = streams(target, upstream, plan, raw)
+            res["streams"]["sim"] = asdict(plan.slow)
+
+    if "overload" in selected:
+        with contextlib.ExitStack() as exits:
+            upstream = exits.enter_context(Upstream(work / "overload", plan.overload_sim))
+            variants: dict[str, Target | str] = {
+                "gateway": start_target("gateway", upstream, work / "overload", args.envoy_concurrency, exits)}
+            extra = shedding_sidecar_config(POOL, [upstream.url], plan.overload_sim)
+            try:
+                variants["gateway+shedding"] = start_target(
+                    "gateway+shedding", upstream, work / "overload", args.envoy_concurrency, exits,
+                    sidecar_extra=extra, profile="gateway")
+            except StackError as e:
+                reason = next((ln.strip() for ln in str(e).splitlines() if "config" in ln), str(e).splitlines()[0])
+                reason = re.sub(r"/\S*/sidecar\.yaml", "sidecar.yaml", reason)
+                variants["gateway+shedding"] = f"the sidecar does not accept the shedding config yet: {reason}"
+                say(f"[overload] gateway+shedding pending: {reason}")
+            res["overload"] = overload(variants, upstream, plan, raw)
+            res["overload"]["shedding_config"] = extra
+
+    busy1, total1 = machine_cpu()
+    wall = time.monotonic() - start
+    ours = own_cpu() - ours0
+    foreign = max(0.0, (busy1 - busy0) - ours)
+    summary["noise"] = {
+        "wall_s": wall,
+        "machine_busy_cpu_s": busy1 - busy0,
+        "suite_cpu_s": ours,
+        "foreign_cpu_s": foreign,
+        "foreign_share_of_machine": foreign / max(total1 - total0, 1e-9),
+        "loadavg_start": load0,
+        "loadavg_end": os.getloadavg(),
+    }
+    summary["finished_at"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    summary["checks"] = check_targets(summary)
+    return summary
+
+
+# ---------------------------------------------------------------------------- the targets
+
+
+def check_targets(summary: dict) -> list[dict]:
+    """The issue's targets, each with the measured value and pass / miss / pending / not run."""
+    res = summary["results"]
+    checks = []
+
+    def add(name: str, measured: str, threshold: str, status: str, note: str = "") -> None:
+        checks.append({"target": name, "measured": measured, "threshold": threshold, "status": status, "note": note})
+
+    def verdict(ok: bool | None) -> str:
+        return "not run" if ok is None else ("pass" if ok else "miss")
+
+    vs_over = (res.get("overhead") or {}).get("vs_bare") or {}
+    vs_sat = (res.get("saturation") or {}).get("vs_bare") or {}
+    c_over = f"c={res['overhead']['load']['concurrency']}" if "overhead" in res else "c=16"
+    c_sat = f"c={res['saturation']['load']['concurrency']}" if "saturation" in res else "c=16"
+    gw, fl = vs_over.get("gateway"), vs_over.get("filter")
+    gw_sat, fl_sat = vs_sat.get("gateway"), vs_sat.get("filter")
+
+    d = gw["ttft_p50_ms"]["median"] if gw else None
+    add(f"Gateway vs bare Envoy: added TTFT p50 (streaming, {c_over})", signed(d, " ms"), "≤ 1 ms",
+        verdict(None if d is None else d <= 1.0))
+    d = gw["itl_p99_ms"]["median"] if gw else None
+    add(f"Gateway vs bare Envoy: added ITL p99 (streaming, {c_over})", signed(d, " ms"), "≤ 0.2 ms",
+        verdict(None if d is None else d <= 0.2))
+    r = gw_sat["throughput_ratio"]["median"] if gw_sat else None
+    add(f"Gateway vs bare Envoy: throughput at saturation ({c_sat})", ratio(r, 3), "≥ 0.6×",
+        verdict(None if r is None else r >= 0.6))
+    r = fl_sat["throughput_ratio"]["median"] if fl_sat else None
+    add(f"Filter vs bare Envoy: throughput on the same small request ({c_sat})", ratio(r, 3), "≥ 0.85×",
+        verdict(None if r is None else r >= 0.85))
+    if fl or fl_sat:
+        parts = []
+        if fl:
+            parts.append(f"streaming {c_over}: E2E p50 {signed(fl['e2e_p50_ms']['median'], ' ms')}, "
+                         f"p99 {signed(fl['e2e_p99_ms']['median'], ' ms')}")
+        if fl_sat:
+            parts.append(f"saturation {c_sat}: E2E p50 {signed(fl_sat['e2e_p50_ms']['median'], ' ms')}, "
+                         f"p99 {signed(fl_sat['e2e_p99_ms']['median'], ' ms')}")
+        add("Filter vs bare Envoy: added p50 / p99 latency", "; ".join(parts), "reported", "reported")
+    else:
+        add("Filter vs bare Envoy: added p50 / p99 latency", "n/a", "reported", "not run")
+
+    lim = res.get("limits")
+    if lim:
+        sat_gw = ((res.get("saturation") or {}).get("targets") or {}).get("gateway")
+        admitted = f"; admitted (full gateway at saturation): {sat_gw['request_throughput']['median']:.0f}/s" \
+            if sat_gw else ""
+        add("Sidecar: limit decisions per second against a local Redis",
+            f"refused: {lim['refused_per_s']['median']:.0f}/s{admitted}", "reported", "reported",
+            "measured through Envoy on the shared 2-core machine: a lower bound for the sidecar alone")
+    else:
+        add("Sidecar: limit decisions per second against a local Redis", "n/a", "reported", "not run")
+
+    st = res.get("streams")
+    if st:
+        mb = st["peak_rss_mb"].get("sidecar")
+        add(f"Sidecar RSS at {st['load']['concurrency']:,} concurrent streams", f"{fmt(mb, 1)} MiB peak "
+            f"({st['open_streams_max']:.0f} streams open)", "≤ 64 MB",
+            verdict(None if mb is None else mb * 1.048576 <= 64.0))
+    else:
+        add("Sidecar RSS at 1,000 concurrent streams", "n/a", "≤ 64 MB", "not run")
+
+    ov = res.get("overload")
+    name = "Overload (4× capacity) with shedding: served TTFT p99 ≤ 2× unloaded, excess answered 429, no timeouts"
+    if not ov:
+        add(name, "n/a", "≤ 2×, 429s, 0 timeouts", "not run")
+    elif "gateway+shedding" in ov["pending"]:
+        add(name, "pending", "≤ 2×, 429s, 0 timeouts", "pending", ov["pending"]["gateway+shedding"])
+    else:
+        v = ov["verdicts"].get("gateway+shedding")
+        add(name, overload_measured(v), "≤ 2×, 429s, 0 timeouts", verdict(v["pass"] if v else None))
+    if ov and "gateway" in ov["verdicts"]:
+        add("Overload without shedding (baseline, not a target)", overload_measured(ov["verdicts"]["gateway"]),
+            "—", "reported")
+
+    tl = res.get("tool")
+    rps = tl["point"]["request_throughput"] if tl else None
+    add("gateway-bench: streamed requests/s on one thread", fmt(rps, 0) + (
+        f" ({100 * tl['bench_cpu_share']:.0f} % of a core)" if tl else ""), "≥ 5,000/s",
+        verdict(None if rps is None else rps >= 5000))
+    return checks
+
+
+def overload_measured(v: dict | None) -> str:
+    """One line summing up an overload verdict."""
+    if not v:
+        return "n/a"
+    return (f"TTFT p99 {fmt(v['unloaded_ttft_p99_ms'], 1)} → {fmt(v['top_ttft_p99_ms'], 1)} ms "
+            f"({ratio(v['ttft_p99_ratio'])}), 429s {v['top_refused_429']}, timeouts {v['top_timeouts']}")
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny workloads, 2 rounds (seconds)")
+    parser.add_argument("--rounds", type=int, help="rounds of the interleaved scenarios (default 5, quick 2)")
+    parser.add_argument("--targets", default=",".join(TARGETS),
+                        help=f"targets of the interleaved scenarios, comma-separated (default {','.join(TARGETS)})")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help=f"scenarios to run, comma-separated (default {','.join(SCENARIOS)})")
+    parser.add_argument("--results", type=Path, help="results folder (default target/bench-results/<UTC stamp>)")
+    parser.add_argument("--write-docs", action=argparse.BooleanOptionalAction, default=None,
+                        help="write docs/benchmarks.md and its charts (default: yes, except with --quick)")
+    parser.add_argument("--envoy-concurrency", type=int, default=2, help="Envoy worker threads (default 2)")
+    parser.add_argument("--note", default="", help="a note printed at the top of the results page")
+    parser.add_argument("--render-only", type=Path, metavar="RESULTS",
+                        help="run nothing: render the page and charts again from RESULTS/summary.json "
+                             "(after editing the template), into RESULTS and, with --write-docs, docs/")
+    args = parser.parse_args(argv)
+    args.targets = [t for t in args.targets.split(",") if t]
+    args.scenarios = [s for s in args.scenarios.split(",") if s]
+    for t in args.targets:
+        if t not in PROFILES:
+            parser.error(f"unknown target {t!r} (known: {', '.join(PROFILES)})")
+    for s in args.scenarios:
+        if s not in SCENARIOS:
+            parser.error(f"unknown scenario {s!r} (known: {', '.join(SCENARIOS)})")
+    if args.write_docs is None and not args.render_only:
+        args.write_docs = not args.quick
+    return args
+
+
+def publish(summary: dict, results: Path, write_docs: bool) -> None:
+    """Writes the charts and the page into `results`, and into docs/ if `write_docs`."""
+    charts = write_charts(summary, results)
+    page = render_page(summary, charts)
+    (results / "benchmarks.md").write_text(page)
+    say(f"\nsummary: {results / 'summary.json'}\npage:    {results / 'benchmarks.md'}")
+    if write_docs:
+        DOC.write_text(page)
+        CHART_DIR.mkdir(parents=True, exist_ok=True)
+        for name in charts:
+            shutil.copyfile(results / "charts" / name, CHART_DIR / name)
+        say(f"wrote {DOC.relative_to(ROOT)} and {len(charts)} charts in {CHART_DIR.relative_to(ROOT)}/")
+    over_table, delta_table = overhead_tables(summary["results"].get("overhead"), summary["results"].get("saturation"))
+    say("\n" + over_table + "\n\n" + delta_table + "\n\n" + targets_table(summary["checks"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the suite, writes summary.json, the charts and (unless told not to) the results page."""
+    args = parse_args(argv)
+    if args.render_only:
+        summary = json.loads((args.render_only / "summary.json").read_text())
+        publish(summary, args.render_only, args.write_docs if args.write_docs is not None else not summary["quick"])
+        return 0
+    plan = QUICK if args.quick else FULL
+    if args.rounds:
+        plan = dataclasses.replace(plan, rounds=args.rounds)
+    for path in BIN.values():
+        if not path.exists():
+            print(f"missing {path}: run `make build`", file=sys.stderr)
+            return 2
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    results = args.results or RESULTS_DIR / (stamp + ("-quick" if args.quick else ""))
+    results.mkdir(parents=True, exist_ok=True)
+    try:
+        summary = run_suite(args, plan, results, argv)
+    except (BenchError, StackError) as e:
+        print(f"benchmark failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(results / "bin", ignore_errors=True)  # copies of the binaries (~60 MB)
+        BIN.update(ORIGINAL_BIN)
+        use_binaries()
+    (results / "summary.json").write_text(json.dumps(summary, indent=1))
+    publish(summary, results, args.write_docs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
