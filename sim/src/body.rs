@@ -89,12 +89,8 @@ impl fmt::Debug for Phase {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Queued(_) => f.write_str("Queued"),
-            Self::Running { started, .. } => {
-                f.debug_struct("Running").field("started", started).finish()
-            }
-            Self::Failing { flushed } => {
-                f.debug_struct("Failing").field("flushed", flushed).finish()
-            }
+            Self::Running { started, .. } => f.debug_struct("Running").field("started", started).finish(),
+            Self::Failing { flushed } => f.debug_struct("Failing").field("flushed", flushed).finish(),
             Self::Ended => f.write_str("Ended"),
         }
     }
@@ -135,10 +131,7 @@ impl TokenStream {
     /// A stream that starts with a free `Ok(slot)` or waits on the `Err(admission)`.
     pub fn new(admission: Result<Slot, Admission>, parts: StreamParts) -> Self {
         let phase = match admission {
-            Ok(slot) => Phase::Running {
-                started: Instant::now(),
-                _slot: slot,
-            },
+            Ok(slot) => Phase::Running { started: Instant::now(), _slot: slot },
             Err(wait) => Phase::Queued(wait),
         };
         Self {
@@ -160,10 +153,7 @@ impl TokenStream {
                 Phase::Queued(admission) => match admission.as_mut().poll(cx) {
                     Poll::Pending => return Poll::Pending,
                     Poll::Ready(Ok(slot)) => {
-                        self.phase = Phase::Running {
-                            started: Instant::now(),
-                            _slot: slot,
-                        }
+                        self.phase = Phase::Running { started: Instant::now(), _slot: slot }
                     }
                     Poll::Ready(Err(closed)) => {
                         self.phase = Phase::Ended;
@@ -212,9 +202,7 @@ impl TokenStream {
         if let Some(offset) = due.filter(|o| !o.is_zero()) {
             let deadline = started.checked_add(offset).unwrap_or_else(far_future);
             if deadline > Instant::now() {
-                let sleep = self
-                    .sleep
-                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                let sleep = self.sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
                 if sleep.deadline() != deadline {
                     sleep.as_mut().reset(deadline);
                 }

@@ -23,11 +23,7 @@ pub const MAX_DELAY_MS: f64 = 3_600_000.0;
 
 /// The `vllm-sim` command line.
 #[derive(Debug, Clone, Parser)]
-#[command(
-    name = "vllm-sim",
-    version,
-    about = "vLLM-compatible OpenAI upstream simulator (no GPU, no model)"
-)]
+#[command(name = "vllm-sim", version, about = "vLLM-compatible OpenAI upstream simulator (no GPU, no model)")]
 pub struct Cli {
     /// Address to bind (vLLM `--host`).
     #[arg(long, default_value = "127.0.0.1")]
@@ -160,9 +156,7 @@ impl Pacing {
 impl SimConfig {
     /// Checks every field against its documented range.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.served_model_names.is_empty()
-            || self.served_model_names.iter().any(String::is_empty)
-        {
+        if self.served_model_names.is_empty() || self.served_model_names.iter().any(String::is_empty) {
             return Err(ConfigError::NoModelName);
         }
         for (name, value) in [
@@ -182,17 +176,12 @@ impl SimConfig {
 
     /// The pacing as durations, or why a delay is out of range.
     pub fn pacing(&self) -> Result<Pacing, ConfigError> {
-        Ok(Pacing {
-            ttft: delay("ttft_ms", self.ttft_ms)?,
-            itl: delay("itl_ms", self.itl_ms)?,
-        })
+        Ok(Pacing { ttft: delay("ttft_ms", self.ttft_ms)?, itl: delay("itl_ms", self.itl_ms)? })
     }
 
     /// The name responses carry in their `model` field: the first served name.
     pub fn response_model_name(&self) -> &str {
-        self.served_model_names
-            .first()
-            .map_or(DEFAULT_MODEL_NAME, String::as_str)
+        self.served_model_names.first().map_or(DEFAULT_MODEL_NAME, String::as_str)
     }
 }
 
@@ -206,9 +195,7 @@ fn delay(name: &'static str, value: f64) -> Result<Duration, ConfigError> {
 
 fn parse_delay_ms(text: &str) -> Result<f64, String> {
     let value: f64 = text.parse().map_err(|e| format!("{e}"))?;
-    delay("delay", value)
-        .map(|_| value)
-        .map_err(|e| e.to_string())
+    delay("delay", value).map(|_| value).map_err(|e| e.to_string())
 }
 
 fn parse_fraction(text: &str) -> Result<f64, String> {
@@ -263,24 +250,15 @@ mod tests {
         assert!(Cli::try_parse_from(["vllm-sim", "--error-rate", "1.5"]).is_err());
         assert!(Cli::try_parse_from(["vllm-sim", "--itl-ms", "-1"]).is_err());
         assert!(Cli::try_parse_from(["vllm-sim", "--max-num-seqs", "0"]).is_err());
-        let bad = SimConfig {
-            ttft_ms: f64::NAN,
-            ..SimConfig::default()
-        };
+        let bad = SimConfig { ttft_ms: f64::NAN, ..SimConfig::default() };
         assert!(matches!(bad.validate(), Err(ConfigError::Delay { .. })));
-        let bad = SimConfig {
-            served_model_names: vec![],
-            ..SimConfig::default()
-        };
+        let bad = SimConfig { served_model_names: vec![], ..SimConfig::default() };
         assert_eq!(bad.validate(), Err(ConfigError::NoModelName));
     }
 
     #[test]
     fn token_offsets_add_itl_per_token() {
-        let pacing = Pacing {
-            ttft: Duration::from_millis(10),
-            itl: Duration::from_millis(2),
-        };
+        let pacing = Pacing { ttft: Duration::from_millis(10), itl: Duration::from_millis(2) };
         assert_eq!(pacing.token_offset(3), Duration::from_millis(16));
     }
 }

@@ -107,10 +107,7 @@ mod tests {
         );
         let body: serde_json::Value =
             serde_json::from_slice(&ApiError::model_not_found("gpt-4").to_body()).unwrap();
-        assert_eq!(
-            body["error"]["message"],
-            "The model `gpt-4` does not exist."
-        );
+        assert_eq!(body["error"]["message"], "The model `gpt-4` does not exist.");
         assert_eq!(body["error"]["type"], "NotFoundError");
         assert_eq!(body["error"]["code"], 404);
     }

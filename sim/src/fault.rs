@@ -24,11 +24,7 @@ pub struct FaultInjector {
 impl FaultInjector {
     /// Fails the fraction `rate` (0..=1) of requests, in the order fixed by `seed`.
     pub fn new(seed: u64, rate: f64) -> Self {
-        Self {
-            seed,
-            rate,
-            next: AtomicU64::new(0),
-        }
+        Self { seed, rate, next: AtomicU64::new(0) }
     }
 
     /// Whether the next request fails; each call consumes one position of the sequence
@@ -38,10 +34,7 @@ impl FaultInjector {
             return false;
         }
         let k = self.next.fetch_add(1, Ordering::Relaxed);
-        let draw = mix64(
-            self.seed
-                .wrapping_add(k.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
-        );
+        let draw = mix64(self.seed.wrapping_add(k.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
         // The top 53 bits as a uniform fraction in [0, 1).
         ((draw >> 11) as f64) / ((1u64 << 53) as f64) < self.rate
     }

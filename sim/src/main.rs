@@ -11,9 +11,7 @@ use vllm_sim::Cli;
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let runtime = if cli.workers == 1 {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
+        tokio::runtime::Builder::new_current_thread().enable_all().build()
     } else {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(usize::from(cli.workers))

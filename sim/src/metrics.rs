@@ -27,8 +27,8 @@ use crate::tokens::FinishReason;
 
 /// Upper bounds (seconds) of vLLM's `vllm:time_to_first_token_seconds` buckets.
 pub const TTFT_BUCKETS: [f64; 22] = [
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+    80.0, 160.0, 640.0, 2560.0,
 ];
 
 /// A histogram of durations with fixed upper bounds in seconds.
@@ -108,53 +108,19 @@ impl Metrics {
         let header = |out: &mut String, name: &str, kind: &str, help: &str| {
             writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}")
         };
-        let usage = if self.max_num_seqs == 0 {
-            0.0
-        } else {
-            queue.running as f64 / f64::from(self.max_num_seqs)
-        };
-        header(
-            out,
-            "vllm:num_requests_running",
-            "gauge",
-            "Number of requests in model execution batches.",
-        )?;
-        writeln!(
-            out,
-            "vllm:num_requests_running{{{label}}} {}",
-            queue.running
-        )?;
-        header(
-            out,
-            "vllm:num_requests_waiting",
-            "gauge",
-            "Number of requests waiting to be processed.",
-        )?;
-        writeln!(
-            out,
-            "vllm:num_requests_waiting{{{label}}} {}",
-            queue.waiting
-        )?;
-        header(
-            out,
-            "vllm:kv_cache_usage_perc",
-            "gauge",
-            "KV-cache usage. 1 means 100 percent usage.",
-        )?;
+        let usage =
+            if self.max_num_seqs == 0 { 0.0 } else { queue.running as f64 / f64::from(self.max_num_seqs) };
+        header(out, "vllm:num_requests_running", "gauge", "Number of requests in model execution batches.")?;
+        writeln!(out, "vllm:num_requests_running{{{label}}} {}", queue.running)?;
+        header(out, "vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.")?;
+        writeln!(out, "vllm:num_requests_waiting{{{label}}} {}", queue.waiting)?;
+        header(out, "vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.")?;
         writeln!(out, "vllm:kv_cache_usage_perc{{{label}}} {usage:?}")?;
 
         let name = "vllm:time_to_first_token_seconds";
-        header(
-            out,
-            name,
-            "histogram",
-            "Histogram of time to first token in seconds.",
-        )?;
+        header(out, name, "histogram", "Histogram of time to first token in seconds.")?;
         let mut cumulative = 0u64;
-        let bounds = TTFT_BUCKETS
-            .iter()
-            .map(|b| format!("{b:?}"))
-            .chain(["+Inf".to_owned()]);
+        let bounds = TTFT_BUCKETS.iter().map(|b| format!("{b:?}")).chain(["+Inf".to_owned()]);
         for (le, count) in bounds.zip(&self.ttft.counts) {
             cumulative += count.load(Ordering::Relaxed);
             writeln!(out, "{name}_bucket{{{label},le=\"{le}\"}} {cumulative}")?;
@@ -164,11 +130,7 @@ impl Metrics {
         writeln!(out, "{name}_count{{{label}}} {cumulative}")?;
 
         for (name, help, value) in [
-            (
-                "vllm:prompt_tokens_total",
-                "Number of prefill tokens processed.",
-                &self.prompt_tokens,
-            ),
+            ("vllm:prompt_tokens_total", "Number of prefill tokens processed.", &self.prompt_tokens),
             (
                 "vllm:generation_tokens_total",
                 "Number of generation tokens processed.",
@@ -179,22 +141,14 @@ impl Metrics {
             writeln!(out, "{name}{{{label}}} {}", value.load(Ordering::Relaxed))?;
         }
         let name = "vllm:request_success_total";
-        header(
-            out,
-            name,
-            "counter",
-            "Count of successfully processed requests.",
-        )?;
+        header(out, name, "counter", "Count of successfully processed requests.")?;
         for (reason, value) in [
             ("stop", &self.finished_stop),
             ("length", &self.finished_length),
             ("abort", &self.finished_abort),
         ] {
             let value = value.load(Ordering::Relaxed);
-            writeln!(
-                out,
-                "{name}{{finished_reason=\"{reason}\",{label}}} {value}"
-            )?;
+            writeln!(out, "{name}{{finished_reason=\"{reason}\",{label}}} {value}")?;
         }
         let name = "vllm_sim:requests_received_total";
         header(
@@ -209,10 +163,7 @@ impl Metrics {
 
 /// Escapes a Prometheus label value (`\`, `"` and newlines).
 fn escape_label(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
 /// The metric side of one admitted-for-generation request.
@@ -231,13 +182,7 @@ pub struct RequestTracker {
 impl RequestTracker {
     /// Tracks a request that arrived at `arrival` with `prompt_tokens` prompt tokens.
     pub fn new(metrics: Arc<Metrics>, arrival: Instant, prompt_tokens: u64) -> Self {
-        Self {
-            metrics,
-            arrival,
-            prompt_tokens,
-            first_token_seen: false,
-            finished: false,
-        }
+        Self { metrics, arrival, prompt_tokens, first_token_seen: false, finished: false }
     }
 
     /// Records `n` output tokens as sent; the first call also records the time to first token
@@ -246,13 +191,9 @@ impl RequestTracker {
         if !self.first_token_seen {
             self.first_token_seen = true;
             self.metrics.ttft.observe(self.arrival.elapsed());
-            self.metrics
-                .prompt_tokens
-                .fetch_add(self.prompt_tokens, Ordering::Relaxed);
+            self.metrics.prompt_tokens.fetch_add(self.prompt_tokens, Ordering::Relaxed);
         }
-        self.metrics
-            .generation_tokens
-            .fetch_add(n, Ordering::Relaxed);
+        self.metrics.generation_tokens.fetch_add(n, Ordering::Relaxed);
     }
 
     /// Records the request as finished with `reason`.
@@ -280,10 +221,7 @@ mod tests {
 
     fn value(text: &str, series: &str) -> f64 {
         text.lines()
-            .find_map(|l| {
-                l.strip_prefix(series)
-                    .and_then(|rest| rest.strip_prefix(' '))
-            })
+            .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
             .unwrap_or_else(|| panic!("{series} missing in\n{text}"))
             .parse()
             .unwrap()
@@ -303,71 +241,26 @@ mod tests {
         drop(aborted);
         drop(RequestTracker::new(metrics.clone(), Instant::now(), 7));
 
-        let text = metrics.render(QueueSnapshot {
-            running: 1,
-            waiting: 2,
-        });
+        let text = metrics.render(QueueSnapshot { running: 1, waiting: 2 });
         let l = "model_name=\"m\\\"x\"";
+        assert_eq!(value(&text, &format!("vllm:num_requests_running{{{l}}}")), 1.0);
+        assert_eq!(value(&text, &format!("vllm:num_requests_waiting{{{l}}}")), 2.0);
+        assert_eq!(value(&text, &format!("vllm:kv_cache_usage_perc{{{l}}}")), 0.25);
+        assert_eq!(value(&text, &format!("vllm:prompt_tokens_total{{{l}}}")), 15.0);
+        assert_eq!(value(&text, &format!("vllm:generation_tokens_total{{{l}}}")), 4.0);
         assert_eq!(
-            value(&text, &format!("vllm:num_requests_running{{{l}}}")),
+            value(&text, &format!("vllm:request_success_total{{finished_reason=\"length\",{l}}}")),
             1.0
         );
+        assert_eq!(value(&text, &format!("vllm:request_success_total{{finished_reason=\"stop\",{l}}}")), 0.0);
         assert_eq!(
-            value(&text, &format!("vllm:num_requests_waiting{{{l}}}")),
+            value(&text, &format!("vllm:request_success_total{{finished_reason=\"abort\",{l}}}")),
             2.0
         );
+        assert_eq!(value(&text, &format!("vllm:time_to_first_token_seconds_count{{{l}}}")), 2.0);
+        assert_eq!(value(&text, &format!("vllm:time_to_first_token_seconds_bucket{{{l},le=\"+Inf\"}}")), 2.0);
         assert_eq!(
-            value(&text, &format!("vllm:kv_cache_usage_perc{{{l}}}")),
-            0.25
-        );
-        assert_eq!(
-            value(&text, &format!("vllm:prompt_tokens_total{{{l}}}")),
-            15.0
-        );
-        assert_eq!(
-            value(&text, &format!("vllm:generation_tokens_total{{{l}}}")),
-            4.0
-        );
-        assert_eq!(
-            value(
-                &text,
-                &format!("vllm:request_success_total{{finished_reason=\"length\",{l}}}")
-            ),
-            1.0
-        );
-        assert_eq!(
-            value(
-                &text,
-                &format!("vllm:request_success_total{{finished_reason=\"stop\",{l}}}")
-            ),
-            0.0
-        );
-        assert_eq!(
-            value(
-                &text,
-                &format!("vllm:request_success_total{{finished_reason=\"abort\",{l}}}")
-            ),
-            2.0
-        );
-        assert_eq!(
-            value(
-                &text,
-                &format!("vllm:time_to_first_token_seconds_count{{{l}}}")
-            ),
-            2.0
-        );
-        assert_eq!(
-            value(
-                &text,
-                &format!("vllm:time_to_first_token_seconds_bucket{{{l},le=\"+Inf\"}}")
-            ),
-            2.0
-        );
-        assert_eq!(
-            value(
-                &text,
-                &format!("vllm:time_to_first_token_seconds_bucket{{{l},le=\"2560.0\"}}")
-            ),
+            value(&text, &format!("vllm:time_to_first_token_seconds_bucket{{{l},le=\"2560.0\"}}")),
             2.0
         );
         assert_eq!(value(&text, "vllm_sim:requests_received_total"), 1.0);

@@ -63,9 +63,7 @@ impl Queue {
     /// A queue with `max_num_seqs` slots.
     pub fn new(max_num_seqs: u32) -> Arc<Self> {
         Arc::new(Self {
-            slots: Arc::new(Semaphore::new(
-                (max_num_seqs as usize).min(Semaphore::MAX_PERMITS),
-            )),
+            slots: Arc::new(Semaphore::new((max_num_seqs as usize).min(Semaphore::MAX_PERMITS))),
             running: AtomicU64::new(0),
             waiting: AtomicU64::new(0),
         })
@@ -81,20 +79,14 @@ impl Queue {
     pub async fn admit(self: Arc<Self>) -> Result<Slot, QueueClosed> {
         self.waiting.fetch_add(1, Ordering::Relaxed);
         let waiting = Waiting(&self);
-        let permit = self
-            .slots
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(|_| QueueClosed)?;
+        let permit = self.slots.clone().acquire_owned().await.map_err(|_| QueueClosed)?;
         drop(waiting);
         Ok(self.running_slot(permit))
     }
 
     /// [`Queue::try_admit`], else a boxed [`Queue::admit`].
     pub fn admission(self: &Arc<Self>) -> Result<Slot, Admission> {
-        self.try_admit()
-            .ok_or_else(|| Box::pin(self.clone().admit()) as Admission)
+        self.try_admit().ok_or_else(|| Box::pin(self.clone().admit()) as Admission)
     }
 
     /// Fails all current and future waiters with [`QueueClosed`]; running requests go on.
@@ -112,10 +104,7 @@ impl Queue {
 
     fn running_slot(self: &Arc<Self>, permit: OwnedSemaphorePermit) -> Slot {
         self.running.fetch_add(1, Ordering::Relaxed);
-        Slot {
-            queue: self.clone(),
-            _permit: permit,
-        }
+        Slot { queue: self.clone(), _permit: permit }
     }
 }
 
@@ -143,22 +132,11 @@ mod tests {
                 tokio::task::yield_now().await;
             }
         }
-        assert_eq!(
-            q.snapshot(),
-            QueueSnapshot {
-                running: 1,
-                waiting: 3
-            }
-        );
+        assert_eq!(q.snapshot(), QueueSnapshot { running: 1, waiting: 3 });
         drop(first);
         let mut order = Vec::new();
         for _ in 0..3 {
-            order.push(
-                tokio::time::timeout(Duration::from_secs(5), rx.recv())
-                    .await
-                    .unwrap()
-                    .unwrap(),
-            );
+            order.push(tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.unwrap().unwrap());
         }
         assert_eq!(order, [0, 1, 2]);
         while q.snapshot().running > 0 {
@@ -171,9 +149,7 @@ mod tests {
     async fn cancelled_and_closed_waits_leave_the_queue() {
         let q = Queue::new(1);
         let _held = q.try_admit().unwrap();
-        let Err(mut admission) = q.admission() else {
-            panic!("no slot expected")
-        };
+        let Err(mut admission) = q.admission() else { panic!("no slot expected") };
         assert!(futures::poll!(admission.as_mut()).is_pending());
         assert_eq!(q.snapshot().waiting, 1);
         drop(admission);
@@ -185,12 +161,6 @@ mod tests {
         }
         q.close();
         assert_eq!(waiter.await.unwrap().unwrap_err(), QueueClosed);
-        assert_eq!(
-            q.snapshot(),
-            QueueSnapshot {
-                running: 1,
-                waiting: 0
-            }
-        );
+        assert_eq!(q.snapshot(), QueueSnapshot { running: 1, waiting: 0 });
     }
 }

@@ -80,8 +80,7 @@ struct StreamOptions {
 /// Parses a request body for `endpoint`; malformed JSON, missing or mistyped fields and
 /// `stream_options` without `stream: true` are 400 `BadRequestError`s, as in vLLM.
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<InferenceRequest<'_>, ApiError> {
-    let invalid =
-        |e: serde_json::Error| ApiError::bad_request(format!("Invalid request body: {e}"));
+    let invalid = |e: serde_json::Error| ApiError::bad_request(format!("Invalid request body: {e}"));
     let (request, stream_options) = match endpoint {
         Endpoint::Chat => {
             let b: ChatBody<'_> = serde_json::from_slice(body).map_err(invalid)?;
@@ -109,13 +108,12 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<InferenceRequest<'_>, Ap
         }
     };
     match stream_options {
-        Some(_) if !request.stream => Err(ApiError::bad_request(
-            "Stream options can only be defined when `stream=True`.",
-        )),
-        Some(options) => Ok(InferenceRequest {
-            include_usage: options.include_usage.unwrap_or(false),
-            ..request
-        }),
+        Some(_) if !request.stream => {
+            Err(ApiError::bad_request("Stream options can only be defined when `stream=True`."))
+        }
+        Some(options) => {
+            Ok(InferenceRequest { include_usage: options.include_usage.unwrap_or(false), ..request })
+        }
         None => Ok(request),
     }
 }
@@ -202,10 +200,7 @@ impl<'de> Deserialize<'de> for ChatPromptTokens {
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str("an array of messages")
             }
-            fn visit_seq<A: SeqAccess<'de>>(
-                self,
-                mut seq: A,
-            ) -> Result<ChatPromptTokens, A::Error> {
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<ChatPromptTokens, A::Error> {
                 let mut total = GENERATION_PROMPT_TOKENS;
                 while let Some(m) = seq.next_element::<Message>()? {
                     let content = m.content.map_or(0, |c| c.0);
@@ -294,8 +289,7 @@ mod tests {
     fn chat_prompt_tokens_follow_the_formula() {
         // user: 1, "Hello world!" (12 bytes): 3, +3 per message, +3 generation prompt.
         let r =
-            chat(json!({"model": "m", "messages": [{"role": "user", "content": "Hello world!"}]}))
-                .unwrap();
+            chat(json!({"model": "m", "messages": [{"role": "user", "content": "Hello world!"}]})).unwrap();
         assert_eq!(r.prompt_tokens, 1 + 3 + 3 + 3);
         assert_eq!(r.model.as_deref(), Some("m"));
         assert!(!r.stream && !r.include_usage && !r.ignore_eos);
@@ -328,30 +322,10 @@ mod tests {
 
     #[test]
     fn completions_prompt_shapes() {
-        assert_eq!(
-            completion(json!({"prompt": "abcdefghi"}))
-                .unwrap()
-                .prompt_tokens,
-            3
-        );
-        assert_eq!(
-            completion(json!({"prompt": ["abcd", "abcde"]}))
-                .unwrap()
-                .prompt_tokens,
-            3
-        );
-        assert_eq!(
-            completion(json!({"prompt": [1, 2, 3, 4, 5]}))
-                .unwrap()
-                .prompt_tokens,
-            5
-        );
-        assert_eq!(
-            completion(json!({"prompt": [[1, 2], [3]]}))
-                .unwrap()
-                .prompt_tokens,
-            3
-        );
+        assert_eq!(completion(json!({"prompt": "abcdefghi"})).unwrap().prompt_tokens, 3);
+        assert_eq!(completion(json!({"prompt": ["abcd", "abcde"]})).unwrap().prompt_tokens, 3);
+        assert_eq!(completion(json!({"prompt": [1, 2, 3, 4, 5]})).unwrap().prompt_tokens, 5);
+        assert_eq!(completion(json!({"prompt": [[1, 2], [3]]})).unwrap().prompt_tokens, 3);
     }
 
     #[test]
@@ -366,39 +340,24 @@ mod tests {
 
     #[test]
     fn stream_options() {
-        let r = chat(
-            json!({"messages": [], "stream": true, "stream_options": {"include_usage": true}}),
-        )
-        .unwrap();
+        let r =
+            chat(json!({"messages": [], "stream": true, "stream_options": {"include_usage": true}})).unwrap();
         assert!(r.stream && r.include_usage);
         let r = chat(json!({"messages": [], "stream": true, "stream_options": null})).unwrap();
         assert!(r.stream && !r.include_usage);
-        let e =
-            chat(json!({"messages": [], "stream_options": {"include_usage": true}})).unwrap_err();
-        assert_eq!(
-            e.message,
-            "Stream options can only be defined when `stream=True`."
-        );
+        let e = chat(json!({"messages": [], "stream_options": {"include_usage": true}})).unwrap_err();
+        assert_eq!(e.message, "Stream options can only be defined when `stream=True`.");
     }
 
     #[test]
     fn malformed_bodies_are_bad_requests() {
-        for bad in [
-            &b"{"[..],
-            b"[]",
-            b"{\"model\": \"m\"}",
-            b"{\"messages\": \"hi\"}",
-        ] {
+        for bad in [&b"{"[..], b"[]", b"{\"model\": \"m\"}", b"{\"messages\": \"hi\"}"] {
             let e = parse(Endpoint::Chat, bad).unwrap_err();
             assert_eq!(e.status, http::StatusCode::BAD_REQUEST);
             assert_eq!(e.kind, "BadRequestError");
         }
         let e = parse(Endpoint::Completions, b"{\"model\": \"m\"}").unwrap_err();
-        assert!(
-            e.message.contains("missing field `prompt`"),
-            "{}",
-            e.message
-        );
+        assert!(e.message.contains("missing field `prompt`"), "{}", e.message);
         let e = parse(Endpoint::Chat, b"{\"messages\": [], \"max_tokens\": -1}").unwrap_err();
         assert_eq!(e.status, http::StatusCode::BAD_REQUEST);
     }

@@ -13,9 +13,7 @@ use crate::tokens::OutputPlan;
 /// The simulated vocabulary: output token `i` is `WORDS[i % WORDS.len()]`, one short
 /// ASCII word plus a space, so the text needs no JSON escaping and a completion of `n`
 /// tokens is exactly `n` words (and `n` streamed content chunks).
-pub const WORDS: [&str; 8] = [
-    "the ", "quick ", "brown ", "fox ", "jumps ", "over ", "lazy ", "dog ",
-];
+pub const WORDS: [&str; 8] = ["the ", "quick ", "brown ", "fox ", "jumps ", "over ", "lazy ", "dog "];
 
 /// The output text of `tokens` tokens: the first `tokens` words of the cycled [`WORDS`].
 pub fn output_text(tokens: u64) -> String {
@@ -27,9 +25,7 @@ pub fn output_text(tokens: u64) -> String {
 
 /// Seconds since the Unix epoch, for the `created` fields.
 pub fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 /// Generates response ids: `chatcmpl-` / `cmpl-` followed by 32 hex digits, as vLLM's
@@ -43,10 +39,7 @@ pub struct IdGen {
 impl IdGen {
     /// A generator whose ids differ from other processes' through `nonce`.
     pub fn new(nonce: u64) -> Self {
-        Self {
-            nonce,
-            counter: AtomicU64::new(0),
-        }
+        Self { nonce, counter: AtomicU64::new(0) }
     }
 
     /// The next id for a response of `endpoint`.
@@ -139,10 +132,7 @@ pub fn completion_body(meta: &ResponseMeta<'_>, plan: &OutputPlan) -> Bytes {
             model: meta.model,
             choices: [ChatChoice {
                 index: 0,
-                message: ChatMessage {
-                    role: "assistant",
-                    content: &text,
-                },
+                message: ChatMessage { role: "assistant", content: &text },
                 logprobs: None,
                 finish_reason,
                 stop_reason: None,
@@ -154,13 +144,7 @@ pub fn completion_body(meta: &ResponseMeta<'_>, plan: &OutputPlan) -> Bytes {
             object: "text_completion",
             created: meta.created,
             model: meta.model,
-            choices: [TextChoice {
-                index: 0,
-                text: &text,
-                logprobs: None,
-                finish_reason,
-                stop_reason: None,
-            }],
+            choices: [TextChoice { index: 0, text: &text, logprobs: None, finish_reason, stop_reason: None }],
             usage: Usage::of(plan),
         }),
     };
@@ -223,19 +207,13 @@ mod tests {
         }
     }
 
-    const PLAN: OutputPlan = OutputPlan {
-        prompt_tokens: 10,
-        completion_tokens: 3,
-        finish_reason: FinishReason::Length,
-    };
+    const PLAN: OutputPlan =
+        OutputPlan { prompt_tokens: 10, completion_tokens: 3, finish_reason: FinishReason::Length };
 
     #[test]
     fn output_text_cycles_words() {
         assert_eq!(output_text(3), "the quick brown ");
-        assert_eq!(
-            output_text(9),
-            "the quick brown fox jumps over lazy dog the "
-        );
+        assert_eq!(output_text(9), "the quick brown fox jumps over lazy dog the ");
         assert_eq!(output_text(0), "");
     }
 
@@ -270,8 +248,7 @@ mod tests {
 
     #[test]
     fn text_completion_shape() {
-        let v: Value =
-            serde_json::from_slice(&completion_body(&meta(Endpoint::Completions), &PLAN)).unwrap();
+        let v: Value = serde_json::from_slice(&completion_body(&meta(Endpoint::Completions), &PLAN)).unwrap();
         assert_eq!(v["object"], "text_completion");
         assert_eq!(v["choices"][0]["text"], "the quick brown ");
         assert_eq!(v["usage"]["total_tokens"], 13);

@@ -79,10 +79,7 @@ where
     }
     drop(listener);
     state.queue.close();
-    if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown())
-        .await
-        .is_err()
-    {
+    if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown()).await.is_err() {
         eprintln!("vllm-sim: responses still in flight after {SHUTDOWN_GRACE:?}; dropping them");
     }
     Ok(())
@@ -115,9 +112,7 @@ impl AppState {
         config.validate().map_err(invalid)?;
         let pacing = config.pacing().map_err(invalid)?;
         let response_model = config.response_model_name().to_owned();
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
         Ok(Self {
             limits: Limits {
                 max_model_len: u64::from(config.max_model_len),
@@ -165,18 +160,13 @@ impl AppState {
         )
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
         if self.faults.next_fails() {
-            return Err(ApiError::internal(
-                "Simulated internal server error (vllm-sim --error-rate).",
-            ));
+            return Err(ApiError::internal("Simulated internal server error (vllm-sim --error-rate)."));
         }
         Ok(Accepted { request, plan })
     }
 }
 
-async fn route(
-    state: Arc<AppState>,
-    req: Request<Incoming>,
-) -> Result<Response<SimBody>, Infallible> {
+async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<SimBody>, Infallible> {
     let response = match (req.method(), req.uri().path()) {
         (&Method::POST, "/v1/chat/completions") => inference(&state, Endpoint::Chat, req).await,
         (&Method::POST, "/v1/completions") => inference(&state, Endpoint::Completions, req).await,
@@ -194,22 +184,13 @@ async fn route(
     Ok(response)
 }
 
-async fn inference(
-    state: &Arc<AppState>,
-    endpoint: Endpoint,
-    req: Request<Incoming>,
-) -> Response<SimBody> {
+async fn inference(state: &Arc<AppState>, endpoint: Endpoint, req: Request<Incoming>) -> Response<SimBody> {
     let arrival = Instant::now();
     state.metrics.request_received();
-    let body = match Limited::new(req.into_body(), MAX_BODY_BYTES)
-        .collect()
-        .await
-    {
+    let body = match Limited::new(req.into_body(), MAX_BODY_BYTES).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(e) => {
-            return error_response(&ApiError::bad_request(format!(
-                "Could not read the request body: {e}"
-            )))
+            return error_response(&ApiError::bad_request(format!("Could not read the request body: {e}")))
         }
     };
     let Accepted { request, plan } = match state.accept(endpoint, &body) {
@@ -235,9 +216,7 @@ async fn inference(
             },
         );
         let mut response = Response::new(SimBody::Stream(Box::new(stream)));
-        response
-            .headers_mut()
-            .insert(CONTENT_TYPE, HeaderValue::from_static(EVENT_STREAM));
+        response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(EVENT_STREAM));
         response
     } else {
         generate(state, &meta, &plan, tracker).await
@@ -281,9 +260,7 @@ async fn sleep_until_offset(start: Instant, offset: Duration) {
 fn with_type(status: StatusCode, content_type: &'static str, body: Bytes) -> Response<SimBody> {
     let mut response = Response::new(SimBody::full(body));
     *response.status_mut() = status;
-    response
-        .headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     response
 }
 

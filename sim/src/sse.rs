@@ -86,11 +86,7 @@ impl SseEvents {
     /// Serialises the fixed parts of the stream for `meta` and `plan`
     /// (`plan.completion_tokens` content chunks, at least 1).
     pub fn new(meta: &ResponseMeta<'_>, plan: &OutputPlan, include_usage: bool) -> Self {
-        let usage_null: &[u8] = if include_usage {
-            b",\"usage\":null"
-        } else {
-            b""
-        };
+        let usage_null: &[u8] = if include_usage { b",\"usage\":null" } else { b"" };
         let mut buf = BytesMut::with_capacity(4 * (meta.id.len() + meta.model.len() + 128) + 256);
         let head = |buf: &mut BytesMut| {
             buf.put_slice(b"data: {\"id\":\"");
@@ -179,11 +175,7 @@ impl Iterator for SseEvents {
             Step::Token(index) => {
                 let word = self.words.next().copied().unwrap_or_default();
                 let last = index.saturating_add(1) >= self.tokens;
-                let suffix = if last {
-                    &self.last_suffix
-                } else {
-                    &self.token_suffix
-                };
+                let suffix = if last { &self.last_suffix } else { &self.token_suffix };
                 let buf = self
                     .token_prefix
                     .clone()
@@ -215,9 +207,7 @@ fn put_json_str(buf: &mut BytesMut, s: &str) {
         match c {
             '"' => buf.put_slice(b"\\\""),
             '\\' => buf.put_slice(b"\\\\"),
-            c if u32::from(c) < 0x20 => {
-                buf.put_slice(format!("\\u{:04x}", u32::from(c)).as_bytes())
-            }
+            c if u32::from(c) < 0x20 => buf.put_slice(format!("\\u{:04x}", u32::from(c)).as_bytes()),
             c => buf.put_slice(c.encode_utf8(&mut [0u8; 4]).as_bytes()),
         }
     }
@@ -231,29 +221,15 @@ mod tests {
     use serde_json::Value;
 
     fn meta(endpoint: Endpoint) -> ResponseMeta<'static> {
-        ResponseMeta {
-            endpoint,
-            id: "chatcmpl-abc".to_owned(),
-            created: 17,
-            model: "sim \"model\"",
-        }
+        ResponseMeta { endpoint, id: "chatcmpl-abc".to_owned(), created: 17, model: "sim \"model\"" }
     }
 
     fn plan(n: u64, finish_reason: FinishReason) -> OutputPlan {
-        OutputPlan {
-            prompt_tokens: 10,
-            completion_tokens: n,
-            finish_reason,
-        }
+        OutputPlan { prompt_tokens: 10, completion_tokens: n, finish_reason }
     }
 
     /// The events as (kind, wire text).
-    fn collect(
-        endpoint: Endpoint,
-        n: u64,
-        reason: FinishReason,
-        usage: bool,
-    ) -> Vec<(EventKind, String)> {
+    fn collect(endpoint: Endpoint, n: u64, reason: FinishReason, usage: bool) -> Vec<(EventKind, String)> {
         SseEvents::new(&meta(endpoint), &plan(n, reason), usage)
             .map(|mut e| {
                 let bytes = e.buf.copy_to_bytes(e.buf.remaining());
@@ -263,11 +239,7 @@ mod tests {
     }
 
     fn json(event: &str) -> Value {
-        let body = event
-            .strip_prefix("data: ")
-            .unwrap()
-            .strip_suffix("\n\n")
-            .unwrap();
+        let body = event.strip_prefix("data: ").unwrap().strip_suffix("\n\n").unwrap();
         serde_json::from_str(body).unwrap()
     }
 
@@ -286,10 +258,7 @@ mod tests {
             ]
         );
         for (_, text) in &events {
-            assert!(
-                text.starts_with("data: ") && text.ends_with("\n\n"),
-                "{text:?}"
-            );
+            assert!(text.starts_with("data: ") && text.ends_with("\n\n"), "{text:?}");
         }
         let role = json(&events[0].1);
         assert_eq!(
@@ -299,10 +268,7 @@ mod tests {
                 "logprobs": null, "finish_reason": null}]})
         );
         let first = json(&events[1].1);
-        assert_eq!(
-            first["choices"][0]["delta"],
-            serde_json::json!({"content": "the "})
-        );
+        assert_eq!(first["choices"][0]["delta"], serde_json::json!({"content": "the "}));
         assert_eq!(first["choices"][0]["finish_reason"], Value::Null);
         assert!(first.get("usage").is_none());
         let last = json(&events[3].1);
@@ -335,14 +301,7 @@ mod tests {
     fn completions_stream_has_no_role_chunk() {
         let events = collect(Endpoint::Completions, 2, FinishReason::Length, false);
         let kinds: Vec<_> = events.iter().map(|e| e.0).collect();
-        assert_eq!(
-            kinds,
-            [
-                EventKind::Token { index: 0 },
-                EventKind::Token { index: 1 },
-                EventKind::Done
-            ]
-        );
+        assert_eq!(kinds, [EventKind::Token { index: 0 }, EventKind::Token { index: 1 }, EventKind::Done]);
         let first = json(&events[0].1);
         assert_eq!(first["object"], "text_completion");
         assert_eq!(first["choices"][0]["text"], "the ");
@@ -356,12 +315,7 @@ mod tests {
         let kinds: Vec<_> = events.iter().map(|e| e.0).collect();
         assert_eq!(
             kinds,
-            [
-                EventKind::Role,
-                EventKind::Token { index: 0 },
-                EventKind::Usage,
-                EventKind::Done
-            ]
+            [EventKind::Role, EventKind::Token { index: 0 }, EventKind::Usage, EventKind::Done]
         );
         assert_eq!(json(&events[1].1)["choices"][0]["finish_reason"], "length");
     }

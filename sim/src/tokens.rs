@@ -18,9 +18,7 @@ pub fn text_tokens(text: &str) -> u64 {
 /// Tokens of one chat message from its role's and content's token counts:
 /// `role + content + MESSAGE_OVERHEAD_TOKENS`.
 pub fn message_tokens(role_tokens: u64, content_tokens: u64) -> u64 {
-    role_tokens
-        .saturating_add(content_tokens)
-        .saturating_add(MESSAGE_OVERHEAD_TOKENS)
+    role_tokens.saturating_add(content_tokens).saturating_add(MESSAGE_OVERHEAD_TOKENS)
 }
 
 /// Why generation stopped, as in OpenAI's and vLLM's `finish_reason`.
@@ -129,60 +127,33 @@ pub fn plan_output(request: LengthRequest, limits: Limits) -> Result<OutputPlan,
     let max_model_len = limits.max_model_len;
     let effective_max = match request.max_tokens {
         Some(max_tokens) if prompt_tokens.saturating_add(max_tokens) > max_model_len => {
-            return Err(LengthError::RequestTooLong {
-                max_model_len,
-                prompt_tokens,
-                max_tokens,
-            })
+            return Err(LengthError::RequestTooLong { max_model_len, prompt_tokens, max_tokens })
         }
         Some(max_tokens) => max_tokens,
         None if prompt_tokens >= max_model_len => {
-            return Err(LengthError::PromptTooLong {
-                max_model_len,
-                prompt_tokens,
-            })
+            return Err(LengthError::PromptTooLong { max_model_len, prompt_tokens })
         }
         None => max_model_len - prompt_tokens,
     };
-    let completion_tokens = if request.ignore_eos {
-        effective_max
-    } else {
-        effective_max.min(limits.output_tokens)
-    };
-    let finish_reason = if completion_tokens == effective_max {
-        FinishReason::Length
-    } else {
-        FinishReason::Stop
-    };
-    Ok(OutputPlan {
-        prompt_tokens,
-        completion_tokens,
-        finish_reason,
-    })
+    let completion_tokens =
+        if request.ignore_eos { effective_max } else { effective_max.min(limits.output_tokens) };
+    let finish_reason =
+        if completion_tokens == effective_max { FinishReason::Length } else { FinishReason::Stop };
+    Ok(OutputPlan { prompt_tokens, completion_tokens, finish_reason })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const LIMITS: Limits = Limits {
-        max_model_len: 4096,
-        output_tokens: 16,
-    };
+    const LIMITS: Limits = Limits { max_model_len: 4096, output_tokens: 16 };
 
     fn plan(
         prompt_tokens: u64,
         max_tokens: Option<u64>,
         ignore_eos: bool,
     ) -> Result<OutputPlan, LengthError> {
-        plan_output(
-            LengthRequest {
-                prompt_tokens,
-                max_tokens,
-                ignore_eos,
-            },
-            LIMITS,
-        )
+        plan_output(LengthRequest { prompt_tokens, max_tokens, ignore_eos }, LIMITS)
     }
 
     #[test]
@@ -199,52 +170,31 @@ mod tests {
     #[test]
     fn default_output_stops_at_output_tokens() {
         let p = plan(10, None, false).unwrap();
-        assert_eq!(
-            (p.completion_tokens, p.finish_reason),
-            (16, FinishReason::Stop)
-        );
+        assert_eq!((p.completion_tokens, p.finish_reason), (16, FinishReason::Stop));
     }
 
     #[test]
     fn max_tokens_below_output_tokens_finishes_with_length() {
         let p = plan(10, Some(5), false).unwrap();
-        assert_eq!(
-            (p.completion_tokens, p.finish_reason),
-            (5, FinishReason::Length)
-        );
+        assert_eq!((p.completion_tokens, p.finish_reason), (5, FinishReason::Length));
         let p = plan(10, Some(16), false).unwrap();
-        assert_eq!(
-            (p.completion_tokens, p.finish_reason),
-            (16, FinishReason::Length)
-        );
+        assert_eq!((p.completion_tokens, p.finish_reason), (16, FinishReason::Length));
         let p = plan(10, Some(100), false).unwrap();
-        assert_eq!(
-            (p.completion_tokens, p.finish_reason),
-            (16, FinishReason::Stop)
-        );
+        assert_eq!((p.completion_tokens, p.finish_reason), (16, FinishReason::Stop));
     }
 
     #[test]
     fn ignore_eos_generates_exactly_max_tokens() {
         let p = plan(10, Some(100), true).unwrap();
-        assert_eq!(
-            (p.completion_tokens, p.finish_reason),
-            (100, FinishReason::Length)
-        );
+        assert_eq!((p.completion_tokens, p.finish_reason), (100, FinishReason::Length));
     }
 
     #[test]
     fn absent_max_tokens_is_capped_by_the_context_window() {
         let p = plan(4000, None, true).unwrap();
-        assert_eq!(
-            (p.completion_tokens, p.finish_reason),
-            (96, FinishReason::Length)
-        );
+        assert_eq!((p.completion_tokens, p.finish_reason), (96, FinishReason::Length));
         let p = plan(4090, None, false).unwrap();
-        assert_eq!(
-            (p.completion_tokens, p.finish_reason),
-            (6, FinishReason::Length)
-        );
+        assert_eq!((p.completion_tokens, p.finish_reason), (6, FinishReason::Length));
     }
 
     #[test]
@@ -267,9 +217,6 @@ mod tests {
         assert!(plan(4095, None, false).is_ok());
         assert_eq!(plan(10, Some(0), false), Err(LengthError::ZeroMaxTokens));
         assert_eq!(plan(0, None, false), Err(LengthError::EmptyPrompt));
-        assert!(matches!(
-            plan(10, Some(u64::MAX), false),
-            Err(LengthError::RequestTooLong { .. })
-        ));
+        assert!(matches!(plan(10, Some(u64::MAX), false), Err(LengthError::RequestTooLong { .. })));
     }
 }

@@ -2,12 +2,7 @@
 //! small hyper client talks to it. Every wait is bounded by [`LIMIT`].
 
 // A test crate: the helpers' panics are test failures (clippy.toml only covers `#[test]` bodies).
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -28,9 +23,7 @@ use vllm_sim::SimConfig;
 const LIMIT: Duration = Duration::from_secs(10);
 
 async fn bounded<T>(what: &str, fut: impl Future<Output = T>) -> T {
-    tokio::time::timeout(LIMIT, fut)
-        .await
-        .unwrap_or_else(|_| panic!("timed out: {what}"))
+    tokio::time::timeout(LIMIT, fut).await.unwrap_or_else(|_| panic!("timed out: {what}"))
 }
 
 /// A simulator served in-process.
@@ -57,9 +50,7 @@ impl Sim {
     }
 
     async fn client(&self) -> Client {
-        let stream = bounded("connect", TcpStream::connect(self.addr))
-            .await
-            .unwrap();
+        let stream = bounded("connect", TcpStream::connect(self.addr)).await.unwrap();
         let (sender, conn) = http1::handshake(TokioIo::new(stream)).await.unwrap();
         let conn = tokio::spawn(async move {
             let _ = conn.await;
@@ -115,12 +106,7 @@ struct Client {
 }
 
 impl Client {
-    async fn send(
-        &mut self,
-        method: Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> http::Response<Incoming> {
+    async fn send(&mut self, method: Method, path: &str, body: Option<Value>) -> http::Response<Incoming> {
         let body = body.map_or_else(Bytes::new, |b| Bytes::from(serde_json::to_vec(&b).unwrap()));
         let request = Request::builder()
             .method(method)
@@ -129,9 +115,7 @@ impl Client {
             .header("content-type", "application/json")
             .body(Full::new(body))
             .unwrap();
-        bounded("response head", self.sender.send_request(request))
-            .await
-            .unwrap()
+        bounded("response head", self.sender.send_request(request)).await.unwrap()
     }
 }
 
@@ -160,20 +144,13 @@ fn sse_events(body: &[u8]) -> Vec<String> {
     let text = std::str::from_utf8(body).unwrap();
     assert!(text.ends_with("\n\n"), "{text:?}");
     text.split_terminator("\n\n")
-        .map(|e| {
-            e.strip_prefix("data: ")
-                .unwrap_or_else(|| panic!("bad event {e:?}"))
-                .to_owned()
-        })
+        .map(|e| e.strip_prefix("data: ").unwrap_or_else(|| panic!("bad event {e:?}")).to_owned())
         .collect()
 }
 
 fn chat(extra: Value) -> Value {
-    let mut body =
-        json!({"model": "sim-model", "messages": [{"role": "user", "content": "Hello world!"}]});
-    body.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
+    let mut body = json!({"model": "sim-model", "messages": [{"role": "user", "content": "Hello world!"}]});
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
     body
 }
 
@@ -198,33 +175,17 @@ async fn non_streaming_chat_reports_usage_and_finish_reason() {
         v["usage"],
         json!({"prompt_tokens": CHAT_PROMPT_TOKENS, "completion_tokens": 16, "total_tokens": CHAT_PROMPT_TOKENS + 16})
     );
-    let words = v["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap()
-        .split_whitespace()
-        .count();
+    let words = v["choices"][0]["message"]["content"].as_str().unwrap().split_whitespace().count();
     assert_eq!(words, 16);
 
-    let (status, v) = sim
-        .post(
-            "/v1/chat/completions",
-            chat(json!({"model": "alias", "max_tokens": 5})),
-        )
-        .await;
+    let (status, v) =
+        sim.post("/v1/chat/completions", chat(json!({"model": "alias", "max_tokens": 5}))).await;
     assert_eq!(status, StatusCode::OK);
-    assert_eq!(
-        v["model"], "sim-model",
-        "vLLM answers with the first served name"
-    );
+    assert_eq!(v["model"], "sim-model", "vLLM answers with the first served name");
     assert_eq!(v["choices"][0]["finish_reason"], "length");
     assert_eq!(v["usage"]["completion_tokens"], 5);
 
-    let (_, v) = sim
-        .post(
-            "/v1/chat/completions",
-            chat(json!({"max_tokens": 40, "ignore_eos": true})),
-        )
-        .await;
+    let (_, v) = sim.post("/v1/chat/completions", chat(json!({"max_tokens": 40, "ignore_eos": true}))).await;
     assert_eq!(v["usage"]["completion_tokens"], 40);
     sim.shutdown().await;
 }
@@ -233,63 +194,40 @@ async fn non_streaming_chat_reports_usage_and_finish_reason() {
 async fn non_streaming_completion() {
     let sim = Sim::start(SimConfig::default()).await;
     let (status, v) = sim
-        .post(
-            "/v1/completions",
-            json!({"model": "sim-model", "prompt": "abcdefgh", "max_tokens": 3}),
-        )
+        .post("/v1/completions", json!({"model": "sim-model", "prompt": "abcdefgh", "max_tokens": 3}))
         .await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(v["object"], "text_completion");
     assert_eq!(v["choices"][0]["text"], "the quick brown ");
     assert_eq!(v["choices"][0]["finish_reason"], "length");
-    assert_eq!(
-        v["usage"],
-        json!({"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5})
-    );
+    assert_eq!(v["usage"], json!({"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}));
     sim.shutdown().await;
 }
 
 #[tokio::test]
 async fn streaming_chat_event_order() {
-    let sim = Sim::start(SimConfig {
-        output_tokens: 4,
-        ..SimConfig::default()
-    })
-    .await;
+    let sim = Sim::start(SimConfig { output_tokens: 4, ..SimConfig::default() }).await;
     let body = chat(json!({"stream": true, "stream_options": {"include_usage": true}}));
-    let (status, headers, bytes) = sim
-        .call(Method::POST, "/v1/chat/completions", Some(body))
-        .await;
+    let (status, headers, bytes) = sim.call(Method::POST, "/v1/chat/completions", Some(body)).await;
     assert_eq!(status, StatusCode::OK);
-    assert!(headers["content-type"]
-        .to_str()
-        .unwrap()
-        .starts_with("text/event-stream"));
+    assert!(headers["content-type"].to_str().unwrap().starts_with("text/event-stream"));
     assert!(headers.get("content-length").is_none());
 
     let events = sse_events(&bytes);
     assert_eq!(events.len(), 1 + 4 + 1 + 1, "{events:#?}");
     assert_eq!(events.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
+    let chunks: Vec<Value> =
+        events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
     let id = &chunks[0]["id"];
     for c in &chunks {
         assert_eq!(&c["id"], id);
         assert_eq!(c["object"], "chat.completion.chunk");
         assert_eq!(c["model"], "sim-model");
     }
-    assert_eq!(
-        chunks[0]["choices"][0]["delta"],
-        json!({"role": "assistant", "content": ""})
-    );
+    assert_eq!(chunks[0]["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
     assert_eq!(chunks[0]["usage"], Value::Null);
     for (i, c) in chunks[1..5].iter().enumerate() {
-        assert!(c["choices"][0]["delta"]["content"]
-            .as_str()
-            .unwrap()
-            .ends_with(' '));
+        assert!(c["choices"][0]["delta"]["content"].as_str().unwrap().ends_with(' '));
         let expected = if i == 3 { json!("stop") } else { Value::Null };
         assert_eq!(c["choices"][0]["finish_reason"], expected);
     }
@@ -304,8 +242,7 @@ async fn streaming_chat_event_order() {
 #[tokio::test]
 async fn streaming_completion_without_usage() {
     let sim = Sim::start(SimConfig::default()).await;
-    let body =
-        json!({"model": "sim-model", "prompt": ["ab", "cd"], "max_tokens": 2, "stream": true});
+    let body = json!({"model": "sim-model", "prompt": ["ab", "cd"], "max_tokens": 2, "stream": true});
     let (status, _, bytes) = sim.call(Method::POST, "/v1/completions", Some(body)).await;
     assert_eq!(status, StatusCode::OK);
     let events = sse_events(&bytes);
@@ -324,10 +261,8 @@ async fn streaming_completion_without_usage() {
 async fn metrics_use_vllm_names() {
     let sim = Sim::start(SimConfig::default()).await;
     let body = chat(json!({"stream": true, "max_tokens": 3}));
-    sim.call(Method::POST, "/v1/chat/completions", Some(body))
-        .await;
-    sim.post("/v1/chat/completions", chat(json!({"max_tokens": 2})))
-        .await;
+    sim.call(Method::POST, "/v1/chat/completions", Some(body)).await;
+    sim.post("/v1/chat/completions", chat(json!({"max_tokens": 2}))).await;
     let text = sim.metrics().await;
     for name in [
         "vllm:num_requests_running",
@@ -340,42 +275,18 @@ async fn metrics_use_vllm_names() {
         "vllm:generation_tokens_total",
         "vllm:request_success_total",
     ] {
-        assert!(
-            text.contains(&format!("{name}{{")),
-            "{name} missing in\n{text}"
-        );
+        assert!(text.contains(&format!("{name}{{")), "{name} missing in\n{text}");
     }
     let l = "model_name=\"sim-model\"";
     assert_eq!(metric(&text, RECEIVED), 2.0);
-    assert_eq!(
-        metric(&text, &format!("vllm:prompt_tokens_total{{{l}}}")),
-        20.0
-    );
-    assert_eq!(
-        metric(&text, &format!("vllm:generation_tokens_total{{{l}}}")),
-        5.0
-    );
-    assert_eq!(
-        metric(
-            &text,
-            &format!("vllm:request_success_total{{finished_reason=\"length\",{l}}}")
-        ),
-        2.0
-    );
-    assert_eq!(
-        metric(
-            &text,
-            &format!("vllm:time_to_first_token_seconds_count{{{l}}}")
-        ),
-        2.0
-    );
+    assert_eq!(metric(&text, &format!("vllm:prompt_tokens_total{{{l}}}")), 20.0);
+    assert_eq!(metric(&text, &format!("vllm:generation_tokens_total{{{l}}}")), 5.0);
+    assert_eq!(metric(&text, &format!("vllm:request_success_total{{finished_reason=\"length\",{l}}}")), 2.0);
+    assert_eq!(metric(&text, &format!("vllm:time_to_first_token_seconds_count{{{l}}}")), 2.0);
     assert_eq!(metric(&text, RUNNING), 0.0);
     let (status, headers, _) = sim.call(Method::GET, "/metrics", None).await;
     assert_eq!(status, StatusCode::OK);
-    assert!(headers["content-type"]
-        .to_str()
-        .unwrap()
-        .starts_with("text/plain; version=0.0.4"));
+    assert!(headers["content-type"].to_str().unwrap().starts_with("text/plain; version=0.0.4"));
     sim.shutdown().await;
 }
 
@@ -390,38 +301,26 @@ async fn queue_holds_requests_beyond_max_num_seqs_and_frees_slots_of_gone_client
     .await;
     let body = chat(json!({"stream": true}));
     let mut first = sim.client().await;
-    let first_response = first
-        .send(Method::POST, "/v1/chat/completions", Some(body.clone()))
-        .await;
+    let first_response = first.send(Method::POST, "/v1/chat/completions", Some(body.clone())).await;
     assert_eq!(first_response.status(), StatusCode::OK);
     let mut second = sim.client().await;
-    let second_response = second
-        .send(Method::POST, "/v1/chat/completions", Some(body))
-        .await;
+    let second_response = second.send(Method::POST, "/v1/chat/completions", Some(body)).await;
     assert_eq!(second_response.status(), StatusCode::OK);
 
     let text = sim
-        .wait_metrics("one running, one waiting", |t| {
-            metric(t, RUNNING) == 1.0 && metric(t, WAITING) == 1.0
-        })
+        .wait_metrics("one running, one waiting", |t| metric(t, RUNNING) == 1.0 && metric(t, WAITING) == 1.0)
         .await;
-    assert_eq!(
-        metric(&text, "vllm:kv_cache_usage_perc{model_name=\"sim-model\"}"),
-        1.0
-    );
+    assert_eq!(metric(&text, "vllm:kv_cache_usage_perc{model_name=\"sim-model\"}"), 1.0);
 
     // A non-streamed request queues too, and leaves the queue when its client goes away.
     let mut third = sim.client().await;
-    let third_task = tokio::spawn(async move {
-        third
-            .send(Method::POST, "/v1/chat/completions", Some(chat(json!({}))))
-            .await
-    });
-    sim.wait_metrics("two waiting", |t| metric(t, WAITING) == 2.0)
-        .await;
+    let third_task =
+        tokio::spawn(
+            async move { third.send(Method::POST, "/v1/chat/completions", Some(chat(json!({})))).await },
+        );
+    sim.wait_metrics("two waiting", |t| metric(t, WAITING) == 2.0).await;
     third_task.abort();
-    sim.wait_metrics("third left the queue", |t| metric(t, WAITING) == 1.0)
-        .await;
+    sim.wait_metrics("third left the queue", |t| metric(t, WAITING) == 1.0).await;
 
     // The running client goes away: its slot passes to the waiting request.
     drop(first_response);
@@ -433,26 +332,16 @@ async fn queue_holds_requests_beyond_max_num_seqs_and_frees_slots_of_gone_client
     .await;
     drop(second_response);
     drop(second);
-    let text = sim
-        .wait_metrics("all gone", |t| metric(t, RUNNING) == 0.0)
-        .await;
+    let text = sim.wait_metrics("all gone", |t| metric(t, RUNNING) == 0.0).await;
     assert_eq!(metric(&text, abort), 3.0);
-    assert_eq!(
-        metric(
-            &text,
-            "vllm:generation_tokens_total{model_name=\"sim-model\"}"
-        ),
-        0.0
-    );
+    assert_eq!(metric(&text, "vllm:generation_tokens_total{model_name=\"sim-model\"}"), 0.0);
     sim.shutdown().await;
 }
 
 #[tokio::test]
 async fn unknown_model_is_404_with_vllm_body() {
     let sim = Sim::start(SimConfig::default()).await;
-    let (status, v) = sim
-        .post("/v1/chat/completions", chat(json!({"model": "gpt-4o"})))
-        .await;
+    let (status, v) = sim.post("/v1/chat/completions", chat(json!({"model": "gpt-4o"}))).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert_eq!(v["error"]["message"], "The model `gpt-4o` does not exist.");
     assert_eq!(v["error"]["type"], "NotFoundError");
@@ -463,14 +352,11 @@ async fn unknown_model_is_404_with_vllm_body() {
 
 #[tokio::test]
 async fn over_long_prompt_is_400_with_vllm_message() {
-    let sim = Sim::start(SimConfig {
-        max_model_len: 64,
-        ..SimConfig::default()
-    })
-    .await;
+    let sim = Sim::start(SimConfig { max_model_len: 64, ..SimConfig::default() }).await;
     // 200 bytes: 50 tokens, plus 1 + 3 + 3 for the chat template = 57.
     let long = "x".repeat(200);
-    let body = json!({"model": "sim-model", "messages": [{"role": "user", "content": long}], "max_tokens": 10});
+    let body =
+        json!({"model": "sim-model", "messages": [{"role": "user", "content": long}], "max_tokens": 10});
     let (status, v) = sim.post("/v1/chat/completions", body).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert_eq!(
@@ -484,14 +370,9 @@ async fn over_long_prompt_is_400_with_vllm_message() {
             "code": 400
         })
     );
-    let (status, v) = sim
-        .post("/v1/completions", json!({"prompt": "y".repeat(256)}))
-        .await;
+    let (status, v) = sim.post("/v1/completions", json!({"prompt": "y".repeat(256)})).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
-    assert!(v["error"]["message"]
-        .as_str()
-        .unwrap()
-        .contains("you requested 64 tokens in the messages"));
+    assert!(v["error"]["message"].as_str().unwrap().contains("you requested 64 tokens in the messages"));
 
     let (status, headers, bytes) = sim.call(Method::POST, "/v1/chat/completions", None).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
@@ -501,28 +382,16 @@ async fn over_long_prompt_is_400_with_vllm_message() {
 
     let text = sim.metrics().await;
     assert_eq!(metric(&text, RECEIVED), 3.0);
-    assert_eq!(
-        metric(&text, "vllm:prompt_tokens_total{model_name=\"sim-model\"}"),
-        0.0
-    );
+    assert_eq!(metric(&text, "vllm:prompt_tokens_total{model_name=\"sim-model\"}"), 0.0);
     sim.shutdown().await;
 }
 
 #[tokio::test]
 async fn fail_after_chunks_drops_the_connection_mid_stream() {
-    let sim = Sim::start(SimConfig {
-        fail_after_chunks: Some(2),
-        ..SimConfig::default()
-    })
-    .await;
+    let sim = Sim::start(SimConfig { fail_after_chunks: Some(2), ..SimConfig::default() }).await;
     let mut client = sim.client().await;
-    let response = client
-        .send(
-            Method::POST,
-            "/v1/chat/completions",
-            Some(chat(json!({"stream": true}))),
-        )
-        .await;
+    let response =
+        client.send(Method::POST, "/v1/chat/completions", Some(chat(json!({"stream": true})))).await;
     assert_eq!(response.status(), StatusCode::OK);
     let mut body = response.into_body();
     let mut received = Vec::new();
@@ -546,33 +415,18 @@ async fn fail_after_chunks_drops_the_connection_mid_stream() {
     assert!(!events.iter().any(|e| e == "[DONE]"));
     let text = sim
         .wait_metrics("abort counted", |t| {
-            metric(
-                t,
-                "vllm:request_success_total{finished_reason=\"abort\",model_name=\"sim-model\"}",
-            ) == 1.0
+            metric(t, "vllm:request_success_total{finished_reason=\"abort\",model_name=\"sim-model\"}") == 1.0
         })
         .await;
-    assert_eq!(
-        metric(
-            &text,
-            "vllm:generation_tokens_total{model_name=\"sim-model\"}"
-        ),
-        2.0
-    );
+    assert_eq!(metric(&text, "vllm:generation_tokens_total{model_name=\"sim-model\"}"), 2.0);
     assert_eq!(metric(&text, RUNNING), 0.0);
     sim.shutdown().await;
 }
 
 #[tokio::test]
 async fn error_rate_one_answers_500() {
-    let sim = Sim::start(SimConfig {
-        error_rate: 1.0,
-        ..SimConfig::default()
-    })
-    .await;
-    let (status, v) = sim
-        .post("/v1/chat/completions", chat(json!({"stream": true})))
-        .await;
+    let sim = Sim::start(SimConfig { error_rate: 1.0, ..SimConfig::default() }).await;
+    let (status, v) = sim.post("/v1/chat/completions", chat(json!({"stream": true}))).await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(v["error"]["type"], "InternalServerError");
     assert_eq!(v["error"]["code"], 500);
@@ -581,22 +435,12 @@ async fn error_rate_one_answers_500() {
 
 #[tokio::test]
 async fn ttft_and_itl_pace_the_tokens() {
-    let sim = Sim::start(SimConfig {
-        ttft_ms: 60.0,
-        itl_ms: 20.0,
-        output_tokens: 3,
-        ..SimConfig::default()
-    })
-    .await;
+    let sim =
+        Sim::start(SimConfig { ttft_ms: 60.0, itl_ms: 20.0, output_tokens: 3, ..SimConfig::default() }).await;
     let started = Instant::now();
     let mut client = sim.client().await;
-    let response = client
-        .send(
-            Method::POST,
-            "/v1/completions",
-            Some(json!({"prompt": "hi", "stream": true})),
-        )
-        .await;
+    let response =
+        client.send(Method::POST, "/v1/completions", Some(json!({"prompt": "hi", "stream": true}))).await;
     let mut body = response.into_body();
     let mut arrivals = Vec::new();
     bounded("paced stream", async {
@@ -614,10 +458,7 @@ async fn ttft_and_itl_pace_the_tokens() {
             .0
     };
     assert!(arrival("the ") >= Duration::from_millis(60), "{arrivals:?}");
-    assert!(
-        arrival("brown ") >= Duration::from_millis(100),
-        "{arrivals:?}"
-    );
+    assert!(arrival("brown ") >= Duration::from_millis(100), "{arrivals:?}");
     assert!(arrivals.last().unwrap().1.ends_with("data: [DONE]\n\n"));
 
     let started = Instant::now();
@@ -639,12 +480,7 @@ async fn models_health_and_unknown_routes() {
     assert_eq!(status, StatusCode::OK);
     let v: Value = serde_json::from_slice(&bytes).unwrap();
     assert_eq!(v["object"], "list");
-    let ids: Vec<_> = v["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["id"].clone())
-        .collect();
+    let ids: Vec<_> = v["data"].as_array().unwrap().iter().map(|m| m["id"].clone()).collect();
     assert_eq!(ids, [json!("a"), json!("b")]);
     assert_eq!(v["data"][0]["owned_by"], "vllm");
     assert_eq!(v["data"][0]["max_model_len"], 1024);
@@ -663,17 +499,9 @@ async fn keep_alive_serves_many_requests_on_one_connection() {
     let sim = Sim::start(SimConfig::default()).await;
     let mut client = sim.client().await;
     for _ in 0..3 {
-        let response = client
-            .send(
-                Method::POST,
-                "/v1/chat/completions",
-                Some(chat(json!({"stream": true}))),
-            )
-            .await;
-        let bytes = bounded("body", response.into_body().collect())
-            .await
-            .unwrap()
-            .to_bytes();
+        let response =
+            client.send(Method::POST, "/v1/chat/completions", Some(chat(json!({"stream": true})))).await;
+        let bytes = bounded("body", response.into_body().collect()).await.unwrap().to_bytes();
         assert_eq!(sse_events(&bytes).last().unwrap(), "[DONE]");
     }
     drop(client);
@@ -683,15 +511,7 @@ async fn keep_alive_serves_many_requests_on_one_connection() {
 #[tokio::test]
 async fn invalid_config_is_rejected() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let config = SimConfig {
-        max_num_seqs: 0,
-        ..SimConfig::default()
-    };
-    let err = bounded(
-        "serve",
-        vllm_sim::serve(config, listener, std::future::pending()),
-    )
-    .await
-    .unwrap_err();
+    let config = SimConfig { max_num_seqs: 0, ..SimConfig::default() };
+    let err = bounded("serve", vllm_sim::serve(config, listener, std::future::pending())).await.unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
 }
