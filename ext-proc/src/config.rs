@@ -259,8 +259,8 @@ pub struct TenantConfig {
 }
 
 /// Requests-per-minute and tokens-per-minute limits; each is a token bucket that refills
-/// continuously at the per-minute rate and holds at most its burst.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq)]
+/// continuously at the per-minute rate and holds at most its burst. The default has no limit.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Limits {
     /// Requests per minute (RPM). Absent: no request limit.

@@ -312,23 +312,9 @@ pub struct TenantSection {
     pub model_limits: BTreeMap<String, LimitsSection>,
 }
 
-/// Requests-per-minute and tokens-per-minute token buckets.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LimitsSection {
-    /// Requests per minute.
-    #[serde(default)]
-    pub requests_per_minute: Option<u64>,
-    /// Request bucket size (default: the rate).
-    #[serde(default)]
-    pub request_burst: Option<u64>,
-    /// Tokens per minute (prompt + completion).
-    #[serde(default)]
-    pub tokens_per_minute: Option<u64>,
-    /// Token bucket size (default: the rate).
-    #[serde(default)]
-    pub token_burst: Option<u64>,
-}
+/// Requests-per-minute and tokens-per-minute token buckets: the sidecar's own type, so the two
+/// cannot drift.
+pub use gateway_ext_proc::config::Limits as LimitsSection;
 
 /// One served model.
 #[derive(Debug, Clone, Deserialize)]
