@@ -610,6 +610,11 @@ class Stack:
     def pool(self, name: str) -> Pool:
         return next(p for p in self.pools if p.name == name)
 
+    def requests_received(self, pool: str) -> float:
+        """Inference requests a vllm-sim pool's replicas have received (its
+        `vllm_sim:requests_received_total`), to assert whether the upstream was called."""
+        return sum(upstream_metric(url, "vllm_sim:requests_received_total") for url in self.pool(pool).urls)
+
 
 def _merged(base: dict, overrides: dict) -> dict:
     """`base` with `overrides` merged in recursively (dicts merge, other values replace)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_openai_error, post
-from stack import Model, Pool, Stack, Tenant, new_api_key, upstream_metric
+from stack import Model, Pool, Stack, Tenant, new_api_key
 from test_token_counts import TEMPLATES, render_reference
 
 MAX_MODEL_LEN = 200
@@ -27,7 +27,6 @@ FILTER_BOUNDS = {
     "template_overhead_bytes": {"per_message": 24, "fixed": 120},
     "normalization": "nfc",
 }
-RECEIVED = "vllm_sim:requests_received_total"
 
 
 def qwen_spec() -> dict:
@@ -74,7 +73,7 @@ def ctx_stack(tmp_path_factory):
 
 
 def received(stack: Stack) -> float:
-    return sum(upstream_metric(url, RECEIVED) for url in stack.pool("pool_q").urls)
+    return stack.requests_received("pool_q")
 
 
 # About 80 prompt tokens, 400+ bytes: the filter's lower bound (ceil(bytes / 128)) is a few tokens

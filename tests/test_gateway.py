@@ -17,11 +17,10 @@ import redis
 from helpers import assert_openai_error, auth, chat_body, post, sse_events, wait_for
 from stack import upstream_metric
 
-RECEIVED = "vllm_sim:requests_received_total"
 
 
 def received(stack, pool: str) -> float:
-    return sum(upstream_metric(url, RECEIVED) for url in stack.pool(pool).urls)
+    return stack.requests_received(pool)
 
 
 # ------------------------------------------------------------------ authentication

@@ -8,9 +8,8 @@ import httpx
 import pytest
 
 from helpers import auth, chat_body, post, sse_events
-from stack import Fallback, Model, Pool, Stack, Tenant, free_port, new_api_key, upstream_metric
+from stack import Fallback, Model, Pool, Stack, Tenant, free_port, new_api_key
 
-RECEIVED = "vllm_sim:requests_received_total"
 KEY = new_api_key()
 
 
@@ -41,7 +40,7 @@ def stack(tmp_path_factory):
 
 
 def received(stack, pool: str) -> float:
-    return sum(upstream_metric(url, RECEIVED) for url in stack.pool(pool).urls)
+    return stack.requests_received(pool)
 
 
 def test_alias_reaches_the_base_model(stack):
