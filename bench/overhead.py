@@ -7,7 +7,9 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
     bare      → Envoy (same bootstrap, no filter, no sidecar) → vllm-sim
     filter    → Envoy + the wasm filter → vllm-sim
     gateway   → Envoy + filter + ext_proc sidecar (+ redis-server) → vllm-sim
-    gateway-no-metering   (diagnostic) the gateway without its metering ext_proc: admission only
+    gateway-no-metering   (diagnostic) the gateway without its metering access log: admission only
+    gateway-ext-proc-metering   (diagnostic) the gateway metered by the ext_proc filter instead of
+                          the access log (how Envoy Gateway is rendered)
 
 Scenarios (`--scenarios`, all by default):
 
@@ -87,16 +89,18 @@ RESULTS_DIR = TARGET / "bench-results"
 
 MODEL = "sim-model"
 POOL = "pool_sim"
-TARGETS = ("direct", "bare", "filter", "gateway", "gateway-no-metering")
-# Target name -> (tests/stack.py profile, Envoy HTTP filters removed from it). The last one is a
-# diagnostic: the gateway without its metering ext_proc, which tells admission's cost from
-# metering's.
+TARGETS = ("direct", "bare", "filter", "gateway", "gateway-no-metering", "gateway-ext-proc-metering")
+# Target name -> (tests/stack.py profile, Envoy HTTP filters and access loggers removed from it).
+# The last two are diagnostics: the gateway without its metering access log, which tells
+# admission's cost from metering's, and the gateway metered by the ext_proc filter (every response
+# chunk to the sidecar) instead, which measures what the access-log design saves.
 PROFILES = {
     "direct": ("direct", ()),
     "bare": ("bare", ()),
     "filter": ("filter", ()),
     "gateway": ("gateway", ()),
-    "gateway-no-metering": ("gateway", ("llm_gateway.metering",)),
+    "gateway-no-metering": ("gateway", ("envoy.access_loggers.http_grpc",)),
+    "gateway-ext-proc-metering": ("gateway", ()),
 }
 SCENARIOS = ("overhead", "saturation", "sweep", "limits", "streams", "overload", "tool")
 START_DEADLINE_S = 30.0
@@ -397,6 +401,8 @@ class BenchStack(Stack):
         config = super().envoy_config()
         chain = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         chain["http_filters"] = [f for f in chain["http_filters"] if f["name"] not in self.drop_filters]
+        if "access_log" in chain:
+            chain["access_log"] = [a for a in chain["access_log"] if a["name"] not in self.drop_filters]
         return config
 
 
@@ -428,6 +434,7 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
         envoy_concurrency=envoy_concurrency,
         sidecar_extra=sidecar_extra,
         drop_filters=drop,
+        metering="ext_proc" if name == "gateway-ext-proc-metering" else "access_log",
     )
     exits.enter_context(stack)
     assert stack.envoy is not None and stack.base_url is not None

@@ -19,7 +19,8 @@ TARGET_TEXT = {
     "bare": "Envoy with the gateway's bootstrap but no filter and no sidecar",
     "filter": "Envoy + the wasm filter (auth, body validation, routing)",
     "gateway": "Envoy + filter + the ext_proc sidecar (admission against Redis, metering)",
-    "gateway-no-metering": "diagnostic: the gateway without its metering ext_proc filter (admission only)",
+    "gateway-no-metering": "diagnostic: the gateway without its metering access log (admission only; the filter still measures)",
+    "gateway-ext-proc-metering": "diagnostic: the gateway metered by an observability-mode ext_proc filter (every chunk to the sidecar) instead of the access log",
 }
 
 

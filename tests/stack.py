@@ -178,9 +178,13 @@ class Stack:
         redis_cluster_nodes: int = 0,
         sidecar_config_from: Callable[[Stack], dict] | None = None,
         envoy_config_from: Callable[[Stack], dict] | None = None,
+        metering: str = "access_log",
     ):
         if profile not in ("gateway", "filter", "bare"):
             raise ValueError(f"unknown profile {profile}")
+        if metering not in ("access_log", "ext_proc"):
+            raise ValueError(f"unknown metering {metering}")
+        self.metering = metering
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.pools = pools
@@ -511,7 +515,12 @@ class Stack:
             filters.append(render("filters/wasm.yaml"))
         if self.profile == "gateway":
             filters.append(render("filters/ext_proc_admission.yaml"))
-            filters.append(render("filters/ext_proc_metering.yaml"))
+            # Metering: the filter's usage through Envoy's gRPC access log (the default), or the
+            # observability-mode ext_proc filter (`metering="ext_proc"`, as Envoy Gateway renders).
+            if self.metering == "ext_proc":
+                filters.append(render("filters/ext_proc_metering.yaml"))
+            else:
+                hcm.setdefault("access_log", []).append(render("access_log_metering.yaml"))
         filters.append({
             "name": "envoy.filters.http.router",
             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from helpers import assert_openai_error, auth, chat_body, post, sse_events, wait_for
-from stack import upstream_metric
+from stack import Model, Pool, Stack, Tenant, upstream_metric
 
 
 
@@ -181,7 +181,20 @@ def usage_hash(stack, tenant: str) -> dict[str, int]:
     return {k: int(v) for k, v in client.hgetall(f"llmgw:usage:{{{tenant}}}:{day}").items()}
 
 
-def test_usage_recorded_in_redis_equals_upstreams(stack, keys):
+@pytest.fixture(scope="module")
+def ext_proc_metered_stack(tmp_path_factory, keys):
+    """The gateway metered by the observability-mode ext_proc filter instead of the access log
+    (how Envoy Gateway is rendered), with the metering test's pool, model and tenant."""
+    pools = [Pool("pool_meter", ["sim/metered"], ["--output-tokens", "7"])]
+    models = [Model("metered", "pool_meter", 4096, served_model_name="sim/metered")]
+    tenants = [Tenant("meter", [keys["meter"]], {"requests_per_minute": 1000, "tokens_per_minute": 1000000})]
+    with Stack(tmp_path_factory.mktemp("ext-proc-metering"), pools, models, tenants, metering="ext_proc") as s:
+        yield s
+
+
+@pytest.mark.parametrize("metering", ["access_log", "ext_proc"])
+def test_usage_recorded_in_redis_equals_upstreams(request, metering, keys):
+    stack = request.getfixturevalue("stack" if metering == "access_log" else "ext_proc_metered_stack")
     url = stack.pool("pool_meter").urls[0]
     prompt_before = upstream_metric(url, "vllm:prompt_tokens_total")
     generated_before = upstream_metric(url, "vllm:generation_tokens_total")

@@ -3,12 +3,14 @@
 //! It enforces per-tenant (and per tenant × model) requests-per-minute and tokens-per-minute
 //! limits in Redis (atomic Lua token buckets, answering 429 with `Retry-After` and OpenAI's
 //! `x-ratelimit-*` headers), sheds requests (429 `overloaded`) in front of vLLM pools whose queue
-//! or KV cache is over its threshold, lower tiers first, and meters each admitted request's
-//! token usage from the streamed SSE response, recording it exactly once in Redis. Redis
-//! failures are bounded by a timeout and a circuit breaker, with a failure mode per tier.
+//! or KV cache is over its threshold, lower tiers first, and records each admitted request's
+//! token usage exactly once in Redis: measured on the streamed SSE response by the wasm filter
+//! and delivered by Envoy's gRPC access log ([`access_log`]), or streamed here chunk by chunk by
+//! an ext_proc metering filter. Redis failures are bounded by a timeout and a circuit breaker,
+//! with a failure mode per tier.
 //!
 //! The decisions are pure code ([`limits`], [`admission`], [`shedding`], [`breaker`],
-//! [`local_limiter`], [`meter`], [`sse`]); the tonic adapter ([`service`]), the Redis client
+//! [`local_limiter`], [`meter`], [`sse`]); the tonic adapters ([`service`], [`access_log`]), the Redis client
 //! ([`store`], [`limiter`], [`recorder`]) and the scraper ([`pools`]) only move data.
 //!
 //! ```no_run
@@ -18,6 +20,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod access_log;
 pub mod admission;
 pub mod breaker;
 pub mod config;
@@ -32,7 +35,7 @@ pub mod pools;
 pub mod recorder;
 pub mod service;
 pub mod shedding;
-pub mod sse;
+pub use gateway_meter::sse;
 pub mod store;
 
 /// Protobuf types of `proto/llm_gateway/v1/usage.proto`.
@@ -45,9 +48,11 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use envoy_types::pb::envoy::service::accesslog::v3::access_log_service_server::AccessLogServiceServer;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 use tonic::transport::server::TcpIncoming;
 
+use crate::access_log::AccessLog;
 use crate::config::Config;
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
@@ -107,12 +112,14 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
         Recorder::start(store.clone(), config.metering.buffer_records, Arc::clone(&metrics));
     let limiter = Limiter::new(store, &config.redis, Arc::clone(&metrics));
     let shared = Arc::new(Shared::new(config, limiter, recorder, pools, metrics, context));
+    let access_log = AccessLogServiceServer::new(AccessLog::new(Arc::clone(&shared)));
     let service = ExternalProcessorServer::new(Gateway::new(shared));
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     println!("gateway-ext-proc listening on {addr}");
     tracing::info!(%addr, "listening");
     let served = tonic::transport::Server::builder()
         .add_service(service)
+        .add_service(access_log)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await;
     // The server (and with it every Recorder) is gone: the writer flushes what is buffered.

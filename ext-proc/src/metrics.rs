@@ -142,7 +142,8 @@ pub struct Metrics {
     pub responses: Family<Finished, Counter>,
     /// `gen_ai_server_time_to_first_token_seconds{model}`.
     pub ttft: Family<ModelLabel, Histogram>,
-    /// `gen_ai_server_time_per_output_token_seconds{model}`: each inter-token (inter-chunk) gap.
+    /// `gen_ai_server_time_per_output_token_seconds{model}`: per request, the mean gap between
+    /// content chunks after the first (OTel `gen_ai.server.time_per_output_token`).
     pub itl: Family<ModelLabel, Histogram>,
     /// `gen_ai_server_request_duration_seconds{model}`.
     pub duration: Family<ModelLabel, Histogram>,

@@ -73,7 +73,7 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     /// Exact prompt-token counting for the context check (models with a tokenizer).
     pub context: Arc<ContextChecker>,
-    ids: RecordIds,
+    pub(crate) ids: RecordIds,
 }
 
 impl Shared {
@@ -91,7 +91,7 @@ impl Shared {
 }
 
 /// Unique usage-record ids: a random per-process prefix and a counter.
-struct RecordIds {
+pub(crate) struct RecordIds {
     prefix: u64,
     next: AtomicU64,
 }
@@ -102,7 +102,7 @@ impl RecordIds {
         Self { prefix, next: AtomicU64::new(0) }
     }
 
-    fn next(&self) -> String {
+    pub(crate) fn next(&self) -> String {
         format!("{:016x}-{:x}", self.prefix, self.next.fetch_add(1, Ordering::Relaxed))
     }
 }
@@ -352,7 +352,7 @@ async fn metering_stream(
     shared: &Arc<Shared>,
 ) -> Result<(), Status> {
     let mut meter = Meter::new(shared.config.metering.max_json_body_bytes);
-    let mut itl = None;
+    let mut info = None;
     let mut next = Some(first);
     loop {
         let message = match next.take() {
@@ -363,27 +363,23 @@ async fn metering_stream(
                 Ok(None) | Err(_) => break,
             },
         };
-        let now = Instant::now();
-        let record = match message.request {
+        let now = monotonic_us();
+        let usage = match message.request {
             Some(ProcRequest::RequestHeaders(h)) => {
                 let facts = request_facts(&h);
                 let (reserved_tokens, reserved_locally) = reservation(message.metadata_context.as_ref());
-                let label = ModelLabel { model: shared.metrics.bounded(&facts.model) };
-                itl = Some(shared.metrics.itl.get_or_create(&label).clone());
-                meter.on_request_headers(
-                    RequestInfo {
-                        request_id: facts.request_id,
-                        tenant: facts.tenant.unwrap_or_default(),
-                        model: facts.model,
-                        pool: facts.pool,
-                        prompt_tokens_estimate: facts.prompt_tokens,
-                        reserved_tokens,
-                        reserved_locally,
-                        tier: facts.tier,
-                        record_id: shared.ids.next(),
-                    },
-                    now,
-                );
+                meter.start(now);
+                info = Some(RequestInfo {
+                    request_id: facts.request_id,
+                    tenant: facts.tenant.unwrap_or_default(),
+                    model: facts.model,
+                    pool: facts.pool,
+                    prompt_tokens_estimate: facts.prompt_tokens,
+                    reserved_tokens,
+                    reserved_locally,
+                    tier: facts.tier,
+                    record_id: shared.ids.next(),
+                });
                 None
             }
             Some(ProcRequest::ResponseHeaders(h)) => {
@@ -399,24 +395,28 @@ async fn metering_stream(
             Some(ProcRequest::ResponseTrailers(_)) => meter.on_stream_end(now),
             _ => None,
         };
-        if let Some(histogram) = &itl {
-            for gap in meter.drain_gaps() {
-                histogram.observe(gap.as_secs_f64());
+        if let Some(usage) = usage {
+            if let Some(info) = info.take() {
+                finish(shared, UsageRecord::new(info, usage));
             }
-        }
-        if let Some(record) = record {
-            finish(shared, record);
             return Ok(());
         }
     }
-    if let Some(record) = meter.on_stream_end(Instant::now()) {
-        finish(shared, record);
+    if let (Some(usage), Some(info)) = (meter.on_stream_end(monotonic_us()), info) {
+        finish(shared, UsageRecord::new(info, usage));
     }
     Ok(())
 }
 
+/// Microseconds since the first call: the meter's clock on the sidecar's side.
+fn monotonic_us() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let start = START.get_or_init(Instant::now);
+    u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX)
+}
+
 /// Counts the metrics, settles the reservation (off the stream's path) and queues the record.
-fn finish(shared: &Arc<Shared>, record: UsageRecord) {
+pub(crate) fn finish(shared: &Arc<Shared>, record: UsageRecord) {
     let span =
         tracing::info_span!("metering", request_id = %record.info.request_id, tenant = %record.info.tenant);
     let _e = span.enter();
@@ -434,10 +434,13 @@ fn finish(shared: &Arc<Shared>, record: UsageRecord) {
     shared.pools.finished(&record.info.pool);
     observe(&shared.metrics, &record);
     let mut record = record;
-    // The end of the request, not of its (possibly delayed) write, dates the record.
-    record.finished_at_unix_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    // The end of the request, not of its (possibly delayed) write, dates the record: Envoy's
+    // time when the access log gave it, else now.
+    if record.finished_at_unix_ms == 0 {
+        record.finished_at_unix_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    }
     let buckets = shared
         .config
         .tenant(&record.info.tenant)
@@ -484,6 +487,9 @@ fn observe(metrics: &Metrics, r: &UsageRecord) {
     let label = ModelLabel { model: model.clone() };
     if r.ttft_us > 0 {
         metrics.ttft.get_or_create(&label).observe(r.ttft_us as f64 / 1e6);
+    }
+    if r.tpot_us > 0 {
+        metrics.itl.get_or_create(&label).observe(r.tpot_us as f64 / 1e6);
     }
     metrics.duration.get_or_create(&label).observe(r.duration_us as f64 / 1e6);
     for (token_type, n) in [("input", r.prompt_tokens), ("output", r.completion_tokens)] {
@@ -561,7 +567,7 @@ fn admission_metadata(admitted: &Admitted) -> Struct {
 
 /// The reservation admission made, from the forwarded `llm_gateway` metadata: (tokens, whether
 /// in this sidecar's memory). None forwarded: (0, false).
-fn reservation(metadata: Option<&Metadata>) -> (u64, bool) {
+pub(crate) fn reservation(metadata: Option<&Metadata>) -> (u64, bool) {
     let fields = metadata.and_then(|m| m.filter_metadata.get(METADATA_NAMESPACE)).map(|s| &s.fields);
     let tokens = fields
         .and_then(|f| f.get(RESERVED_TOKENS_KEY))
@@ -592,15 +598,21 @@ fn find_header(map: &HeaderMap, name: &str) -> Option<String> {
 }
 
 fn request_facts(headers: &HttpHeaders) -> RequestFacts {
-    let number = |name| header(headers, name).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
+    facts_from(|name| header(headers, name))
+}
+
+/// The request's facts from its headers (the `x-gateway-*` headers the filter and admission set,
+/// and `x-request-id`), read through `header` (lower-case names).
+pub(crate) fn facts_from(header: impl Fn(&str) -> Option<String>) -> RequestFacts {
+    let number = |name| header(name).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
     RequestFacts {
-        tenant: header(headers, "x-gateway-tenant").filter(|t| !t.is_empty()),
-        model: header(headers, "x-gateway-model").unwrap_or_default(),
-        pool: header(headers, "x-gateway-pool").unwrap_or_default(),
+        tenant: header("x-gateway-tenant").filter(|t| !t.is_empty()),
+        model: header("x-gateway-model").unwrap_or_default(),
+        pool: header("x-gateway-pool").unwrap_or_default(),
         prompt_tokens: number("x-gateway-prompt-tokens"),
         max_tokens: number("x-gateway-max-tokens"),
-        request_id: header(headers, "x-request-id").unwrap_or_default(),
-        tier: header(headers, "x-gateway-tier").unwrap_or_default(),
+        request_id: header("x-request-id").unwrap_or_default(),
+        tier: header("x-gateway-tier").unwrap_or_default(),
     }
 }
 

@@ -9,6 +9,11 @@
 //! Envoy requirements: the wasm plugin must set `allow_on_headers_stop_iteration: true` (the
 //! filter returns `Pause` from `on_http_request_headers` to buffer the body), and Envoy's buffer
 //! limit (`per_connection_buffer_limit_bytes`) must be at least `max_body_bytes`.
+//!
+//! Metering: the response of every routed request is fed to a [`gateway_meter::Meter`]; its
+//! [`gateway_meter::Usage`] (JSON) is set once, as the property `llm_gateway.usage` (Envoy filter
+//! state `wasm.llm_gateway.usage`), when the response ends or, at the latest, when Envoy logs the
+//! stream (client abort, reset). Envoy's gRPC access log carries it to the sidecar.
 
 use std::rc::Rc;
 
@@ -22,6 +27,36 @@ use crate::pipeline::{
     on_request_body, on_request_headers, response_needs_stripping, HeadersDecision, PendingRequest,
 };
 use crate::sse::{ChunkOutput, UsageStripper};
+use gateway_meter::{Meter, Usage};
+
+/// The property the measured usage is set as (filter state `wasm.llm_gateway.usage`).
+const USAGE_PROPERTY: &str = "llm_gateway.usage";
+
+/// Largest non-streaming response body the meter holds to read its `usage`, in bytes.
+const MAX_JSON_RESPONSE_BYTES: usize = 4 << 20;
+
+/// Microseconds since the Unix epoch, from Envoy's clock (0 if unavailable).
+fn now_us() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+/// Hands the usage to Envoy's filter state, for the access log.
+fn publish_usage(usage: &Usage) {
+    match serde_json::to_vec(usage) {
+        Ok(json) => {
+            if let Err(status) = hostcalls::set_property(vec![USAGE_PROPERTY], Some(&json)) {
+                log(
+                    LogLevel::Warn,
+                    &format!("gateway-filter: set_property {USAGE_PROPERTY} failed: {status:?}"),
+                );
+            }
+        }
+        Err(e) => log(LogLevel::Warn, &format!("gateway-filter: cannot encode usage: {e}")),
+    }
+}
 
 /// The module entry point (`_initialize`), in a private module so the exported symbol is not
 /// part of the crate's documented API.
@@ -88,6 +123,8 @@ impl RootContext for GatewayRoot {
             pending: None,
             usage_injected: false,
             stripper: None,
+            started_us: 0,
+            meter: Meter::new(MAX_JSON_RESPONSE_BYTES),
         }))
     }
 
@@ -105,6 +142,18 @@ struct GatewayHttp {
     usage_injected: bool,
     /// Set when the response is an SSE stream that must be stripped.
     stripper: Option<UsageStripper>,
+    /// When the request headers arrived (microseconds since the Unix epoch).
+    started_us: u64,
+    /// Meters the response once the request is routed upstream.
+    meter: Meter,
+}
+
+impl GatewayHttp {
+    fn finish_metering(&mut self, usage: Option<Usage>) {
+        if let Some(usage) = usage {
+            publish_usage(&usage);
+        }
+    }
 }
 
 impl Context for GatewayHttp {}
@@ -160,6 +209,7 @@ impl GatewayHttp {
             }
         }
         self.usage_injected = plan.usage_injected;
+        self.meter.start(self.started_us);
         // Envoy picked a route before these headers existed; make it re-pick with x-gateway-pool.
         if let Err(status) = hostcalls::call_foreign_function("clear_route_cache", None) {
             log(LogLevel::Warn, &format!("gateway-filter: clear_route_cache failed: {status:?}"));
@@ -193,6 +243,7 @@ impl GatewayHttp {
 
 impl HttpContext for GatewayHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        self.started_us = now_us();
         let Some(cfg) = self.config.clone() else {
             return send_error(&GatewayError::Internal { what: "filter not configured" });
         };
@@ -247,14 +298,20 @@ impl HttpContext for GatewayHttp {
         self.take_body_and_finish(read)
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        if !self.usage_injected {
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        if !self.usage_injected && !self.meter.is_active() {
             return Action::Continue;
         }
         let status = hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, ":status").ok().flatten();
         let content_type =
             hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, "content-type").ok().flatten();
-        if response_needs_stripping(status.as_deref(), content_type.as_deref()) {
+        if self.meter.is_active() {
+            let code = status.as_deref().and_then(|s| std::str::from_utf8(s).ok()?.parse().ok()).unwrap_or(0);
+            let kind = content_type.as_deref().and_then(|c| std::str::from_utf8(c).ok()).unwrap_or("");
+            let usage = self.meter.on_response_headers(code, kind, end_of_stream, now_us());
+            self.finish_metering(usage);
+        }
+        if self.usage_injected && response_needs_stripping(status.as_deref(), content_type.as_deref()) {
             // The body shrinks, so its length is no longer known.
             let _ = hostcalls::remove_map_value(MapType::HttpResponseHeaders, "content-length");
             self.stripper = Some(UsageStripper::default());
@@ -263,16 +320,24 @@ impl HttpContext for GatewayHttp {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let Some(stripper) = self.stripper.as_mut() else {
+        if self.stripper.is_none() && !self.meter.is_active() {
             return Action::Continue;
-        };
+        }
         let chunk = match hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size) {
             Ok(b) => b.unwrap_or_default(),
             Err(_) => {
-                // Cannot read: stop stripping and let the stream through untouched.
+                // Cannot read: stop stripping and let the stream through untouched; the meter
+                // ends at the log with what it saw.
                 self.stripper = None;
                 return Action::Continue;
             }
+        };
+        if self.meter.is_active() {
+            let usage = self.meter.on_response_body(&chunk, end_of_stream, now_us());
+            self.finish_metering(usage);
+        }
+        let Some(stripper) = self.stripper.as_mut() else {
+            return Action::Continue;
         };
         if let ChunkOutput::Replace(out) = stripper.push(&chunk, end_of_stream) {
             if let Err(status) = hostcalls::set_buffer(BufferType::HttpResponseBody, 0, body_size, &out) {
@@ -280,5 +345,11 @@ impl HttpContext for GatewayHttp {
             }
         }
         Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        // The stream ended before its response did (client abort, upstream reset, timeout).
+        let usage = self.meter.on_stream_end(now_us());
+        self.finish_metering(usage);
     }
 }

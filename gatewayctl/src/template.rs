@@ -30,8 +30,10 @@ pub const BOOTSTRAP: Template = template!("envoy/bootstrap.yaml");
 pub const FILTER_WASM: Template = template!("envoy/filters/wasm.yaml");
 /// The admission ext_proc HTTP filter entry.
 pub const FILTER_ADMISSION: Template = template!("envoy/filters/ext_proc_admission.yaml");
-/// The metering ext_proc HTTP filter entry.
+/// The metering ext_proc HTTP filter entry (Envoy Gateway, whose access log cannot log filter state).
 pub const FILTER_METERING: Template = template!("envoy/filters/ext_proc_metering.yaml");
+/// The metering gRPC access log entry (the HTTP connection manager's `access_log`).
+pub const ACCESS_LOG_METERING: Template = template!("envoy/access_log_metering.yaml");
 /// The sidecar's cluster.
 pub const EXT_PROC_CLUSTER: Template = template!("envoy/ext_proc_cluster.yaml");
 /// One vLLM pool's cluster.
@@ -180,6 +182,7 @@ mod tests {
             FILTER_WASM,
             FILTER_ADMISSION,
             FILTER_METERING,
+            ACCESS_LOG_METERING,
             EXT_PROC_CLUSTER,
             POOL_CLUSTER,
             FALLBACK_CLUSTER,

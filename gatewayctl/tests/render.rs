@@ -72,8 +72,12 @@ fn standalone_bootstrap_shape() {
     let hcm = &listener["filter_chains"][0]["filters"][0]["typed_config"];
     assert_eq!(
         names(&hcm["http_filters"]),
-        ["llm_gateway.filter", "llm_gateway.admission", "llm_gateway.metering", "envoy.filters.http.router"]
+        ["llm_gateway.filter", "llm_gateway.admission", "envoy.filters.http.router"]
     );
+    // Metering: the gRPC access log to the sidecar, with the filter's usage.
+    let log = &hcm["access_log"][0]["typed_config"]["common_config"];
+    assert_eq!(log["grpc_service"]["envoy_grpc"]["cluster_name"], "llm_gateway_ext_proc");
+    assert_eq!(log["filter_state_objects_to_log"][0], "wasm.llm_gateway.usage");
     let wasm = &hcm["http_filters"][0]["typed_config"]["config"];
     assert_eq!(wasm["allow_on_headers_stop_iteration"], true);
     assert_eq!(wasm["vm_config"]["code"]["local"]["filename"], "/etc/llm-gateway/gateway_filter.wasm");
@@ -152,18 +156,23 @@ fn istio_inserts_wasm_then_ext_proc_before_the_router() {
     let ef = yaml(&f["istio/envoyfilter.yaml"]);
     let patches = ef["spec"]["configPatches"].as_sequence().unwrap();
     let kinds: Vec<&str> = patches.iter().map(|p| p["applyTo"].as_str().unwrap()).collect();
-    assert_eq!(kinds, ["LISTENER", "EXTENSION_CONFIG", "HTTP_FILTER", "HTTP_FILTER", "HTTP_FILTER"]);
-    let ecds = &patches[1]["patch"]["value"];
+    assert_eq!(kinds, ["LISTENER", "NETWORK_FILTER", "EXTENSION_CONFIG", "HTTP_FILTER", "HTTP_FILTER"]);
+    let log = &patches[1]["patch"]["value"]["typed_config"]["access_log"][0]["typed_config"]["common_config"];
+    assert_eq!(
+        log["grpc_service"]["envoy_grpc"]["cluster_name"],
+        "outbound|50051||llm-gateway-ext-proc.llm-gateway.svc.cluster.local"
+    );
+    let ecds = &patches[2]["patch"]["value"];
     assert_eq!(ecds["typed_config"]["config"]["allow_on_headers_stop_iteration"], true);
     assert_eq!(
         ecds["typed_config"]["config"]["vm_config"]["code"]["remote"]["http_uri"]["uri"],
         "oci://ghcr.io/example/llm-gateway-filter:0.1.0"
     );
     let inserted: Vec<&str> =
-        patches[2..].iter().map(|p| p["patch"]["value"]["name"].as_str().unwrap()).collect();
-    assert_eq!(inserted, ["llm_gateway.filter", "llm_gateway.admission", "llm_gateway.metering"]);
+        patches[3..].iter().map(|p| p["patch"]["value"]["name"].as_str().unwrap()).collect();
+    assert_eq!(inserted, ["llm_gateway.filter", "llm_gateway.admission"]);
     assert_eq!(
-        patches[3]["patch"]["value"]["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"],
+        patches[4]["patch"]["value"]["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"],
         "outbound|50051||llm-gateway-ext-proc.llm-gateway.svc.cluster.local"
     );
 }

@@ -17,9 +17,10 @@ use super::{module, pool_service, ratelimit_headers, Error, File};
 /// The HTTP filter name of the wasm filter (and of its ECDS extension config).
 const WASM_FILTER_NAME: &str = "llm_gateway.filter";
 /// Name of the admission filter in envoy/filters/ext_proc_admission.yaml.
-const ADMISSION_FILTER_NAME: &str = "llm_gateway.admission";
 const WASM_TYPE_URL: &str = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm";
 const HCM: &str = "envoy.filters.network.http_connection_manager";
+const HCM_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
 const ROUTER: &str = "envoy.filters.http.router";
 
 fn section(loaded: &Loaded) -> Result<&IstioSection, Error> {
@@ -88,32 +89,72 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
         .set("LABELS", labels.clone())
         .set("SELECTOR", selector.clone());
 
-    let mut ext_proc = Vec::new();
-    for t in [template::FILTER_ADMISSION, template::FILTER_METERING] {
-        let mut filter = template::render(t, &values)?;
-        let cluster = at_mut(
-            &mut filter,
-            &["typed_config".into(), "grpc_service".into(), "envoy_grpc".into(), "cluster_name".into()],
-        )
-        .ok_or_else(|| Error::Internal(format!("{}: no envoy_grpc cluster_name", t.path)))?;
-        *cluster = s(&sidecar_cluster);
-        ext_proc.push(filter);
-    }
-    let [admission, metering] = <[Value; 2]>::try_from(ext_proc)
-        .map_err(|_| Error::Internal("two ext_proc filters expected".into()))?;
+    let mut admission = template::render(template::FILTER_ADMISSION, &values)?;
+    let cluster = at_mut(
+        &mut admission,
+        &["typed_config".into(), "grpc_service".into(), "envoy_grpc".into(), "cluster_name".into()],
+    )
+    .ok_or_else(|| {
+        Error::Internal(format!("{}: no envoy_grpc cluster_name", template::FILTER_ADMISSION.path))
+    })?;
+    *cluster = s(&sidecar_cluster);
+    // Metering: the gRPC access log, merged into the gateway's HTTP connection manager.
+    let mut access_log = template::render(template::ACCESS_LOG_METERING, &values)?;
+    let cluster = at_mut(
+        &mut access_log,
+        &[
+            "typed_config".into(),
+            "common_config".into(),
+            "grpc_service".into(),
+            "envoy_grpc".into(),
+            "cluster_name".into(),
+        ],
+    )
+    .ok_or_else(|| {
+        Error::Internal(format!("{}: no envoy_grpc cluster_name", template::ACCESS_LOG_METERING.path))
+    })?;
+    *cluster = s(&sidecar_cluster);
 
     // The filter buffers the body: the listener's buffer must exceed the body limit.
-    let mut patches = vec![map([
-        ("applyTo", s("LISTENER")),
-        ("match", map([("context", s("GATEWAY"))])),
-        (
-            "patch",
-            map([
-                ("operation", s("MERGE")),
-                ("value", map([("per_connection_buffer_limit_bytes", n(max_body.saturating_add(1 << 20)))])),
-            ]),
-        ),
-    ])];
+    let mut patches = vec![
+        map([
+            ("applyTo", s("LISTENER")),
+            ("match", map([("context", s("GATEWAY"))])),
+            (
+                "patch",
+                map([
+                    ("operation", s("MERGE")),
+                    (
+                        "value",
+                        map([("per_connection_buffer_limit_bytes", n(max_body.saturating_add(1 << 20)))]),
+                    ),
+                ]),
+            ),
+        ]),
+        map([
+            ("applyTo", s("NETWORK_FILTER")),
+            (
+                "match",
+                map([
+                    ("context", s("GATEWAY")),
+                    ("listener", map([("filterChain", map([("filter", map([("name", s(HCM))]))]))])),
+                ]),
+            ),
+            (
+                "patch",
+                map([
+                    ("operation", s("MERGE")),
+                    (
+                        "value",
+                        map([(
+                            "typed_config",
+                            map([("@type", s(HCM_TYPE)), ("access_log", seq([access_log]))]),
+                        )]),
+                    ),
+                ]),
+            ),
+        ]),
+    ];
     match istio.wasm_delivery {
         WasmDelivery::EnvoyFilter => {
             let mut wasm = template::render(template::FILTER_WASM, &values)?;
@@ -151,16 +192,14 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
                 ),
             ]);
             // Each INSERT_BEFORE the router lands after the previous one: wasm, admission,
-            // metering, router.
+            // router.
             patches.push(http_filter_patch("INSERT_BEFORE", ROUTER, discovered));
             patches.push(http_filter_patch("INSERT_BEFORE", ROUTER, admission));
-            patches.push(http_filter_patch("INSERT_BEFORE", ROUTER, metering));
         }
         WasmDelivery::WasmPlugin => {
             for anchor in wasm_plugin_filter_names(&istio.namespace, "llm-gateway") {
                 patches.push(http_filter_patch("INSERT_AFTER", &anchor, admission.clone()));
             }
-            patches.push(http_filter_patch("INSERT_AFTER", ADMISSION_FILTER_NAME, metering));
             let plugin_config: Value =
                 serde_yaml_ng::from_str(&filter_json).map_err(|e| Error::Internal(e.to_string()))?;
             let url = if module.url.starts_with("oci://")

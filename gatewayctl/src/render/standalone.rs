@@ -107,11 +107,13 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error>
     let filters = seq([
         template::render(template::FILTER_WASM, &values)?,
         template::render(template::FILTER_ADMISSION, &values)?,
-        template::render(template::FILTER_METERING, &values)?,
         router(),
     ]);
     if !set(hcm, "http_filters", filters) {
         return Err(missing("http_filters"));
+    }
+    if !set(hcm, "access_log", seq([template::render(template::ACCESS_LOG_METERING, &values)?])) {
+        return Err(missing("access_log"));
     }
     let mut fallback_routes = Vec::new();
     let mut clusters = vec![ext_proc_cluster(&values, &sidecar)?];

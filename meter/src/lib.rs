@@ -1,0 +1,565 @@
+//! Metering of one OpenAI-style response, with no I/O and no clock: a state machine fed the
+//! response headers and each response body chunk as they pass (by the wasm filter in Envoy, or
+//! the sidecar's ext_proc metering stream), that yields exactly one [`Usage`] however the stream
+//! ends.
+//!
+//! Usage comes from the upstream's OpenAI `usage` object (the final SSE chunk, which the filter
+//! makes vLLM send with `stream_options.include_usage`, or the JSON body of a non-streaming
+//! response). When none arrives (client abort, upstream reset, truncated stream) the completion
+//! tokens are counted from the streamed chunks, one per chunk with non-empty `delta.content`,
+//! `delta.reasoning_content` or `text` (vLLM streams one chunk per decoded step), and the prompt
+//! tokens are left to the caller (the estimate or exact count it holds; see
+//! [`Usage::prompt_tokens_known`]).
+//!
+//! Times are microseconds on any clock that does not go backwards between calls, given by the
+//! caller (`now_us`).
+
+pub mod sse;
+
+use serde::{Deserialize, Serialize};
+
+use crate::sse::SseParser;
+
+/// Largest single SSE event the meter holds while parsing, in bytes.
+pub const MAX_SSE_EVENT_BYTES: usize = 1 << 20;
+
+/// Most inter-token gaps held between two [`Meter::drain_gaps`] calls.
+const MAX_PENDING_GAPS: usize = 256;
+
+/// Version of the [`Usage`] wire shape (its `v` field).
+pub const USAGE_VERSION: u32 = 1;
+
+/// How the request ended, as the meter saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EndReason {
+    /// The last response body chunk (or a body-less response) arrived.
+    Completed,
+    /// The stream ended before the response did (abort, reset, timeout), or a 2xx SSE stream
+    /// ended without `data: [DONE]` (truncated upstream).
+    Incomplete,
+}
+
+/// Where the token counts came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UsageSource {
+    /// The upstream's `usage` object.
+    Upstream,
+    /// Counted from streamed chunks (no `usage` arrived).
+    StreamedChunks,
+}
+
+/// One finished response's usage. Also the JSON the wasm filter hands the sidecar through Envoy's
+/// filter state (`wasm.llm_gateway.usage`, logged by the gRPC access log), e.g.
+/// `{"v":1,"status":200,"prompt_tokens":17,"completion_tokens":3,"cached_tokens":0,
+/// "ttft_us":2100,"tpot_us":5000,"duration_us":9000,"end_reason":"completed",
+/// "usage_source":"upstream"}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Usage {
+    /// Wire version, [`USAGE_VERSION`].
+    pub v: u32,
+    /// Upstream HTTP status (0: no response headers arrived).
+    pub status: u16,
+    /// OpenAI `usage.prompt_tokens`; 0 when [`UsageSource::StreamedChunks`] (the caller knows
+    /// its own count).
+    pub prompt_tokens: u64,
+    /// OpenAI `usage.completion_tokens`, or the content chunks streamed.
+    pub completion_tokens: u64,
+    /// OpenAI `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: u64,
+    /// Microseconds from the start (the request) to the first content chunk (0: none).
+    pub ttft_us: u64,
+    /// Mean microseconds between content chunks after the first (OTel
+    /// `gen_ai.server.time_per_output_token`; 0 with fewer than two chunks).
+    pub tpot_us: u64,
+    /// Microseconds from the start to the end.
+    pub duration_us: u64,
+    /// How it ended.
+    pub end_reason: EndReason,
+    /// Where the counts came from.
+    pub usage_source: UsageSource,
+}
+
+impl Usage {
+    /// Whether `prompt_tokens` came from the upstream; when not, the caller's own count applies
+    /// if the response had started (a 2xx), else 0.
+    pub fn prompt_tokens_known(&self) -> bool {
+        self.usage_source == UsageSource::Upstream
+    }
+
+    /// Whether a 2xx response had started (the prompt was processed upstream).
+    pub fn started(&self) -> bool {
+        (200..300).contains(&self.status)
+    }
+
+    /// The usage of a request that ended before the meter saw anything (no response headers).
+    pub fn unseen(duration_us: u64, status: u16) -> Self {
+        Self {
+            v: USAGE_VERSION,
+            status,
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            cached_tokens: 0,
+            ttft_us: 0,
+            tpot_us: 0,
+            duration_us,
+            end_reason: EndReason::Incomplete,
+            usage_source: UsageSource::StreamedChunks,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+struct WireUsage {
+    #[serde(default)]
+    prompt_tokens: u64,
+    #[serde(default)]
+    completion_tokens: u64,
+    #[serde(default)]
+    prompt_tokens_details: Option<PromptDetails>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+struct PromptDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct Chunk {
+    #[serde(default)]
+    choices: Vec<Choice>,
+    #[serde(default)]
+    usage: Option<WireUsage>,
+}
+
+#[derive(Deserialize)]
+struct Choice {
+    #[serde(default)]
+    delta: Option<Delta>,
+    #[serde(default)]
+    text: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Delta {
+    #[serde(default)]
+    content: Option<String>,
+    #[serde(default)]
+    reasoning_content: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct JsonBody {
+    #[serde(default)]
+    usage: Option<WireUsage>,
+}
+
+#[derive(Debug)]
+enum Body {
+    /// Not known yet (no response headers).
+    Unknown,
+    /// `text/event-stream`.
+    Sse(SseParser),
+    /// Anything else, buffered up to the bound to read `usage` at the end.
+    Json { buf: Vec<u8>, overflowed: bool },
+}
+
+#[derive(Debug)]
+struct Active {
+    started: u64,
+    status: u16,
+    body: Body,
+    usage: Option<WireUsage>,
+    content_chunks: u64,
+    first_content: Option<u64>,
+    last_content: Option<u64>,
+    gaps: Vec<u64>,
+    saw_done: bool,
+}
+
+/// The metering state of one HTTP response. Feed it events in order; it returns the usage once.
+#[derive(Debug)]
+pub struct Meter {
+    state: State,
+    max_json_body_bytes: usize,
+}
+
+#[derive(Debug)]
+enum State {
+    /// Not started: a local reply, or a request this meter is not asked about. Never metered.
+    Unstarted,
+    Active(Box<Active>),
+    Done,
+}
+
+impl Meter {
+    /// A meter that buffers at most `max_json_body_bytes` of a non-streaming response body. It
+    /// meters nothing until [`Meter::start`].
+    pub fn new(max_json_body_bytes: usize) -> Self {
+        Self { state: State::Unstarted, max_json_body_bytes }
+    }
+
+    /// The request went upstream at `now_us`: from now on the response is metered.
+    pub fn start(&mut self, now_us: u64) {
+        if matches!(self.state, State::Unstarted) {
+            self.state = State::Active(Box::new(Active {
+                started: now_us,
+                status: 0,
+                body: Body::Unknown,
+                usage: None,
+                content_chunks: 0,
+                first_content: None,
+                last_content: None,
+                gaps: Vec::new(),
+                saw_done: false,
+            }));
+        }
+    }
+
+    /// Takes the inter-token gaps (microseconds between consecutive content chunks) seen since
+    /// the last call, for an ITL histogram.
+    pub fn drain_gaps(&mut self) -> Vec<u64> {
+        match &mut self.state {
+            State::Active(a) => std::mem::take(&mut a.gaps),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Whether this response is metered (started and not finished).
+    pub fn is_active(&self) -> bool {
+        matches!(self.state, State::Active(_))
+    }
+
+    /// Response headers arrived. Returns the usage when the response has no body.
+    pub fn on_response_headers(
+        &mut self,
+        status: u16,
+        content_type: &str,
+        end_of_stream: bool,
+        now_us: u64,
+    ) -> Option<Usage> {
+        if let State::Active(a) = &mut self.state {
+            a.status = status;
+            a.body = if content_type.trim_start().starts_with("text/event-stream") {
+                Body::Sse(SseParser::new(MAX_SSE_EVENT_BYTES))
+            } else {
+                Body::Json { buf: Vec::new(), overflowed: false }
+            };
+        }
+        if end_of_stream {
+            self.finish(EndReason::Completed, now_us)
+        } else {
+            None
+        }
+    }
+
+    /// A response body chunk arrived. Returns the usage on the last chunk.
+    pub fn on_response_body(&mut self, chunk: &[u8], end_of_stream: bool, now: u64) -> Option<Usage> {
+        let max_json = self.max_json_body_bytes;
+        if let State::Active(a) = &mut self.state {
+            let Active { body, usage, content_chunks, first_content, last_content, gaps, saw_done, .. } =
+                a.as_mut();
+            match body {
+                Body::Sse(parser) => parser.feed(chunk, |data| {
+                    if data == b"[DONE]" {
+                        *saw_done = true;
+                        return;
+                    }
+                    let Ok(parsed) = serde_json::from_slice::<Chunk>(data) else {
+                        return;
+                    };
+                    if parsed.usage.is_some() {
+                        *usage = parsed.usage;
+                    }
+                    if parsed.choices.iter().any(Choice::has_content) {
+                        *content_chunks += 1;
+                        first_content.get_or_insert(now);
+                        if let Some(last) = last_content.replace(now) {
+                            if gaps.len() < MAX_PENDING_GAPS {
+                                gaps.push(now.saturating_sub(last));
+                            }
+                        }
+                    }
+                }),
+                Body::Json { buf, overflowed } => {
+                    if !chunk.is_empty() {
+                        first_content.get_or_insert(now);
+                    }
+                    if buf.len() + chunk.len() > max_json {
+                        *overflowed = true;
+                        buf.clear();
+                    } else if !*overflowed {
+                        buf.extend_from_slice(chunk);
+                    }
+                }
+                Body::Unknown => {}
+            }
+        }
+        if end_of_stream {
+            self.finish(EndReason::Completed, now)
+        } else {
+            None
+        }
+    }
+
+    /// The stream ended (reset, abort, or the caller's end of the request). Returns the usage if
+    /// the response had not already finished.
+    pub fn on_stream_end(&mut self, now_us: u64) -> Option<Usage> {
+        self.finish(EndReason::Incomplete, now_us)
+    }
+
+    fn finish(&mut self, end_reason: EndReason, now: u64) -> Option<Usage> {
+        let State::Active(a) = std::mem::replace(&mut self.state, State::Done) else {
+            return None;
+        };
+        let a = *a;
+        // An SSE stream that ended cleanly but without `data: [DONE]` was truncated upstream.
+        let end_reason = match (&a.body, end_reason) {
+            (Body::Sse(_), EndReason::Completed) if !a.saw_done && (200..300).contains(&a.status) => {
+                EndReason::Incomplete
+            }
+            (_, reason) => reason,
+        };
+        let usage = a.usage.or_else(|| match &a.body {
+            Body::Json { buf, overflowed: false } if !buf.is_empty() => {
+                serde_json::from_slice::<JsonBody>(buf).ok().and_then(|b| b.usage)
+            }
+            _ => None,
+        });
+        let (prompt_tokens, completion_tokens, cached_tokens, usage_source) = match usage {
+            Some(u) => (
+                u.prompt_tokens,
+                u.completion_tokens,
+                u.prompt_tokens_details.and_then(|d| d.cached_tokens).unwrap_or(0),
+                UsageSource::Upstream,
+            ),
+            None => (0, a.content_chunks, 0, UsageSource::StreamedChunks),
+        };
+        let tpot_us = match (a.first_content, a.last_content) {
+            (Some(first), Some(last)) if a.content_chunks > 1 => {
+                last.saturating_sub(first) / (a.content_chunks - 1)
+            }
+            _ => 0,
+        };
+        Some(Usage {
+            v: USAGE_VERSION,
+            status: a.status,
+            prompt_tokens,
+            completion_tokens,
+            cached_tokens,
+            ttft_us: a.first_content.map_or(0, |t| t.saturating_sub(a.started)),
+            tpot_us,
+            duration_us: now.saturating_sub(a.started),
+            end_reason,
+            usage_source,
+        })
+    }
+}
+
+impl Choice {
+    fn has_content(&self) -> bool {
+        let nonempty = |s: &Option<String>| s.as_deref().is_some_and(|s| !s.is_empty());
+        nonempty(&self.text)
+            || self.delta.as_ref().is_some_and(|d| nonempty(&d.content) || nonempty(&d.reasoning_content))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1000;
+
+    fn chunk(content: &str) -> String {
+        format!(
+            "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{content}\"}},\"finish_reason\":null}}]}}\n\n"
+        )
+    }
+
+    const ROLE: &str =
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n";
+    const USAGE: &str = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":17,\"completion_tokens\":3,\"total_tokens\":20,\"prompt_tokens_details\":{\"cached_tokens\":5}}}\n\n";
+
+    fn stream(with_usage: bool) -> String {
+        let mut s = String::from(ROLE);
+        for w in ["a ", "b ", "c "] {
+            s.push_str(&chunk(w));
+        }
+        if with_usage {
+            s.push_str(USAGE);
+        }
+        s.push_str("data: [DONE]\n\n");
+        s
+    }
+
+    #[test]
+    fn usage_from_the_final_chunk_at_every_split() {
+        let s = stream(true);
+        for split in 0..=s.len() {
+            let t0 = 1_000_000u64;
+            let mut m = Meter::new(1024);
+            m.start(t0);
+            assert!(m.on_response_headers(200, "text/event-stream", false, t0).is_none());
+            let (a, b) = s.as_bytes().split_at(split);
+            assert!(m.on_response_body(a, false, t0 + 5 * MS).is_none());
+            let r = m.on_response_body(b, true, t0 + 9 * MS).unwrap();
+            assert_eq!((r.prompt_tokens, r.completion_tokens, r.cached_tokens), (17, 3, 5), "split {split}");
+            assert_eq!(r.usage_source, UsageSource::Upstream);
+            assert_eq!(r.end_reason, EndReason::Completed);
+            assert_eq!(r.duration_us, 9000);
+            assert!(m.on_stream_end(t0).is_none(), "recorded twice");
+        }
+    }
+
+    #[test]
+    fn abort_counts_streamed_chunks_once() {
+        let t0 = 1_000_000u64;
+        let mut m = Meter::new(1024);
+        m.start(t0);
+        m.on_response_headers(200, "text/event-stream; charset=utf-8", false, t0);
+        m.on_response_body(ROLE.as_bytes(), false, t0 + MS);
+        m.on_response_body(chunk("x").as_bytes(), false, t0 + 2 * MS);
+        m.on_response_body(chunk("y").as_bytes(), false, t0 + 3 * MS);
+        let r = m.on_stream_end(t0 + 4 * MS).unwrap();
+        assert_eq!((r.prompt_tokens, r.completion_tokens), (0, 2));
+        assert!(!r.prompt_tokens_known() && r.started());
+        assert_eq!(r.ttft_us, 2000, "the role chunk carries no content");
+        assert!(m.drain_gaps().is_empty(), "finished: nothing pending");
+        assert_eq!((r.end_reason, r.usage_source), (EndReason::Incomplete, UsageSource::StreamedChunks));
+        assert!(m.on_stream_end(t0).is_none());
+        assert!(m.on_response_body(b"", true, t0).is_none());
+    }
+
+    #[test]
+    fn inter_token_gaps_are_drained() {
+        let t0 = 1_000_000u64;
+        let mut m = Meter::new(1024);
+        m.start(t0);
+        m.on_response_headers(200, "text/event-stream", false, t0);
+        m.on_response_body(chunk("a").as_bytes(), false, t0 + 10 * MS);
+        assert!(m.drain_gaps().is_empty());
+        m.on_response_body(format!("{}{}", chunk("b"), chunk("c")).as_bytes(), false, t0 + 25 * MS);
+        assert_eq!(m.drain_gaps(), vec![15 * MS, 0]);
+        assert!(m.drain_gaps().is_empty());
+    }
+
+    #[test]
+    fn non_streaming_json_usage() {
+        let t0 = 1_000_000u64;
+        let mut m = Meter::new(1024);
+        m.start(t0);
+        m.on_response_headers(200, "application/json", false, t0);
+        let body = br#"{"id":"x","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":7,"completion_tokens":2,"total_tokens":9}}"#;
+        let (a, b) = body.split_at(30);
+        m.on_response_body(a, false, t0);
+        let r = m.on_response_body(b, true, t0).unwrap();
+        assert_eq!((r.prompt_tokens, r.completion_tokens, r.usage_source), (7, 2, UsageSource::Upstream));
+    }
+
+    #[test]
+    fn upstream_error_charges_nothing() {
+        let t0 = 1_000_000u64;
+        let mut m = Meter::new(1024);
+        m.start(t0);
+        m.on_response_headers(400, "application/json", false, t0);
+        let r = m
+            .on_response_body(
+                br#"{"error":{"message":"too long","type":"BadRequestError","code":400}}"#,
+                true,
+                t0,
+            )
+            .unwrap();
+        assert_eq!((r.status, r.prompt_tokens + r.completion_tokens), (400, 0));
+    }
+
+    #[test]
+    fn oversized_json_body_falls_back_to_estimate() {
+        let t0 = 1_000_000u64;
+        let mut m = Meter::new(8);
+        m.start(t0);
+        m.on_response_headers(200, "application/json", false, t0);
+        let r = m.on_response_body(b"{\"usage\":{\"prompt_tokens\":1}}", true, t0).unwrap();
+        assert_eq!((r.prompt_tokens, r.usage_source), (0, UsageSource::StreamedChunks));
+    }
+
+    #[test]
+    fn a_stream_without_done_is_incomplete() {
+        let t0 = 1_000_000u64;
+        let mut m = Meter::new(1024);
+        m.start(t0);
+        m.on_response_headers(200, "text/event-stream", false, t0);
+        let r = m.on_response_body(format!("{ROLE}{}", chunk("a")).as_bytes(), true, t0).unwrap();
+        assert_eq!((r.end_reason, r.completion_tokens), (EndReason::Incomplete, 1));
+    }
+
+    #[test]
+    fn local_replies_are_never_metered() {
+        let t0 = 1_000_000u64;
+        let mut m = Meter::new(1024);
+        assert!(m.on_response_headers(429, "application/json", false, t0).is_none());
+        assert!(m.on_response_body(b"{}", true, t0).is_none());
+        assert!(m.on_stream_end(t0).is_none());
+        assert!(!m.is_active());
+    }
+
+    #[test]
+    fn bodyless_response_finishes_on_headers() {
+        let t0 = 1_000_000u64;
+        let mut m = Meter::new(1024);
+        m.start(t0);
+        let r = m.on_response_headers(204, "", true, t0).unwrap();
+        assert_eq!((r.status, r.end_reason), (204, EndReason::Completed));
+    }
+
+    #[test]
+    fn reset_before_response_headers_charges_nothing() {
+        let t0 = 1_000_000u64;
+        let mut m = Meter::new(1024);
+        m.start(t0);
+        let r = m.on_stream_end(t0).unwrap();
+        assert_eq!(
+            (r.status, r.prompt_tokens + r.completion_tokens, r.end_reason),
+            (0, 0, EndReason::Incomplete)
+        );
+    }
+
+    #[test]
+    fn completions_text_chunks_are_counted() {
+        let t0 = 1_000_000u64;
+        let mut m = Meter::new(1024);
+        m.start(t0);
+        m.on_response_headers(200, "text/event-stream", false, t0);
+        let s = "data: {\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\"hi \"}]}\n\ndata: {\"choices\":[{\"index\":0,\"text\":\"yo \"}]}\n\n";
+        m.on_response_body(s.as_bytes(), false, t0);
+        let r = m.on_stream_end(t0).unwrap();
+        assert_eq!(r.completion_tokens, 2);
+    }
+
+    #[test]
+    fn time_per_output_token_is_the_mean_gap_after_the_first() {
+        let t0 = 1_000_000u64;
+        let mut m = Meter::new(1024);
+        m.start(t0);
+        m.on_response_headers(200, "text/event-stream", false, t0);
+        m.on_response_body(chunk("a").as_bytes(), false, t0 + 20 * MS);
+        m.on_response_body(chunk("b").as_bytes(), false, t0 + 25 * MS);
+        m.on_response_body(chunk("c").as_bytes(), false, t0 + 36 * MS);
+        let r = m.on_response_body(b"data: [DONE]\n\n", true, t0 + 40 * MS).unwrap();
+        assert_eq!((r.ttft_us, r.tpot_us, r.duration_us), (20 * MS, 8 * MS, 40 * MS));
+    }
+
+    #[test]
+    fn the_wire_shape_round_trips_and_is_strict() {
+        let u = Usage { completion_tokens: 3, ..Usage::unseen(9, 200) };
+        let json = serde_json::to_string(&u).unwrap();
+        assert_eq!(
+            json,
+            r#"{"v":1,"status":200,"prompt_tokens":0,"completion_tokens":3,"cached_tokens":0,"ttft_us":0,"tpot_us":0,"duration_us":9,"end_reason":"incomplete","usage_source":"streamed_chunks"}"#
+        );
+        assert_eq!(serde_json::from_str::<Usage>(&json).unwrap(), u);
+        assert!(serde_json::from_str::<Usage>(&json.replace("\"v\"", "\"x\"")).is_err());
+    }
+}
