@@ -12,6 +12,14 @@ finally charged after reconciliation), which must also equal what the upstream r
     .venv/bin/python bench/over_admission.py                 # 2 replicas, 20 s
     .venv/bin/python bench/over_admission.py --replicas 2 --duration-s 20 --rpm 3000 --tpm 120000
     .venv/bin/python bench/over_admission.py --redis-cluster-nodes 3   # on a 3-node Redis Cluster
+    # ... and the node holding the tenant's keys killed 5 s into the run, back 5 s later
+    .venv/bin/python bench/over_admission.py --redis-cluster-nodes 3 --kill-node-at-s 5 --node-down-s 5
+
+With a node killed, the sidecars' `redis.failure_mode` (here `open`, the default) applies while its
+slots are down: each sidecar admits from its own in-memory buckets (approximate limits: with N
+replicas up to N times the rate during the outage), and usage records are held in memory and
+written when the node is back, so the recorded totals must still equal the clients' and the
+upstream's.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -67,6 +76,7 @@ def run(args: argparse.Namespace) -> dict:
             pools = [Pool("pool", ["sim/m"], kind="external", urls=[url])]
             redis_port = stacks[0].redis_port if stacks else None
             stack = Stack(workdir / f"replica{i}", pools, models, tenants, redis_port=redis_port,
+                          sidecar_overrides={"redis": {"local_share": round(1 / args.replicas, 6)}},
                           envoy_concurrency=1, redis_cluster_nodes=0 if stacks else args.redis_cluster_nodes)
             if stacks:
                 # Later replicas share the first one's Redis (or Redis Cluster).
@@ -80,7 +90,32 @@ def run(args: argparse.Namespace) -> dict:
         generated_before = upstream_metric(url, "vllm:generation_tokens_total")
         prompt_before = upstream_metric(url, "vllm:prompt_tokens_total")
         benches = []
+        outage: dict[str, float | int] = {}
+        killer = None
+        if args.kill_node_at_s is not None:
+            if not args.redis_cluster_nodes:
+                raise RuntimeError("--kill-node-at-s needs --redis-cluster-nodes")
+            plain = redis.Redis(port=stacks[0].redis_cluster_ports[0])
+            slot = int(plain.execute_command("CLUSTER", "KEYSLOT", f"{{{TENANT}}}"))
+            owner = next((int(r[2][1]) for r in plain.execute_command("CLUSTER", "SLOTS")
+                          if int(r[0]) <= slot <= int(r[1])), None)
+            if owner is None:
+                raise RuntimeError(f"no node owns slot {slot}")
+
+            def kill_and_restart() -> None:
+                time.sleep(args.kill_node_at_s)
+                outage["killed_at_s"] = round(time.monotonic() - started, 2)
+                stacks[0].kill_cluster_node(owner)
+                time.sleep(args.node_down_s)
+                outage["restarted_at_s"] = round(time.monotonic() - started, 2)
+                stacks[0].restart_cluster_node(owner)
+                outage["cluster_ok_at_s"] = round(time.monotonic() - started, 2)
+                outage["node_port"] = owner
+
+            killer = threading.Thread(target=kill_and_restart, daemon=True)
         started = time.monotonic()
+        if killer:
+            killer.start()
         for i, stack in enumerate(stacks):
             out = workdir / f"bench{i}.json"
             argv = [str(BENCH_BIN), "--base-url", stack.base_url, "--api-key", key, "--model", MODEL,
@@ -94,6 +129,8 @@ def run(args: argparse.Namespace) -> dict:
             if proc.returncode != 0:
                 raise RuntimeError(f"gateway-bench failed: {err.decode()[-2000:]}")
             reports.append(json.loads(out.read_text()))
+        if killer:
+            killer.join(timeout=60)
         elapsed = time.monotonic() - started
 
         day = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
@@ -132,6 +169,7 @@ def run(args: argparse.Namespace) -> dict:
             "tokens_upstream": int(upstream_tokens),
             "allowed_tokens": round(allowed_tokens, 1),
             "token_over_admission_pct": round(max(0.0, tokens - allowed_tokens) / allowed_tokens * 100, 3),
+            **({"node_killed": outage} if outage else {}),
         }
     finally:
         for stack in stacks:
@@ -152,6 +190,9 @@ def main() -> int:
     parser.add_argument("--token-burst", type=int, default=20000)
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--json", type=Path, help="also write the result here")
+    parser.add_argument("--kill-node-at-s", type=float, default=None,
+                        help="kill the cluster node holding the tenant's keys this many seconds into the run")
+    parser.add_argument("--node-down-s", type=float, default=5.0, help="seconds until it is started again")
     args = parser.parse_args()
     result = run(args)
     text = json.dumps(result, indent=2)

@@ -377,10 +377,7 @@ class Stack:
         self.redis_cluster_ports = self._cluster_ports(self.redis_cluster_nodes)
         procs = []
         for port in self.redis_cluster_ports:
-            procs.append(self._spawn(f"redis-{port}", [
-                redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(self.workdir), "--cluster-enabled", "yes",
-                "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", "5000"]))
+            procs.append(self._spawn(f"redis-{port}", self._cluster_node_argv(port)))
         deadline = time.monotonic() + START_DEADLINE_S
         pending = list(zip(self.redis_cluster_ports, procs))
         while pending and time.monotonic() < deadline:
@@ -405,6 +402,40 @@ class Stack:
                     raise StackError(f"redis cluster node {port} not ok:\n{create.stdout}")
                 time.sleep(0.05)  # polling interval of a readiness loop bounded by the deadline
         self.redis_port = self.redis_cluster_ports[0]
+
+    def _cluster_node_argv(self, port: int) -> list[str]:
+        # An append-only file (written before each reply; not fsynced: a killed process loses
+        # nothing, a killed machine would), so a node killed and restarted keeps what it stored.
+        return [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "yes", "--appendfsync", "no", "--appenddirname", f"aof-{port}",
+                "--dir", str(self.workdir), "--cluster-enabled", "yes",
+                "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", "5000"]
+
+    def kill_cluster_node(self, port: int) -> None:
+        """Kills one Redis Cluster node (SIGKILL: a crash; its data is lost, its slots stay its own)."""
+        for proc in [p for p in self.procs if p.name == f"redis-{port}"]:
+            proc.popen.kill()
+            proc.popen.wait(timeout=5)
+            self.procs.remove(proc)
+
+    def restart_cluster_node(self, port: int) -> None:
+        """Starts a killed cluster node again (empty, with its nodes.conf: it takes its slots back)
+        and waits until every node reports `cluster_state:ok`."""
+        import redis  # noqa: PLC0415
+
+        self._spawn(f"redis-{port}", self._cluster_node_argv(port))
+        deadline = time.monotonic() + START_DEADLINE_S
+        for p in self.redis_cluster_ports:
+            client = redis.Redis(port=p, socket_timeout=1, decode_responses=True)
+            while True:
+                try:
+                    if client.cluster("info").get("cluster_state") == "ok":
+                        break
+                except redis.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise StackError(f"redis cluster node {p} not ok after restarting {port}")
+                time.sleep(0.05)  # polling interval of a readiness loop bounded by the deadline
 
     def _start_upstream(self, pool: Pool, index: int) -> str:
         name = f"{pool.name}-{index}"

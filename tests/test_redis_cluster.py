@@ -87,3 +87,34 @@ def test_limits_and_usage_through_a_redis_cluster(cluster_stack):
     used = usage["total_tokens"]
     key = bucket_key(TPM_TENANT, "tpm")
     assert wait_for(lambda: (b := bucket(rc, key)) and BIG - used - 0.01 <= b[0] <= BIG - used + 2), bucket(rc, key)
+
+
+def test_a_killed_node_loses_no_record(cluster_stack):
+    """The node holding a tenant's keys crashes (SIGKILL) and comes back (its append-only file
+    kept what it had stored): admission goes on from the sidecar's in-memory buckets (failure
+    mode `open`), the records of the outage are held and written when the node is back, and the
+    sidecar's cluster connection recovers (it is rebuilt after repeated failures)."""
+    stack = cluster_stack
+    port = stack.cluster.get_node_from_key(bucket_key(TPM_TENANT, "tpm")).port
+    before = usage_hash(stack.cluster, TPM_TENANT).get("cl:requests", 0)
+    stack.kill_cluster_node(port)
+    try:
+        for _ in range(3):
+            r = post(stack, "/v1/chat/completions", chat_body("cl", "while a node is down"), key=KEYS[TPM_TENANT])
+            assert r.status_code == 200, r.text
+    finally:
+        stack.restart_cluster_node(port)
+    fresh = RedisCluster(host="127.0.0.1", port=stack.redis_cluster_ports[0])
+
+    def recorded() -> int:
+        try:
+            return usage_hash(fresh, TPM_TENANT).get("cl:requests", 0)
+        except Exception:  # noqa: BLE001 -- the client's view of the cluster is still settling
+            return -1
+
+    assert wait_for(lambda: recorded() == before + 3, timeout=30), (before, recorded(), stack.logs())
+    # Admission is back on Redis: the bucket moves again.
+    r = post(stack, "/v1/chat/completions", chat_body("cl"), key=KEYS[TPM_TENANT])
+    assert r.status_code == 200, r.text
+    assert wait_for(lambda: recorded() == before + 4, timeout=10), recorded()
+    fresh.close()

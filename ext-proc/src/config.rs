@@ -189,6 +189,15 @@ pub struct RedisConfig {
     /// Circuit breaker in front of Redis.
     #[serde(default)]
     pub breaker: BreakerConfig,
+    /// With failure mode `open`, the share of each limit (burst and rate) this sidecar's
+    /// in-memory buckets allow, in (0, 1] (default 1). With N sidecars, 1/N keeps the tenant near
+    /// its limit while Redis is away instead of up to N times it.
+    #[serde(default = "default_local_share")]
+    pub local_share: f64,
+}
+
+fn default_local_share() -> f64 {
+    1.0
 }
 
 impl RedisConfig {
@@ -356,6 +365,9 @@ impl Config {
         }
         if self.redis.command_timeout_ms == 0 {
             return Err(invalid("redis.command_timeout_ms", "must be > 0"));
+        }
+        if !(self.redis.local_share > 0.0 && self.redis.local_share <= 1.0) {
+            return Err(invalid("redis.local_share", "must be in (0, 1]"));
         }
         if !valid_key_part(&self.redis.key_prefix) {
             return Err(invalid(
@@ -664,6 +676,10 @@ mod tests {
         assert_eq!(
             err("listen: 127.0.0.1:0\nredis: {url: 'redis://x', command_timeout_ms: 0}\ntenants: []\n"),
             "redis.command_timeout_ms: must be > 0"
+        );
+        assert_eq!(
+            err("listen: 127.0.0.1:0\nredis: {url: 'redis://x', local_share: 0}\ntenants: []\n"),
+            "redis.local_share: must be in (0, 1]"
         );
     }
 

@@ -44,7 +44,7 @@ impl Limiter {
                 config.breaker.failure_threshold,
                 Duration::from_millis(config.breaker.open_ms),
             )),
-            local: Mutex::new(LocalLimiter::new()),
+            local: Mutex::new(LocalLimiter::new(config.local_share)),
             metrics,
         }
     }
@@ -72,7 +72,12 @@ impl Limiter {
             self.metrics.redis_call("take", started.elapsed(), result.is_ok());
             self.record(result.is_ok());
             match result {
-                Ok(outcome) => return Take::Redis(outcome),
+                Ok(outcome) => {
+                    if let Ok(mut local) = self.local.lock() {
+                        local.observe(plan, &outcome, Instant::now());
+                    }
+                    return Take::Redis(outcome);
+                }
                 Err(error) => {
                     warn!(%error, "rate limit take failed");
                     "redis_error"

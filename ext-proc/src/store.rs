@@ -2,10 +2,13 @@
 //! (per tenant × model × day hashes, and a Redis Stream of protobuf `UsageEvent`s). Works on a
 //! single Redis and on Redis Cluster; every command is bounded by the configured timeout.
 
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prost::Message;
 use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 
@@ -69,10 +72,25 @@ impl ConnectionLike for Conn {
     }
 }
 
+/// Consecutive failed commands after which a Redis Cluster connection is rebuilt.
+const CLUSTER_RECONNECT_AFTER_FAILURES: u32 = 8;
+/// Least time between two rebuilds of a Redis Cluster connection.
+const CLUSTER_RECONNECT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// A Redis Cluster connection that is rebuilt from its client when commands keep failing: after
+/// a node crashes and comes back on the same address, redis-rs's cluster connection was seen to
+/// time out every command to it for good (bench/over_admission.py --kill-node-at-s).
+struct ClusterHandle {
+    client: ClusterClient,
+    failures: AtomicU32,
+    rebuilding: AtomicBool,
+}
+
 /// The sidecar's Redis client. Cheap to clone (connections are multiplexed).
 #[derive(Clone)]
 pub struct Store {
-    conn: Conn,
+    conn: Arc<RwLock<Conn>>,
+    cluster: Option<Arc<ClusterHandle>>,
     take: Script,
     settle: Script,
     usage: Script,
@@ -93,6 +111,7 @@ impl Store {
         stream_maxlen: u64,
     ) -> Result<Self, StoreError> {
         let timeout = Duration::from_millis(config.command_timeout_ms);
+        let mut cluster = None;
         let conn = match &config.url {
             Some(url) => {
                 let client = redis::Client::open(url.as_str())?;
@@ -106,11 +125,18 @@ impl Store {
                     .response_timeout(timeout)
                     .connection_timeout(Duration::from_secs(2))
                     .build()?;
-                Conn::Cluster(client.get_async_connection().await?)
+                let conn = Conn::Cluster(client.get_async_connection().await?);
+                cluster = Some(Arc::new(ClusterHandle {
+                    client,
+                    failures: AtomicU32::new(0),
+                    rebuilding: AtomicBool::new(false),
+                }));
+                conn
             }
         };
         Ok(Self {
-            conn,
+            conn: Arc::new(RwLock::new(conn)),
+            cluster,
             take: Script::new(TAKE_LUA),
             settle: Script::new(SETTLE_LUA),
             usage: Script::new(USAGE_LUA),
@@ -126,14 +152,59 @@ impl Store {
         &self.prefix
     }
 
+    /// The current connection (a cheap handle).
+    fn conn(&self) -> Conn {
+        match self.conn.read() {
+            Ok(c) => c.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
     async fn bounded<T>(
         &self,
         f: impl std::future::Future<Output = redis::RedisResult<T>>,
     ) -> Result<T, StoreError> {
-        match tokio::time::timeout(self.timeout, f).await {
-            Ok(r) => Ok(r?),
+        let result = match tokio::time::timeout(self.timeout, f).await {
+            Ok(r) => r.map_err(StoreError::from),
             Err(_) => Err(StoreError::Timeout(self.timeout)),
+        };
+        if let Some(cluster) = &self.cluster {
+            match &result {
+                Ok(_) => cluster.failures.store(0, Ordering::Relaxed),
+                Err(StoreError::Reply(_)) => {}
+                Err(_) => {
+                    let failures = cluster.failures.fetch_add(1, Ordering::Relaxed) + 1;
+                    if failures >= CLUSTER_RECONNECT_AFTER_FAILURES {
+                        self.rebuild_cluster_connection(cluster);
+                    }
+                }
+            }
         }
+        result
+    }
+
+    /// Builds a new cluster connection in the background and swaps it in (at most one at a time,
+    /// and at most once per [`CLUSTER_RECONNECT_INTERVAL`]).
+    fn rebuild_cluster_connection(&self, cluster: &Arc<ClusterHandle>) {
+        if cluster.rebuilding.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let cluster = Arc::clone(cluster);
+        let slot = Arc::clone(&self.conn);
+        tokio::spawn(async move {
+            match cluster.client.get_async_connection().await {
+                Ok(fresh) => {
+                    if let Ok(mut conn) = slot.write() {
+                        *conn = Conn::Cluster(fresh);
+                    }
+                    cluster.failures.store(0, Ordering::Relaxed);
+                    tracing::warn!("redis cluster connection rebuilt after repeated failures");
+                }
+                Err(e) => tracing::warn!(error = %e, "redis cluster connection rebuild failed"),
+            }
+            tokio::time::sleep(CLUSTER_RECONNECT_INTERVAL).await;
+            cluster.rebuilding.store(false, Ordering::Release);
+        });
     }
 
     /// Atomically takes each bucket's cost from every bucket, or from none.
@@ -146,7 +217,7 @@ impl Store {
         for b in plan {
             inv.key(&b.key).arg(b.capacity).arg(b.rate_per_minute).arg(b.cost);
         }
-        let mut conn = self.conn.clone();
+        let mut conn = self.conn();
         let reply: Vec<i64> = self.bounded(inv.invoke_async(&mut conn)).await?;
         Ok(TakeOutcome::from_reply(&reply, plan.len())?)
     }
@@ -156,7 +227,7 @@ impl Store {
     /// # Errors
     /// [`StoreError`] on timeout or Redis error.
     pub async fn settle(&self, bucket: &BucketSpec, delta: i64) -> Result<i64, StoreError> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.conn();
         let mut inv = self.settle.key(&bucket.key);
         inv.arg(bucket.capacity).arg(bucket.rate_per_minute).arg(delta);
         self.bounded(inv.invoke_async(&mut conn)).await
@@ -185,7 +256,7 @@ impl Store {
             .arg(record.prompt_tokens)
             .arg(record.completion_tokens)
             .arg(record.cached_tokens);
-        let mut conn = self.conn.clone();
+        let mut conn = self.conn();
         let _applied: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
         let event = to_event(record, finished_ms).encode_to_vec();
         let mut xadd = redis::cmd("XADD");

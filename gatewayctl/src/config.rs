@@ -243,6 +243,10 @@ pub struct RedisSection {
     /// Circuit breaker in front of Redis (sidecar defaults).
     #[serde(default)]
     pub breaker: Option<BreakerSection>,
+    /// With failure mode `open`, the share of each limit one sidecar's in-memory buckets allow,
+    /// in (0, 1] (sidecar default 1; 1/N for N sidecar replicas).
+    #[serde(default)]
+    pub local_share: Option<f64>,
 }
 
 /// Admission's behaviour when the limiter cannot decide.

@@ -226,6 +226,9 @@ fn redis(c: &GatewayConfig, flavor: Flavor) -> Value {
     if let Some(ms) = r.command_timeout_ms {
         fields.push(("command_timeout_ms", n(ms)));
     }
+    if let Some(share) = r.local_share {
+        fields.push(("local_share", Value::from(share)));
+    }
     if let Some(prefix) = &r.key_prefix {
         fields.push(("key_prefix", s(prefix)));
     }
