@@ -22,6 +22,9 @@ Scenarios (`--scenarios`, all by default):
     overload    Poisson arrivals up to 4x the capacity of an upstream with a small
                 --max-num-seqs, without and (once the sidecar supports it) with shedding
     tool        the load generator alone against the upstream, on one thread
+    vmtime      the wasm filter's time inside the VM per request (headers phase: auth; body phase:
+                parse, validation, routing, context decision, rewrites) for 4 KB, 256 KB and 2 MB
+                chat requests, from the filter's own debug log line
 
 Rounds run the targets in turn (A B C D, B C D A, ...: the order rotates so that no target always
 runs first) and are aggregated as the median of the per-round values; differences and ratios
@@ -102,7 +105,10 @@ PROFILES = {
     "gateway-no-metering": ("gateway", ("envoy.access_loggers.http_grpc",)),
     "gateway-ext-proc-metering": ("gateway", ()),
 }
-SCENARIOS = ("overhead", "saturation", "sweep", "limits", "streams", "overload", "tool")
+SCENARIOS = ("overhead", "saturation", "sweep", "limits", "streams", "overload", "tool", "vmtime")
+# vmtime: (label, body bytes, requests) per size; one message per ~2 KB of a multi-turn chat.
+VMTIME_SIZES = (("4 KB", 4 << 10, 300), ("256 KB", 256 << 10, 100), ("2 MB", 2 << 20, 30))
+VMTIME_LINE = re.compile(r"gateway-filter: body of (\d+) bytes decided in (\d+) us \(headers (\d+) us\)")
 START_DEADLINE_S = 30.0
 IDLE_DEADLINE_S = 60.0
 SAMPLE_INTERVAL_S = 0.2
@@ -152,11 +158,13 @@ class SimSettings:
     ttft_ms: float = 0.0
     itl_ms: float = 0.0
     max_num_seqs: int = 256
+    max_model_len: int = 4096
 
     def args(self) -> list[str]:
         """vllm-sim flags."""
+        extra = ["--max-model-len", str(self.max_model_len)] if self.max_model_len != 4096 else []
         return ["--ttft-ms", f"{self.ttft_ms:g}", "--itl-ms", f"{self.itl_ms:g}",
-                "--max-num-seqs", str(self.max_num_seqs)]
+                "--max-num-seqs", str(self.max_num_seqs), *extra]
 
     def service_s(self, output_tokens: int) -> float:
         """Seconds one request holds a slot: TTFT plus (tokens - 1) inter-token gaps."""
@@ -725,6 +733,71 @@ def tool(upstream: Upstream, plan: Plan, raw: Path) -> dict:
     return result
 
 
+def vmtime_body(size: int, seed: int) -> bytes:
+    """A chat request of about `size` bytes: alternating user/assistant turns of ~2 KB of words
+    (ASCII, with quotes, newlines, accents, CJK and emoji), serialized as Python's json (and so the
+    OpenAI Python SDK) sends it: non-ASCII as `\\u` escapes."""
+    import random  # noqa: PLC0415
+
+    rng = random.Random(seed)
+    words = ["the", "gateway", "tokens", "naïve", "café", "请求", "模型", "🙂", "\"quoted\"", "line\nbreak",
+             "fn main() {}", "limits", "kv-cache", "Überprüfung"]
+    messages, total, turn = [{"role": "system", "content": "You are terse."}], 0, 0
+    while total < size - 200:
+        text = " ".join(rng.choice(words) for _ in range(min(300, max(1, (size - total) // 7))))
+        messages.append({"role": "user" if turn % 2 == 0 else "assistant", "content": text})
+        total += len(json.dumps(messages[-1]))
+        turn += 1
+    if messages[-1]["role"] != "user":
+        messages.append({"role": "user", "content": "go on"})
+    return json.dumps({"model": MODEL, "messages": messages, "max_tokens": 1}).encode()
+
+
+def vmtime(upstream: Upstream, work: Path, raw: Path, exits: contextlib.ExitStack, quick: bool) -> dict:
+    """The filter's time inside the VM per request, by request size (Envoy + filter, the filter's
+    debug timing line; one Envoy worker so that every request runs on the same VM)."""
+    import httpx  # noqa: PLC0415
+
+    stack = Stack(work / "vmtime", pools=[Pool(POOL, [MODEL], kind="external", urls=[upstream.url])],
+                  models=[Model(MODEL, POOL, max_model_len=100_000_000)], tenants=TENANTS, profile="filter",
+                  envoy_concurrency=1, envoy_args=["--component-log-level", "wasm:debug"])
+    exits.enter_context(stack)
+    assert stack.base_url and stack.envoy
+    results = {}
+    with httpx.Client(timeout=60) as client:
+        for label, size, count in VMTIME_SIZES:
+            count = max(3, count // 10) if quick else count
+            body = vmtime_body(size, seed=size)
+            mark = stack.envoy.log.stat().st_size
+            for _ in range(count):
+                r = client.post(stack.base_url + "/v1/chat/completions", content=body,
+                                headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"})
+                if r.status_code != 200:
+                    raise BenchError(f"vmtime {label}: {r.status_code} {r.text[:300]}")
+            with open(stack.envoy.log, "rb") as f:
+                f.seek(mark)
+                lines = f.read().decode(errors="replace")
+            found = [(int(b), int(u), int(h)) for b, u, h in VMTIME_LINE.findall(lines)]
+            if len(found) != count:
+                raise BenchError(f"vmtime {label}: {len(found)} timing lines for {count} requests")
+            total = sorted(u + h for _, u, h in found)
+            body_us = sorted(u for _, u, _ in found)
+            headers_us = sorted(h for _, _, h in found)
+
+            def pct(xs: list[int], q: float) -> float:
+                return xs[min(len(xs) - 1, math.ceil(q * len(xs)) - 1)] / 1000.0
+
+            results[label] = {"body_bytes": found[0][0], "requests": count,
+                              "total_ms": {"p50": pct(total, 0.5), "p99": pct(total, 0.99), "max": total[-1] / 1000},
+                              "body_phase_ms": {"p50": pct(body_us, 0.5), "p99": pct(body_us, 0.99)},
+                              "headers_phase_ms": {"p50": pct(headers_us, 0.5), "p99": pct(headers_us, 0.99)}}
+            say(f"[vmtime] {label}: {found[0][0]} bytes, VM time p50 {pct(total, 0.5):.3f} ms, "
+                f"p99 {pct(total, 0.99):.3f} ms, max {total[-1] / 1000:.3f} ms")
+    raw.mkdir(parents=True, exist_ok=True)
+    (raw / "vmtime.json").write_text(json.dumps(results, indent=1))
+    return {"sizes": results, "command": "python bench/overhead.py --scenarios vmtime --no-write-docs"}
+
+
 # ------------------------------------------------------------------------------------- run
 
 
@@ -873,6 +946,13 @@ def run_suite(args: argparse.Namespace, plan: Plan, results: Path, argv: list[st
             if "tool" in selected:
                 res["tool"] = tool(upstream, plan, raw)
 
+    if "vmtime" in selected:
+        with contextlib.ExitStack() as exits:
+            # A context window that takes the 2 MB prompt (~400k tokens in the simulator's count).
+            sim = dataclasses.replace(plan.fast, max_model_len=10_000_000)
+            upstream = exits.enter_context(Upstream(work / "vmtime-upstream", sim))
+            res["vmtime"] = vmtime(upstream, work, raw, exits, quick=plan.rounds < FULL.rounds)
+
     if "streams" in selected:
         with contextlib.ExitStack() as exits:
             upstream = exits.enter_context(Upstream(work / "slow", plan.slow))
@@ -999,6 +1079,18 @@ def check_targets(summary: dict) -> list[dict]:
     add("gateway-bench: streamed requests/s on one thread", fmt(rps, 0) + (
         f" ({100 * tl['bench_cpu_share']:.0f} % of a core)" if tl else ""), "≥ 5,000/s",
         verdict(None if rps is None else rps >= 5000))
+    vm = (res.get("vmtime") or {}).get("sizes")
+    if vm:
+        measured = "; ".join(f"{label}: p50 {fmt(v['total_ms']['p50'], 3)}, p99 {fmt(v['total_ms']['p99'], 3)}, "
+                             f"max {fmt(v['total_ms']['max'], 3)} ms" for label, v in vm.items())
+        small = vm.get("4 KB")
+        ok = (small is not None and small["total_ms"]["p99"] <= 0.2
+              and all(v["total_ms"]["max"] <= 2.0 for v in vm.values()))
+        add("Filter: time inside the VM per chat request (auth, parse, routing, context decision)", measured,
+            "4 KB p99 ≤ 0.2 ms; every size ≤ 2 ms", verdict(ok))
+    else:
+        add("Filter: time inside the VM per chat request (auth, parse, routing, context decision)", "n/a",
+            "4 KB p99 ≤ 0.2 ms; every size ≤ 2 ms", verdict(None))
     return checks
 
 

@@ -179,12 +179,15 @@ class Stack:
         sidecar_config_from: Callable[[Stack], dict] | None = None,
         envoy_config_from: Callable[[Stack], dict] | None = None,
         metering: str = "access_log",
+        envoy_args: list[str] | None = None,
     ):
         if profile not in ("gateway", "filter", "bare"):
             raise ValueError(f"unknown profile {profile}")
         if metering not in ("access_log", "ext_proc"):
             raise ValueError(f"unknown metering {metering}")
         self.metering = metering
+        # Extra envoy command-line arguments (e.g. ["--component-log-level", "wasm:debug"]).
+        self.envoy_args = envoy_args or []
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.pools = pools
@@ -623,7 +626,7 @@ class Stack:
             "envoy",
             [envoy_binary(), "-c", str(config_path), "--disable-hot-restart",
              "--concurrency", str(self.envoy_concurrency), "--admin-address-path", str(admin_path),
-             "--log-level", os.environ.get("ENVOY_LOG_LEVEL", "info")],
+             "--log-level", os.environ.get("ENVOY_LOG_LEVEL", "info"), *self.envoy_args],
         )
         self.envoy = proc
         deadline = time.monotonic() + START_DEADLINE_S

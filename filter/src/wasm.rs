@@ -125,6 +125,7 @@ impl RootContext for GatewayRoot {
             stripper: None,
             started_us: 0,
             meter: Meter::new(MAX_JSON_RESPONSE_BYTES),
+            headers_vm_us: None,
         }))
     }
 
@@ -146,6 +147,8 @@ struct GatewayHttp {
     started_us: u64,
     /// Meters the response once the request is routed upstream.
     meter: Meter,
+    /// At debug level: microseconds the request-headers phase spent in the VM.
+    headers_vm_us: Option<u128>,
 }
 
 impl GatewayHttp {
@@ -221,8 +224,9 @@ impl GatewayHttp {
         let (Some(cfg), Some(pending)) = (self.config.clone(), self.pending.take()) else {
             return Action::Continue;
         };
-        // At debug level, the time this request's body spends in the VM (reading it, deciding,
-        // writing headers and body) is logged: `gateway-filter: body of N bytes decided in U us`.
+        // At debug level, the time this request spends in the VM is logged: the body phase
+        // (reading it, deciding, writing headers and body) and the headers phase (auth):
+        // `gateway-filter: body of N bytes decided in U us (headers H us)`.
         let timed = matches!(hostcalls::get_log_level(), Ok(LogLevel::Trace | LogLevel::Debug));
         let start = if timed { hostcalls::get_current_time().ok() } else { None };
         let body = match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size) {
@@ -235,15 +239,20 @@ impl GatewayHttp {
                 .ok()
                 .and_then(|end| end.duration_since(start).ok())
                 .map_or(0, |d| d.as_micros());
-            log(LogLevel::Debug, &format!("gateway-filter: body of {} bytes decided in {us} us", body.len()));
+            let headers_us = self.headers_vm_us.unwrap_or(0);
+            log(
+                LogLevel::Debug,
+                &format!(
+                    "gateway-filter: body of {} bytes decided in {us} us (headers {headers_us} us)",
+                    body.len()
+                ),
+            );
         }
         action
     }
-}
 
-impl HttpContext for GatewayHttp {
-    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        self.started_us = now_us();
+    /// The request-headers phase: strip `x-gateway-*`, authenticate, then wait for the body.
+    fn request_headers_phase(&mut self, end_of_stream: bool) -> Action {
         let Some(cfg) = self.config.clone() else {
             return send_error(&GatewayError::Internal { what: "filter not configured" });
         };
@@ -268,6 +277,21 @@ impl HttpContext for GatewayHttp {
                 Action::Pause
             }
         }
+    }
+}
+
+impl HttpContext for GatewayHttp {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        self.started_us = now_us();
+        if !matches!(hostcalls::get_log_level(), Ok(LogLevel::Trace | LogLevel::Debug)) {
+            return self.request_headers_phase(end_of_stream);
+        }
+        let start = hostcalls::get_current_time().ok();
+        let action = self.request_headers_phase(end_of_stream);
+        self.headers_vm_us = start
+            .and_then(|s| hostcalls::get_current_time().ok()?.duration_since(s).ok())
+            .map(|d| d.as_micros());
+        action
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
