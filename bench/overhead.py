@@ -10,6 +10,8 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
     gateway-no-metering   (diagnostic) the gateway without its metering access log: admission only
     gateway-ext-proc-metering   (diagnostic) the gateway metered by the ext_proc filter instead of
                           the access log (how Envoy Gateway is rendered)
+    gateway-leases        the gateway with token leases (`redis.lease_fraction: 0.01`): most
+                          decisions without a Redis round trip
 
 Scenarios (`--scenarios`, all by default):
 
@@ -92,7 +94,10 @@ RESULTS_DIR = TARGET / "bench-results"
 
 MODEL = "sim-model"
 POOL = "pool_sim"
-TARGETS = ("direct", "bare", "filter", "gateway", "gateway-no-metering", "gateway-ext-proc-metering")
+TARGETS = ("direct", "bare", "filter", "gateway", "gateway-leases", "gateway-no-metering",
+           "gateway-ext-proc-metering")
+# The sidecar's token leases in the `gateway-leases` target.
+LEASES = {"redis": {"lease_fraction": 0.01}}
 # Target name -> (tests/stack.py profile, Envoy HTTP filters and access loggers removed from it).
 # The last two are diagnostics: the gateway without its metering access log, which tells
 # admission's cost from metering's, and the gateway metered by the ext_proc filter (every response
@@ -104,6 +109,7 @@ PROFILES = {
     "gateway": ("gateway", ()),
     "gateway-no-metering": ("gateway", ("envoy.access_loggers.http_grpc",)),
     "gateway-ext-proc-metering": ("gateway", ()),
+    "gateway-leases": ("gateway", ()),
 }
 SCENARIOS = ("overhead", "saturation", "sweep", "limits", "streams", "overload", "tool", "vmtime")
 # vmtime: (label, body bytes, requests) per size; one message per ~2 KB of a multi-turn chat.
@@ -443,6 +449,7 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
         sidecar_extra=sidecar_extra,
         drop_filters=drop,
         metering="ext_proc" if name == "gateway-ext-proc-metering" else "access_log",
+        sidecar_overrides=LEASES if name == "gateway-leases" else None,
     )
     exits.enter_context(stack)
     assert stack.envoy is not None and stack.base_url is not None

@@ -336,3 +336,34 @@ def test_each_token_bucket_is_settled_against_its_own_reservation(limits_stack):
     assert wait_for(lambda: usage_hash(stack.redis, "rec-both").get("fast:requests") == 1)
     [event] = usage_events(stack.redis, "rec-both")
     assert event["reserved_tokens"] == reserved, event
+
+
+# ------------------------------------------------------------------ leases
+
+
+def test_leases_admit_without_redis_and_give_back_what_is_unused(tmp_path_factory):
+    """With `redis.lease_fraction`, the first request takes its cost plus a lease from the bucket
+    and the next ones are admitted from the lease (the bucket in Redis does not move); when the
+    lease expires, its unused tokens go back to Redis."""
+    key = new_api_key()
+    tenant = Tenant("leased", [key], {"requests_per_minute": 600, "request_burst": 1000})
+    overrides = {"redis": {"lease_fraction": 0.1, "lease_ttl_ms": 400}}
+    with Stack(tmp_path_factory.mktemp("leases"), [Pool("pool_l", ["sim/l"], ["--output-tokens", "2"])],
+               [Model("l", "pool_l", served_model_name="sim/l")], [tenant], sidecar_overrides=overrides) as s:
+        client = redis.Redis(port=s.redis_port)
+        rpm = bucket_key("leased", "rpm")
+        started = time.monotonic()
+        for i in range(20):
+            r = post(s, "/v1/chat/completions", chat_body("l"), key=key)
+            assert r.status_code == 200, r.text
+            if i == 0:
+                # Cost 1 and a lease of 100 (10 % of the burst of 1,000) left Redis at once.
+                level = bucket(client, rpm)[0]
+                assert 899 <= level < 901, level
+        # Nineteen more admitted from the lease: Redis's bucket only refilled meanwhile (10/s),
+        # where without leases it would stand near 980.
+        elapsed = time.monotonic() - started
+        assert bucket(client, rpm)[0] <= 901 + 10 * elapsed, (bucket(client, rpm), elapsed)
+        assert int(r.headers["x-ratelimit-remaining-requests"]) >= 899 + 80
+        # After the TTL the 80 unused tokens are back: 1,000 less the 20 requests (plus refill).
+        assert wait_for(lambda: (b := bucket(client, rpm)) and b[0] >= 980, timeout=5), bucket(client, rpm)

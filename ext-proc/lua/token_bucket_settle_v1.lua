@@ -1,6 +1,6 @@
 -- token_bucket_settle_v1.lua: settle a token reservation against one bucket.
 --
--- Version 1, same bucket layout as token_bucket_take_v1.lua. At admission the gateway takes the
+-- Version 1, same bucket layout as token_bucket_take_v2.lua. At admission the gateway takes the
 -- reserved tokens (prompt estimate + max tokens); when the request ends it calls this script with
 -- delta = reserved - used: a positive delta gives the unused part back (never above capacity), a
 -- negative delta charges the excess (the level may go below zero: the debt delays later requests).

@@ -110,7 +110,7 @@ mod tests {
     #[test]
     fn admitted_carries_headers_and_reservation() {
         let p = plan();
-        let o = TakeOutcome::from_reply(&[1, 0, 1, 30000, 0, 700, 18000, 0], 2).unwrap();
+        let (o, _) = TakeOutcome::from_reply(&[1, 0, 1, 30000, 0, 0, 700, 18000, 0, 0], 2).unwrap();
         let a = decide(&p, &o, 300).unwrap();
         assert_eq!(a.reserved_tokens, 300);
         assert!(a.ratelimit_headers.contains(&("x-ratelimit-remaining-requests".into(), "1".into())));
@@ -119,7 +119,7 @@ mod tests {
     #[test]
     fn denied_names_the_bucket_and_rounds_retry_after_up() {
         let p = plan();
-        let o = TakeOutcome::from_reply(&[0, 1, 0, 60000, 29001, 1000, 0, 0], 2).unwrap();
+        let (o, _) = TakeOutcome::from_reply(&[0, 1, 0, 60000, 29001, 0, 1000, 0, 0, 0], 2).unwrap();
         match decide(&p, &o, 300).unwrap_err() {
             AdmissionError::RateLimited { kind, limit, requested, retry_after_secs, .. } => {
                 assert_eq!(

@@ -194,6 +194,21 @@ pub struct RedisConfig {
     /// its limit while Redis is away instead of up to N times it.
     #[serde(default = "default_local_share")]
     pub local_share: f64,
+    /// Token leases (default 0: none): a sidecar takes up to this fraction of a bucket's capacity
+    /// from Redis with a request, and admits the next requests of that bucket from it without a
+    /// Redis round trip. In [0, 0.5]. Never over-admits; under-admits by at most the leases the
+    /// other sidecars hold, and `x-ratelimit-remaining-*` of a leased admission is approximate.
+    /// Buckets whose lease would not cover two requests are not leased.
+    #[serde(default)]
+    pub lease_fraction: f64,
+    /// How long a lease admits after its last grant before its unused tokens go back to Redis,
+    /// in milliseconds (default 1000).
+    #[serde(default = "default_lease_ttl_ms")]
+    pub lease_ttl_ms: u64,
+}
+
+fn default_lease_ttl_ms() -> u64 {
+    1000
 }
 
 fn default_local_share() -> f64 {
@@ -368,6 +383,12 @@ impl Config {
         }
         if !(self.redis.local_share > 0.0 && self.redis.local_share <= 1.0) {
             return Err(invalid("redis.local_share", "must be in (0, 1]"));
+        }
+        if !(0.0..=0.5).contains(&self.redis.lease_fraction) {
+            return Err(invalid("redis.lease_fraction", "must be in [0, 0.5]"));
+        }
+        if self.redis.lease_ttl_ms == 0 {
+            return Err(invalid("redis.lease_ttl_ms", "must be > 0"));
         }
         if !valid_key_part(&self.redis.key_prefix) {
             return Err(invalid(
@@ -680,6 +701,10 @@ mod tests {
         assert_eq!(
             err("listen: 127.0.0.1:0\nredis: {url: 'redis://x', local_share: 0}\ntenants: []\n"),
             "redis.local_share: must be in (0, 1]"
+        );
+        assert_eq!(
+            err("listen: 127.0.0.1:0\nredis: {url: 'redis://x', lease_fraction: 0.6}\ntenants: []\n"),
+            "redis.lease_fraction: must be in [0, 0.5]"
         );
     }
 

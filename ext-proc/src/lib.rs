@@ -26,6 +26,7 @@ pub mod breaker;
 pub mod config;
 pub mod context;
 pub mod error;
+pub mod lease;
 pub mod limiter;
 pub mod limits;
 pub mod local_limiter;
@@ -111,7 +112,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
     let (recorder, writer) =
         Recorder::start(store.clone(), config.metering.buffer_records, Arc::clone(&metrics));
     let limiter = Limiter::new(store, &config.redis, Arc::clone(&metrics));
+    let leasing = config.redis.lease_fraction > 0.0;
     let shared = Arc::new(Shared::new(config, limiter, recorder, pools, metrics, context));
+    if leasing {
+        let expiry = Arc::clone(&shared);
+        tokio::spawn(async move { expiry.limiter.run_lease_expiry().await });
+    }
     let access_log = AccessLogServiceServer::new(AccessLog::new(Arc::clone(&shared)));
     let service = ExternalProcessorServer::new(Gateway::new(shared));
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));

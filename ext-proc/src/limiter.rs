@@ -2,7 +2,9 @@
 //! `command_timeout_ms`); after repeated failures a circuit breaker stops asking it, so a dead
 //! Redis costs requests no wait; while Redis cannot decide, each tier's failure mode applies:
 //! `open` decides from in-memory buckets ([`LocalLimiter`]), `closed` refuses (503). Every
-//! degraded decision is counted in `llm_gateway_degraded_decisions_total`.
+//! degraded decision is counted in `llm_gateway_degraded_decisions_total`. With
+//! `redis.lease_fraction`, requests are admitted from token leases taken from Redis ([`Leases`])
+//! before Redis is asked.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -11,6 +13,7 @@ use tracing::warn;
 
 use crate::breaker::Breaker;
 use crate::config::{FailureMode, RedisConfig};
+use crate::lease::Leases;
 use crate::limits::{BucketSpec, TakeOutcome};
 use crate::local_limiter::LocalLimiter;
 use crate::metrics::{Metrics, Reason};
@@ -32,6 +35,8 @@ pub struct Limiter {
     store: Store,
     breaker: Mutex<Breaker>,
     local: Mutex<LocalLimiter>,
+    leases: Mutex<Leases>,
+    lease_ttl: Duration,
     metrics: Arc<Metrics>,
 }
 
@@ -45,6 +50,11 @@ impl Limiter {
                 Duration::from_millis(config.breaker.open_ms),
             )),
             local: Mutex::new(LocalLimiter::new(config.local_share)),
+            leases: Mutex::new(Leases::new(
+                config.lease_fraction,
+                Duration::from_millis(config.lease_ttl_ms),
+            )),
+            lease_ttl: Duration::from_millis(config.lease_ttl_ms),
             metrics,
         }
     }
@@ -66,15 +76,27 @@ impl Limiter {
 
     /// Takes the plan's costs: from Redis, or degraded per `mode`.
     pub async fn take(&self, plan: &[BucketSpec], mode: FailureMode) -> Take {
+        let wanted = match self.leases.lock() {
+            Ok(mut leases) => match leases.try_take(plan, Instant::now()) {
+                // Tokens Redis granted earlier: decided by Redis, without a round trip.
+                Some(outcome) => return Take::Redis(outcome),
+                None => leases.wanted(plan),
+            },
+            Err(_) => Vec::new(),
+        };
         let reason = if self.allow() {
             let started = Instant::now();
-            let result = self.store.take(plan).await;
+            let result = self.store.take(plan, &wanted).await;
             self.metrics.redis_call("take", started.elapsed(), result.is_ok());
             self.record(result.is_ok());
             match result {
-                Ok(outcome) => {
+                Ok((outcome, granted)) => {
+                    let now = Instant::now();
                     if let Ok(mut local) = self.local.lock() {
-                        local.observe(plan, &outcome, Instant::now());
+                        local.observe(plan, &outcome, now);
+                    }
+                    if let Ok(mut leases) = self.leases.lock() {
+                        leases.granted(plan, &outcome, &granted, now);
                     }
                     return Take::Redis(outcome);
                 }
@@ -93,6 +115,22 @@ impl Limiter {
                 Err(_) => Take::Unavailable,
             },
             FailureMode::Closed => Take::Unavailable,
+        }
+    }
+
+    /// Gives the tokens of expired leases back to Redis, every half lease TTL, for ever (a task
+    /// of its own; tokens Redis cannot take back are lost to the bucket until it refills).
+    pub async fn run_lease_expiry(&self) {
+        loop {
+            tokio::time::sleep(self.lease_ttl / 2).await;
+            let expired = match self.leases.lock() {
+                Ok(mut leases) => leases.expire(Instant::now()),
+                Err(_) => continue,
+            };
+            for (bucket, tokens) in expired {
+                let delta = i64::try_from(tokens).unwrap_or(i64::MAX);
+                self.settle(&bucket, delta, false).await;
+            }
         }
     }
 

@@ -1,7 +1,7 @@
 //! Limit arithmetic, with no I/O: which token buckets a request draws on, how the Redis script's
 //! reply is read, and the `Retry-After` / `x-ratelimit-*` values that follow from it.
 //!
-//! Buckets live in Redis (see `lua/token_bucket_take_v1.lua`); keys carry the tenant as a hash tag
+//! Buckets live in Redis (see `lua/token_bucket_take_v2.lua`); keys carry the tenant as a hash tag
 //! (`<prefix>:rl:{<tenant>}:rpm`) so one tenant's buckets share a Redis Cluster slot and one
 //! script call can touch them all atomically.
 
@@ -125,17 +125,18 @@ pub struct TakeOutcome {
 
 /// Errors reading the take script's reply.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("unexpected reply from token_bucket_take_v1.lua: {0}")]
+#[error("unexpected reply from token_bucket_take_v2.lua: {0}")]
 pub struct ReplyError(pub String);
 
 impl TakeOutcome {
-    /// Reads the flat reply of `token_bucket_take_v1.lua` for `n` buckets:
-    /// `[admitted, denied_index, (remaining, reset_ms, retry_after_ms) × n]`.
+    /// Reads the flat reply of `token_bucket_take_v2.lua` for `n` buckets:
+    /// `[admitted, denied_index, (remaining, reset_ms, retry_after_ms, granted) × n]`; returns the
+    /// outcome and the lease tokens granted per bucket.
     ///
     /// # Errors
     /// [`ReplyError`] when the reply does not have that shape.
-    pub fn from_reply(reply: &[i64], n: usize) -> Result<Self, ReplyError> {
-        if reply.len() != 2 + 3 * n {
+    pub fn from_reply(reply: &[i64], n: usize) -> Result<(Self, Vec<u64>), ReplyError> {
+        if reply.len() != 2 + 4 * n {
             return Err(ReplyError(format!("{} values for {n} buckets", reply.len())));
         }
         let (head, rest) = reply.split_at(2);
@@ -144,18 +145,22 @@ impl TakeOutcome {
             [0, i] if *i >= 1 && (*i as usize) <= n => Some(*i as usize - 1),
             other => return Err(ReplyError(format!("header {other:?}"))),
         };
+        let mut granted = Vec::with_capacity(n);
         let states = rest
-            .chunks_exact(3)
+            .chunks_exact(4)
             .map(|c| match c {
-                [remaining, reset, retry] => BucketState {
-                    remaining: (*remaining).max(0) as u64,
-                    reset_ms: (*reset).max(0) as u64,
-                    retry_after_ms: u64::try_from(*retry).ok(),
-                },
+                [remaining, reset, retry, lease] => {
+                    granted.push((*lease).max(0) as u64);
+                    BucketState {
+                        remaining: (*remaining).max(0) as u64,
+                        reset_ms: (*reset).max(0) as u64,
+                        retry_after_ms: u64::try_from(*retry).ok(),
+                    }
+                }
                 _ => BucketState { remaining: 0, reset_ms: 0, retry_after_ms: None },
             })
             .collect();
-        Ok(Self { denied, states })
+        Ok((Self { denied, states }, granted))
     }
 }
 
@@ -237,7 +242,7 @@ mod tests {
         let mut t = tenant("acme", limits(Some(60), None));
         t.model_limits.insert("big".into(), limits(Some(5), None));
         let p = super::plan("p", &t, "big", 0);
-        let o = TakeOutcome::from_reply(&[1, 0, 59, 1000, 0, 4, 12000, 0], 2).unwrap();
+        let (o, _) = TakeOutcome::from_reply(&[1, 0, 59, 1000, 0, 0, 4, 12000, 0, 0], 2).unwrap();
         let h = ratelimit_headers(&p, &o);
         assert!(h.contains(&("x-ratelimit-limit-requests".into(), "5".into())));
         assert!(h.contains(&("x-ratelimit-remaining-requests".into(), "4".into())));
@@ -265,32 +270,33 @@ mod tests {
 
     #[test]
     fn reads_an_admitted_reply() {
-        let o = TakeOutcome::from_reply(&[1, 0, 59, 1000, 0, 700, 18000, 0], 2).unwrap();
+        let (o, granted) = TakeOutcome::from_reply(&[1, 0, 59, 1000, 0, 0, 700, 18000, 0, 40], 2).unwrap();
         assert_eq!(o.denied, None);
+        assert_eq!(granted, [0, 40]);
         assert_eq!(o.states[0], BucketState { remaining: 59, reset_ms: 1000, retry_after_ms: Some(0) });
         assert_eq!(o.states[1].remaining, 700);
     }
 
     #[test]
     fn reads_a_denied_reply() {
-        let o = TakeOutcome::from_reply(&[0, 2, 3, 0, 0, 10, 5000, 1500], 2).unwrap();
+        let (o, _) = TakeOutcome::from_reply(&[0, 2, 3, 0, 0, 0, 10, 5000, 1500, 0], 2).unwrap();
         assert_eq!(o.denied, Some(1));
         assert_eq!(o.states[1].retry_after_ms, Some(1500));
-        let never = TakeOutcome::from_reply(&[0, 1, 0, 0, -1], 1).unwrap();
+        let (never, _) = TakeOutcome::from_reply(&[0, 1, 0, 0, -1, 0], 1).unwrap();
         assert_eq!(never.states[0].retry_after_ms, None);
     }
 
     #[test]
     fn rejects_malformed_replies() {
         assert!(TakeOutcome::from_reply(&[1, 0, 1], 1).is_err());
-        assert!(TakeOutcome::from_reply(&[0, 3, 0, 0, 0], 1).is_err());
-        assert!(TakeOutcome::from_reply(&[2, 0, 0, 0, 0], 1).is_err());
+        assert!(TakeOutcome::from_reply(&[0, 3, 0, 0, 0, 0], 1).is_err());
+        assert!(TakeOutcome::from_reply(&[2, 0, 0, 0, 0, 0], 1).is_err());
     }
 
     #[test]
     fn headers_follow_openai_names() {
         let p = plan("p", "t", &limits(Some(60), Some(1000)), 10);
-        let o = TakeOutcome::from_reply(&[1, 0, 59, 1000, 0, 990, 600, 0], 2).unwrap();
+        let (o, _) = TakeOutcome::from_reply(&[1, 0, 59, 1000, 0, 0, 990, 600, 0, 0], 2).unwrap();
         let h = ratelimit_headers(&p, &o);
         let get = |n: &str| h.iter().find(|(k, _)| k == n).map(|(_, v)| v.as_str());
         assert_eq!(get("x-ratelimit-limit-requests"), Some("60"));

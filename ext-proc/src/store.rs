@@ -17,8 +17,8 @@ use crate::limits::{BucketSpec, ReplyError, TakeOutcome};
 use crate::meter::{EndReason, UsageRecord, UsageSource};
 use crate::proto;
 
-/// `lua/token_bucket_take_v1.lua`: take a cost from every bucket or from none.
-const TAKE_LUA: &str = include_str!("../lua/token_bucket_take_v1.lua");
+/// `lua/token_bucket_take_v2.lua`: take a cost from every bucket or from none, plus leases.
+const TAKE_LUA: &str = include_str!("../lua/token_bucket_take_v2.lua");
 /// `lua/token_bucket_settle_v1.lua`: settle a reservation against the real usage.
 const SETTLE_LUA: &str = include_str!("../lua/token_bucket_settle_v1.lua");
 /// `lua/usage_record_v1.lua`: add a record to the daily aggregates exactly once.
@@ -207,15 +207,22 @@ impl Store {
         });
     }
 
-    /// Atomically takes each bucket's cost from every bucket, or from none.
+    /// Atomically takes each bucket's cost from every bucket, or from none; when admitted, also
+    /// up to `leases[i]` more tokens from bucket `i` (missing entries: 0). Returns the outcome
+    /// and the lease tokens granted per bucket.
     ///
     /// # Errors
     /// [`StoreError`] on timeout, Redis error or a malformed reply.
-    pub async fn take(&self, plan: &[BucketSpec]) -> Result<TakeOutcome, StoreError> {
+    pub async fn take(
+        &self,
+        plan: &[BucketSpec],
+        leases: &[u64],
+    ) -> Result<(TakeOutcome, Vec<u64>), StoreError> {
         let mut inv = self.take.prepare_invoke();
         inv.arg(plan.len());
-        for b in plan {
-            inv.key(&b.key).arg(b.capacity).arg(b.rate_per_minute).arg(b.cost);
+        for (i, b) in plan.iter().enumerate() {
+            let lease = leases.get(i).copied().unwrap_or(0);
+            inv.key(&b.key).arg(b.capacity).arg(b.rate_per_minute).arg(b.cost).arg(lease);
         }
         let mut conn = self.conn();
         let reply: Vec<i64> = self.bounded(inv.invoke_async(&mut conn)).await?;

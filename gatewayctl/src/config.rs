@@ -247,6 +247,13 @@ pub struct RedisSection {
     /// in (0, 1] (sidecar default 1; 1/N for N sidecar replicas).
     #[serde(default)]
     pub local_share: Option<f64>,
+    /// Token leases: the fraction of a bucket's capacity a sidecar may take ahead and admit from
+    /// without a Redis round trip, in [0, 0.5] (sidecar default 0: none).
+    #[serde(default)]
+    pub lease_fraction: Option<f64>,
+    /// Milliseconds a lease admits after its last grant (sidecar default 1000).
+    #[serde(default)]
+    pub lease_ttl_ms: Option<u64>,
 }
 
 /// Admission's behaviour when the limiter cannot decide.

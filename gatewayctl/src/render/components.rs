@@ -229,6 +229,12 @@ fn redis(c: &GatewayConfig, flavor: Flavor) -> Value {
     if let Some(share) = r.local_share {
         fields.push(("local_share", Value::from(share)));
     }
+    if let Some(fraction) = r.lease_fraction {
+        fields.push(("lease_fraction", Value::from(fraction)));
+    }
+    if let Some(ms) = r.lease_ttl_ms {
+        fields.push(("lease_ttl_ms", n(ms)));
+    }
     if let Some(prefix) = &r.key_prefix {
         fields.push(("key_prefix", s(prefix)));
     }

@@ -1,26 +1,33 @@
--- token_bucket_take_v1.lua: atomically take a cost from every given token bucket, or from none.
+-- token_bucket_take_v2.lua: atomically take a cost from every given token bucket, or from none,
+-- and, when admitted, up to an extra lease from each.
 --
--- Version 1. Buckets are Redis hashes {t = tokens (float), ts = last refill, microseconds since
+-- Version 2 (v1 had no lease: ARGV per bucket was capacity, rate, cost; replies had no granted
+-- field). A lease is taken like a cost, for the sidecar to admit later requests from without a
+-- round trip; it is never more than the bucket holds after the cost, and unused lease tokens are
+-- given back with token_bucket_settle_v1.lua. Buckets are Redis hashes {t = tokens (float), ts = last refill, microseconds since
 -- the Unix epoch, from Redis TIME}. A bucket holds at most `capacity` tokens and refills at
 -- `rate_per_minute` tokens per minute (continuous refill). A bucket that does not exist is full.
 --
 -- KEYS[i]  bucket i (all keys of one call share one hash tag: one tenant, one cluster slot)
 -- ARGV[1]  number of buckets n
--- ARGV[1 + 3(i-1) + 1..3]  capacity_i, rate_per_minute_i, cost_i  (numbers; cost may be 0)
+-- ARGV[1 + 4(i-1) + 1..4]  capacity_i, rate_per_minute_i, cost_i, lease_i  (numbers; cost and
+--                          lease may be 0)
 --
 -- Returns a flat array: { admitted (1|0), denied_bucket (1-based; 0 when admitted),
 --                         then for each bucket i: remaining_i (floor, after taking when admitted),
---                         reset_ms_i (ms until full again), retry_after_ms_i (0 unless it lacks) }
+--                         reset_ms_i (ms until full again), retry_after_ms_i (0 unless it lacks),
+--                         granted_i (lease tokens taken; 0 unless admitted) }
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local n = tonumber(ARGV[1])
-local tokens, capacity, rate, cost = {}, {}, {}, {}
+local tokens, capacity, rate, cost, lease = {}, {}, {}, {}, {}
 local admitted, denied = 1, 0
 for i = 1, n do
-  local base = 1 + 3 * (i - 1)
+  local base = 1 + 4 * (i - 1)
   capacity[i] = tonumber(ARGV[base + 1])
   rate[i] = tonumber(ARGV[base + 2]) / 60000000.0 -- tokens per microsecond
   cost[i] = tonumber(ARGV[base + 3])
+  lease[i] = tonumber(ARGV[base + 4])
   local state = redis.call('HMGET', KEYS[i], 't', 'ts')
   local level = tonumber(state[1])
   local ts = tonumber(state[2])
@@ -39,7 +46,12 @@ end
 local out = { admitted, denied }
 for i = 1, n do
   local level = tokens[i]
-  if admitted == 1 then level = level - cost[i] end
+  local granted = 0
+  if admitted == 1 then
+    level = level - cost[i]
+    granted = math.max(0, math.min(lease[i], math.floor(level)))
+    level = level - granted
+  end
   local missing = capacity[i] - level
   local reset_ms = 0
   if rate[i] > 0 and missing > 0 then reset_ms = math.ceil(missing / rate[i] / 1000) end
@@ -55,5 +67,6 @@ for i = 1, n do
   out[#out + 1] = math.floor(math.max(level, 0))
   out[#out + 1] = reset_ms
   out[#out + 1] = retry_ms
+  out[#out + 1] = granted
 end
 return out
