@@ -76,7 +76,8 @@ def run(args: argparse.Namespace) -> dict:
             pools = [Pool("pool", ["sim/m"], kind="external", urls=[url])]
             redis_port = stacks[0].redis_port if stacks else None
             stack = Stack(workdir / f"replica{i}", pools, models, tenants, redis_port=redis_port,
-                          sidecar_overrides={"redis": {"local_share": round(1 / args.replicas, 6)}},
+                          sidecar_overrides={"redis": {"local_share": round(1 / args.replicas, 6),
+                                                       "lease_fraction": args.lease_fraction}},
                           envoy_concurrency=1, redis_cluster_nodes=0 if stacks else args.redis_cluster_nodes)
             if stacks:
                 # Later replicas share the first one's Redis (or Redis Cluster).
@@ -159,6 +160,7 @@ def run(args: argparse.Namespace) -> dict:
             "duration_s": round(elapsed, 2),
             "concurrency_per_replica": args.concurrency,
             "limits": limits,
+            "lease_fraction": args.lease_fraction,
             "sent": sent,
             "admitted_by_clients": admitted_clients,
             "rejected_429": rejected,
@@ -193,6 +195,8 @@ def main() -> int:
     parser.add_argument("--kill-node-at-s", type=float, default=None,
                         help="kill the cluster node holding the tenant's keys this many seconds into the run")
     parser.add_argument("--node-down-s", type=float, default=5.0, help="seconds until it is started again")
+    parser.add_argument("--lease-fraction", type=float, default=0.0,
+                        help="the sidecars' redis.lease_fraction (token leases; 0: none)")
     args = parser.parse_args()
     result = run(args)
     text = json.dumps(result, indent=2)
