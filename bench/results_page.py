@@ -18,7 +18,7 @@ TARGET_TEXT = {
     "direct": "gateway-bench → vllm-sim, no Envoy (what Envoy itself costs, against `bare`)",
     "bare": "Envoy with the gateway's bootstrap but no filter and no sidecar",
     "filter": "Envoy + the wasm filter (auth, body validation, routing)",
-    "gateway": "Envoy + filter + the ext_proc sidecar (admission against Redis, metering)",
+    "gateway": "Envoy + filter + the ext_proc sidecar (admission against Redis on every request; metering by the filter, delivered by Envoy's gRPC access log)",
     "gateway-no-metering": "diagnostic: the gateway without its metering access log (admission only; the filter still measures)",
     "gateway-leases": "the gateway with the sidecar's token leases (`redis.lease_fraction: 0.01`): most limit decisions without a Redis round trip",
     "gateway-ext-proc-metering": "diagnostic: the gateway metered by an observability-mode ext_proc filter (every chunk to the sidecar) instead of the access log",
