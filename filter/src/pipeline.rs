@@ -23,10 +23,11 @@ use serde_json::Value;
 use crate::auth::authenticate;
 use crate::config::Config;
 use crate::context::{
-    check_context, count_prompt, effective_max_tokens, fits_by_upper_bound, ByteBoundCounter, TokenCounter,
+    check_context, count_prompt, effective_max_tokens, fits_by_upper_bound, ByteBoundCounter, CountSource,
+    PromptCounts, TokenCounter,
 };
-use crate::error::{GatewayError, LocalReply};
-use crate::json_scan::{apply_edits, scan_object, Edit};
+use crate::error::{truncate_for_echo, GatewayError, LocalReply};
+use crate::json_scan::{apply_edits, array_elements, scan_object, string_bytes_lower, Edit};
 use crate::request::{classify, parse_json, validate, Endpoint, ValidatedRequest};
 use crate::routing::{listed_models, route, Route};
 
@@ -209,6 +210,9 @@ pub fn on_request_body(
         .tenants
         .get(pending.tenant)
         .ok_or(GatewayError::Internal { what: "tenant index out of range" })?;
+    if body.len() as u64 > cfg.full_parse_max_bytes {
+        return on_large_body(cfg, pending, tenant, body);
+    }
     let value = parse_json(body)?;
     let req = validate(pending.endpoint, body, &value)?;
     let route = route(cfg, tenant, req.model, pending.request_id.as_deref())?;
@@ -227,8 +231,24 @@ pub fn on_request_body(
         effective_max_tokens(max_model_len, &counts, req.max_tokens)
     };
 
+    finish_plan(pending, tenant, body, &req, &value, &route, &counts, max_tokens_header, exact_check)
+}
+
+/// The plan of a validated, routed request: the body rewrite and the headers.
+#[allow(clippy::too_many_arguments)]
+fn finish_plan(
+    pending: &PendingRequest,
+    tenant: &crate::config::Tenant,
+    body: &[u8],
+    req: &ValidatedRequest<'_>,
+    value: &Value,
+    route: &Route<'_>,
+    counts: &PromptCounts,
+    max_tokens_header: u64,
+    exact_check: bool,
+) -> Result<ForwardPlan, GatewayError> {
     let inject = req.stream && !req.include_usage;
-    let new_body = rewrite_body(body, &req, &value, &route, inject)?;
+    let new_body = rewrite_body(body, req, value, route, inject)?;
 
     let mut set_headers = vec![
         (H_TENANT, tenant.id.clone()),
@@ -252,6 +272,124 @@ pub fn on_request_body(
         }
     }
     Ok(ForwardPlan { set_headers, new_body, usage_injected: inject })
+}
+
+/// A body over `full_parse_max_bytes`: only its top-level members are scanned (no parse of the
+/// prompt member, which is nearly all of it), so that it holds the Envoy worker about as long as
+/// a body of `full_parse_max_bytes`. Every top-level member but the prompt (`messages`, `prompt`,
+/// `input`) is parsed and validated as usual; the prompt member must be present (and for chat an
+/// array). Its content is not validated here and the context rule is not applied from bounds:
+/// a model with `exact_count` gets `x-gateway-context-check: exact` (the sidecar counts the body
+/// natively and answers the 400), any other the rule of vLLM itself (which answers its own 400
+/// before any GPU work). `max_tokens` above `max_model_len` is still refused here, and the token
+/// estimate for the sidecar's reservation is the prompt member's bytes / 4.
+fn on_large_body(
+    cfg: &Config,
+    pending: &PendingRequest,
+    tenant: &crate::config::Tenant,
+    body: &[u8],
+) -> Result<ForwardPlan, GatewayError> {
+    let scan =
+        scan_object(body).ok_or(GatewayError::InvalidJson { detail: "expected a JSON object".into() })?;
+    if let Some(dup) = scan.first_duplicate() {
+        return Err(GatewayError::DuplicateParameter { param: truncate_for_echo(dup) });
+    }
+    let prompt_key = pending.endpoint.prompt_param();
+    let internal = GatewayError::Internal { what: "request body scan failed" };
+    let mut members = serde_json::Map::new();
+    let mut prompt_bytes = 0u64;
+    let mut prompt_raw: &[u8] = &[];
+    for m in &scan.members {
+        let raw = body.get(m.value_start..m.value_end).ok_or_else(|| internal.clone())?;
+        if m.key == prompt_key {
+            prompt_bytes = raw.len() as u64;
+            prompt_raw = raw;
+            // A stand-in that passes validation: the real prompt is checked downstream.
+            let stand_in = match (pending.endpoint, raw.first()) {
+                (Endpoint::ChatCompletions, Some(b'[')) => {
+                    serde_json::json!([{"role": "user", "content": "(not parsed in the filter)"}])
+                }
+                (Endpoint::ChatCompletions, _) => {
+                    return Err(GatewayError::InvalidType {
+                        param: prompt_key.into(),
+                        expected: "an array",
+                        got: json_type_of(raw.first().copied()),
+                    })
+                }
+                _ => Value::String("(not parsed in the filter)".into()),
+            };
+            members.insert(m.key.clone(), stand_in);
+            continue;
+        }
+        let v: Value = serde_json::from_slice(raw).map_err(|e| GatewayError::InvalidJson {
+            detail: format!("{}: {e}", truncate_for_echo(&m.key)),
+        })?;
+        members.insert(m.key.clone(), v);
+    }
+    let value = Value::Object(members);
+    let small = serde_json::to_vec(&value).map_err(|_| internal.clone())?;
+    let mut req = validate(pending.endpoint, &small, &value)?;
+    // Offsets in the real body, for the surgical rewrites.
+    req.scan = scan;
+    let route = route(cfg, tenant, req.model, pending.request_id.as_deref())?;
+
+    let estimate = prompt_bytes.div_ceil(4);
+    let max_model_len = route.model.max_model_len;
+    let max_token_bytes = route.model.max_token_bytes.max(1);
+    // A lower bound only when it could refuse (the prompt's raw bytes are more than its text): a
+    // second walk over the prompt's strings, without decoding them.
+    let could_refuse =
+        !crate::context::fits(max_model_len, prompt_bytes.div_ceil(max_token_bytes), req.max_tokens);
+    let max_lower = if could_refuse && pending.endpoint != Endpoint::Embeddings {
+        prompt_text_lower(pending.endpoint, prompt_raw).div_ceil(max_token_bytes)
+    } else {
+        0
+    };
+    let counts = PromptCounts {
+        max_lower,
+        max_estimate: estimate.max(max_lower),
+        total_estimate: estimate.max(max_lower),
+        source: CountSource::Estimate,
+    };
+    let (max_tokens_header, exact_check) = if pending.endpoint == Endpoint::Embeddings {
+        (0, false)
+    } else {
+        // Refuses max_tokens over max_model_len, and prompts whose text alone is too long.
+        check_context(max_model_len, &counts, req.max_tokens, prompt_key)?;
+        (effective_max_tokens(max_model_len, &counts, req.max_tokens), route.model.exact_count)
+    };
+    finish_plan(pending, tenant, body, &req, &value, &route, &counts, max_tokens_header, exact_check)
+}
+
+/// A lower bound on the bytes of prompt text in an unparsed prompt member: for chat, the string
+/// `content` of each message (parts and roles not counted); for completions, the longest string
+/// (a batch is checked per prompt). Escapes are not decoded ([`string_bytes_lower`]).
+fn prompt_text_lower(endpoint: Endpoint, raw: &[u8]) -> u64 {
+    let elements = || array_elements(raw).unwrap_or_default().into_iter().filter_map(|(a, b)| raw.get(a..b));
+    match endpoint {
+        Endpoint::ChatCompletions => elements()
+            .filter_map(|message| {
+                let scan = scan_object(message)?;
+                let content = scan.get("content")?;
+                message.get(content.value_start..content.value_end).map(string_bytes_lower)
+            })
+            .fold(0u64, u64::saturating_add),
+        Endpoint::Completions if raw.first() == Some(&b'"') => string_bytes_lower(raw),
+        Endpoint::Completions => elements().map(string_bytes_lower).max().unwrap_or(0),
+        Endpoint::Embeddings | Endpoint::Models => 0,
+    }
+}
+
+/// The JSON type of a value from its first byte, in `invalid_type` words.
+fn json_type_of(first: Option<u8>) -> &'static str {
+    match first {
+        Some(b'{') => "an object",
+        Some(b'[') => "an array",
+        Some(b'"') => "a string",
+        Some(b't' | b'f') => "a boolean",
+        Some(b'n') => "null",
+        _ => "a number",
+    }
 }
 
 const INCLUDE_USAGE_OBJECT: &[u8] = br#"{"include_usage":true}"#;
@@ -772,5 +910,68 @@ mod tests {
         assert!(!response_needs_stripping(Some(b"400"), Some(b"text/event-stream")));
         assert!(!response_needs_stripping(Some(b"200"), Some(b"application/json")));
         assert!(!response_needs_stripping(None, None));
+    }
+
+    /// `cfg()` with bodies over 200 bytes taking the large-body path.
+    fn large(body: Value) -> Result<ForwardPlan, GatewayError> {
+        let mut c = cfg();
+        c.full_parse_max_bytes = 200;
+        on_request_body(&c, &pending("/v1/chat/completions", "sk-demo"), body.to_string().as_bytes())
+    }
+
+    fn long_messages() -> Value {
+        json!([{"role": "user", "content": "word ".repeat(80)}])
+    }
+
+    #[test]
+    fn a_large_body_is_routed_from_its_top_level_members() {
+        let plan =
+            large(json!({"model": "qwen-latest", "messages": long_messages(), "stream": true})).unwrap();
+        let h = header_map(&plan);
+        assert!(h.contains(&("x-gateway-pool".into(), "pool_a".into())));
+        assert!(h.contains(&("x-gateway-prompt-tokens-source".into(), "estimate".into())));
+        let body: Value = serde_json::from_slice(plan.new_body.as_ref().unwrap()).unwrap();
+        // The surgical rewrites apply to the real body; its messages pass untouched.
+        assert_eq!(body["model"], "Qwen/Qwen2.5-0.5B-Instruct");
+        assert_eq!(body["stream_options"], json!({"include_usage": true}));
+        assert_eq!(body["messages"], long_messages());
+        assert!(plan.usage_injected);
+    }
+
+    #[test]
+    fn a_large_body_keeps_the_checks_of_its_small_members() {
+        let e = large(json!({"model": 7, "messages": long_messages()})).unwrap_err();
+        assert_eq!(e.parts().2, "invalid_type");
+        let e = large(json!({"model": "qwen", "messages": "word ".repeat(80)})).unwrap_err();
+        assert!(
+            matches!(e, GatewayError::InvalidType { ref param, got: "a string", .. } if param == "messages")
+        );
+        let e = large(json!({"model": "qwen", "prompt": "word ".repeat(80)})).unwrap_err();
+        assert!(matches!(e, GatewayError::MissingParameter { ref param } if param == "messages"));
+        let e = large(json!({"model": "qwen", "messages": long_messages(), "max_tokens": 5000})).unwrap_err();
+        assert!(matches!(e, GatewayError::MaxTokensTooLarge { .. }), "{e:?}");
+        let e = large(json!({"model": "nope", "messages": long_messages()})).unwrap_err();
+        assert_eq!(e.parts().0, 404);
+    }
+
+    #[test]
+    fn a_large_body_is_refused_by_its_text_alone_and_else_left_downstream() {
+        // 400 bytes of text for a model of 100 tokens with 4-byte tokens: refused either way.
+        let over = json!({"model": "tiny", "messages": [{"role": "user", "content": "x".repeat(400)}]});
+        assert_eq!(chat(over.clone()).unwrap_err().parts().2, "context_length_exceeded");
+        assert_eq!(large(over).unwrap_err().parts().2, "context_length_exceeded");
+        // Escapes are not decoded: 60 × "\u00e9" is 120 bytes of text, at least 60 raw bytes.
+        let fits = json!({"model": "tiny", "messages": [{"role": "user", "content": "é".repeat(60)}], "x": "y".repeat(200)});
+        let plan = large(fits.clone()).unwrap();
+        assert!(!header_map(&plan).iter().any(|(k, _)| k == "x-gateway-context-check"));
+        // A model with exact_count: the sidecar counts it.
+        let mut c = cfg();
+        c.full_parse_max_bytes = 200;
+        if let Some(m) = c.models.iter_mut().find(|m| m.name == "tiny") {
+            m.exact_count = true;
+        }
+        let plan =
+            on_request_body(&c, &pending("/v1/chat/completions", "sk-demo"), fits.to_string().as_bytes());
+        assert!(header_map(&plan.unwrap()).contains(&("x-gateway-context-check".into(), "exact".into())));
     }
 }

@@ -152,6 +152,10 @@ pub struct FilterSection {
     /// per-connection buffer is set 1 MiB above it.
     #[serde(default)]
     pub max_body_bytes: Option<u64>,
+    /// Largest body the filter parses in full (its `full_parse_max_bytes`, default 128 KiB);
+    /// larger bodies are routed after a scan of their top-level members.
+    #[serde(default)]
+    pub full_parse_max_bytes: Option<u64>,
     /// Path of `gateway_filter.wasm` as the standalone Envoy sees it (needed by the standalone
     /// target). A relative path is relative to this config file.
     #[serde(default)]

@@ -16,6 +16,9 @@ use super::Error;
 pub fn filter_config(loaded: &Loaded) -> Result<Value, Error> {
     let c = &loaded.config;
     let mut top = Vec::new();
+    if let Some(max) = c.filter.full_parse_max_bytes {
+        top.push(("full_parse_max_bytes", n(max)));
+    }
     if let Some(max) = c.filter.max_body_bytes {
         top.push(("max_body_bytes", n(max)));
     }
@@ -80,6 +83,7 @@ pub fn filter_config(loaded: &Loaded) -> Result<Value, Error> {
         // except for the top-level body limit.
         let field = match e.path.as_str() {
             "max_body_bytes" => "filter.max_body_bytes".to_owned(),
+            "full_parse_max_bytes" => "filter.full_parse_max_bytes".to_owned(),
             "configuration" => "config".to_owned(),
             other => other.to_owned(),
         };
