@@ -75,7 +75,7 @@ fn record_of(entry: &HttpAccessLogEntry, record_id: impl FnOnce() -> String) -> 
     if !admitted {
         return None;
     }
-    let (reserved_tokens, reserved_locally) = service::reservation(Some(metadata));
+    let reserved = service::reservation(Some(metadata));
     let request = entry.request.as_ref();
     let facts = service::facts_from(|name| {
         let request = request?;
@@ -100,17 +100,7 @@ fn record_of(entry: &HttpAccessLogEntry, record_id: impl FnOnce() -> String) -> 
         },
         None => Usage::unseen(duration_us(entry), status),
     };
-    let info = RequestInfo {
-        request_id: facts.request_id,
-        tenant: facts.tenant.unwrap_or_default(),
-        model: facts.model,
-        pool: facts.pool,
-        prompt_tokens_estimate: facts.prompt_tokens,
-        reserved_tokens,
-        reserved_locally,
-        tier: facts.tier,
-        record_id: record_id(),
-    };
+    let info = RequestInfo::new(facts, reserved, record_id());
     let mut record = UsageRecord::new(info, usage);
     record.finished_at_unix_ms = finished_at_unix_ms(entry);
     Some(record)

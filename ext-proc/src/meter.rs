@@ -28,6 +28,28 @@ pub struct RequestInfo {
     pub record_id: String,
 }
 
+impl RequestInfo {
+    /// A request's identity from its headers' facts and the reservation admission made
+    /// (`reserved_tokens`, `reserved_locally`: see [`crate::service::reservation`]).
+    pub fn new(
+        facts: crate::admission::RequestFacts,
+        (reserved_tokens, reserved_locally): (u64, bool),
+        record_id: String,
+    ) -> Self {
+        Self {
+            request_id: facts.request_id,
+            tenant: facts.tenant.unwrap_or_default(),
+            model: facts.model,
+            pool: facts.pool,
+            prompt_tokens_estimate: facts.prompt_tokens,
+            reserved_tokens,
+            reserved_locally,
+            tier: facts.tier,
+            record_id,
+        }
+    }
+}
+
 /// One finished request's usage (becomes a `llm_gateway.v1.UsageEvent`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UsageRecord {

@@ -366,20 +366,9 @@ async fn metering_stream(
         let now = monotonic_us();
         let usage = match message.request {
             Some(ProcRequest::RequestHeaders(h)) => {
-                let facts = request_facts(&h);
-                let (reserved_tokens, reserved_locally) = reservation(message.metadata_context.as_ref());
+                let reserved = reservation(message.metadata_context.as_ref());
                 meter.start(now);
-                info = Some(RequestInfo {
-                    request_id: facts.request_id,
-                    tenant: facts.tenant.unwrap_or_default(),
-                    model: facts.model,
-                    pool: facts.pool,
-                    prompt_tokens_estimate: facts.prompt_tokens,
-                    reserved_tokens,
-                    reserved_locally,
-                    tier: facts.tier,
-                    record_id: shared.ids.next(),
-                });
+                info = Some(RequestInfo::new(request_facts(&h), reserved, shared.ids.next()));
                 None
             }
             Some(ProcRequest::ResponseHeaders(h)) => {
