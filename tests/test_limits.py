@@ -347,7 +347,8 @@ def test_leases_admit_without_redis_and_give_back_what_is_unused(tmp_path_factor
     lease expires, its unused tokens go back to Redis."""
     key = new_api_key()
     tenant = Tenant("leased", [key], {"requests_per_minute": 600, "request_burst": 1000})
-    overrides = {"redis": {"lease_fraction": 0.1, "lease_ttl_ms": 400}}
+    # A TTL that outlasts the 20 requests even on a slow machine.
+    overrides = {"redis": {"lease_fraction": 0.1, "lease_ttl_ms": 3000}}
     with Stack(tmp_path_factory.mktemp("leases"), [Pool("pool_l", ["sim/l"], ["--output-tokens", "2"])],
                [Model("l", "pool_l", served_model_name="sim/l")], [tenant], sidecar_overrides=overrides) as s:
         client = redis.Redis(port=s.redis_port)
@@ -366,4 +367,4 @@ def test_leases_admit_without_redis_and_give_back_what_is_unused(tmp_path_factor
         assert bucket(client, rpm)[0] <= 901 + 10 * elapsed, (bucket(client, rpm), elapsed)
         assert int(r.headers["x-ratelimit-remaining-requests"]) >= 899 + 80
         # After the TTL the 80 unused tokens are back: 1,000 less the 20 requests (plus refill).
-        assert wait_for(lambda: (b := bucket(client, rpm)) and b[0] >= 980, timeout=5), bucket(client, rpm)
+        assert wait_for(lambda: (b := bucket(client, rpm)) and b[0] >= 980, timeout=10), bucket(client, rpm)

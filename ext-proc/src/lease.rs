@@ -139,6 +139,11 @@ impl Leases {
         back
     }
 
+    /// Tokens held in the lease of one bucket.
+    pub fn held_for(&self, key: &str) -> u64 {
+        self.entries.get(key).map_or(0, |l| l.tokens)
+    }
+
     /// Tokens held across all leases (for tests and metrics).
     pub fn held(&self) -> u64 {
         self.entries.values().map(|l| l.tokens).sum()

@@ -90,13 +90,20 @@ impl Limiter {
             self.metrics.redis_call("take", started.elapsed(), result.is_ok());
             self.record(result.is_ok());
             match result {
-                Ok((outcome, granted)) => {
+                Ok((mut outcome, granted)) => {
                     let now = Instant::now();
                     if let Ok(mut local) = self.local.lock() {
                         local.observe(plan, &outcome, now);
                     }
                     if let Ok(mut leases) = self.leases.lock() {
                         leases.granted(plan, &outcome, &granted, now);
+                        // What this sidecar holds is still the tenant's to use, as a leased
+                        // admission reports it.
+                        if outcome.denied.is_none() {
+                            for (b, state) in plan.iter().zip(outcome.states.iter_mut()) {
+                                state.remaining = state.remaining.saturating_add(leases.held_for(&b.key));
+                            }
+                        }
                     }
                     return Take::Redis(outcome);
                 }
