@@ -23,9 +23,6 @@ use crate::sse::SseParser;
 /// Largest single SSE event the meter holds while parsing, in bytes.
 pub const MAX_SSE_EVENT_BYTES: usize = 1 << 20;
 
-/// Most inter-token gaps held between two [`Meter::drain_gaps`] calls.
-const MAX_PENDING_GAPS: usize = 256;
-
 /// Version of the [`Usage`] wire shape (its `v` field).
 pub const USAGE_VERSION: u32 = 1;
 
@@ -176,7 +173,6 @@ struct Active {
     content_chunks: u64,
     first_content: Option<u64>,
     last_content: Option<u64>,
-    gaps: Vec<u64>,
     saw_done: bool,
 }
 
@@ -213,18 +209,8 @@ impl Meter {
                 content_chunks: 0,
                 first_content: None,
                 last_content: None,
-                gaps: Vec::new(),
                 saw_done: false,
             }));
-        }
-    }
-
-    /// Takes the inter-token gaps (microseconds between consecutive content chunks) seen since
-    /// the last call, for an ITL histogram.
-    pub fn drain_gaps(&mut self) -> Vec<u64> {
-        match &mut self.state {
-            State::Active(a) => std::mem::take(&mut a.gaps),
-            _ => Vec::new(),
         }
     }
 
@@ -260,7 +246,7 @@ impl Meter {
     pub fn on_response_body(&mut self, chunk: &[u8], end_of_stream: bool, now: u64) -> Option<Usage> {
         let max_json = self.max_json_body_bytes;
         if let State::Active(a) = &mut self.state {
-            let Active { body, usage, content_chunks, first_content, last_content, gaps, saw_done, .. } =
+            let Active { body, usage, content_chunks, first_content, last_content, saw_done, .. } =
                 a.as_mut();
             match body {
                 Body::Sse(parser) => parser.feed(chunk, |data| {
@@ -277,11 +263,7 @@ impl Meter {
                     if parsed.choices.iter().any(Choice::has_content) {
                         *content_chunks += 1;
                         first_content.get_or_insert(now);
-                        if let Some(last) = last_content.replace(now) {
-                            if gaps.len() < MAX_PENDING_GAPS {
-                                gaps.push(now.saturating_sub(last));
-                            }
-                        }
+                        *last_content = Some(now);
                     }
                 }),
                 Body::Json { buf, overflowed } => {
@@ -427,23 +409,9 @@ mod tests {
         assert_eq!((r.prompt_tokens, r.completion_tokens), (0, 2));
         assert!(!r.prompt_tokens_known() && r.started());
         assert_eq!(r.ttft_us, 2000, "the role chunk carries no content");
-        assert!(m.drain_gaps().is_empty(), "finished: nothing pending");
         assert_eq!((r.end_reason, r.usage_source), (EndReason::Incomplete, UsageSource::StreamedChunks));
         assert!(m.on_stream_end(t0).is_none());
         assert!(m.on_response_body(b"", true, t0).is_none());
-    }
-
-    #[test]
-    fn inter_token_gaps_are_drained() {
-        let t0 = 1_000_000u64;
-        let mut m = Meter::new(1024);
-        m.start(t0);
-        m.on_response_headers(200, "text/event-stream", false, t0);
-        m.on_response_body(chunk("a").as_bytes(), false, t0 + 10 * MS);
-        assert!(m.drain_gaps().is_empty());
-        m.on_response_body(format!("{}{}", chunk("b"), chunk("c")).as_bytes(), false, t0 + 25 * MS);
-        assert_eq!(m.drain_gaps(), vec![15 * MS, 0]);
-        assert!(m.drain_gaps().is_empty());
     }
 
     #[test]
