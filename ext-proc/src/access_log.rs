@@ -128,25 +128,23 @@ fn duration_us(entry: &HttpAccessLogEntry) -> u64 {
 /// `google.protobuf.BytesValue` (or `StringValue`) whose value is the [`Usage`] JSON, possibly
 /// wrapped in one more `Any`.
 fn usage_of(any: &Any) -> Result<Usage, String> {
-    let mut any = any.clone();
-    for _ in 0..2 {
-        let type_name = any.type_url.rsplit('/').next().unwrap_or_default();
-        let bytes = match type_name {
-            "google.protobuf.Any" => {
-                any = Any::decode(any.value.as_slice()).map_err(|e| e.to_string())?;
-                continue;
+    let bytes = match any.type_url.rsplit('/').next().unwrap_or_default() {
+        "google.protobuf.Any" => {
+            let inner = Any::decode(any.value.as_slice()).map_err(|e| e.to_string())?;
+            if inner.type_url.ends_with("/google.protobuf.Any") {
+                return Err("nested too deep".to_owned());
             }
-            "google.protobuf.BytesValue" => {
-                <Vec<u8> as Message>::decode(any.value.as_slice()).map_err(|e| e.to_string())?
-            }
-            "google.protobuf.StringValue" => {
-                <String as Message>::decode(any.value.as_slice()).map_err(|e| e.to_string())?.into_bytes()
-            }
-            other => return Err(format!("unexpected type {other:?}")),
-        };
-        return serde_json::from_slice(&bytes).map_err(|e| e.to_string());
-    }
-    Err("nested too deep".to_owned())
+            return usage_of(&inner);
+        }
+        "google.protobuf.BytesValue" => {
+            <Vec<u8> as Message>::decode(any.value.as_slice()).map_err(|e| e.to_string())?
+        }
+        "google.protobuf.StringValue" => {
+            <String as Message>::decode(any.value.as_slice()).map_err(|e| e.to_string())?.into_bytes()
+        }
+        other => return Err(format!("unexpected type {other:?}")),
+    };
+    serde_json::from_slice(&bytes).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

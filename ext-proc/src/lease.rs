@@ -70,7 +70,7 @@ impl Leases {
         let mut states = Vec::with_capacity(plan.len());
         for b in plan {
             let lease = self.entries.get_mut(&b.key)?;
-            lease.tokens -= b.cost;
+            lease.tokens = lease.tokens.saturating_sub(b.cost);
             states.push(BucketState {
                 remaining: lease.remaining.saturating_add(lease.tokens),
                 reset_ms: lease.reset_ms,

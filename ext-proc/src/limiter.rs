@@ -35,7 +35,8 @@ pub struct Limiter {
     store: Store,
     breaker: Mutex<Breaker>,
     local: Mutex<LocalLimiter>,
-    leases: Mutex<Leases>,
+    /// `None` when `redis.lease_fraction` is 0: no lease lock on the request path.
+    leases: Option<Mutex<Leases>>,
     lease_ttl: Duration,
     metrics: Arc<Metrics>,
 }
@@ -50,10 +51,9 @@ impl Limiter {
                 Duration::from_millis(config.breaker.open_ms),
             )),
             local: Mutex::new(LocalLimiter::new(config.local_share)),
-            leases: Mutex::new(Leases::new(
-                config.lease_fraction,
-                Duration::from_millis(config.lease_ttl_ms),
-            )),
+            leases: (config.lease_fraction > 0.0).then(|| {
+                Mutex::new(Leases::new(config.lease_fraction, Duration::from_millis(config.lease_ttl_ms)))
+            }),
             lease_ttl: Duration::from_millis(config.lease_ttl_ms),
             metrics,
         }
@@ -76,13 +76,13 @@ impl Limiter {
 
     /// Takes the plan's costs: from Redis, or degraded per `mode`.
     pub async fn take(&self, plan: &[BucketSpec], mode: FailureMode) -> Take {
-        let wanted = match self.leases.lock() {
-            Ok(mut leases) => match leases.try_take(plan, Instant::now()) {
+        let wanted = match self.leases.as_ref().map(Mutex::lock) {
+            Some(Ok(mut leases)) => match leases.try_take(plan, Instant::now()) {
                 // Tokens Redis granted earlier: decided by Redis, without a round trip.
                 Some(outcome) => return Take::Redis(outcome),
                 None => leases.wanted(plan),
             },
-            Err(_) => Vec::new(),
+            Some(Err(_)) | None => Vec::new(),
         };
         let reason = if self.allow() {
             let started = Instant::now();
@@ -95,7 +95,7 @@ impl Limiter {
                     if let Ok(mut local) = self.local.lock() {
                         local.observe(plan, &outcome, now);
                     }
-                    if let Ok(mut leases) = self.leases.lock() {
+                    if let Some(Ok(mut leases)) = self.leases.as_ref().map(Mutex::lock) {
                         leases.granted(plan, &outcome, &granted, now);
                         // What this sidecar holds is still the tenant's to use, as a leased
                         // admission reports it.
@@ -130,9 +130,10 @@ impl Limiter {
     pub async fn run_lease_expiry(&self) {
         loop {
             tokio::time::sleep(self.lease_ttl / 2).await;
-            let expired = match self.leases.lock() {
-                Ok(mut leases) => leases.expire(Instant::now()),
-                Err(_) => continue,
+            let expired = match self.leases.as_ref().map(Mutex::lock) {
+                Some(Ok(mut leases)) => leases.expire(Instant::now()),
+                Some(Err(_)) => continue,
+                None => return,
             };
             for (bucket, tokens) in expired {
                 let delta = i64::try_from(tokens).unwrap_or(i64::MAX);
