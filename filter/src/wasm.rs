@@ -227,7 +227,8 @@ impl GatewayHttp {
         // At debug level, the time this request spends in the VM is logged: the body phase
         // (reading it, deciding, writing headers and body) and the headers phase (auth):
         // `gateway-filter: body of N bytes decided in U us (headers H us)`.
-        let timed = matches!(hostcalls::get_log_level(), Ok(LogLevel::Trace | LogLevel::Debug));
+        // Timed when the headers phase was (debug level): one log-level host call per request.
+        let timed = self.headers_vm_us.is_some();
         let start = if timed { hostcalls::get_current_time().ok() } else { None };
         let body = match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size) {
             Ok(b) => b.unwrap_or_default(),
