@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import time
+import urllib.request
 
 import httpx
 import openai
@@ -175,6 +176,12 @@ def test_429_with_retry_after_once_rpm_is_spent(stack, keys):
 # ------------------------------------------------------------------ metering
 
 
+def envoy_stats(stack, contains: str) -> str:
+    """Envoy's counters whose names contain `contains` (admin /stats), for failure messages."""
+    with urllib.request.urlopen(f"{stack.admin_url}/stats?filter={contains}", timeout=2) as r:
+        return r.read().decode()
+
+
 def usage_hash(stack, tenant: str) -> dict[str, int]:
     day = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     client = redis.Redis(port=stack.redis_port, decode_responses=True)
@@ -229,8 +236,11 @@ def test_usage_recorded_in_redis_equals_upstreams(request, metering, keys):
         "metered:completion_tokens": int(upstream_generated),
     }
     recorded = wait_for(lambda: (h := usage_hash(stack, "meter")) and h.get("metered:requests") == 3 and h)
-    assert recorded, usage_hash(stack, "meter")
-    assert {k: recorded.get(k) for k in expected} == expected
+    # On a failure, say where records went: Envoy's gRPC access-log counters and the sidecar's
+    # usage events of the tenant.
+    assert recorded, (usage_hash(stack, "meter"), envoy_stats(stack, "access_log"))
+    assert {k: recorded.get(k) for k in expected} == expected, (
+        envoy_stats(stack, "access_log"), redis.Redis(port=stack.redis_port).xrange("llmgw:usage-events"))
 
     client = redis.Redis(port=stack.redis_port)
     events = [fields for _, fields in client.xrange("llmgw:usage-events") if fields[b"tenant"] == b"meter"]
