@@ -119,6 +119,20 @@ fn skip_string(s: &[u8], i: usize) -> Option<usize> {
         return None;
     }
     let mut j = i + 1;
+    // Short strings (keys, roles, ids) end within a word or two: a word at a time first, until
+    // the end or a backslash.
+    for _ in 0..2 {
+        let Some(Ok(bytes)) = s.get(j..j + 8).map(<[u8; 8]>::try_from) else { break };
+        let word = u64::from_le_bytes(bytes);
+        let (quotes, backslashes) = (byte_mask(word, b'"'), byte_mask(word, b'\\'));
+        if quotes != 0 && (backslashes == 0 || quotes.trailing_zeros() < backslashes.trailing_zeros()) {
+            return Some(j + (quotes.trailing_zeros() / 8) as usize + 1);
+        }
+        if backslashes != 0 {
+            break;
+        }
+        j += 8;
+    }
     let mut prev_escaped = 0u64;
     while let Some(chunk) = s.get(j..j + 64) {
         let Ok(block) = <&[u8; 64]>::try_from(chunk) else { break };
