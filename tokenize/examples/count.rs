@@ -14,7 +14,9 @@
 //!   (chat), `{"text": "..."}` (a completions prompt) or `{"rendered": "..."}` (text counted as is)
 //!   → `{"count": N}` (plus `"rendered": "..."` for chat when `render` is true), or
 //!   `{"error": "..."}`.
-//! * `--info`: `{"max_token_bytes": N|null}`.
+//! * `--info`: `{"max_token_bytes": N|null, "rss_kib_before_load": K, "rss_kib": K}`: the resident
+//!   memory (Linux `VmRSS`, KiB; null elsewhere) before and after loading the tokenizer, which is
+//!   what one loaded tokenizer costs the sidecar (`bench/overhead.py`, scenario `memory`).
 //! * `--bench FILE`: counts the file's text (as a completions prompt, or as one user message
 //!   with `--chat`) repeatedly for `S` seconds (default 3) on one thread and prints
 //!   `{"bytes": B, "tokens": T, "iterations": I, "tokens_per_s": ..., "ms_per_count": ...}`.
@@ -60,12 +62,18 @@ fn main() -> Result<(), Box<dyn Error>> {
         None => spec,
     };
     let spec: Spec = serde_json::from_str(&spec_text)?;
+    let rss_before = resident_kib();
     let tokenizer = ModelTokenizer::load(&spec.tokenizer, spec.chat_template.as_ref())?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
 
     if info {
-        writeln!(out, "{}", json!({"max_token_bytes": tokenizer.max_token_bytes()}))?;
+        writeln!(
+            out,
+            "{}",
+            json!({"max_token_bytes": tokenizer.max_token_bytes(), "rss_kib_before_load": rss_before,
+                   "rss_kib": resident_kib()})
+        )?;
         return Ok(());
     }
     if let Some(path) = bench {
@@ -134,4 +142,11 @@ fn main() -> Result<(), Box<dyn Error>> {
         writeln!(out, "{v}")?;
     }
     Ok(())
+}
+
+/// This process's resident memory (`VmRSS` of /proc/self/status), in KiB; `None` off Linux.
+fn resident_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
 }
