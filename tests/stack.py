@@ -485,9 +485,25 @@ class Stack:
             config["pools"] = shed
         return _merged(config, self.sidecar_overrides)
 
-    def _start_sidecar(self) -> None:
+    def kill_sidecar(self) -> None:
+        """Kills the sidecar (SIGKILL: a crash, or its container restarted)."""
+        for proc in [p for p in self.procs if p.name == "sidecar"]:
+            proc.popen.kill()
+            proc.popen.wait(timeout=5)
+            self.procs.remove(proc)
+
+    def restart_sidecar(self) -> None:
+        """Starts the sidecar again on the port Envoy's ext_proc cluster names."""
+        if any(p.name == "sidecar" for p in self.procs):
+            raise StackError("the sidecar is still running")
+        self._start_sidecar(listen_port=self.ext_proc_port)
+
+    def _start_sidecar(self, listen_port: int | None = None) -> None:
         path = self.workdir / "sidecar.yaml"
-        path.write_text(yaml.safe_dump(self.sidecar_config(), sort_keys=False))
+        config = self.sidecar_config()
+        if listen_port:
+            config["listen"] = f"127.0.0.1:{listen_port}"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
         proc = self._spawn("sidecar", [str(SIDECAR_BIN), "--config", str(path)], stdout_pipe=True)
         before: list[str] = []
         addr = self._read_banner(proc, "gateway-ext-proc listening on", others=before)
