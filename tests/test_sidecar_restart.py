@@ -2,15 +2,19 @@
 sidecar.
 
 While no sidecar listens, admission fails closed (the admission ext_proc has
-`failure_mode_allow: false`); once it is back, requests are admitted and metered again. A known
-gap, pinned here by a strict xfail: the usage record of a request that *ends* while no sidecar
-listens is lost. Envoy's gRPC access log (Envoy's gRPC client, a STATIC cluster) hands the entry
-to a new stream whose connection then fails, and counts it delivered
-(`access_logs.grpc_access_log.grpc_entries_flushed` and `logs_written`; `grpc_entries_flush_failed`
-and `logs_dropped` stay 0), so it is never retried. Its TPM reservation is never settled (the
-bucket keeps prompt + max tokens charged until it refills) and no usage record bills it. An entry flushed within a few milliseconds of the sidecar's return can still
-arrive (Envoy's connection attempt may still be pending), which is why the test waits for Envoy's
-failed connection before restarting the sidecar. See docs/deploy.md, "Sidecar restarts".
+`failure_mode_allow: false`); once it is back, requests are admitted and metered again.
+
+Requests admitted before the crash and ending while no sidecar listens: Envoy's gRPC access log
+hands their entries to a new stream toward the absent sidecar and counts them delivered
+(`access_logs.grpc_access_log.grpc_entries_flushed` and `logs_written`; `logs_dropped` and
+`grpc_entries_flush_failed` stay 0). Without a retry policy that stream fails and its entries are
+lost. With `grpc_stream_retry_policy` (envoy/access_log_metering.yaml) Envoy retries the
+connection with what it sent buffered, so one request ending during the outage is recorded once
+the sidecar is back. A known gap, pinned by a strict xfail: that retry buffer is small, and when
+more entries arrive while the connection is retried it overflows (Envoy's debug log: "retry or
+redirect buffer overflow") and every entry it held is lost (measured: 2 to 9 of 32 recorded).
+Their TPM reservations are never settled (the bucket keeps prompt + max tokens charged until it
+refills) and no usage record bills them. See docs/deploy.md, "Sidecar restarts".
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from stack import Model, Pool, Stack, Tenant, new_api_key
 KEY = new_api_key()
 # 30 tokens 100 ms apart: a stream of about 3 s.
 SLOW = ["--ttft-ms", "50", "--itl-ms", "100", "--output-tokens", "30"]
+# Streams in flight when the sidecar dies, in the known-gap test.
+MANY_STREAMS = 32
 
 
 @pytest.fixture
@@ -50,7 +56,9 @@ def envoy_counter(stack, name: str) -> int:
 
 
 def access_log_stats(stack) -> str:
-    with urllib.request.urlopen(f"{stack.admin_url}/stats?filter=grpc_access_log", timeout=2) as r:
+    """Envoy's access-log counters and the sidecar cluster's connection and retry counters."""
+    pattern = "grpc_access_log|llm_gateway_ext_proc.(upstream_cx_connect_fail|upstream_rq_retry|retry_or_shadow)"
+    with urllib.request.urlopen(f"{stack.admin_url}/stats?filter={pattern}", timeout=2) as r:
         return r.read().decode()
 
 
@@ -77,25 +85,42 @@ def test_admission_fails_closed_while_the_sidecar_is_away_and_recovers(stack):
     assert wait_for(lambda: records(stack) == 2), (records(stack), access_log_stats(stack))
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: Envoy's gRPC access log loses the entry of a request that ends "
-                                       "while no sidecar listens (see the module docstring)")
-def test_a_request_ending_while_the_sidecar_is_away_is_still_metered(stack):
-    out: dict = {}
-    streaming = threading.Thread(target=stream_to_end, args=(stack, out))
-    streaming.start()
-    # Admitted and streaming: the sidecar dies, and the stream ends before it is back.
-    assert wait_for(lambda: envoy_counter(stack, "cluster.pool_r.upstream_rq_active") == 1, timeout=5)
+def outage_while_streams_end(stack, streams: int) -> None:
+    """`streams` streams admitted, the sidecar killed, every stream ended, Envoy's access log
+    failing to reach the sidecar for a while; then the sidecar back and one request through it."""
+    # One request first, so that Envoy's access-log stream to the sidecar exists and breaks.
+    assert post(stack, "/v1/chat/completions", chat_body("model-r", max_tokens=2), key=KEY).status_code == 200
+    assert wait_for(lambda: records(stack) == 1), access_log_stats(stack)
+    outs = [{} for _ in range(streams)]
+    threads = [threading.Thread(target=stream_to_end, args=(stack, out)) for out in outs]
+    for t in threads:
+        t.start()
+    assert wait_for(lambda: envoy_counter(stack, "cluster.pool_r.upstream_rq_active") == streams, timeout=10)
     stack.kill_sidecar()
     failed_connects = envoy_counter(stack, "cluster.llm_gateway_ext_proc.upstream_cx_connect_fail")
-    streaming.join(timeout=30)
-    assert out == {"status": 200, "lines": 32}, out
-    # Envoy has flushed the stream's entry (toward the absent sidecar) and failed to connect.
-    assert wait_for(lambda: envoy_counter(stack, "access_logs.grpc_access_log.grpc_entries_flushed") >= 1
-                    and envoy_counter(stack, "cluster.llm_gateway_ext_proc.upstream_cx_connect_fail")
-                    > failed_connects, timeout=5), access_log_stats(stack)
+    for t in threads:
+        t.join(timeout=30)
+    assert outs == [{"status": 200, "lines": 32}] * streams, outs
+    # Envoy has tried to deliver the entries and failed to connect, more than once.
+    assert wait_for(lambda: envoy_counter(stack, "cluster.llm_gateway_ext_proc.upstream_cx_connect_fail")
+                    >= failed_connects + 2, timeout=10), access_log_stats(stack)
     stack.restart_sidecar()
-    # A request after the restart is recorded: the sidecar and Envoy's access log work again.
-    assert post(stack, "/v1/chat/completions", chat_body("model-r", max_tokens=2), key=KEY).status_code == 200
-    assert wait_for(lambda: records(stack) >= 1, timeout=5), access_log_stats(stack)
-    # The stream that ended during the outage.
-    assert wait_for(lambda: records(stack) == 2, timeout=3), (records(stack), access_log_stats(stack))
+    assert wait_for(lambda: post(stack, "/v1/chat/completions", chat_body("model-r", max_tokens=2), key=KEY)
+                    .status_code == 200), "no request admitted after the sidecar came back"
+
+
+def test_a_request_ending_while_the_sidecar_is_away_is_metered_once_it_is_back(stack):
+    # Envoy retries the access-log stream's connection (grpc_stream_retry_policy) with what it
+    # sent buffered for the retry.
+    outage_while_streams_end(stack, 1)
+    assert wait_for(lambda: records(stack) == 3, timeout=10), (records(stack), access_log_stats(stack))
+    client = redis.Redis(port=stack.redis_port, decode_responses=True)
+    (key,) = client.scan_iter("llmgw:usage:{restart}:*")
+    assert int(client.hget(key, "model-r:completion_tokens")) == 2 + 30 + 2
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: Envoy's retry buffer for the access-log stream overflows "
+                                       "and drops every entry it held (see the module docstring)")
+def test_many_requests_ending_while_the_sidecar_is_away_are_metered_once_it_is_back(stack):
+    outage_while_streams_end(stack, MANY_STREAMS)
+    assert wait_for(lambda: records(stack) == 2 + MANY_STREAMS, timeout=10), (records(stack), access_log_stats(stack))
