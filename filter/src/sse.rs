@@ -80,12 +80,22 @@ impl UsageStripper {
     pub fn push(&mut self, chunk: &[u8], end_of_stream: bool) -> ChunkOutput {
         let mut out = Vec::with_capacity(chunk.len() + self.pending.len());
         let mut start = 0usize;
-        for (i, b) in chunk.iter().enumerate() {
-            if !self.boundary.step(*b) {
+        let mut i = 0usize;
+        while i < chunk.len() {
+            if self.boundary == Boundary::Normal {
+                // Only a newline leaves the normal state: jump to the next one.
+                match memchr::memchr(b'\n', chunk.get(i..).unwrap_or_default()) {
+                    Some(offset) => i += offset,
+                    None => break,
+                }
+            }
+            let ends_event = chunk.get(i).is_some_and(|b| self.boundary.step(*b));
+            i += 1;
+            if !ends_event {
                 continue;
             }
-            let part = chunk.get(start..=i).unwrap_or_default();
-            start = i + 1;
+            let part = chunk.get(start..i).unwrap_or_default();
+            start = i;
             if self.passthrough {
                 out.extend_from_slice(part);
                 self.passthrough = false;
