@@ -2,7 +2,9 @@
 sidecar.
 
 While no sidecar listens, admission fails closed (the admission ext_proc has
-`failure_mode_allow: false`); once it is back, requests are admitted and metered again.
+`failure_mode_allow: false`); once it is back, requests are admitted and metered again. A sidecar
+stopped with SIGTERM serves the open streams for `shutdown_grace_ms` first, so the streams Envoy
+still drains are metered (last test).
 
 Requests admitted before the crash and ending while no sidecar listens: Envoy's gRPC access log
 hands their entries to a new stream toward the absent sidecar and counts them delivered
@@ -19,7 +21,9 @@ refills) and no usage record bills them. See docs/deploy.md, "Sidecar restarts".
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 import urllib.request
 
 import httpx
@@ -124,3 +128,34 @@ def test_a_request_ending_while_the_sidecar_is_away_is_metered_once_it_is_back(s
 def test_many_requests_ending_while_the_sidecar_is_away_are_metered_once_it_is_back(stack):
     outage_while_streams_end(stack, MANY_STREAMS)
     assert wait_for(lambda: records(stack) == 2 + MANY_STREAMS, timeout=10), (records(stack), access_log_stats(stack))
+
+
+def test_sigterm_lets_draining_streams_deliver_their_usage_then_exits(tmp_path):
+    """A rollout: the sidecar gets SIGTERM while Envoy still drains a stream. It accepts no new
+    connection, keeps Envoy's access-log stream open for `shutdown_grace_ms`, records the stream
+    that ends meanwhile, and exits once the grace is over (Envoy never closes that stream)."""
+    grace_s = 6
+    pools = [Pool("pool_r", ["model-r"], SLOW)]
+    tenants = [Tenant("restart", [KEY], {"requests_per_minute": 1000})]
+    with Stack(tmp_path, pools, [Model("model-r", "pool_r")], tenants,
+               sidecar_overrides={"shutdown_grace_ms": grace_s * 1000}) as stack:
+        assert post(stack, "/v1/chat/completions", chat_body("model-r", max_tokens=2), key=KEY).status_code == 200
+        assert wait_for(lambda: records(stack) == 1), access_log_stats(stack)
+        out: dict = {}
+        streaming = threading.Thread(target=stream_to_end, args=(stack, out))
+        streaming.start()
+        assert wait_for(lambda: envoy_counter(stack, "cluster.pool_r.upstream_rq_active") == 1, timeout=5)
+        (sidecar,) = [p for p in stack.procs if p.name == "sidecar"]
+        started = time.monotonic()
+        sidecar.popen.send_signal(signal.SIGTERM)
+        streaming.join(timeout=30)
+        assert out == {"status": 200, "lines": 32}, out
+        # The stream ended during the grace: its usage arrives on the still-open log stream.
+        assert wait_for(lambda: records(stack) == 2, timeout=grace_s), (records(stack), access_log_stats(stack))
+        assert sidecar.popen.wait(timeout=grace_s + 10) == 0
+        took = time.monotonic() - started
+        assert grace_s - 1 <= took <= grace_s + 10, took
+        assert "grace period over" in sidecar.log.read_text()
+        client = redis.Redis(port=stack.redis_port, decode_responses=True)
+        (key,) = client.scan_iter("llmgw:usage:{restart}:*")
+        assert int(client.hget(key, "model-r:completion_tokens")) == 2 + 30

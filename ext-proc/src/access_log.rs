@@ -50,6 +50,7 @@ impl AccessLogService for AccessLog {
         &self,
         request: Request<Streaming<StreamAccessLogsMessage>>,
     ) -> Result<Response<StreamAccessLogsResponse>, Status> {
+        let _open = self.shared.stream_opened();
         let mut inbound = request.into_inner();
         while let Some(message) = inbound.message().await? {
             let Some(LogEntries::HttpLogs(logs)) = message.log_entries else { continue };

@@ -73,6 +73,17 @@ pub struct Config {
     /// The exact context check's settings.
     #[serde(default)]
     pub context: ContextConfig,
+    /// After SIGTERM/SIGINT, how long open gRPC streams may go on, in milliseconds (default
+    /// 10,000; 1 to 600,000): Envoy's access-log stream stays open as long as Envoy runs, and the
+    /// requests Envoy is still draining deliver their usage on it. Past it the streams are closed;
+    /// then the buffered usage records are flushed and leases given back. Keep it below the pod's
+    /// `terminationGracePeriodSeconds`.
+    #[serde(default = "default_shutdown_grace_ms")]
+    pub shutdown_grace_ms: u64,
+}
+
+fn default_shutdown_grace_ms() -> u64 {
+    10_000
 }
 
 /// A model with an exact tokenizer (see [`crate::context`]).
@@ -491,6 +502,9 @@ impl Config {
             });
             spec.map_err(|e| invalid(format!("{field}.{}", e.field), e.message))?;
         }
+        if !(1..=600_000).contains(&self.shutdown_grace_ms) {
+            return Err(invalid("shutdown_grace_ms", "must be in 1..=600000"));
+        }
         if self.context.count_timeout_ms == 0 {
             return Err(invalid("context.count_timeout_ms", "must be > 0"));
         }
@@ -577,6 +591,7 @@ mod tests {
         assert_eq!(c.models.len(), 2);
         assert!(c.models[1].chat_template.is_none());
         assert_eq!(c.context.count_timeout_ms, 300);
+        assert_eq!(c.shutdown_grace_ms, 10_000);
     }
 
     #[test]
@@ -623,6 +638,14 @@ mod tests {
         assert_eq!(
             err(&format!("{BASE}tenants: []\ncontext: {{count_timeout_ms: 0}}\n")),
             "context.count_timeout_ms: must be > 0"
+        );
+        assert_eq!(
+            err(&format!("{BASE}tenants: []\nshutdown_grace_ms: 0\n")),
+            "shutdown_grace_ms: must be in 1..=600000"
+        );
+        assert_eq!(
+            err(&format!("{BASE}tenants: []\nshutdown_grace_ms: 600001\n")),
+            "shutdown_grace_ms: must be in 1..=600000"
         );
     }
 

@@ -48,6 +48,7 @@ pub mod proto {
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use envoy_types::pb::envoy::service::accesslog::v3::access_log_service_server::AccessLogServiceServer;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
@@ -86,7 +87,9 @@ pub enum RunError {
 
 /// Connects to Redis, starts the pool scrapers, the usage writer and the metrics listener, binds
 /// the gRPC listener, prints `gateway-ext-proc listening on ADDR` on stdout (test harnesses read
-/// the port from it), and serves until `shutdown` completes; then flushes the usage records.
+/// the port from it), and serves until `shutdown` completes; then serves on while gRPC streams are
+/// open, for up to `shutdown_grace_ms` (Envoy's access-log stream carries the usage of the requests
+/// it still drains), gives the held leases back and writes the buffered usage records.
 ///
 /// # Errors
 /// [`RunError`] when Redis is unreachable at start, an address cannot be bound, or the server
@@ -109,27 +112,85 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
     let addr = listener.local_addr().map_err(|source| RunError::Bind { addr: config.listen, source })?;
     let pools = Pools::new(&config.pools, Arc::clone(&metrics));
     pools.spawn_scrapers();
+    let (closing, closing_rx) = tokio::sync::watch::channel(false);
     let (recorder, writer) =
-        Recorder::start(store.clone(), config.metering.buffer_records, Arc::clone(&metrics));
+        Recorder::start(store.clone(), config.metering.buffer_records, Arc::clone(&metrics), closing_rx);
     let limiter = Limiter::new(store, &config.redis, Arc::clone(&metrics));
     let leasing = config.redis.lease_fraction > 0.0;
     let shared = Arc::new(Shared::new(config, limiter, recorder, pools, metrics, context));
-    if leasing {
-        let expiry = Arc::clone(&shared);
-        tokio::spawn(async move { expiry.limiter.run_lease_expiry().await });
-    }
+    let grace = Duration::from_millis(shared.config.shutdown_grace_ms);
+    let (stopping, stop) = tokio::sync::watch::channel(false);
+    let expiry = leasing.then(|| {
+        let (shared, mut stop) = (Arc::clone(&shared), stop.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                () = shared.limiter.run_lease_expiry() => {}
+                _ = stop.wait_for(|stopping| *stopping) => {}
+            }
+        })
+    });
     let access_log = AccessLogServiceServer::new(AccessLog::new(Arc::clone(&shared)));
-    let service = ExternalProcessorServer::new(Gateway::new(shared));
+    let service = ExternalProcessorServer::new(Gateway::new(Arc::clone(&shared)));
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     println!("gateway-ext-proc listening on {addr}");
     tracing::info!(%addr, "listening");
-    let served = tonic::transport::Server::builder()
+    let mut graceful = stop.clone();
+    let server = tonic::transport::Server::builder()
         .add_service(service)
         .add_service(access_log)
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await;
-    // The server (and with it every Recorder) is gone: the writer flushes what is buffered.
+        .serve_with_incoming_shutdown(incoming, async move {
+            let _ = graceful.wait_for(|stopping| *stopping).await;
+        });
+    tokio::pin!(server);
+    let served = tokio::select! {
+        served = &mut server => served,
+        () = shutdown => drain(&mut server, &shared, grace, &stopping).await,
+    };
+    let _ = stopping.send(true);
+    if let Some(expiry) = expiry {
+        let _ = expiry.await;
+    }
+    shared.limiter.give_back_all_leases().await;
+    // Streams still open past the grace hold a Recorder: close the writer's queue explicitly; it
+    // writes what is queued, then ends.
+    let _ = closing.send(true);
     let _ = writer.await;
     served?;
     Ok(())
+}
+
+/// After SIGTERM/SIGINT: serves on, new connections included, while gRPC streams are open (Envoy's
+/// access-log stream stays open as long as Envoy runs, and the requests it drains deliver their
+/// usage on it), up to `grace`; then stops accepting, gives the server a second to end, and
+/// returns (the streams still open are closed when the server is dropped).
+async fn drain<S>(
+    server: &mut std::pin::Pin<&mut S>,
+    shared: &Shared,
+    grace: Duration,
+    stopping: &tokio::sync::watch::Sender<bool>,
+) -> Result<(), tonic::transport::Error>
+where
+    S: Future<Output = Result<(), tonic::transport::Error>>,
+{
+    tracing::info!(
+        grace_ms = grace.as_millis(),
+        open_streams = shared.open_streams(),
+        "shutting down: serving open streams until they end or the grace period is over"
+    );
+    let deadline = tokio::time::Instant::now() + grace;
+    while shared.open_streams() > 0 {
+        if tokio::time::Instant::now() >= deadline {
+            tracing::info!(
+                open_streams = shared.open_streams(),
+                "grace period over: closing the open streams"
+            );
+            break;
+        }
+        tokio::select! {
+            served = server.as_mut() => return served,
+            () = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+    }
+    let _ = stopping.send(true);
+    tokio::time::timeout(Duration::from_secs(1), server.as_mut()).await.unwrap_or(Ok(()))
 }

@@ -130,16 +130,30 @@ impl Limiter {
     pub async fn run_lease_expiry(&self) {
         loop {
             tokio::time::sleep(self.lease_ttl / 2).await;
-            let expired = match self.leases.as_ref().map(Mutex::lock) {
-                Some(Ok(mut leases)) => leases.expire(Instant::now()),
-                Some(Err(_)) => continue,
-                None => return,
-            };
-            for (bucket, tokens) in expired {
-                let delta = i64::try_from(tokens).unwrap_or(i64::MAX);
-                self.settle(&bucket, delta, false).await;
+            if !self.give_back_leases(Instant::now()).await {
+                return;
             }
         }
+    }
+
+    /// Gives every lease held back to Redis now (at shutdown). Leases are off: nothing to do.
+    pub async fn give_back_all_leases(&self) {
+        let after_every_lease = Instant::now().checked_add(self.lease_ttl * 2).unwrap_or_else(Instant::now);
+        self.give_back_leases(after_every_lease).await;
+    }
+
+    /// Gives back the tokens of the leases expired at `now`. False when leases are off.
+    async fn give_back_leases(&self, now: Instant) -> bool {
+        let expired = match self.leases.as_ref().map(Mutex::lock) {
+            Some(Ok(mut leases)) => leases.expire(now),
+            Some(Err(_)) => return true,
+            None => return false,
+        };
+        for (bucket, tokens) in expired {
+            let delta = i64::try_from(tokens).unwrap_or(i64::MAX);
+            self.settle(&bucket, delta, false).await;
+        }
+        true
     }
 
     /// Settles a reservation: `delta` tokens back into the bucket (negative charges more), in

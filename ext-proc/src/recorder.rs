@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::join_all;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::{error, warn};
 
@@ -32,10 +32,17 @@ pub struct Recorder {
 }
 
 impl Recorder {
-    /// Starts the writer task. It ends, after a last flush, when every `Recorder` is dropped.
-    pub fn start(store: Store, capacity: usize, metrics: Arc<Metrics>) -> (Self, JoinHandle<()>) {
+    /// Starts the writer task. It ends, after a last flush (at most 5 s while Redis is away),
+    /// when every `Recorder` is dropped or `closing` turns true (at shutdown: later records are
+    /// refused and logged).
+    pub fn start(
+        store: Store,
+        capacity: usize,
+        metrics: Arc<Metrics>,
+        closing: watch::Receiver<bool>,
+    ) -> (Self, JoinHandle<()>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        let handle = tokio::spawn(writer(rx, store, capacity, metrics));
+        let handle = tokio::spawn(writer(rx, store, capacity, metrics, closing));
         (Self { tx }, handle)
     }
 
@@ -52,16 +59,29 @@ async fn writer(
     store: Store,
     capacity: usize,
     metrics: Arc<Metrics>,
+    mut closing: watch::Receiver<bool>,
 ) {
     let mut buffer: VecDeque<UsageRecord> = VecDeque::new();
+    let mut closed = false;
     let mut backoff = Duration::from_millis(50);
     let mut open = true;
     let mut deadline: Option<tokio::time::Instant> = None;
     loop {
+        if !closed && *closing.borrow() {
+            closed = true;
+            rx.close();
+        }
         if buffer.is_empty() && open {
-            match rx.recv().await {
-                Some(r) => push(&mut buffer, r, capacity, &metrics),
-                None => open = false,
+            tokio::select! {
+                r = rx.recv() => match r {
+                    Some(r) => push(&mut buffer, r, capacity, &metrics),
+                    None => open = false,
+                },
+                // Shutdown: refuse new records; what is queued is still received and written.
+                _ = closing.wait_for(|closing| *closing), if !closed => {
+                    closed = true;
+                    rx.close();
+                }
             }
         }
         while let Ok(r) = rx.try_recv() {

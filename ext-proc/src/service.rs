@@ -16,7 +16,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -74,6 +74,17 @@ pub struct Shared {
     /// Exact prompt-token counting for the context check (models with a tokenizer).
     pub context: Arc<ContextChecker>,
     pub(crate) ids: RecordIds,
+    /// gRPC streams open now (ext_proc and access log): a shutdown serves on while there are.
+    open_streams: AtomicUsize,
+}
+
+/// One open gRPC stream, counted in [`Shared::open_streams`] until dropped.
+pub(crate) struct OpenStream(Arc<Shared>);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.open_streams.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Shared {
@@ -86,7 +97,27 @@ impl Shared {
         metrics: Arc<Metrics>,
         context: Arc<ContextChecker>,
     ) -> Self {
-        Self { config, limiter, recorder, pools, metrics, context, ids: RecordIds::new() }
+        Self {
+            config,
+            limiter,
+            recorder,
+            pools,
+            metrics,
+            context,
+            ids: RecordIds::new(),
+            open_streams: AtomicUsize::new(0),
+        }
+    }
+
+    /// Counts a gRPC stream as open until the returned guard is dropped.
+    pub(crate) fn stream_opened(self: &Arc<Self>) -> OpenStream {
+        self.open_streams.fetch_add(1, Ordering::Relaxed);
+        OpenStream(Arc::clone(self))
+    }
+
+    /// gRPC streams open now (Envoy's access-log stream stays open while Envoy runs).
+    pub fn open_streams(&self) -> usize {
+        self.open_streams.load(Ordering::Relaxed)
     }
 }
 
@@ -146,7 +177,9 @@ impl ExternalProcessor for Gateway {
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(4);
         let shared = Arc::clone(&self.shared);
+        let open = shared.stream_opened();
         tokio::spawn(async move {
+            let _open = open;
             if let Err(status) = serve_stream(role, inbound, &tx, shared).await {
                 // Envoy resets the gRPC stream at the end of every HTTP stream; that is normal.
                 debug!(code = ?status.code(), "ext_proc stream ended: {}", status.message());

@@ -197,11 +197,21 @@ pub struct SidecarSection {
     /// Metering settings, as the sidecar's `metering` section.
     #[serde(default)]
     pub metering: Option<MeteringSection>,
+    /// After SIGTERM, how long the sidecar serves the streams still open, in milliseconds (the
+    /// sidecar's `shutdown_grace_ms`; absent: its default, 10,000).
+    #[serde(default)]
+    pub shutdown_grace_ms: Option<u64>,
 }
 
 impl Default for SidecarSection {
     fn default() -> Self {
-        Self { listen: default_sidecar_listen(), address: None, metrics_listen: None, metering: None }
+        Self {
+            listen: default_sidecar_listen(),
+            address: None,
+            metrics_listen: None,
+            metering: None,
+            shutdown_grace_ms: None,
+        }
     }
 }
 

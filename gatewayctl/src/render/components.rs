@@ -166,6 +166,9 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
         }
         top.push(("metering", map(fields)));
     }
+    if let Some(grace) = c.sidecar.shutdown_grace_ms {
+        top.push(("shutdown_grace_ms", n(grace)));
+    }
     // Sidecar pools[j] is the gateway config's pools[shed[j]].
     let shed: Vec<usize> =
         c.pools.iter().enumerate().filter(|(_, p)| p.shedding.is_some()).map(|(i, _)| i).collect();
@@ -283,7 +286,11 @@ fn sidecar_field(field: &str, shed: &[usize]) -> String {
     if let Some(tier) = field.strip_prefix("redis.tier_failure_modes.") {
         return format!("tiers.{tier}.failure_mode");
     }
-    if field == "listen" || field == "metrics_listen" || field.starts_with("metering") {
+    if field == "listen"
+        || field == "metrics_listen"
+        || field == "shutdown_grace_ms"
+        || field.starts_with("metering")
+    {
         return format!("sidecar.{field}");
     }
     field.to_owned()
@@ -304,5 +311,6 @@ mod tests {
             sidecar_field("metering.max_json_body_bytes", &[]),
             "sidecar.metering.max_json_body_bytes"
         );
+        assert_eq!(sidecar_field("shutdown_grace_ms", &[]), "sidecar.shutdown_grace_ms");
     }
 }
