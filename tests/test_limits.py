@@ -12,6 +12,7 @@ Buckets whose refill must not blur the arithmetic refill 1 token per minute with
 from __future__ import annotations
 
 import math
+import signal
 import time
 
 import httpx
@@ -368,3 +369,24 @@ def test_leases_admit_without_redis_and_give_back_what_is_unused(tmp_path_factor
         assert int(r.headers["x-ratelimit-remaining-requests"]) >= 899 + 80
         # After the TTL the 80 unused tokens are back: 1,000 less the 20 requests (plus refill).
         assert wait_for(lambda: (b := bucket(client, rpm)) and b[0] >= 980, timeout=10), bucket(client, rpm)
+
+
+def test_leases_are_given_back_when_the_sidecar_stops(tmp_path_factory):
+    """A sidecar stopped with SIGTERM gives its leases back to Redis before it exits, not when
+    they would have expired (here 60 s later)."""
+    key = new_api_key()
+    tenant = Tenant("leased-stop", [key], {"requests_per_minute": 600, "request_burst": 1000})
+    overrides = {"redis": {"lease_fraction": 0.1, "lease_ttl_ms": 60000}, "shutdown_grace_ms": 300}
+    with Stack(tmp_path_factory.mktemp("leases-stop"), [Pool("pool_l", ["sim/l"], ["--output-tokens", "2"])],
+               [Model("l", "pool_l", served_model_name="sim/l")], [tenant], sidecar_overrides=overrides) as s:
+        client = redis.Redis(port=s.redis_port)
+        rpm = bucket_key("leased-stop", "rpm")
+        assert post(s, "/v1/chat/completions", chat_body("l"), key=key).status_code == 200
+        # Cost 1 and a lease of 100 left Redis.
+        assert 899 <= bucket(client, rpm)[0] < 901, bucket(client, rpm)
+        (sidecar,) = [p for p in s.procs if p.name == "sidecar"]
+        sidecar.popen.send_signal(signal.SIGTERM)
+        assert sidecar.popen.wait(timeout=10) == 0
+        # The 100 leased tokens are back (refill at 10/s adds at most a few meanwhile; the bucket
+        # holds at most its burst of 1,000).
+        assert bucket(client, rpm)[0] >= 990, bucket(client, rpm)
