@@ -148,6 +148,9 @@ fn sidecar_configs_parse_and_differ_by_flavor() {
     let annotations = &deployment["spec"]["template"]["metadata"]["annotations"];
     assert_eq!(annotations["llm-gateway.io/sidecar-config-sha256"].as_str().unwrap().len(), 64);
     assert_eq!(annotations["prometheus.io/port"], "9464");
+    // The pod's grace outlasts the sidecar's own (its default 10 s, then the last flush).
+    assert_eq!(pod.shutdown_grace_ms, 10_000);
+    assert_eq!(deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"], 20);
 }
 
 #[test]

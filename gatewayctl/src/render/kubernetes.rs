@@ -37,6 +37,10 @@ pub fn section<'c>(loaded: &'c Loaded, target: &str) -> Result<&'c KubernetesSec
     })
 }
 
+/// Seconds the sidecar pod's `terminationGracePeriodSeconds` adds to the sidecar's
+/// `shutdown_grace_ms`: its last flush of usage records (5 s at most) and process exit.
+const SHUTDOWN_FLUSH_MARGIN_S: u64 = 10;
+
 /// The sidecar's gRPC port (the same in a pod as on a host).
 pub fn sidecar_port(loaded: &Loaded) -> u16 {
     loaded.config.sidecar.listen.port()
@@ -81,6 +85,12 @@ pub fn manifests(loaded: &Loaded, target: &str) -> Result<Vec<File>, Error> {
         container_ports.push(map([("name", s("metrics")), ("containerPort", n(mport))]));
         service_ports.push(map([("name", s("metrics")), ("port", n(mport)), ("targetPort", s("metrics"))]));
     }
+    // After SIGTERM the sidecar serves open streams for its shutdown grace, then writes the usage
+    // records it holds (at most 5 s more while Redis is away): the pod's grace covers both.
+    let shutdown_grace_s = gateway_ext_proc::config::Config::from_yaml(&sidecar_yaml)
+        .map(|config| config.shutdown_grace_ms.div_ceil(1000))
+        .map_err(|e| Error::Internal(format!("sidecar config: {e}")))?;
+    let termination_grace_s = shutdown_grace_s + SHUTDOWN_FLUSH_MARGIN_S;
     // The gRPC port is bound last, once Redis was reached: ready means able to serve.
     let readiness = map([("tcpSocket", map([("port", s("grpc"))])), ("periodSeconds", n(5u64))]);
 
@@ -112,6 +122,7 @@ pub fn manifests(loaded: &Loaded, target: &str) -> Result<Vec<File>, Error> {
             &base
                 .clone()
                 .set("REPLICAS", k8s.sidecar.replicas)
+                .set("TERMINATION_GRACE_S", termination_grace_s)
                 .set("POD_ANNOTATIONS", map(annotations))
                 .set("IMAGE", k8s.sidecar.image.as_str())
                 .set("PORTS", seq(container_ports))
