@@ -162,7 +162,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
 /// After SIGTERM/SIGINT: serves on, new connections included, while gRPC streams are open (Envoy's
 /// access-log stream stays open as long as Envoy runs, and the requests it drains deliver their
 /// usage on it), up to `grace`; then stops accepting, gives the server a second to end, and
-/// returns (the streams still open are closed when the server is dropped).
+/// returns (streams still open end with the process).
 async fn drain<S>(
     server: &mut std::pin::Pin<&mut S>,
     shared: &Shared,
