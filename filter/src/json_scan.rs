@@ -83,7 +83,7 @@ fn pack_high_bits(mask: u64) -> u64 {
     (mask >> 7).wrapping_mul(0x0102_0408_1020_4080) >> 56
 }
 
-/// Bit `k` set where `block[k]` is `"`, and where it is `\\`.
+/// Bit `k` set where `block[k]` is `"`, and where it is `\`.
 fn quotes_and_backslashes(block: &[u8; 64]) -> (u64, u64) {
     let (mut quotes, mut backslashes) = (0u64, 0u64);
     for (k, chunk) in block.chunks_exact(8).enumerate() {
@@ -111,7 +111,7 @@ fn escaped_bytes(backslashes: u64, prev_escaped: &mut u64) -> u64 {
 
 /// Offset one past the closing quote of the string starting at `i` (which must be `"`). The
 /// string is searched 64 bytes at a time for its first unescaped `"`, without a branch per
-/// escape: request bodies are mostly the text inside strings, often dense with `\\uXXXX` escapes
+/// escape: request bodies are mostly the text inside strings, often dense with `\uXXXX` escapes
 /// (Python's `json`, and so the OpenAI SDK, sends non-ASCII text that way), and this scan runs on
 /// Envoy's worker threads.
 fn skip_string(s: &[u8], i: usize) -> Option<usize> {
