@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 
 import httpx
 
@@ -59,3 +60,15 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
             return last
         time.sleep(interval)
     return last
+
+
+def envoy_stats(stack, pattern: str) -> str:
+    """Envoy's stats whose names match the regex `pattern` (admin /stats), for failure messages."""
+    with urllib.request.urlopen(f"{stack.admin_url}/stats?filter={pattern}", timeout=2) as r:
+        return r.read().decode()
+
+
+def envoy_counter(stack, name: str) -> int:
+    """One Envoy stat (admin /stats, exact name), 0 when absent."""
+    text = envoy_stats(stack, f"^{name}$").strip()
+    return int(text.rsplit(": ", 1)[1]) if text else 0

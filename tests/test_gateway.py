@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import datetime
 import time
-import urllib.request
 
 import httpx
 import openai
 import pytest
 import redis
 
-from helpers import assert_openai_error, auth, chat_body, post, sse_events, wait_for
+from helpers import assert_openai_error, auth, chat_body, envoy_stats, post, sse_events, wait_for
 from stack import Model, Pool, Stack, Tenant, upstream_metric
 
 
@@ -174,12 +173,6 @@ def test_429_with_retry_after_once_rpm_is_spent(stack, keys):
 
 
 # ------------------------------------------------------------------ metering
-
-
-def envoy_stats(stack, contains: str) -> str:
-    """Envoy's counters whose names contain `contains` (admin /stats), for failure messages."""
-    with urllib.request.urlopen(f"{stack.admin_url}/stats?filter={contains}", timeout=2) as r:
-        return r.read().decode()
 
 
 def usage_hash(stack, tenant: str) -> dict[str, int]:

@@ -24,12 +24,11 @@ from __future__ import annotations
 import signal
 import threading
 import time
-import urllib.request
 
 import httpx
 import pytest
 import redis
-from helpers import auth, chat_body, post, wait_for
+from helpers import auth, chat_body, envoy_counter, envoy_stats, post, wait_for
 from stack import Model, Pool, Stack, Tenant, new_api_key
 
 KEY = new_api_key()
@@ -52,18 +51,10 @@ def records(stack) -> int:
     return sum(int(client.hget(k, "model-r:requests") or 0) for k in client.scan_iter("llmgw:usage:{restart}:*"))
 
 
-def envoy_counter(stack, name: str) -> int:
-    """One Envoy stat (admin /stats, exact name), 0 when absent."""
-    with urllib.request.urlopen(f"{stack.admin_url}/stats?filter=^{name}$", timeout=2) as r:
-        text = r.read().decode().strip()
-    return int(text.rsplit(": ", 1)[1]) if text else 0
-
-
 def access_log_stats(stack) -> str:
     """Envoy's access-log counters and the sidecar cluster's connection and retry counters."""
-    pattern = "grpc_access_log|llm_gateway_ext_proc.(upstream_cx_connect_fail|upstream_rq_retry|retry_or_shadow)"
-    with urllib.request.urlopen(f"{stack.admin_url}/stats?filter={pattern}", timeout=2) as r:
-        return r.read().decode()
+    return envoy_stats(
+        stack, "grpc_access_log|llm_gateway_ext_proc.(upstream_cx_connect_fail|upstream_rq_retry|retry_or_shadow)")
 
 
 def stream_to_end(stack, out: dict) -> None:
