@@ -10,8 +10,9 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
     gateway-no-metering   (diagnostic) the gateway without its metering access log: admission only
     gateway-ext-proc-metering   (diagnostic) the gateway metered by the ext_proc filter instead of
                           the access log (how Envoy Gateway is rendered)
-    gateway-leases        the gateway with token leases (`redis.lease_fraction: 0.01`): most
-                          decisions without a Redis round trip
+    gateway-leases        the gateway with leases (`redis.lease_fraction: 0.01`): the filter admits
+                          from admission leases (filter `admission_leases`) without the ext_proc
+                          round trip, and the sidecar's own decisions use token leases
 
 Scenarios (`--scenarios`, all by default):
 
@@ -100,7 +101,7 @@ MODEL = "sim-model"
 POOL = "pool_sim"
 TARGETS = ("direct", "bare", "filter", "gateway", "gateway-leases", "gateway-no-metering",
            "gateway-ext-proc-metering")
-# The sidecar's token leases in the `gateway-leases` target.
+# The leases of the `gateway-leases` target (with the filter's `admission_leases`).
 LEASES = {"redis": {"lease_fraction": 0.01}}
 # Target name -> (tests/stack.py profile, Envoy HTTP filters and access loggers removed from it).
 # The last two are diagnostics: the gateway without its metering access log, which tells
@@ -456,6 +457,7 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
         drop_filters=drop,
         metering="ext_proc" if name == "gateway-ext-proc-metering" else "access_log",
         sidecar_overrides=LEASES if name == "gateway-leases" else None,
+        admission_leases=name == "gateway-leases",
     )
     exits.enter_context(stack)
     assert stack.envoy is not None and stack.base_url is not None

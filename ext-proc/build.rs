@@ -1,11 +1,14 @@
 //! Compiles the project's own protobuf definitions (`proto/`) with protox (a pure-Rust protobuf
-//! compiler, so no `protoc` binary is needed) and prost-build.
+//! compiler, so no `protoc` binary is needed) and tonic-prost-build (messages, and the server of
+//! the admission-lease service).
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let proto_root = "../proto";
-    let file = "../proto/llm_gateway/v1/usage.proto";
-    println!("cargo:rerun-if-changed={file}");
-    let descriptors = protox::compile([file], [proto_root])?;
-    prost_build::Config::new().compile_fds(descriptors)?;
+    let files = ["../proto/llm_gateway/v1/usage.proto", "../proto/llm_gateway/v1/lease.proto"];
+    for file in files {
+        println!("cargo:rerun-if-changed={file}");
+    }
+    let descriptors = protox::compile(files, [proto_root])?;
+    tonic_prost_build::configure().build_client(false).compile_fds(descriptors)?;
     Ok(())
 }

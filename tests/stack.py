@@ -180,12 +180,17 @@ class Stack:
         envoy_config_from: Callable[[Stack], dict] | None = None,
         metering: str = "access_log",
         envoy_args: list[str] | None = None,
+        admission_leases: bool = False,
     ):
         if profile not in ("gateway", "filter", "bare"):
             raise ValueError(f"unknown profile {profile}")
         if metering not in ("access_log", "ext_proc"):
             raise ValueError(f"unknown metering {metering}")
         self.metering = metering
+        # The filter admits from admission leases the sidecar grants (filter `admission_leases`,
+        # Envoy skips the ext_proc admission for those); the sidecar grants them only with
+        # `redis.lease_fraction` > 0 (sidecar_overrides).
+        self.admission_leases = admission_leases
         # Extra envoy command-line arguments (e.g. ["--component-log-level", "wasm:debug"]).
         self.envoy_args = envoy_args or []
         self.workdir = workdir
@@ -537,6 +542,8 @@ class Stack:
                 for m in self.models
             ],
         }
+        if self.admission_leases and self.profile == "gateway":
+            config["admission_leases"] = {"cluster": "llm_gateway_ext_proc"}
         config.update(self.filter_extra)
         return config
 
@@ -564,7 +571,11 @@ class Stack:
         if self.profile in ("gateway", "filter"):
             filters.append(render("filters/wasm.yaml"))
         if self.profile == "gateway":
-            filters.append(render("filters/ext_proc_admission.yaml"))
+            admission = render("filters/ext_proc_admission.yaml")
+            if "admission_leases" in self.filter_config():
+                admission = render("filters/admission_lease_matcher.yaml",
+                                   {"ADMISSION_FILTER": json.dumps(admission)})
+            filters.append(admission)
             # Metering: the filter's usage through Envoy's gRPC access log (the default), or the
             # observability-mode ext_proc filter (`metering="ext_proc"`, as Envoy Gateway renders).
             if self.metering == "ext_proc":

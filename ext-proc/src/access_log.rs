@@ -64,19 +64,11 @@ impl AccessLogService for AccessLog {
     }
 }
 
-/// The usage record of one access-log entry; `None` when the request was not admitted (no
-/// `llm_gateway` reservation in its dynamic metadata).
+/// The usage record of one access-log entry; `None` when the request was not admitted: neither
+/// the ext_proc admission's reservation in its dynamic metadata (namespace `llm_gateway`) nor the
+/// filter's leased admission in its request headers (`x-gateway-admission: lease`).
 fn record_of(entry: &HttpAccessLogEntry, record_id: impl FnOnce() -> String) -> Option<UsageRecord> {
     let common = entry.common_properties.as_ref()?;
-    let metadata = common.metadata.as_ref()?;
-    let admitted = metadata
-        .filter_metadata
-        .get(METADATA_NAMESPACE)
-        .is_some_and(|s| s.fields.contains_key(RESERVED_TOKENS_KEY));
-    if !admitted {
-        return None;
-    }
-    let reserved = service::reservation(Some(metadata));
     let request = entry.request.as_ref();
     let facts = service::facts_from(|name| {
         let request = request?;
@@ -85,6 +77,19 @@ fn record_of(entry: &HttpAccessLogEntry, record_id: impl FnOnce() -> String) -> 
         }
         request.request_headers.get(name).cloned()
     });
+    let metadata = common.metadata.as_ref();
+    let reserved = match facts.leased_tokens {
+        Some(tokens) => (tokens, false),
+        None => {
+            let admitted = metadata
+                .and_then(|m| m.filter_metadata.get(METADATA_NAMESPACE))
+                .is_some_and(|s| s.fields.contains_key(RESERVED_TOKENS_KEY));
+            if !admitted {
+                return None;
+            }
+            service::reservation(metadata)
+        }
+    };
     let status = entry
         .response
         .as_ref()
@@ -233,6 +238,23 @@ mod tests {
     #[test]
     fn local_replies_are_not_metered() {
         assert!(record_of(&entry(false, Some(any_bytes(USAGE))), || "id".into()).is_none());
+    }
+
+    #[test]
+    fn a_leased_admission_is_metered_with_the_filters_reservation() {
+        let mut e = entry(false, Some(any_bytes(USAGE)));
+        let headers = &mut e.request.as_mut().unwrap().request_headers;
+        headers.insert("x-gateway-admission".into(), "lease".into());
+        headers.insert("x-gateway-reserved-tokens".into(), "30".into());
+        // No dynamic metadata at all: the ext_proc admission never saw the request.
+        e.common_properties.as_mut().unwrap().metadata = None;
+        let r = record_of(&e, || "id".into()).unwrap();
+        assert_eq!((r.info.reserved_tokens, r.info.reserved_locally), (30, false));
+        assert_eq!(r.completion_tokens, 3);
+        let mut other = entry(false, Some(any_bytes(USAGE)));
+        let headers = &mut other.request.as_mut().unwrap().request_headers;
+        headers.insert("x-gateway-admission".into(), "exact".into());
+        assert!(record_of(&other, || "id".into()).is_none(), "only `lease` admits");
     }
 
     #[test]

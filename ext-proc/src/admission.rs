@@ -21,6 +21,9 @@ pub struct RequestFacts {
     pub request_id: String,
     /// `x-gateway-tier`: the tenant's priority tier (empty when absent).
     pub tier: String,
+    /// `x-gateway-reserved-tokens`, when the filter admitted the request from an admission lease
+    /// (`x-gateway-admission: lease`): the tokens it reserved from the lease.
+    pub leased_tokens: Option<u64>,
 }
 
 impl RequestFacts {

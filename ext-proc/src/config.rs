@@ -170,6 +170,12 @@ impl SheddingConfig {
     pub fn level(&self, tier: &str) -> f64 {
         self.tier_levels.get(tier).copied().unwrap_or(1.0)
     }
+
+    /// The lowest level any tier is shed at (1.0, the hard ceiling, when none is listed): below
+    /// it no request of the pool is shed.
+    pub fn lowest_level(&self) -> f64 {
+        self.tier_levels.values().copied().fold(1.0, f64::min)
+    }
 }
 
 /// Redis connection settings.

@@ -10,7 +10,8 @@
 //! with a failure mode per tier.
 //!
 //! The decisions are pure code ([`limits`], [`admission`], [`shedding`], [`breaker`],
-//! [`local_limiter`], [`meter`], [`sse`]); the tonic adapters ([`service`], [`access_log`]), the Redis client
+//! [`local_limiter`], [`meter`], [`sse`], [`admission_lease`]); the tonic adapters ([`service`],
+//! [`access_log`], [`lease_service`]), the Redis client
 //! ([`store`], [`limiter`], [`recorder`]) and the scraper ([`pools`]) only move data.
 //!
 //! ```no_run
@@ -22,11 +23,13 @@
 
 pub mod access_log;
 pub mod admission;
+pub mod admission_lease;
 pub mod breaker;
 pub mod config;
 pub mod context;
 pub mod error;
 pub mod lease;
+pub mod lease_service;
 pub mod limiter;
 pub mod limits;
 pub mod local_limiter;
@@ -39,7 +42,8 @@ pub mod shedding;
 pub use gateway_meter::sse;
 pub mod store;
 
-/// Protobuf types of `proto/llm_gateway/v1/usage.proto`.
+/// Protobuf types of `proto/llm_gateway/v1/usage.proto` and `lease.proto` (with the lease
+/// service's server).
 #[allow(missing_docs, clippy::all)]
 pub mod proto {
     include!(concat!(env!("OUT_DIR"), "/llm_gateway.v1.rs"));
@@ -131,6 +135,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
     });
     let access_log = AccessLogServiceServer::new(AccessLog::new(Arc::clone(&shared)));
     let service = ExternalProcessorServer::new(Gateway::new(Arc::clone(&shared)));
+    let leases = proto::admission_leases_server::AdmissionLeasesServer::new(
+        lease_service::AdmissionLeaseService::new(Arc::clone(&shared)),
+    );
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     println!("gateway-ext-proc listening on {addr}");
     tracing::info!(%addr, "listening");
@@ -138,6 +145,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
     let server = tonic::transport::Server::builder()
         .add_service(service)
         .add_service(access_log)
+        .add_service(leases)
         .serve_with_incoming_shutdown(incoming, async move {
             let _ = graceful.wait_for(|stopping| *stopping).await;
         });

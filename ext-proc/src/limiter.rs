@@ -125,6 +125,26 @@ impl Limiter {
         }
     }
 
+    /// Takes a filter's admission lease (the plan's costs are the lease), in Redis only: `None`
+    /// when Redis cannot decide now (breaker open, error, timeout). Leases are never taken from
+    /// the in-memory buckets; without Redis every request goes through the ext_proc admission.
+    pub async fn take_lease(&self, plan: &[BucketSpec]) -> Option<TakeOutcome> {
+        if !self.allow() {
+            return None;
+        }
+        let started = Instant::now();
+        let result = self.store.take(plan, &[]).await;
+        self.metrics.redis_call("lease", started.elapsed(), result.is_ok());
+        self.record(result.is_ok());
+        match result {
+            Ok((outcome, _)) => Some(outcome),
+            Err(error) => {
+                warn!(%error, "admission lease take failed");
+                None
+            }
+        }
+    }
+
     /// Gives the tokens of expired leases back to Redis, every half lease TTL, for ever (a task
     /// of its own; tokens Redis cannot take back are lost to the bucket until it refills).
     pub async fn run_lease_expiry(&self) {

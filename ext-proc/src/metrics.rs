@@ -107,6 +107,14 @@ pub struct Reason {
     pub reason: String,
 }
 
+/// `{outcome}` of an admission-lease call from the filter: `granted`, `given_back`, or why none was
+/// granted (`off`, `unknown_tenant`, `shedding`, `too_tight`, `over_limit`, `redis_unavailable`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LeaseOutcome {
+    /// What the call got.
+    pub outcome: String,
+}
+
 /// `{pool}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PoolLabel {
@@ -157,6 +165,8 @@ pub struct Metrics {
     pub degraded: Family<Reason, Counter>,
     /// `llm_gateway_shed_total{pool,tier}`.
     pub shed: Family<PoolTier, Counter>,
+    /// `llm_gateway_admission_leases_total{outcome}`: the filter's lease calls.
+    pub admission_leases: Family<LeaseOutcome, Counter>,
     /// `llm_gateway_in_flight_requests{pool}`: admitted by this sidecar, not yet finished.
     pub in_flight: Family<PoolLabel, Gauge>,
     /// `llm_gateway_pool_load{pool}`: the load ratio shedding compares with tier levels.
@@ -205,6 +215,7 @@ impl Metrics {
             limit_decisions: Family::default(),
             degraded: Family::default(),
             shed: Family::default(),
+            admission_leases: Family::default(),
             in_flight: Family::default(),
             pool_load: Family::default(),
             pool_waiting: Family::default(),
@@ -243,6 +254,11 @@ impl Metrics {
         r.register("llm_gateway_limit_decisions", "Rate-limit decisions", m.limit_decisions.clone());
         r.register("llm_gateway_degraded_decisions", "Decisions made without Redis", m.degraded.clone());
         r.register("llm_gateway_shed", "Requests shed (429 overloaded) by pool and tier", m.shed.clone());
+        r.register(
+            "llm_gateway_admission_leases",
+            "Admission-lease calls from the wasm filter, by outcome",
+            m.admission_leases.clone(),
+        );
         r.register(
             "llm_gateway_in_flight_requests",
             "Requests admitted and not finished",

@@ -22,6 +22,10 @@ const DRAIN_ALPHA: f64 = 0.3;
 #[derive(Debug, Default)]
 struct PoolState {
     signals: PoolSignals,
+    /// Admitted minus finished. Requests admitted from the filter's leases are reported in
+    /// batches and may finish before they are reported, so this can dip below 0 for a while;
+    /// `signals.in_flight` is its positive part.
+    balance: i64,
     last_finished: Option<(Instant, f64)>,
 }
 
@@ -69,6 +73,11 @@ impl Pools {
         self.adjust(pool, 1);
     }
 
+    /// Counts `n` requests admitted to `pool` (from a lease, reported afterwards).
+    pub fn admitted_many(&self, pool: &str, n: u64) {
+        self.adjust(pool, i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
     /// Counts a request to `pool` finished.
     pub fn finished(&self, pool: &str) {
         self.adjust(pool, -1);
@@ -77,7 +86,8 @@ impl Pools {
     fn adjust(&self, pool: &str, delta: i64) {
         let Some(p) = self.pools.get(pool) else { return };
         if let Ok(mut s) = p.state.lock() {
-            s.signals.in_flight = s.signals.in_flight.saturating_add_signed(delta);
+            s.balance = s.balance.saturating_add(delta);
+            s.signals.in_flight = u64::try_from(s.balance).unwrap_or(0);
             self.metrics
                 .in_flight
                 .get_or_create(&PoolLabel { pool: pool.to_owned() })

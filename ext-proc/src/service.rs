@@ -58,6 +58,13 @@ pub const RESERVED_TOKENS_KEY: &str = "reserved_tokens";
 pub const RESERVED_LOCALLY_KEY: &str = "reserved_locally";
 /// gRPC initial-metadata key naming the role of an ext_proc filter.
 pub const ROLE_METADATA_KEY: &str = "x-gateway-ext-proc-role";
+/// Request header the filter sets to [`ADMISSION_LEASE`] on a request it admitted from an
+/// admission lease (Envoy's matcher then skips the ext_proc admission).
+pub const ADMISSION_HEADER: &str = "x-gateway-admission";
+/// The value of [`ADMISSION_HEADER`] for a leased admission.
+pub const ADMISSION_LEASE: &str = "lease";
+/// Request header with the tokens a leased admission reserved.
+pub const RESERVED_TOKENS_HEADER: &str = "x-gateway-reserved-tokens";
 
 /// What every stream of the service shares.
 pub struct Shared {
@@ -220,6 +227,11 @@ async fn admission_stream(
         return send(tx, continue_response(&first.request, None)).await;
     };
     let mut facts = request_facts(headers);
+    if facts.leased_tokens.is_some() {
+        // Admitted by the filter from a lease (an Envoy without the matcher that skips this
+        // filter for such requests): taking again would charge the tenant twice.
+        return send(tx, continue_response(&first.request, None)).await;
+    }
     // The base model's tokenizer (for a LoRA adapter, `x-gateway-model` names the adapter).
     let context_model = header(headers, CONTEXT_MODEL_HEADER).unwrap_or_else(|| facts.model.clone());
     let exact = header(headers, CONTEXT_CHECK_HEADER).as_deref() == Some(CONTEXT_CHECK_EXACT)
@@ -399,9 +411,13 @@ async fn metering_stream(
         let now = monotonic_us();
         let usage = match message.request {
             Some(ProcRequest::RequestHeaders(h)) => {
-                let reserved = reservation(message.metadata_context.as_ref());
+                let facts = request_facts(&h);
+                let reserved = match facts.leased_tokens {
+                    Some(tokens) => (tokens, false),
+                    None => reservation(message.metadata_context.as_ref()),
+                };
                 meter.start(now);
-                info = Some(RequestInfo::new(request_facts(&h), reserved, shared.ids.next()));
+                info = Some(RequestInfo::new(facts, reserved, shared.ids.next()));
                 None
             }
             Some(ProcRequest::ResponseHeaders(h)) => {
@@ -635,6 +651,8 @@ pub(crate) fn facts_from(header: impl Fn(&str) -> Option<String>) -> RequestFact
         max_tokens: number("x-gateway-max-tokens"),
         request_id: header("x-request-id").unwrap_or_default(),
         tier: header("x-gateway-tier").unwrap_or_default(),
+        leased_tokens: (header(ADMISSION_HEADER).as_deref() == Some(ADMISSION_LEASE))
+            .then(|| number(RESERVED_TOKENS_HEADER)),
     }
 }
 

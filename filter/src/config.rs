@@ -37,6 +37,10 @@ pub const DEFAULT_MAX_BODY_BYTES: u64 = 4 * 1024 * 1024;
 pub const DEFAULT_FULL_PARSE_MAX_BYTES: u64 = 128 * 1024;
 /// Default `tier` of a tenant when the field is absent.
 pub const DEFAULT_TIER: &str = "standard";
+/// Default `admission_leases.refresh_ms`: how often leases are renewed, in milliseconds.
+pub const DEFAULT_LEASE_REFRESH_MS: u64 = 100;
+/// Default `admission_leases.timeout_ms`: one lease call's timeout, in milliseconds.
+pub const DEFAULT_LEASE_TIMEOUT_MS: u64 = 500;
 /// Default `max_token_bytes` of a model when the field is absent: 1024 bytes.
 ///
 /// Deliberately larger than the longest token of common byte-level BPE vocabularies (including
@@ -93,6 +97,27 @@ pub struct RawConfig {
     pub tenants: Vec<RawTenant>,
     /// Served models. Required, non-empty.
     pub models: Vec<RawModel>,
+    /// Admission leases from the sidecar (optional; absent: every request goes through the
+    /// ext_proc admission). See [`crate::lease`].
+    #[serde(default)]
+    pub admission_leases: Option<RawAdmissionLeases>,
+}
+
+/// `admission_leases`: where the filter asks the sidecar for leases, and how often it looks.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAdmissionLeases {
+    /// The Envoy cluster of the sidecar's gRPC listener (the ext_proc cluster, e.g.
+    /// `llm_gateway_ext_proc`). Required, non-empty.
+    pub cluster: String,
+    /// How often each worker's filter VM renews, gives back and asks for leases, in milliseconds.
+    /// Optional, default [`DEFAULT_LEASE_REFRESH_MS`]; in 10..=10000.
+    #[serde(default)]
+    pub refresh_ms: Option<u64>,
+    /// Timeout of one lease call to the sidecar, in milliseconds. Optional, default
+    /// [`DEFAULT_LEASE_TIMEOUT_MS`]; in 1..=60000.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
 }
 
 /// One tenant.
@@ -209,7 +234,20 @@ pub struct Config {
     pub models: Vec<Model>,
     /// Decoded API-key digests with the index of their tenant, in configuration order.
     pub key_digests: Vec<([u8; 32], usize)>,
+    /// Admission leases, when configured.
+    pub admission_leases: Option<AdmissionLeases>,
     lookup: HashMap<String, Target>,
+}
+
+/// The validated `admission_leases` section.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdmissionLeases {
+    /// The sidecar's Envoy cluster (gRPC).
+    pub cluster: String,
+    /// Tick period of the filter's root context, in milliseconds.
+    pub refresh_ms: u64,
+    /// Timeout of one lease call, in milliseconds.
+    pub timeout_ms: u64,
 }
 
 /// What a public model identifier resolves to.
@@ -462,13 +500,37 @@ impl Config {
         }
 
         let lookup = names.into_iter().map(|(k, (t, _))| (k, t)).collect();
-        Ok(Config { max_body_bytes, full_parse_max_bytes, tenants, models, key_digests, lookup })
+        let admission_leases = raw.admission_leases.map(compile_leases).transpose()?;
+        Ok(Config {
+            max_body_bytes,
+            full_parse_max_bytes,
+            tenants,
+            models,
+            key_digests,
+            admission_leases,
+            lookup,
+        })
     }
 
     /// Resolves a public model identifier (name, alias or LoRA adapter; exact, case-sensitive).
     pub fn resolve(&self, name: &str) -> Option<Target> {
         self.lookup.get(name).copied()
     }
+}
+
+fn compile_leases(raw: RawAdmissionLeases) -> Result<AdmissionLeases, ConfigError> {
+    if raw.cluster.trim().is_empty() {
+        return Err(err("admission_leases.cluster", "must not be empty"));
+    }
+    let refresh_ms = raw.refresh_ms.unwrap_or(DEFAULT_LEASE_REFRESH_MS);
+    if !(10..=10_000).contains(&refresh_ms) {
+        return Err(err("admission_leases.refresh_ms", "must be in 10..=10000"));
+    }
+    let timeout_ms = raw.timeout_ms.unwrap_or(DEFAULT_LEASE_TIMEOUT_MS);
+    if !(1..=60_000).contains(&timeout_ms) {
+        return Err(err("admission_leases.timeout_ms", "must be in 1..=60000"));
+    }
+    Ok(AdmissionLeases { cluster: raw.cluster, refresh_ms, timeout_ms })
 }
 
 fn compile_pools(at: &str, list: Vec<RawWeightedPool>) -> Result<Vec<WeightedPool>, ConfigError> {
@@ -617,7 +679,34 @@ mod tests {
         v["max_body"] = json!(1);
         expect_err(
             v,
-            "max_body: unknown field `max_body`, expected one of `max_body_bytes`, `full_parse_max_bytes`, `tenants`, `models`",
+            "max_body: unknown field `max_body`, expected one of `max_body_bytes`, `full_parse_max_bytes`, `tenants`, `models`, `admission_leases`",
+        );
+    }
+
+    #[test]
+    fn admission_leases_defaults_and_errors() {
+        let mut v = base();
+        v["admission_leases"] = json!({"cluster": "llm_gateway_ext_proc"});
+        let c = load(&v).unwrap();
+        assert_eq!(
+            c.admission_leases,
+            Some(AdmissionLeases {
+                cluster: "llm_gateway_ext_proc".into(),
+                refresh_ms: DEFAULT_LEASE_REFRESH_MS,
+                timeout_ms: DEFAULT_LEASE_TIMEOUT_MS
+            })
+        );
+        assert_eq!(load(&base()).unwrap().admission_leases, None);
+        v["admission_leases"] = json!({"cluster": " "});
+        expect_err(v.clone(), "admission_leases.cluster: must not be empty");
+        v["admission_leases"] = json!({"cluster": "c", "refresh_ms": 5});
+        expect_err(v.clone(), "admission_leases.refresh_ms: must be in 10..=10000");
+        v["admission_leases"] = json!({"cluster": "c", "timeout_ms": 0});
+        expect_err(v.clone(), "admission_leases.timeout_ms: must be in 1..=60000");
+        v["admission_leases"] = json!({"cluster": "c", "ttl_ms": 5});
+        expect_err(
+            v,
+            "admission_leases.ttl_ms: unknown field `ttl_ms`, expected one of `cluster`, `refresh_ms`, `timeout_ms`",
         );
     }
 

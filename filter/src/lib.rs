@@ -14,10 +14,17 @@ pub mod config;
 pub mod context;
 pub mod error;
 pub mod json_scan;
+pub mod lease;
 pub mod pipeline;
 pub mod request;
 pub mod routing;
 pub mod sse;
+
+/// Protobuf messages of `proto/llm_gateway/v1/lease.proto` (the filter's lease calls).
+#[allow(missing_docs, clippy::all)]
+pub mod proto {
+    include!(concat!(env!("OUT_DIR"), "/llm_gateway.v1.rs"));
+}
 
 #[cfg(target_arch = "wasm32")]
 pub mod wasm;

@@ -16,6 +16,8 @@
 //! | `x-gateway-usage-injected` | `1`, only when the filter injected `stream_options.include_usage` |
 //! | `x-gateway-context-check` | `exact`, only when the bounds cannot decide the context rule and the model has `exact_count` (the sidecar counts exactly) |
 //! | `x-gateway-context-model` | with `x-gateway-context-check`: the base model whose tokenizer counts |
+//! | `x-gateway-admission` | `lease`, only when the filter admitted the request from an admission lease (`lease.rs`): Envoy skips the ext_proc admission |
+//! | `x-gateway-reserved-tokens` | with `x-gateway-admission`: the tokens reserved from the lease, settled by the sidecar from the access log |
 
 use serde::Serialize;
 use serde_json::Value;
@@ -28,6 +30,7 @@ use crate::context::{
 };
 use crate::error::{truncate_for_echo, GatewayError, LocalReply};
 use crate::json_scan::{apply_edits, array_elements, scan_object, string_bytes_lower, Edit};
+use crate::lease::{AdmissionFacts, LeaseAdmission};
 use crate::request::{classify, parse_json, validate, Endpoint, ValidatedRequest};
 use crate::routing::{listed_models, route, Route};
 
@@ -53,6 +56,10 @@ pub const H_USAGE_INJECTED: &str = "x-gateway-usage-injected";
 pub const H_CONTEXT_CHECK: &str = "x-gateway-context-check";
 /// The base model whose tokenizer the sidecar's exact check uses.
 pub const H_CONTEXT_MODEL: &str = "x-gateway-context-model";
+/// `lease` when the filter admitted the request from an admission lease.
+pub const H_ADMISSION: &str = "x-gateway-admission";
+/// Tokens reserved from the admission lease.
+pub const H_RESERVED_TOKENS: &str = "x-gateway-reserved-tokens";
 
 /// A header list as Envoy hands it over: lowercase names, raw value bytes.
 pub type HeaderList = [(String, Vec<u8>)];
@@ -193,6 +200,14 @@ pub struct ForwardPlan {
     pub new_body: Option<Vec<u8>>,
     /// Whether `stream_options.include_usage` was injected (the response must be stripped).
     pub usage_injected: bool,
+    /// What an admission lease needs to admit the request; `None` when only the sidecar can
+    /// (its exact context check).
+    pub admission: Option<AdmissionFacts>,
+}
+
+/// The headers of a request admitted from an admission lease, to add to its plan's.
+pub fn leased_headers(admission: &LeaseAdmission) -> [(&'static str, String); 2] {
+    [(H_ADMISSION, "lease".to_string()), (H_RESERVED_TOKENS, admission.reserved_tokens.to_string())]
 }
 
 /// Request-body phase (whole body buffered): size limit, parse and validate, route, context
@@ -271,7 +286,14 @@ fn finish_plan(
             set_headers.push(("content-length", b.len().to_string()));
         }
     }
-    Ok(ForwardPlan { set_headers, new_body, usage_injected: inject })
+    let admission = (!exact_check).then(|| AdmissionFacts {
+        tenant: tenant.id.clone(),
+        tier: tenant.tier.clone(),
+        model: route.public_name.to_string(),
+        pool: route.pool.to_string(),
+        reserve_tokens: counts.total_estimate.saturating_add(max_tokens_header),
+    });
+    Ok(ForwardPlan { set_headers, new_body, usage_injected: inject, admission })
 }
 
 /// A body over `full_parse_max_bytes`: only its top-level members are scanned (no parse of the
@@ -708,6 +730,29 @@ mod tests {
         assert!(plan.set_headers.contains(&(H_PROMPT_TOKENS, "5".into())));
         assert!(plan.set_headers.contains(&(H_PROMPT_TOKENS_SOURCE, "exact".into())));
         assert!(plan.set_headers.contains(&(H_MAX_TOKENS, "7".into())));
+        // A lease would reserve what the sidecar reserves: the prompt tokens plus max tokens.
+        let facts = plan.admission.unwrap();
+        assert_eq!((facts.tenant.as_str(), facts.model.as_str(), facts.reserve_tokens), ("demo", "tiny", 12));
+    }
+
+    #[test]
+    fn only_the_sidecar_admits_a_request_it_must_count_exactly() {
+        let cfg = bounds_cfg();
+        let p = match on_request_headers(&cfg, &post("/v1/chat/completions", "sk-t")).decision {
+            HeadersDecision::AwaitBody(p) => p,
+            HeadersDecision::Reply(r) => panic!("unexpected reply {r:?}"),
+        };
+        let body = |content: &str| json!({"model": "ex", "messages": [{"role": "user", "content": content}]});
+        let plan = on_request_body(&cfg, &p, body(&"z".repeat(64)).to_string().as_bytes()).unwrap();
+        assert!(header_map(&plan).iter().any(|(k, _)| k == H_CONTEXT_CHECK));
+        assert_eq!(plan.admission, None, "the exact count needs the sidecar");
+        let plan = on_request_body(&cfg, &p, body("hi").to_string().as_bytes()).unwrap();
+        assert!(plan.admission.is_some());
+        let leased = LeaseAdmission { reserved_tokens: 42, response_headers: Vec::new() };
+        assert_eq!(
+            leased_headers(&leased),
+            [(H_ADMISSION, "lease".to_string()), (H_RESERVED_TOKENS, "42".to_string())]
+        );
     }
 
     #[test]

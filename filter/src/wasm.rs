@@ -14,8 +14,18 @@
 //! [`gateway_meter::Usage`] (JSON) is set once, as the property `llm_gateway.usage` (Envoy filter
 //! state `wasm.llm_gateway.usage`), when the response ends or, at the latest, when Envoy logs the
 //! stream (client abort, reset). Envoy's gRPC access log carries it to the sidecar.
+//!
+//! Admission leases (`admission_leases` in the plugin config, [`crate::lease`]): the root context
+//! of each worker's VM holds the lease table, and on every tick sends the calls it asks for to the
+//! sidecar (`dispatch_grpc_call`, `llm_gateway.v1.AdmissionLeases/Acquire`); HTTP contexts admit
+//! from it and add the lease's `x-ratelimit-*` headers to the response.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::rc::Rc;
+use std::time::Duration;
+
+use prost::Message;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -23,14 +33,21 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
 use crate::config::Config;
 use crate::error::{GatewayError, LocalReply};
+use crate::lease::{LeaseKey, Leases};
 use crate::pipeline::{
-    on_request_body, on_request_headers, response_needs_stripping, HeadersDecision, PendingRequest,
+    leased_headers, on_request_body, on_request_headers, response_needs_stripping, HeadersDecision,
+    PendingRequest,
 };
+use crate::proto::LeaseGrant;
 use crate::sse::{ChunkOutput, UsageStripper};
 use gateway_meter::{Meter, Usage};
 
 /// The property the measured usage is set as (filter state `wasm.llm_gateway.usage`).
 const USAGE_PROPERTY: &str = "llm_gateway.usage";
+
+/// The sidecar's lease service and method (`proto/llm_gateway/v1/lease.proto`).
+const LEASE_SERVICE: &str = "llm_gateway.v1.AdmissionLeases";
+const LEASE_METHOD: &str = "Acquire";
 
 /// Largest non-streaming response body the meter holds to read its `usage`, in bytes.
 const MAX_JSON_RESPONSE_BYTES: usize = 4 << 20;
@@ -67,7 +84,7 @@ mod entry {
     proxy_wasm::main! {{
         proxy_wasm::set_log_level(LogLevel::Info);
         proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
-            Box::new(super::GatewayRoot { config: None })
+            Box::new(super::GatewayRoot { config: None, leases: Default::default(), calls: Default::default() })
         });
     }}
 }
@@ -76,12 +93,69 @@ fn log(level: LogLevel, message: &str) {
     let _ = hostcalls::log(level, message);
 }
 
-/// Root context: parses the plugin configuration once per (re)configuration.
+/// Root context: parses the plugin configuration once per (re)configuration, and keeps this VM's
+/// admission leases.
 struct GatewayRoot {
     config: Option<Rc<Config>>,
+    /// This VM's admission leases, shared with its HTTP contexts.
+    leases: Rc<RefCell<Leases>>,
+    /// Lease calls in flight: gRPC call token -> lease key.
+    calls: HashMap<u32, LeaseKey>,
 }
 
-impl Context for GatewayRoot {}
+impl Context for GatewayRoot {
+    fn on_grpc_call_response(&mut self, token_id: u32, status_code: u32, response_size: usize) {
+        let Some(key) = self.calls.remove(&token_id) else { return };
+        let now = now_us();
+        let Ok(mut leases) = self.leases.try_borrow_mut() else { return };
+        if status_code != 0 {
+            log(LogLevel::Debug, &format!("gateway-filter: lease call failed: grpc status {status_code}"));
+            leases.on_failure(&key, now);
+            return;
+        }
+        let grant = hostcalls::get_buffer(BufferType::GrpcReceiveBuffer, 0, response_size)
+            .ok()
+            .flatten()
+            .and_then(|bytes| LeaseGrant::decode(bytes.as_slice()).ok());
+        match grant {
+            Some(grant) => leases.on_grant(&key, &grant, now),
+            None => {
+                log(LogLevel::Warn, "gateway-filter: unreadable lease grant");
+                leases.on_failure(&key, now);
+            }
+        }
+    }
+}
+
+impl GatewayRoot {
+    /// Sends the lease calls the table asks for (renewals, give-backs, new leases).
+    fn lease_calls(&mut self) {
+        let Some(settings) = self.config.as_ref().and_then(|c| c.admission_leases.clone()) else { return };
+        let now = now_us();
+        let Ok(mut leases) = self.leases.try_borrow_mut() else { return };
+        // Renew a lease in use that would expire before the tick after next.
+        let horizon_us = settings.refresh_ms.saturating_mul(2_000);
+        for (key, request) in leases.due(now, horizon_us) {
+            let message = request.encode_to_vec();
+            match hostcalls::dispatch_grpc_call(
+                &settings.cluster,
+                LEASE_SERVICE,
+                LEASE_METHOD,
+                Vec::new(),
+                Some(&message),
+                Duration::from_millis(settings.timeout_ms),
+            ) {
+                Ok(token) => {
+                    self.calls.insert(token, key);
+                }
+                Err(status) => {
+                    log(LogLevel::Warn, &format!("gateway-filter: lease call not sent: {status:?}"));
+                    leases.on_failure(&key, now);
+                }
+            }
+        }
+    }
+}
 
 impl RootContext for GatewayRoot {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
@@ -105,6 +179,13 @@ impl RootContext for GatewayRoot {
                         cfg.models.len()
                     ),
                 );
+                let tick = cfg
+                    .admission_leases
+                    .as_ref()
+                    .map_or(Duration::ZERO, |l| Duration::from_millis(l.refresh_ms));
+                if let Err(status) = hostcalls::set_tick_period(tick) {
+                    log(LogLevel::Warn, &format!("gateway-filter: set_tick_period failed: {status:?}"));
+                }
                 self.config = Some(Rc::new(cfg));
                 true
             }
@@ -113,6 +194,10 @@ impl RootContext for GatewayRoot {
                 false
             }
         }
+    }
+
+    fn on_tick(&mut self) {
+        self.lease_calls();
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
@@ -126,6 +211,8 @@ impl RootContext for GatewayRoot {
             started_us: 0,
             meter: Meter::new(MAX_JSON_RESPONSE_BYTES),
             headers_vm_us: None,
+            leases: Rc::clone(&self.leases),
+            lease_response_headers: None,
         }))
     }
 
@@ -149,6 +236,10 @@ struct GatewayHttp {
     meter: Meter,
     /// At debug level: microseconds the request-headers phase spent in the VM.
     headers_vm_us: Option<u128>,
+    /// The VM's admission leases.
+    leases: Rc<RefCell<Leases>>,
+    /// `x-ratelimit-*` headers for the response of a request admitted from a lease.
+    lease_response_headers: Option<Vec<(&'static str, String)>>,
 }
 
 impl GatewayHttp {
@@ -203,7 +294,15 @@ impl GatewayHttp {
                 }
             }
         }
-        for (name, value) in &plan.set_headers {
+        let mut set_headers = plan.set_headers;
+        if let (Some(facts), true) = (&plan.admission, cfg.admission_leases.is_some()) {
+            let admitted = self.leases.try_borrow_mut().ok().and_then(|mut l| l.try_admit(facts, now_us()));
+            if let Some(admission) = admitted {
+                set_headers.extend(leased_headers(&admission));
+                self.lease_response_headers = Some(admission.response_headers);
+            }
+        }
+        for (name, value) in &set_headers {
             if let Err(status) =
                 hostcalls::set_map_value_bytes(MapType::HttpRequestHeaders, name, Some(value.as_bytes()))
             {
@@ -324,6 +423,10 @@ impl HttpContext for GatewayHttp {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        for (name, value) in self.lease_response_headers.take().unwrap_or_default() {
+            let _ =
+                hostcalls::set_map_value_bytes(MapType::HttpResponseHeaders, name, Some(value.as_bytes()));
+        }
         if !self.usage_injected && !self.meter.is_active() {
             return Action::Continue;
         }

@@ -1,0 +1,108 @@
+//! The tonic adapter of the admission-lease service (`llm_gateway.v1.AdmissionLeases`,
+//! `proto/llm_gateway/v1/lease.proto`), called by the wasm filter's root context on each Envoy
+//! worker. Each call gives the previous lease's rest back to the buckets, counts the requests
+//! admitted from it toward the pool's in-flight count, and, when asked, takes a new lease from
+//! Redis ([`crate::admission_lease`] sizes it). No lease while `redis.lease_fraction` is 0, while
+//! Redis cannot decide, or while the pool's load is at the lowest tier's shedding level: the
+//! filter's requests then go through the ext_proc admission, which sheds and limits them one by
+//! one.
+
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+use tracing::debug;
+
+use crate::admission_lease;
+use crate::limits;
+use crate::metrics::LeaseOutcome;
+use crate::proto::admission_leases_server::AdmissionLeases;
+use crate::proto::{LeaseGrant, LeaseRequest};
+use crate::service::Shared;
+
+/// How long a filter waits before asking again when leases are off or the tenant is unknown, in
+/// milliseconds.
+const LEASES_OFF_RETRY_MS: u64 = 60_000;
+
+/// The lease service.
+pub struct AdmissionLeaseService {
+    shared: Arc<Shared>,
+}
+
+impl AdmissionLeaseService {
+    /// A service over the shared state.
+    pub fn new(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+}
+
+#[tonic::async_trait]
+impl AdmissionLeases for AdmissionLeaseService {
+    async fn acquire(&self, request: Request<LeaseRequest>) -> Result<Response<LeaseGrant>, Status> {
+        let _open = self.shared.stream_opened();
+        let request = request.into_inner();
+        let (grant, outcome) = acquire(&self.shared, &request).await;
+        self.shared
+            .metrics
+            .admission_leases
+            .get_or_create(&LeaseOutcome { outcome: outcome.to_owned() })
+            .inc();
+        debug!(
+            tenant = %request.tenant,
+            model = %request.model,
+            returned_requests = request.returned_requests,
+            returned_tokens = request.returned_tokens,
+            admitted = request.admitted,
+            requests = grant.requests,
+            tokens = grant.tokens,
+            outcome,
+            "admission lease"
+        );
+        Ok(Response::new(grant))
+    }
+}
+
+/// Serves one call; returns the grant and its metric outcome: `granted`, `given_back` (nothing
+/// asked), or why nothing was granted: `off` (`redis.lease_fraction` 0), `unknown_tenant`,
+/// `shedding` (the pool is at the lowest tier's shedding level), `too_tight` (a lease would not
+/// cover two requests), `over_limit` (the buckets lack the lease), `redis_unavailable`.
+async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'static str) {
+    let config = &shared.config;
+    if request.admitted > 0 {
+        shared.pools.admitted_many(&request.pool, request.admitted);
+    }
+    let Some(tenant) = config.tenant(&request.tenant) else {
+        return (admission_lease::refusal(LEASES_OFF_RETRY_MS), "unknown_tenant");
+    };
+    let plan = limits::plan(shared.limiter.store().prefix(), tenant, &request.model, request.request_tokens);
+    for (bucket, delta) in
+        admission_lease::give_back(&plan, request.returned_requests, request.returned_tokens)
+    {
+        shared.limiter.settle(&bucket, delta, false).await;
+    }
+    if !request.want {
+        return (LeaseGrant::default(), "given_back");
+    }
+    let fraction = config.redis.lease_fraction;
+    let ttl_ms = config.redis.lease_ttl_ms;
+    if fraction <= 0.0 {
+        return (admission_lease::refusal(LEASES_OFF_RETRY_MS), "off");
+    }
+    if shared.pools.check(&request.pool, config.shedding.lowest_level()).is_some() {
+        return (admission_lease::refusal(ttl_ms), "shedding");
+    }
+    let Some(size) = admission_lease::size(&plan, fraction, request.request_tokens) else {
+        return (admission_lease::refusal(ttl_ms), "too_tight");
+    };
+    if size.plan.is_empty() {
+        // No limit applies: nothing to take.
+        let outcome = limits::TakeOutcome { denied: None, states: Vec::new() };
+        return (admission_lease::grant(&size, &outcome, ttl_ms), "granted");
+    }
+    match shared.limiter.take_lease(&size.plan).await {
+        Some(outcome) if outcome.denied.is_none() => {
+            (admission_lease::grant(&size, &outcome, ttl_ms), "granted")
+        }
+        Some(_) => (admission_lease::refusal(ttl_ms), "over_limit"),
+        None => (admission_lease::refusal(ttl_ms), "redis_unavailable"),
+    }
+}

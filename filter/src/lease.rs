@@ -1,0 +1,398 @@
+//! Admission leases, with no I/O and an injected clock (microseconds): the filter admits a
+//! tenant's requests itself, without the ext_proc admission round trip, from requests and tokens
+//! the sidecar took ahead from the tenant's Redis buckets (`proto/llm_gateway/v1/lease.proto`).
+//!
+//! Each Envoy worker's VM holds one [`Leases`] table in its root context. A routed request asks
+//! [`Leases::try_admit`]: when the (tenant, model, pool) lease is live and covers one request and
+//! the request's reservation (prompt + max tokens, as the sidecar would reserve it), both are
+//! taken from the lease and the request goes on with `x-gateway-admission: lease` and
+//! `x-gateway-reserved-tokens` (Envoy's matcher then skips the ext_proc admission; the access log
+//! carries both headers to the sidecar, which settles the reservation against the real usage as
+//! for any admitted request). Otherwise the request goes through the ext_proc admission, which
+//! decides it exactly, and the key is marked as wanted.
+//!
+//! The root context's tick calls [`Leases::due`] for the calls to make: a lease for a wanted key,
+//! a renewal of a lease that is running low or about to expire while in use, and the give-back of
+//! an expired lease's unused part. Each call gives the previous lease's rest back (it stops
+//! admitting at once) and reports the requests admitted from it (for the pool's in-flight count).
+//! Leased tokens are gone from Redis, so leases never over-admit; a lease lost with its VM (or a
+//! failed call) under-admits by its rest until the buckets refill.
+//!
+//! `x-ratelimit-remaining-*` of a leased admission is Redis's remaining at the grant plus what the
+//! lease still holds: approximate, like every leased admission.
+
+use std::collections::HashMap;
+
+use crate::proto::{LeaseGrant, LeaseRequest, LimitState};
+
+/// How long a key whose call failed waits before the next call, in microseconds.
+pub const FAILURE_BACKOFF_US: u64 = 1_000_000;
+
+/// The facts of a routed request that a lease may admit (from the filter's own decisions).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdmissionFacts {
+    /// Tenant id (`x-gateway-tenant`).
+    pub tenant: String,
+    /// Tenant tier (`x-gateway-tier`).
+    pub tier: String,
+    /// Public model name or LoRA adapter (`x-gateway-model`): the sidecar plans buckets by it.
+    pub model: String,
+    /// Envoy cluster of the pool (`x-gateway-pool`).
+    pub pool: String,
+    /// Tokens the sidecar would reserve: prompt estimate + effective max tokens.
+    pub reserve_tokens: u64,
+}
+
+/// A request admitted from a lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseAdmission {
+    /// Tokens reserved from the lease (`x-gateway-reserved-tokens`).
+    pub reserved_tokens: u64,
+    /// OpenAI's `x-ratelimit-*` response headers, for the kinds the tenant is limited in.
+    pub response_headers: Vec<(&'static str, String)>,
+}
+
+/// One kind of a lease: what it still holds (`None`: the tenant is unlimited in this kind).
+#[derive(Debug, Clone, Default)]
+struct Part {
+    left: Option<u64>,
+    granted: u64,
+    state: Option<LimitState>,
+}
+
+impl Part {
+    fn from_grant(unlimited: bool, granted: u64, state: Option<LimitState>) -> Self {
+        if unlimited {
+            Part { left: None, granted: 0, state: None }
+        } else {
+            Part { left: Some(granted), granted, state }
+        }
+    }
+
+    fn covers(&self, cost: u64) -> bool {
+        self.left.is_none_or(|left| left >= cost)
+    }
+
+    fn low(&self) -> bool {
+        self.left.is_some_and(|left| left.saturating_mul(2) < self.granted)
+    }
+
+    /// Gives the rest back: returns it and holds nothing more.
+    fn take_rest(&mut self) -> u64 {
+        let rest = self.left.unwrap_or(0);
+        if self.left.is_some() {
+            self.left = Some(0);
+        }
+        rest
+    }
+
+    fn headers(&self, kind: Kind, out: &mut Vec<(&'static str, String)>) {
+        let (Some(left), Some(state)) = (self.left, self.state.as_ref()) else { return };
+        let (limit, remaining, reset) = match kind {
+            Kind::Requests => {
+                ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests")
+            }
+            Kind::Tokens => {
+                ("x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens")
+            }
+        };
+        out.push((limit, state.limit.to_string()));
+        out.push((remaining, state.remaining.saturating_add(left).to_string()));
+        out.push((reset, state.reset.clone()));
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Requests,
+    Tokens,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Entry {
+    tier: String,
+    /// A live lease is held (granted, not yet given back).
+    held: bool,
+    expires_us: u64,
+    requests: Part,
+    tokens: Part,
+    /// Requests admitted from the lease since the last call.
+    admitted: u64,
+    /// Largest reservation asked of this key since the last call.
+    max_request_tokens: u64,
+    /// A request found no lease (or the lease runs low): ask for one.
+    wanted: bool,
+    /// A call for this key is in flight.
+    calling: bool,
+    /// No call before this time (the sidecar's `retry_after_ms`, or a failure's back-off).
+    not_before_us: u64,
+}
+
+/// The key of a lease: (tenant, model, pool).
+pub type LeaseKey = (String, String, String);
+
+/// The leases of one filter VM.
+#[derive(Debug, Default)]
+pub struct Leases {
+    entries: HashMap<LeaseKey, Entry>,
+}
+
+impl Leases {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Admits the request from its key's lease when the lease is live and covers one request and
+    /// `facts.reserve_tokens` (taking both), else `None` (the ext_proc admission decides) and the
+    /// key is marked as wanted for the next tick.
+    pub fn try_admit(&mut self, facts: &AdmissionFacts, now_us: u64) -> Option<LeaseAdmission> {
+        let key = (facts.tenant.clone(), facts.model.clone(), facts.pool.clone());
+        let entry = self.entries.entry(key).or_default();
+        entry.tier.clone_from(&facts.tier);
+        entry.max_request_tokens = entry.max_request_tokens.max(facts.reserve_tokens);
+        let live = entry.held && now_us < entry.expires_us;
+        if !live || !entry.requests.covers(1) || !entry.tokens.covers(facts.reserve_tokens) {
+            entry.wanted = true;
+            return None;
+        }
+        if let Some(left) = entry.requests.left.as_mut() {
+            *left -= 1;
+        }
+        if let Some(left) = entry.tokens.left.as_mut() {
+            *left -= facts.reserve_tokens;
+        }
+        entry.admitted += 1;
+        if entry.requests.low() || entry.tokens.low() {
+            entry.wanted = true;
+        }
+        let mut response_headers = Vec::with_capacity(6);
+        entry.requests.headers(Kind::Requests, &mut response_headers);
+        entry.tokens.headers(Kind::Tokens, &mut response_headers);
+        Some(LeaseAdmission { reserved_tokens: facts.reserve_tokens, response_headers })
+    }
+
+    /// The lease calls to make now, each with its key: a lease for a wanted key, the renewal of a
+    /// lease in use that expires within `horizon_us`, the give-back of an expired lease (and of
+    /// what the previous lease left, in every call). The keys' leases stop admitting until the
+    /// answer ([`Leases::on_grant`] / [`Leases::on_failure`]).
+    pub fn due(&mut self, now_us: u64, horizon_us: u64) -> Vec<(LeaseKey, LeaseRequest)> {
+        let mut calls = Vec::new();
+        for (key, e) in &mut self.entries {
+            if e.calling || now_us < e.not_before_us {
+                continue;
+            }
+            let expired = e.held && now_us >= e.expires_us;
+            let renew = e.held && e.admitted > 0 && e.expires_us <= now_us.saturating_add(horizon_us);
+            if !(e.wanted || expired || renew) {
+                continue;
+            }
+            let want = e.wanted || renew;
+            let request = LeaseRequest {
+                tenant: key.0.clone(),
+                model: key.1.clone(),
+                pool: key.2.clone(),
+                tier: e.tier.clone(),
+                request_tokens: e.max_request_tokens,
+                returned_requests: e.requests.take_rest(),
+                returned_tokens: e.tokens.take_rest(),
+                admitted: std::mem::take(&mut e.admitted),
+                want,
+            };
+            e.held = false;
+            e.wanted = false;
+            e.calling = true;
+            if want {
+                e.max_request_tokens = 0;
+            }
+            calls.push((key.clone(), request));
+        }
+        calls
+    }
+
+    /// The sidecar's answer to a call for `key`: a new lease, or none (then no call before its
+    /// `retry_after_ms`). An idle key that holds nothing and need not wait is forgotten.
+    pub fn on_grant(&mut self, key: &LeaseKey, grant: &LeaseGrant, now_us: u64) {
+        let Some(e) = self.entries.get_mut(key) else { return };
+        e.calling = false;
+        let granted = (grant.requests_unlimited || grant.requests > 0)
+            && (grant.tokens_unlimited || grant.tokens > 0)
+            && grant.ttl_ms > 0;
+        if granted {
+            e.held = true;
+            e.expires_us = now_us.saturating_add(grant.ttl_ms.saturating_mul(1000));
+            e.requests =
+                Part::from_grant(grant.requests_unlimited, grant.requests, grant.requests_state.clone());
+            e.tokens = Part::from_grant(grant.tokens_unlimited, grant.tokens, grant.tokens_state.clone());
+        } else {
+            e.not_before_us = now_us.saturating_add(grant.retry_after_ms.saturating_mul(1000));
+            if !e.wanted && e.admitted == 0 && grant.retry_after_ms == 0 {
+                self.entries.remove(key);
+            }
+        }
+    }
+
+    /// A call for `key` failed (sidecar away, timeout): what it gave back and reported is lost
+    /// (under-admission until the buckets refill); no call for [`FAILURE_BACKOFF_US`].
+    pub fn on_failure(&mut self, key: &LeaseKey, now_us: u64) {
+        if let Some(e) = self.entries.get_mut(key) {
+            e.calling = false;
+            e.not_before_us = now_us.saturating_add(FAILURE_BACKOFF_US);
+        }
+    }
+
+    /// Keys in the table (for tests).
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether the table is empty.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts(tokens: u64) -> AdmissionFacts {
+        AdmissionFacts {
+            tenant: "acme".into(),
+            tier: "standard".into(),
+            model: "qwen".into(),
+            pool: "pool_a".into(),
+            reserve_tokens: tokens,
+        }
+    }
+
+    fn key() -> LeaseKey {
+        ("acme".into(), "qwen".into(), "pool_a".into())
+    }
+
+    fn grant(requests: u64, tokens: u64) -> LeaseGrant {
+        LeaseGrant {
+            requests,
+            tokens,
+            ttl_ms: 1000,
+            requests_state: Some(LimitState { limit: 600, remaining: 500, reset: "10s".into() }),
+            tokens_state: Some(LimitState { limit: 60_000, remaining: 50_000, reset: "10s".into() }),
+            ..Default::default()
+        }
+    }
+
+    fn header<'a>(a: &'a LeaseAdmission, name: &str) -> Option<&'a str> {
+        a.response_headers.iter().find(|(k, _)| *k == name).map(|(_, v)| v.as_str())
+    }
+
+    #[test]
+    fn a_miss_asks_and_a_grant_admits_until_used_up() {
+        let mut l = Leases::new();
+        assert_eq!(l.try_admit(&facts(100), 0), None, "nothing held yet");
+        let calls = l.due(0, 0);
+        assert_eq!(calls.len(), 1);
+        let (k, req) = &calls[0];
+        assert_eq!(k, &key());
+        assert!(req.want);
+        assert_eq!((req.request_tokens, req.returned_requests, req.returned_tokens), (100, 0, 0));
+        assert!(l.due(0, 0).is_empty(), "one call at a time");
+        l.on_grant(&key(), &grant(3, 250), 10);
+        let a = l.try_admit(&facts(100), 20).unwrap();
+        assert_eq!(a.reserved_tokens, 100);
+        assert_eq!(header(&a, "x-ratelimit-remaining-requests"), Some("502"));
+        assert_eq!(header(&a, "x-ratelimit-remaining-tokens"), Some("50150"));
+        assert_eq!(header(&a, "x-ratelimit-limit-tokens"), Some("60000"));
+        assert_eq!(header(&a, "x-ratelimit-reset-requests"), Some("10s"));
+        assert!(l.try_admit(&facts(100), 30).is_some());
+        assert_eq!(l.try_admit(&facts(100), 40), None, "50 tokens left cannot cover 100");
+        let calls = l.due(50, 0);
+        let (_, req) = &calls[0];
+        assert_eq!((req.returned_requests, req.returned_tokens, req.admitted), (1, 50, 2));
+        assert_eq!(l.try_admit(&facts(1), 60), None, "given back: no admission while the call is out");
+    }
+
+    #[test]
+    fn an_expired_lease_stops_admitting_and_is_given_back() {
+        let mut l = Leases::new();
+        l.try_admit(&facts(10), 0);
+        l.due(0, 0);
+        l.on_grant(&key(), &grant(10, 1000), 0);
+        assert!(l.try_admit(&facts(10), 999_999).is_some());
+        assert_eq!(l.try_admit(&facts(10), 1_000_000), None, "expired");
+        // The miss wants a new lease; the call gives the old one's rest back with it.
+        let (_, req) = l.due(1_000_000, 0).remove(0);
+        assert_eq!((req.returned_requests, req.returned_tokens, req.admitted, req.want), (9, 990, 1, true));
+    }
+
+    #[test]
+    fn an_unused_expired_lease_is_only_given_back_and_the_key_forgotten() {
+        let mut l = Leases::new();
+        l.try_admit(&facts(10), 0);
+        l.due(0, 0);
+        l.on_grant(&key(), &grant(10, 1000), 0);
+        assert!(l.due(500_000, 0).is_empty(), "live and unused: nothing to do");
+        let (_, req) = l.due(1_000_000, 0).remove(0);
+        assert!(!req.want);
+        assert_eq!((req.returned_requests, req.returned_tokens), (10, 1000));
+        l.on_grant(&key(), &LeaseGrant::default(), 1_000_100);
+        assert!(l.is_empty());
+    }
+
+    #[test]
+    fn a_lease_in_use_is_renewed_before_it_expires_or_runs_low() {
+        let mut l = Leases::new();
+        l.try_admit(&facts(10), 0);
+        l.due(0, 0);
+        l.on_grant(&key(), &grant(100, 10_000), 0);
+        assert!(l.try_admit(&facts(10), 100).is_some());
+        assert!(l.due(700_000, 200_000).is_empty(), "300 ms left, more than the horizon");
+        let calls = l.due(800_000, 200_000);
+        assert_eq!(calls.len(), 1, "expires within the horizon while in use");
+        assert!(calls[0].1.want);
+        l.on_grant(&key(), &grant(4, 10_000), 800_100);
+        assert!(l.try_admit(&facts(10), 800_200).is_some());
+        assert!(l.try_admit(&facts(10), 800_300).is_some());
+        assert!(l.try_admit(&facts(10), 800_400).is_some(), "1 of 4 left: low");
+        assert!(l.due(800_500, 0)[0].1.want, "a low lease asks for more");
+    }
+
+    #[test]
+    fn refusals_and_failures_wait_before_asking_again() {
+        let mut l = Leases::new();
+        l.try_admit(&facts(10), 0);
+        l.due(0, 0);
+        l.on_grant(&key(), &LeaseGrant { retry_after_ms: 5000, ..Default::default() }, 0);
+        assert_eq!(l.try_admit(&facts(10), 1), None);
+        assert!(l.due(4_999_999, 0).is_empty(), "refused: wait retry_after_ms");
+        assert_eq!(l.due(5_000_000, 0).len(), 1);
+        l.on_failure(&key(), 5_000_000);
+        l.try_admit(&facts(10), 5_000_001);
+        assert!(l.due(5_999_999, 0).is_empty(), "failed: back off");
+        assert_eq!(l.due(6_000_000, 0).len(), 1);
+    }
+
+    #[test]
+    fn unlimited_kinds_are_not_counted_and_report_no_headers() {
+        let mut l = Leases::new();
+        l.try_admit(&facts(10), 0);
+        l.due(0, 0);
+        let g = LeaseGrant { tokens_unlimited: true, tokens_state: None, ..grant(2, 0) };
+        l.on_grant(&key(), &g, 0);
+        let a = l.try_admit(&facts(1_000_000), 1).unwrap();
+        assert_eq!(header(&a, "x-ratelimit-remaining-tokens"), None);
+        assert_eq!(header(&a, "x-ratelimit-remaining-requests"), Some("501"));
+        let (_, req) = l.due(2, 1_000_000).remove(0);
+        assert_eq!((req.returned_requests, req.returned_tokens), (1, 0), "renewed, its rest back");
+    }
+
+    #[test]
+    fn keys_do_not_share_leases() {
+        let mut l = Leases::new();
+        l.try_admit(&facts(10), 0);
+        l.due(0, 0);
+        l.on_grant(&key(), &grant(10, 1000), 0);
+        let other = AdmissionFacts { pool: "pool_b".into(), ..facts(10) };
+        assert_eq!(l.try_admit(&other, 1), None);
+        assert_eq!(l.len(), 2);
+    }
+}

@@ -1,0 +1,153 @@
+"""Admission leases, end to end (real Envoy, wasm filter, sidecar, redis-server, vllm-sim).
+
+With the filter's `admission_leases` and the sidecar's `redis.lease_fraction`, each Envoy worker's
+filter VM takes a lease of requests and tokens from the tenant's Redis buckets through the sidecar
+(proto/llm_gateway/v1/lease.proto) and admits the tenant's next requests itself: Envoy's matcher
+(envoy/filters/admission_lease_matcher.yaml) skips the ext_proc admission for them, so they cost no
+gRPC round trip. They are still metered (access log) and their reservations settled, leases never
+over-admit and are given back, a tenant whose limit is too tight for a lease is decided request by
+request, and a pool near shedding gets no leases.
+
+Envoy runs one worker here, so that one VM holds the leases and the counts are exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import redis
+
+from helpers import assert_openai_error, auth, chat_body, envoy_counter, post, wait_for
+from sidecar_checks import bucket, bucket_key, metric, open_stream, sidecar_metrics, usage_hash
+from stack import Model, Pool, Stack, Tenant, new_api_key, upstream_metric
+
+EXT_PROC_STREAMS = "http.gateway.ext_proc.streams_started"
+
+
+def leases(stack, outcome: str) -> float:
+    return metric(sidecar_metrics(stack), "llm_gateway_admission_leases_total", outcome=outcome)
+
+
+def leased_stack(tmp, tenants, lease_ttl_ms: int, pools=None, models=None, extra: dict | None = None) -> Stack:
+    overrides = {"redis": {"lease_fraction": 0.01, "lease_ttl_ms": lease_ttl_ms}, "metrics_listen": "127.0.0.1:0"}
+    overrides.update(extra or {})
+    return Stack(tmp, pools or [Pool("pool_l", ["sim/l"], ["--output-tokens", "2"])],
+                 models or [Model("l", "pool_l", served_model_name="sim/l")], tenants,
+                 sidecar_overrides=overrides, admission_leases=True, envoy_concurrency=1)
+
+
+def test_leased_requests_skip_the_ext_proc_admission_and_are_metered(tmp_path_factory):
+    """The first request goes through the ext_proc admission and makes the filter ask for a lease;
+    the next ones are admitted from the lease (no ext_proc stream), carry the lease's
+    `x-ratelimit-*` headers, and each is recorded once."""
+    key = new_api_key()
+    # 1 % of a burst of 10,000 requests and 1,000,000 tokens: a lease of 100 requests and 10,000
+    # tokens, held 30 s (no renewal during the test).
+    tenant = Tenant("al-skip", [key], {"requests_per_minute": 600, "request_burst": 10_000,
+                                       "tokens_per_minute": 600, "token_burst": 1_000_000})
+    with leased_stack(tmp_path_factory.mktemp("al-skip"), [tenant], lease_ttl_ms=30_000) as s:
+        first = post(s, "/v1/chat/completions", chat_body("l", max_tokens=10), key=key)
+        assert first.status_code == 200, first.text
+        assert envoy_counter(s, EXT_PROC_STREAMS) == 1
+        assert wait_for(lambda: leases(s, "granted") == 1, timeout=10), sidecar_metrics(s)
+        for _ in range(20):
+            r = post(s, "/v1/chat/completions", chat_body("l", max_tokens=10), key=key)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-ratelimit-limit-requests"] == "600"
+            assert r.headers["x-ratelimit-limit-tokens"] == "600"
+            remaining = int(r.headers["x-ratelimit-remaining-requests"])
+            assert 0 < remaining <= 10_000
+            assert r.headers["x-ratelimit-reset-requests"].endswith("s")
+        # No request after the first reached the sidecar's admission.
+        assert envoy_counter(s, EXT_PROC_STREAMS) == 1, s.envoy_log()
+        # The remaining count went down one by one while the lease admitted.
+        assert remaining < int(first.headers["x-ratelimit-remaining-requests"])
+        client = redis.Redis(port=s.redis_port)
+        assert wait_for(lambda: usage_hash(client, "al-skip").get("l:requests") == 21, timeout=10), \
+            usage_hash(client, "al-skip")
+        assert usage_hash(client, "al-skip")["l:completion_tokens"] == 21 * 2
+        assert metric(sidecar_metrics(s), "llm_gateway_requests_total", tenant="al-skip", outcome="admitted") == 1
+
+
+def test_leases_are_given_back_and_only_the_usage_is_charged(tmp_path_factory):
+    """Once the requests stop, the lease's rest goes back to Redis and each leased reservation is
+    settled to the request's real usage: the buckets end where the requests alone put them."""
+    key = new_api_key()
+    # Refill of one request and one token per second: small next to what the test measures.
+    tenant = Tenant("al-back", [key], {"requests_per_minute": 60, "request_burst": 10_000,
+                                       "tokens_per_minute": 60, "token_burst": 1_000_000})
+    with leased_stack(tmp_path_factory.mktemp("al-back"), [tenant], lease_ttl_ms=1000) as s:
+        client = redis.Redis(port=s.redis_port)
+        started = time.monotonic()
+        for _ in range(12):
+            r = post(s, "/v1/chat/completions", chat_body("l", max_tokens=50), key=key)
+            assert r.status_code == 200, r.text
+        assert wait_for(lambda: usage_hash(client, "al-back").get("l:requests") == 12, timeout=10)
+        usage = usage_hash(client, "al-back")
+        used = usage["l:prompt_tokens"] + usage["l:completion_tokens"]
+        # Leased: 100 requests and 10,000 tokens, each reservation prompt + 50: far over the usage.
+        assert leases(s, "granted") >= 1, sidecar_metrics(s)
+
+        def back() -> bool:
+            rpm, tpm = bucket(client, bucket_key("al-back", "rpm")), bucket(client, bucket_key("al-back", "tpm"))
+            slack = time.monotonic() - started + 2  # the refill since the first request, and rounding
+            return rpm is not None and tpm is not None and 10_000 - 12 - 1 <= rpm[0] <= 10_000 - 12 + slack \
+                and 1_000_000 - used - 1 <= tpm[0] <= 1_000_000 - used + slack
+
+        assert wait_for(back, timeout=15), (bucket(client, bucket_key("al-back", "rpm")),
+                                            bucket(client, bucket_key("al-back", "tpm")), used, sidecar_metrics(s))
+        assert leases(s, "given_back") >= 1
+
+
+def test_a_tight_limit_gets_no_lease_and_stays_exact(tmp_path_factory):
+    """5 requests per minute: 1 % is no lease, so every request is decided by the ext_proc
+    admission and the sixth is refused, also when the client claims a leased admission."""
+    key = new_api_key()
+    tenant = Tenant("al-tight", [key], {"requests_per_minute": 5})
+    with leased_stack(tmp_path_factory.mktemp("al-tight"), [tenant], lease_ttl_ms=1000) as s:
+        for i in range(5):
+            r = post(s, "/v1/chat/completions", chat_body("l", max_tokens=2), key=key)
+            assert r.status_code == 200, (i, r.text)
+            assert r.headers["x-ratelimit-remaining-requests"] == str(4 - i)
+            if i == 0:
+                assert wait_for(lambda: leases(s, "too_tight") >= 1, timeout=10), sidecar_metrics(s)
+        spoofed = {"x-gateway-admission": "lease", "x-gateway-reserved-tokens": "0"}
+        r = post(s, "/v1/chat/completions", chat_body("l", max_tokens=2), key=key, headers=spoofed)
+        assert_openai_error(r, 429, code="rate_limit_exceeded")
+        assert envoy_counter(s, EXT_PROC_STREAMS) == 6
+        assert leases(s, "granted") == 0
+
+
+def test_a_pool_near_shedding_gets_no_lease(tmp_path_factory):
+    """While the pool's queue is at the lowest tier's shedding level, no lease is granted for it:
+    a batch request goes to the ext_proc admission and is shed, and stays shed."""
+    keys = {"al-filler": new_api_key(), "al-batch": new_api_key()}
+    tenants = [Tenant("al-filler", [keys["al-filler"]], {"requests_per_minute": 10_000}, tier="premium"),
+               Tenant("al-batch", [keys["al-batch"]], {"requests_per_minute": 10_000}, tier="batch")]
+    pools = [Pool("pool_shed", ["sim/shed"],
+                  ["--max-num-seqs", "1", "--ttft-ms", "20", "--itl-ms", "100", "--output-tokens", "50"],
+                  shedding={"max_queue_depth": 4, "scrape_interval_ms": 100})]
+    models = [Model("shed", "pool_shed", served_model_name="sim/shed")]
+    extra = {"shedding": {"tier_levels": {"batch": 0.5}}}
+    with leased_stack(tmp_path_factory.mktemp("al-shed"), tenants, lease_ttl_ms=1000, pools=pools,
+                      models=models, extra=extra) as s:
+        sim = s.pool("pool_shed").urls[0]
+        body = chat_body("shed", "hold the queue", stream=True, max_tokens=50)
+        with contextlib.ExitStack() as held:
+            # One running, two waiting: the pool's load is 0.5, batch's shedding level.
+            for _ in range(3):
+                client, response = open_stream(s.base_url, body, auth(keys["al-filler"]))
+                held.callback(client.close)
+                held.callback(response.close)
+                assert response.status_code == 200
+            assert wait_for(lambda: upstream_metric(sim, "vllm:num_requests_waiting") == 2 and metric(
+                sidecar_metrics(s), "llm_gateway_pool_requests_waiting", pool="pool_shed") == 2, timeout=10)
+            refused = leases(s, "shedding")
+            for _ in range(2):
+                r = post(s, "/v1/chat/completions", chat_body("shed", max_tokens=2), key=keys["al-batch"])
+                assert_openai_error(r, 429, code="overloaded")
+                # The miss asked for a lease for the batch tenant: refused while the pool is loaded.
+                assert wait_for(lambda: leases(s, "shedding") > refused, timeout=10), sidecar_metrics(s)
+                refused = leases(s, "shedding")
+        assert metric(sidecar_metrics(s), "llm_gateway_shed_total", pool="pool_shed", tier="batch") == 2
