@@ -14,6 +14,8 @@ finally charged after reconciliation), which must also equal what the upstream r
     .venv/bin/python bench/over_admission.py --redis-cluster-nodes 3   # on a 3-node Redis Cluster
     # ... and the node holding the tenant's keys killed 5 s into the run, back 5 s later
     .venv/bin/python bench/over_admission.py --redis-cluster-nodes 3 --kill-node-at-s 5 --node-down-s 5
+    # ... with the filters admitting from admission leases (and the sidecars from token leases)
+    .venv/bin/python bench/over_admission.py --lease-fraction 0.01 --admission-leases --rpm 30000 --request-burst 2000
 
 With a node killed, the sidecars' `redis.failure_mode` (here `open`, the default) applies while its
 slots are down: each sidecar admits from its own in-memory buckets (approximate limits: with N
@@ -78,7 +80,8 @@ def run(args: argparse.Namespace) -> dict:
             stack = Stack(workdir / f"replica{i}", pools, models, tenants, redis_port=redis_port,
                           sidecar_overrides={"redis": {"local_share": round(1 / args.replicas, 6),
                                                        "lease_fraction": args.lease_fraction}},
-                          envoy_concurrency=1, redis_cluster_nodes=0 if stacks else args.redis_cluster_nodes)
+                          envoy_concurrency=1, redis_cluster_nodes=0 if stacks else args.redis_cluster_nodes,
+                          admission_leases=args.admission_leases)
             if stacks:
                 # Later replicas share the first one's Redis (or Redis Cluster).
                 stack.redis_cluster_ports = stacks[0].redis_cluster_ports
@@ -161,6 +164,7 @@ def run(args: argparse.Namespace) -> dict:
             "concurrency_per_replica": args.concurrency,
             "limits": limits,
             "lease_fraction": args.lease_fraction,
+            "admission_leases": args.admission_leases,
             "sent": sent,
             "admitted_by_clients": admitted_clients,
             "rejected_429": rejected,
@@ -197,6 +201,8 @@ def main() -> int:
     parser.add_argument("--node-down-s", type=float, default=5.0, help="seconds until it is started again")
     parser.add_argument("--lease-fraction", type=float, default=0.0,
                         help="the sidecars' redis.lease_fraction (token leases; 0: none)")
+    parser.add_argument("--admission-leases", action="store_true",
+                        help="the filters admit from admission leases (needs --lease-fraction > 0)")
     args = parser.parse_args()
     result = run(args)
     text = json.dumps(result, indent=2)

@@ -163,6 +163,12 @@ pub struct FilterSection {
     /// Where Istio and Envoy Gateway fetch the module (needed by the mesh targets).
     #[serde(default)]
     pub module: Option<WasmModule>,
+    /// Admission leases (default false): the filter admits a tenant's requests from leases the
+    /// sidecar takes ahead from Redis, and Envoy skips the ext_proc admission for them (the
+    /// filter's `admission_leases`, wrapped admission filter). Needs `redis.lease_fraction` > 0;
+    /// the standalone and Istio targets render it, Envoy Gateway cannot (docs/deploy.md).
+    #[serde(default)]
+    pub admission_leases: bool,
 }
 
 /// A published wasm module.
@@ -907,6 +913,12 @@ impl GatewayConfig {
     }
 
     fn validate_filter(&self) -> Result<(), FieldError> {
+        if self.filter.admission_leases && self.redis.lease_fraction.unwrap_or(0.0) <= 0.0 {
+            return fail(
+                "filter.admission_leases",
+                "needs redis.lease_fraction > 0 (the sidecar grants no lease without it)",
+            );
+        }
         if let Some(module) = &self.filter.module {
             let http = module.url.starts_with("http://") || module.url.starts_with("https://");
             let oci = module.url.starts_with("oci://");

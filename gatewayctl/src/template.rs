@@ -30,6 +30,8 @@ pub const BOOTSTRAP: Template = template!("envoy/bootstrap.yaml");
 pub const FILTER_WASM: Template = template!("envoy/filters/wasm.yaml");
 /// The admission ext_proc HTTP filter entry.
 pub const FILTER_ADMISSION: Template = template!("envoy/filters/ext_proc_admission.yaml");
+/// The admission filter wrapped in the matcher that skips it for leased admissions.
+pub const FILTER_ADMISSION_LEASE_MATCHER: Template = template!("envoy/filters/admission_lease_matcher.yaml");
 /// The metering ext_proc HTTP filter entry (Envoy Gateway, whose access log cannot log filter state).
 pub const FILTER_METERING: Template = template!("envoy/filters/ext_proc_metering.yaml");
 /// The metering gRPC access log entry (the HTTP connection manager's `access_log`).
@@ -181,6 +183,7 @@ mod tests {
             BOOTSTRAP,
             FILTER_WASM,
             FILTER_ADMISSION,
+            FILTER_ADMISSION_LEASE_MATCHER,
             FILTER_METERING,
             ACCESS_LOG_METERING,
             EXT_PROC_CLUSTER,
@@ -200,7 +203,8 @@ mod tests {
                 .set("ENDPOINTS", crate::tree::seq([]))
                 .set("NAME", "chain")
                 .set("SUB_CLUSTERS", crate::tree::seq([]))
-                .set("RETRIES", 1);
+                .set("RETRIES", 1)
+                .set("ADMISSION_FILTER", crate::tree::map([("name", crate::tree::s("admission"))]));
             render(t, &v).unwrap();
         }
     }

@@ -197,3 +197,46 @@ fn envoy_gateway_policy_carries_the_plugin_config() {
     assert_eq!(rules.len(), 4);
     assert_eq!(rules[3]["matches"][0]["path"]["value"], "/");
 }
+
+/// The example with `filter.admission_leases` (and the leases it needs) turned on.
+fn leased(target: Target) -> BTreeMap<String, String> {
+    let text = std::fs::read_to_string(EXAMPLE).unwrap();
+    let text = text
+        .replace("filter:\n", "filter:\n  admission_leases: true\n")
+        .replace("redis:\n", "redis:\n  lease_fraction: 0.01\n");
+    let loaded = Loaded::from_yaml(&text, EXAMPLE, Path::new("../envoy/examples").to_path_buf()).unwrap();
+    render(&loaded, target).unwrap().files.into_iter().map(|f| (f.path, f.content)).collect()
+}
+
+#[test]
+fn admission_leases_wrap_the_admission_filter_and_name_the_sidecar_cluster() {
+    let rendered = leased(Target::Standalone);
+    let filter: serde_json::Value = serde_json::from_str(&rendered["standalone/filter.json"]).unwrap();
+    assert_eq!(filter["admission_leases"]["cluster"], "llm_gateway_ext_proc");
+    let envoy = yaml(&rendered["standalone/envoy.yaml"]);
+    let hcm = &envoy["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    let admission = &hcm["http_filters"][1];
+    assert_eq!(admission["name"], "llm_gateway.admission");
+    let matcher = &admission["typed_config"];
+    assert_eq!(
+        matcher["@type"],
+        "type.googleapis.com/envoy.extensions.common.matching.v3.ExtensionWithMatcher"
+    );
+    assert_eq!(
+        matcher["extension_config"]["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"],
+        "llm_gateway_ext_proc"
+    );
+    assert!(matcher["xds_matcher"]["matcher_tree"]["exact_match_map"]["map"]["lease"].is_mapping());
+    // The access log carries the leased admission to the sidecar.
+    let logged = &hcm["access_log"][0]["typed_config"]["additional_request_headers_to_log"];
+    let logged: Vec<_> = logged.as_sequence().unwrap().iter().filter_map(Value::as_str).collect();
+    assert!(logged.contains(&"x-gateway-admission") && logged.contains(&"x-gateway-reserved-tokens"));
+    // Istio: the same wrapper, and the filter asks the sidecar's Istio cluster.
+    let istio = leased(Target::Istio);
+    let envoyfilter = &istio["istio/envoyfilter.yaml"];
+    assert!(envoyfilter.contains("ExtensionWithMatcher"), "{envoyfilter}");
+    let wasm_config = r#"\"admission_leases\":{\"cluster\":\"outbound|50051||llm-gateway-ext-proc.llm-gateway.svc.cluster.local\"}"#;
+    assert!(envoyfilter.contains(wasm_config), "{envoyfilter}");
+    // Off by default: the example renders no wrapper.
+    assert!(!files(Target::Standalone)["standalone/envoy.yaml"].contains("ExtensionWithMatcher"));
+}

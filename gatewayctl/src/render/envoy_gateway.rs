@@ -58,6 +58,15 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
     let eg = section(loaded)?;
     let k8s = kubernetes::section(loaded, "envoy-gateway")?;
     let module = module(loaded, "envoy-gateway")?;
+    if c.filter.admission_leases {
+        return Err(FieldError::new(
+            "filter.admission_leases",
+            "not rendered by the envoy-gateway target: an EnvoyExtensionPolicy cannot wrap the \
+             ext_proc filter in the matcher that skips it for leased admissions (use the standalone \
+             or istio target)",
+        )
+        .into());
+    }
     if c.pools.len() > MAX_POOLS {
         return Err(FieldError::new(
             "pools",

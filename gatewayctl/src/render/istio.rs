@@ -75,13 +75,14 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
 
     let labels = kubernetes::labels("llm-gateway");
     let selector = map(istio.selector.iter().map(|(k, v)| (k.clone(), s(v))));
-    let filter_json = to_json(filter_config).map_err(Error::Internal)?;
     let max_body = c.filter.max_body_bytes.unwrap_or(gateway_filter::config::DEFAULT_MAX_BODY_BYTES);
     let sidecar_cluster = format!(
         "outbound|{}||{SIDECAR_NAME}.{}.svc.cluster.local",
         kubernetes::sidecar_port(loaded),
         k8s.namespace
     );
+    let filter_config = &super::with_admission_leases(loaded, filter_config, &sidecar_cluster);
+    let filter_json = to_json(filter_config).map_err(Error::Internal)?;
     let values = Values::new()
         .set("FILTER_CONFIG_JSON", filter_json.as_str())
         .set("WASM_PATH", "/unused.wasm")
@@ -98,6 +99,7 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
         Error::Internal(format!("{}: no envoy_grpc cluster_name", template::FILTER_ADMISSION.path))
     })?;
     *cluster = s(&sidecar_cluster);
+    let admission = super::admission_filter(loaded, admission)?;
     // Metering: the gRPC access log, merged into the gateway's HTTP connection manager.
     let mut access_log = template::render(template::ACCESS_LOG_METERING, &values)?;
     let cluster = at_mut(

@@ -131,6 +131,29 @@ pub struct Output {
     pub notes: Vec<String>,
 }
 
+/// The name of the sidecar's cluster in the standalone bootstrap (`envoy/ext_proc_cluster.yaml`).
+pub const STANDALONE_EXT_PROC_CLUSTER: &str = "llm_gateway_ext_proc";
+
+/// The filter config with `admission_leases` naming the sidecar's Envoy cluster when
+/// `filter.admission_leases` is on; unchanged otherwise.
+fn with_admission_leases(loaded: &Loaded, filter_config: &Value, cluster: &str) -> Value {
+    let mut config = filter_config.clone();
+    if loaded.config.filter.admission_leases {
+        crate::tree::set(&mut config, "admission_leases", crate::tree::map([("cluster", s(cluster))]));
+    }
+    config
+}
+
+/// The admission filter entry, wrapped in the matcher that skips it for the filter's leased
+/// admissions (`envoy/filters/admission_lease_matcher.yaml`) when `filter.admission_leases` is on.
+fn admission_filter(loaded: &Loaded, admission: Value) -> Result<Value, Error> {
+    if !loaded.config.filter.admission_leases {
+        return Ok(admission);
+    }
+    let values = crate::template::Values::new().set("ADMISSION_FILTER", admission);
+    Ok(crate::template::render(crate::template::FILTER_ADMISSION_LEASE_MATCHER, &values)?)
+}
+
 /// The module the mesh targets fetch, or the error naming `filter.module`.
 fn module<'c>(loaded: &'c Loaded, target: &str) -> Result<&'c WasmModule, Error> {
     loaded.config.filter.module.as_ref().ok_or_else(|| {
@@ -209,6 +232,8 @@ fn render_inner(loaded: &Loaded, target: Target) -> Result<Output, Error> {
         let rendered = match t {
             Target::Standalone => {
                 let sidecar = components::sidecar_config(loaded, components::Flavor::Standalone)?;
+                let filter_config =
+                    with_admission_leases(loaded, &filter_config, STANDALONE_EXT_PROC_CLUSTER);
                 let bootstrap = standalone::bootstrap(loaded, &filter_config)?;
                 vec![
                     File::yaml("standalone/envoy.yaml", &bootstrap)?,

@@ -106,7 +106,7 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error>
     let hcm = at_mut(&mut bootstrap, &hcm_path).ok_or_else(|| missing("http_connection_manager"))?;
     let filters = seq([
         template::render(template::FILTER_WASM, &values)?,
-        template::render(template::FILTER_ADMISSION, &values)?,
+        super::admission_filter(loaded, template::render(template::FILTER_ADMISSION, &values)?)?,
         router(),
     ]);
     if !set(hcm, "http_filters", filters) {
