@@ -1108,7 +1108,7 @@ def check_targets(summary: dict) -> list[dict]:
         g, gs = vs_filter.get(name), vs_filter_sat.get(name)
         if not g:
             continue
-        label = "Gateway" if name == "gateway" else "Gateway with token leases"
+        label = "Gateway" if name == "gateway" else "Gateway with leases"
         d = g["ttft_p50_ms"]["median"]
         add(f"{label} vs Envoy + filter: added TTFT p50 / p99 (streaming, {c_over})",
             f"{signed(d, ' ms')} / {signed(g['ttft_p99_ms']['median'], ' ms')}", "p50 ≤ 1 ms",
