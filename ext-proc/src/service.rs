@@ -429,7 +429,7 @@ async fn metering_stream(
                 let content_type = header(&h, "content-type").unwrap_or_default();
                 meter.on_response_headers(status, &content_type, h.end_of_stream, now)
             }
-            Some(ProcRequest::ResponseBody(b)) => meter.on_response_body(&b.body, b.end_of_stream, now),
+            Some(ProcRequest::ResponseBody(b)) => meter.on_response_body(&b.body, b.end_of_stream, Some(now)),
             Some(ProcRequest::ResponseTrailers(_)) => meter.on_stream_end(now),
             _ => None,
         };

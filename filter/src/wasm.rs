@@ -461,7 +461,9 @@ impl HttpContext for GatewayHttp {
             }
         };
         if self.meter.is_active() {
-            let usage = self.meter.on_response_body(&chunk, end_of_stream, now_us());
+            // A clock read is a host call: only for TTFT (until the first content) and the end.
+            let now = (end_of_stream || self.meter.needs_clock()).then(now_us);
+            let usage = self.meter.on_response_body(&chunk, end_of_stream, now);
             self.finish_metering(usage);
         }
         let Some(stripper) = self.stripper.as_mut() else {

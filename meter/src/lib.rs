@@ -12,11 +12,18 @@
 //! [`Usage::prompt_tokens_known`]).
 //!
 //! Times are microseconds on any clock that does not go backwards between calls, given by the
-//! caller (`now_us`).
+//! caller (`now_us`). A body chunk needs a time only while [`Meter::needs_clock`] says so (until the
+//! first content, for TTFT) and with the last chunk: a caller whose clock costs a host call (the
+//! wasm filter) passes `None` otherwise, and the time per output token of a completed stream then
+//! ends at its last chunk.
 
 pub mod sse;
 
-use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
+use std::fmt;
+
+use serde::de::{SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::sse::SseParser;
 
@@ -124,28 +131,54 @@ struct PromptDetails {
     cached_tokens: Option<u64>,
 }
 
+/// One SSE chunk of a chat or completions stream, read without allocating (strings borrowed
+/// unless escaped, choices folded into whether any carries content).
 #[derive(Deserialize)]
 struct Chunk {
     #[serde(default)]
-    choices: Vec<Choice>,
+    choices: AnyContent,
     #[serde(default)]
     usage: Option<WireUsage>,
 }
 
-#[derive(Deserialize)]
-struct Choice {
-    #[serde(default)]
-    delta: Option<Delta>,
-    #[serde(default)]
-    text: Option<String>,
+/// Whether any of a chunk's `choices` has content ([`Choice::has_content`]).
+#[derive(Default)]
+struct AnyContent(bool);
+
+impl<'de> Deserialize<'de> for AnyContent {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Choices;
+        impl<'de> Visitor<'de> for Choices {
+            type Value = AnyContent;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an array of choices")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<AnyContent, A::Error> {
+                let mut any = false;
+                while let Some(choice) = seq.next_element::<Choice<'de>>()? {
+                    any |= choice.has_content();
+                }
+                Ok(AnyContent(any))
+            }
+        }
+        deserializer.deserialize_seq(Choices)
+    }
 }
 
 #[derive(Deserialize)]
-struct Delta {
-    #[serde(default)]
-    content: Option<String>,
-    #[serde(default)]
-    reasoning_content: Option<String>,
+struct Choice<'a> {
+    #[serde(default, borrow)]
+    delta: Option<Delta<'a>>,
+    #[serde(default, borrow)]
+    text: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct Delta<'a> {
+    #[serde(default, borrow)]
+    content: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    reasoning_content: Option<Cow<'a, str>>,
 }
 
 #[derive(Deserialize)]
@@ -173,6 +206,9 @@ struct Active {
     content_chunks: u64,
     first_content: Option<u64>,
     last_content: Option<u64>,
+    /// Content arrived in a chunk given no time (after the first content): the last content's
+    /// time is then the end of a completed stream, and unknown for an incomplete one.
+    last_content_untimed: bool,
     saw_done: bool,
 }
 
@@ -209,6 +245,7 @@ impl Meter {
                 content_chunks: 0,
                 first_content: None,
                 last_content: None,
+                last_content_untimed: false,
                 saw_done: false,
             }));
         }
@@ -217,6 +254,12 @@ impl Meter {
     /// Whether this response is metered (started and not finished).
     pub fn is_active(&self) -> bool {
         matches!(self.state, State::Active(_))
+    }
+
+    /// Whether the next body chunk needs its time (no content seen yet: it may be the first, which
+    /// dates TTFT). The last chunk (`end_of_stream`) always needs it.
+    pub fn needs_clock(&self) -> bool {
+        matches!(&self.state, State::Active(a) if a.first_content.is_none())
     }
 
     /// Response headers arrived. Returns the usage when the response has no body.
@@ -242,12 +285,25 @@ impl Meter {
         }
     }
 
-    /// A response body chunk arrived. Returns the usage on the last chunk.
-    pub fn on_response_body(&mut self, chunk: &[u8], end_of_stream: bool, now: u64) -> Option<Usage> {
+    /// A response body chunk arrived at `now` (`None`: not timed, allowed while
+    /// [`Meter::needs_clock`] is false and the chunk is not the last). Returns the usage on the
+    /// last chunk.
+    pub fn on_response_body(&mut self, chunk: &[u8], end_of_stream: bool, now: Option<u64>) -> Option<Usage> {
         let max_json = self.max_json_body_bytes;
+        let mut end = now;
         if let State::Active(a) = &mut self.state {
-            let Active { body, usage, content_chunks, first_content, last_content, saw_done, .. } =
-                a.as_mut();
+            let Active {
+                started,
+                body,
+                usage,
+                content_chunks,
+                first_content,
+                last_content,
+                last_content_untimed,
+                saw_done,
+                ..
+            } = a.as_mut();
+            end = end.or(*last_content).or(Some(*started));
             match body {
                 Body::Sse(parser) => parser.feed(chunk, |data| {
                     if data == b"[DONE]" {
@@ -260,15 +316,21 @@ impl Meter {
                     if parsed.usage.is_some() {
                         *usage = parsed.usage;
                     }
-                    if parsed.choices.iter().any(Choice::has_content) {
+                    if parsed.choices.0 {
                         *content_chunks += 1;
-                        first_content.get_or_insert(now);
-                        *last_content = Some(now);
+                        match now {
+                            Some(t) => {
+                                first_content.get_or_insert(t);
+                                *last_content = Some(t);
+                                *last_content_untimed = false;
+                            }
+                            None => *last_content_untimed = true,
+                        }
                     }
                 }),
                 Body::Json { buf, overflowed } => {
-                    if !chunk.is_empty() {
-                        first_content.get_or_insert(now);
+                    if let (false, Some(t)) = (chunk.is_empty(), now) {
+                        first_content.get_or_insert(t);
                     }
                     if buf.len() + chunk.len() > max_json {
                         *overflowed = true;
@@ -281,7 +343,7 @@ impl Meter {
             }
         }
         if end_of_stream {
-            self.finish(EndReason::Completed, now)
+            self.finish(EndReason::Completed, end.unwrap_or(0))
         } else {
             None
         }
@@ -320,7 +382,12 @@ impl Meter {
             ),
             None => (0, a.content_chunks, 0, UsageSource::StreamedChunks),
         };
-        let tpot_us = match (a.first_content, a.last_content) {
+        let last_content = match (a.last_content_untimed, end_reason) {
+            (false, _) => a.last_content,
+            (true, EndReason::Completed) => Some(now),
+            (true, EndReason::Incomplete) => None,
+        };
+        let tpot_us = match (a.first_content, last_content) {
             (Some(first), Some(last)) if a.content_chunks > 1 => {
                 last.saturating_sub(first) / (a.content_chunks - 1)
             }
@@ -341,9 +408,9 @@ impl Meter {
     }
 }
 
-impl Choice {
+impl Choice<'_> {
     fn has_content(&self) -> bool {
-        let nonempty = |s: &Option<String>| s.as_deref().is_some_and(|s| !s.is_empty());
+        let nonempty = |s: &Option<Cow<'_, str>>| s.as_deref().is_some_and(|s| !s.is_empty());
         nonempty(&self.text)
             || self.delta.as_ref().is_some_and(|d| nonempty(&d.content) || nonempty(&d.reasoning_content))
     }
@@ -386,8 +453,8 @@ mod tests {
             m.start(t0);
             assert!(m.on_response_headers(200, "text/event-stream", false, t0).is_none());
             let (a, b) = s.as_bytes().split_at(split);
-            assert!(m.on_response_body(a, false, t0 + 5 * MS).is_none());
-            let r = m.on_response_body(b, true, t0 + 9 * MS).unwrap();
+            assert!(m.on_response_body(a, false, Some(t0 + 5 * MS)).is_none());
+            let r = m.on_response_body(b, true, Some(t0 + 9 * MS)).unwrap();
             assert_eq!((r.prompt_tokens, r.completion_tokens, r.cached_tokens), (17, 3, 5), "split {split}");
             assert_eq!(r.usage_source, UsageSource::Upstream);
             assert_eq!(r.end_reason, EndReason::Completed);
@@ -402,16 +469,16 @@ mod tests {
         let mut m = Meter::new(1024);
         m.start(t0);
         m.on_response_headers(200, "text/event-stream; charset=utf-8", false, t0);
-        m.on_response_body(ROLE.as_bytes(), false, t0 + MS);
-        m.on_response_body(chunk("x").as_bytes(), false, t0 + 2 * MS);
-        m.on_response_body(chunk("y").as_bytes(), false, t0 + 3 * MS);
+        m.on_response_body(ROLE.as_bytes(), false, Some(t0 + MS));
+        m.on_response_body(chunk("x").as_bytes(), false, Some(t0 + 2 * MS));
+        m.on_response_body(chunk("y").as_bytes(), false, Some(t0 + 3 * MS));
         let r = m.on_stream_end(t0 + 4 * MS).unwrap();
         assert_eq!((r.prompt_tokens, r.completion_tokens), (0, 2));
         assert!(!r.prompt_tokens_known() && r.started());
         assert_eq!(r.ttft_us, 2000, "the role chunk carries no content");
         assert_eq!((r.end_reason, r.usage_source), (EndReason::Incomplete, UsageSource::StreamedChunks));
         assert!(m.on_stream_end(t0).is_none());
-        assert!(m.on_response_body(b"", true, t0).is_none());
+        assert!(m.on_response_body(b"", true, Some(t0)).is_none());
     }
 
     #[test]
@@ -422,8 +489,8 @@ mod tests {
         m.on_response_headers(200, "application/json", false, t0);
         let body = br#"{"id":"x","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":7,"completion_tokens":2,"total_tokens":9}}"#;
         let (a, b) = body.split_at(30);
-        m.on_response_body(a, false, t0);
-        let r = m.on_response_body(b, true, t0).unwrap();
+        m.on_response_body(a, false, Some(t0));
+        let r = m.on_response_body(b, true, Some(t0)).unwrap();
         assert_eq!((r.prompt_tokens, r.completion_tokens, r.usage_source), (7, 2, UsageSource::Upstream));
     }
 
@@ -437,7 +504,7 @@ mod tests {
             .on_response_body(
                 br#"{"error":{"message":"too long","type":"BadRequestError","code":400}}"#,
                 true,
-                t0,
+                Some(t0),
             )
             .unwrap();
         assert_eq!((r.status, r.prompt_tokens + r.completion_tokens), (400, 0));
@@ -449,7 +516,7 @@ mod tests {
         let mut m = Meter::new(8);
         m.start(t0);
         m.on_response_headers(200, "application/json", false, t0);
-        let r = m.on_response_body(b"{\"usage\":{\"prompt_tokens\":1}}", true, t0).unwrap();
+        let r = m.on_response_body(b"{\"usage\":{\"prompt_tokens\":1}}", true, Some(t0)).unwrap();
         assert_eq!((r.prompt_tokens, r.usage_source), (0, UsageSource::StreamedChunks));
     }
 
@@ -459,7 +526,7 @@ mod tests {
         let mut m = Meter::new(1024);
         m.start(t0);
         m.on_response_headers(200, "text/event-stream", false, t0);
-        let r = m.on_response_body(format!("{ROLE}{}", chunk("a")).as_bytes(), true, t0).unwrap();
+        let r = m.on_response_body(format!("{ROLE}{}", chunk("a")).as_bytes(), true, Some(t0)).unwrap();
         assert_eq!((r.end_reason, r.completion_tokens), (EndReason::Incomplete, 1));
     }
 
@@ -468,7 +535,7 @@ mod tests {
         let t0 = 1_000_000u64;
         let mut m = Meter::new(1024);
         assert!(m.on_response_headers(429, "application/json", false, t0).is_none());
-        assert!(m.on_response_body(b"{}", true, t0).is_none());
+        assert!(m.on_response_body(b"{}", true, Some(t0)).is_none());
         assert!(m.on_stream_end(t0).is_none());
         assert!(!m.is_active());
     }
@@ -501,7 +568,7 @@ mod tests {
         m.start(t0);
         m.on_response_headers(200, "text/event-stream", false, t0);
         let s = "data: {\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\"hi \"}]}\n\ndata: {\"choices\":[{\"index\":0,\"text\":\"yo \"}]}\n\n";
-        m.on_response_body(s.as_bytes(), false, t0);
+        m.on_response_body(s.as_bytes(), false, Some(t0));
         let r = m.on_stream_end(t0).unwrap();
         assert_eq!(r.completion_tokens, 2);
     }
@@ -512,11 +579,59 @@ mod tests {
         let mut m = Meter::new(1024);
         m.start(t0);
         m.on_response_headers(200, "text/event-stream", false, t0);
-        m.on_response_body(chunk("a").as_bytes(), false, t0 + 20 * MS);
-        m.on_response_body(chunk("b").as_bytes(), false, t0 + 25 * MS);
-        m.on_response_body(chunk("c").as_bytes(), false, t0 + 36 * MS);
-        let r = m.on_response_body(b"data: [DONE]\n\n", true, t0 + 40 * MS).unwrap();
+        m.on_response_body(chunk("a").as_bytes(), false, Some(t0 + 20 * MS));
+        m.on_response_body(chunk("b").as_bytes(), false, Some(t0 + 25 * MS));
+        m.on_response_body(chunk("c").as_bytes(), false, Some(t0 + 36 * MS));
+        let r = m.on_response_body(b"data: [DONE]\n\n", true, Some(t0 + 40 * MS)).unwrap();
         assert_eq!((r.ttft_us, r.tpot_us, r.duration_us), (20 * MS, 8 * MS, 40 * MS));
+    }
+
+    #[test]
+    fn untimed_chunks_after_the_first_content_end_at_the_last_chunk() {
+        let t0 = 1_000_000u64;
+        let mut m = Meter::new(1024);
+        m.start(t0);
+        m.on_response_headers(200, "text/event-stream", false, t0);
+        assert!(m.needs_clock(), "no content yet");
+        m.on_response_body(ROLE.as_bytes(), false, Some(t0 + 5 * MS));
+        assert!(m.needs_clock(), "the role chunk has no content");
+        m.on_response_body(chunk("a").as_bytes(), false, Some(t0 + 20 * MS));
+        assert!(!m.needs_clock());
+        m.on_response_body(chunk("b").as_bytes(), false, None);
+        m.on_response_body(chunk("c").as_bytes(), false, None);
+        let r = m.on_response_body(b"data: [DONE]\n\n", true, Some(t0 + 40 * MS)).unwrap();
+        assert_eq!(
+            (r.ttft_us, r.tpot_us, r.duration_us, r.completion_tokens),
+            (20 * MS, 10 * MS, 40 * MS, 3)
+        );
+        // Cut short: the last content's time is unknown, so no time per output token.
+        let mut m = Meter::new(1024);
+        m.start(t0);
+        m.on_response_headers(200, "text/event-stream", false, t0);
+        m.on_response_body(chunk("a").as_bytes(), false, Some(t0 + 20 * MS));
+        m.on_response_body(chunk("b").as_bytes(), false, None);
+        let r = m.on_stream_end(t0 + 900 * MS).unwrap();
+        assert_eq!((r.ttft_us, r.tpot_us, r.completion_tokens), (20 * MS, 0, 2));
+    }
+
+    #[test]
+    fn escaped_and_odd_chunks_are_read_as_before() {
+        let t0 = 1_000_000u64;
+        let mut m = Meter::new(1024);
+        m.start(t0);
+        m.on_response_headers(200, "text/event-stream", false, t0);
+        let events = [
+            r#"{"choices":[{"delta":{"content":"\u00e9\"q\""}}]}"#,
+            r#"{"choices":[{"delta":{"content":""}},{"text":"x"}]}"#,
+            r#"{"choices":null}"#,
+            r#"{"choices":[{"delta":{"reasoning_content":"hm"},"logprobs":{"content":[{"token":"a"}]}}],"usage":null}"#,
+            r#"{"choices":[{"delta":{"content":null}}]}"#,
+        ];
+        for e in events {
+            m.on_response_body(format!("data: {e}\n\n").as_bytes(), false, Some(t0));
+        }
+        let r = m.on_stream_end(t0).unwrap();
+        assert_eq!(r.completion_tokens, 3, "escaped, a second choice's text, reasoning; not null or empty");
     }
 
     #[test]
