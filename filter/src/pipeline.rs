@@ -522,7 +522,12 @@ mod tests {
     }
 
     fn pending(path: &str, key: &str) -> PendingRequest {
-        match on_request_headers(&cfg(), &post(path, key)).decision {
+        pending_in(&cfg(), path, key)
+    }
+
+    /// The pending request of `POST path` with `key` under `cfg` (the headers phase must pass).
+    fn pending_in(cfg: &Config, path: &str, key: &str) -> PendingRequest {
+        match on_request_headers(cfg, &post(path, key)).decision {
             HeadersDecision::AwaitBody(p) => p,
             HeadersDecision::Reply(r) => panic!("unexpected reply {r:?}"),
         }
@@ -738,10 +743,7 @@ mod tests {
     #[test]
     fn only_the_sidecar_admits_a_request_it_must_count_exactly() {
         let cfg = bounds_cfg();
-        let p = match on_request_headers(&cfg, &post("/v1/chat/completions", "sk-t")).decision {
-            HeadersDecision::AwaitBody(p) => p,
-            HeadersDecision::Reply(r) => panic!("unexpected reply {r:?}"),
-        };
+        let p = pending_in(&cfg, "/v1/chat/completions", "sk-t");
         let body = |content: &str| json!({"model": "ex", "messages": [{"role": "user", "content": content}]});
         let plan = on_request_body(&cfg, &p, body(&"z".repeat(64)).to_string().as_bytes()).unwrap();
         assert!(header_map(&plan).iter().any(|(k, _)| k == H_CONTEXT_CHECK));
@@ -876,10 +878,7 @@ mod tests {
     /// The `x-gateway-context-check` / `-model` headers the filter sets for `body` on `path`.
     fn context_headers(path: &str, body: Value) -> Vec<(String, String)> {
         let cfg = bounds_cfg();
-        let p = match on_request_headers(&cfg, &post(path, "sk-t")).decision {
-            HeadersDecision::AwaitBody(p) => p,
-            HeadersDecision::Reply(r) => panic!("unexpected reply {r:?}"),
-        };
+        let p = pending_in(&cfg, path, "sk-t");
         let plan = on_request_body(&cfg, &p, body.to_string().as_bytes()).unwrap();
         header_map(&plan).into_iter().filter(|(k, _)| k.starts_with("x-gateway-context")).collect()
     }
@@ -938,10 +937,7 @@ mod tests {
     #[test]
     fn lower_bound_still_rejects_first() {
         let cfg = bounds_cfg();
-        let p = match on_request_headers(&cfg, &post("/v1/chat/completions", "sk-t")).decision {
-            HeadersDecision::AwaitBody(p) => p,
-            HeadersDecision::Reply(r) => panic!("unexpected reply {r:?}"),
-        };
+        let p = pending_in(&cfg, "/v1/chat/completions", "sk-t");
         // user(4) + 392 bytes, max_token_bytes 4: lower 99 + 2 > 100.
         let body = json!({"model": "ex", "messages": [{"role": "user", "content": "y".repeat(392)}], "max_tokens": 2});
         let e = on_request_body(&cfg, &p, body.to_string().as_bytes()).unwrap_err();
