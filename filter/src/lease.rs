@@ -281,6 +281,15 @@ mod tests {
         }
     }
 
+    /// A table holding `grant` for [`key`], granted at time 0 after one miss.
+    fn holding(grant: LeaseGrant) -> Leases {
+        let mut l = Leases::new();
+        assert_eq!(l.try_admit(&facts(10), 0), None);
+        assert_eq!(l.due(0, 0).len(), 1);
+        l.on_grant(&key(), &grant, 0);
+        l
+    }
+
     fn header<'a>(a: &'a LeaseAdmission, name: &str) -> Option<&'a str> {
         a.response_headers.iter().find(|(k, _)| *k == name).map(|(_, v)| v.as_str())
     }
@@ -313,10 +322,7 @@ mod tests {
 
     #[test]
     fn an_expired_lease_stops_admitting_and_is_given_back() {
-        let mut l = Leases::new();
-        l.try_admit(&facts(10), 0);
-        l.due(0, 0);
-        l.on_grant(&key(), &grant(10, 1000), 0);
+        let mut l = holding(grant(10, 1000));
         assert!(l.try_admit(&facts(10), 999_999).is_some());
         assert_eq!(l.try_admit(&facts(10), 1_000_000), None, "expired");
         // The miss wants a new lease; the call gives the old one's rest back with it.
@@ -326,10 +332,7 @@ mod tests {
 
     #[test]
     fn an_unused_expired_lease_is_only_given_back_and_the_key_forgotten() {
-        let mut l = Leases::new();
-        l.try_admit(&facts(10), 0);
-        l.due(0, 0);
-        l.on_grant(&key(), &grant(10, 1000), 0);
+        let mut l = holding(grant(10, 1000));
         assert!(l.due(500_000, 0).is_empty(), "live and unused: nothing to do");
         let (_, req) = l.due(1_000_000, 0).remove(0);
         assert!(!req.want);
@@ -340,10 +343,7 @@ mod tests {
 
     #[test]
     fn a_lease_in_use_is_renewed_before_it_expires_or_runs_low() {
-        let mut l = Leases::new();
-        l.try_admit(&facts(10), 0);
-        l.due(0, 0);
-        l.on_grant(&key(), &grant(100, 10_000), 0);
+        let mut l = holding(grant(100, 10_000));
         assert!(l.try_admit(&facts(10), 100).is_some());
         assert!(l.due(700_000, 200_000).is_empty(), "300 ms left, more than the horizon");
         let calls = l.due(800_000, 200_000);
@@ -358,10 +358,7 @@ mod tests {
 
     #[test]
     fn refusals_and_failures_wait_before_asking_again() {
-        let mut l = Leases::new();
-        l.try_admit(&facts(10), 0);
-        l.due(0, 0);
-        l.on_grant(&key(), &LeaseGrant { retry_after_ms: 5000, ..Default::default() }, 0);
+        let mut l = holding(LeaseGrant { retry_after_ms: 5000, ..Default::default() });
         assert_eq!(l.try_admit(&facts(10), 1), None);
         assert!(l.due(4_999_999, 0).is_empty(), "refused: wait retry_after_ms");
         assert_eq!(l.due(5_000_000, 0).len(), 1);
@@ -387,10 +384,7 @@ mod tests {
 
     #[test]
     fn keys_do_not_share_leases() {
-        let mut l = Leases::new();
-        l.try_admit(&facts(10), 0);
-        l.due(0, 0);
-        l.on_grant(&key(), &grant(10, 1000), 0);
+        let mut l = holding(grant(10, 1000));
         let other = AdmissionFacts { pool: "pool_b".into(), ..facts(10) };
         assert_eq!(l.try_admit(&other, 1), None);
         assert_eq!(l.len(), 2);
