@@ -297,9 +297,52 @@ pub fn apply_edits(s: &[u8], mut edits: Vec<Edit>) -> Option<Vec<u8>> {
     Some(out)
 }
 
+/// Applies non-overlapping `edits` to `s` in place (from the last edit back, each moving the
+/// bytes after it once): no second buffer the size of `s`. Returns `None`, with `s` unchanged, if
+/// an edit is out of range or edits overlap.
+pub fn apply_edits_in_place(s: &mut Vec<u8>, mut edits: Vec<Edit>) -> Option<()> {
+    edits.sort_by_key(|e| (e.start, e.end));
+    let mut pos = 0usize;
+    for e in &edits {
+        if e.start < pos || e.end < e.start || e.end > s.len() {
+            return None;
+        }
+        pos = e.end;
+    }
+    for e in edits.into_iter().rev() {
+        s.splice(e.start..e.end, e.with);
+    }
+    Some(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn edits_in_place_equal_edits_into_a_copy() {
+        let base = br#"{"model":"a","messages":[1,2,3],"stream":true}"#.to_vec();
+        let cases = vec![
+            vec![Edit { start: 9, end: 12, with: br#""served/name""#.to_vec() }],
+            vec![
+                Edit { start: 46, end: 46, with: br#","stream_options":{}"#.to_vec() },
+                Edit { start: 9, end: 12, with: b"\"b\"".to_vec() },
+            ],
+            vec![Edit { start: 0, end: 1, with: Vec::new() }, Edit { start: 1, end: 1, with: b"{".to_vec() }],
+        ];
+        for edits in cases {
+            let mut in_place = base.clone();
+            apply_edits_in_place(&mut in_place, edits.clone()).unwrap();
+            assert_eq!(Some(in_place), apply_edits(&base, edits));
+        }
+        let mut unchanged = base.clone();
+        let overlapping =
+            vec![Edit { start: 2, end: 6, with: vec![] }, Edit { start: 4, end: 8, with: vec![] }];
+        assert_eq!(apply_edits_in_place(&mut unchanged, overlapping), None);
+        let out_of_range = vec![Edit { start: 2, end: 999, with: vec![] }];
+        assert_eq!(apply_edits_in_place(&mut unchanged, out_of_range), None);
+        assert_eq!(unchanged, base);
+    }
 
     #[test]
     fn long_strings_at_every_alignment() {

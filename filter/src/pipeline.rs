@@ -29,7 +29,9 @@ use crate::context::{
     PromptCounts, TokenCounter,
 };
 use crate::error::{truncate_for_echo, GatewayError, LocalReply};
-use crate::json_scan::{apply_edits, array_elements, scan_object, string_bytes_lower, Edit};
+use crate::json_scan::{
+    apply_edits, apply_edits_in_place, array_elements, scan_object, string_bytes_lower, Edit,
+};
 use crate::lease::{AdmissionFacts, LeaseAdmission};
 use crate::request::{classify, parse_json, validate, Endpoint, ValidatedRequest};
 use crate::routing::{listed_models, route, Route};
@@ -211,7 +213,7 @@ pub fn leased_headers(admission: &LeaseAdmission) -> [(&'static str, String); 2]
 }
 
 /// Request-body phase (whole body buffered): size limit, parse and validate, route, context
-/// check, header outputs and body rewrite.
+/// check, header outputs and body rewrite (`new_body`, a rewritten copy of `body`).
 ///
 /// # Errors
 /// Any [`GatewayError`] to send as a local reply.
@@ -220,6 +222,41 @@ pub fn on_request_body(
     pending: &PendingRequest,
     body: &[u8],
 ) -> Result<ForwardPlan, GatewayError> {
+    let (mut plan, edits) = plan_request_body(cfg, pending, body)?;
+    if !edits.is_empty() {
+        plan.new_body = Some(apply_edits(body, edits).ok_or_else(rewrite_failed)?);
+    }
+    Ok(plan)
+}
+
+/// [`on_request_body`] on a body the caller gives away: a rewrite edits it in place and returns it
+/// as `new_body` (no second copy of a large body in the VM's memory).
+///
+/// # Errors
+/// As [`on_request_body`].
+pub fn on_request_body_owned(
+    cfg: &Config,
+    pending: &PendingRequest,
+    mut body: Vec<u8>,
+) -> Result<ForwardPlan, GatewayError> {
+    let (mut plan, edits) = plan_request_body(cfg, pending, &body)?;
+    if !edits.is_empty() {
+        apply_edits_in_place(&mut body, edits).ok_or_else(rewrite_failed)?;
+        plan.new_body = Some(body);
+    }
+    Ok(plan)
+}
+
+fn rewrite_failed() -> GatewayError {
+    GatewayError::Internal { what: "request body rewrite failed" }
+}
+
+/// The plan of a request body (`new_body` unset) and the edits that rewrite it.
+fn plan_request_body(
+    cfg: &Config,
+    pending: &PendingRequest,
+    body: &[u8],
+) -> Result<(ForwardPlan, Vec<Edit>), GatewayError> {
     check_body_size(cfg, body.len() as u64)?;
     let tenant = cfg
         .tenants
@@ -249,7 +286,7 @@ pub fn on_request_body(
     finish_plan(pending, tenant, body, &req, &value, &route, &counts, max_tokens_header, exact_check)
 }
 
-/// The plan of a validated, routed request: the body rewrite and the headers.
+/// The plan of a validated, routed request: the headers, and the edits that rewrite the body.
 #[allow(clippy::too_many_arguments)]
 fn finish_plan(
     pending: &PendingRequest,
@@ -261,9 +298,9 @@ fn finish_plan(
     counts: &PromptCounts,
     max_tokens_header: u64,
     exact_check: bool,
-) -> Result<ForwardPlan, GatewayError> {
+) -> Result<(ForwardPlan, Vec<Edit>), GatewayError> {
     let inject = req.stream && !req.include_usage;
-    let new_body = rewrite_body(body, req, value, route, inject)?;
+    let edits = body_edits(body, req, value, route, inject)?;
 
     let mut set_headers = vec![
         (H_TENANT, tenant.id.clone()),
@@ -281,10 +318,10 @@ fn finish_plan(
         set_headers.push((H_CONTEXT_CHECK, "exact".to_string()));
         set_headers.push((H_CONTEXT_MODEL, route.model.name.clone()));
     }
-    if let Some(b) = &new_body {
-        if pending.has_content_length {
-            set_headers.push(("content-length", b.len().to_string()));
-        }
+    if !edits.is_empty() && pending.has_content_length {
+        let added: usize = edits.iter().map(|e| e.with.len()).sum();
+        let removed: usize = edits.iter().map(|e| e.end.saturating_sub(e.start)).sum();
+        set_headers.push(("content-length", (body.len() + added).saturating_sub(removed).to_string()));
     }
     let admission = (!exact_check).then(|| AdmissionFacts {
         tenant: tenant.id.clone(),
@@ -293,7 +330,7 @@ fn finish_plan(
         pool: route.pool.to_string(),
         reserve_tokens: counts.total_estimate.saturating_add(max_tokens_header),
     });
-    Ok(ForwardPlan { set_headers, new_body, usage_injected: inject, admission })
+    Ok((ForwardPlan { set_headers, new_body: None, usage_injected: inject, admission }, edits))
 }
 
 /// A body over `full_parse_max_bytes`: only its top-level members are scanned (no parse of the
@@ -310,7 +347,7 @@ fn on_large_body(
     pending: &PendingRequest,
     tenant: &crate::config::Tenant,
     body: &[u8],
-) -> Result<ForwardPlan, GatewayError> {
+) -> Result<(ForwardPlan, Vec<Edit>), GatewayError> {
     let scan =
         scan_object(body).ok_or(GatewayError::InvalidJson { detail: "expected a JSON object".into() })?;
     if let Some(dup) = scan.first_duplicate() {
@@ -416,16 +453,17 @@ fn json_type_of(first: Option<u8>) -> &'static str {
 
 const INCLUDE_USAGE_OBJECT: &[u8] = br#"{"include_usage":true}"#;
 
-/// Surgical body rewrite: replaces the `model` value when vLLM expects another name, and injects
-/// `stream_options.include_usage: true`. Every other byte is kept. `None` when nothing changes.
-fn rewrite_body(
+/// Surgical body rewrite: the edits that replace the `model` value when vLLM expects another
+/// name, and inject `stream_options.include_usage: true`. Every other byte is kept. None when
+/// nothing changes.
+fn body_edits(
     body: &[u8],
     req: &ValidatedRequest<'_>,
     value: &Value,
     route: &Route<'_>,
     inject: bool,
-) -> Result<Option<Vec<u8>>, GatewayError> {
-    let internal = GatewayError::Internal { what: "request body rewrite failed" };
+) -> Result<Vec<Edit>, GatewayError> {
+    let internal = rewrite_failed();
     let mut edits = Vec::new();
     if route.body_model != req.model {
         let m = req.scan.get("model").ok_or_else(|| internal.clone())?;
@@ -435,10 +473,7 @@ fn rewrite_body(
     if inject {
         edits.push(stream_options_edit(body, req, value).ok_or_else(|| internal.clone())?);
     }
-    if edits.is_empty() {
-        return Ok(None);
-    }
-    apply_edits(body, edits).map(Some).ok_or(internal)
+    Ok(edits)
 }
 
 fn stream_options_edit(body: &[u8], req: &ValidatedRequest<'_>, value: &Value) -> Option<Edit> {
@@ -541,7 +576,15 @@ mod tests {
     }
 
     fn chat(body: Value) -> Result<ForwardPlan, GatewayError> {
-        on_request_body(&cfg(), &pending("/v1/chat/completions", "sk-demo"), body.to_string().as_bytes())
+        both(&cfg(), &pending("/v1/chat/completions", "sk-demo"), body.to_string().as_bytes())
+    }
+
+    /// The plan of [`on_request_body`], checked equal to [`on_request_body_owned`]'s (which
+    /// rewrites the body in place).
+    fn both(c: &Config, p: &PendingRequest, body: &[u8]) -> Result<ForwardPlan, GatewayError> {
+        let copied = on_request_body(c, p, body);
+        assert_eq!(copied, on_request_body_owned(c, p, body.to_vec()), "the in-place rewrite differs");
+        copied
     }
 
     fn header_map(plan: &ForwardPlan) -> Vec<(String, String)> {
@@ -957,7 +1000,7 @@ mod tests {
     fn large(body: Value) -> Result<ForwardPlan, GatewayError> {
         let mut c = cfg();
         c.full_parse_max_bytes = 200;
-        on_request_body(&c, &pending("/v1/chat/completions", "sk-demo"), body.to_string().as_bytes())
+        both(&c, &pending("/v1/chat/completions", "sk-demo"), body.to_string().as_bytes())
     }
 
     fn long_messages() -> Value {

@@ -35,7 +35,7 @@ use crate::config::Config;
 use crate::error::{GatewayError, LocalReply};
 use crate::lease::{LeaseKey, Leases};
 use crate::pipeline::{
-    leased_headers, on_request_body, on_request_headers, response_needs_stripping, HeadersDecision,
+    leased_headers, on_request_body_owned, on_request_headers, response_needs_stripping, HeadersDecision,
     PendingRequest,
 };
 use crate::proto::LeaseGrant;
@@ -272,22 +272,23 @@ fn send_error(e: &GatewayError) -> Action {
 }
 
 impl GatewayHttp {
-    /// Runs the body phase on the complete body and applies the plan.
+    /// Runs the body phase on the complete body (given away: a rewrite edits it in place) and
+    /// applies the plan.
     fn finish_request(
         &mut self,
         cfg: &Config,
         pending: &PendingRequest,
-        body: &[u8],
+        body: Vec<u8>,
         body_in_buffer: bool,
     ) -> Action {
-        let plan = match on_request_body(cfg, pending, body) {
+        let body_len = body.len();
+        let plan = match on_request_body_owned(cfg, pending, body) {
             Ok(plan) => plan,
             Err(e) => return send_error(&e),
         };
         if let Some(new_body) = &plan.new_body {
             if body_in_buffer {
-                if let Err(status) =
-                    hostcalls::set_buffer(BufferType::HttpRequestBody, 0, body.len(), new_body)
+                if let Err(status) = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, body_len, new_body)
                 {
                     log(LogLevel::Error, &format!("gateway-filter: set request body failed: {status:?}"));
                     return send_error(&GatewayError::Internal { what: "cannot rewrite request body" });
@@ -333,7 +334,8 @@ impl GatewayHttp {
             Ok(b) => b.unwrap_or_default(),
             Err(_) => return send_error(&GatewayError::Internal { what: "cannot read request body" }),
         };
-        let action = self.finish_request(&cfg, &pending, &body, true);
+        let body_len = body.len();
+        let action = self.finish_request(&cfg, &pending, body, true);
         if let Some(start) = start {
             let us = hostcalls::get_current_time()
                 .ok()
@@ -343,8 +345,7 @@ impl GatewayHttp {
             log(
                 LogLevel::Debug,
                 &format!(
-                    "gateway-filter: body of {} bytes decided in {us} us (headers {headers_us} us)",
-                    body.len()
+                    "gateway-filter: body of {body_len} bytes decided in {us} us (headers {headers_us} us)"
                 ),
             );
         }
@@ -370,7 +371,7 @@ impl GatewayHttp {
             HeadersDecision::Reply(reply) => send_reply(&reply),
             HeadersDecision::AwaitBody(pending) if end_of_stream => {
                 // No body at all: validate the empty body now (it fails as invalid JSON).
-                self.finish_request(&cfg, &pending, &[], false)
+                self.finish_request(&cfg, &pending, Vec::new(), false)
             }
             HeadersDecision::AwaitBody(pending) => {
                 self.pending = Some(pending);
