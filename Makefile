@@ -25,6 +25,7 @@ build: ## Build the sidecar, the upstream simulator, the bench tool and gatewayc
 	cargo build --release --locked $(CARGO_BINS)
 	cargo build --release --locked -p gateway-tokenize --example count  # tests/test_token_counts.py, token counting by hand
 	cargo build --release --locked --target wasm32-wasip1 -p gateway-filter
+	cargo build --release --locked --target wasm32-wasip1 -p gateway-filter --example noop  # bench target filter-noop
 	@ls -l $(WASM)
 
 run: setup build ## Run the gateway on http://127.0.0.1:8080 with two simulated vLLM pools (Ctrl-C stops it)

@@ -10,6 +10,8 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
     gateway-no-metering   (diagnostic) the gateway without its metering access log: admission only
     gateway-ext-proc-metering   (diagnostic) the gateway metered by the ext_proc filter instead of
                           the access log (how Envoy Gateway is rendered)
+    filter-noop           (diagnostic, not run by default) Envoy + a proxy-wasm filter that does
+                          nothing (filter/examples/noop.rs): the floor of any proxy-wasm filter
     gateway-leases        the gateway with leases (`redis.lease_fraction: 0.01`): the filter admits
                           from admission leases (filter `admission_leases`) without the ext_proc
                           round trip, and the sidecar's own decisions use token leases
@@ -115,7 +117,10 @@ PROFILES = {
     "gateway-no-metering": ("gateway", ("envoy.access_loggers.http_grpc",)),
     "gateway-ext-proc-metering": ("gateway", ()),
     "gateway-leases": ("gateway", ()),
+    "filter-noop": ("filter", ()),
 }
+# The no-op proxy-wasm filter of the `filter-noop` target (`make build` builds it).
+NOOP_WASM = TARGET / "wasm32-wasip1" / "release" / "examples" / "noop.wasm"
 SCENARIOS = ("overhead", "saturation", "sweep", "limits", "streams", "overload", "tool", "vmtime", "memory")
 # memory: Envoy worker counts compared, bare and with the filter.
 MEMORY_CONCURRENCY = (1, 2, 4)
@@ -444,6 +449,9 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
                  exits: contextlib.ExitStack, sidecar_extra: dict | None = None, profile: str | None = None) -> Target:
     """Starts one target's Envoy stack (see PROFILES) in front of `upstream`."""
     profile, drop = PROFILES[profile or name]
+    if name == "filter-noop" and not NOOP_WASM.exists():
+        raise BenchError(f"{NOOP_WASM} is missing: cargo build --release --target wasm32-wasip1 "
+                         "-p gateway-filter --example noop (make build does)")
     if profile == "direct":
         return Target(name, upstream.url)
     stack = BenchStack(
@@ -458,6 +466,7 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
         metering="ext_proc" if name == "gateway-ext-proc-metering" else "access_log",
         sidecar_overrides=LEASES if name == "gateway-leases" else None,
         admission_leases=name == "gateway-leases",
+        wasm_path=NOOP_WASM if name == "filter-noop" else None,
     )
     exits.enter_context(stack)
     assert stack.envoy is not None and stack.base_url is not None

@@ -181,6 +181,7 @@ class Stack:
         metering: str = "access_log",
         envoy_args: list[str] | None = None,
         admission_leases: bool = False,
+        wasm_path: Path | None = None,
     ):
         if profile not in ("gateway", "filter", "bare"):
             raise ValueError(f"unknown profile {profile}")
@@ -191,6 +192,8 @@ class Stack:
         # Envoy skips the ext_proc admission for those); the sidecar grants them only with
         # `redis.lease_fraction` > 0 (sidecar_overrides).
         self.admission_leases = admission_leases
+        # Another wasm module in the filter's place (the benchmark's no-op filter).
+        self.wasm_path = wasm_path or WASM_PATH
         # Extra envoy command-line arguments (e.g. ["--component-log-level", "wasm:debug"]).
         self.envoy_args = envoy_args or []
         self.workdir = workdir
@@ -557,7 +560,7 @@ class Stack:
             "BUFFER_LIMIT_BYTES": max_body + (1 << 20),
             "DEFAULT_POOL": self.pools[0].name,
             "FILTER_CONFIG_JSON": json.dumps(json.dumps(self.filter_config())),
-            "WASM_PATH": json.dumps(str(WASM_PATH)),
+            "WASM_PATH": json.dumps(str(self.wasm_path)),
             "EXT_PROC_PORT": self.ext_proc_port or 0,
         }
 
