@@ -60,7 +60,7 @@ def test_lora_adapter_routes_to_its_base_pool_and_keeps_its_name(stack):
     assert received(stack, "pool_base") == before + 1
 
 
-def test_weighted_split_within_5_percent_and_sticky_per_request_id(stack):
+def test_weighted_split_within_5_percent_by_envoys_request_id(stack):
     n = 2000
     before = {p: received(stack, p) for p in ("pool_w1", "pool_w2")}
     with httpx.Client(base_url=stack.base_url, headers=auth(KEY), timeout=10) as client:
@@ -71,14 +71,15 @@ def test_weighted_split_within_5_percent_and_sticky_per_request_id(stack):
         share = (received(stack, "pool_w1") - before["pool_w1"]) / n
         assert abs(share - 0.70) <= 0.05, share
         assert received(stack, "pool_w1") + received(stack, "pool_w2") == sum(before.values()) + n
-        # The same x-request-id (a client's retry) lands on the same pool every time.
+        # The pool is picked by Envoy's x-request-id, never a client's (issue 17): 20 requests with
+        # the same client id still spread over both pools (all 20 on one: p = 0.7^20 + 0.3^20).
         rid = str(uuid.uuid4())
         counts = {p: received(stack, p) for p in ("pool_w1", "pool_w2")}
         for _ in range(20):
             assert client.post("/v1/chat/completions", json=chat_body("split", max_tokens=1),
                                headers={"x-request-id": rid}).status_code == 200
         deltas = sorted(received(stack, p) - counts[p] for p in counts)
-        assert deltas == [0, 20]
+        assert sum(deltas) == 20 and deltas[0] > 0, deltas
 
 
 @pytest.mark.parametrize("model,first", [("fb-5xx", "pool_failing"), ("fb-down", None)])

@@ -1,12 +1,14 @@
 //! The tonic adapter of Envoy's gRPC access log service (`envoy.service.accesslog.v3`,
 //! `StreamAccessLogs`), the metering path: Envoy's `envoy.access_loggers.http_grpc` logger sends
 //! one `HTTPAccessLogEntry` per finished HTTP stream (batched per worker, off the request path),
-//! with the request's `x-gateway-*` headers (`additional_request_headers_to_log`), admission's
-//! dynamic metadata (namespace `llm_gateway`: the reservation) and the filter state
-//! [`USAGE_FILTER_STATE`], the [`gateway_meter::Usage`] JSON the wasm filter measured on the
-//! response. Each entry of an admitted request becomes one usage record ([`service::finish`]:
-//! reservation settled, record queued); entries without admission metadata (local replies: 401,
-//! 429, 400) are not metered.
+//! with two filter states the wasm filter set, [`FS_REQUEST`] (its decision: tenant, model, pool,
+//! token counts, lease) and [`FS_USAGE`] (the [`gateway_meter::Usage`] JSON it measured on the
+//! response), and admission's dynamic metadata (namespace `llm_gateway`: the reservation). Each
+//! entry of an admitted request becomes one usage record ([`service::finish`]: reservation
+//! settled, record queued). Only what clients cannot write counts: an entry without the filter's
+//! decision (a local reply before the filter ran: an `Upgrade` Envoy refused, an RBAC denial, the
+//! filter's own 401/400) or without an admission (the ext_proc admission's reservation, or the
+//! filter's lease) produces no record and settles nothing, whatever its request headers say.
 //!
 //! Envoy logs a stream once, at its end, whether it completed, was reset or the client went
 //! away: one entry, one record. An admitted request whose entry lacks the filter state (the
@@ -24,13 +26,11 @@ use prost::Message;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::warn;
 
-use crate::meter::{RequestInfo, Usage, UsageRecord};
-use crate::service::{self, Shared, METADATA_NAMESPACE, RESERVED_TOKENS_KEY};
+use gateway_contract::{FS_REQUEST, FS_USAGE, MD_PROMPT_TOKENS, MD_RESERVED_TOKENS, METADATA_NAMESPACE};
 
-/// Envoy filter-state key of the usage the wasm filter measured (it sets the property
-/// `llm_gateway.usage`; Envoy prefixes properties set from wasm with `wasm.`). The access log
-/// lists it in `filter_state_objects_to_log`.
-pub const USAGE_FILTER_STATE: &str = "wasm.llm_gateway.usage";
+use crate::admission::RequestFacts;
+use crate::meter::{RequestInfo, Usage, UsageRecord};
+use crate::service::{self, Shared};
 
 /// The access log service.
 pub struct AccessLog {
@@ -64,46 +64,50 @@ impl AccessLogService for AccessLog {
     }
 }
 
-/// The usage record of one access-log entry; `None` when the request was not admitted: neither
-/// the ext_proc admission's reservation in its dynamic metadata (namespace `llm_gateway`) nor the
-/// filter's leased admission in its request headers (`x-gateway-admission: lease`).
+/// The usage record of one access-log entry; `None` when the filter did not decide the request
+/// (no [`FS_REQUEST`]) or it was not admitted: neither the ext_proc admission's reservation in
+/// its dynamic metadata (namespace `llm_gateway`) nor the filter's lease in its facts.
 fn record_of(entry: &HttpAccessLogEntry, record_id: impl FnOnce() -> String) -> Option<UsageRecord> {
     let common = entry.common_properties.as_ref()?;
-    let request = entry.request.as_ref();
-    let facts = service::facts_from(|name| {
-        let request = request?;
-        if name == "x-request-id" && !request.request_id.is_empty() {
-            return Some(request.request_id.clone());
+    let decided = common.filter_state_objects.get(FS_REQUEST).and_then(|any| match bytes_of(any) {
+        Ok(bytes) => gateway_contract::RequestFacts::from_json(&bytes),
+        Err(why) => {
+            warn!(%why, "unreadable request facts in the access log");
+            None
         }
-        request.request_headers.get(name).cloned()
-    });
+    })?;
+    let request_id = entry.request.as_ref().map(|r| r.request_id.clone()).unwrap_or_default();
+    let mut facts = RequestFacts::from_filter(decided, request_id);
     let metadata = common.metadata.as_ref();
+    let admission = metadata.and_then(|m| m.filter_metadata.get(METADATA_NAMESPACE)).map(|s| &s.fields);
     let reserved = match facts.leased_tokens {
         Some(tokens) => (tokens, false),
         None => {
-            let admitted = metadata
-                .and_then(|m| m.filter_metadata.get(METADATA_NAMESPACE))
-                .is_some_and(|s| s.fields.contains_key(RESERVED_TOKENS_KEY));
-            if !admitted {
+            if !admission.is_some_and(|f| f.contains_key(MD_RESERVED_TOKENS)) {
                 return None;
             }
             service::reservation(metadata)
         }
     };
+    if let Some(counted) = admission.and_then(|f| service::metadata_number(f.get(MD_PROMPT_TOKENS)?)) {
+        facts.prompt_tokens = counted;
+    }
     let status = entry
         .response
         .as_ref()
         .and_then(|r| r.response_code)
         .and_then(|c| u16::try_from(c.value).ok())
         .unwrap_or(0);
-    let usage = match common.filter_state_objects.get(USAGE_FILTER_STATE) {
-        Some(any) => match usage_of(any) {
-            Ok(usage) => usage,
-            Err(why) => {
-                warn!(request_id = %facts.request_id, %why, "unreadable usage in the access log");
-                Usage::unseen(duration_us(entry), status)
+    let usage = match common.filter_state_objects.get(FS_USAGE) {
+        Some(any) => {
+            match bytes_of(any).and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string())) {
+                Ok(usage) => usage,
+                Err(why) => {
+                    warn!(request_id = %facts.request_id, %why, "unreadable usage in the access log");
+                    Usage::unseen(duration_us(entry), status)
+                }
             }
-        },
+        }
         None => Usage::unseen(duration_us(entry), status),
     };
     let info = RequestInfo::new(facts, reserved, record_id());
@@ -131,16 +135,16 @@ fn duration_us(entry: &HttpAccessLogEntry) -> u64 {
 }
 
 /// Decodes the filter state Envoy logs for a property set from wasm: an `Any` holding a
-/// `google.protobuf.BytesValue` (or `StringValue`) whose value is the [`Usage`] JSON, possibly
+/// `google.protobuf.BytesValue` (or `StringValue`) whose value is the property's bytes, possibly
 /// wrapped in one more `Any`.
-fn usage_of(any: &Any) -> Result<Usage, String> {
+fn bytes_of(any: &Any) -> Result<Vec<u8>, String> {
     let bytes = match any.type_url.rsplit('/').next().unwrap_or_default() {
         "google.protobuf.Any" => {
             let inner = Any::decode(any.value.as_slice()).map_err(|e| e.to_string())?;
             if inner.type_url.ends_with("/google.protobuf.Any") {
                 return Err("nested too deep".to_owned());
             }
-            return usage_of(&inner);
+            return bytes_of(&inner);
         }
         "google.protobuf.BytesValue" => {
             <Vec<u8> as Message>::decode(any.value.as_slice()).map_err(|e| e.to_string())?
@@ -150,7 +154,7 @@ fn usage_of(any: &Any) -> Result<Usage, String> {
         }
         other => return Err(format!("unexpected type {other:?}")),
     };
-    serde_json::from_slice(&bytes).map_err(|e| e.to_string())
+    Ok(bytes)
 }
 
 #[cfg(test)]
@@ -171,29 +175,41 @@ mod tests {
         Any { type_url: "type.googleapis.com/google.protobuf.BytesValue".into(), value }
     }
 
-    fn entry(admitted: bool, usage: Option<Any>) -> HttpAccessLogEntry {
+    const FACTS: &str = r#"{"v":1,"tenant":"acme","tier":"standard","model":"m","pool":"p","prompt_tokens":12,"max_tokens":38}"#;
+    const LEASED: &str = r#"{"v":1,"tenant":"acme","tier":"standard","model":"m","pool":"p","prompt_tokens":12,"max_tokens":38,"leased_tokens":30}"#;
+
+    /// An entry with the filter's facts (when `facts`), admission's reservation (when `admitted`)
+    /// and the usage; its request headers claim everything a forger would.
+    fn entry(facts: Option<&str>, admitted: bool, usage: Option<Any>) -> HttpAccessLogEntry {
         let mut fields = HashMap::new();
         if admitted {
-            fields.insert(RESERVED_TOKENS_KEY.to_owned(), Value { kind: Some(Kind::NumberValue(50.0)) });
+            fields.insert(MD_RESERVED_TOKENS.to_owned(), Value { kind: Some(Kind::NumberValue(50.0)) });
         }
         let metadata = Metadata {
             filter_metadata: HashMap::from([(METADATA_NAMESPACE.to_owned(), Struct { fields })]),
             ..Default::default()
         };
+        let mut states = HashMap::new();
+        if let Some(facts) = facts {
+            states.insert(FS_REQUEST.to_owned(), any_bytes(facts));
+        }
+        if let Some(usage) = usage {
+            states.insert(FS_USAGE.to_owned(), usage);
+        }
         HttpAccessLogEntry {
             common_properties: Some(AccessLogCommon {
                 metadata: Some(metadata),
-                filter_state_objects: usage
-                    .map(|u| HashMap::from([(USAGE_FILTER_STATE.to_owned(), u)]))
-                    .unwrap_or_default(),
+                filter_state_objects: states,
                 ..Default::default()
             }),
             request: Some(HttpRequestProperties {
                 request_id: "req-1".into(),
                 request_headers: HashMap::from([
-                    ("x-gateway-tenant".to_owned(), "acme".to_owned()),
-                    ("x-gateway-model".to_owned(), "m".to_owned()),
-                    ("x-gateway-prompt-tokens".to_owned(), "12".to_owned()),
+                    ("x-gateway-tenant".to_owned(), "forged".to_owned()),
+                    ("x-gateway-model".to_owned(), "forged".to_owned()),
+                    ("x-gateway-prompt-tokens".to_owned(), "99".to_owned()),
+                    ("x-gateway-admission".to_owned(), "lease".to_owned()),
+                    ("x-gateway-reserved-tokens".to_owned(), "99999999".to_owned()),
                 ]),
                 ..Default::default()
             }),
@@ -208,17 +224,36 @@ mod tests {
     const USAGE: &str = r#"{"v":1,"status":200,"prompt_tokens":10,"completion_tokens":3,"cached_tokens":0,"ttft_us":5,"tpot_us":1,"duration_us":9,"end_reason":"completed","usage_source":"upstream"}"#;
 
     #[test]
-    fn an_admitted_entry_becomes_one_record() {
-        let r = record_of(&entry(true, Some(any_bytes(USAGE))), || "id".into()).unwrap();
+    fn an_admitted_entry_becomes_one_record_from_the_filters_facts() {
+        let r = record_of(&entry(Some(FACTS), true, Some(any_bytes(USAGE))), || "id".into()).unwrap();
         assert_eq!((r.info.tenant.as_str(), r.info.request_id.as_str()), ("acme", "req-1"));
+        assert_eq!((r.info.model.as_str(), r.info.pool.as_str()), ("m", "p"));
         assert_eq!((r.prompt_tokens, r.completion_tokens, r.info.reserved_tokens), (10, 3, 50));
         assert_eq!((r.end_reason, r.usage_source), (EndReason::Completed, UsageSource::Upstream));
         assert_eq!(r.finished_at_unix_ms, 0, "no start time logged");
     }
 
     #[test]
+    fn request_headers_never_meter_or_settle() {
+        // The Upgrade that Envoy refused before the filter ran: no facts, no admission, headers
+        // claiming a lease of 99,999,999 tokens for tenant `forged`.
+        assert!(record_of(&entry(None, false, None), || "id".into()).is_none());
+        assert!(record_of(&entry(None, false, Some(any_bytes(USAGE))), || "id".into()).is_none());
+        // Even with admission metadata (which only the sidecar writes), no facts: no record.
+        assert!(record_of(&entry(None, true, Some(any_bytes(USAGE))), || "id".into()).is_none());
+        // Facts that are not the filter's (another version, no tenant, not JSON): no record.
+        for bad in [
+            r#"{"v":2,"tenant":"acme","tier":"","model":"","pool":"","prompt_tokens":0,"max_tokens":0}"#,
+            "{",
+            "",
+        ] {
+            assert!(record_of(&entry(Some(bad), true, None), || "id".into()).is_none(), "{bad}");
+        }
+    }
+
+    #[test]
     fn the_record_is_dated_by_envoy() {
-        let mut e = entry(true, Some(any_bytes(USAGE)));
+        let mut e = entry(Some(FACTS), true, Some(any_bytes(USAGE)));
         let common = e.common_properties.as_mut().unwrap();
         common.start_time =
             Some(envoy_types::pb::google::protobuf::Timestamp { seconds: 1_700_000_000, nanos: 5_000_000 });
@@ -232,41 +267,45 @@ mod tests {
         let inner = any_bytes(USAGE);
         let outer =
             Any { type_url: "type.googleapis.com/google.protobuf.Any".into(), value: inner.encode_to_vec() };
-        assert_eq!(usage_of(&outer).unwrap().completion_tokens, 3);
+        let usage: Usage = serde_json::from_slice(&bytes_of(&outer).unwrap()).unwrap();
+        assert_eq!(usage.completion_tokens, 3);
     }
 
     #[test]
-    fn local_replies_are_not_metered() {
-        assert!(record_of(&entry(false, Some(any_bytes(USAGE))), || "id".into()).is_none());
+    fn decided_but_not_admitted_is_not_metered() {
+        // The filter decided, then the admission refused (429): facts, no reservation.
+        assert!(record_of(&entry(Some(FACTS), false, Some(any_bytes(USAGE))), || "id".into()).is_none());
     }
 
     #[test]
     fn a_leased_admission_is_metered_with_the_filters_reservation() {
-        let mut e = entry(false, Some(any_bytes(USAGE)));
-        let headers = &mut e.request.as_mut().unwrap().request_headers;
-        headers.insert("x-gateway-admission".into(), "lease".into());
-        headers.insert("x-gateway-reserved-tokens".into(), "30".into());
+        let mut e = entry(Some(LEASED), false, Some(any_bytes(USAGE)));
         // No dynamic metadata at all: the ext_proc admission never saw the request.
         e.common_properties.as_mut().unwrap().metadata = None;
         let r = record_of(&e, || "id".into()).unwrap();
         assert_eq!((r.info.reserved_tokens, r.info.reserved_locally), (30, false));
         assert_eq!(r.completion_tokens, 3);
-        let mut other = entry(false, Some(any_bytes(USAGE)));
-        let headers = &mut other.request.as_mut().unwrap().request_headers;
-        headers.insert("x-gateway-admission".into(), "exact".into());
-        assert!(record_of(&other, || "id".into()).is_none(), "only `lease` admits");
+    }
+
+    #[test]
+    fn an_exact_count_in_the_metadata_replaces_the_estimate() {
+        let mut e = entry(Some(FACTS), true, None);
+        let md = e.common_properties.as_mut().unwrap().metadata.as_mut().unwrap();
+        let fields = &mut md.filter_metadata.get_mut(METADATA_NAMESPACE).unwrap().fields;
+        fields.insert(MD_PROMPT_TOKENS.to_owned(), Value { kind: Some(Kind::NumberValue(21.0)) });
+        assert_eq!(record_of(&e, || "id".into()).unwrap().total_tokens(), 21);
     }
 
     #[test]
     fn an_entry_without_usage_still_settles() {
-        let r = record_of(&entry(true, None), || "id".into()).unwrap();
+        let r = record_of(&entry(Some(FACTS), true, None), || "id".into()).unwrap();
         assert_eq!(
             (r.status, r.end_reason, r.usage_source),
             (200, EndReason::Incomplete, UsageSource::StreamedChunks)
         );
         // No response seen by the filter, but a 2xx: the request's own prompt count.
         assert_eq!(r.total_tokens(), 12);
-        let bad = record_of(&entry(true, Some(any_bytes("{"))), || "id".into()).unwrap();
+        let bad = record_of(&entry(Some(FACTS), true, Some(any_bytes("{"))), || "id".into()).unwrap();
         assert_eq!(bad.completion_tokens, 0);
     }
 }

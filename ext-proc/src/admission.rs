@@ -4,10 +4,12 @@
 use crate::error::AdmissionError;
 use crate::limits::{self, BucketSpec, TakeOutcome};
 
-/// What the wasm filter told the sidecar about a request, from its `x-gateway-*` headers.
+/// What the wasm filter told the sidecar about a request: its [`gateway_contract::RequestFacts`]
+/// (filter state), and Envoy's `x-request-id`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RequestFacts {
-    /// `x-gateway-tenant`: the authenticated tenant (None: the filter did not run).
+    /// `x-gateway-tenant`: the authenticated tenant (None: the filter did not decide the
+    /// request).
     pub tenant: Option<String>,
     /// `x-gateway-model`: the public model name.
     pub model: String,
@@ -27,6 +29,20 @@ pub struct RequestFacts {
 }
 
 impl RequestFacts {
+    /// The facts the filter set (filter state), with Envoy's request id.
+    pub fn from_filter(facts: gateway_contract::RequestFacts, request_id: String) -> Self {
+        Self {
+            tenant: Some(facts.tenant),
+            model: facts.model,
+            pool: facts.pool,
+            prompt_tokens: facts.prompt_tokens,
+            max_tokens: facts.max_tokens,
+            request_id,
+            tier: facts.tier,
+            leased_tokens: facts.leased_tokens,
+        }
+    }
+
     /// Tokens to reserve against the tenant's TPM bucket: prompt plus the completion cap, the
     /// most the request can cost. Settled against the real usage when it ends.
     pub fn reserve_tokens(&self) -> u64 {

@@ -80,6 +80,25 @@ pub struct Config {
     /// `terminationGracePeriodSeconds`.
     #[serde(default = "default_shutdown_grace_ms")]
     pub shutdown_grace_ms: u64,
+    /// Where the ext_proc streams read a request's tenant, model, pool, token counts and lease
+    /// (default `filter_state`). The gRPC access log always reads the filter state.
+    #[serde(default)]
+    pub request_facts: FactsSource,
+}
+
+/// Where the sidecar's ext_proc streams take a request's facts from.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum FactsSource {
+    /// The wasm filter's filter state `wasm.llm_gateway.request`, which clients cannot write,
+    /// sent by Envoy's ext_proc filter as an attribute (`request_attributes`). A request without
+    /// it is refused (403 `missing_tenant`) and never metered.
+    #[default]
+    FilterState,
+    /// The `x-gateway-*` request headers, for Envoy Gateway, whose ext_proc cannot be sent
+    /// filter state: trusted only because the wasm filter runs first and removes client-sent
+    /// `x-gateway-*` headers; leases are never honoured this way.
+    Headers,
 }
 
 fn default_shutdown_grace_ms() -> u64 {

@@ -26,14 +26,6 @@ use serde_json::Value;
 
 use crate::config::{ConfigError, ModelConfig};
 
-/// Request header set by the filter when only an exact count can decide the context rule.
-pub const CONTEXT_CHECK_HEADER: &str = "x-gateway-context-check";
-/// Its value asking for the exact check.
-pub const CONTEXT_CHECK_EXACT: &str = "exact";
-/// Request header naming the base model whose tokenizer counts (set with the check; differs from
-/// `x-gateway-model` for a LoRA adapter). Absent: `x-gateway-model`.
-pub const CONTEXT_MODEL_HEADER: &str = "x-gateway-context-model";
-
 /// Every configured model's tokenizer, loaded once at start-up.
 #[derive(Debug)]
 pub struct ContextChecker {

@@ -39,9 +39,8 @@ use tracing::{debug, info, Instrument};
 
 use crate::admission::{self, Admitted, RequestFacts};
 use crate::config::Config;
-use crate::context::{
-    ContextChecker, ContextError, Counted, CONTEXT_CHECK_EXACT, CONTEXT_CHECK_HEADER, CONTEXT_MODEL_HEADER,
-};
+use crate::config::FactsSource;
+use crate::context::{ContextChecker, ContextError, Counted};
 use crate::error::AdmissionError;
 use crate::limiter::{Limiter, Take};
 use crate::limits::{self, BucketKind};
@@ -49,22 +48,14 @@ use crate::meter::{EndReason, Meter, RequestInfo, UsageRecord};
 use crate::metrics::{Decision, Finished, Metrics, ModelLabel, PoolTier, TenantTokens, TokenType};
 use crate::pools::Pools;
 use crate::recorder::Recorder;
+use gateway_contract::{
+    ATTRIBUTES_FILTER_NAME, ATTRIBUTE_REQUEST, CONTEXT_CHECK_EXACT, H_CONTEXT_CHECK, H_CONTEXT_MODEL,
+    H_MAX_TOKENS, H_MODEL, H_POOL, H_PROMPT_TOKENS, H_PROMPT_TOKENS_SOURCE, H_REQUEST_ID, H_TENANT, H_TIER,
+};
 
-/// Dynamic metadata namespace the sidecar writes and reads (Envoy `metadata_options`).
-pub const METADATA_NAMESPACE: &str = "llm_gateway";
-/// Metadata key of the tokens reserved at admission.
-pub const RESERVED_TOKENS_KEY: &str = "reserved_tokens";
-/// Metadata key, `true` when the reservation was taken from this sidecar's in-memory buckets.
-pub const RESERVED_LOCALLY_KEY: &str = "reserved_locally";
+pub use gateway_contract::{MD_PROMPT_TOKENS, MD_RESERVED_LOCALLY, MD_RESERVED_TOKENS, METADATA_NAMESPACE};
 /// gRPC initial-metadata key naming the role of an ext_proc filter.
 pub const ROLE_METADATA_KEY: &str = "x-gateway-ext-proc-role";
-/// Request header the filter sets to [`ADMISSION_LEASE`] on a request it admitted from an
-/// admission lease (Envoy's matcher then skips the ext_proc admission).
-pub const ADMISSION_HEADER: &str = "x-gateway-admission";
-/// The value of [`ADMISSION_HEADER`] for a leased admission.
-pub const ADMISSION_LEASE: &str = "lease";
-/// Request header with the tokens a leased admission reserved.
-pub const RESERVED_TOKENS_HEADER: &str = "x-gateway-reserved-tokens";
 
 /// What every stream of the service shares.
 pub struct Shared {
@@ -226,16 +217,17 @@ async fn admission_stream(
         // Misconfigured processing mode: let the request through untouched.
         return send(tx, continue_response(&first.request, None)).await;
     };
-    let mut facts = request_facts(headers);
-    if facts.leased_tokens.is_some() {
+    let (mut facts, context_model) = request_facts(shared.config.request_facts, &first, headers);
+    if facts.leased_tokens.is_some() && shared.config.redis.lease_fraction > 0.0 {
         // Admitted by the filter from a lease (an Envoy without the matcher that skips this
-        // filter for such requests): taking again would charge the tenant twice.
+        // filter for such requests): taking again would charge the tenant twice. Only the
+        // filter's own state can say so, and only while this sidecar grants leases.
         return send(tx, continue_response(&first.request, None)).await;
     }
-    // The base model's tokenizer (for a LoRA adapter, `x-gateway-model` names the adapter).
-    let context_model = header(headers, CONTEXT_MODEL_HEADER).unwrap_or_else(|| facts.model.clone());
-    let exact = header(headers, CONTEXT_CHECK_HEADER).as_deref() == Some(CONTEXT_CHECK_EXACT)
-        && shared.context.knows(&context_model);
+    facts.leased_tokens = None;
+    // The base model's tokenizer (for a LoRA adapter, the facts' model names the adapter).
+    let exact = context_model.as_deref().is_some_and(|m| shared.context.knows(m));
+    let context_model = context_model.unwrap_or_default();
     let span = tracing::info_span!(
         "admission",
         request_id = %facts.request_id,
@@ -278,7 +270,9 @@ async fn admission_stream(
             debug!(reserved_tokens = admitted.reserved_tokens, "admitted");
             shared.pools.admitted(&facts.pool);
             shared.metrics.request(tenant, &facts.model, "admitted");
-            let mut response = continue_response(&first.request, Some(admission_metadata(&admitted)));
+            let counted = (!exact_headers.is_empty()).then_some(facts.prompt_tokens);
+            let mut response =
+                continue_response(&first.request, Some(admission_metadata(&admitted, counted)));
             if let Some(ProcResponse::RequestBody(body)) = &mut response.response {
                 body.response = Some(CommonResponse {
                     header_mutation: Some(HeaderMutation {
@@ -348,9 +342,9 @@ async fn exact_context(
 /// Request headers carrying the exact count toward the metering filter and the upstream.
 fn exact_count_headers(counted: &Counted) -> Vec<HeaderValueOption> {
     vec![
-        header_option("x-gateway-prompt-tokens", &counted.prompt_tokens.to_string()),
-        header_option("x-gateway-prompt-tokens-source", "exact"),
-        header_option("x-gateway-max-tokens", &counted.max_tokens.to_string()),
+        header_option(H_PROMPT_TOKENS, &counted.prompt_tokens.to_string()),
+        header_option(H_PROMPT_TOKENS_SOURCE, "exact"),
+        header_option(H_MAX_TOKENS, &counted.max_tokens.to_string()),
     ]
 }
 
@@ -410,8 +404,12 @@ async fn metering_stream(
         };
         let now = monotonic_us();
         let usage = match message.request {
-            Some(ProcRequest::RequestHeaders(h)) => {
-                let facts = request_facts(&h);
+            Some(ProcRequest::RequestHeaders(ref h)) => {
+                let (facts, _) = request_facts(shared.config.request_facts, &message, h);
+                if facts.tenant.is_none() {
+                    // Not decided by the filter: never metered.
+                    return Ok(());
+                }
                 let reserved = match facts.leased_tokens {
                     Some(tokens) => (tokens, false),
                     None => reservation(message.metadata_context.as_ref()),
@@ -584,21 +582,26 @@ fn header_option(key: &str, value: &str) -> HeaderValueOption {
     }
 }
 
-/// `{"llm_gateway": {"x-ratelimit-...": "...", "reserved_tokens": N}}`.
-fn admission_metadata(admitted: &Admitted) -> Struct {
+/// `{"llm_gateway": {"x-ratelimit-...": "...", "reserved_tokens": N, "reserved_locally": B}}`,
+/// and `"prompt_tokens": N` when the admission counted the prompt exactly (the access log's
+/// record then prefers it to the filter's estimate).
+fn admission_metadata(admitted: &Admitted, exact_prompt_tokens: Option<u64>) -> Struct {
     let mut fields: HashMap<String, Value> = admitted
         .ratelimit_headers
         .iter()
         .map(|(k, v)| (k.clone(), Value { kind: Some(Kind::StringValue(v.clone())) }))
         .collect();
     fields.insert(
-        RESERVED_TOKENS_KEY.to_owned(),
+        MD_RESERVED_TOKENS.to_owned(),
         Value { kind: Some(Kind::NumberValue(admitted.reserved_tokens as f64)) },
     );
     fields.insert(
-        RESERVED_LOCALLY_KEY.to_owned(),
+        MD_RESERVED_LOCALLY.to_owned(),
         Value { kind: Some(Kind::BoolValue(admitted.reserved_locally)) },
     );
+    if let Some(n) = exact_prompt_tokens {
+        fields.insert(MD_PROMPT_TOKENS.to_owned(), Value { kind: Some(Kind::NumberValue(n as f64)) });
+    }
     let inner = Value { kind: Some(Kind::StructValue(Struct { fields })) };
     Struct { fields: HashMap::from([(METADATA_NAMESPACE.to_owned(), inner)]) }
 }
@@ -607,17 +610,22 @@ fn admission_metadata(admitted: &Admitted) -> Struct {
 /// in this sidecar's memory). None forwarded: (0, false).
 pub(crate) fn reservation(metadata: Option<&Metadata>) -> (u64, bool) {
     let fields = metadata.and_then(|m| m.filter_metadata.get(METADATA_NAMESPACE)).map(|s| &s.fields);
-    let tokens = fields
-        .and_then(|f| f.get(RESERVED_TOKENS_KEY))
-        .and_then(|v| match v.kind {
-            Some(Kind::NumberValue(n)) if n >= 0.0 => Some(n as u64),
-            _ => None,
-        })
-        .unwrap_or(0);
+    let tokens = fields.and_then(|f| metadata_number(f.get(MD_RESERVED_TOKENS)?)).unwrap_or(0);
     let locally = fields
-        .and_then(|f| f.get(RESERVED_LOCALLY_KEY))
+        .and_then(|f| f.get(MD_RESERVED_LOCALLY))
         .is_some_and(|v| matches!(v.kind, Some(Kind::BoolValue(true))));
     (tokens, locally)
+}
+
+/// A whole, non-negative number the admission wrote to the metadata (None: another kind, or not
+/// a count: negative, fractional, not finite or above 2^53).
+pub(crate) fn metadata_number(value: &Value) -> Option<u64> {
+    match value.kind {
+        Some(Kind::NumberValue(n)) if (0.0..=9_007_199_254_740_992.0).contains(&n) && n.fract() == 0.0 => {
+            Some(n as u64)
+        }
+        _ => None,
+    }
 }
 
 /// A header's value; Envoy sends values in `raw_value` (bytes) with `value` empty.
@@ -635,24 +643,60 @@ fn find_header(map: &HeaderMap, name: &str) -> Option<String> {
     })
 }
 
-fn request_facts(headers: &HttpHeaders) -> RequestFacts {
-    facts_from(|name| header(headers, name))
+/// A request's facts and, when the filter asks for the exact context check, the base model to
+/// count with. From the filter's state (ext_proc `request_attributes`), or with
+/// `request_facts: headers` (Envoy Gateway) from the `x-gateway-*` headers. No facts: a
+/// request the filter never decided (tenant `None`), which is neither admitted nor metered.
+fn request_facts(
+    source: FactsSource,
+    message: &ProcessingRequest,
+    headers: &HttpHeaders,
+) -> (RequestFacts, Option<String>) {
+    let request_id = header(headers, H_REQUEST_ID).unwrap_or_default();
+    match source {
+        FactsSource::FilterState => match filter_facts(message) {
+            Some(facts) => {
+                let context_model = facts.context_model.clone();
+                (RequestFacts::from_filter(facts, request_id), context_model)
+            }
+            None => (RequestFacts { request_id, ..Default::default() }, None),
+        },
+        FactsSource::Headers => {
+            let facts = facts_from_headers(|name| header(headers, name));
+            let exact = header(headers, H_CONTEXT_CHECK).as_deref() == Some(CONTEXT_CHECK_EXACT);
+            let context_model =
+                exact.then(|| header(headers, H_CONTEXT_MODEL).unwrap_or_else(|| facts.model.clone()));
+            (facts, context_model)
+        }
+    }
 }
 
-/// The request's facts from its headers (the `x-gateway-*` headers the filter and admission set,
-/// and `x-request-id`), read through `header` (lower-case names).
-pub(crate) fn facts_from(header: impl Fn(&str) -> Option<String>) -> RequestFacts {
+/// The filter's [`gateway_contract::RequestFacts`] from the attributes Envoy's ext_proc filter
+/// sends (`request_attributes: ["filter_state['wasm.llm_gateway.request']"]`): the CEL value of
+/// a wasm property is its bytes, which Envoy sends as a string value.
+fn filter_facts(message: &ProcessingRequest) -> Option<gateway_contract::RequestFacts> {
+    let value = message.attributes.get(ATTRIBUTES_FILTER_NAME)?.fields.get(ATTRIBUTE_REQUEST)?;
+    match &value.kind {
+        Some(Kind::StringValue(json)) => gateway_contract::RequestFacts::from_json(json.as_bytes()),
+        _ => None,
+    }
+}
+
+/// The request's facts from its `x-gateway-*` headers and `x-request-id`, read through
+/// `header` (lower-case names). Only for `request_facts: headers`, where the wasm filter runs
+/// first and removes client-sent `x-gateway-*` headers (Envoy Gateway, whose ext_proc cannot
+/// be sent filter state); leases are never claimed this way.
+pub(crate) fn facts_from_headers(header: impl Fn(&str) -> Option<String>) -> RequestFacts {
     let number = |name| header(name).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
     RequestFacts {
-        tenant: header("x-gateway-tenant").filter(|t| !t.is_empty()),
-        model: header("x-gateway-model").unwrap_or_default(),
-        pool: header("x-gateway-pool").unwrap_or_default(),
-        prompt_tokens: number("x-gateway-prompt-tokens"),
-        max_tokens: number("x-gateway-max-tokens"),
-        request_id: header("x-request-id").unwrap_or_default(),
-        tier: header("x-gateway-tier").unwrap_or_default(),
-        leased_tokens: (header(ADMISSION_HEADER).as_deref() == Some(ADMISSION_LEASE))
-            .then(|| number(RESERVED_TOKENS_HEADER)),
+        tenant: header(H_TENANT).filter(|t| !t.is_empty()),
+        model: header(H_MODEL).unwrap_or_default(),
+        pool: header(H_POOL).unwrap_or_default(),
+        prompt_tokens: number(H_PROMPT_TOKENS),
+        max_tokens: number(H_MAX_TOKENS),
+        request_id: header(H_REQUEST_ID).unwrap_or_default(),
+        tier: header(H_TIER).unwrap_or_default(),
+        leased_tokens: None,
     }
 }
 
@@ -676,27 +720,62 @@ mod tests {
         }
     }
 
-    #[test]
-    fn facts_read_raw_values() {
-        let f = request_facts(&headers(&[
-            ("x-gateway-tenant", "acme"),
+    /// Request headers a forger sends, and a request-headers message with the filter's facts
+    /// (when given) in its attributes, as Envoy's ext_proc filter sends them.
+    fn message(facts: Option<&str>) -> (ProcessingRequest, HttpHeaders) {
+        let h = headers(&[
+            ("x-gateway-tenant", "forged"),
             ("x-gateway-prompt-tokens", "12"),
             ("x-gateway-max-tokens", "30"),
+            ("x-gateway-context-check", "exact"),
             ("x-request-id", "abc"),
-        ]));
+        ]);
+        let mut m = ProcessingRequest::default();
+        if let Some(facts) = facts {
+            let value = Value { kind: Some(Kind::StringValue(facts.to_owned())) };
+            let fields = HashMap::from([(ATTRIBUTE_REQUEST.to_owned(), value)]);
+            m.attributes.insert(ATTRIBUTES_FILTER_NAME.to_owned(), Struct { fields });
+        }
+        (m, h)
+    }
+
+    #[test]
+    fn facts_come_from_the_filter_state_not_the_headers() {
+        let facts = r#"{"v":1,"tenant":"acme","tier":"t","model":"m","pool":"p","prompt_tokens":5,"max_tokens":7,"context_model":"base"}"#;
+        let (m, h) = message(Some(facts));
+        let (f, context_model) = request_facts(FactsSource::FilterState, &m, &h);
         assert_eq!(f.tenant.as_deref(), Some("acme"));
-        assert_eq!(f.reserve_tokens(), 42);
-        assert_eq!(f.request_id, "abc");
-        assert_eq!(request_facts(&headers(&[])).tenant, None);
+        assert_eq!(f.reserve_tokens(), 12);
+        assert_eq!(f.request_id, "abc", "Envoy's request id, from the headers");
+        assert_eq!(context_model.as_deref(), Some("base"));
+        // No facts: the headers count for nothing.
+        let (m, h) = message(None);
+        let (f, context_model) = request_facts(FactsSource::FilterState, &m, &h);
+        assert_eq!((f.tenant.clone(), f.reserve_tokens(), context_model), (None, 0, None));
+    }
+
+    #[test]
+    fn envoy_gateway_reads_the_headers_and_never_a_lease() {
+        let (m, mut h) = message(None);
+        if let Some(map) = h.headers.as_mut() {
+            map.headers.push(HeaderValue {
+                key: "x-gateway-admission".into(),
+                value: String::new(),
+                raw_value: b"lease".to_vec(),
+            });
+        }
+        let (f, context_model) = request_facts(FactsSource::Headers, &m, &h);
+        assert_eq!(f.tenant.as_deref(), Some("forged"));
+        assert_eq!((f.reserve_tokens(), f.leased_tokens), (42, None));
+        assert_eq!(context_model.as_deref(), Some(""), "exact check asked, model from the headers");
     }
 
     #[test]
     fn metadata_round_trip() {
-        let s = admission_metadata(&Admitted {
-            ratelimit_headers: vec![],
-            reserved_tokens: 77,
-            reserved_locally: true,
-        });
+        let s = admission_metadata(
+            &Admitted { ratelimit_headers: vec![], reserved_tokens: 77, reserved_locally: true },
+            None,
+        );
         let m = Metadata {
             filter_metadata: s
                 .fields

@@ -16,8 +16,13 @@
 //! | `x-gateway-usage-injected` | `1`, only when the filter injected `stream_options.include_usage` |
 //! | `x-gateway-context-check` | `exact`, only when the bounds cannot decide the context rule and the model has `exact_count` (the sidecar counts exactly) |
 //! | `x-gateway-context-model` | with `x-gateway-context-check`: the base model whose tokenizer counts |
-//! | `x-gateway-admission` | `lease`, only when the filter admitted the request from an admission lease (`lease.rs`): Envoy skips the ext_proc admission |
-//! | `x-gateway-reserved-tokens` | with `x-gateway-admission`: the tokens reserved from the lease, settled by the sidecar from the access log |
+//!
+//! These headers are informational (for the upstream and for people reading logs): a client can
+//! send them to any hop that answers before this filter runs. What the sidecar admits and meters
+//! by is [`ForwardPlan::facts`], which the adapter sets as the filter state
+//! `wasm.llm_gateway.request` (with `leased_tokens` for a request admitted from an admission lease,
+//! which also sets `wasm.llm_gateway.admission` to `lease`, so that Envoy's matcher skips the
+//! ext_proc admission): see the `gateway-contract` crate.
 
 use serde::Serialize;
 use serde_json::Value;
@@ -32,36 +37,14 @@ use crate::error::{truncate_for_echo, GatewayError, LocalReply};
 use crate::json_scan::{
     apply_edits, apply_edits_in_place, array_elements, scan_object, string_bytes_lower, Edit,
 };
-use crate::lease::{AdmissionFacts, LeaseAdmission};
+use crate::lease::AdmissionFacts;
 use crate::request::{classify, parse_json, validate, Endpoint, ValidatedRequest};
 use crate::routing::{listed_models, route, Route};
 
-/// Prefix of the headers the gateway owns; client-sent ones are always removed.
-pub const GATEWAY_HEADER_PREFIX: &str = "x-gateway-";
-/// Tenant id.
-pub const H_TENANT: &str = "x-gateway-tenant";
-/// Tenant tier.
-pub const H_TIER: &str = "x-gateway-tier";
-/// Canonical public model name (or LoRA adapter name).
-pub const H_MODEL: &str = "x-gateway-model";
-/// Envoy cluster name.
-pub const H_POOL: &str = "x-gateway-pool";
-/// Prompt token estimate.
-pub const H_PROMPT_TOKENS: &str = "x-gateway-prompt-tokens";
-/// `estimate` or `exact`.
-pub const H_PROMPT_TOKENS_SOURCE: &str = "x-gateway-prompt-tokens-source";
-/// Effective max tokens.
-pub const H_MAX_TOKENS: &str = "x-gateway-max-tokens";
-/// `1` when `stream_options.include_usage` was injected.
-pub const H_USAGE_INJECTED: &str = "x-gateway-usage-injected";
-/// `exact` when only an exact count can decide the context rule (the sidecar's check).
-pub const H_CONTEXT_CHECK: &str = "x-gateway-context-check";
-/// The base model whose tokenizer the sidecar's exact check uses.
-pub const H_CONTEXT_MODEL: &str = "x-gateway-context-model";
-/// `lease` when the filter admitted the request from an admission lease.
-pub const H_ADMISSION: &str = "x-gateway-admission";
-/// Tokens reserved from the admission lease.
-pub const H_RESERVED_TOKENS: &str = "x-gateway-reserved-tokens";
+pub use gateway_contract::{
+    RequestFacts, GATEWAY_HEADER_PREFIX, H_CONTEXT_CHECK, H_CONTEXT_MODEL, H_MAX_TOKENS, H_MODEL, H_POOL,
+    H_PROMPT_TOKENS, H_PROMPT_TOKENS_SOURCE, H_TENANT, H_TIER, H_USAGE_INJECTED,
+};
 
 /// A header list as Envoy hands it over: lowercase names, raw value bytes.
 pub type HeaderList = [(String, Vec<u8>)];
@@ -205,11 +188,9 @@ pub struct ForwardPlan {
     /// What an admission lease needs to admit the request; `None` when only the sidecar can
     /// (its exact context check).
     pub admission: Option<AdmissionFacts>,
-}
-
-/// The headers of a request admitted from an admission lease, to add to its plan's.
-pub fn leased_headers(admission: &LeaseAdmission) -> [(&'static str, String); 2] {
-    [(H_ADMISSION, "lease".to_string()), (H_RESERVED_TOKENS, admission.reserved_tokens.to_string())]
+    /// The decision, for the sidecar: set as the filter state `wasm.llm_gateway.request`
+    /// (`leased_tokens` is filled in by the adapter when a lease admits the request).
+    pub facts: RequestFacts,
 }
 
 /// Request-body phase (whole body buffered): size limit, parse and validate, route, context
@@ -315,7 +296,7 @@ fn finish_plan(
         set_headers.push((H_USAGE_INJECTED, "1".to_string()));
     }
     if exact_check {
-        set_headers.push((H_CONTEXT_CHECK, "exact".to_string()));
+        set_headers.push((H_CONTEXT_CHECK, gateway_contract::CONTEXT_CHECK_EXACT.to_string()));
         set_headers.push((H_CONTEXT_MODEL, route.model.name.clone()));
     }
     if !edits.is_empty() && pending.has_content_length {
@@ -323,14 +304,25 @@ fn finish_plan(
         let removed: usize = edits.iter().map(|e| e.end.saturating_sub(e.start)).sum();
         set_headers.push(("content-length", (body.len() + added).saturating_sub(removed).to_string()));
     }
-    let admission = (!exact_check).then(|| AdmissionFacts {
+    let facts = RequestFacts {
+        v: gateway_contract::FACTS_VERSION,
         tenant: tenant.id.clone(),
         tier: tenant.tier.clone(),
         model: route.public_name.to_string(),
         pool: route.pool.to_string(),
-        reserve_tokens: counts.total_estimate.saturating_add(max_tokens_header),
+        prompt_tokens: counts.total_estimate,
+        max_tokens: max_tokens_header,
+        context_model: exact_check.then(|| route.model.name.clone()),
+        leased_tokens: None,
+    };
+    let admission = (!exact_check).then(|| AdmissionFacts {
+        tenant: facts.tenant.clone(),
+        tier: facts.tier.clone(),
+        model: facts.model.clone(),
+        pool: facts.pool.clone(),
+        reserve_tokens: facts.reserve_tokens(),
     });
-    Ok((ForwardPlan { set_headers, new_body: None, usage_injected: inject, admission }, edits))
+    Ok((ForwardPlan { set_headers, new_body: None, usage_injected: inject, admission, facts }, edits))
 }
 
 /// A body over `full_parse_max_bytes`: only its top-level members are scanned (no parse of the
@@ -791,13 +783,30 @@ mod tests {
         let plan = on_request_body(&cfg, &p, body(&"z".repeat(64)).to_string().as_bytes()).unwrap();
         assert!(header_map(&plan).iter().any(|(k, _)| k == H_CONTEXT_CHECK));
         assert_eq!(plan.admission, None, "the exact count needs the sidecar");
+        assert_eq!(plan.facts.context_model.as_deref(), Some("ex"), "the sidecar learns it from the facts");
         let plan = on_request_body(&cfg, &p, body("hi").to_string().as_bytes()).unwrap();
         assert!(plan.admission.is_some());
-        let leased = LeaseAdmission { reserved_tokens: 42, response_headers: Vec::new() };
+        assert_eq!(plan.facts.context_model, None);
+    }
+
+    #[test]
+    fn the_facts_say_what_the_headers_say() {
+        let p = pending("/v1/chat/completions", "sk-demo");
+        let body = json!({"model": "tiny", "max_tokens": 7, "messages": [{"role": "user", "content": "hi"}]});
+        let plan = on_request_body(&cfg(), &p, body.to_string().as_bytes()).unwrap();
+        let h = header_map(&plan);
+        let get = |name: &str| h.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()).unwrap();
+        let f = &plan.facts;
+        assert_eq!(f.v, gateway_contract::FACTS_VERSION);
+        assert_eq!((f.tenant.clone(), f.tier.clone()), (get(H_TENANT), get(H_TIER)));
+        assert_eq!((f.model.clone(), f.pool.clone()), (get(H_MODEL), get(H_POOL)));
         assert_eq!(
-            leased_headers(&leased),
-            [(H_ADMISSION, "lease".to_string()), (H_RESERVED_TOKENS, "42".to_string())]
+            (f.prompt_tokens.to_string(), f.max_tokens.to_string()),
+            (get(H_PROMPT_TOKENS), get(H_MAX_TOKENS))
         );
+        assert_eq!(f.max_tokens, 7);
+        assert_eq!(f.leased_tokens, None, "a lease is the adapter's to record");
+        assert_eq!(plan.admission.unwrap().reserve_tokens, f.reserve_tokens());
     }
 
     #[test]

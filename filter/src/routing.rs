@@ -2,8 +2,9 @@
 //!
 //! A requested `model` resolves by exact name, alias or LoRA adapter name. The pool is the
 //! model's `pool`, or for a weighted split (`pools`) the entry chosen by the SHA-256 of
-//! `x-request-id`, so that a retry of the same request (Envoy keeps `x-request-id` across
-//! retries) lands on the same pool.
+//! `x-request-id`, so that Envoy's own retries of the request (Envoy keeps `x-request-id` across
+//! them) land on the same pool. Envoy generates `x-request-id` and drops a client's
+//! (`envoy/bootstrap.yaml`), so a client cannot pick the pool of a split.
 
 use sha2::{Digest, Sha256};
 

@@ -35,15 +35,13 @@ use crate::config::Config;
 use crate::error::{GatewayError, LocalReply};
 use crate::lease::{LeaseKey, Leases};
 use crate::pipeline::{
-    leased_headers, on_request_body_owned, on_request_headers, response_needs_stripping, HeadersDecision,
-    PendingRequest,
+    on_request_body_owned, on_request_headers, response_needs_stripping, HeadersDecision, PendingRequest,
 };
 use crate::proto::LeaseGrant;
 use crate::sse::{ChunkOutput, UsageStripper};
 use gateway_meter::{Meter, Usage};
 
-/// The property the measured usage is set as (filter state `wasm.llm_gateway.usage`).
-const USAGE_PROPERTY: &str = "llm_gateway.usage";
+use gateway_contract::{ADMISSION_LEASE, PROPERTY_ADMISSION, PROPERTY_REQUEST, PROPERTY_USAGE};
 
 /// The sidecar's lease service and method (`proto/llm_gateway/v1/lease.proto`).
 const LEASE_SERVICE: &str = "llm_gateway.v1.AdmissionLeases";
@@ -60,16 +58,22 @@ fn now_us() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
+/// Sets a property (Envoy filter state `wasm.<name>`, which clients cannot write); logs a failure.
+fn set_property(name: &str, value: &[u8]) -> bool {
+    match hostcalls::set_property(vec![name], Some(value)) {
+        Ok(()) => true,
+        Err(status) => {
+            log(LogLevel::Warn, &format!("gateway-filter: set_property {name} failed: {status:?}"));
+            false
+        }
+    }
+}
+
 /// Hands the usage to Envoy's filter state, for the access log.
 fn publish_usage(usage: &Usage) {
     match serde_json::to_vec(usage) {
         Ok(json) => {
-            if let Err(status) = hostcalls::set_property(vec![USAGE_PROPERTY], Some(&json)) {
-                log(
-                    LogLevel::Warn,
-                    &format!("gateway-filter: set_property {USAGE_PROPERTY} failed: {status:?}"),
-                );
-            }
+            set_property(PROPERTY_USAGE, &json);
         }
         Err(e) => log(LogLevel::Warn, &format!("gateway-filter: cannot encode usage: {e}")),
     }
@@ -295,15 +299,27 @@ impl GatewayHttp {
                 }
             }
         }
-        let mut set_headers = plan.set_headers;
-        if let (Some(facts), true) = (&plan.admission, cfg.admission_leases.is_some()) {
-            let admitted = self.leases.try_borrow_mut().ok().and_then(|mut l| l.try_admit(facts, now_us()));
+        let mut facts = plan.facts;
+        if let (Some(lease_facts), true) = (&plan.admission, cfg.admission_leases.is_some()) {
+            let admitted =
+                self.leases.try_borrow_mut().ok().and_then(|mut l| l.try_admit(lease_facts, now_us()));
             if let Some(admission) = admitted {
-                set_headers.extend(leased_headers(&admission));
+                facts.leased_tokens = Some(admission.reserved_tokens);
                 self.lease_response_headers = Some(admission.response_headers);
             }
         }
-        for (name, value) in &set_headers {
+        // The decision goes to the sidecar as filter state, which no client can write: without it
+        // the request is neither admitted nor metered, so a failure here fails the request.
+        let published = facts.to_json().is_ok_and(|json| set_property(PROPERTY_REQUEST, &json));
+        if !published {
+            return send_error(&GatewayError::Internal { what: "cannot record the request's facts" });
+        }
+        if facts.leased_tokens.is_some() {
+            // Envoy's matcher skips the ext_proc admission on this filter state. Should it fail,
+            // the admission still sees `leased_tokens` in the facts and does not charge again.
+            set_property(PROPERTY_ADMISSION, ADMISSION_LEASE.as_bytes());
+        }
+        for (name, value) in &plan.set_headers {
             if let Err(status) =
                 hostcalls::set_map_value_bytes(MapType::HttpRequestHeaders, name, Some(value.as_bytes()))
             {

@@ -77,7 +77,12 @@ fn standalone_bootstrap_shape() {
     // Metering: the gRPC access log to the sidecar, with the filter's usage.
     let log = &hcm["access_log"][0]["typed_config"]["common_config"];
     assert_eq!(log["grpc_service"]["envoy_grpc"]["cluster_name"], "llm_gateway_ext_proc");
-    assert_eq!(log["filter_state_objects_to_log"][0], "wasm.llm_gateway.usage");
+    assert_eq!(
+        log["filter_state_objects_to_log"],
+        yaml("[wasm.llm_gateway.request, wasm.llm_gateway.usage]")
+    );
+    // Request headers are the client's to write: the sidecar is never sent them to meter by.
+    assert!(hcm["access_log"][0]["typed_config"]["additional_request_headers_to_log"].is_null());
     let wasm = &hcm["http_filters"][0]["typed_config"]["config"];
     assert_eq!(wasm["allow_on_headers_stop_iteration"], true);
     assert_eq!(wasm["vm_config"]["code"]["local"]["filename"], "/etc/llm-gateway/gateway_filter.wasm");
@@ -227,10 +232,12 @@ fn admission_leases_wrap_the_admission_filter_and_name_the_sidecar_cluster() {
         "llm_gateway_ext_proc"
     );
     assert!(matcher["xds_matcher"]["matcher_tree"]["exact_match_map"]["map"]["lease"].is_mapping());
-    // The access log carries the leased admission to the sidecar.
-    let logged = &hcm["access_log"][0]["typed_config"]["additional_request_headers_to_log"];
-    let logged: Vec<_> = logged.as_sequence().unwrap().iter().filter_map(Value::as_str).collect();
-    assert!(logged.contains(&"x-gateway-admission") && logged.contains(&"x-gateway-reserved-tokens"));
+    // The skip is decided by the filter's state, which clients cannot write, not by a header.
+    let input = &matcher["xds_matcher"]["matcher_tree"]["input"]["typed_config"];
+    assert_eq!(input["key"], "wasm.llm_gateway.admission");
+    // The admission reads the filter's decision from its state.
+    let attributes = &matcher["extension_config"]["typed_config"]["request_attributes"];
+    assert_eq!(attributes, &yaml(r#"["filter_state['wasm.llm_gateway.request']"]"#));
     // Istio: the same wrapper, and the filter asks the sidecar's Istio cluster.
     let istio = leased(Target::Istio);
     let envoyfilter = &istio["istio/envoyfilter.yaml"];
