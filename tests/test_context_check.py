@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_openai_error, post
+import redis
+
+from helpers import assert_openai_error, post, wait_for
+from sidecar_checks import bucket, bucket_key, metric, sidecar_metrics
 from stack import Model, Pool, Stack, Tenant, new_api_key
 from test_token_counts import TEMPLATES, render_reference
 
@@ -57,6 +60,11 @@ def reference_text_tokens(text: str) -> int:
 
 
 KEY = new_api_key()
+# One request per minute (a burst of one): the second is over the limit.
+RPM_KEY = new_api_key()
+# Refills of one per minute: the buckets stay where the requests put them while the test reads.
+BACK_KEY = new_api_key()
+BACK_LIMITS = {"requests_per_minute": 1, "request_burst": 1000, "tokens_per_minute": 1, "token_burst": 1_000_000}
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +76,11 @@ def ctx_stack(tmp_path_factory):
               extra={**FILTER_BOUNDS, "exact_count": True, "lora_adapters": ["qwen-lora"]}),
         Model("qwen-bounds", "pool_q", MAX_MODEL_LEN, served_model_name="sim/qwen", extra=FILTER_BOUNDS),
     ]
-    tenants = [Tenant("ctx", [KEY], {"requests_per_minute": 100000, "tokens_per_minute": 100000000})]
-    sidecar = {"models": [{"name": "qwen-exact", "max_model_len": MAX_MODEL_LEN, **qwen_spec()}]}
+    tenants = [Tenant("ctx", [KEY], {"requests_per_minute": 100000, "tokens_per_minute": 100000000}),
+               Tenant("ctx-rpm", [RPM_KEY], {"requests_per_minute": 1, "request_burst": 1}),
+               Tenant("ctx-back", [BACK_KEY], BACK_LIMITS)]
+    sidecar = {"models": [{"name": "qwen-exact", "max_model_len": MAX_MODEL_LEN, **qwen_spec()}],
+               "metrics_listen": "127.0.0.1:0"}
     with Stack(tmp_path_factory.mktemp("ctx"), pools, models, tenants, sidecar_overrides=sidecar) as s:
         yield s
 
@@ -117,6 +128,59 @@ def test_exact_count_over_by_one_is_400(ctx_stack):
         f"{prompt + max_tokens} tokens ({prompt} in the messages, {max_tokens} in the completion). "
         "Please reduce the length of the messages or completion.")
     assert received(ctx_stack) == before, "a refused request must not reach vLLM"
+
+
+def counts(stack, outcome: str | None = None) -> float:
+    labels = {"outcome": outcome} if outcome else {}
+    return metric(sidecar_metrics(stack), "llm_gateway_exact_counts_total", **labels)
+
+
+def test_a_tenant_over_its_limit_costs_no_count(ctx_stack):
+    """Limits are checked before the exact count: the request over the tenant's RPM limit is
+    answered 429 without counting its prompt (the count is the expensive step)."""
+    body = {"model": "qwen-exact", "messages": MESSAGES, "max_tokens": 4}
+    first = post(ctx_stack, "/v1/chat/completions", body, key=RPM_KEY)
+    assert first.status_code == 200, first.text
+    before = counts(ctx_stack)
+    assert before >= 1
+    r = post(ctx_stack, "/v1/chat/completions", body, key=RPM_KEY)
+    assert_openai_error(r, 429, code="rate_limit_exceeded")
+    assert counts(ctx_stack) == before, "the over-limit request was counted"
+
+
+def test_a_request_the_count_refuses_gives_its_reservation_back(ctx_stack):
+    """Admitted by the limits first, refused by the exact count (400): its request and its tokens go
+    back to the buckets (a refused request never reaches vLLM and costs nothing); a request that
+    fits keeps the exact reservation until its usage settles it."""
+    client = redis.Redis(port=ctx_stack.redis_port)
+    prompt = reference_chat_tokens(MESSAGES)
+    over = {"model": "qwen-exact", "messages": MESSAGES, "max_tokens": MAX_MODEL_LEN - prompt + 1}
+    exceeded = counts(ctx_stack, "exceeded")
+    r = post(ctx_stack, "/v1/chat/completions", over, key=BACK_KEY)
+    assert_openai_error(r, 400, code="context_length_exceeded")
+    assert counts(ctx_stack, "exceeded") == exceeded + 1
+
+    def full(kind: str, capacity: int) -> bool:
+        state = bucket(client, bucket_key("ctx-back", kind))
+        return state is not None and state[0] >= capacity - 1e-6
+    assert wait_for(lambda: full("rpm", 1000) and full("tpm", 1_000_000), timeout=10), (
+        bucket(client, bucket_key("ctx-back", "rpm")), bucket(client, bucket_key("ctx-back", "tpm")))
+
+
+def test_a_body_at_max_body_bytes_reaches_the_exact_count(ctx_stack):
+    """The filter accepts bodies up to `max_body_bytes` (4 MiB here), and hands a model with
+    `exact_count` to the sidecar's count: the whole body arrives in one gRPC message, which the
+    sidecar's decode limit (tonic's default is 4 MiB, the body alone) must take, or Envoy fails the
+    request with a 500. The count decides (400) or runs out of time (vLLM decides: 200)."""
+    limit = 4 << 20
+    # Six CJK characters, each sent as a 6-byte \uXXXX escape.
+    body = json.dumps({"model": "qwen-exact", "messages": [{"role": "user", "content": "你好，世界。" * (limit // 36 - 10)}],
+                       "max_tokens": 4})
+    assert len(body) < limit
+    body = body[:-1] + " " * (limit - len(body)) + "}"
+    assert len(body.encode()) == limit
+    r = post(ctx_stack, "/v1/chat/completions", body, key=KEY, timeout=60)
+    assert r.status_code in (200, 400), (r.status_code, r.text[:300], ctx_stack.envoy_log()[-3000:])
 
 
 def test_without_max_tokens_prompt_must_leave_room(ctx_stack):

@@ -71,6 +71,13 @@ pub fn settlement(bucket: &BucketSpec, reserved_tokens: u64, used_tokens: u64) -
     i64::try_from(taken).unwrap_or(i64::MAX).saturating_sub(i64::try_from(used_tokens).unwrap_or(i64::MAX))
 }
 
+/// What moving one TPM bucket's reservation from `before` to `after` tokens gives back to it
+/// (positive) or charges (negative): each bucket holds `min(reservation, its capacity)`.
+pub fn rereservation(bucket: &BucketSpec, before: u64, after: u64) -> i64 {
+    let held = |tokens: u64| i64::try_from(tokens.min(bucket.capacity)).unwrap_or(i64::MAX);
+    held(before).saturating_sub(held(after))
+}
+
 /// Reads the limiter's outcome for the planned buckets.
 ///
 /// # Errors
@@ -164,6 +171,23 @@ mod tests {
         assert_eq!(settlement(&small, 300, 18), 82, "it took only its capacity");
         assert_eq!(settlement(&small, 300, 250), -150, "usage beyond a capped reservation is charged");
         assert_eq!(settlement(&big, 0, 18), -18, "no reservation: the usage is charged");
+    }
+
+    #[test]
+    fn an_exact_count_moves_each_buckets_reservation() {
+        let small = BucketSpec {
+            kind: limits::BucketKind::Tokens,
+            key: "k".into(),
+            capacity: 100,
+            rate_per_minute: 1,
+            cost: 0,
+        };
+        let big = BucketSpec { capacity: 10_000, ..small.clone() };
+        assert_eq!(rereservation(&big, 300, 250), 50, "a smaller exact count gives back");
+        assert_eq!(rereservation(&big, 250, 300), -50, "a larger one takes the rest");
+        assert_eq!(rereservation(&small, 300, 250), 0, "both over its capacity: nothing moves");
+        assert_eq!(rereservation(&small, 80, 300), -20, "up to its capacity");
+        assert_eq!(rereservation(&big, u64::MAX, 0), 10_000);
     }
 
     #[test]

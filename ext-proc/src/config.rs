@@ -131,12 +131,41 @@ pub struct ContextConfig {
     /// `message_timeout`.
     #[serde(default = "default_count_timeout_ms")]
     pub count_timeout_ms: u64,
+    /// Exact counts one tenant may run at once (default 1, at least 1): its further requests
+    /// needing one go on undecided (vLLM decides) instead of queueing behind the CPU.
+    #[serde(default = "default_max_counts_per_tenant")]
+    pub max_counts_per_tenant: usize,
+    /// The largest request body Envoy may send for an exact count, in bytes: the filter's
+    /// `max_body_bytes` (default 4 MiB, the filter's default). The gRPC server's decode limit is
+    /// this plus 1 MiB for the message around it (tonic's own default, 4 MiB, would refuse a body
+    /// at the filter's limit and fail the request with a 500).
+    #[serde(default = "default_context_max_body_bytes")]
+    pub max_body_bytes: usize,
+}
+
+fn default_context_max_body_bytes() -> usize {
+    4 << 20
+}
+
+impl ContextConfig {
+    /// The gRPC decode limit in bytes: [`ContextConfig::max_body_bytes`] plus 1 MiB.
+    pub fn grpc_max_message_bytes(&self) -> usize {
+        self.max_body_bytes.saturating_add(1 << 20)
+    }
 }
 
 impl Default for ContextConfig {
     fn default() -> Self {
-        Self { count_timeout_ms: default_count_timeout_ms() }
+        Self {
+            count_timeout_ms: default_count_timeout_ms(),
+            max_counts_per_tenant: default_max_counts_per_tenant(),
+            max_body_bytes: default_context_max_body_bytes(),
+        }
     }
+}
+
+fn default_max_counts_per_tenant() -> usize {
+    1
 }
 
 fn default_count_timeout_ms() -> u64 {
@@ -533,6 +562,12 @@ impl Config {
         if self.context.count_timeout_ms == 0 {
             return Err(invalid("context.count_timeout_ms", "must be > 0"));
         }
+        if self.context.max_counts_per_tenant == 0 {
+            return Err(invalid("context.max_counts_per_tenant", "must be > 0"));
+        }
+        if self.context.max_body_bytes == 0 {
+            return Err(invalid("context.max_body_bytes", "must be > 0"));
+        }
         for (tier, level) in &self.shedding.tier_levels {
             if !(*level > 0.0 && *level <= 1.0) {
                 return Err(invalid(format!("shedding.tier_levels.{tier}"), "must be in (0, 1]"));
@@ -663,6 +698,10 @@ mod tests {
         assert_eq!(
             err(&format!("{BASE}tenants: []\ncontext: {{count_timeout_ms: 0}}\n")),
             "context.count_timeout_ms: must be > 0"
+        );
+        assert_eq!(
+            err(&format!("{BASE}tenants: []\ncontext: {{max_counts_per_tenant: 0}}\n")),
+            "context.max_counts_per_tenant: must be > 0"
         );
         assert_eq!(
             err(&format!("{BASE}tenants: []\nshutdown_grace_ms: 0\n")),

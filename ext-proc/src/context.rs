@@ -33,6 +33,10 @@ pub struct ContextChecker {
     /// Counts running at once (one per CPU): counting is CPU-bound, and a burst of long prompts
     /// must not take every core from the sidecar's other work.
     slots: Arc<tokio::sync::Semaphore>,
+    /// Counts one tenant may run at once (`context.max_counts_per_tenant`).
+    per_tenant: usize,
+    /// Each tenant's count slots (only tenants of the config reach a count).
+    tenant_slots: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
 }
 
 #[derive(Debug)]
@@ -90,10 +94,39 @@ impl ContextChecker {
             out.insert(m.name.clone(), CheckedModel { max_model_len: m.max_model_len, tokenizer });
         }
         let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-        Ok(ContextChecker { models: out, slots: Arc::new(tokio::sync::Semaphore::new(cpus)) })
+        Ok(ContextChecker {
+            models: out,
+            slots: Arc::new(tokio::sync::Semaphore::new(cpus)),
+            per_tenant: 1,
+            tenant_slots: std::sync::Mutex::default(),
+        })
     }
 
-    /// [`ContextChecker::check`] off the async workers: on a blocking thread, at most one count
+    /// Lets one tenant run at most `n` counts at once (at least 1).
+    #[must_use]
+    pub fn with_counts_per_tenant(self, n: usize) -> Self {
+        Self { per_tenant: n.max(1), ..self }
+    }
+
+    /// One of `tenant`'s count slots, if it has one free now (never waits).
+    fn tenant_slot(&self, tenant: &str) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let semaphore = {
+            let mut slots = self.tenant_slots.lock().ok()?;
+            Arc::clone(
+                slots
+                    .entry(tenant.to_owned())
+                    .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(self.per_tenant))),
+            )
+        };
+        semaphore.try_acquire_owned().ok()
+    }
+
+    /// [`ContextChecker::check`] for `tenant`'s request, off the async workers. A tenant runs at
+    /// most `max_counts_per_tenant` counts at once: past that its request is undecided at once
+    /// (vLLM decides, with the filter's estimate reserved) rather than queued. A count cannot be
+    /// interrupted inside the tokenizer: one past `limit` answers undecided but runs on to its
+    /// end, still holding its tenant's slot and a CPU slot, so that no tenant can pile up
+    /// abandoned counts. Otherwise: on a blocking thread, at most one count
     /// per CPU at a time, the wait for a slot and the count within `limit`.
     ///
     /// # Errors
@@ -101,10 +134,14 @@ impl ContextChecker {
     /// [`ContextError::Undecided`].
     pub async fn check_blocking(
         self: &Arc<Self>,
+        tenant: &str,
         model: &str,
         body: Vec<u8>,
         limit: Duration,
     ) -> Result<Counted, ContextError> {
+        let tenant_slot = self
+            .tenant_slot(tenant)
+            .ok_or_else(|| undecided(format!("tenant {tenant} already runs its most counts")))?;
         let this = Arc::clone(self);
         let model = model.to_owned();
         let count = async move {
@@ -113,7 +150,7 @@ impl ContextChecker {
                 .await
                 .map_err(|_| undecided("the count slots are closed"))?;
             tokio::task::spawn_blocking(move || {
-                let _permit = permit;
+                let _permits = (permit, tenant_slot);
                 this.check(&model, &body)
             })
             .await
@@ -361,13 +398,42 @@ mod tests {
     async fn blocking_check_and_its_deadline() {
         let c = Arc::new(checker(1000));
         let body = json!({"messages": [{"role": "user", "content": "Hello there, how are you?"}]});
-        let ok = c.check_blocking("m", body.to_string().into_bytes(), Duration::from_secs(10)).await;
+        let ok = c.check_blocking("t", "m", body.to_string().into_bytes(), Duration::from_secs(10)).await;
         assert_eq!(ok.map(|n| n.prompt_tokens), Ok(13));
         // A count of milliseconds cannot finish within no time at all.
         let long =
             json!({"messages": [{"role": "user", "content": "Hello there, how are you? ".repeat(8000)}]});
-        let late = c.check_blocking("m", long.to_string().into_bytes(), Duration::ZERO).await;
+        let late = c.check_blocking("t", "m", long.to_string().into_bytes(), Duration::ZERO).await;
         assert!(matches!(late, Err(ContextError::Undecided(_))), "{late:?}");
+    }
+
+    #[tokio::test]
+    async fn a_tenant_runs_at_most_its_counts_and_a_late_count_keeps_its_slot() {
+        let c = Arc::new(checker(1_000_000).with_counts_per_tenant(1));
+        let long =
+            json!({"messages": [{"role": "user", "content": "Hello there, how are you? ".repeat(40_000)}]});
+        let short = json!({"messages": [{"role": "user", "content": "Hi"}]}).to_string().into_bytes();
+        // Abandoned past its deadline, the long count runs on holding tenant a's one slot...
+        let late = c.check_blocking("a", "m", long.to_string().into_bytes(), Duration::ZERO).await;
+        assert!(matches!(late, Err(ContextError::Undecided(_))), "{late:?}");
+        let busy = c.check_blocking("a", "m", short.clone(), Duration::from_secs(10)).await;
+        assert!(
+            matches!(&busy, Err(ContextError::Undecided(why)) if why.contains("most counts")),
+            "{busy:?}"
+        );
+        // ...while another tenant counts.
+        let other = c.check_blocking("b", "m", short.clone(), Duration::from_secs(10)).await;
+        assert!(other.is_ok(), "{other:?}");
+        // Once it ends, tenant a counts again.
+        let mut again = Err(undecided("not yet"));
+        for _ in 0..200 {
+            again = c.check_blocking("a", "m", short.clone(), Duration::from_secs(10)).await;
+            if again.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(again.is_ok(), "{again:?}");
     }
 
     #[test]

@@ -103,7 +103,7 @@ impl Leases {
         for ((b, state), &tokens) in plan.iter().zip(&outcome.states).zip(granted) {
             match self.entries.get_mut(&b.key) {
                 Some(lease) => {
-                    lease.tokens += tokens;
+                    lease.tokens = lease.tokens.saturating_add(tokens);
                     lease.remaining = state.remaining;
                     lease.reset_ms = state.reset_ms;
                     lease.expires = now + self.ttl;
@@ -146,7 +146,7 @@ impl Leases {
 
     /// Tokens held across all leases (for tests and metrics).
     pub fn held(&self) -> u64 {
-        self.entries.values().map(|l| l.tokens).sum()
+        self.entries.values().fold(0, |sum, l| sum.saturating_add(l.tokens))
     }
 }
 

@@ -99,8 +99,11 @@ pub enum RunError {
 /// [`RunError`] when Redis is unreachable at start, an address cannot be bound, or the server
 /// fails.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> Result<(), RunError> {
-    let context =
-        Arc::new(context::ContextChecker::from_config(&config.models).map_err(RunError::Tokenizer)?);
+    let context = Arc::new(
+        context::ContextChecker::from_config(&config.models)
+            .map_err(RunError::Tokenizer)?
+            .with_counts_per_tenant(config.context.max_counts_per_tenant),
+    );
     let metrics = Metrics::new();
     let store = Store::connect(&config.redis, config.usage_stream(), config.metering.stream_maxlen).await?;
     if let Some(addr) = config.metrics_listen {
@@ -134,7 +137,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
         })
     });
     let access_log = AccessLogServiceServer::new(AccessLog::new(Arc::clone(&shared)));
-    let service = ExternalProcessorServer::new(Gateway::new(Arc::clone(&shared)));
+    // A body at the filter's max_body_bytes comes whole for an exact count.
+    let service = ExternalProcessorServer::new(Gateway::new(Arc::clone(&shared)))
+        .max_decoding_message_size(shared.config.context.grpc_max_message_bytes());
     let leases = proto::admission_leases_server::AdmissionLeasesServer::new(
         lease_service::AdmissionLeaseService::new(Arc::clone(&shared)),
     );

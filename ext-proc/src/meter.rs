@@ -50,6 +50,9 @@ impl RequestInfo {
     }
 }
 
+/// The largest count Redis holds: `i64::MAX`.
+pub const MAX_REDIS_COUNT: u64 = i64::MAX as u64;
+
 /// One finished request's usage (becomes a `llm_gateway.v1.UsageEvent`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UsageRecord {
@@ -103,9 +106,18 @@ impl UsageRecord {
         }
     }
 
-    /// Prompt plus completion tokens: what the tenant's TPM bucket is charged.
+    /// Prompt plus completion tokens: what the tenant's TPM bucket is charged (saturating).
     pub fn total_tokens(&self) -> u64 {
-        self.prompt_tokens + self.completion_tokens
+        self.prompt_tokens.saturating_add(self.completion_tokens)
+    }
+
+    /// Whether Redis can hold every count of the record: its integers (`HINCRBY`) are signed 64
+    /// bits. The upstream's numbers arrive as JSON `u64`s; a record past this is refused whole,
+    /// before any of it is written.
+    pub fn fits_redis(&self) -> bool {
+        [self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.total_tokens()]
+            .into_iter()
+            .all(|n| n <= MAX_REDIS_COUNT)
     }
 }
 
@@ -124,5 +136,23 @@ mod tests {
         assert_eq!(UsageRecord::new(info(), usage(503)).total_tokens(), 2);
         let reported = Usage { prompt_tokens: 7, usage_source: UsageSource::Upstream, ..usage(200) };
         assert_eq!(UsageRecord::new(info(), reported).prompt_tokens, 7);
+    }
+
+    #[test]
+    fn upstream_numbers_cannot_wrap_or_overflow_redis() {
+        let usage = |prompt_tokens, completion_tokens| Usage {
+            prompt_tokens,
+            completion_tokens,
+            usage_source: UsageSource::Upstream,
+            ..Usage::unseen(10, 200)
+        };
+        let huge = UsageRecord::new(info(), usage(u64::MAX, u64::MAX));
+        assert_eq!(huge.total_tokens(), u64::MAX);
+        assert!(!huge.fits_redis());
+        let at_limit = UsageRecord::new(info(), usage(MAX_REDIS_COUNT, 0));
+        assert!(at_limit.fits_redis());
+        // Each count fits, their sum does not: refused too.
+        assert!(!UsageRecord::new(info(), usage(MAX_REDIS_COUNT, 1)).fits_redis());
+        assert!(UsageRecord::new(info(), usage(10, 3)).fits_redis());
     }
 }

@@ -115,6 +115,13 @@ pub struct LeaseOutcome {
     pub outcome: String,
 }
 
+/// `{outcome}` of an exact context count: `fits`, `exceeded` or `undecided`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CountOutcome {
+    /// How the count ended.
+    pub outcome: &'static str,
+}
+
 /// `{pool}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PoolLabel {
@@ -167,6 +174,10 @@ pub struct Metrics {
     pub shed: Family<PoolTier, Counter>,
     /// `llm_gateway_admission_leases_total{outcome}`: the filter's lease calls.
     pub admission_leases: Family<LeaseOutcome, Counter>,
+    /// `llm_gateway_exact_counts_total{outcome}`: exact context counts run for admitted
+    /// requests: `fits`, `exceeded`, `undecided` (timed out, the tenant's counts busy, or
+    /// nothing exact to count).
+    pub exact_counts: Family<CountOutcome, Counter>,
     /// `llm_gateway_in_flight_requests{pool}`: admitted by this sidecar, not yet finished.
     pub in_flight: Family<PoolLabel, Gauge>,
     /// `llm_gateway_pool_load{pool}`: the load ratio shedding compares with tier levels.
@@ -185,6 +196,8 @@ pub struct Metrics {
     pub records_written: Counter,
     /// `llm_gateway_usage_records_dropped_total`: past `metering.buffer_records` (each logged).
     pub records_dropped: Counter,
+    /// `llm_gateway_usage_records_refused_total`: usage counts Redis cannot hold (each logged).
+    pub records_refused: Counter,
 }
 
 #[derive(Default)]
@@ -216,6 +229,7 @@ impl Metrics {
             degraded: Family::default(),
             shed: Family::default(),
             admission_leases: Family::default(),
+            exact_counts: Family::default(),
             in_flight: Family::default(),
             pool_load: Family::default(),
             pool_waiting: Family::default(),
@@ -227,6 +241,7 @@ impl Metrics {
             records_buffered: Gauge::default(),
             records_written: Counter::default(),
             records_dropped: Counter::default(),
+            records_refused: Counter::default(),
             registry: Registry::default(),
         };
         r.register("llm_gateway_requests", "Admission outcomes", m.requests.clone());
@@ -258,6 +273,11 @@ impl Metrics {
             "llm_gateway_admission_leases",
             "Admission-lease calls from the wasm filter, by outcome",
             m.admission_leases.clone(),
+        );
+        r.register(
+            "llm_gateway_exact_counts",
+            "Exact context counts of admitted requests, by outcome",
+            m.exact_counts.clone(),
         );
         r.register(
             "llm_gateway_in_flight_requests",
@@ -292,6 +312,11 @@ impl Metrics {
             "llm_gateway_usage_records_dropped",
             "Usage records dropped (logged)",
             m.records_dropped.clone(),
+        );
+        r.register(
+            "llm_gateway_usage_records_refused",
+            "Usage records refused: counts Redis cannot hold (logged)",
+            m.records_refused.clone(),
         );
         Arc::new(Self { registry: r, ..m })
     }

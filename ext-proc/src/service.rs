@@ -35,7 +35,7 @@ use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
-use tracing::{debug, info, Instrument};
+use tracing::{debug, error, info, Instrument};
 
 use crate::admission::{self, Admitted, RequestFacts};
 use crate::config::Config;
@@ -43,9 +43,11 @@ use crate::config::FactsSource;
 use crate::context::{ContextChecker, ContextError, Counted};
 use crate::error::AdmissionError;
 use crate::limiter::{Limiter, Take};
-use crate::limits::{self, BucketKind};
+use crate::limits::{self, BucketKind, BucketSpec};
 use crate::meter::{EndReason, Meter, RequestInfo, UsageRecord};
-use crate::metrics::{Decision, Finished, Metrics, ModelLabel, PoolTier, TenantTokens, TokenType};
+use crate::metrics::{
+    CountOutcome, Decision, Finished, Metrics, ModelLabel, PoolTier, TenantTokens, TokenType,
+};
 use crate::pools::Pools;
 use crate::recorder::Recorder;
 use gateway_contract::{
@@ -211,7 +213,7 @@ async fn admission_stream(
     first: ProcessingRequest,
     mut inbound: Streaming<ProcessingRequest>,
     tx: &Tx,
-    shared: &Shared,
+    shared: &Arc<Shared>,
 ) -> Result<(), Status> {
     let Some(ProcRequest::RequestHeaders(headers)) = &first.request else {
         // Misconfigured processing mode: let the request through untouched.
@@ -233,64 +235,123 @@ async fn admission_stream(
         request_id = %facts.request_id,
         tenant = facts.tenant.as_deref().unwrap_or("")
     );
+    // The cheap checks first (tenant, shedding, the limits with the filter's estimate): a tenant
+    // over its limit, or a shed pool, never costs an exact count.
+    let decision = admit(shared, &facts).instrument(span.clone()).await;
+    let mut admitted = match decision {
+        Ok(admitted) => admitted,
+        Err(error) => {
+            let _e = span.enter();
+            debug!(reason = %error, "refused");
+            shared.metrics.request(
+                facts.tenant.as_deref().unwrap_or(""),
+                &facts.model,
+                outcome_label(&error),
+            );
+            return send(tx, immediate_response(&error)).await;
+        }
+    };
     let mut first = first;
     let mut exact_headers = Vec::new();
     if exact {
-        let Some((body, outcome)) = exact_context(&context_model, &mut inbound, tx, shared).await? else {
-            return Ok(());
+        let tenant = facts.tenant.clone().unwrap_or_default();
+        let counted = exact_context(&context_model, &tenant, &mut inbound, tx, shared).await;
+        let Ok(Some((body, outcome))) = counted else {
+            // The stream ended during the count: the request never goes upstream.
+            give_back(shared, &facts, &admitted);
+            return counted.map(|_| ());
         };
         first = body;
         let _e = span.enter();
+        let label = match &outcome {
+            Ok(_) => "fits",
+            Err(ContextError::Exceeded { .. }) => "exceeded",
+            Err(ContextError::Undecided(_)) => "undecided",
+        };
+        shared.metrics.exact_counts.get_or_create(&CountOutcome { outcome: label }).inc();
         match outcome {
             Ok(counted) => {
                 debug!(prompt_tokens = counted.prompt_tokens, "exact context check passed");
+                let estimated = facts.reserve_tokens();
                 facts.prompt_tokens = counted.prompt_tokens;
                 facts.max_tokens = counted.max_tokens;
+                if admitted.reserved_tokens > 0 {
+                    admitted.reserved_tokens = facts.reserve_tokens();
+                    rereserve(shared, &facts, &admitted, estimated);
+                }
                 exact_headers = exact_count_headers(&counted);
             }
             Err(ContextError::Exceeded { param, prompt_tokens, max_tokens, max_model_len }) => {
                 let error =
                     AdmissionError::ContextLengthExceeded { param, prompt_tokens, max_tokens, max_model_len };
                 debug!(reason = %error, "refused");
-                shared.metrics.request(
-                    facts.tenant.as_deref().unwrap_or(""),
-                    &facts.model,
-                    outcome_label(&error),
-                );
+                give_back(shared, &facts, &admitted);
+                shared.metrics.request(&tenant, &facts.model, outcome_label(&error));
                 return send(tx, immediate_response(&error)).await;
             }
             Err(ContextError::Undecided(why)) => debug!(%why, "no exact count; vLLM decides"),
         }
     }
-    let decision = admit(shared, &facts).instrument(span.clone()).await;
     let _e = span.enter();
-    let tenant = facts.tenant.as_deref().unwrap_or("");
-    let response = match decision {
-        Ok(admitted) => {
-            debug!(reserved_tokens = admitted.reserved_tokens, "admitted");
-            shared.pools.admitted(&facts.pool);
-            shared.metrics.request(tenant, &facts.model, "admitted");
-            let counted = (!exact_headers.is_empty()).then_some(facts.prompt_tokens);
-            let mut response =
-                continue_response(&first.request, Some(admission_metadata(&admitted, counted)));
-            if let Some(ProcResponse::RequestBody(body)) = &mut response.response {
-                body.response = Some(CommonResponse {
-                    header_mutation: Some(HeaderMutation {
-                        set_headers: exact_headers,
-                        remove_headers: Vec::new(),
-                    }),
-                    ..Default::default()
-                });
-            }
-            response
-        }
-        Err(error) => {
-            debug!(reason = %error, "refused");
-            shared.metrics.request(tenant, &facts.model, outcome_label(&error));
-            immediate_response(&error)
-        }
-    };
+    debug!(reserved_tokens = admitted.reserved_tokens, "admitted");
+    shared.pools.admitted(&facts.pool);
+    shared.metrics.request(facts.tenant.as_deref().unwrap_or(""), &facts.model, "admitted");
+    let counted = (!exact_headers.is_empty()).then_some(facts.prompt_tokens);
+    let mut response = continue_response(&first.request, Some(admission_metadata(&admitted, counted)));
+    if let Some(ProcResponse::RequestBody(body)) = &mut response.response {
+        body.response = Some(CommonResponse {
+            header_mutation: Some(HeaderMutation { set_headers: exact_headers, remove_headers: Vec::new() }),
+            ..Default::default()
+        });
+    }
     send(tx, response).await
+}
+
+/// Moves each bucket of an admitted request's plan by `delta(bucket)` (positive gives back), off
+/// the stream's path, where the admission took it (Redis or this sidecar's memory).
+fn settle_plan(
+    shared: &Arc<Shared>,
+    facts: &RequestFacts,
+    admitted: &Admitted,
+    delta: impl Fn(&BucketSpec) -> i64,
+) {
+    let Some(tenant) = facts.tenant.as_deref().and_then(|t| shared.config.tenant(t)) else { return };
+    let moves: Vec<_> = limits::plan(shared.limiter.store().prefix(), tenant, &facts.model, 0)
+        .into_iter()
+        .map(|b| {
+            let d = delta(&b);
+            (b, d)
+        })
+        .filter(|(_, d)| *d != 0)
+        .collect();
+    if moves.is_empty() {
+        return;
+    }
+    let shared = Arc::clone(shared);
+    let locally = admitted.reserved_locally;
+    tokio::spawn(async move {
+        for (bucket, d) in &moves {
+            shared.limiter.settle(bucket, *d, locally).await;
+        }
+    });
+}
+
+/// A request admitted but refused (or gone) before it went upstream: its request and its token
+/// reservation go back to the buckets they were taken from.
+fn give_back(shared: &Arc<Shared>, facts: &RequestFacts, admitted: &Admitted) {
+    settle_plan(shared, facts, admitted, |b| match b.kind {
+        BucketKind::Requests => 1,
+        BucketKind::Tokens => admission::settlement(b, admitted.reserved_tokens, 0),
+    });
+}
+
+/// After the exact count: each token bucket's reservation moves from the filter's estimate
+/// (`estimated`, prompt + max tokens) to the exact one (`admitted.reserved_tokens`).
+fn rereserve(shared: &Arc<Shared>, facts: &RequestFacts, admitted: &Admitted, estimated: u64) {
+    settle_plan(shared, facts, admitted, |b| match b.kind {
+        BucketKind::Requests => 0,
+        BucketKind::Tokens => admission::rereservation(b, estimated, admitted.reserved_tokens),
+    });
 }
 
 /// The `outcome` label of a refusal.
@@ -313,6 +374,7 @@ fn outcome_label(error: &AdmissionError) -> &'static str {
 /// answers, and the outcome; `None` when the stream ended first.
 async fn exact_context(
     model: &str,
+    tenant: &str,
     inbound: &mut Streaming<ProcessingRequest>,
     tx: &Tx,
     shared: &Shared,
@@ -335,7 +397,7 @@ async fn exact_context(
         _ => Vec::new(),
     };
     let limit = std::time::Duration::from_millis(shared.config.context.count_timeout_ms);
-    let outcome = shared.context.check_blocking(model, body, limit).await;
+    let outcome = shared.context.check_blocking(tenant, model, body, limit).await;
     Ok(Some((message, outcome)))
 }
 
@@ -468,6 +530,13 @@ pub(crate) fn finish(shared: &Arc<Shared>, record: UsageRecord) {
         "usage"
     );
     shared.pools.finished(&record.info.pool);
+    if !record.fits_redis() {
+        // Counts no Redis integer holds (an upstream's bug): refused before any of it is
+        // written; the reservation stays charged, nothing is refunded or billed.
+        error!(?record, "usage counts past what Redis holds: record refused");
+        shared.metrics.records_refused.inc();
+        return;
+    }
     observe(&shared.metrics, &record);
     let mut record = record;
     // The end of the request, not of its (possibly delayed) write, dates the record: Envoy's

@@ -169,6 +169,10 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
     if let Some(grace) = c.sidecar.shutdown_grace_ms {
         top.push(("shutdown_grace_ms", n(grace)));
     }
+    if let Some(max) = c.filter.max_body_bytes {
+        // The exact count receives bodies up to the filter's limit.
+        top.push(("context", map([("max_body_bytes", n(max))])));
+    }
     // Sidecar pools[j] is the gateway config's pools[shed[j]].
     let shed: Vec<usize> =
         c.pools.iter().enumerate().filter(|(_, p)| p.shedding.is_some()).map(|(i, _)| i).collect();
@@ -279,6 +283,9 @@ fn sidecar_field(field: &str, shed: &[usize]) -> String {
                 };
             }
         }
+    }
+    if field == "context.max_body_bytes" {
+        return "filter.max_body_bytes".to_owned();
     }
     if let Some(tier) = field.strip_prefix("shedding.tier_levels.") {
         return format!("tiers.{tier}.shed_level");
