@@ -322,6 +322,20 @@ pub fn effective_max_tokens(max_model_len: u64, counts: &PromptCounts, max_token
     }
 }
 
+/// The most completion tokens a request can produce over all its choices, sent as
+/// `x-gateway-max-tokens` and reserved against the tenant's tokens per minute:
+/// [`effective_max_tokens`] for each of the `choices` sequences vLLM generates (`n`, on
+/// completions `max(n, best_of)`; vLLM bills `completion_tokens` summed over them), saturating at
+/// `u64::MAX`. The context rule stays per sequence ([`check_context`]).
+pub fn completion_budget(
+    max_model_len: u64,
+    counts: &PromptCounts,
+    max_tokens: Option<MaxTokens>,
+    choices: u64,
+) -> u64 {
+    effective_max_tokens(max_model_len, counts, max_tokens).saturating_mul(choices)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -550,5 +564,16 @@ mod tests {
         assert_eq!(effective_max_tokens(4096, &counts(100), mt(50)), 50);
         assert_eq!(effective_max_tokens(4096, &counts(100), None), 3996);
         assert_eq!(effective_max_tokens(10, &counts(100), None), 0);
+    }
+
+    #[test]
+    fn completion_budget_covers_every_choice() {
+        assert_eq!(completion_budget(4096, &counts(100), mt(50), 1), 50);
+        assert_eq!(completion_budget(4096, &counts(100), mt(50), 3), 150);
+        // No max_tokens: each choice may run to the end of the context.
+        assert_eq!(completion_budget(4096, &counts(100), None, 4), 4 * 3996);
+        assert_eq!(completion_budget(4096, &counts(100), mt(4096), u64::MAX), u64::MAX);
+        assert_eq!(completion_budget(u64::MAX, &counts(0), None, 2), u64::MAX);
+        assert_eq!(completion_budget(10, &counts(100), None, 1000), 0);
     }
 }
