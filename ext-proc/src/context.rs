@@ -58,10 +58,11 @@ pub struct Counted {
     /// Prompt tokens, summed over a batch (for the tokens-per-minute reservation and metering).
     pub prompt_tokens: u64,
     /// The most completion tokens the request can produce over all its choices (sent on as
-    /// `x-gateway-max-tokens`, reserved with the prompt): the per-choice cap (the request's, else
-    /// what vLLM leaves for the largest prompt, `max_model_len - prompt`) times the sequences vLLM
-    /// generates (`n`, on completions `max(n, best_of)`), saturating. vLLM bills
-    /// `completion_tokens` summed over the choices.
+    /// `x-gateway-max-tokens`, reserved with the prompt): for each prompt (a completions batch has
+    /// several), its per-choice cap (the request's, else what vLLM leaves for that prompt,
+    /// `max_model_len - prompt`), times the sequences vLLM generates per prompt (`n`, on
+    /// completions `max(n, best_of)`), saturating. vLLM bills `completion_tokens` summed over
+    /// the choices.
     pub max_tokens: u64,
 }
 
@@ -207,7 +208,11 @@ impl ContextChecker {
         }
         Ok(Counted {
             prompt_tokens: prompts.iter().fold(0u64, |a, n| a.saturating_add(*n)),
-            max_tokens: max_tokens.unwrap_or(m.max_model_len.saturating_sub(largest)).saturating_mul(choices),
+            max_tokens: prompts
+                .iter()
+                .map(|p| max_tokens.unwrap_or(m.max_model_len.saturating_sub(*p)))
+                .fold(0u64, u64::saturating_add)
+                .saturating_mul(choices),
         })
     }
 }
@@ -369,6 +374,10 @@ mod tests {
         assert_eq!(with(&comp, json!({"max_tokens": 7, "n": 2, "best_of": 5})).unwrap().max_tokens, 35);
         assert_eq!(with(&comp, json!({"max_tokens": 7, "n": 2})).unwrap().max_tokens, 14);
         assert!(matches!(with(&comp, json!({"n": "2"})), Err(ContextError::Undecided(_))));
+        // A batch: each prompt has its own choices; without max_tokens each its own remainder.
+        let batch = json!({"prompt": [[1, 2, 3], [4]]});
+        assert_eq!(with(&batch, json!({"max_tokens": 7, "n": 2})).unwrap().max_tokens, 2 * 2 * 7);
+        assert_eq!(with(&batch, json!({"n": 3})).unwrap().max_tokens, 3 * ((100 - 3) + (100 - 1)));
         assert!(matches!(with(&comp, json!({"n": 0})), Err(ContextError::Undecided(_))));
     }
 
@@ -386,7 +395,8 @@ mod tests {
     fn completions_batches_are_checked_per_prompt() {
         let c = checker(10);
         let ok = json!({"prompt": ["one two three", [1, 2, 3, 4, 5, 6, 7]], "max_tokens": 3});
-        assert_eq!(c.check("m", ok.to_string().as_bytes()), Ok(Counted { prompt_tokens: 10, max_tokens: 3 }));
+        // Each of the two prompts may generate max_tokens.
+        assert_eq!(c.check("m", ok.to_string().as_bytes()), Ok(Counted { prompt_tokens: 10, max_tokens: 6 }));
         let over = json!({"prompt": [[1, 2, 3, 4, 5, 6, 7, 8]], "max_tokens": 3});
         assert_eq!(
             c.check("m", over.to_string().as_bytes()),

@@ -12,7 +12,7 @@
 //! | `x-gateway-pool` | Envoy cluster (route uses `cluster_header: x-gateway-pool`) |
 //! | `x-gateway-prompt-tokens` | prompt token estimate (decimal integer; sum over a batch) |
 //! | `x-gateway-prompt-tokens-source` | `estimate` or `exact` |
-//! | `x-gateway-max-tokens` | the most completion tokens the request can produce over all its choices: the per-choice cap (`max_completion_tokens`/`max_tokens`; if unset, `max_model_len - estimate` floored at 0) times the sequences vLLM generates (`n`, on completions `max(n, best_of)`), saturating; 0 for embeddings |
+//! | `x-gateway-max-tokens` | the most completion tokens the request can produce over all its choices: the per-choice cap (`max_completion_tokens`/`max_tokens`; if unset, `max_model_len - estimate` floored at 0) times the sequences vLLM generates (`n`, on completions `max(n, best_of)`, for each prompt of a batch), saturating; 0 for embeddings |
 //! | `x-gateway-usage-injected` | `1`, only when the filter injected `stream_options.include_usage` |
 //! | `x-gateway-context-check` | `exact`, only when the bounds cannot decide the context rule and the model has `exact_count` (the sidecar counts exactly) |
 //! | `x-gateway-context-model` | with `x-gateway-context-check`: the base model whose tokenizer counts |
@@ -280,7 +280,7 @@ fn plan_request_body(
         // The lower bound fits; the upper bound settles it unless it is unknown or too large.
         let settled = fits_by_upper_bound(route.model, &req.prompt, &value, req.max_tokens);
         exact_check = !settled && route.model.exact_count;
-        completion_budget(max_model_len, &counts, req.max_tokens, req.choices)
+        completion_budget(max_model_len, &counts, req.max_tokens, req.choices, req.prompt.count())
     };
 
     finish_plan(pending, tenant, body, &req, &value, &route, &counts, max_tokens_header, exact_check)
@@ -415,7 +415,11 @@ fn on_large_body(
     } else {
         // Refuses max_tokens over max_model_len, and prompts whose text alone is too long.
         check_context(max_model_len, &counts, req.max_tokens, prompt_key)?;
-        (completion_budget(max_model_len, &counts, req.max_tokens, req.choices), route.model.exact_count)
+        let prompts = large_prompt_count(pending.endpoint, prompt_raw);
+        (
+            completion_budget(max_model_len, &counts, req.max_tokens, req.choices, prompts),
+            route.model.exact_count,
+        )
     };
     finish_plan(pending, tenant, body, &req, &value, &route, &counts, max_tokens_header, exact_check)
 }
@@ -436,6 +440,20 @@ fn prompt_text_lower(endpoint: Endpoint, raw: &[u8]) -> u64 {
         Endpoint::Completions if raw.first() == Some(&b'"') => string_bytes_lower(raw),
         Endpoint::Completions => elements().map(string_bytes_lower).max().unwrap_or(0),
         Endpoint::Embeddings | Endpoint::Models => 0,
+    }
+}
+
+/// Prompts of an unparsed prompt member that vLLM generates for separately: the elements of a
+/// completions batch (strings or arrays of token ids), else 1 (chat, one string, one array of
+/// token ids).
+fn large_prompt_count(endpoint: Endpoint, raw: &[u8]) -> u64 {
+    if endpoint != Endpoint::Completions || raw.first() != Some(&b'[') {
+        return 1;
+    }
+    let elements = array_elements(raw).unwrap_or_default();
+    match elements.first().and_then(|&(a, _)| raw.get(a)) {
+        Some(b'"' | b'[') => elements.len() as u64,
+        _ => 1,
     }
 }
 
@@ -1070,6 +1088,22 @@ mod tests {
         assert_eq!(max, 2 * (4096 - prompt));
         let e = large(json!({"model": "qwen", "messages": long_messages(), "n": "2"})).unwrap_err();
         assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_type", Some("n")));
+        // A completions batch: each prompt gets its own n choices, parsed or not.
+        let plan =
+            comp(json!({"model": "tiny", "prompt": ["ab", "cd", "ef"], "max_tokens": 7, "n": 2})).unwrap();
+        assert_eq!(reservation(&plan), (3, 3 * 2 * 7, 3 + 42));
+        let plan = comp(json!({"model": "tiny", "prompt": [[1, 2], [3]], "n": 2})).unwrap();
+        // No max_tokens: (100 - 2) + (100 - 1) for each of 2 choices.
+        assert_eq!(reservation(&plan), (3, 2 * 197, 3 + 2 * 197));
+        let plan = comp(json!({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 7})).unwrap();
+        assert_eq!(reservation(&plan).1, 7);
+        let mut c = cfg();
+        c.full_parse_max_bytes = 200;
+        let p = pending("/v1/completions", "sk-demo");
+        let batch = json!({"model": "qwen", "prompt": vec!["word ".repeat(20); 4], "max_tokens": 10, "n": 3});
+        assert_eq!(reservation(&both(&c, &p, batch.to_string().as_bytes()).unwrap()).1, 4 * 3 * 10);
+        let ids = json!({"model": "qwen", "prompt": vec![7; 100], "max_tokens": 10});
+        assert_eq!(reservation(&both(&c, &p, ids.to_string().as_bytes()).unwrap()).1, 10);
     }
 
     #[test]

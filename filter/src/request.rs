@@ -102,6 +102,16 @@ pub enum Prompt<'a> {
     Items(Vec<PromptItem<'a>>),
 }
 
+impl Prompt<'_> {
+    /// Prompts vLLM generates for separately: the items of a completions batch; 1 for chat.
+    pub fn count(&self) -> u64 {
+        match self {
+            Prompt::Chat(_) => 1,
+            Prompt::Items(items) => items.len() as u64,
+        }
+    }
+}
+
 /// The client's requested completion limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MaxTokens {
