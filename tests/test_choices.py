@@ -1,6 +1,6 @@
 """`n` (and completions `best_of`) through the real Envoy, sidecar, redis-server and vllm-sim
-(issue 17, item 4): a request with n choices reserves prompt + n x max_tokens from the tenant's
-TPM bucket at admission, and settles to the real usage (vLLM sums `completion_tokens` over the
+(issue 17, item 4): a request with n choices reserves prompt + n x max_tokens (for each prompt
+of a completions batch) from the tenant's TPM bucket at admission, and settles to the real usage (vLLM sums `completion_tokens` over the
 choices); an invalid `n` or `best_of` is the filter's 400 and reaches no upstream.
 
 The buckets refill 1 token per minute with a large burst, so the arithmetic is not blurred.
@@ -18,7 +18,7 @@ from stack import Model, Pool, Stack, Tenant, new_api_key, upstream_metric
 
 BIG = 1_000_000
 OUTPUT_TOKENS = 8  # vllm-sim --output-tokens: each choice stops after 8 tokens
-TENANTS = ["n-one", "n-three", "n-stream", "n-comp", "n-bad"]
+TENANTS = ["n-one", "n-three", "n-stream", "n-comp", "n-batch", "n-bad"]
 KEYS = {t: new_api_key() for t in TENANTS}
 RECEIVED = "vllm_sim:requests_received_total"
 
@@ -109,6 +109,16 @@ def test_completions_best_of_reserves_its_sequences(n_stack):
     assert r.status_code == 200, r.text
     # The filter's estimate of a 13-byte prompt is ceil(13 / 4) = 4 tokens; best_of = 4 sequences.
     assert reserved(r) == 4 + 4 * 5, reserved(r)
+
+
+def test_a_completions_batch_reserves_for_every_prompt(n_stack):
+    """vLLM generates n choices for each prompt of a batch."""
+    stack = n_stack
+    body = {"model": "nmodel", "prompt": ["ab", "cd", "ef"], "max_tokens": 5, "n": 2}
+    r = post(stack, "/v1/completions", body, key=KEYS["n-batch"])
+    assert r.status_code == 200, r.text
+    # Each 2-byte prompt is estimated at 1 token; 3 prompts x 2 choices x 5 tokens.
+    assert reserved(r) == 3 + 3 * 2 * 5, reserved(r)
 
 
 @pytest.mark.parametrize("extra, param, code", [
