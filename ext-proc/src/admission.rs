@@ -17,7 +17,8 @@ pub struct RequestFacts {
     pub pool: String,
     /// `x-gateway-prompt-tokens`: prompt tokens, exact or estimated (0 when absent).
     pub prompt_tokens: u64,
-    /// `x-gateway-max-tokens`: the effective completion-token cap (0 when absent).
+    /// `max_tokens` of the facts: the most completion tokens the request can produce over all its
+    /// choices (0 when absent).
     pub max_tokens: u64,
     /// `x-request-id`.
     pub request_id: String,

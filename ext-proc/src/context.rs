@@ -12,6 +12,9 @@
 //!   `prompt_tokens + max_tokens > max_model_len`;
 //! * without: reject when `prompt_tokens >= max_model_len`.
 //!
+//! The rule is per sequence: `n` (and completions `best_of`) do not change it, but multiply the
+//! completion tokens reserved ([`Counted::max_tokens`]).
+//!
 //! A batch of completions prompts is checked prompt by prompt, as vLLM does. Whatever cannot be
 //! counted exactly (an unknown model, images, tools, a custom template, a template that raises)
 //! is [`ContextError::Undecided`]: the request goes on with the filter's estimate and vLLM
@@ -50,8 +53,12 @@ struct CheckedModel {
 pub struct Counted {
     /// Prompt tokens, summed over a batch (for the tokens-per-minute reservation and metering).
     pub prompt_tokens: u64,
-    /// The effective completion cap: the request's, else what vLLM leaves for the largest prompt
-    /// (`max_model_len - prompt`).
+    /// The most completion tokens the request can produce over all its choices (sent on as
+    /// `x-gateway-max-tokens`, reserved with the prompt): for each prompt (a completions batch has
+    /// several), its per-choice cap (the request's, else what vLLM leaves for that prompt,
+    /// `max_model_len - prompt`), times the sequences vLLM generates per prompt (`n`, on
+    /// completions `max(n, best_of)`), saturating. vLLM bills `completion_tokens` summed over
+    /// the choices.
     pub max_tokens: u64,
 }
 
@@ -179,7 +186,7 @@ impl ContextChecker {
             serde_json::from_slice(body).map_err(|e| undecided(format!("body is not JSON: {e}")))?;
         let obj = body.as_object().ok_or_else(|| undecided("body is not an object"))?;
         let present = |k: &str| obj.get(k).is_some_and(|v| !v.is_null());
-        let (param, prompts, max_tokens) = if let Some(messages) = obj.get("messages") {
+        let (param, prompts, max_tokens, choices) = if let Some(messages) = obj.get("messages") {
             for field in ["tools", "documents", "chat_template"] {
                 if present(field) {
                     return Err(undecided(format!("`{field}` is not reproduced exactly")));
@@ -200,12 +207,18 @@ impl ContextChecker {
             let n = m.tokenizer.count_chat(messages, &options).map_err(tokenize_undecided)?;
             let max =
                 max_tokens_field(obj, "max_completion_tokens")?.or(max_tokens_field(obj, "max_tokens")?);
-            ("messages", vec![n as u64], max)
+            ("messages", vec![n as u64], max, choices_field(obj, "n")?)
         } else if let Some(prompt) = obj.get("prompt") {
             if obj.get("add_special_tokens").and_then(Value::as_bool) == Some(false) {
                 return Err(undecided("`add_special_tokens: false` is not reproduced exactly"));
             }
-            ("prompt", completion_prompts(&m.tokenizer, prompt)?, max_tokens_field(obj, "max_tokens")?)
+            let choices = choices_field(obj, "n")?.max(choices_field(obj, "best_of")?);
+            (
+                "prompt",
+                completion_prompts(&m.tokenizer, prompt)?,
+                max_tokens_field(obj, "max_tokens")?,
+                choices,
+            )
         } else {
             return Err(undecided("neither `messages` nor `prompt`"));
         };
@@ -224,7 +237,11 @@ impl ContextChecker {
         }
         Ok(Counted {
             prompt_tokens: prompts.iter().fold(0u64, |a, n| a.saturating_add(*n)),
-            max_tokens: max_tokens.unwrap_or(m.max_model_len.saturating_sub(largest)),
+            max_tokens: prompts
+                .iter()
+                .map(|p| max_tokens.unwrap_or(m.max_model_len.saturating_sub(*p)))
+                .fold(0u64, u64::saturating_add)
+                .saturating_mul(choices),
         })
     }
 }
@@ -241,6 +258,18 @@ fn max_tokens_field(obj: &serde_json::Map<String, Value>, key: &str) -> Result<O
         Some(v) => {
             v.as_u64().map(Some).ok_or_else(|| undecided(format!("`{key}` is not a non-negative integer")))
         }
+    }
+}
+
+/// `n` / `best_of`: absent or null is 1; a positive integer is the value; anything else (the
+/// filter has validated it) is undecided.
+fn choices_field(obj: &serde_json::Map<String, Value>, key: &str) -> Result<u64, ContextError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(1),
+        Some(v) => v
+            .as_u64()
+            .filter(|n| *n >= 1)
+            .ok_or_else(|| undecided(format!("`{key}` is not a positive integer"))),
     }
 }
 
@@ -341,6 +370,46 @@ mod tests {
         assert!(checker(n + 1).check("m", body.to_string().as_bytes()).is_ok());
     }
 
+    /// Issue 17, item 4: the exact count's reservation covers every choice; the rule does not
+    /// change with them.
+    #[test]
+    fn reservation_covers_every_choice() {
+        let c = checker(100);
+        let chat = json!({"messages": [{"role": "user", "content": "Hello there, how are you?"}]});
+        let n = chat_tokens(&c, &chat);
+        let with = |body: &Value, extra: Value| {
+            let mut b = body.clone();
+            for (k, v) in extra.as_object().unwrap() {
+                b[k] = v.clone();
+            }
+            c.check("m", b.to_string().as_bytes())
+        };
+        assert_eq!(
+            with(&chat, json!({"max_tokens": 10, "n": 3})),
+            Ok(Counted { prompt_tokens: n, max_tokens: 30 })
+        );
+        // No max_tokens: n x (max_model_len - prompt).
+        assert_eq!(with(&chat, json!({"n": 4})).unwrap().max_tokens, 4 * (100 - n));
+        // Per sequence: 100 - n fits once, so it fits with n = 5 too.
+        assert_eq!(with(&chat, json!({"max_tokens": 100 - n, "n": 5})).unwrap().max_tokens, 5 * (100 - n));
+        assert!(matches!(
+            with(&chat, json!({"max_tokens": 101 - n, "n": 5})),
+            Err(ContextError::Exceeded { .. })
+        ));
+        assert_eq!(with(&chat, json!({"max_tokens": 10, "n": u64::MAX})).unwrap().max_tokens, u64::MAX);
+        // Chat has no best_of in vLLM's API.
+        assert_eq!(with(&chat, json!({"max_tokens": 10, "best_of": 4})).unwrap().max_tokens, 10);
+        let comp = json!({"prompt": [[1, 2, 3]]});
+        assert_eq!(with(&comp, json!({"max_tokens": 7, "n": 2, "best_of": 5})).unwrap().max_tokens, 35);
+        assert_eq!(with(&comp, json!({"max_tokens": 7, "n": 2})).unwrap().max_tokens, 14);
+        assert!(matches!(with(&comp, json!({"n": "2"})), Err(ContextError::Undecided(_))));
+        // A batch: each prompt has its own choices; without max_tokens each its own remainder.
+        let batch = json!({"prompt": [[1, 2, 3], [4]]});
+        assert_eq!(with(&batch, json!({"max_tokens": 7, "n": 2})).unwrap().max_tokens, 2 * 2 * 7);
+        assert_eq!(with(&batch, json!({"n": 3})).unwrap().max_tokens, 3 * ((100 - 3) + (100 - 1)));
+        assert!(matches!(with(&comp, json!({"n": 0})), Err(ContextError::Undecided(_))));
+    }
+
     #[test]
     fn generation_prompt_and_kwargs() {
         let c = checker(1000);
@@ -355,7 +424,8 @@ mod tests {
     fn completions_batches_are_checked_per_prompt() {
         let c = checker(10);
         let ok = json!({"prompt": ["one two three", [1, 2, 3, 4, 5, 6, 7]], "max_tokens": 3});
-        assert_eq!(c.check("m", ok.to_string().as_bytes()), Ok(Counted { prompt_tokens: 10, max_tokens: 3 }));
+        // Each of the two prompts may generate max_tokens.
+        assert_eq!(c.check("m", ok.to_string().as_bytes()), Ok(Counted { prompt_tokens: 10, max_tokens: 6 }));
         let over = json!({"prompt": [[1, 2, 3, 4, 5, 6, 7, 8]], "max_tokens": 3});
         assert_eq!(
             c.check("m", over.to_string().as_bytes()),

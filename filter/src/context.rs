@@ -322,6 +322,28 @@ pub fn effective_max_tokens(max_model_len: u64, counts: &PromptCounts, max_token
     }
 }
 
+/// The most completion tokens a request can produce over all its choices, sent as
+/// `x-gateway-max-tokens` and reserved against the tenant's tokens per minute. vLLM generates
+/// `choices` sequences (`n`, on completions `max(n, best_of)`) for each of the `prompts` of a
+/// request (a completions batch; 1 otherwise) and bills `completion_tokens` summed over them. Each
+/// sequence may produce `max_tokens`, or without it what the context leaves after its prompt:
+/// over a batch, `prompts x max_model_len - total_estimate` (for one prompt,
+/// [`effective_max_tokens`]). Saturating at `u64::MAX`, floored at 0. The context rule stays per
+/// sequence ([`check_context`]).
+pub fn completion_budget(
+    max_model_len: u64,
+    counts: &PromptCounts,
+    max_tokens: Option<MaxTokens>,
+    choices: u64,
+    prompts: u64,
+) -> u64 {
+    let per_choice = match max_tokens {
+        Some(mt) => mt.value.saturating_mul(prompts),
+        None => max_model_len.saturating_mul(prompts).saturating_sub(counts.total_estimate),
+    };
+    per_choice.saturating_mul(choices)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -550,5 +572,27 @@ mod tests {
         assert_eq!(effective_max_tokens(4096, &counts(100), mt(50)), 50);
         assert_eq!(effective_max_tokens(4096, &counts(100), None), 3996);
         assert_eq!(effective_max_tokens(10, &counts(100), None), 0);
+    }
+
+    #[test]
+    fn completion_budget_covers_every_choice() {
+        assert_eq!(completion_budget(4096, &counts(100), mt(50), 1, 1), 50);
+        assert_eq!(completion_budget(4096, &counts(100), mt(50), 3, 1), 150);
+        // No max_tokens: each choice may run to the end of the context.
+        assert_eq!(completion_budget(4096, &counts(100), None, 4, 1), 4 * 3996);
+        assert_eq!(completion_budget(4096, &counts(100), mt(4096), u64::MAX, 1), u64::MAX);
+        assert_eq!(completion_budget(u64::MAX, &counts(0), None, 2, 1), u64::MAX);
+        assert_eq!(completion_budget(10, &counts(100), None, 1000, 1), 0);
+        // A batch: every prompt gets its own choices.
+        assert_eq!(completion_budget(4096, &counts(100), mt(50), 2, 5), 500);
+        let batch = PromptCounts {
+            max_lower: 60,
+            max_estimate: 60,
+            total_estimate: 100,
+            source: CountSource::Estimate,
+        };
+        // Two prompts of 40 and 60 tokens: (4096 - 40) + (4096 - 60), for each of 3 choices.
+        assert_eq!(completion_budget(4096, &batch, None, 3, 2), 3 * (2 * 4096 - 100));
+        assert_eq!(completion_budget(4096, &batch, mt(1), 1, u64::MAX), u64::MAX);
     }
 }

@@ -35,11 +35,16 @@ impl ObjectScan {
         self.members.iter().rev().find(|m| m.key == key)
     }
 
-    /// The first key that appears more than once, if any.
+    /// The first key that appears more than once, if any: the key of the first member (in
+    /// document order) whose decoded key an earlier member already has.
+    ///
+    /// Linear in the number of members: one hash-set insertion per member (std's `HashSet`,
+    /// SipHash with per-process random keys, so a client cannot choose colliding keys). This runs
+    /// on Envoy's worker thread before any limit applies; a 4 MiB body holds ~400,000 short
+    /// members, which a comparison of every pair (~8 * 10^10 comparisons) would stall.
     pub fn first_duplicate(&self) -> Option<&str> {
-        self.members.iter().enumerate().find_map(|(i, m)| {
-            self.members.get(..i).unwrap_or_default().iter().any(|p| p.key == m.key).then_some(m.key.as_str())
-        })
+        let mut seen = std::collections::HashSet::with_capacity(self.members.len());
+        self.members.iter().find_map(|m| (!seen.insert(CountedKey(&m.key))).then_some(m.key.as_str()))
     }
 
     /// The byte range to delete to remove member number `index` together with one separating
@@ -56,6 +61,32 @@ impl ObjectScan {
             Some((m.start, m.value_end))
         }
     }
+}
+
+/// A decoded key in [`ObjectScan::first_duplicate`]'s set. Hashes as the `str`; each equality
+/// test is counted in tests ([`key_comparisons`]), to bound the work of the duplicate check.
+#[derive(Hash)]
+struct CountedKey<'a>(&'a str);
+
+impl PartialEq for CountedKey<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        #[cfg(test)]
+        KEY_COMPARISONS.with(|c| c.set(c.get() + 1));
+        self.0 == other.0
+    }
+}
+
+impl Eq for CountedKey<'_> {}
+
+#[cfg(test)]
+thread_local! {
+    static KEY_COMPARISONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Key equality tests made by [`ObjectScan::first_duplicate`] on this thread so far (tests only).
+#[cfg(test)]
+fn key_comparisons() -> u64 {
+    KEY_COMPARISONS.with(std::cell::Cell::get)
 }
 
 fn is_ws(b: u8) -> bool {
@@ -440,6 +471,65 @@ mod tests {
         let m = scan.get("model").unwrap();
         assert_eq!(&s[m.value_start..m.value_end], r#""b""#);
         assert_eq!(scan_object(br#"{"a":1,"b":2}"#).unwrap().first_duplicate(), None);
+    }
+
+    /// `{"0":0,"1":0,...}` of distinct short keys, `bytes` long or just under, with `dup` (if
+    /// any) appended as the last member's key.
+    fn short_members(bytes: usize, dup: Option<&str>) -> (String, usize) {
+        let mut s = String::with_capacity(bytes);
+        s.push('{');
+        let mut n = 0usize;
+        loop {
+            let member = format!("\"{n:x}\":0,");
+            if s.len() + member.len() + 16 > bytes {
+                break;
+            }
+            s.push_str(&member);
+            n += 1;
+        }
+        match dup {
+            Some(k) => {
+                s.push_str(&format!("\"{k}\":1}}"));
+                n += 1;
+            }
+            None => {
+                s.pop();
+                s.push('}');
+            }
+        }
+        (s, n)
+    }
+
+    /// Issue 17, item 3: the duplicate check is linear. Key comparisons are counted (not wall
+    /// time): comparing every member with every earlier one made n(n-1)/2 of them.
+    #[test]
+    fn duplicate_check_work_is_linear() {
+        // A small body first, so that a quadratic check fails fast (20,000 members: 2 * 10^8).
+        for bytes in [200_000, 4 * 1024 * 1024] {
+            for dup in [None, Some("1")] {
+                let (body, n) = short_members(bytes, dup);
+                let scan = scan_object(body.as_bytes()).unwrap();
+                assert_eq!(scan.members.len(), n);
+                let before = key_comparisons();
+                assert_eq!(scan.first_duplicate(), dup);
+                let work = key_comparisons() - before;
+                assert!(work <= 4 * n as u64, "{work} key comparisons for {n} members ({bytes} bytes)");
+                if bytes > 1_000_000 && dup.is_none() {
+                    assert!(n > 350_000, "{n} members in 4 MiB");
+                    println!("{n} members in {} bytes: {work} key comparisons", body.len());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn first_duplicate_is_the_first_repeat_in_document_order() {
+        let s = r#"{"a":1,"b":2,"c":3,"b":4,"a":5}"#;
+        assert_eq!(scan_object(s.as_bytes()).unwrap().first_duplicate(), Some("b"));
+        // Keys are compared decoded: "\u0061" is "a".
+        let s = r#"{"a":1,"x":2,"\u0061":3}"#;
+        assert_eq!(scan_object(s.as_bytes()).unwrap().first_duplicate(), Some("a"));
+        assert_eq!(scan_object(b"{}").unwrap().first_duplicate(), None);
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //! | `x-gateway-pool` | Envoy cluster (route uses `cluster_header: x-gateway-pool`) |
 //! | `x-gateway-prompt-tokens` | prompt token estimate (decimal integer; sum over a batch) |
 //! | `x-gateway-prompt-tokens-source` | `estimate` or `exact` |
-//! | `x-gateway-max-tokens` | effective max tokens; if unset, `max_model_len - estimate` floored at 0; 0 for embeddings |
+//! | `x-gateway-max-tokens` | the most completion tokens the request can produce over all its choices: the per-choice cap (`max_completion_tokens`/`max_tokens`; if unset, `max_model_len - estimate` floored at 0) times the sequences vLLM generates (`n`, on completions `max(n, best_of)`, for each prompt of a batch), saturating; 0 for embeddings |
 //! | `x-gateway-usage-injected` | `1`, only when the filter injected `stream_options.include_usage` |
 //! | `x-gateway-context-check` | `exact`, only when the bounds cannot decide the context rule and the model has `exact_count` (the sidecar counts exactly) |
 //! | `x-gateway-context-model` | with `x-gateway-context-check`: the base model whose tokenizer counts |
@@ -30,7 +30,7 @@ use serde_json::Value;
 use crate::auth::authenticate;
 use crate::config::Config;
 use crate::context::{
-    check_context, count_prompt, effective_max_tokens, fits_by_upper_bound, ByteBoundCounter, CountSource,
+    check_context, completion_budget, count_prompt, fits_by_upper_bound, ByteBoundCounter, CountSource,
     PromptCounts, TokenCounter,
 };
 use crate::error::{truncate_for_echo, GatewayError, LocalReply};
@@ -261,7 +261,7 @@ fn plan_request_body(
         // The lower bound fits; the upper bound settles it unless it is unknown or too large.
         let settled = fits_by_upper_bound(route.model, &req.prompt, &value, req.max_tokens);
         exact_check = !settled && route.model.exact_count;
-        effective_max_tokens(max_model_len, &counts, req.max_tokens)
+        completion_budget(max_model_len, &counts, req.max_tokens, req.choices, req.prompt.count())
     };
 
     finish_plan(pending, tenant, body, &req, &value, &route, &counts, max_tokens_header, exact_check)
@@ -407,7 +407,11 @@ fn on_large_body(
     } else {
         // Refuses max_tokens over max_model_len, and prompts whose text alone is too long.
         check_context(max_model_len, &counts, req.max_tokens, prompt_key)?;
-        (effective_max_tokens(max_model_len, &counts, req.max_tokens), route.model.exact_count)
+        let prompts = large_prompt_count(pending.endpoint, prompt_raw);
+        (
+            completion_budget(max_model_len, &counts, req.max_tokens, req.choices, prompts),
+            route.model.exact_count,
+        )
     };
     finish_plan(pending, tenant, body, &req, &value, &route, &counts, max_tokens_header, exact_check)
 }
@@ -428,6 +432,20 @@ fn prompt_text_lower(endpoint: Endpoint, raw: &[u8]) -> u64 {
         Endpoint::Completions if raw.first() == Some(&b'"') => string_bytes_lower(raw),
         Endpoint::Completions => elements().map(string_bytes_lower).max().unwrap_or(0),
         Endpoint::Embeddings | Endpoint::Models => 0,
+    }
+}
+
+/// Prompts of an unparsed prompt member that vLLM generates for separately: the elements of a
+/// completions batch (strings or arrays of token ids), else 1 (chat, one string, one array of
+/// token ids).
+fn large_prompt_count(endpoint: Endpoint, raw: &[u8]) -> u64 {
+    if endpoint != Endpoint::Completions || raw.first() != Some(&b'[') {
+        return 1;
+    }
+    let elements = array_elements(raw).unwrap_or_default();
+    match elements.first().and_then(|&(a, _)| raw.get(a)) {
+        Some(b'"' | b'[') => elements.len() as u64,
+        _ => 1,
     }
 }
 
@@ -1029,6 +1047,72 @@ mod tests {
         assert_eq!(body["stream_options"], json!({"include_usage": true}));
         assert_eq!(body["messages"], long_messages());
         assert!(plan.usage_injected);
+    }
+
+    /// `x-gateway-max-tokens` and the lease reservation of a plan.
+    fn reservation(plan: &ForwardPlan) -> (u64, u64, u64) {
+        let h = header_map(plan);
+        let get = |k: &str| h.iter().find(|(n, _)| n == k).unwrap().1.parse::<u64>().unwrap();
+        (get(H_PROMPT_TOKENS), get(H_MAX_TOKENS), plan.admission.as_ref().unwrap().reserve_tokens)
+    }
+
+    /// Issue 17, item 4: `n` (and completions `best_of`) multiply what a request can generate;
+    /// the header the sidecar reserves from and the lease reservation cover every choice, on the
+    /// parsed and the large-body paths alike, while the context rule stays per sequence.
+    #[test]
+    fn reservations_cover_every_choice() {
+        let msgs = json!([{"role": "user", "content": "hello"}]);
+        // tiny: max_model_len 100; "user" + "hello" = 9 bytes, estimate 3 tokens.
+        let plan = chat(json!({"model": "tiny", "messages": msgs, "max_tokens": 10, "n": 3})).unwrap();
+        assert_eq!(reservation(&plan), (3, 30, 33));
+        let plan = chat(json!({"model": "tiny", "messages": msgs, "max_tokens": 10})).unwrap();
+        assert_eq!(reservation(&plan), (3, 10, 13));
+        // No max_tokens: each choice may run to the end of the context.
+        let plan = chat(json!({"model": "tiny", "messages": msgs, "n": 4})).unwrap();
+        assert_eq!(reservation(&plan), (3, 4 * 97, 3 + 4 * 97));
+        // The context rule is per sequence: n does not refuse what fits once.
+        let plan = chat(json!({"model": "tiny", "messages": msgs, "max_tokens": 90, "n": 50})).unwrap();
+        assert_eq!(reservation(&plan).1, 4500);
+        // Absurd n saturates.
+        let plan = chat(json!({"model": "tiny", "messages": msgs, "max_tokens": 90, "n": u64::MAX})).unwrap();
+        assert_eq!(reservation(&plan), (3, u64::MAX, u64::MAX));
+        // Completions: best_of sequences are generated, n returned.
+        let comp =
+            |body: Value| both(&cfg(), &pending("/v1/completions", "sk-demo"), body.to_string().as_bytes());
+        let plan =
+            comp(json!({"model": "tiny", "prompt": "hello!!!", "max_tokens": 7, "n": 2, "best_of": 5}))
+                .unwrap();
+        assert_eq!(reservation(&plan), (2, 35, 37));
+        let e = comp(json!({"model": "tiny", "prompt": "x", "n": 3, "best_of": 2})).unwrap_err();
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_value", Some("best_of")));
+        let e = chat(json!({"model": "tiny", "messages": msgs, "n": 0})).unwrap_err();
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_value", Some("n")));
+        // The large-body path: same header and reservation arithmetic, same validation.
+        let plan =
+            large(json!({"model": "qwen", "messages": long_messages(), "max_tokens": 100, "n": 3})).unwrap();
+        let (prompt, max, reserve) = reservation(&plan);
+        assert_eq!((max, reserve), (300, prompt + 300));
+        let plan = large(json!({"model": "qwen", "messages": long_messages(), "n": 2})).unwrap();
+        let (prompt, max, _) = reservation(&plan);
+        assert_eq!(max, 2 * (4096 - prompt));
+        let e = large(json!({"model": "qwen", "messages": long_messages(), "n": "2"})).unwrap_err();
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_type", Some("n")));
+        // A completions batch: each prompt gets its own n choices, parsed or not.
+        let plan =
+            comp(json!({"model": "tiny", "prompt": ["ab", "cd", "ef"], "max_tokens": 7, "n": 2})).unwrap();
+        assert_eq!(reservation(&plan), (3, 3 * 2 * 7, 3 + 42));
+        let plan = comp(json!({"model": "tiny", "prompt": [[1, 2], [3]], "n": 2})).unwrap();
+        // No max_tokens: (100 - 2) + (100 - 1) for each of 2 choices.
+        assert_eq!(reservation(&plan), (3, 2 * 197, 3 + 2 * 197));
+        let plan = comp(json!({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 7})).unwrap();
+        assert_eq!(reservation(&plan).1, 7);
+        let mut c = cfg();
+        c.full_parse_max_bytes = 200;
+        let p = pending("/v1/completions", "sk-demo");
+        let batch = json!({"model": "qwen", "prompt": vec!["word ".repeat(20); 4], "max_tokens": 10, "n": 3});
+        assert_eq!(reservation(&both(&c, &p, batch.to_string().as_bytes()).unwrap()).1, 4 * 3 * 10);
+        let ids = json!({"model": "qwen", "prompt": vec![7; 100], "max_tokens": 10});
+        assert_eq!(reservation(&both(&c, &p, ids.to_string().as_bytes()).unwrap()).1, 10);
     }
 
     #[test]

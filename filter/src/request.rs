@@ -3,8 +3,8 @@
 //! Endpoints follow the OpenAI REST API: `POST /v1/chat/completions`, `POST /v1/completions`,
 //! `POST /v1/embeddings`, `GET /v1/models`. Body fields follow the OpenAI request objects; only
 //! the fields the gateway needs are validated (`model`, `messages`/`prompt`, `max_tokens`,
-//! `max_completion_tokens`, `stream`, `stream_options.include_usage`), everything else is passed
-//! to vLLM untouched.
+//! `max_completion_tokens`, `n`, completions `best_of`, `stream`, `stream_options.include_usage`),
+//! everything else is passed to vLLM untouched.
 
 use serde_json::{Map, Value};
 
@@ -102,6 +102,16 @@ pub enum Prompt<'a> {
     Items(Vec<PromptItem<'a>>),
 }
 
+impl Prompt<'_> {
+    /// Prompts vLLM generates for separately: the items of a completions batch; 1 for chat.
+    pub fn count(&self) -> u64 {
+        match self {
+            Prompt::Chat(_) => 1,
+            Prompt::Items(items) => items.len() as u64,
+        }
+    }
+}
+
 /// The client's requested completion limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MaxTokens {
@@ -121,6 +131,10 @@ pub struct ValidatedRequest<'a> {
     /// Effective max tokens: chat `max_completion_tokens` if set, else `max_tokens`; completions
     /// `max_tokens`; embeddings never.
     pub max_tokens: Option<MaxTokens>,
+    /// Sequences vLLM generates for each prompt, each up to `max_tokens`: `n` (OpenAI's number
+    /// of choices, default 1), on completions `max(n, best_of)` (vLLM samples `best_of` and
+    /// returns the best `n`). Always >= 1; 1 for embeddings.
+    pub choices: u64,
     /// `stream` (false when absent or null; always false for embeddings).
     pub stream: bool,
     /// Whether the client itself set `stream_options.include_usage: true`.
@@ -175,7 +189,8 @@ fn field<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
 /// # Errors
 /// 400-class [`GatewayError`]s naming the parameter: `DuplicateParameter` for a repeated
 /// top-level key, `MissingParameter` (`model`, `messages`, `prompt`, `messages[i].role`),
-/// `InvalidType`, `InvalidValue` (empty `messages`/`prompt`, `max_tokens` < 1).
+/// `InvalidType`, `InvalidValue` (empty `messages`/`prompt`, `max_tokens`, `n` or `best_of` < 1,
+/// `best_of` < `n`).
 pub fn validate<'a>(
     endpoint: Endpoint,
     body: &[u8],
@@ -199,13 +214,14 @@ pub fn validate<'a>(
         Some(other) => return Err(invalid_type("model", "a string", other)),
     };
 
-    let (prompt, max_tokens, stream, include_usage) = match endpoint {
+    let (prompt, max_tokens, choices, stream, include_usage) = match endpoint {
         Endpoint::ChatCompletions => {
             let prompt = chat_messages(obj)?;
             let mct = max_tokens_field(obj, "max_completion_tokens")?;
             let mt = max_tokens_field(obj, "max_tokens")?;
+            let n = positive_integer(obj, "n")?.unwrap_or(1);
             let (stream, include_usage) = stream_fields(obj)?;
-            (prompt, mct.or(mt), stream, include_usage)
+            (prompt, mct.or(mt), n, stream, include_usage)
         }
         Endpoint::Completions => {
             let prompt = match field(obj, "prompt") {
@@ -213,19 +229,20 @@ pub fn validate<'a>(
                 Some(p) => prompt_items(p, "prompt")?,
             };
             let mt = max_tokens_field(obj, "max_tokens")?;
+            let choices = completion_choices(obj)?;
             let (stream, include_usage) = stream_fields(obj)?;
-            (prompt, mt, stream, include_usage)
+            (prompt, mt, choices, stream, include_usage)
         }
         Endpoint::Embeddings | Endpoint::Models => {
             // Auth and routing only: `input` is read for the token estimate, never rejected.
             let prompt = field(obj, "input")
                 .and_then(|v| prompt_items(v, "input").ok())
                 .unwrap_or(Prompt::Items(Vec::new()));
-            (prompt, None, false, false)
+            (prompt, None, 1, false, false)
         }
     };
 
-    Ok(ValidatedRequest { model, prompt, max_tokens, stream, include_usage, scan })
+    Ok(ValidatedRequest { model, prompt, max_tokens, choices, stream, include_usage, scan })
 }
 
 fn chat_messages(obj: &Map<String, Value>) -> Result<Prompt<'_>, GatewayError> {
@@ -320,10 +337,31 @@ fn max_tokens_field(
     obj: &Map<String, Value>,
     param: &'static str,
 ) -> Result<Option<MaxTokens>, GatewayError> {
+    Ok(positive_integer(obj, param)?.map(|value| MaxTokens { value, param }))
+}
+
+/// Sequences a completions request generates per prompt: `max(n, best_of)`, as vLLM's
+/// `SamplingParams` (`n` >= 1, `best_of` >= `n`, `best_of` defaulting to `n`).
+fn completion_choices(obj: &Map<String, Value>) -> Result<u64, GatewayError> {
+    let n = positive_integer(obj, "n")?.unwrap_or(1);
+    match positive_integer(obj, "best_of")? {
+        Some(best_of) if best_of < n => Err(GatewayError::InvalidValue {
+            param: "best_of".into(),
+            reason: format!(
+                "best_of must be greater than or equal to n. Expected a value >= {n}, but got {best_of} instead."
+            ),
+        }),
+        Some(best_of) => Ok(best_of),
+        None => Ok(n),
+    }
+}
+
+/// An integer field that must be >= 1 (`max_tokens`, `n`, `best_of`); absent or null is `None`.
+fn positive_integer(obj: &Map<String, Value>, param: &'static str) -> Result<Option<u64>, GatewayError> {
     match field(obj, param) {
         None => Ok(None),
         Some(Value::Number(n)) => match (n.as_u64(), n.as_i64()) {
-            (Some(v), _) if v >= 1 => Ok(Some(MaxTokens { value: v, param })),
+            (Some(v), _) if v >= 1 => Ok(Some(v)),
             (Some(v), _) => Err(GatewayError::InvalidValue {
                 param: param.into(),
                 reason: format!("integer below minimum value. Expected a value >= 1, but got {v} instead."),
@@ -550,6 +588,59 @@ mod tests {
         assert_eq!(param(&e).as_deref(), Some("max_tokens"));
         let e = chat_err(base(json!({"max_completion_tokens": true})));
         assert_eq!(param(&e).as_deref(), Some("max_completion_tokens"));
+    }
+
+    /// Issue 17, item 4: `n` and (completions) `best_of` as vLLM validates them.
+    #[test]
+    fn n_and_best_of_rules() {
+        let choices = |endpoint: Endpoint, extra: Value| {
+            let mut v = match endpoint {
+                Endpoint::Completions => json!({"model": "m", "prompt": "hi"}),
+                _ => json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+            };
+            for (k, x) in extra.as_object().unwrap() {
+                v[k] = x.clone();
+            }
+            let body = serde_json::to_vec(&v).unwrap();
+            let parsed = parse_json(&body).unwrap();
+            validate(endpoint, &body, &parsed).map(|r| r.choices)
+        };
+        let (chat, comp) = (Endpoint::ChatCompletions, Endpoint::Completions);
+        assert_eq!(choices(chat, json!({})), Ok(1));
+        assert_eq!(choices(chat, json!({"n": null})), Ok(1));
+        assert_eq!(choices(chat, json!({"n": 3})), Ok(3));
+        assert_eq!(choices(comp, json!({"n": 3})), Ok(3));
+        assert_eq!(choices(comp, json!({"best_of": 5})), Ok(5));
+        assert_eq!(choices(comp, json!({"n": 2, "best_of": 5})), Ok(5));
+        assert_eq!(choices(comp, json!({"n": 4, "best_of": 4})), Ok(4));
+        // vLLM's chat API has no best_of: passed on untouched, not counted.
+        assert_eq!(choices(chat, json!({"n": 2, "best_of": 1})), Ok(2));
+        assert_eq!(choices(Endpoint::Embeddings, json!({"input": "x", "n": "many"})), Ok(1));
+        assert_eq!(choices(chat, json!({"n": u64::MAX})), Ok(u64::MAX));
+
+        let e = choices(chat, json!({"n": 0})).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "Invalid 'n': integer below minimum value. Expected a value >= 1, but got 0 instead."
+        );
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_value", Some("n")));
+        let e = choices(comp, json!({"n": -2})).unwrap_err();
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_value", Some("n")));
+        let e = choices(chat, json!({"n": "3"})).unwrap_err();
+        assert_eq!(e.to_string(), "Invalid type for 'n': expected an integer, but got a string instead.");
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_type", Some("n")));
+        let e = choices(chat, json!({"n": 1.5})).unwrap_err();
+        assert_eq!(e.parts().3, Some("n"));
+        let e = choices(comp, json!({"best_of": 0})).unwrap_err();
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_value", Some("best_of")));
+        let e = choices(comp, json!({"best_of": [2]})).unwrap_err();
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_type", Some("best_of")));
+        let e = choices(comp, json!({"n": 3, "best_of": 2})).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "Invalid 'best_of': best_of must be greater than or equal to n. Expected a value >= 3, but got 2 instead."
+        );
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_value", Some("best_of")));
     }
 
     #[test]

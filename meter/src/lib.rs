@@ -132,7 +132,7 @@ struct PromptDetails {
 }
 
 /// One SSE chunk of a chat or completions stream, read without allocating (strings borrowed
-/// unless escaped, choices folded into whether any carries content).
+/// unless escaped, choices folded into how many carry content).
 #[derive(Deserialize)]
 struct Chunk {
     #[serde(default)]
@@ -141,9 +141,10 @@ struct Chunk {
     usage: Option<WireUsage>,
 }
 
-/// Whether any of a chunk's `choices` has content ([`Choice::has_content`]).
+/// How many of a chunk's `choices` have content ([`Choice::has_content`]): vLLM streams each
+/// choice of `n` > 1 in chunks of its own, but a chunk may carry several.
 #[derive(Default)]
-struct AnyContent(bool);
+struct AnyContent(u64);
 
 impl<'de> Deserialize<'de> for AnyContent {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -154,9 +155,9 @@ impl<'de> Deserialize<'de> for AnyContent {
                 f.write_str("an array of choices")
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<AnyContent, A::Error> {
-                let mut any = false;
+                let mut any = 0u64;
                 while let Some(choice) = seq.next_element::<Choice<'de>>()? {
-                    any |= choice.has_content();
+                    any = any.saturating_add(u64::from(choice.has_content()));
                 }
                 Ok(AnyContent(any))
             }
@@ -316,8 +317,8 @@ impl Meter {
                     if parsed.usage.is_some() {
                         *usage = parsed.usage;
                     }
-                    if parsed.choices.0 {
-                        *content_chunks += 1;
+                    if parsed.choices.0 > 0 {
+                        *content_chunks = content_chunks.saturating_add(parsed.choices.0);
                         match now {
                             Some(t) => {
                                 first_content.get_or_insert(t);
@@ -559,6 +560,38 @@ mod tests {
             (r.status, r.prompt_tokens + r.completion_tokens, r.end_reason),
             (0, 0, EndReason::Incomplete)
         );
+    }
+
+    /// Issue 17, item 4: with `n` > 1 the content of every choice counts (vLLM sends each
+    /// choice's deltas as chunks of their own, with its `index`), and the usage chunk's
+    /// `completion_tokens`, already summed over the choices by vLLM, is taken as is.
+    #[test]
+    fn every_choice_of_n_counts() {
+        let choice = |i: u32, content: &str| {
+            format!("data: {{\"choices\":[{{\"index\":{i},\"delta\":{{\"content\":\"{content}\"}}}}]}}\n\n")
+        };
+        let mut s = String::new();
+        for i in 0..3 {
+            s.push_str(&format!("data: {{\"choices\":[{{\"index\":{i},\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}}}}]}}\n\n"));
+        }
+        for w in ["a", "b"] {
+            for i in 0..3 {
+                s.push_str(&choice(i, w));
+            }
+        }
+        // One chunk carrying two choices' content counts twice.
+        s.push_str("data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"c\"}},{\"index\":1,\"text\":\"c\"}]}\n\n");
+        let run = |body: &str| {
+            let mut m = Meter::new(1024);
+            m.start(0);
+            assert!(m.on_response_headers(200, "text/event-stream", false, 0).is_none());
+            m.on_response_body(body.as_bytes(), true, Some(MS)).unwrap()
+        };
+        let r = run(&format!("{s}data: [DONE]\n\n"));
+        assert_eq!((r.completion_tokens, r.usage_source), (8, UsageSource::StreamedChunks));
+        let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":30,\"total_tokens\":34}}\n\n";
+        let r = run(&format!("{s}{usage}data: [DONE]\n\n"));
+        assert_eq!((r.prompt_tokens, r.completion_tokens, r.usage_source), (4, 30, UsageSource::Upstream));
     }
 
     #[test]

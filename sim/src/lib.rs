@@ -37,6 +37,12 @@
 //! `prompt + max_tokens` exceeds `--max-model-len` (or whose prompt alone fills it when
 //! `max_tokens` is absent) gets vLLM's 400.
 //!
+//! `n` (default 1; 0 is vLLM's 400) gives that many choices, each generated as above (the same
+//! text, side by side: a non-streamed body has `choices[0..n]`, a stream one chunk per choice
+//! and token position with the choice's `index`); `usage.completion_tokens` is the sum over the
+//! choices and `usage.prompt_tokens` counts the prompt once, as vLLM reports them. The context
+//! check stays per sequence. `best_of` is ignored.
+//!
 //! # Pacing and queueing
 //!
 //! At most `--max-num-seqs` requests generate at once; the rest wait in FIFO order

@@ -1,7 +1,7 @@
 //! Parsing of `/v1/chat/completions` and `/v1/completions` request bodies.
 //!
-//! Only the fields the simulator honours are read; all others (sampling parameters, tools,
-//! `n`, ...) are accepted and ignored. Texts are never copied: the deserialisers count
+//! Only the fields the simulator honours are read (`n` included: that many choices are
+//! generated); all others (sampling parameters, tools, `best_of`, ...) are accepted and ignored. Texts are never copied: the deserialisers count
 //! their tokens while parsing (see [`crate::tokens`]).
 
 use std::borrow::Cow;
@@ -37,6 +37,8 @@ pub struct InferenceRequest<'a> {
     pub include_usage: bool,
     /// vLLM's `ignore_eos` extension.
     pub ignore_eos: bool,
+    /// `n`: the number of choices, each generated the same way (default 1).
+    pub n: u64,
 }
 
 #[derive(Deserialize)]
@@ -48,6 +50,8 @@ struct ChatBody<'a> {
     max_tokens: Option<u64>,
     #[serde(default)]
     max_completion_tokens: Option<u64>,
+    #[serde(default)]
+    n: Option<u64>,
     #[serde(default)]
     stream: Option<bool>,
     #[serde(default)]
@@ -64,6 +68,8 @@ struct CompletionBody<'a> {
     #[serde(default)]
     max_tokens: Option<u64>,
     #[serde(default)]
+    n: Option<u64>,
+    #[serde(default)]
     stream: Option<bool>,
     #[serde(default)]
     stream_options: Option<StreamOptions>,
@@ -78,7 +84,7 @@ struct StreamOptions {
 }
 
 /// Parses a request body for `endpoint`; malformed JSON, missing or mistyped fields and
-/// `stream_options` without `stream: true` are 400 `BadRequestError`s, as in vLLM.
+/// `stream_options` without `stream: true` and `n: 0` are 400 `BadRequestError`s, as in vLLM.
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<InferenceRequest<'_>, ApiError> {
     let invalid = |e: serde_json::Error| ApiError::bad_request(format!("Invalid request body: {e}"));
     let (request, stream_options) = match endpoint {
@@ -91,6 +97,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<InferenceRequest<'_>, Ap
                 stream: b.stream.unwrap_or(false),
                 include_usage: false,
                 ignore_eos: b.ignore_eos.unwrap_or(false),
+                n: b.n.unwrap_or(1),
             };
             (request, b.stream_options)
         }
@@ -103,10 +110,15 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<InferenceRequest<'_>, Ap
                 stream: b.stream.unwrap_or(false),
                 include_usage: false,
                 ignore_eos: b.ignore_eos.unwrap_or(false),
+                n: b.n.unwrap_or(1),
             };
             (request, b.stream_options)
         }
     };
+    if request.n == 0 {
+        // vLLM's `SamplingParams` check.
+        return Err(ApiError::bad_request("n must be at least 1, got 0."));
+    }
     match stream_options {
         Some(_) if !request.stream => {
             Err(ApiError::bad_request("Stream options can only be defined when `stream=True`."))
@@ -336,6 +348,16 @@ mod tests {
         assert_eq!(r.max_tokens, Some(7));
         let r = completion(json!({"prompt": "x", "max_tokens": 9, "ignore_eos": true})).unwrap();
         assert_eq!((r.max_tokens, r.ignore_eos), (Some(9), true));
+    }
+
+    #[test]
+    fn n_is_read_and_checked() {
+        assert_eq!(chat(json!({"messages": []})).unwrap().n, 1);
+        assert_eq!(chat(json!({"messages": [], "n": 3})).unwrap().n, 3);
+        assert_eq!(completion(json!({"prompt": "x", "n": 2, "best_of": 4})).unwrap().n, 2);
+        let e = chat(json!({"messages": [], "n": 0})).unwrap_err();
+        assert_eq!(e, ApiError::bad_request("n must be at least 1, got 0."));
+        assert!(completion(json!({"prompt": "x", "n": "2"})).is_err());
     }
 
     #[test]

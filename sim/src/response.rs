@@ -78,8 +78,8 @@ impl Usage {
     fn of(plan: &OutputPlan) -> Self {
         Self {
             prompt_tokens: plan.prompt_tokens,
-            completion_tokens: plan.completion_tokens,
-            total_tokens: plan.prompt_tokens.saturating_add(plan.completion_tokens),
+            completion_tokens: plan.total_completion_tokens(),
+            total_tokens: plan.prompt_tokens.saturating_add(plan.total_completion_tokens()),
         }
     }
 }
@@ -90,7 +90,7 @@ struct Completion<'a, C> {
     object: &'static str,
     created: u64,
     model: &'a str,
-    choices: [C; 1],
+    choices: Vec<C>,
     usage: Usage,
 }
 
@@ -118,9 +118,11 @@ struct TextChoice<'a> {
     stop_reason: Option<()>,
 }
 
-/// The non-streamed body: a `chat.completion` with `choices[0].message` or a
-/// `text_completion` with `choices[0].text`, `finish_reason` from the plan and
-/// `usage` `{prompt_tokens, completion_tokens, total_tokens}`.
+/// The non-streamed body: a `chat.completion` with `choices[i].message` or a
+/// `text_completion` with `choices[i].text`, one choice per `plan.choices` (index `0..n`, the
+/// same text each), `finish_reason` from the plan and `usage`
+/// `{prompt_tokens, completion_tokens, total_tokens}` (completion tokens summed over the
+/// choices, the prompt counted once, as vLLM reports them).
 pub fn completion_body(meta: &ResponseMeta<'_>, plan: &OutputPlan) -> Bytes {
     let text = output_text(plan.completion_tokens);
     let finish_reason = plan.finish_reason.as_str();
@@ -130,13 +132,15 @@ pub fn completion_body(meta: &ResponseMeta<'_>, plan: &OutputPlan) -> Bytes {
             object: "chat.completion",
             created: meta.created,
             model: meta.model,
-            choices: [ChatChoice {
-                index: 0,
-                message: ChatMessage { role: "assistant", content: &text },
-                logprobs: None,
-                finish_reason,
-                stop_reason: None,
-            }],
+            choices: (0..plan.choices)
+                .map(|i| ChatChoice {
+                    index: u32::try_from(i).unwrap_or(u32::MAX),
+                    message: ChatMessage { role: "assistant", content: &text },
+                    logprobs: None,
+                    finish_reason,
+                    stop_reason: None,
+                })
+                .collect(),
             usage: Usage::of(plan),
         }),
         Endpoint::Completions => serde_json::to_vec(&Completion {
@@ -144,7 +148,15 @@ pub fn completion_body(meta: &ResponseMeta<'_>, plan: &OutputPlan) -> Bytes {
             object: "text_completion",
             created: meta.created,
             model: meta.model,
-            choices: [TextChoice { index: 0, text: &text, logprobs: None, finish_reason, stop_reason: None }],
+            choices: (0..plan.choices)
+                .map(|i| TextChoice {
+                    index: u32::try_from(i).unwrap_or(u32::MAX),
+                    text: &text,
+                    logprobs: None,
+                    finish_reason,
+                    stop_reason: None,
+                })
+                .collect(),
             usage: Usage::of(plan),
         }),
     };
@@ -207,8 +219,12 @@ mod tests {
         }
     }
 
-    const PLAN: OutputPlan =
-        OutputPlan { prompt_tokens: 10, completion_tokens: 3, finish_reason: FinishReason::Length };
+    const PLAN: OutputPlan = OutputPlan {
+        prompt_tokens: 10,
+        completion_tokens: 3,
+        finish_reason: FinishReason::Length,
+        choices: 1,
+    };
 
     #[test]
     fn output_text_cycles_words() {
@@ -244,6 +260,26 @@ mod tests {
             v["usage"],
             serde_json::json!({"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13})
         );
+    }
+
+    #[test]
+    fn n_choices_sum_their_completion_tokens() {
+        let plan = OutputPlan { choices: 3, ..PLAN };
+        for endpoint in [Endpoint::Chat, Endpoint::Completions] {
+            let v: Value = serde_json::from_slice(&completion_body(&meta(endpoint), &plan)).unwrap();
+            let choices = v["choices"].as_array().unwrap();
+            assert_eq!(choices.len(), 3);
+            for (i, c) in choices.iter().enumerate() {
+                assert_eq!(c["index"], i);
+                assert_eq!(c["finish_reason"], "length");
+                let text = if endpoint == Endpoint::Chat { &c["message"]["content"] } else { &c["text"] };
+                assert_eq!(text, "the quick brown ");
+            }
+            assert_eq!(
+                v["usage"],
+                serde_json::json!({"prompt_tokens": 10, "completion_tokens": 9, "total_tokens": 19})
+            );
+        }
     }
 
     #[test]

@@ -159,6 +159,7 @@ impl AppState {
             self.limits,
         )
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let plan = OutputPlan { choices: request.n, ..plan };
         if self.faults.next_fails() {
             return Err(ApiError::internal("Simulated internal server error (vllm-sim --error-rate)."));
         }
@@ -236,11 +237,12 @@ async fn generate(
     };
     let started = Instant::now();
     sleep_until_offset(started, state.pacing.token_offset(0)).await;
-    tracker.tokens_sent(1);
+    // Every choice generates its tokens side by side: n tokens per step.
+    tracker.tokens_sent(plan.choices);
     let rest = plan.completion_tokens.saturating_sub(1);
     if rest > 0 {
         sleep_until_offset(started, state.pacing.token_offset(rest)).await;
-        tracker.tokens_sent(rest);
+        tracker.tokens_sent(rest.saturating_mul(plan.choices));
     }
     tracker.finish(plan.finish_reason);
     drop(slot);

@@ -9,12 +9,13 @@
 //! `"usage":null`, as vLLM sets it. Completions streams (`text_completion`) have no role chunk
 //! and put the token in `choices[0].text`.
 //!
+//! With `n` > 1 choices (vLLM's order): a role chunk per choice (`index` 0..n), then for each
+//! token position one chunk per choice, each carrying its own `index` (the last one of each
+//! choice its `finish_reason`); the usage chunk's `completion_tokens` is summed over the choices.
+//!
 //! All fixed parts of one stream are serialised once per request into a single buffer;
-//! a token event is three shared slices (prefix, word, suffix), so emitting a token
-//! allocates nothing.
-
-use std::iter::Cycle;
-use std::slice;
+//! a token event is three shared slices (prefix, word, suffix), so emitting a token of choice 0
+//! allocates nothing (the prefix of another choice is built per chunk).
 
 use bytes::buf::Chain;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
@@ -62,8 +63,10 @@ pub struct SseEvent {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Step {
-    Role,
-    Token(u64),
+    /// The role chunk of a choice.
+    Role(u64),
+    /// The token at a position, of a choice.
+    Token(u64, u64),
     Usage,
     Done,
     End,
@@ -77,14 +80,20 @@ pub struct SseEvents {
     token_suffix: Bytes,
     last_suffix: Bytes,
     usage: Option<Bytes>,
-    words: Cycle<slice::Iter<'static, &'static str>>,
+    /// `data: {...,"choices":[`, for the chunks of choices other than 0.
+    head: Bytes,
+    /// The role chunk after `{"index":0,` (chat).
+    role_rest: Bytes,
+    /// The token prefix after `{"index":0,`.
+    token_rest: Bytes,
     tokens: u64,
+    choices: u64,
     step: Step,
 }
 
 impl SseEvents {
     /// Serialises the fixed parts of the stream for `meta` and `plan`
-    /// (`plan.completion_tokens` content chunks, at least 1).
+    /// (`plan.completion_tokens` content chunks, at least 1, for each of `plan.choices`).
     pub fn new(meta: &ResponseMeta<'_>, plan: &OutputPlan, include_usage: bool) -> Self {
         let usage_null: &[u8] = if include_usage { b",\"usage\":null" } else { b"" };
         let mut buf = BytesMut::with_capacity(4 * (meta.id.len() + meta.model.len() + 128) + 256);
@@ -106,6 +115,17 @@ impl SseEvents {
             buf.put_slice(b"}\n\n");
         };
         let finish = plan.finish_reason.as_str().as_bytes();
+        head(&mut buf);
+        let head_bytes = buf.split().freeze();
+        tail(
+            &mut buf,
+            b"\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]",
+        );
+        let role_rest = buf.split().freeze();
+        let token_rest = Bytes::from_static(match meta.endpoint {
+            Endpoint::Chat => b"\"delta\":{\"content\":\"",
+            Endpoint::Completions => b"\"text\":\"",
+        });
 
         let role = match meta.endpoint {
             Endpoint::Chat => {
@@ -142,10 +162,11 @@ impl SseEvents {
         let last_suffix = buf.split().freeze();
         let usage = include_usage.then(|| {
             head(&mut buf);
-            let total = plan.prompt_tokens.saturating_add(plan.completion_tokens);
+            let completion = plan.total_completion_tokens();
+            let total = plan.prompt_tokens.saturating_add(completion);
             let usage = format!(
-                "],\"usage\":{{\"prompt_tokens\":{},\"completion_tokens\":{},\"total_tokens\":{total}}}}}\n\n",
-                plan.prompt_tokens, plan.completion_tokens
+                "],\"usage\":{{\"prompt_tokens\":{},\"completion_tokens\":{completion},\"total_tokens\":{total}}}}}\n\n",
+                plan.prompt_tokens
             );
             buf.put_slice(usage.as_bytes());
             buf.split().freeze()
@@ -156,13 +177,28 @@ impl SseEvents {
             token_suffix,
             last_suffix,
             usage,
-            words: WORDS.iter().cycle(),
+            head: head_bytes,
+            role_rest,
+            token_rest,
             tokens: plan.completion_tokens,
+            choices: plan.choices.max(1),
             step: match meta.endpoint {
-                Endpoint::Chat => Step::Role,
-                Endpoint::Completions => Step::Token(0),
+                Endpoint::Chat => Step::Role(0),
+                Endpoint::Completions => Step::Token(0, 0),
             },
         }
+    }
+
+    /// `head` `{"index":<choice>,` `rest`: the start of a chunk of choice `choice` > 0.
+    fn choice_prefix(&self, choice: u64, rest: &Bytes) -> Bytes {
+        let index = choice.to_string();
+        let mut buf = BytesMut::with_capacity(self.head.len() + index.len() + rest.len() + 10);
+        buf.put_slice(&self.head);
+        buf.put_slice(b"{\"index\":");
+        buf.put_slice(index.as_bytes());
+        buf.put_u8(b',');
+        buf.put_slice(rest);
+        buf.freeze()
     }
 }
 
@@ -171,20 +207,31 @@ impl Iterator for SseEvents {
 
     fn next(&mut self) -> Option<SseEvent> {
         let (kind, buf, next) = match self.step {
-            Step::Role => (EventKind::Role, whole(self.role.clone()), Step::Token(0)),
-            Step::Token(index) => {
-                let word = self.words.next().copied().unwrap_or_default();
+            Step::Role(choice) => {
+                let buf =
+                    if choice == 0 { self.role.clone() } else { self.choice_prefix(choice, &self.role_rest) };
+                let next = if choice.saturating_add(1) < self.choices {
+                    Step::Role(choice + 1)
+                } else {
+                    Step::Token(0, 0)
+                };
+                (EventKind::Role, whole(buf), next)
+            }
+            Step::Token(index, choice) => {
+                let word = WORDS.get((index % WORDS.len() as u64) as usize).copied().unwrap_or_default();
                 let last = index.saturating_add(1) >= self.tokens;
                 let suffix = if last { &self.last_suffix } else { &self.token_suffix };
-                let buf = self
-                    .token_prefix
-                    .clone()
-                    .chain(Bytes::from_static(word.as_bytes()))
-                    .chain(suffix.clone());
-                let next = match (last, self.usage.is_some()) {
-                    (false, _) => Step::Token(index + 1),
-                    (true, true) => Step::Usage,
-                    (true, false) => Step::Done,
+                let prefix = if choice == 0 {
+                    self.token_prefix.clone()
+                } else {
+                    self.choice_prefix(choice, &self.token_rest)
+                };
+                let buf = prefix.chain(Bytes::from_static(word.as_bytes())).chain(suffix.clone());
+                let next = match (choice.saturating_add(1) < self.choices, last, self.usage.is_some()) {
+                    (true, _, _) => Step::Token(index, choice + 1),
+                    (false, false, _) => Step::Token(index + 1, 0),
+                    (false, true, true) => Step::Usage,
+                    (false, true, false) => Step::Done,
                 };
                 (EventKind::Token { index }, buf, next)
             }
@@ -225,7 +272,7 @@ mod tests {
     }
 
     fn plan(n: u64, finish_reason: FinishReason) -> OutputPlan {
-        OutputPlan { prompt_tokens: 10, completion_tokens: n, finish_reason }
+        OutputPlan { prompt_tokens: 10, completion_tokens: n, finish_reason, choices: 1 }
     }
 
     /// The events as (kind, wire text).
@@ -318,6 +365,49 @@ mod tests {
             [EventKind::Role, EventKind::Token { index: 0 }, EventKind::Usage, EventKind::Done]
         );
         assert_eq!(json(&events[1].1)["choices"][0]["finish_reason"], "length");
+    }
+
+    /// `n` = 3: a role chunk per choice, then each position's chunk of every choice with its
+    /// `index`, each choice's last with `finish_reason`, and the usage summed.
+    #[test]
+    fn n_choices_stream_each_with_its_index() {
+        for endpoint in [Endpoint::Chat, Endpoint::Completions] {
+            let plan = OutputPlan { choices: 3, ..plan(2, FinishReason::Length) };
+            let events: Vec<(EventKind, Value)> = SseEvents::new(&meta(endpoint), &plan, true)
+                .filter(|e| e.kind != EventKind::Done)
+                .map(|mut e| {
+                    let bytes = e.buf.copy_to_bytes(e.buf.remaining());
+                    (e.kind, json(std::str::from_utf8(&bytes).unwrap()))
+                })
+                .collect();
+            let roles = if endpoint == Endpoint::Chat { 3 } else { 0 };
+            assert_eq!(events.len(), roles + 2 * 3 + 1);
+            for (i, (kind, v)) in events.iter().take(roles).enumerate() {
+                assert_eq!(*kind, EventKind::Role);
+                assert_eq!(v["choices"][0]["index"], i);
+                assert_eq!(v["choices"][0]["delta"]["role"], "assistant");
+            }
+            let tokens = &events[roles..roles + 6];
+            for (k, (kind, v)) in tokens.iter().enumerate() {
+                let (position, choice) = (k / 3, k % 3);
+                assert_eq!(*kind, EventKind::Token { index: position as u64 });
+                let c = &v["choices"][0];
+                assert_eq!(c["index"], choice, "{v}");
+                let text = if endpoint == Endpoint::Chat { &c["delta"]["content"] } else { &c["text"] };
+                assert_eq!(text, ["the ", "quick "][position]);
+                assert_eq!(
+                    c["finish_reason"],
+                    if position == 1 { serde_json::json!("length") } else { Value::Null }
+                );
+                assert_eq!(v["id"], "chatcmpl-abc");
+            }
+            let (kind, usage) = &events[roles + 6];
+            assert_eq!(*kind, EventKind::Usage);
+            assert_eq!(
+                usage["usage"],
+                serde_json::json!({"prompt_tokens": 10, "completion_tokens": 6, "total_tokens": 16})
+            );
+        }
     }
 
     #[test]

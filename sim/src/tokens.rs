@@ -45,10 +45,19 @@ impl FinishReason {
 pub struct OutputPlan {
     /// Prompt tokens (`usage.prompt_tokens`).
     pub prompt_tokens: u64,
-    /// Tokens to generate (`usage.completion_tokens`); at least 1.
+    /// Tokens to generate for each choice; at least 1.
     pub completion_tokens: u64,
     /// `finish_reason` once all of them are sent.
     pub finish_reason: FinishReason,
+    /// Choices (the request's `n`), each of `completion_tokens` tokens; at least 1.
+    pub choices: u64,
+}
+
+impl OutputPlan {
+    /// `usage.completion_tokens`: the tokens of every choice, as vLLM sums them.
+    pub fn total_completion_tokens(&self) -> u64 {
+        self.completion_tokens.saturating_mul(self.choices)
+    }
 }
 
 /// The length-related fields of a request.
@@ -139,7 +148,7 @@ pub fn plan_output(request: LengthRequest, limits: Limits) -> Result<OutputPlan,
         if request.ignore_eos { effective_max } else { effective_max.min(limits.output_tokens) };
     let finish_reason =
         if completion_tokens == effective_max { FinishReason::Length } else { FinishReason::Stop };
-    Ok(OutputPlan { prompt_tokens, completion_tokens, finish_reason })
+    Ok(OutputPlan { prompt_tokens, completion_tokens, finish_reason, choices: 1 })
 }
 
 #[cfg(test)]
