@@ -168,19 +168,22 @@ def test_a_request_the_count_refuses_gives_its_reservation_back(ctx_stack):
 
 
 def test_a_body_at_max_body_bytes_reaches_the_exact_count(ctx_stack):
-    """The filter accepts bodies up to `max_body_bytes` (4 MiB here), and hands a model with
+    """The filter accepts bodies up to `max_body_bytes` (4 MiB here) and hands a model with
     `exact_count` to the sidecar's count: the whole body arrives in one gRPC message, which the
-    sidecar's decode limit (tonic's default is 4 MiB, the body alone) must take, or Envoy fails the
-    request with a 500. The count decides (400) or runs out of time (vLLM decides: 200)."""
+    sidecar's decode limit must take (tonic's default, 4 MiB, is less than the body and its
+    message: before, the count never happened and the request one token over went on to vLLM,
+    200). The prompt is small and undecided by the filter's bounds; the rest of the body is a
+    4 MiB `user` string."""
     limit = 4 << 20
-    # Six CJK characters, each sent as a 6-byte \uXXXX escape.
-    body = json.dumps({"model": "qwen-exact", "messages": [{"role": "user", "content": "你好，世界。" * (limit // 36 - 10)}],
-                       "max_tokens": 4})
-    assert len(body) < limit
-    body = body[:-1] + " " * (limit - len(body)) + "}"
-    assert len(body.encode()) == limit
-    r = post(ctx_stack, "/v1/chat/completions", body, key=KEY, timeout=60)
-    assert r.status_code in (200, 400), (r.status_code, r.text[:300], ctx_stack.envoy_log()[-3000:])
+    prompt = reference_chat_tokens(MESSAGES)
+    for max_tokens, status in ((MAX_MODEL_LEN - prompt, 200), (MAX_MODEL_LEN - prompt + 1, 400)):
+        body = json.dumps({"model": "qwen-exact", "messages": MESSAGES, "max_tokens": max_tokens, "user": ""})
+        body = body[:-2] + "u" * (limit - len(body)) + '"}'
+        assert len(body.encode()) == limit
+        r = post(ctx_stack, "/v1/chat/completions", body, key=KEY, timeout=60)
+        assert r.status_code == status, (r.status_code, r.text[:300], ctx_stack.envoy_log()[-3000:])
+    # Only the exact count refuses by one token.
+    assert_openai_error(r, 400, code="context_length_exceeded", param="messages")
 
 
 def test_without_max_tokens_prompt_must_leave_room(ctx_stack):
