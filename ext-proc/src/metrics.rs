@@ -185,6 +185,13 @@ pub struct Metrics {
     pub records_written: Counter,
     /// `llm_gateway_usage_records_dropped_total`: past `metering.buffer_records` (each logged).
     pub records_dropped: Counter,
+    /// `llm_gateway_usage_records_unconfirmed_total`: given up, each logged whole, because a write
+    /// that may have landed is older than the ledger's idempotency retention (retrying could count
+    /// it twice).
+    pub records_unconfirmed: Counter,
+    /// `llm_gateway_usage_records_unknown_tenant_total`: records of a tenant the config does not
+    /// list, dropped (never stored).
+    pub records_unknown_tenant: Counter,
 }
 
 #[derive(Default)]
@@ -227,6 +234,8 @@ impl Metrics {
             records_buffered: Gauge::default(),
             records_written: Counter::default(),
             records_dropped: Counter::default(),
+            records_unconfirmed: Counter::default(),
+            records_unknown_tenant: Counter::default(),
             registry: Registry::default(),
         };
         r.register("llm_gateway_requests", "Admission outcomes", m.requests.clone());
@@ -292,6 +301,16 @@ impl Metrics {
             "llm_gateway_usage_records_dropped",
             "Usage records dropped (logged)",
             m.records_dropped.clone(),
+        );
+        r.register(
+            "llm_gateway_usage_records_unconfirmed",
+            "Usage records given up because a write that may have landed is past the idempotency retention (logged)",
+            m.records_unconfirmed.clone(),
+        );
+        r.register(
+            "llm_gateway_usage_records_unknown_tenant",
+            "Usage records of an unconfigured tenant, dropped (logged)",
+            m.records_unknown_tenant.clone(),
         );
         Arc::new(Self { registry: r, ..m })
     }
