@@ -114,7 +114,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
         .await
         .map_err(|source| RunError::Bind { addr: config.listen, source })?;
     let addr = listener.local_addr().map_err(|source| RunError::Bind { addr: config.listen, source })?;
-    let pools = Pools::new(&config.pools, Arc::clone(&metrics));
+    let pools = Pools::new(&config.pools, Arc::clone(&metrics), Some(store.clone()));
     pools.spawn_scrapers();
     let (closing, closing_rx) = tokio::sync::watch::channel(false);
     let tenants = config.tenants.iter().map(|t| t.id.clone()).collect();

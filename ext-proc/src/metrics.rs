@@ -167,8 +167,12 @@ pub struct Metrics {
     pub shed: Family<PoolTier, Counter>,
     /// `llm_gateway_admission_leases_total{outcome}`: the filter's lease calls.
     pub admission_leases: Family<LeaseOutcome, Counter>,
-    /// `llm_gateway_in_flight_requests{pool}`: admitted by this sidecar, not yet finished.
+    /// `llm_gateway_in_flight_requests{pool}`: admitted and not yet finished, over every sidecar
+    /// replica sharing the Redis (this replica's own count while Redis is away).
     pub in_flight: Family<PoolLabel, Gauge>,
+    /// `llm_gateway_in_flight_corrections_total{pool}`: requests taken off (or, at idle, put
+    /// back on) the pool-wide in-flight count to match vLLM's metrics.
+    pub in_flight_corrections: Family<PoolLabel, Counter>,
     /// `llm_gateway_pool_load{pool}`: the load ratio shedding compares with tier levels.
     pub pool_load: Family<PoolLabel, GaugeF64>,
     /// `llm_gateway_pool_requests_waiting{pool}`: scraped `vllm:num_requests_waiting`, summed.
@@ -224,6 +228,7 @@ impl Metrics {
             shed: Family::default(),
             admission_leases: Family::default(),
             in_flight: Family::default(),
+            in_flight_corrections: Family::default(),
             pool_load: Family::default(),
             pool_waiting: Family::default(),
             pool_kv_cache: Family::default(),
@@ -270,8 +275,13 @@ impl Metrics {
         );
         r.register(
             "llm_gateway_in_flight_requests",
-            "Requests admitted and not finished",
+            "Requests admitted and not finished, over every sidecar replica",
             m.in_flight.clone(),
+        );
+        r.register(
+            "llm_gateway_in_flight_corrections",
+            "Requests taken off (or at idle put back on) the in-flight count to match vLLM's metrics",
+            m.in_flight_corrections.clone(),
         );
         r.register("llm_gateway_pool_load", "Pool load ratio used for shedding", m.pool_load.clone());
         r.register(

@@ -23,6 +23,8 @@ const TAKE_LUA: &str = include_str!("../lua/token_bucket_take_v2.lua");
 const SETTLE_LUA: &str = include_str!("../lua/token_bucket_settle_v1.lua");
 /// `lua/usage_record_v2.lua`: add a record to the daily aggregates exactly once (bounded space).
 const USAGE_LUA: &str = include_str!("../lua/usage_record_v2.lua");
+/// `lua/in_flight_flush_v1.lua`: a replica's in-flight counts of a pool, and the pool's total.
+const IN_FLIGHT_LUA: &str = include_str!("../lua/in_flight_flush_v1.lua");
 
 /// How long after a write attempt that may have landed a retry of the same record is still
 /// deduplicated: the set of applied ids of a record's window is kept this long past the later of
@@ -137,6 +139,7 @@ pub struct Store {
     take: Script,
     settle: Script,
     usage: Script,
+    in_flight: Script,
     timeout: Duration,
     prefix: String,
     stream: String,
@@ -183,6 +186,7 @@ impl Store {
             take: Script::new(TAKE_LUA),
             settle: Script::new(SETTLE_LUA),
             usage: Script::new(USAGE_LUA),
+            in_flight: Script::new(IN_FLIGHT_LUA),
             timeout,
             prefix: config.key_prefix.clone(),
             stream,
@@ -335,6 +339,84 @@ impl Store {
             .map_err(|error| RecordError { error, maybe_applied: true })?;
         Ok(())
     }
+}
+
+/// One replica's flush of a pool's in-flight counts (`lua/in_flight_flush_v1.lua`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InFlightFlush {
+    /// The replica's admitted minus finished requests of the pool since it started.
+    pub balance: i64,
+    /// The replica's admitted requests of the pool since it started.
+    pub admitted: u64,
+    /// Upper bound on the pool's in-flight requests from vLLM's metrics, with the pool-wide
+    /// admitted sum it was computed at (see [`crate::shedding::in_flight_bound`]); None: no
+    /// fresh metrics, no correction.
+    pub bound: Option<(u64, u64)>,
+}
+
+/// What Redis answered to an [`InFlightFlush`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InFlightTotal {
+    /// The pool's in-flight requests over every replica (after any correction; may be below 0
+    /// while leased admissions are reported after they finish).
+    pub total: i64,
+    /// Requests admitted to the pool over every replica, ever.
+    pub admitted: u64,
+    /// What the bound took off the total (negative: a total below 0 raised to 0 at idle).
+    pub correction: i64,
+}
+
+/// Replicas that have not flushed a pool's counts for this long are folded into the pool's
+/// base (their process is gone); their counts stay in the sum.
+pub const IN_FLIGHT_REPLICA_GONE: Duration = Duration::from_secs(3600);
+
+impl Store {
+    /// Flushes this replica's cumulative in-flight counts of `pool` to
+    /// `<prefix>:in-flight:{<pool>}` (fields `b:<replica>`, `a:<replica>`, `t:<replica>`, `base`,
+    /// `abase`) and returns the pool-wide total, corrected by the bound
+    /// (`lua/in_flight_flush_v1.lua`). Idempotent: the counts are cumulative.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout, Redis error or a malformed reply.
+    pub async fn flush_in_flight(
+        &self,
+        pool: &str,
+        replica: &str,
+        flush: &InFlightFlush,
+    ) -> Result<InFlightTotal, StoreError> {
+        let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let (bound, seen) = match flush.bound {
+            Some((bound, seen)) => {
+                (i64::try_from(bound).unwrap_or(i64::MAX), i64::try_from(seen).unwrap_or(i64::MAX))
+            }
+            None => (-1, -1),
+        };
+        let mut inv = self.in_flight.key(in_flight_key(&self.prefix, pool));
+        inv.arg(replica)
+            .arg(flush.balance)
+            .arg(flush.admitted)
+            .arg(now_ms)
+            .arg(IN_FLIGHT_REPLICA_GONE.as_millis() as u64)
+            .arg(bound)
+            .arg(seen);
+        let mut conn = self.conn();
+        let reply: Vec<i64> = self.bounded(inv.invoke_async(&mut conn)).await?;
+        match reply[..] {
+            [total, admitted, correction] => {
+                Ok(InFlightTotal { total, admitted: u64::try_from(admitted).unwrap_or(0), correction })
+            }
+            _ => Err(StoreError::Reply(ReplyError(format!(
+                "in-flight flush: {} values, expected 3",
+                reply.len()
+            )))),
+        }
+    }
+}
+
+/// The hash of a pool's in-flight counts: `<prefix>:in-flight:{<pool>}` (one key per pool, its
+/// own hash tag).
+pub fn in_flight_key(prefix: &str, pool: &str) -> String {
+    format!("{prefix}:in-flight:{{{pool}}}")
 }
 
 /// The set of record ids applied in a tenant's finish-time window
