@@ -115,6 +115,25 @@ def test_in_flight_holds_when_admission_and_end_reach_different_sidecars(two):
     assert r.status_code == 200, r.text
 
 
+def test_a_count_that_never_ends_is_corrected_to_vllms_metrics(two):
+    """Seven admissions whose ends will never come (a replica that died holding them, or an Envoy
+    killed mid-request) sit in the pool's count; the pool is idle, so vLLM's metrics bound the
+    count to 0 once the report lag has passed, and the replicas take the seven off."""
+    a, b = two.sidecar_metrics_url, two.sidecar_b_metrics_url
+    client = redis.Redis(port=two.redis_port, decode_responses=True)
+    key = "llmgw:in-flight:{pool_two}"
+    client.hset(key, mapping={"b:ghost": 7, "a:ghost": 7, "t:ghost": int(time.time() * 1000)})
+    assert wait_for(lambda: in_flight(a) == 7 and in_flight(b) == 7, timeout=10), (scrape(a), scrape(b))
+    # The report lag is 5 s (four 100 ms scrape intervals are less).
+    assert wait_for(lambda: in_flight(a) == 0 and in_flight(b) == 0, timeout=20), (scrape(a), scrape(b))
+    corrected = sum(metric(scrape(u), "llm_gateway_in_flight_corrections_total", pool="pool_two") for u in (a, b))
+    assert corrected == 7, (scrape(a), scrape(b))
+    counts = client.hgetall(key)
+    assert sum(int(v) for k, v in counts.items() if k.startswith("b:") or k == "base") == 0, counts
+    r = post(two, "/v1/chat/completions", chat_body("two", max_tokens=4), key=KEY)
+    assert r.status_code == 200, r.text
+
+
 def test_the_ledger_marks_records_in_bounded_window_sets(two):
     for _ in range(LEDGER_REQUESTS):
         r = post(two, "/v1/chat/completions", chat_body("ledger", max_tokens=2), key=LEDGER_KEY)
