@@ -192,8 +192,8 @@ pub struct PoolConfig {
     /// KV-cache usage (0..1, the highest endpoint's) at which the pool is full.
     #[serde(default)]
     pub max_kv_cache_usage: Option<f64>,
-    /// Requests this sidecar has admitted to the pool and not yet seen finish, at which the pool
-    /// is full (assumes one sidecar per Envoy).
+    /// Requests admitted to the pool and not yet finished, over every sidecar replica sharing
+    /// the Redis (`crate::pools`), at which the pool is full.
     #[serde(default)]
     pub max_in_flight: Option<u64>,
 }

@@ -117,11 +117,17 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
         .await
         .map_err(|source| RunError::Bind { addr: config.listen, source })?;
     let addr = listener.local_addr().map_err(|source| RunError::Bind { addr: config.listen, source })?;
-    let pools = Pools::new(&config.pools, Arc::clone(&metrics));
+    let pools = Pools::new(&config.pools, Arc::clone(&metrics), Some(store.clone()));
     pools.spawn_scrapers();
     let (closing, closing_rx) = tokio::sync::watch::channel(false);
-    let (recorder, writer) =
-        Recorder::start(store.clone(), config.metering.buffer_records, Arc::clone(&metrics), closing_rx);
+    let tenants = config.tenants.iter().map(|t| t.id.clone()).collect();
+    let (recorder, writer) = Recorder::start(
+        store.clone(),
+        config.metering.buffer_records,
+        Arc::clone(&metrics),
+        closing_rx,
+        tenants,
+    );
     let limiter = Limiter::new(store, &config.redis, Arc::clone(&metrics));
     let leasing = config.redis.lease_fraction > 0.0;
     let shared = Arc::new(Shared::new(config, limiter, recorder, pools, metrics, context));

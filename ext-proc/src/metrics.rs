@@ -178,8 +178,12 @@ pub struct Metrics {
     /// requests: `fits`, `exceeded`, `undecided` (timed out, the tenant's counts busy, or
     /// nothing exact to count).
     pub exact_counts: Family<CountOutcome, Counter>,
-    /// `llm_gateway_in_flight_requests{pool}`: admitted by this sidecar, not yet finished.
+    /// `llm_gateway_in_flight_requests{pool}`: admitted and not yet finished, over every sidecar
+    /// replica sharing the Redis (this replica's own count while Redis is away).
     pub in_flight: Family<PoolLabel, Gauge>,
+    /// `llm_gateway_in_flight_corrections_total{pool}`: requests taken off (or, at idle, put
+    /// back on) the pool-wide in-flight count to match vLLM's metrics.
+    pub in_flight_corrections: Family<PoolLabel, Counter>,
     /// `llm_gateway_pool_load{pool}`: the load ratio shedding compares with tier levels.
     pub pool_load: Family<PoolLabel, GaugeF64>,
     /// `llm_gateway_pool_requests_waiting{pool}`: scraped `vllm:num_requests_waiting`, summed.
@@ -198,6 +202,13 @@ pub struct Metrics {
     pub records_dropped: Counter,
     /// `llm_gateway_usage_records_refused_total`: usage counts Redis cannot hold (each logged).
     pub records_refused: Counter,
+    /// `llm_gateway_usage_records_unconfirmed_total`: given up, each logged whole, because a write
+    /// that may have landed is older than the ledger's idempotency retention (retrying could count
+    /// it twice).
+    pub records_unconfirmed: Counter,
+    /// `llm_gateway_usage_records_unknown_tenant_total`: records of a tenant the config does not
+    /// list, dropped (never stored).
+    pub records_unknown_tenant: Counter,
 }
 
 #[derive(Default)]
@@ -231,6 +242,7 @@ impl Metrics {
             admission_leases: Family::default(),
             exact_counts: Family::default(),
             in_flight: Family::default(),
+            in_flight_corrections: Family::default(),
             pool_load: Family::default(),
             pool_waiting: Family::default(),
             pool_kv_cache: Family::default(),
@@ -242,6 +254,8 @@ impl Metrics {
             records_written: Counter::default(),
             records_dropped: Counter::default(),
             records_refused: Counter::default(),
+            records_unconfirmed: Counter::default(),
+            records_unknown_tenant: Counter::default(),
             registry: Registry::default(),
         };
         r.register("llm_gateway_requests", "Admission outcomes", m.requests.clone());
@@ -281,8 +295,13 @@ impl Metrics {
         );
         r.register(
             "llm_gateway_in_flight_requests",
-            "Requests admitted and not finished",
+            "Requests admitted and not finished, over every sidecar replica",
             m.in_flight.clone(),
+        );
+        r.register(
+            "llm_gateway_in_flight_corrections",
+            "Requests taken off (or at idle put back on) the in-flight count to match vLLM's metrics",
+            m.in_flight_corrections.clone(),
         );
         r.register("llm_gateway_pool_load", "Pool load ratio used for shedding", m.pool_load.clone());
         r.register(
@@ -317,6 +336,16 @@ impl Metrics {
             "llm_gateway_usage_records_refused",
             "Usage records refused: counts Redis cannot hold (logged)",
             m.records_refused.clone(),
+        );
+        r.register(
+            "llm_gateway_usage_records_unconfirmed",
+            "Usage records given up because a write that may have landed is past the idempotency retention (logged)",
+            m.records_unconfirmed.clone(),
+        );
+        r.register(
+            "llm_gateway_usage_records_unknown_tenant",
+            "Usage records of an unconfigured tenant, dropped (logged)",
+            m.records_unknown_tenant.clone(),
         );
         Arc::new(Self { registry: r, ..m })
     }

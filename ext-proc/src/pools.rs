@@ -1,8 +1,19 @@
-//! The pools' live state for shedding: a scraper task per pool reads each endpoint's vLLM
-//! `/metrics` every `scrape_interval_ms`, and admission counts the requests it lets in. The
+//! The pools' live state for shedding: a task per pool reads each endpoint's vLLM `/metrics`
+//! every `scrape_interval_ms` and flushes this replica's in-flight counts to Redis; admission
+//! counts the requests it lets in, the access log (or metering stream) the ones that end. The
 //! arithmetic is in [`crate::shedding`].
+//!
+//! The in-flight count holds across sidecar replicas although a request's admission and its end
+//! may reach different replicas: each replica counts what it sees (admitted +1 where admitted,
+//! -1 where the end arrives) and, every scrape interval, writes its cumulative counts to the
+//! pool's hash in Redis with one script call that returns the sum over replicas
+//! (`lua/in_flight_flush_v1.lua`; no Redis call per request). Its count is that sum plus what it
+//! counted since, and corrects itself against vLLM's metrics ([`crate::shedding::in_flight_bound`]):
+//! requests that never end (an Envoy killed) are taken off. Without Redis for longer than the
+//! report lag, a replica falls back to its own balance.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -10,23 +21,99 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use tracing::debug;
+use tracing::{debug, info};
 
 use crate::config::PoolConfig;
 use crate::metrics::{Metrics, PoolLabel};
 use crate::shedding::{self, PoolSignals, Scrape};
+use crate::store::{InFlightFlush, InFlightTotal, Store};
 
 /// Smoothing of the drain rate (weight of the newest sample).
 const DRAIN_ALPHA: f64 = 0.3;
 
+/// One replica's in-flight counts of a pool and what Redis last said of the pool (no I/O).
+#[derive(Debug, Default)]
+pub struct InFlight {
+    /// Admitted minus finished requests this replica has seen since it started. Requests
+    /// admitted from the filter's leases are reported in batches and may finish before they are
+    /// reported, so a balance (and the total) can dip below 0 for a while.
+    balance: i64,
+    /// Requests this replica admitted since it started.
+    admitted: u64,
+    /// `(balance, admitted)` as of the last flush Redis acknowledged.
+    flushed: (i64, u64),
+    /// The pool-wide total at that flush, and when.
+    total: Option<(i64, Instant)>,
+    /// The pool-wide admitted sum at that flush.
+    pool_admitted: Option<u64>,
+    /// Pool-wide admitted sums, one per acknowledged flush.
+    admitted_samples: VecDeque<(Instant, f64)>,
+    /// The bound the count was last clamped to (None: no fresh metrics).
+    bound: Option<u64>,
+}
+
+impl InFlight {
+    /// Counts `delta` requests (+ admitted, - finished), `admitted` of them admissions.
+    pub fn count(&mut self, delta: i64, admitted: u64) {
+        self.balance = self.balance.saturating_add(delta);
+        self.admitted = self.admitted.saturating_add(admitted);
+    }
+
+    /// What to flush now, with the bound from the pool's metrics when they are `fresh`:
+    /// `(running, waiting, finished_in_lag)` scraped.
+    pub fn to_flush(&self, fresh: Option<(f64, f64, f64)>, now: Instant, lag: Duration) -> InFlightFlush {
+        let admitted_in_lag = shedding::growth(&self.admitted_samples, now, lag);
+        let bound = match (fresh, self.pool_admitted) {
+            (Some((running, waiting, finished)), Some(seen)) => {
+                Some((shedding::in_flight_bound(running, waiting, finished, admitted_in_lag), seen))
+            }
+            // Before the first flush the admissions within the lag are unknown: no bound.
+            _ => None,
+        };
+        InFlightFlush { balance: self.balance, admitted: self.admitted, bound }
+    }
+
+    /// Redis acknowledged `sent` with `reply` at `now`.
+    pub fn flushed(&mut self, sent: &InFlightFlush, reply: &InFlightTotal, now: Instant, lag: Duration) {
+        self.flushed = (sent.balance, sent.admitted);
+        self.total = Some((reply.total, now));
+        self.bound =
+            sent.bound.map(|(bound, seen)| bound.saturating_add(reply.admitted.saturating_sub(seen)));
+        self.pool_admitted = Some(reply.admitted);
+        self.admitted_samples.push_back((now, reply.admitted as f64));
+        // Keep one sample older than the lag (the start of the window).
+        while self.admitted_samples.len() > 2
+            && self.admitted_samples.get(1).is_some_and(|(at, _)| now.saturating_duration_since(*at) > lag)
+        {
+            self.admitted_samples.pop_front();
+        }
+    }
+
+    /// The metrics went stale: no bound until they are fresh again.
+    pub fn unbounded(&mut self) {
+        self.bound = None;
+    }
+
+    /// The count shedding uses at `now` ([`shedding::in_flight_view`]): the pool-wide total
+    /// while the last acknowledged flush is within `lag`, else this replica's own balance.
+    pub fn view(&self, now: Instant, lag: Duration) -> u64 {
+        let total = self.total.filter(|(_, at)| now.saturating_duration_since(*at) <= lag).map(|(t, _)| t);
+        let unflushed = self.balance.saturating_sub(self.flushed.0);
+        let unflushed_admitted = self.admitted.saturating_sub(self.flushed.1);
+        let bound = if total.is_some() { self.bound } else { None };
+        shedding::in_flight_view(total, unflushed, self.balance, bound, unflushed_admitted)
+    }
+}
+
 #[derive(Debug, Default)]
 struct PoolState {
     signals: PoolSignals,
-    /// Admitted minus finished. Requests admitted from the filter's leases are reported in
-    /// batches and may finish before they are reported, so this can dip below 0 for a while;
-    /// `signals.in_flight` is its positive part.
-    balance: i64,
+    in_flight: InFlight,
     last_finished: Option<(Instant, f64)>,
+    /// `vllm:request_success_total` summed over the endpoints, per complete scrape.
+    finished_samples: VecDeque<(Instant, f64)>,
+    /// When the last complete scrape ended.
+    scraped_at: Option<Instant>,
 }
 
 struct Pool {
@@ -47,16 +134,25 @@ pub struct Shed {
 pub struct Pools {
     pools: HashMap<String, Pool>,
     metrics: Arc<Metrics>,
+    /// Where the replicas' in-flight counts meet (None: each replica counts alone).
+    store: Option<Store>,
+    /// This process's id among the replicas (random per process).
+    replica: String,
 }
 
 impl Pools {
-    /// The pools of the config; nothing runs until [`Pools::spawn_scrapers`].
-    pub fn new(configs: &[PoolConfig], metrics: Arc<Metrics>) -> Arc<Self> {
+    /// The pools of the config; nothing runs until [`Pools::spawn_scrapers`]. With a `store`,
+    /// in-flight counts are summed over the replicas sharing it.
+    pub fn new(configs: &[PoolConfig], metrics: Arc<Metrics>, store: Option<Store>) -> Arc<Self> {
         let pools = configs
             .iter()
             .map(|c| (c.name.clone(), Pool { config: c.clone(), state: Mutex::new(PoolState::default()) }))
             .collect();
-        Arc::new(Self { pools, metrics })
+        let replica = format!(
+            "{:016x}",
+            RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now()))
+        );
+        Arc::new(Self { pools, metrics, store, replica })
     }
 
     /// Whether a request of a tier with shedding level `level` is shed from `pool` now.
@@ -70,51 +166,109 @@ impl Pools {
 
     /// Counts a request admitted to `pool`.
     pub fn admitted(&self, pool: &str) {
-        self.adjust(pool, 1);
+        self.adjust(pool, 1, 1);
     }
 
     /// Counts `n` requests admitted to `pool` (from a lease, reported afterwards).
     pub fn admitted_many(&self, pool: &str, n: u64) {
-        self.adjust(pool, i64::try_from(n).unwrap_or(i64::MAX));
+        self.adjust(pool, i64::try_from(n).unwrap_or(i64::MAX), n);
     }
 
-    /// Counts a request to `pool` finished.
+    /// Counts a request to `pool` finished (whichever replica admitted it).
     pub fn finished(&self, pool: &str) {
-        self.adjust(pool, -1);
+        self.adjust(pool, -1, 0);
     }
 
-    fn adjust(&self, pool: &str, delta: i64) {
+    fn adjust(&self, pool: &str, delta: i64, admitted: u64) {
         let Some(p) = self.pools.get(pool) else { return };
         if let Ok(mut s) = p.state.lock() {
-            s.balance = s.balance.saturating_add(delta);
-            s.signals.in_flight = u64::try_from(s.balance).unwrap_or(0);
-            self.metrics
-                .in_flight
-                .get_or_create(&PoolLabel { pool: pool.to_owned() })
-                .set(i64::try_from(s.signals.in_flight).unwrap_or(i64::MAX));
+            s.in_flight.count(delta, admitted);
+            self.publish(pool, &p.config, &mut s, Instant::now());
         }
     }
 
-    /// Starts one scraper task per pool that has endpoints.
+    /// Sets the pool's in-flight signal and gauge from its counts.
+    fn publish(&self, pool: &str, config: &PoolConfig, s: &mut PoolState, now: Instant) {
+        s.signals.in_flight = s.in_flight.view(now, lag(config));
+        self.metrics
+            .in_flight
+            .get_or_create(&PoolLabel { pool: pool.to_owned() })
+            .set(i64::try_from(s.signals.in_flight).unwrap_or(i64::MAX));
+    }
+
+    /// Starts one task per pool: every `scrape_interval_ms` it scrapes the pool's endpoints (if
+    /// any) and flushes this replica's in-flight counts (with a store).
     pub fn spawn_scrapers(self: &Arc<Self>) {
         let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
         for (name, pool) in &self.pools {
-            if pool.config.endpoints.is_empty() {
+            if pool.config.endpoints.is_empty() && self.store.is_none() {
                 continue;
             }
             let pools = Arc::clone(self);
             let name = name.clone();
             let client = client.clone();
             let interval = Duration::from_millis(pool.config.scrape_interval_ms);
+            let scraped = !pool.config.endpoints.is_empty();
             tokio::spawn(async move {
                 let mut ticker = tokio::time::interval(interval);
                 ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
                     ticker.tick().await;
-                    pools.scrape(&name, &client, interval.min(Duration::from_secs(1))).await;
+                    if scraped {
+                        pools.scrape(&name, &client, interval.min(Duration::from_secs(1))).await;
+                    }
+                    pools.flush(&name).await;
                 }
             });
         }
+    }
+
+    /// Flushes this replica's in-flight counts of a pool and takes the pool-wide total.
+    async fn flush(&self, name: &str) {
+        let (Some(store), Some(pool)) = (&self.store, self.pools.get(name)) else { return };
+        let lag = lag(&pool.config);
+        let interval = Duration::from_millis(pool.config.scrape_interval_ms);
+        let sent = {
+            let Ok(mut s) = pool.state.lock() else { return };
+            let now = Instant::now();
+            // Metrics are fresh when the last scrape was complete and at most 3 intervals old.
+            let fresh = match (s.scraped_at, s.signals.running, s.signals.waiting) {
+                (Some(at), Some(running), Some(waiting))
+                    if now.saturating_duration_since(at) <= interval * 3 =>
+                {
+                    Some((running, waiting, shedding::growth(&s.finished_samples, now, lag)))
+                }
+                _ => None,
+            };
+            if fresh.is_none() {
+                s.in_flight.unbounded();
+            }
+            s.in_flight.to_flush(fresh, now, lag)
+        };
+        let started = Instant::now();
+        let result = store.flush_in_flight(name, &self.replica, &sent).await;
+        self.metrics.redis_call("in_flight", started.elapsed(), result.is_ok());
+        let Ok(mut s) = pool.state.lock() else { return };
+        let now = Instant::now();
+        match result {
+            Ok(reply) => {
+                s.in_flight.flushed(&sent, &reply, now, lag);
+                if reply.correction != 0 {
+                    info!(
+                        pool = name,
+                        correction = reply.correction,
+                        total = reply.total,
+                        "in-flight count corrected to vLLM's bound"
+                    );
+                    self.metrics
+                        .in_flight_corrections
+                        .get_or_create(&PoolLabel { pool: name.to_owned() })
+                        .inc_by(reply.correction.unsigned_abs());
+                }
+            }
+            Err(e) => debug!(pool = name, error = %e, "in-flight flush failed"),
+        }
+        self.publish(name, &pool.config, &mut s, now);
     }
 
     async fn scrape(
@@ -146,7 +300,17 @@ impl Pools {
             state.signals.running = None;
             state.signals.kv_cache_usage = None;
             state.last_finished = None;
+            state.finished_samples.clear();
+            state.scraped_at = None;
             return;
+        }
+        state.scraped_at = Some(now);
+        state.finished_samples.push_back((now, total.finished));
+        let lag = lag(&pool.config);
+        while state.finished_samples.len() > 2
+            && state.finished_samples.get(1).is_some_and(|(at, _)| now.saturating_duration_since(*at) > lag)
+        {
+            state.finished_samples.pop_front();
         }
         if let Some((at, finished)) = state.last_finished {
             let secs = now.saturating_duration_since(at).as_secs_f64();
@@ -165,6 +329,11 @@ impl Pools {
         self.metrics.pool_kv_cache.get_or_create(&label).set(total.kv_cache_usage);
         self.metrics.pool_load.get_or_create(&label).set(shedding::load(&pool.config, &state.signals));
     }
+}
+
+/// The pool's [`shedding::report_lag`].
+fn lag(config: &PoolConfig) -> Duration {
+    shedding::report_lag(Duration::from_millis(config.scrape_interval_ms))
 }
 
 async fn fetch(
@@ -187,5 +356,86 @@ async fn fetch(
             debug!(url, "scrape timed out");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LAG: Duration = Duration::from_secs(5);
+
+    /// What `lua/in_flight_flush_v1.lua` answers for replicas' cumulative balances and admitted
+    /// counts (no correction).
+    fn redis_sum(replicas: &[&InFlightFlush]) -> InFlightTotal {
+        InFlightTotal {
+            total: replicas.iter().map(|r| r.balance).sum(),
+            admitted: replicas.iter().map(|r| r.admitted).sum(),
+            correction: 0,
+        }
+    }
+
+    #[test]
+    fn admissions_and_ends_seen_by_different_replicas_sum_to_zero() {
+        let t0 = Instant::now();
+        let (mut a, mut b) = (InFlight::default(), InFlight::default());
+        // Ten requests admitted through A, each ending on B.
+        for _ in 0..10 {
+            a.count(1, 1);
+            b.count(-1, 0);
+        }
+        // Before any flush each replica has only its own count (today's per-process balance).
+        assert_eq!(a.view(t0, LAG), 10);
+        assert_eq!(b.view(t0, LAG), 0);
+        let (fa, fb) = (a.to_flush(None, t0, LAG), b.to_flush(None, t0, LAG));
+        let sum = redis_sum(&[&fa, &fb]);
+        a.flushed(&fa, &sum, t0, LAG);
+        b.flushed(&fb, &sum, t0, LAG);
+        assert_eq!((a.view(t0, LAG), b.view(t0, LAG)), (0, 0));
+        // A new admission on A counts at once on A, and on B after both flush again.
+        a.count(1, 1);
+        assert_eq!((a.view(t0, LAG), b.view(t0, LAG)), (1, 0));
+        let t1 = t0 + Duration::from_millis(500);
+        let (fa, fb) = (a.to_flush(None, t1, LAG), b.to_flush(None, t1, LAG));
+        let sum = redis_sum(&[&fa, &fb]);
+        a.flushed(&fa, &sum, t1, LAG);
+        b.flushed(&fb, &sum, t1, LAG);
+        assert_eq!((a.view(t1, LAG), b.view(t1, LAG)), (1, 1));
+        // A flush that is retried sends the same cumulative counts: nothing counted twice.
+        assert_eq!(a.to_flush(None, t1, LAG), fa);
+    }
+
+    #[test]
+    fn without_redis_for_longer_than_the_lag_a_replica_counts_alone() {
+        let t0 = Instant::now();
+        let mut a = InFlight::default();
+        a.count(3, 3);
+        let f = a.to_flush(None, t0, LAG);
+        a.flushed(&f, &InFlightTotal { total: 1, admitted: 9, correction: 0 }, t0, LAG);
+        a.count(1, 1);
+        assert_eq!(a.view(t0 + LAG, LAG), 2, "the last total plus what came since");
+        assert_eq!(a.view(t0 + LAG + Duration::from_millis(1), LAG), 4, "the own balance");
+    }
+
+    #[test]
+    fn the_bound_is_sent_once_the_pool_wide_admissions_are_known_and_caps_the_view() {
+        let t0 = Instant::now();
+        let mut a = InFlight::default();
+        let metrics = Some((2.0, 1.0, 0.0));
+        a.count(50, 50);
+        assert_eq!(a.to_flush(metrics, t0, LAG).bound, None, "admissions within the lag unknown");
+        let f = a.to_flush(None, t0, LAG);
+        a.flushed(&f, &InFlightTotal { total: 50, admitted: 50, correction: 0 }, t0, LAG);
+        let t1 = t0 + Duration::from_secs(10);
+        let f = a.to_flush(metrics, t1, LAG);
+        // vLLM holds 3, nothing admitted within the lag: at most 3 in flight, as of 50 admitted.
+        assert_eq!(f.bound, Some((3, 50)));
+        // Redis lowered the total to the bound plus 2 admitted meanwhile by another replica.
+        a.flushed(&f, &InFlightTotal { total: 5, admitted: 52, correction: 45 }, t1, LAG);
+        assert_eq!(a.view(t1, LAG), 5);
+        a.count(1, 1);
+        assert_eq!(a.view(t1, LAG), 6, "own admissions since the flush are above the bound");
+        a.unbounded();
+        assert_eq!(a.view(t1, LAG), 6);
     }
 }

@@ -4,12 +4,18 @@
 //! on the multiplexed connection, so they travel pipelined). A record whose write fails stays at
 //! the head of the buffer and is retried with backoff until Redis returns, so an outage loses
 //! nothing while the buffer has room (`metering.buffer_records`). Writes are idempotent per
-//! record id, so a retry after a write that did land counts nothing twice. Past the bound the
-//! oldest record is logged whole at error level and counted, never dropped silently.
+//! record id for [`IDEMPOTENCY_RETENTION`] after an attempt that may have landed (a timeout, a
+//! connection lost mid-command), so a retry after a write that did land counts nothing twice; a
+//! record still unwritten [`RETRY_HORIZON`] after such an attempt is given up, logged whole at
+//! error level and counted in `llm_gateway_usage_records_unconfirmed_total`, rather than risk
+//! counting it twice. Past the buffer's bound the oldest record is logged whole at error level
+//! and counted, never dropped silently. Records of tenants the config does not list are dropped
+//! with a warning and counted in `llm_gateway_usage_records_unknown_tenant_total` (no Redis key is
+//! ever made for them).
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use tokio::sync::{mpsc, watch};
@@ -18,7 +24,11 @@ use tracing::{error, warn};
 
 use crate::meter::UsageRecord;
 use crate::metrics::Metrics;
-use crate::store::Store;
+use crate::store::{Store, CLOCK_SKEW_MARGIN, IDEMPOTENCY_RETENTION};
+
+/// How long after a write attempt that may have landed a record is still retried: the
+/// idempotency retention less the clock-skew margin.
+pub const RETRY_HORIZON: Duration = IDEMPOTENCY_RETENTION.saturating_sub(CLOCK_SKEW_MARGIN);
 
 /// Records written concurrently per batch.
 const BATCH: usize = 256;
@@ -29,25 +39,47 @@ const SHUTDOWN_FLUSH: Duration = Duration::from_secs(5);
 #[derive(Clone)]
 pub struct Recorder {
     tx: mpsc::UnboundedSender<UsageRecord>,
+    tenants: Arc<HashSet<String>>,
+    metrics: Arc<Metrics>,
+}
+
+/// A record waiting for Redis, with the time of its first attempt that may have landed.
+struct Pending {
+    record: UsageRecord,
+    maybe_applied_at: Option<Instant>,
+}
+
+/// Whether a record is given up rather than retried: an attempt that may have landed is older
+/// than [`RETRY_HORIZON`], so Redis may no longer know it was applied.
+pub fn give_up(maybe_applied_at: Option<Instant>, now: Instant) -> bool {
+    maybe_applied_at.is_some_and(|at| now.saturating_duration_since(at) >= RETRY_HORIZON)
 }
 
 impl Recorder {
     /// Starts the writer task. It ends, after a last flush (at most 5 s while Redis is away),
     /// when every `Recorder` is dropped or `closing` turns true (at shutdown: later records are
-    /// refused and logged).
+    /// refused and logged). Only records of `tenants` (the configured tenant ids) are written.
     pub fn start(
         store: Store,
         capacity: usize,
         metrics: Arc<Metrics>,
         closing: watch::Receiver<bool>,
+        tenants: HashSet<String>,
     ) -> (Self, JoinHandle<()>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        let handle = tokio::spawn(writer(rx, store, capacity, metrics, closing));
-        (Self { tx }, handle)
+        let handle = tokio::spawn(writer(rx, store, capacity, Arc::clone(&metrics), closing));
+        (Self { tx, tenants: Arc::new(tenants), metrics }, handle)
     }
 
-    /// Queues a record (never blocks).
+    /// Queues a record (never blocks); drops, with a warning and a count, a record of a tenant the
+    /// config does not list.
     pub fn record(&self, record: UsageRecord) {
+        if !self.tenants.contains(&record.info.tenant) {
+            warn!(tenant = %record.info.tenant, request_id = %record.info.request_id,
+                "usage record of an unconfigured tenant dropped");
+            self.metrics.records_unknown_tenant.inc();
+            return;
+        }
         if let Err(mpsc::error::SendError(record)) = self.tx.send(record) {
             error!(record = ?record, "usage record not written: recorder stopped");
         }
@@ -61,7 +93,7 @@ async fn writer(
     metrics: Arc<Metrics>,
     mut closing: watch::Receiver<bool>,
 ) {
-    let mut buffer: VecDeque<UsageRecord> = VecDeque::new();
+    let mut buffer: VecDeque<Pending> = VecDeque::new();
     let mut closed = false;
     let mut backoff = Duration::from_millis(50);
     let mut open = true;
@@ -97,22 +129,32 @@ async fn writer(
             break;
         }
         let n = buffer.len().min(BATCH);
-        let results = join_all(buffer.iter().take(n).map(|r| async {
+        let results = join_all(buffer.iter().take(n).map(|p| async {
             let started = std::time::Instant::now();
-            let result = store.record(r).await;
+            let result = store.record(&p.record).await;
             metrics.redis_call("record", started.elapsed(), result.is_ok());
             result
         }))
         .await;
         let mut failed = VecDeque::new();
-        for (record, result) in buffer.drain(..n).zip(results) {
+        let now = Instant::now();
+        for (mut pending, result) in buffer.drain(..n).zip(results) {
             match result {
                 Ok(()) => {
                     metrics.records_written.inc();
                 }
                 Err(e) => {
-                    warn!(error = %e, request_id = %record.info.request_id, "usage record write failed; kept for retry");
-                    failed.push_back(record);
+                    if e.maybe_applied && pending.maybe_applied_at.is_none() {
+                        pending.maybe_applied_at = Some(now);
+                    }
+                    if give_up(pending.maybe_applied_at, now) {
+                        error!(record = ?pending.record, error = %e,
+                            "usage record given up: an earlier write may have landed and is past the idempotency retention");
+                        metrics.records_unconfirmed.inc();
+                    } else {
+                        warn!(error = %e, request_id = %pending.record.info.request_id, "usage record write failed; kept for retry");
+                        failed.push_back(pending);
+                    }
                 }
             }
         }
@@ -144,19 +186,56 @@ async fn writer(
             backoff = Duration::from_millis(50);
         }
     }
-    for record in buffer {
+    for Pending { record, .. } in buffer {
         error!(record = ?record, "usage record not written at shutdown");
         metrics.records_dropped.inc();
     }
 }
 
-fn push(buffer: &mut VecDeque<UsageRecord>, record: UsageRecord, capacity: usize, metrics: &Metrics) {
+fn push(buffer: &mut VecDeque<Pending>, record: UsageRecord, capacity: usize, metrics: &Metrics) {
     if buffer.len() >= capacity {
         if let Some(oldest) = buffer.pop_front() {
-            error!(record = ?oldest, "usage buffer full: record dropped");
+            error!(record = ?oldest.record, "usage buffer full: record dropped");
             metrics.records_dropped.inc();
         }
     }
-    buffer.push_back(record);
+    buffer.push_back(Pending { record, maybe_applied_at: None });
     metrics.records_buffered.set(i64::try_from(buffer.len()).unwrap_or(i64::MAX));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_is_given_up_only_past_the_horizon_of_an_attempt_that_may_have_landed() {
+        let t0 = Instant::now();
+        assert!(!give_up(None, t0 + Duration::from_secs(86_400)), "never landed: retried for ever");
+        assert!(!give_up(Some(t0), t0 + RETRY_HORIZON - Duration::from_millis(1)));
+        assert!(give_up(Some(t0), t0 + RETRY_HORIZON));
+        // The horizon leaves the margin inside the retention Redis keeps the applied ids for.
+        assert_eq!(RETRY_HORIZON + CLOCK_SKEW_MARGIN, IDEMPOTENCY_RETENTION);
+    }
+
+    #[test]
+    fn records_of_unconfigured_tenants_are_dropped_and_counted() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let metrics = Metrics::new();
+        let recorder = Recorder {
+            tx,
+            tenants: Arc::new(HashSet::from(["acme".to_owned()])),
+            metrics: Arc::clone(&metrics),
+        };
+        let record = |tenant: &str| {
+            let info = crate::meter::RequestInfo { tenant: tenant.to_owned(), ..Default::default() };
+            UsageRecord::new(info, gateway_meter::Usage::unseen(1, 200))
+        };
+        recorder.record(record("mallory"));
+        recorder.record(record(""));
+        assert!(rx.try_recv().is_err(), "nothing queued for Redis");
+        assert_eq!(metrics.records_unknown_tenant.get(), 2);
+        recorder.record(record("acme"));
+        assert_eq!(rx.try_recv().map(|r| r.info.tenant).ok().as_deref(), Some("acme"));
+        assert_eq!(metrics.records_unknown_tenant.get(), 2);
+    }
 }

@@ -21,8 +21,22 @@ use crate::proto;
 const TAKE_LUA: &str = include_str!("../lua/token_bucket_take_v2.lua");
 /// `lua/token_bucket_settle_v1.lua`: settle a reservation against the real usage.
 const SETTLE_LUA: &str = include_str!("../lua/token_bucket_settle_v1.lua");
-/// `lua/usage_record_v1.lua`: add a record to the daily aggregates exactly once.
-const USAGE_LUA: &str = include_str!("../lua/usage_record_v1.lua");
+/// `lua/usage_record_v2.lua`: add a record to the daily aggregates exactly once (bounded space).
+const USAGE_LUA: &str = include_str!("../lua/usage_record_v2.lua");
+/// `lua/in_flight_flush_v1.lua`: a replica's in-flight counts of a pool, and the pool's total.
+const IN_FLIGHT_LUA: &str = include_str!("../lua/in_flight_flush_v1.lua");
+
+/// How long after a write attempt that may have landed a retry of the same record is still
+/// deduplicated: the set of applied ids of a record's window is kept this long past the later of
+/// the window's end and the attempt. The recorder retries such a record for
+/// [`IDEMPOTENCY_RETENTION`] minus [`CLOCK_SKEW_MARGIN`] at most
+/// ([`crate::recorder`]), then gives it up (logged whole and counted) rather than count it twice.
+pub const IDEMPOTENCY_RETENTION: Duration = Duration::from_secs(600);
+/// The part of [`IDEMPOTENCY_RETENTION`] the recorder leaves unused, for the clock difference
+/// between the sidecar (which computes the expiry) and Redis (which applies it).
+pub const CLOCK_SKEW_MARGIN: Duration = Duration::from_secs(60);
+/// Width of the finish-time windows whose applied record ids share one set, in seconds.
+pub const IDEMPOTENCY_WINDOW_SECS: u64 = 10;
 
 /// Errors talking to Redis.
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +50,37 @@ pub enum StoreError {
     /// A script answered with an unexpected shape.
     #[error(transparent)]
     Reply(#[from] ReplyError),
+}
+
+impl StoreError {
+    /// Whether the command may have been applied although it failed: a timeout, or a connection
+    /// lost after the command may have been sent. An error Redis answered, or a connection that
+    /// was refused, applied nothing.
+    pub fn maybe_applied(&self) -> bool {
+        match self {
+            StoreError::Timeout(_) => true,
+            StoreError::Redis(e) => {
+                !e.is_connection_refusal()
+                    && (e.is_io_error()
+                        || e.is_timeout()
+                        || e.is_connection_dropped()
+                        || e.is_unrecoverable_error())
+            }
+            StoreError::Reply(_) => false,
+        }
+    }
+}
+
+/// A usage record's write failed; [`RecordError::maybe_applied`] says whether its counts may
+/// have landed anyway (then a retry is deduplicated only within [`IDEMPOTENCY_RETENTION`]).
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct RecordError {
+    /// What failed.
+    pub error: StoreError,
+    /// The ledger script may have applied the record (it timed out, the connection was lost
+    /// mid-command, or it succeeded and the stream append after it failed).
+    pub maybe_applied: bool,
 }
 
 #[derive(Clone)]
@@ -94,6 +139,7 @@ pub struct Store {
     take: Script,
     settle: Script,
     usage: Script,
+    in_flight: Script,
     timeout: Duration,
     prefix: String,
     stream: String,
@@ -140,6 +186,7 @@ impl Store {
             take: Script::new(TAKE_LUA),
             settle: Script::new(SETTLE_LUA),
             usage: Script::new(USAGE_LUA),
+            in_flight: Script::new(IN_FLIGHT_LUA),
             timeout,
             prefix: config.key_prefix.clone(),
             stream,
@@ -243,28 +290,37 @@ impl Store {
     /// Records one finished request: adds its counts to the tenant's daily hash
     /// `<prefix>:usage:{<tenant>}:<YYYY-MM-DD>` (fields `<model>:requests`, `<model>:prompt_tokens`,
     /// `<model>:completion_tokens`, `<model>:cached_tokens`) exactly once per record id
-    /// (`lua/usage_record_v1.lua`), then appends the protobuf `UsageEvent` to the usage stream
-    /// (fields `event`, `tenant`, `record_id`). Safe to retry.
+    /// (`lua/usage_record_v2.lua`: the id joins the set
+    /// `<prefix>:usage-seen:{<tenant>}:<window start>` of its 10 s finish-time window, kept
+    /// [`IDEMPOTENCY_RETENTION`] past the later of the window's end and now), then appends the
+    /// protobuf `UsageEvent` to the usage stream (fields `event`, `tenant`, `record_id`). Safe to
+    /// retry within [`IDEMPOTENCY_RETENTION`] of an attempt that may have landed.
     ///
     /// # Errors
-    /// [`StoreError`] on timeout or Redis error.
-    pub async fn record(&self, record: &UsageRecord) -> Result<(), StoreError> {
+    /// [`RecordError`] on timeout or Redis error, saying whether the counts may have landed.
+    pub async fn record(&self, record: &UsageRecord) -> Result<(), RecordError> {
+        let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
         // Dated by the request's end (a record written after an outage keeps its own day).
         let finished_ms = match record.finished_at_unix_ms {
-            0 => SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+            0 => now_ms,
             ms => ms,
         };
         let info = &record.info;
         let key = usage_key(&self.prefix, &info.tenant, finished_ms / 1000);
-        let seen = format!("{}:usage-seen:{{{}}}:{}", self.prefix, info.tenant, info.record_id);
+        let (seen, expire_at) = seen_key(&self.prefix, &info.tenant, finished_ms / 1000, now_ms / 1000);
         let mut inv = self.usage.key(&seen);
         inv.key(&key)
+            .arg(&info.record_id)
+            .arg(expire_at)
             .arg(&info.model)
             .arg(record.prompt_tokens)
             .arg(record.completion_tokens)
             .arg(record.cached_tokens);
         let mut conn = self.conn();
-        let _applied: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
+        let _applied: i64 = self
+            .bounded(inv.invoke_async(&mut conn))
+            .await
+            .map_err(|error| RecordError { maybe_applied: error.maybe_applied(), error })?;
         let event = to_event(record, finished_ms).encode_to_vec();
         let mut xadd = redis::cmd("XADD");
         xadd.arg(&self.stream)
@@ -278,9 +334,99 @@ impl Store {
             .arg(&info.tenant)
             .arg("record_id")
             .arg(&info.record_id);
-        self.bounded(xadd.query_async::<redis::Value>(&mut conn)).await?;
+        self.bounded(xadd.query_async::<redis::Value>(&mut conn))
+            .await
+            .map_err(|error| RecordError { error, maybe_applied: true })?;
         Ok(())
     }
+}
+
+/// One replica's flush of a pool's in-flight counts (`lua/in_flight_flush_v1.lua`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InFlightFlush {
+    /// The replica's admitted minus finished requests of the pool since it started.
+    pub balance: i64,
+    /// The replica's admitted requests of the pool since it started.
+    pub admitted: u64,
+    /// Upper bound on the pool's in-flight requests from vLLM's metrics, with the pool-wide
+    /// admitted sum it was computed at (see [`crate::shedding::in_flight_bound`]); None: no
+    /// fresh metrics, no correction.
+    pub bound: Option<(u64, u64)>,
+}
+
+/// What Redis answered to an [`InFlightFlush`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InFlightTotal {
+    /// The pool's in-flight requests over every replica (after any correction; may be below 0
+    /// while leased admissions are reported after they finish).
+    pub total: i64,
+    /// Requests admitted to the pool over every replica, ever.
+    pub admitted: u64,
+    /// What the bound took off the total (negative: a total below 0 raised to 0 at idle).
+    pub correction: i64,
+}
+
+/// Replicas that have not flushed a pool's counts for this long are folded into the pool's
+/// base (their process is gone); their counts stay in the sum.
+pub const IN_FLIGHT_REPLICA_GONE: Duration = Duration::from_secs(3600);
+
+impl Store {
+    /// Flushes this replica's cumulative in-flight counts of `pool` to
+    /// `<prefix>:in-flight:{<pool>}` (fields `b:<replica>`, `a:<replica>`, `t:<replica>`, `base`,
+    /// `abase`) and returns the pool-wide total, corrected by the bound
+    /// (`lua/in_flight_flush_v1.lua`). Idempotent: the counts are cumulative.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout, Redis error or a malformed reply.
+    pub async fn flush_in_flight(
+        &self,
+        pool: &str,
+        replica: &str,
+        flush: &InFlightFlush,
+    ) -> Result<InFlightTotal, StoreError> {
+        let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let (bound, seen) = match flush.bound {
+            Some((bound, seen)) => {
+                (i64::try_from(bound).unwrap_or(i64::MAX), i64::try_from(seen).unwrap_or(i64::MAX))
+            }
+            None => (-1, -1),
+        };
+        let mut inv = self.in_flight.key(in_flight_key(&self.prefix, pool));
+        inv.arg(replica)
+            .arg(flush.balance)
+            .arg(flush.admitted)
+            .arg(now_ms)
+            .arg(IN_FLIGHT_REPLICA_GONE.as_millis() as u64)
+            .arg(bound)
+            .arg(seen);
+        let mut conn = self.conn();
+        let reply: Vec<i64> = self.bounded(inv.invoke_async(&mut conn)).await?;
+        match reply[..] {
+            [total, admitted, correction] => {
+                Ok(InFlightTotal { total, admitted: u64::try_from(admitted).unwrap_or(0), correction })
+            }
+            _ => Err(StoreError::Reply(ReplyError(format!(
+                "in-flight flush: {} values, expected 3",
+                reply.len()
+            )))),
+        }
+    }
+}
+
+/// The hash of a pool's in-flight counts: `<prefix>:in-flight:{<pool>}` (one key per pool, its
+/// own hash tag).
+pub fn in_flight_key(prefix: &str, pool: &str) -> String {
+    format!("{prefix}:in-flight:{{{pool}}}")
+}
+
+/// The set of record ids applied in a tenant's finish-time window
+/// (`<prefix>:usage-seen:{<tenant>}:<window start, unix s>`) and the unix time (s) it expires:
+/// [`IDEMPOTENCY_RETENTION`] after the later of the window's end and `now_secs`.
+pub fn seen_key(prefix: &str, tenant: &str, finished_secs: u64, now_secs: u64) -> (String, u64) {
+    let start = finished_secs - finished_secs % IDEMPOTENCY_WINDOW_SECS;
+    let end = start.saturating_add(IDEMPOTENCY_WINDOW_SECS);
+    let expire_at = end.max(now_secs).saturating_add(IDEMPOTENCY_RETENTION.as_secs());
+    (format!("{prefix}:usage-seen:{{{tenant}}}:{start}"), expire_at)
 }
 
 /// The daily usage hash of a tenant: `<prefix>:usage:{<tenant>}:<YYYY-MM-DD>` (UTC).
@@ -341,5 +487,20 @@ mod tests {
         assert_eq!(usage_key("p", "acme", 1_795_348_800), "p:usage:{acme}:2026-11-22");
         // 2024-02-29 (leap day)
         assert_eq!(usage_key("p", "t", 1_709_164_800), "p:usage:{t}:2024-02-29");
+    }
+
+    #[test]
+    fn seen_sets_are_per_tenant_window_and_outlive_the_retention() {
+        let retention = IDEMPOTENCY_RETENTION.as_secs();
+        // Written at once: kept the retention past the window's end.
+        assert_eq!(
+            seen_key("p", "acme", 1_005, 1_005),
+            ("p:usage-seen:{acme}:1000".to_owned(), 1_010 + retention)
+        );
+        assert_eq!(seen_key("p", "acme", 1_009, 1_011).0, "p:usage-seen:{acme}:1000");
+        assert_eq!(seen_key("p", "acme", 1_010, 1_010).0, "p:usage-seen:{acme}:1010");
+        // Written late (after an outage): kept the retention past the write, never expired at once.
+        assert_eq!(seen_key("p", "t", 1_005, 9_000).1, 9_000 + retention);
+        assert!(IDEMPOTENCY_RETENTION > CLOCK_SKEW_MARGIN);
     }
 }
