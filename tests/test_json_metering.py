@@ -74,7 +74,8 @@ def models() -> list[Model]:
 
 def tenants() -> list[Tenant]:
     limited = [Tenant(t, [KEYS[t]], {"tokens_per_minute": 1, "token_burst": BIG}) for t in TENANTS[:-1]]
-    return limited + [Tenant("jm-refused", [KEYS["jm-refused"]], {"tokens_per_minute": 1, "token_burst": 50})]
+    refused = {"requests_per_minute": 1, "tokens_per_minute": 1, "token_burst": BIG}
+    return limited + [Tenant("jm-refused", [KEYS["jm-refused"]], refused)]
 
 
 @pytest.fixture(scope="module")
@@ -178,10 +179,16 @@ def test_requests_that_never_reached_the_upstream_are_charged_nothing(json_stack
     assert event["reserved_tokens"] > 100, event
     settles_at(stack, "jm-unsent", BIG)
 
-    # Refused by the TPM limit (a reservation over the 50-token burst): no record, bucket untouched.
-    r = post(stack, "/v1/chat/completions", chat_body("wait", "too much", max_tokens=100), key=KEYS["jm-refused"])
-    assert r.status_code == 429, r.text
+    # Refused (429, its minute's one request spent): no record, its TPM bucket untouched.
     r = post(stack, "/v1/chat/completions", chat_body("single", "fits", max_tokens=4), key=KEYS["jm-refused"])
     assert r.status_code == 200, r.text
-    event = one_event(stack, "jm-refused")
-    assert (event["model"], event["usage_source"]) == ("single", SOURCE_UPSTREAM), event
+    first = one_event(stack, "jm-refused")
+    settles_at(stack, "jm-refused", BIG - first["prompt_tokens"] - first["completion_tokens"])
+    r = post(stack, "/v1/chat/completions", chat_body("wait", "too much", max_tokens=100), key=KEYS["jm-refused"])
+    assert r.status_code == 429, r.text
+    # A later request's record is in: the refused one would have been too.
+    r = post(stack, "/v1/chat/completions", chat_body("single", "after", max_tokens=4), key=KEYS["jm-holder"])
+    assert r.status_code == 200, r.text
+    assert wait_for(lambda: len(usage_events(stack.redis, "jm-holder")) == 2)
+    assert usage_events(stack.redis, "jm-refused") == [first]
+    settles_at(stack, "jm-refused", BIG - first["prompt_tokens"] - first["completion_tokens"])
