@@ -45,7 +45,8 @@ BIG_TOKENS = 5000
 
 class SingleConnectionStack(Stack):
     """The stack, with the `pool_single` cluster limited to one upstream connection (Envoy's
-    circuit breaker): a second request waits in Envoy's pending queue, not yet sent upstream."""
+    circuit breaker): a second request waits in Envoy's pending queue, not yet sent upstream.
+    One Envoy worker: each worker's pool may open one connection past the breaker."""
 
     def envoy_config(self) -> dict:
         config = super().envoy_config()
@@ -80,7 +81,8 @@ def tenants() -> list[Tenant]:
 
 @pytest.fixture(scope="module")
 def json_stack(tmp_path_factory):
-    with SingleConnectionStack(tmp_path_factory.mktemp("json-metering"), pools(), models(), tenants()) as s:
+    with SingleConnectionStack(tmp_path_factory.mktemp("json-metering"), pools(), models(), tenants(),
+                               envoy_concurrency=1) as s:
         s.redis = redis.Redis(port=s.redis_port)
         yield s
 
