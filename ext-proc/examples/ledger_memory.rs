@@ -48,6 +48,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 model: "qwen2.5-0.5b-instruct".to_owned(),
                 pool: "pool_qwen".to_owned(),
                 prompt_tokens_estimate: 100,
+                max_tokens: 200,
                 reserved_tokens: 300,
                 reserved_locally: false,
                 tier: "standard".to_owned(),

@@ -111,9 +111,16 @@ fn record_of(entry: &HttpAccessLogEntry, record_id: impl FnOnce() -> String) -> 
         None => Usage::unseen(duration_us(entry), status),
     };
     let info = RequestInfo::new(facts, reserved, record_id());
-    let mut record = UsageRecord::new(info, usage);
+    let mut record = UsageRecord::new(info, usage, reached_upstream(common));
     record.finished_at_unix_ms = finished_at_unix_ms(entry);
     Some(record)
+}
+
+/// Whether Envoy sent the whole request upstream (`time_to_last_upstream_tx_byte` is set): only
+/// then can the upstream have run it. A request refused or abandoned before (a local reply, a
+/// client gone while Envoy waited for a connection) did no GPU work.
+fn reached_upstream(common: &envoy_types::pb::envoy::data::accesslog::v3::AccessLogCommon) -> bool {
+    common.time_to_last_upstream_tx_byte.is_some()
 }
 
 /// Unix milliseconds when Envoy sent the last response byte (or ended the stream): the entry's
@@ -294,6 +301,22 @@ mod tests {
         let fields = &mut md.filter_metadata.get_mut(METADATA_NAMESPACE).unwrap().fields;
         fields.insert(MD_PROMPT_TOKENS.to_owned(), Value { kind: Some(Kind::NumberValue(21.0)) });
         assert_eq!(record_of(&e, || "id".into()).unwrap().total_tokens(), 21);
+    }
+
+    #[test]
+    fn a_non_stream_gone_before_its_headers_is_charged_its_reservation_only_if_sent_upstream() {
+        const GONE: &str = r#"{"v":1,"status":0,"prompt_tokens":0,"completion_tokens":0,"cached_tokens":0,"ttft_us":0,"tpot_us":0,"duration_us":9,"end_reason":"incomplete","usage_source":"streamed_chunks","stream":false}"#;
+        let mut e = entry(Some(FACTS), true, Some(any_bytes(GONE)));
+        e.response = None;
+        let r = record_of(&e, || "id".into()).unwrap();
+        assert_eq!((r.total_tokens(), r.usage_source), (0, UsageSource::StreamedChunks), "never sent");
+        e.common_properties.as_mut().unwrap().time_to_last_upstream_tx_byte =
+            Some(envoy_types::pb::google::protobuf::Duration { seconds: 0, nanos: 1_000_000 });
+        let r = record_of(&e, || "id".into()).unwrap();
+        assert_eq!(
+            (r.prompt_tokens, r.completion_tokens, r.usage_source),
+            (12, 38, UsageSource::Reservation)
+        );
     }
 
     #[test]

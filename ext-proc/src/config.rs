@@ -377,8 +377,10 @@ pub struct MeteringConfig {
     /// Approximate maximum length of that stream (XADD MAXLEN ~), default 1,000,000.
     #[serde(default = "default_stream_maxlen")]
     pub stream_maxlen: u64,
-    /// Largest non-streaming JSON response body buffered to read its `usage`, in bytes
-    /// (default 4 MiB). Larger bodies are metered from what was seen.
+    /// No longer used (default 4 MiB, must be > 0): the meter no longer buffers a non-streaming
+    /// JSON response but scans it for its top-level `usage` (holding at most
+    /// `gateway_meter::MAX_USAGE_BYTES` of it), so bodies of any size are metered. Still accepted
+    /// so that existing configurations load.
     #[serde(default = "default_max_json_body_bytes")]
     pub max_json_body_bytes: usize,
     /// Usage records held in memory while Redis is unavailable, flushed when it returns

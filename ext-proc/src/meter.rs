@@ -17,6 +17,9 @@ pub struct RequestInfo {
     pub pool: String,
     /// `x-gateway-prompt-tokens`: the filter's prompt token count (exact or estimate).
     pub prompt_tokens_estimate: u64,
+    /// The facts' `max_tokens`: the most completion tokens the request can produce over all its
+    /// choices (0 when absent).
+    pub max_tokens: u64,
     /// Tokens reserved at admission against the tenant's TPM bucket (0 when it has none).
     pub reserved_tokens: u64,
     /// Whether the reservation was taken in the sidecar's memory (Redis was unavailable).
@@ -42,6 +45,7 @@ impl RequestInfo {
             model: facts.model,
             pool: facts.pool,
             prompt_tokens_estimate: facts.prompt_tokens,
+            max_tokens: facts.max_tokens,
             reserved_tokens,
             reserved_locally,
             tier: facts.tier,
@@ -85,12 +89,35 @@ impl UsageRecord {
     /// Joins a request's identity with its measured usage. When the upstream reported no usage,
     /// the prompt tokens are the request's own count (`x-gateway-prompt-tokens`) if a 2xx
     /// response had started, else 0.
-    pub fn new(info: RequestInfo, usage: Usage) -> Self {
+    ///
+    /// A request that reached the upstream (`reached_upstream`: the access log's
+    /// `time_to_last_upstream_tx_byte`, Envoy sent the whole request) and ended before any
+    /// response headers while not streaming ([`Usage::charges_reservation`]) is charged its
+    /// reservation instead, marked [`UsageSource::Reservation`]: the prompt count plus the rest of
+    /// `max(reserved_tokens, prompt + max_tokens)` as completion tokens (the reservation when the
+    /// tenant has a TPM bucket, so settling it gives nothing back).
+    pub fn new(info: RequestInfo, usage: Usage, reached_upstream: bool) -> Self {
+        if usage.charges_reservation(reached_upstream) {
+            let prompt = info.prompt_tokens_estimate;
+            let total = info.reserved_tokens.max(prompt.saturating_add(info.max_tokens));
+            let charged = Usage {
+                prompt_tokens: prompt,
+                completion_tokens: total.saturating_sub(prompt),
+                cached_tokens: 0,
+                usage_source: UsageSource::Reservation,
+                ..usage
+            };
+            return Self::of(info, charged, prompt);
+        }
         let prompt_tokens = match (usage.prompt_tokens_known(), usage.started()) {
             (true, _) => usage.prompt_tokens,
             (false, true) => info.prompt_tokens_estimate,
             (false, false) => 0,
         };
+        Self::of(info, usage, prompt_tokens)
+    }
+
+    fn of(info: RequestInfo, usage: Usage, prompt_tokens: u64) -> Self {
         Self {
             prompt_tokens,
             completion_tokens: usage.completion_tokens,
@@ -132,10 +159,32 @@ mod tests {
     #[test]
     fn the_request_count_stands_in_for_missing_usage_only_once_started() {
         let usage = |status| Usage { status, completion_tokens: 2, ..Usage::unseen(10, status) };
-        assert_eq!(UsageRecord::new(info(), usage(200)).total_tokens(), 44);
-        assert_eq!(UsageRecord::new(info(), usage(503)).total_tokens(), 2);
+        assert_eq!(UsageRecord::new(info(), usage(200), true).total_tokens(), 44);
+        assert_eq!(UsageRecord::new(info(), usage(503), true).total_tokens(), 2);
         let reported = Usage { prompt_tokens: 7, usage_source: UsageSource::Upstream, ..usage(200) };
-        assert_eq!(UsageRecord::new(info(), reported).prompt_tokens, 7);
+        assert_eq!(UsageRecord::new(info(), reported, true).prompt_tokens, 7);
+    }
+
+    #[test]
+    fn a_non_stream_gone_before_its_headers_is_charged_its_reservation_once_sent_upstream() {
+        let info =
+            RequestInfo { prompt_tokens_estimate: 42, max_tokens: 100, reserved_tokens: 142, ..info() };
+        let aborted = |stream| Usage { stream, ..Usage::unseen(10, 0) };
+        let r = UsageRecord::new(info.clone(), aborted(Some(false)), true);
+        assert_eq!(
+            (r.prompt_tokens, r.completion_tokens, r.usage_source),
+            (42, 100, UsageSource::Reservation)
+        );
+        assert_eq!((r.status, r.end_reason), (0, EndReason::Incomplete));
+        // Settling it gives nothing back: the bucket stays where the reservation left it.
+        assert_eq!(r.total_tokens(), r.info.reserved_tokens);
+        // No TPM bucket (nothing reserved): still charged prompt + cap.
+        let unlimited = RequestInfo { reserved_tokens: 0, ..info.clone() };
+        assert_eq!(UsageRecord::new(unlimited, aborted(None), true).total_tokens(), 142);
+        // Never sent upstream, or a stream: nothing.
+        let unsent = UsageRecord::new(info.clone(), aborted(Some(false)), false);
+        assert_eq!((unsent.total_tokens(), unsent.usage_source), (0, UsageSource::StreamedChunks));
+        assert_eq!(UsageRecord::new(info, aborted(Some(true)), true).total_tokens(), 0);
     }
 
     #[test]
@@ -146,13 +195,13 @@ mod tests {
             usage_source: UsageSource::Upstream,
             ..Usage::unseen(10, 200)
         };
-        let huge = UsageRecord::new(info(), usage(u64::MAX, u64::MAX));
+        let huge = UsageRecord::new(info(), usage(u64::MAX, u64::MAX), true);
         assert_eq!(huge.total_tokens(), u64::MAX);
         assert!(!huge.fits_redis());
-        let at_limit = UsageRecord::new(info(), usage(MAX_REDIS_COUNT, 0));
+        let at_limit = UsageRecord::new(info(), usage(MAX_REDIS_COUNT, 0), true);
         assert!(at_limit.fits_redis());
         // Each count fits, their sum does not: refused too.
-        assert!(!UsageRecord::new(info(), usage(MAX_REDIS_COUNT, 1)).fits_redis());
-        assert!(UsageRecord::new(info(), usage(10, 3)).fits_redis());
+        assert!(!UsageRecord::new(info(), usage(MAX_REDIS_COUNT, 1), true).fits_redis());
+        assert!(UsageRecord::new(info(), usage(10, 3), true).fits_redis());
     }
 }

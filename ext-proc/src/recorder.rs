@@ -228,7 +228,7 @@ mod tests {
         };
         let record = |tenant: &str| {
             let info = crate::meter::RequestInfo { tenant: tenant.to_owned(), ..Default::default() };
-            UsageRecord::new(info, gateway_meter::Usage::unseen(1, 200))
+            UsageRecord::new(info, gateway_meter::Usage::unseen(1, 200), true)
         };
         recorder.record(record("mallory"));
         recorder.record(record(""));

@@ -445,6 +445,16 @@ async fn admit(shared: &Shared, facts: &RequestFacts) -> Result<Admitted, Admiss
     decision
 }
 
+/// Whether a request seen by the ext_proc metering stream reached the upstream. That stream knows
+/// less than the access log (no upstream timing, no request body, so no `stream` flag either): it
+/// sees request headers only once every filter before the router let the request through, after
+/// which the router either sends it upstream or answers a local reply (which the meter sees as
+/// response headers). So an admitted request that ends with no response headers is taken as sent:
+/// a non-streaming one, or one whose `stream` flag it cannot know, is charged its reservation
+/// ([`gateway_meter::Usage::charges_reservation`]), including the rare client that leaves while
+/// Envoy still waits for an upstream connection.
+const METERED_REACHED_UPSTREAM: bool = true;
+
 /// Metering: observability mode, so nothing is ever answered; the RPC ends when the response
 /// does (so Envoy need not hold it for `deferred_close_timeout`).
 async fn metering_stream(
@@ -452,7 +462,7 @@ async fn metering_stream(
     mut inbound: Streaming<ProcessingRequest>,
     shared: &Arc<Shared>,
 ) -> Result<(), Status> {
-    let mut meter = Meter::new(shared.config.metering.max_json_body_bytes);
+    let mut meter = Meter::new(gateway_meter::MAX_USAGE_BYTES);
     let mut info = None;
     let mut next = Some(first);
     loop {
@@ -495,13 +505,13 @@ async fn metering_stream(
         };
         if let Some(usage) = usage {
             if let Some(info) = info.take() {
-                finish(shared, UsageRecord::new(info, usage));
+                finish(shared, UsageRecord::new(info, usage, METERED_REACHED_UPSTREAM));
             }
             return Ok(());
         }
     }
     if let (Some(usage), Some(info)) = (meter.on_stream_end(monotonic_us()), info) {
-        finish(shared, UsageRecord::new(info, usage));
+        finish(shared, UsageRecord::new(info, usage, METERED_REACHED_UPSTREAM));
     }
     Ok(())
 }

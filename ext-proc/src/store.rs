@@ -468,6 +468,7 @@ fn to_event(r: &UsageRecord, finished_at_unix_ms: u64) -> proto::UsageEvent {
         usage_source: match r.usage_source {
             UsageSource::Upstream => proto::UsageSource::Upstream,
             UsageSource::StreamedChunks => proto::UsageSource::StreamedChunks,
+            UsageSource::Reservation => proto::UsageSource::Reservation,
         } as i32,
         reserved_tokens: r.info.reserved_tokens,
         finished_at_unix_ms,

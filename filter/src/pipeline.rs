@@ -185,6 +185,9 @@ pub struct ForwardPlan {
     pub new_body: Option<Vec<u8>>,
     /// Whether `stream_options.include_usage` was injected (the response must be stripped).
     pub usage_injected: bool,
+    /// The request's OpenAI `stream` flag, for the meter (what an abort before the response
+    /// headers is charged: `gateway_meter::Usage::charges_reservation`).
+    pub stream: bool,
     /// What an admission lease needs to admit the request; `None` when only the sidecar can
     /// (its exact context check).
     pub admission: Option<AdmissionFacts>,
@@ -322,7 +325,17 @@ fn finish_plan(
         pool: facts.pool.clone(),
         reserve_tokens: facts.reserve_tokens(),
     });
-    Ok((ForwardPlan { set_headers, new_body: None, usage_injected: inject, admission, facts }, edits))
+    Ok((
+        ForwardPlan {
+            set_headers,
+            new_body: None,
+            usage_injected: inject,
+            stream: req.stream,
+            admission,
+            facts,
+        },
+        edits,
+    ))
 }
 
 /// A body over `full_parse_max_bytes`: only its top-level members are scanned (no parse of the
@@ -898,6 +911,16 @@ mod tests {
         );
         assert!(!inj && body.is_none());
         assert!(!hdrs.iter().any(|(k, _)| *k == H_USAGE_INJECTED));
+        // The meter learns the stream flag whatever was injected.
+        let stream = |body: &str| {
+            on_request_body(&cfg(), &pending("/v1/chat/completions", "sk-demo"), body.as_bytes())
+                .unwrap()
+                .stream
+        };
+        assert!(stream(
+            r#"{"model":"tiny","messages":[{"role":"user","content":"q"}],"stream":true,"stream_options":{"include_usage":true}}"#
+        ));
+        assert!(!stream(r#"{"model":"tiny","messages":[{"role":"user","content":"q"}]}"#));
         // Not streaming: nothing injected.
         let (inj, body, _) =
             run(r#"{"model":"tiny","messages":[{"role":"user","content":"q"}],"stream":false}"#);

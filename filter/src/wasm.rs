@@ -47,9 +47,6 @@ use gateway_contract::{ADMISSION_LEASE, PROPERTY_ADMISSION, PROPERTY_REQUEST, PR
 const LEASE_SERVICE: &str = "llm_gateway.v1.AdmissionLeases";
 const LEASE_METHOD: &str = "Acquire";
 
-/// Largest non-streaming response body the meter holds to read its `usage`, in bytes.
-const MAX_JSON_RESPONSE_BYTES: usize = 4 << 20;
-
 /// Microseconds since the Unix epoch, from Envoy's clock (0 if unavailable).
 fn now_us() -> u64 {
     hostcalls::get_current_time()
@@ -213,7 +210,7 @@ impl RootContext for GatewayRoot {
             usage_injected: false,
             stripper: None,
             started_us: 0,
-            meter: Meter::new(MAX_JSON_RESPONSE_BYTES),
+            meter: Meter::new(gateway_meter::MAX_USAGE_BYTES),
             headers_vm_us: None,
             leases: Rc::clone(&self.leases),
             lease_response_headers: None,
@@ -328,6 +325,7 @@ impl GatewayHttp {
             }
         }
         self.usage_injected = plan.usage_injected;
+        self.meter.set_stream(plan.stream);
         self.meter.start(self.started_us);
         // Envoy picked a route before these headers existed; make it re-pick with x-gateway-pool.
         if let Err(status) = hostcalls::call_foreign_function("clear_route_cache", None) {
@@ -466,6 +464,14 @@ impl HttpContext for GatewayHttp {
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if self.stripper.is_none() && !self.meter.is_active() {
+            return Action::Continue;
+        }
+        if self.stripper.is_none() && !self.meter.needs_body() {
+            // A JSON body whose usage is read: its later bytes are not copied into the VM.
+            if end_of_stream {
+                let usage = self.meter.on_response_body(&[], true, Some(now_us()));
+                self.finish_metering(usage);
+            }
             return Action::Continue;
         }
         let chunk = match hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size) {

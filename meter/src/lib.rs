@@ -4,8 +4,10 @@
 //! ends.
 //!
 //! Usage comes from the upstream's OpenAI `usage` object (the final SSE chunk, which the filter
-//! makes vLLM send with `stream_options.include_usage`, or the JSON body of a non-streaming
-//! response). When none arrives (client abort, upstream reset, truncated stream) the completion
+//! makes vLLM send with `stream_options.include_usage`, or the top-level `usage` member of a
+//! non-streaming response's JSON body, found by an incremental scanner that holds none of the body
+//! ([`json_usage`]: a body of any size, `logprobs` or a large `n` included, is metered in bounded
+//! memory). When none arrives (client abort, upstream reset, truncated stream) the completion
 //! tokens are counted from the streamed chunks, one per chunk with non-empty `delta.content`,
 //! `delta.reasoning_content` or `text` (vLLM streams one chunk per decoded step), and the prompt
 //! tokens are left to the caller (the estimate or exact count it holds; see
@@ -16,7 +18,13 @@
 //! first content, for TTFT) and with the last chunk: a caller whose clock costs a host call (the
 //! wasm filter) passes `None` otherwise, and the time per output token of a completed stream then
 //! ends at its last chunk.
+//!
+//! A request that ends before any response headers charges nothing from the meter; the caller,
+//! which knows whether the request reached the upstream, charges a non-streaming one its
+//! reservation instead ([`Usage::charges_reservation`] gives the rule, [`UsageSource::Reservation`]
+//! marks the record).
 
+pub mod json_usage;
 pub mod sse;
 
 use std::borrow::Cow;
@@ -25,7 +33,10 @@ use std::fmt;
 use serde::de::{SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 
+use crate::json_usage::UsageScanner;
 use crate::sse::SseParser;
+
+pub use crate::json_usage::MAX_USAGE_BYTES;
 
 /// Largest single SSE event the meter holds while parsing, in bytes.
 pub const MAX_SSE_EVENT_BYTES: usize = 1 << 20;
@@ -52,6 +63,10 @@ pub enum UsageSource {
     Upstream,
     /// Counted from streamed chunks (no `usage` arrived).
     StreamedChunks,
+    /// Never set by the meter: the caller charged the request's reservation (prompt plus the
+    /// completion cap) because it reached the upstream but ended before any response headers
+    /// while not streaming ([`Usage::charges_reservation`]).
+    Reservation,
 }
 
 /// One finished response's usage. Also the JSON the wasm filter hands the sidecar through Envoy's
@@ -84,6 +99,11 @@ pub struct Usage {
     pub end_reason: EndReason,
     /// Where the counts came from.
     pub usage_source: UsageSource,
+    /// The request's OpenAI `stream` flag, as the caller that started the meter knew it
+    /// ([`Meter::set_stream`]); absent (and not serialised) when it did not (the sidecar's ext_proc
+    /// metering sees no request body).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<bool>,
 }
 
 impl Usage {
@@ -111,7 +131,27 @@ impl Usage {
             duration_us,
             end_reason: EndReason::Incomplete,
             usage_source: UsageSource::StreamedChunks,
+            stream: None,
         }
+    }
+
+    /// Whether the request must be charged its reservation instead of these counts: it ended
+    /// before any response headers (`status` 0, incomplete) after it reached the upstream
+    /// (`reached_upstream`, what the caller knows: Envoy sent the whole request upstream), and it
+    /// was not a stream (`stream` false or unknown).
+    ///
+    /// The rule: vLLM builds a non-streaming response whole before its headers, so a client that
+    /// leaves (or a stream reset) before them leaves GPU work done that nothing reports; the
+    /// reservation is the most it can have cost. A stream's headers come before any generation
+    /// (vLLM starts its streaming response, then runs the request, and aborts it when the client
+    /// goes away), so a stream is charged what it streamed: nothing before its headers, and once
+    /// they came the prompt (prefill may have run) plus the content chunks counted. A request
+    /// that never reached the upstream did no GPU work and is charged nothing.
+    pub fn charges_reservation(&self, reached_upstream: bool) -> bool {
+        self.status == 0
+            && self.end_reason == EndReason::Incomplete
+            && reached_upstream
+            && self.stream != Some(true)
     }
 }
 
@@ -182,20 +222,14 @@ struct Delta<'a> {
     reasoning_content: Option<Cow<'a, str>>,
 }
 
-#[derive(Deserialize)]
-struct JsonBody {
-    #[serde(default)]
-    usage: Option<WireUsage>,
-}
-
 #[derive(Debug)]
 enum Body {
     /// Not known yet (no response headers).
     Unknown,
     /// `text/event-stream`.
     Sse(SseParser),
-    /// Anything else, buffered up to the bound to read `usage` at the end.
-    Json { buf: Vec<u8>, overflowed: bool },
+    /// Anything else: scanned for its top-level `usage` member, nothing else held.
+    Json(UsageScanner<WireUsage>),
 }
 
 #[derive(Debug)]
@@ -217,7 +251,8 @@ struct Active {
 #[derive(Debug)]
 pub struct Meter {
     state: State,
-    max_json_body_bytes: usize,
+    max_usage_bytes: usize,
+    stream: Option<bool>,
 }
 
 #[derive(Debug)]
@@ -229,10 +264,17 @@ enum State {
 }
 
 impl Meter {
-    /// A meter that buffers at most `max_json_body_bytes` of a non-streaming response body. It
+    /// A meter that holds at most `max_usage_bytes` of a non-streaming response's `usage` member
+    /// ([`MAX_USAGE_BYTES`] is plenty; the body itself is never held, whatever its size). It
     /// meters nothing until [`Meter::start`].
-    pub fn new(max_json_body_bytes: usize) -> Self {
-        Self { state: State::Unstarted, max_json_body_bytes }
+    pub fn new(max_usage_bytes: usize) -> Self {
+        Self { state: State::Unstarted, max_usage_bytes, stream: None }
+    }
+
+    /// Records the request's OpenAI `stream` flag, carried into the [`Usage`] (it decides what an
+    /// abort before the response headers is charged: [`Usage::charges_reservation`]).
+    pub fn set_stream(&mut self, stream: bool) {
+        self.stream = Some(stream);
     }
 
     /// The request went upstream at `now_us`: from now on the response is metered.
@@ -263,6 +305,19 @@ impl Meter {
         matches!(&self.state, State::Active(a) if a.first_content.is_none())
     }
 
+    /// Whether the next body chunk's bytes can change the usage. False once a JSON body's
+    /// top-level object has closed (its `usage` read): a caller whose copy of a chunk costs (the
+    /// wasm filter) then passes an empty chunk, still with `end_of_stream` on the last one.
+    pub fn needs_body(&self) -> bool {
+        match &self.state {
+            State::Active(a) => match &a.body {
+                Body::Json(scanner) => scanner.wants_more() || a.first_content.is_none(),
+                Body::Sse(_) | Body::Unknown => true,
+            },
+            State::Unstarted | State::Done => false,
+        }
+    }
+
     /// Response headers arrived. Returns the usage when the response has no body.
     pub fn on_response_headers(
         &mut self,
@@ -276,7 +331,7 @@ impl Meter {
             a.body = if content_type.trim_start().starts_with("text/event-stream") {
                 Body::Sse(SseParser::new(MAX_SSE_EVENT_BYTES))
             } else {
-                Body::Json { buf: Vec::new(), overflowed: false }
+                Body::Json(UsageScanner::new(self.max_usage_bytes))
             };
         }
         if end_of_stream {
@@ -290,7 +345,6 @@ impl Meter {
     /// [`Meter::needs_clock`] is false and the chunk is not the last). Returns the usage on the
     /// last chunk.
     pub fn on_response_body(&mut self, chunk: &[u8], end_of_stream: bool, now: Option<u64>) -> Option<Usage> {
-        let max_json = self.max_json_body_bytes;
         let mut end = now;
         if let State::Active(a) = &mut self.state {
             let Active {
@@ -329,16 +383,11 @@ impl Meter {
                         }
                     }
                 }),
-                Body::Json { buf, overflowed } => {
+                Body::Json(scanner) => {
                     if let (false, Some(t)) = (chunk.is_empty(), now) {
                         first_content.get_or_insert(t);
                     }
-                    if buf.len() + chunk.len() > max_json {
-                        *overflowed = true;
-                        buf.clear();
-                    } else if !*overflowed {
-                        buf.extend_from_slice(chunk);
-                    }
+                    scanner.feed(chunk);
                 }
                 Body::Unknown => {}
             }
@@ -369,10 +418,8 @@ impl Meter {
             (_, reason) => reason,
         };
         let usage = a.usage.or_else(|| match &a.body {
-            Body::Json { buf, overflowed: false } if !buf.is_empty() => {
-                serde_json::from_slice::<JsonBody>(buf).ok().and_then(|b| b.usage)
-            }
-            _ => None,
+            Body::Json(scanner) => scanner.usage(),
+            Body::Sse(_) | Body::Unknown => None,
         });
         let (prompt_tokens, completion_tokens, cached_tokens, usage_source) = match usage {
             Some(u) => (
@@ -405,6 +452,7 @@ impl Meter {
             duration_us: now.saturating_sub(a.started),
             end_reason,
             usage_source,
+            stream: self.stream,
         })
     }
 }
@@ -512,13 +560,107 @@ mod tests {
     }
 
     #[test]
-    fn oversized_json_body_falls_back_to_estimate() {
+    fn an_oversized_usage_member_falls_back_to_estimate() {
         let t0 = 1_000_000u64;
         let mut m = Meter::new(8);
         m.start(t0);
         m.on_response_headers(200, "application/json", false, t0);
         let r = m.on_response_body(b"{\"usage\":{\"prompt_tokens\":1}}", true, Some(t0)).unwrap();
         assert_eq!((r.prompt_tokens, r.usage_source), (0, UsageSource::StreamedChunks));
+    }
+
+    /// A chat.completion with vLLM-shaped `logprobs` (`top_logprobs` per token) of `tokens`
+    /// tokens, and content that quotes a fake `usage`.
+    fn logprobs_body(tokens: usize) -> String {
+        let entry = r#"{"token":"the","logprob":-0.1,"bytes":[116,104,101],"top_logprobs":[{"token":"the","logprob":-0.1,"bytes":[116,104,101]},{"token":"}\"{","logprob":-4.0,"bytes":[125,34,123]}]}"#;
+        let entries = vec![entry; tokens].join(",");
+        format!(
+            r#"{{"id":"chatcmpl-1","object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":"\"usage\":{{\"prompt_tokens\":1}}"}},"logprobs":{{"content":[{entries}]}},"finish_reason":"length"}}],"usage":{{"prompt_tokens":17,"total_tokens":{},"completion_tokens":{tokens},"prompt_tokens_details":{{"cached_tokens":16}}}}}}"#,
+            17 + tokens
+        )
+    }
+
+    #[test]
+    fn a_json_body_of_any_size_is_metered_from_its_usage() {
+        let body = logprobs_body(40_000);
+        assert!(body.len() > 5 << 20, "{}", body.len());
+        let t0 = 1_000_000u64;
+        let mut m = Meter::new(MAX_USAGE_BYTES);
+        m.set_stream(false);
+        m.start(t0);
+        m.on_response_headers(200, "application/json", false, t0);
+        let chunks: Vec<&[u8]> = body.as_bytes().chunks(16 * 1024).collect();
+        let (last, rest) = chunks.split_last().unwrap();
+        for (i, c) in rest.iter().enumerate() {
+            assert!(m.needs_body());
+            assert!(m.on_response_body(c, false, (i == 0).then_some(t0 + 3 * MS)).is_none());
+        }
+        let r = m.on_response_body(last, true, Some(t0 + 9 * MS)).unwrap();
+        assert_eq!(
+            (r.prompt_tokens, r.completion_tokens, r.cached_tokens, r.usage_source),
+            (17, 40_000, 16, UsageSource::Upstream)
+        );
+        assert_eq!((r.ttft_us, r.duration_us, r.stream), (3 * MS, 9 * MS, Some(false)));
+    }
+
+    #[test]
+    fn json_usage_at_every_split_equals_serde_json() {
+        let body = logprobs_body(3);
+        let expected: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(expected["usage"]["completion_tokens"], 3);
+        for split in 0..=body.len() {
+            let t0 = 1_000_000u64;
+            let mut m = Meter::new(MAX_USAGE_BYTES);
+            m.start(t0);
+            m.on_response_headers(200, "application/json", false, t0);
+            let (a, b) = body.as_bytes().split_at(split);
+            m.on_response_body(a, false, Some(t0));
+            let r = m.on_response_body(b, true, Some(t0)).unwrap();
+            assert_eq!((r.prompt_tokens, r.completion_tokens, r.cached_tokens), (17, 3, 16), "split {split}");
+        }
+    }
+
+    #[test]
+    fn a_closed_json_body_needs_no_more_bytes() {
+        let t0 = 1_000_000u64;
+        let mut m = Meter::new(MAX_USAGE_BYTES);
+        m.start(t0);
+        m.on_response_headers(200, "application/json", false, t0);
+        m.on_response_body(br#"{"usage":{"prompt_tokens":2,"completion_tokens":1}}"#, false, Some(t0 + MS));
+        assert!(!m.needs_body());
+        let r = m.on_response_body(b"", true, Some(t0 + 2 * MS)).unwrap();
+        assert_eq!((r.completion_tokens, r.duration_us), (1, 2 * MS));
+        assert!(!m.needs_body(), "done");
+        let mut sse = Meter::new(MAX_USAGE_BYTES);
+        sse.start(t0);
+        sse.on_response_headers(200, "text/event-stream", false, t0);
+        assert!(sse.needs_body());
+    }
+
+    #[test]
+    fn only_a_non_stream_that_reached_the_upstream_and_got_no_headers_charges_its_reservation() {
+        let t0 = 1_000_000u64;
+        let aborted = |stream: Option<bool>| {
+            let mut m = Meter::new(MAX_USAGE_BYTES);
+            if let Some(s) = stream {
+                m.set_stream(s);
+            }
+            m.start(t0);
+            m.on_stream_end(t0 + MS).unwrap()
+        };
+        assert!(aborted(Some(false)).charges_reservation(true));
+        assert!(aborted(None).charges_reservation(true), "unknown: treated as not streaming");
+        assert!(!aborted(Some(false)).charges_reservation(false), "never reached the upstream");
+        assert!(!aborted(Some(true)).charges_reservation(true), "a stream is charged what it streamed");
+        // Headers came (an error, or a 2xx cut short): the meter's counts apply.
+        let mut m = Meter::new(MAX_USAGE_BYTES);
+        m.set_stream(false);
+        m.start(t0);
+        m.on_response_headers(200, "application/json", false, t0);
+        assert!(!m.on_stream_end(t0).unwrap().charges_reservation(true));
+        let mut m = Meter::new(MAX_USAGE_BYTES);
+        m.start(t0);
+        assert!(!m.on_response_headers(503, "text/plain", true, t0).unwrap().charges_reservation(true));
     }
 
     #[test]
@@ -677,5 +819,11 @@ mod tests {
         );
         assert_eq!(serde_json::from_str::<Usage>(&json).unwrap(), u);
         assert!(serde_json::from_str::<Usage>(&json.replace("\"v\"", "\"x\"")).is_err());
+        // The request's stream flag, when known, rides along.
+        let s = Usage { stream: Some(false), ..u };
+        let json = serde_json::to_string(&s).unwrap();
+        assert!(json.ends_with(r#""usage_source":"streamed_chunks","stream":false}"#), "{json}");
+        assert_eq!(serde_json::from_str::<Usage>(&json).unwrap(), s);
+        assert_eq!(serde_json::to_string(&UsageSource::Reservation).unwrap(), r#""reservation""#);
     }
 }

@@ -42,13 +42,18 @@
 //! and token position with the choice's `index`); `usage.completion_tokens` is the sum over the
 //! choices and `usage.prompt_tokens` counts the prompt once, as vLLM reports them. The context
 //! check stays per sequence. `best_of` is ignored.
+//! A non-streamed chat request with `"logprobs": true` (and `top_logprobs` 0 to 20) gets vLLM's
+//! `choices[0].logprobs.content`, one entry per output token with its `top_logprobs`
+//! alternatives (deterministic values, about 60 + 50 x `top_logprobs` bytes each: the way to a
+//! response body of several MiB); streamed chunks and completions carry none.
 //!
 //! # Pacing and queueing
 //!
 //! At most `--max-num-seqs` requests generate at once; the rest wait in FIFO order
 //! ([`queue`]). A request's first token comes `--ttft-ms` after it leaves the queue, the next
 //! ones `--itl-ms` apart. Streamed responses send their headers at once (as vLLM does) and
-//! wait for their slot inside the body.
+//! wait for their slot inside the body; a non-streamed response sends its headers with the whole
+//! body, after the last token (so `--ttft-ms` delays its headers).
 //!
 //! # Embedding
 //!

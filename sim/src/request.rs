@@ -39,7 +39,13 @@ pub struct InferenceRequest<'a> {
     pub ignore_eos: bool,
     /// `n`: the number of choices, each generated the same way (default 1).
     pub n: u64,
+    /// Chat `logprobs: true`: `Some(top_logprobs)` (0 when absent), answered in a non-streamed
+    /// response's `choices[].logprobs` (streamed chunks carry none); always `None` for completions.
+    pub logprobs: Option<u32>,
 }
+
+/// Largest chat `top_logprobs` (vLLM's default `--max-logprobs`, OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
 
 #[derive(Deserialize)]
 struct ChatBody<'a> {
@@ -58,6 +64,10 @@ struct ChatBody<'a> {
     stream_options: Option<StreamOptions>,
     #[serde(default)]
     ignore_eos: Option<bool>,
+    #[serde(default)]
+    logprobs: Option<bool>,
+    #[serde(default)]
+    top_logprobs: Option<i64>,
 }
 
 #[derive(Deserialize)]
@@ -90,6 +100,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<InferenceRequest<'_>, Ap
     let (request, stream_options) = match endpoint {
         Endpoint::Chat => {
             let b: ChatBody<'_> = serde_json::from_slice(body).map_err(invalid)?;
+            let logprobs = chat_logprobs(b.logprobs, b.top_logprobs)?;
             let request = InferenceRequest {
                 model: b.model,
                 prompt_tokens: b.messages.0,
@@ -98,6 +109,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<InferenceRequest<'_>, Ap
                 include_usage: false,
                 ignore_eos: b.ignore_eos.unwrap_or(false),
                 n: b.n.unwrap_or(1),
+                logprobs,
             };
             (request, b.stream_options)
         }
@@ -111,6 +123,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<InferenceRequest<'_>, Ap
                 include_usage: false,
                 ignore_eos: b.ignore_eos.unwrap_or(false),
                 n: b.n.unwrap_or(1),
+                logprobs: None,
             };
             (request, b.stream_options)
         }
@@ -127,6 +140,32 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<InferenceRequest<'_>, Ap
             Ok(InferenceRequest { include_usage: options.include_usage.unwrap_or(false), ..request })
         }
         None => Ok(request),
+    }
+}
+
+/// Chat `logprobs` / `top_logprobs` checked as vLLM checks them: `top_logprobs` negative (other
+/// than vLLM's -1, "all", taken here as [`MAX_TOP_LOGPROBS`]), above the limit, or positive without
+/// `logprobs: true` is a 400.
+fn chat_logprobs(logprobs: Option<bool>, top: Option<i64>) -> Result<Option<u32>, ApiError> {
+    let top = match top {
+        None | Some(0) => 0,
+        Some(-1) => MAX_TOP_LOGPROBS,
+        Some(t) if t < 0 => return Err(ApiError::bad_request("`top_logprobs` must be a positive value.")),
+        Some(t) => match u32::try_from(t) {
+            Ok(t) if t <= MAX_TOP_LOGPROBS => t,
+            _ => {
+                return Err(ApiError::bad_request(format!(
+                    "`top_logprobs` must be at most {MAX_TOP_LOGPROBS}, got {t}."
+                )))
+            }
+        },
+    };
+    match (logprobs.unwrap_or(false), top) {
+        (true, top) => Ok(Some(top)),
+        (false, 0) => Ok(None),
+        (false, _) => {
+            Err(ApiError::bad_request("when using `top_logprobs`, `logprobs` must be set to true."))
+        }
     }
 }
 
@@ -358,6 +397,27 @@ mod tests {
         let e = chat(json!({"messages": [], "n": 0})).unwrap_err();
         assert_eq!(e, ApiError::bad_request("n must be at least 1, got 0."));
         assert!(completion(json!({"prompt": "x", "n": "2"})).is_err());
+    }
+
+    #[test]
+    fn chat_logprobs_are_checked_as_vllm_does() {
+        assert_eq!(chat(json!({"messages": []})).unwrap().logprobs, None);
+        assert_eq!(chat(json!({"messages": [], "logprobs": true})).unwrap().logprobs, Some(0));
+        let r = chat(json!({"messages": [], "logprobs": true, "top_logprobs": 20})).unwrap();
+        assert_eq!(r.logprobs, Some(20));
+        let r = chat(json!({"messages": [], "logprobs": false, "top_logprobs": 0})).unwrap();
+        assert_eq!(r.logprobs, None);
+        for bad in [
+            json!({"top_logprobs": 2}),
+            json!({"logprobs": true, "top_logprobs": 21}),
+            json!({"logprobs": true, "top_logprobs": -2}),
+        ] {
+            let mut body = bad.clone();
+            body["messages"] = json!([]);
+            assert_eq!(chat(body).unwrap_err().status, http::StatusCode::BAD_REQUEST, "{bad}");
+        }
+        let r = completion(json!({"prompt": "x", "logprobs": 3})).unwrap();
+        assert_eq!(r.logprobs, None, "completions logprobs are not simulated");
     }
 
     #[test]

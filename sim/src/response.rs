@@ -98,7 +98,7 @@ struct Completion<'a, C> {
 struct ChatChoice<'a> {
     index: u32,
     message: ChatMessage<'a>,
-    logprobs: Option<()>,
+    logprobs: Option<ChatLogprobs>,
     finish_reason: &'static str,
     stop_reason: Option<()>,
 }
@@ -107,6 +107,51 @@ struct ChatChoice<'a> {
 struct ChatMessage<'a> {
     role: &'static str,
     content: &'a str,
+}
+
+/// vLLM's chat `choices[].logprobs`: `{"content": [{"token", "logprob", "bytes", "top_logprobs":
+/// [{"token", "logprob", "bytes"}]}]}`, one entry per output token.
+#[derive(Serialize)]
+struct ChatLogprobs {
+    content: Vec<TokenLogprob>,
+}
+
+#[derive(Serialize)]
+struct TokenLogprob {
+    token: &'static str,
+    logprob: f64,
+    bytes: &'static [u8],
+    top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Serialize)]
+struct TopLogprob {
+    token: &'static str,
+    logprob: f64,
+    bytes: &'static [u8],
+}
+
+/// The simulated logprobs of `tokens` output tokens with `top` alternatives each: token `i` is
+/// [`WORDS`]`[i % 8]` at logprob -0.125; its `top` alternatives are the following words, the
+/// first being the token itself, at -0.125 - j. About 60 + 50 x `top` bytes of JSON per token.
+fn chat_logprobs(tokens: u64, top: u32) -> ChatLogprobs {
+    let word = |i: usize| WORDS.get(i % WORDS.len()).copied().unwrap_or_default();
+    let n = usize::try_from(tokens).unwrap_or(usize::MAX);
+    let content = (0..n)
+        .map(|i| TokenLogprob {
+            token: word(i),
+            logprob: -0.125,
+            bytes: word(i).as_bytes(),
+            top_logprobs: (0..top)
+                .map(|j| TopLogprob {
+                    token: word(i + j as usize),
+                    logprob: -0.125 - f64::from(j),
+                    bytes: word(i + j as usize).as_bytes(),
+                })
+                .collect(),
+        })
+        .collect();
+    ChatLogprobs { content }
 }
 
 #[derive(Serialize)]
@@ -123,7 +168,9 @@ struct TextChoice<'a> {
 /// same text each), `finish_reason` from the plan and `usage`
 /// `{prompt_tokens, completion_tokens, total_tokens}` (completion tokens summed over the
 /// choices, the prompt counted once, as vLLM reports them).
-pub fn completion_body(meta: &ResponseMeta<'_>, plan: &OutputPlan) -> Bytes {
+/// A chat request's `logprobs` (`Some(top_logprobs)`) fills each choice's `logprobs`
+/// ([`chat_logprobs`]); `usage` comes last, as vLLM orders it.
+pub fn completion_body(meta: &ResponseMeta<'_>, plan: &OutputPlan, logprobs: Option<u32>) -> Bytes {
     let text = output_text(plan.completion_tokens);
     let finish_reason = plan.finish_reason.as_str();
     let json = match meta.endpoint {
@@ -136,7 +183,7 @@ pub fn completion_body(meta: &ResponseMeta<'_>, plan: &OutputPlan) -> Bytes {
                 .map(|i| ChatChoice {
                     index: u32::try_from(i).unwrap_or(u32::MAX),
                     message: ChatMessage { role: "assistant", content: &text },
-                    logprobs: None,
+                    logprobs: logprobs.map(|top| chat_logprobs(plan.completion_tokens, top)),
                     finish_reason,
                     stop_reason: None,
                 })
@@ -246,7 +293,7 @@ mod tests {
     #[test]
     fn chat_completion_shape() {
         let m = meta(Endpoint::Chat);
-        let v: Value = serde_json::from_slice(&completion_body(&m, &PLAN)).unwrap();
+        let v: Value = serde_json::from_slice(&completion_body(&m, &PLAN, None)).unwrap();
         assert_eq!(v["id"], m.id.as_str());
         assert_eq!(v["object"], "chat.completion");
         assert_eq!(v["created"], 1_700_000_000);
@@ -266,7 +313,7 @@ mod tests {
     fn n_choices_sum_their_completion_tokens() {
         let plan = OutputPlan { choices: 3, ..PLAN };
         for endpoint in [Endpoint::Chat, Endpoint::Completions] {
-            let v: Value = serde_json::from_slice(&completion_body(&meta(endpoint), &plan)).unwrap();
+            let v: Value = serde_json::from_slice(&completion_body(&meta(endpoint), &plan, None)).unwrap();
             let choices = v["choices"].as_array().unwrap();
             assert_eq!(choices.len(), 3);
             for (i, c) in choices.iter().enumerate() {
@@ -283,8 +330,31 @@ mod tests {
     }
 
     #[test]
+    fn chat_logprobs_shape() {
+        let body = completion_body(&meta(Endpoint::Chat), &PLAN, Some(2));
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+        assert_eq!(content.len(), 3);
+        assert_eq!(
+            content[1],
+            serde_json::json!({"token": "quick ", "logprob": -0.125, "bytes": [113, 117, 105, 99, 107, 32],
+                "top_logprobs": [{"token": "quick ", "logprob": -0.125, "bytes": [113, 117, 105, 99, 107, 32]},
+                                 {"token": "brown ", "logprob": -1.125, "bytes": [98, 114, 111, 119, 110, 32]}]})
+        );
+        let no_top: Value =
+            serde_json::from_slice(&completion_body(&meta(Endpoint::Chat), &PLAN, Some(0))).unwrap();
+        assert_eq!(no_top["choices"][0]["logprobs"]["content"][0]["top_logprobs"], serde_json::json!([]));
+        // Usage stays last, where vLLM puts it.
+        assert!(std::str::from_utf8(&body)
+            .unwrap()
+            .ends_with(r#""usage":{"prompt_tokens":10,"completion_tokens":3,"total_tokens":13}}"#));
+    }
+
+    #[test]
     fn text_completion_shape() {
-        let v: Value = serde_json::from_slice(&completion_body(&meta(Endpoint::Completions), &PLAN)).unwrap();
+        let v: Value =
+            serde_json::from_slice(&completion_body(&meta(Endpoint::Completions), &PLAN, Some(2))).unwrap();
+        assert_eq!(v["choices"][0]["logprobs"], Value::Null);
         assert_eq!(v["object"], "text_completion");
         assert_eq!(v["choices"][0]["text"], "the quick brown ");
         assert_eq!(v["usage"]["total_tokens"], 13);

@@ -220,7 +220,7 @@ async fn inference(state: &Arc<AppState>, endpoint: Endpoint, req: Request<Incom
         response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(EVENT_STREAM));
         response
     } else {
-        generate(state, &meta, &plan, tracker).await
+        generate(state, &meta, &plan, request.logprobs, tracker).await
     }
 }
 
@@ -229,6 +229,7 @@ async fn generate(
     state: &AppState,
     meta: &ResponseMeta<'_>,
     plan: &OutputPlan,
+    logprobs: Option<u32>,
     mut tracker: RequestTracker,
 ) -> Response<SimBody> {
     let slot = match state.queue.clone().admit().await {
@@ -246,7 +247,7 @@ async fn generate(
     }
     tracker.finish(plan.finish_reason);
     drop(slot);
-    with_type(StatusCode::OK, JSON, response::completion_body(meta, plan))
+    with_type(StatusCode::OK, JSON, response::completion_body(meta, plan, logprobs))
 }
 
 async fn sleep_until_offset(start: Instant, offset: Duration) {
