@@ -45,7 +45,7 @@ def settled_to(stack, tenant: str, expected: float):
     def check():
         b = bucket(stack.redis, key)
         return b if b and expected - 0.01 <= b[0] <= expected + 2 else None
-    return wait_for(check, timeout=10)
+    return wait_for(check, timeout=30)
 
 
 def received(stack) -> float:

@@ -163,7 +163,7 @@ def test_a_request_the_count_refuses_gives_its_reservation_back(ctx_stack):
     def full(kind: str, capacity: int) -> bool:
         state = bucket(client, bucket_key("ctx-back", kind))
         return state is not None and state[0] >= capacity - 1e-6
-    assert wait_for(lambda: full("rpm", 1000) and full("tpm", 1_000_000), timeout=10), (
+    assert wait_for(lambda: full("rpm", 1000) and full("tpm", 1_000_000), timeout=30), (
         bucket(client, bucket_key("ctx-back", "rpm")), bucket(client, bucket_key("ctx-back", "tpm")))
 
 

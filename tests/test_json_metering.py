@@ -96,7 +96,7 @@ def json_ext_proc_stack(tmp_path_factory):
 
 
 def one_event(stack, tenant: str) -> dict:
-    assert wait_for(lambda: usage_events(stack.redis, tenant), timeout=15), f"no usage record for {tenant}"
+    assert wait_for(lambda: usage_events(stack.redis, tenant), timeout=30), f"no usage record for {tenant}"
     events = usage_events(stack.redis, tenant)
     assert len(events) == 1, events
     return events[0]

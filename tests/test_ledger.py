@@ -97,7 +97,7 @@ def test_in_flight_holds_when_admission_and_end_reach_different_sidecars(two):
         r = post(two, "/v1/chat/completions", chat_body("two", max_tokens=4), key=KEY)
         assert r.status_code == 200, (i, r.status_code, r.text, scrape(a), scrape(b))
     # Both replicas see the pool empty again within a few flushes.
-    assert wait_for(lambda: in_flight(a) == 0 and in_flight(b) == 0, timeout=10), (scrape(a), scrape(b))
+    assert wait_for(lambda: in_flight(a) == 0 and in_flight(b) == 0, timeout=30), (scrape(a), scrape(b))
     text_a, text_b = scrape(a), scrape(b)
     assert metric(text_a, "llm_gateway_requests_total", outcome="admitted") == REQUESTS, text_a
     assert metric(text_a, "llm_gateway_shed_total") == 0, text_a
@@ -123,9 +123,9 @@ def test_a_count_that_never_ends_is_corrected_to_vllms_metrics(two):
     client = redis.Redis(port=two.redis_port, decode_responses=True)
     key = "llmgw:in-flight:{pool_two}"
     client.hset(key, mapping={"b:ghost": 7, "a:ghost": 7, "t:ghost": int(time.time() * 1000)})
-    assert wait_for(lambda: in_flight(a) == 7 and in_flight(b) == 7, timeout=10), (scrape(a), scrape(b))
+    assert wait_for(lambda: in_flight(a) == 7 and in_flight(b) == 7, timeout=30), (scrape(a), scrape(b))
     # The report lag is 5 s (four 100 ms scrape intervals are less).
-    assert wait_for(lambda: in_flight(a) == 0 and in_flight(b) == 0, timeout=20), (scrape(a), scrape(b))
+    assert wait_for(lambda: in_flight(a) == 0 and in_flight(b) == 0, timeout=30), (scrape(a), scrape(b))
     corrected = sum(metric(scrape(u), "llm_gateway_in_flight_corrections_total", pool="pool_two") for u in (a, b))
     assert corrected == 7, (scrape(a), scrape(b))
     counts = client.hgetall(key)
