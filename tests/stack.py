@@ -157,6 +157,17 @@ class Model:
     extra: dict = field(default_factory=dict)
 
 
+# The edge settings of envoy/bootstrap.yaml for the stack's Envoy (gatewayctl renders the same
+# defaults from `envoy.edge`); a Stack's `edge` overrides them, e.g. {"REQUEST_HEADERS_TIMEOUT": "1s"}.
+EDGE_DEFAULTS = {
+    "MAX_HEAP_BYTES": 1 << 30,
+    "MAX_DOWNSTREAM_CONNECTIONS": 10_000,
+    "REQUEST_HEADERS_TIMEOUT": "10s",
+    "REQUEST_TIMEOUT": "60s",
+    "MAX_REQUEST_HEADERS_KB": 32,
+}
+
+
 class Stack:
     """The running gateway. Use as a context manager, or call `start()` and `close()`."""
 
@@ -182,6 +193,7 @@ class Stack:
         envoy_args: list[str] | None = None,
         admission_leases: bool = False,
         wasm_path: Path | None = None,
+        edge: dict | None = None,
     ):
         if profile not in ("gateway", "filter", "bare"):
             raise ValueError(f"unknown profile {profile}")
@@ -194,6 +206,10 @@ class Stack:
         self.admission_leases = admission_leases
         # Another wasm module in the filter's place (the benchmark's no-op filter).
         self.wasm_path = wasm_path or WASM_PATH
+        unknown = set(edge or {}) - set(EDGE_DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown edge settings {sorted(unknown)}")
+        self.edge = {**EDGE_DEFAULTS, **(edge or {})}
         # Extra envoy command-line arguments (e.g. ["--component-log-level", "wasm:debug"]).
         self.envoy_args = envoy_args or []
         self.workdir = workdir
@@ -562,6 +578,7 @@ class Stack:
             "FILTER_CONFIG_JSON": json.dumps(json.dumps(self.filter_config())),
             "WASM_PATH": json.dumps(str(self.wasm_path)),
             "EXT_PROC_PORT": self.ext_proc_port or 0,
+            **self.edge,
         }
 
         def render(name: str, extra: dict | None = None):

@@ -128,12 +128,84 @@ pub struct EnvoySection {
     /// Admin port, always bound to 127.0.0.1 (default 9901; 0 picks a free port).
     #[serde(default = "default_admin_port")]
     pub admin_port: u16,
+    /// Edge limits of the standalone Envoy (envoy/bootstrap.yaml's overload manager and HTTP
+    /// connection manager settings). The mesh targets' listeners belong to Istio and Envoy
+    /// Gateway: docs/deploy.md names their equivalents.
+    #[serde(default)]
+    pub edge: EdgeSection,
 }
 
 impl Default for EnvoySection {
     fn default() -> Self {
-        Self { listen: default_envoy_listen(), admin_port: default_admin_port() }
+        Self {
+            listen: default_envoy_listen(),
+            admin_port: default_admin_port(),
+            edge: EdgeSection::default(),
+        }
     }
+}
+
+/// Edge limits, after Envoy's "Configuring Envoy as an edge proxy" guidance. What each protects
+/// is measured by `bench/edge_attack.py` (docs/benchmarks.md).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EdgeSection {
+    /// Heap limit of Envoy in bytes (overload manager `fixed_heap`; default 1 GiB, at least
+    /// 64 MiB). Above 85 % of it Envoy resets the streams buffering the most, at 95 % it returns
+    /// memory to the OS, at 98 % it answers new requests 503. Set it below the container's memory
+    /// limit: V8's wasm memory (a few MiB per worker) is outside it.
+    #[serde(default = "default_max_heap_bytes")]
+    pub max_heap_bytes: u64,
+    /// Open downstream connections over all listeners (overload manager
+    /// `global_downstream_max_connections`; default 10,000). Past it Envoy closes new
+    /// connections at once. Keep it below the process's file-descriptor limit.
+    #[serde(default = "default_max_downstream_connections")]
+    pub max_downstream_connections: u64,
+    /// Time a client has to send its request headers, in ms (HCM `request_headers_timeout`;
+    /// default 10,000). A slow-header connection is answered 408 and closed after it.
+    #[serde(default = "default_request_headers_timeout_ms")]
+    pub request_headers_timeout_ms: u64,
+    /// Time a client has to send its whole request, body included, in ms (HCM
+    /// `request_timeout`; default 60,000; at least `request_headers_timeout_ms`). The timer
+    /// stops once the request has gone upstream, so a long response stream is never cut by it.
+    #[serde(default = "default_request_timeout_ms")]
+    pub request_timeout_ms: u64,
+    /// Largest request header block in KiB (HCM `max_request_headers_kb`; default 32, at most
+    /// 8,192); past it Envoy answers 431.
+    #[serde(default = "default_max_request_headers_kb")]
+    pub max_request_headers_kb: u64,
+}
+
+impl Default for EdgeSection {
+    fn default() -> Self {
+        Self {
+            max_heap_bytes: default_max_heap_bytes(),
+            max_downstream_connections: default_max_downstream_connections(),
+            request_headers_timeout_ms: default_request_headers_timeout_ms(),
+            request_timeout_ms: default_request_timeout_ms(),
+            max_request_headers_kb: default_max_request_headers_kb(),
+        }
+    }
+}
+
+fn default_max_heap_bytes() -> u64 {
+    1 << 30
+}
+
+fn default_max_downstream_connections() -> u64 {
+    10_000
+}
+
+fn default_request_headers_timeout_ms() -> u64 {
+    10_000
+}
+
+fn default_request_timeout_ms() -> u64 {
+    60_000
+}
+
+fn default_max_request_headers_kb() -> u64 {
+    32
 }
 
 fn default_envoy_listen() -> SocketAddr {
@@ -901,6 +973,7 @@ impl GatewayConfig {
         if self.pools.is_empty() {
             return fail("pools", "must not be empty");
         }
+        self.validate_edge()?;
         self.validate_filter()?;
         self.validate_sidecar()?;
         self.validate_redis()?;
@@ -909,6 +982,26 @@ impl GatewayConfig {
         self.validate_models(&pools)?;
         self.validate_tenants()?;
         self.validate_kubernetes()?;
+        Ok(())
+    }
+
+    fn validate_edge(&self) -> Result<(), FieldError> {
+        let e = &self.envoy.edge;
+        if e.max_heap_bytes < 64 << 20 {
+            return fail("envoy.edge.max_heap_bytes", "must be at least 67108864 (64 MiB)");
+        }
+        if e.max_downstream_connections == 0 {
+            return fail("envoy.edge.max_downstream_connections", "must be at least 1");
+        }
+        if e.request_headers_timeout_ms == 0 {
+            return fail("envoy.edge.request_headers_timeout_ms", "must be at least 1");
+        }
+        if e.request_timeout_ms < e.request_headers_timeout_ms {
+            return fail("envoy.edge.request_timeout_ms", "must be at least request_headers_timeout_ms");
+        }
+        if !(1..=8192).contains(&e.max_request_headers_kb) {
+            return fail("envoy.edge.max_request_headers_kb", "must be in 1..=8192");
+        }
         Ok(())
     }
 

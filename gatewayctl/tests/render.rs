@@ -60,6 +60,36 @@ fn targets_render_their_files() {
 }
 
 #[test]
+fn standalone_bootstrap_has_the_edge_settings_of_the_config() {
+    let dir = tempdir();
+    let text = std::fs::read_to_string(EXAMPLE)
+        .unwrap()
+        .replace("    request_headers_timeout_ms: 10000\n", "    request_headers_timeout_ms: 2500\n");
+    assert!(text.contains("2500"), "the example's edge section changed");
+    let path = dir.join("gateway.yaml");
+    std::fs::write(&path, text).unwrap();
+    let loaded = Loaded::load(&path).unwrap();
+    let rendered = render(&loaded, Target::Standalone).unwrap();
+    let envoy = &rendered.files.iter().find(|f| f.path == "standalone/envoy.yaml").unwrap().content;
+    let b = yaml(envoy);
+    let monitors = &b["overload_manager"]["resource_monitors"];
+    assert_eq!(monitors[0]["typed_config"]["max_heap_size_bytes"], 1_073_741_824u64);
+    assert_eq!(monitors[1]["typed_config"]["max_active_downstream_connections"], 10_000);
+    let hcm = &b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    assert_eq!(hcm["request_headers_timeout"], "2.500s");
+    assert_eq!(hcm["request_timeout"], "60s");
+    assert_eq!(hcm["max_request_headers_kb"], 32);
+    assert_eq!(hcm["common_http_protocol_options"]["headers_with_underscores_action"], "REJECT_REQUEST");
+    assert_eq!(hcm["path_with_escaped_slashes_action"], "REJECT_REQUEST");
+}
+
+fn tempdir() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("gatewayctl-render-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
 fn standalone_bootstrap_shape() {
     let f = files(Target::Standalone);
     let b = yaml(&f["standalone/envoy.yaml"]);

@@ -86,7 +86,12 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error>
         .set("DEFAULT_POOL", first_pool.name.as_str())
         .set("FILTER_CONFIG_JSON", to_json(filter_config).map_err(Error::Internal)?)
         .set("WASM_PATH", wasm_path.display().to_string())
-        .set("EXT_PROC_PORT", sidecar.port);
+        .set("EXT_PROC_PORT", sidecar.port)
+        .set("MAX_HEAP_BYTES", c.envoy.edge.max_heap_bytes)
+        .set("MAX_DOWNSTREAM_CONNECTIONS", c.envoy.edge.max_downstream_connections)
+        .set("REQUEST_HEADERS_TIMEOUT", duration(c.envoy.edge.request_headers_timeout_ms))
+        .set("REQUEST_TIMEOUT", duration(c.envoy.edge.request_timeout_ms))
+        .set("MAX_REQUEST_HEADERS_KB", c.envoy.edge.max_request_headers_kb);
 
     let mut bootstrap = template::render(template::BOOTSTRAP, &values)?;
     let listener = [Key::from("static_resources"), "listeners".into(), 0.into()];
