@@ -9,7 +9,7 @@ a fixed concurrency) first unloaded, then while an attacker (a separate process)
   * `--body-clients` connections that send valid headers announcing a `--body-bytes` body and
     then trickle it over `--attack-s` seconds (slow POST),
 
-reconnecting whenever Envoy closes one. Envoy's heap (admin `/memory`, tcmalloc's allocated
+reconnecting 1 s after Envoy answers or closes one. Envoy's heap (admin `/memory`, tcmalloc's allocated
 bytes) and resident memory (`/proc/<pid>/status` VmRSS) are sampled every 0.25 s.
 
 Configurations (`--configs`):
@@ -45,6 +45,8 @@ from stack import EDGE_DEFAULTS, TARGET, Model, Pool, Stack, Tenant, new_api_key
 
 BENCH_BIN = TARGET / "release" / "gateway-bench"
 MODEL = "m"
+# An attacking connection that Envoy answered or closed is opened again after this.
+RECONNECT_BACKOFF_S = 1.0
 # The HTTP connection manager settings that envoy/bootstrap.yaml adds for the edge.
 HCM_EDGE_KEYS = (
     "request_headers_timeout", "request_timeout", "max_request_headers_kb",
@@ -83,6 +85,7 @@ async def slow_headers(port: int, interval_s: float, stop: float, stats: dict) -
             stats["closed_by_envoy"] += 1
         finally:
             writer.close()
+        await asyncio.sleep(RECONNECT_BACKOFF_S)
 
 
 async def slow_body(port: int, key: str, body_bytes: int, attack_s: float, stop: float, stats: dict) -> None:
@@ -117,6 +120,7 @@ async def slow_body(port: int, key: str, body_bytes: int, attack_s: float, stop:
             stats["closed_by_envoy"] += 1
         finally:
             writer.close()
+        await asyncio.sleep(RECONNECT_BACKOFF_S)
 
 
 async def attack(port: int, key: str, args: argparse.Namespace) -> dict:
@@ -124,7 +128,8 @@ async def attack(port: int, key: str, args: argparse.Namespace) -> dict:
     headers = {"opened": 0, "closed_by_envoy": 0, "connect_failed": 0}
     bodies = {"opened": 0, "closed_by_envoy": 0, "connect_failed": 0}
     tasks = [slow_headers(port, args.header_interval_s, stop, headers) for _ in range(args.slow_header_conns)]
-    tasks += [slow_body(port, key, args.body_bytes, args.attack_s, stop, bodies) for _ in range(args.body_clients)]
+    body_key = key if args.body_key == "valid" else "sk-not-a-tenant-key"
+    tasks += [slow_body(port, body_key, args.body_bytes, args.attack_s, stop, bodies) for _ in range(args.body_clients)]
     await asyncio.gather(*tasks, return_exceptions=True)
     return {"slow_headers": headers, "slow_bodies": bodies}
 
@@ -251,6 +256,8 @@ def main() -> int:
     p.add_argument("--normal-s", type=float, default=40.0, help="seconds of normal traffic per measurement")
     p.add_argument("--concurrency", type=int, default=8, help="normal traffic's concurrency")
     p.add_argument("--small-heap-mib", type=int, default=256)
+    p.add_argument("--body-key", choices=["valid", "invalid"], default="valid",
+                   help="the slow bodies' API key: a tenant's (valid) or none that authenticates")
     args = p.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="edge-attack-"))
     results = [run_config(c, args, workdir) for c in args.configs.split(",")]

@@ -15,10 +15,11 @@ import time
 import httpx
 import pytest
 
-from helpers import auth, chat_body, wait_for
+from helpers import auth, chat_body, post, wait_for
 from stack import Model, Pool, Stack, Tenant, new_api_key
 
-KEY = new_api_key()
+KEY, OTHER_KEY = new_api_key(), new_api_key()
+MAX_UPLOADS = 2
 HEADERS_TIMEOUT_S, REQUEST_TIMEOUT_S = 1, 2
 MAX_CONNECTIONS = 8
 
@@ -33,8 +34,9 @@ def edge_stack(tmp_path_factory):
         "REQUEST_TIMEOUT": f"{REQUEST_TIMEOUT_S}s",
         "MAX_DOWNSTREAM_CONNECTIONS": MAX_CONNECTIONS,
     }
-    with Stack(tmp_path_factory.mktemp("edge"), pools, models, [Tenant("edge", [KEY])],
-               envoy_concurrency=1, edge=edge) as s:
+    tenants = [Tenant("edge", [KEY]), Tenant("other", [OTHER_KEY])]
+    with Stack(tmp_path_factory.mktemp("edge"), pools, models, tenants, envoy_concurrency=1, edge=edge,
+               filter_extra={"max_uploads_per_tenant": MAX_UPLOADS}) as s:
         yield s
 
 
@@ -147,5 +149,38 @@ def test_connections_past_the_global_limit_are_closed(edge_stack):
     finally:
         for c in held:
             c.close()
-    wait_for(lambda: httpx.get(s.base_url + "/v1/models", headers=auth(KEY), timeout=5).status_code == 200,
-             timeout=30)
+    assert wait_for(lambda: httpx.get(s.base_url + "/v1/models", headers=auth(KEY), timeout=5).status_code == 200,
+                    timeout=30)
+
+
+def start_slow_body(s: Stack, key: str) -> socket.socket:
+    """A request whose headers are complete and whose body has only begun."""
+    conn = connect(s)
+    conn.sendall((
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer " + key +
+        "\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n{\"model\": \"e\", "
+    ).encode())
+    return conn
+
+
+def test_one_key_cannot_hold_more_than_its_upload_slots(edge_stack):
+    """The filter's max_uploads_per_tenant (2 here, one Envoy worker): with two slow bodies of a
+    tenant in progress its next request is answered 429 at once, with Retry-After; another tenant
+    is not affected; once a slow body's connection goes away the tenant is served again."""
+    s = edge_stack
+    slow = [start_slow_body(s, KEY) for _ in range(MAX_UPLOADS)]
+    try:
+        # The slots are taken when Envoy has run the filter on each one's headers.
+        def refused():
+            r = post(s, "/v1/chat/completions", chat_body("e"), KEY)
+            return r if r.status_code == 429 else None
+        r = wait_for(refused, timeout=30)
+        assert r is not None, s.envoy_log()
+        assert r.headers.get("retry-after") == "1", r.headers
+        assert r.json()["error"]["code"] == "rate_limit_exceeded", r.text
+        assert post(s, "/v1/chat/completions", chat_body("e"), OTHER_KEY).status_code == 200
+    finally:
+        slow[0].close()
+    assert wait_for(lambda: post(s, "/v1/chat/completions", chat_body("e"), KEY).status_code == 200, timeout=30)
+    for c in slow[1:]:
+        c.close()

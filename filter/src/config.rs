@@ -35,6 +35,9 @@ pub const DEFAULT_MAX_BODY_BYTES: u64 = 4 * 1024 * 1024;
 /// p50 in Envoy's V8 for a 256 KB escape-heavy chat body (`python bench/overhead.py --scenarios
 /// vmtime`, before this threshold existed); 128 KiB keeps it near half that, not measured itself.
 pub const DEFAULT_FULL_PARSE_MAX_BYTES: u64 = 128 * 1024;
+/// Default `max_uploads_per_tenant`: request bodies of one tenant that one worker's VM buffers at
+/// once. See [`crate::uploads`].
+pub const DEFAULT_MAX_UPLOADS_PER_TENANT: u32 = 8;
 /// Default `tier` of a tenant when the field is absent.
 pub const DEFAULT_TIER: &str = "standard";
 /// Default `admission_leases.refresh_ms`: how often leases are renewed, in milliseconds.
@@ -93,6 +96,12 @@ pub struct RawConfig {
     /// `exact_count`) or by vLLM. See `pipeline::on_request_body`.
     #[serde(default)]
     pub full_parse_max_bytes: Option<u64>,
+    /// Request bodies of one tenant that one Envoy worker buffers at once (from its request
+    /// headers to the end of its body). Optional, default [`DEFAULT_MAX_UPLOADS_PER_TENANT`];
+    /// must be > 0. Past it the tenant's next request is answered 429 at its headers: slow
+    /// bodies cannot hold a worker's memory for one key. See [`crate::uploads`].
+    #[serde(default)]
+    pub max_uploads_per_tenant: Option<u32>,
     /// Tenants and their API-key digests. Required, non-empty.
     pub tenants: Vec<RawTenant>,
     /// Served models. Required, non-empty.
@@ -228,6 +237,8 @@ pub struct Config {
     pub max_body_bytes: u64,
     /// Largest body parsed in full, in bytes.
     pub full_parse_max_bytes: u64,
+    /// Bodies of one tenant one worker buffers at once (> 0).
+    pub max_uploads_per_tenant: u32,
     /// Tenants in configuration order.
     pub tenants: Vec<Tenant>,
     /// Models in configuration order.
@@ -364,6 +375,10 @@ impl Config {
         }
         if max_body_bytes == 0 {
             return Err(err("max_body_bytes", "must be > 0"));
+        }
+        let max_uploads_per_tenant = raw.max_uploads_per_tenant.unwrap_or(DEFAULT_MAX_UPLOADS_PER_TENANT);
+        if max_uploads_per_tenant == 0 {
+            return Err(err("max_uploads_per_tenant", "must be > 0"));
         }
         if raw.models.is_empty() {
             return Err(err("models", "must not be empty"));
@@ -504,6 +519,7 @@ impl Config {
         Ok(Config {
             max_body_bytes,
             full_parse_max_bytes,
+            max_uploads_per_tenant,
             tenants,
             models,
             key_digests,
@@ -679,8 +695,16 @@ mod tests {
         v["max_body"] = json!(1);
         expect_err(
             v,
-            "max_body: unknown field `max_body`, expected one of `max_body_bytes`, `full_parse_max_bytes`, `tenants`, `models`, `admission_leases`",
+            "max_body: unknown field `max_body`, expected one of `max_body_bytes`, `full_parse_max_bytes`, `max_uploads_per_tenant`, `tenants`, `models`, `admission_leases`",
         );
+    }
+
+    #[test]
+    fn max_uploads_per_tenant_default_and_zero() {
+        assert_eq!(Config::from_json(base().to_string().as_bytes()).unwrap().max_uploads_per_tenant, 8);
+        let mut v = base();
+        v["max_uploads_per_tenant"] = json!(0);
+        expect_err(v, "max_uploads_per_tenant: must be > 0");
     }
 
     #[test]

@@ -141,6 +141,13 @@ pub enum GatewayError {
         /// The effective max tokens when the client set one.
         max_tokens: Option<u64>,
     },
+    /// The tenant already has `max_uploads_per_tenant` request bodies being received by this
+    /// Envoy worker. 429, `requests`, code `rate_limit_exceeded`, plus `retry-after: 1`.
+    #[error("Too many requests of this API key are sending their body at once (the limit is {limit} per gateway worker); retry when one has finished.")]
+    TooManyUploads {
+        /// The configured `max_uploads_per_tenant`.
+        limit: u32,
+    },
     /// The filter has no valid configuration, or the host failed a call. 500, `server_error`,
     /// code `internal_error`, param null.
     #[error("The gateway could not process the request ({what}).")]
@@ -223,6 +230,7 @@ impl GatewayError {
             GatewayError::ContextLengthExceeded { param, .. } => {
                 (400, IRE, "context_length_exceeded", Some(param))
             }
+            GatewayError::TooManyUploads { .. } => (429, "requests", "rate_limit_exceeded", None),
             GatewayError::Internal { .. } => (500, "server_error", "internal_error", None),
         }
     }
@@ -234,8 +242,12 @@ impl GatewayError {
         let (status, kind, code, param) = self.parts();
         let body = ErrorBody { error: ErrorObject { message: self.to_string(), kind, param, code } };
         let mut reply = LocalReply::json(status, &body);
-        if let GatewayError::MethodNotAllowed { allow, .. } = self {
-            reply.headers.push(("allow", (*allow).to_string()));
+        match self {
+            GatewayError::MethodNotAllowed { allow, .. } => {
+                reply.headers.push(("allow", (*allow).to_string()))
+            }
+            GatewayError::TooManyUploads { .. } => reply.headers.push(("retry-after", "1".to_string())),
+            _ => {}
         }
         reply
     }
@@ -290,6 +302,16 @@ mod tests {
     }
 
     #[test]
+    fn too_many_uploads_is_a_429_with_retry_after() {
+        let e = GatewayError::TooManyUploads { limit: 8 };
+        let r = e.to_reply();
+        assert_eq!(r.status, 429);
+        assert!(r.headers.contains(&("retry-after", "1".to_string())));
+        assert_eq!(body(&e)["error"]["code"], "rate_limit_exceeded");
+        assert_eq!(body(&e)["error"]["type"], "requests");
+    }
+
+    #[test]
     fn context_messages_give_both_numbers() {
         let e = GatewayError::ContextLengthExceeded {
             param: "messages",
@@ -341,10 +363,11 @@ mod tests {
             GatewayError::ModelNotFound { model: "m".into() },
             GatewayError::ModelNotAllowed { model: "m".into() },
             GatewayError::MaxTokensTooLarge { param: "max_tokens", requested: 9, max_model_len: 8 },
+            GatewayError::TooManyUploads { limit: 8 },
             GatewayError::Internal { what: "x" },
         ];
         let statuses: Vec<u32> = all.iter().map(|e| e.to_reply().status).collect();
-        assert_eq!(statuses, vec![404, 401, 413, 400, 400, 400, 400, 400, 404, 403, 400, 500]);
+        assert_eq!(statuses, vec![404, 401, 413, 400, 400, 400, 400, 400, 404, 403, 400, 429, 500]);
         for e in &all {
             let b = body(e);
             assert!(b["error"]["message"].is_string());

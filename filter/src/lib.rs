@@ -19,6 +19,7 @@ pub mod pipeline;
 pub mod request;
 pub mod routing;
 pub mod sse;
+pub mod uploads;
 
 /// Protobuf messages of `proto/llm_gateway/v1/lease.proto` (the filter's lease calls).
 #[allow(missing_docs, clippy::all)]

@@ -39,6 +39,7 @@ use crate::pipeline::{
 };
 use crate::proto::LeaseGrant;
 use crate::sse::{ChunkOutput, UsageStripper};
+use crate::uploads::UploadSlots;
 use gateway_meter::{Meter, Usage};
 
 use gateway_contract::{ADMISSION_LEASE, PROPERTY_ADMISSION, PROPERTY_REQUEST, PROPERTY_USAGE};
@@ -85,7 +86,12 @@ mod entry {
     proxy_wasm::main! {{
         proxy_wasm::set_log_level(LogLevel::Info);
         proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
-            Box::new(super::GatewayRoot { config: None, leases: Default::default(), calls: Default::default() })
+            Box::new(super::GatewayRoot {
+                config: None,
+                leases: Default::default(),
+                calls: Default::default(),
+                uploads: Default::default(),
+            })
         });
     }}
 }
@@ -102,6 +108,23 @@ struct GatewayRoot {
     leases: Rc<RefCell<Leases>>,
     /// Lease calls in flight: gRPC call token -> lease key.
     calls: HashMap<u32, LeaseKey>,
+    /// Request bodies in progress per tenant in this VM, shared with its HTTP contexts.
+    uploads: Rc<RefCell<UploadSlots>>,
+}
+
+/// One of a tenant's upload slots ([`crate::uploads`]), given back when dropped: when the body
+/// is complete, or with the HTTP context when the stream ends first.
+struct UploadSlot {
+    slots: Rc<RefCell<UploadSlots>>,
+    tenant: usize,
+}
+
+impl Drop for UploadSlot {
+    fn drop(&mut self) {
+        if let Ok(mut slots) = self.slots.try_borrow_mut() {
+            slots.release(self.tenant);
+        }
+    }
 }
 
 impl Context for GatewayRoot {
@@ -214,6 +237,8 @@ impl RootContext for GatewayRoot {
             headers_vm_us: None,
             leases: Rc::clone(&self.leases),
             lease_response_headers: None,
+            uploads: Rc::clone(&self.uploads),
+            upload: None,
         }))
     }
 
@@ -241,6 +266,10 @@ struct GatewayHttp {
     leases: Rc<RefCell<Leases>>,
     /// `x-ratelimit-*` headers for the response of a request admitted from a lease.
     lease_response_headers: Option<Vec<(&'static str, String)>>,
+    /// The VM's upload slots.
+    uploads: Rc<RefCell<UploadSlots>>,
+    /// This request's upload slot, held while its body is being received.
+    upload: Option<UploadSlot>,
 }
 
 impl GatewayHttp {
@@ -335,6 +364,7 @@ impl GatewayHttp {
     }
 
     fn take_body_and_finish(&mut self, body_size: usize) -> Action {
+        self.upload = None;
         let (Some(cfg), Some(pending)) = (self.config.clone(), self.pending.take()) else {
             return Action::Continue;
         };
@@ -388,6 +418,14 @@ impl GatewayHttp {
                 self.finish_request(&cfg, &pending, Vec::new(), false)
             }
             HeadersDecision::AwaitBody(pending) => {
+                let limit = cfg.max_uploads_per_tenant;
+                // A borrow that fails (never expected: one request at a time per VM) admits.
+                let acquired =
+                    self.uploads.try_borrow_mut().map_or(true, |mut s| s.try_acquire(pending.tenant, limit));
+                if !acquired {
+                    return send_error(&GatewayError::TooManyUploads { limit });
+                }
+                self.upload = Some(UploadSlot { slots: Rc::clone(&self.uploads), tenant: pending.tenant });
                 self.pending = Some(pending);
                 Action::Pause
             }
@@ -418,6 +456,7 @@ impl HttpContext for GatewayHttp {
         }
         if let Err(e) = crate::pipeline::check_body_size(&cfg, body_size as u64) {
             self.pending = None;
+            self.upload = None;
             return send_error(&e);
         }
         if !end_of_stream {

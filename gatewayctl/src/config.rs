@@ -228,6 +228,10 @@ pub struct FilterSection {
     /// larger bodies are routed after a scan of their top-level members.
     #[serde(default)]
     pub full_parse_max_bytes: Option<u64>,
+    /// Request bodies of one tenant that one Envoy worker receives at once (the filter's
+    /// `max_uploads_per_tenant`, default 8); past it a request gets 429 at its headers.
+    #[serde(default)]
+    pub max_uploads_per_tenant: Option<u32>,
     /// Path of `gateway_filter.wasm` as the standalone Envoy sees it (needed by the standalone
     /// target). A relative path is relative to this config file.
     #[serde(default)]
