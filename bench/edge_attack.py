@@ -183,21 +183,26 @@ def strip_edge(bootstrap: dict) -> dict:
 
 
 class BeforeStack(Stack):
-    """The gateway as it was before the edge settings."""
+    """The gateway as it was before the edge settings (and before the filter's upload slots)."""
+
+    def filter_config(self) -> dict:
+        return {**super().filter_config(), "max_uploads_per_tenant": 1 << 31}
 
     def envoy_config(self) -> dict:
         return strip_edge(super().envoy_config())
 
 
 def run_config(name: str, args: argparse.Namespace, workdir: Path) -> dict:
-    key = new_api_key()
+    # Normal traffic is one tenant's, the attack another's (its key, or none that authenticates).
+    key, attacker_key = new_api_key(), new_api_key()
     pools = [Pool("pool_e", [MODEL], ["--ttft-ms", "20", "--itl-ms", "5", "--output-tokens", "32"])]
     models = [Model(MODEL, "pool_e")]
     edge = dict(EDGE_DEFAULTS)
     if name == "after-heap":
         edge["MAX_HEAP_BYTES"] = args.small_heap_mib << 20
     kind = BeforeStack if name == "before" else Stack
-    stack = kind(workdir / name, pools, models, [Tenant("edge", [key])], edge=edge)
+    tenants = [Tenant("normal", [key]), Tenant("attacker", [attacker_key])]
+    stack = kind(workdir / name, pools, models, tenants, edge=edge)
     with stack:
         port = int(stack.base_url.rsplit(":", 1)[1])
         normal_traffic(stack, key, args, workdir / f"{name}-warmup.json", 5)
@@ -205,7 +210,7 @@ def run_config(name: str, args: argparse.Namespace, workdir: Path) -> dict:
         sampler = Sampler(stack)
         sampler.start()
         attacker = subprocess.Popen(
-            [sys.executable, __file__, "--attacker", str(port), key, json.dumps(vars(args))],
+            [sys.executable, __file__, "--attacker", str(port), attacker_key, json.dumps(vars(args))],
             stdout=subprocess.PIPE, text=True)
         time.sleep(args.ramp_s)  # the attack builds up before normal traffic is measured
         loaded = normal_traffic(stack, key, args, workdir / f"{name}-loaded.json", args.normal_s)
