@@ -467,6 +467,8 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
         sidecar_overrides=LEASES if name == "gateway-leases" else None,
         admission_leases=name == "gateway-leases",
         wasm_path=NOOP_WASM if name == "filter-noop" else None,
+        # The no-op filter names no pool: the benchmark routes its requests to the pool itself.
+        route_to_first_pool=name == "filter-noop" or None,
     )
     exits.enter_context(stack)
     assert stack.envoy is not None and stack.base_url is not None

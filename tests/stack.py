@@ -6,8 +6,11 @@ third-party `xpyd-sim`), the ext_proc sidecar, and the real envoy binary (from t
 polled to a deadline (no sleeps), and everything is stopped on `close()`. The Envoy bootstrap is
 rendered from the templates in `envoy/`.
 
-Profiles (for benchmarks): `gateway` (filter + sidecar), `filter` (filter only), `bare` (Envoy
-routing to the first pool, no filter, no sidecar).
+Profiles (for benchmarks): `gateway` (filter + sidecar, and the RBAC guard that lets nothing
+reach a pool without their facts), `filter` (filter only, no guard), `bare` (Envoy routing every
+request to the first pool, no filter, no sidecar). Only `bare` (or `route_to_first_pool`, the
+no-op filter's benchmark target) has a route that reaches a pool without the filter's
+`x-gateway-pool`: the rendered bootstrap answers such requests 404.
 
     python tests/stack.py run          # what `make run` does
 """
@@ -194,6 +197,7 @@ class Stack:
         admission_leases: bool = False,
         wasm_path: Path | None = None,
         edge: dict | None = None,
+        route_to_first_pool: bool | None = None,
     ):
         if profile not in ("gateway", "filter", "bare"):
             raise ValueError(f"unknown profile {profile}")
@@ -210,6 +214,9 @@ class Stack:
         if unknown:
             raise ValueError(f"unknown edge settings {sorted(unknown)}")
         self.edge = {**EDGE_DEFAULTS, **(edge or {})}
+        # The benchmark's own route of every request to the first pool (bare Envoy, and the no-op
+        # filter, which sets no x-gateway-pool), in place of the bootstrap's 404 catch-all.
+        self.route_to_first_pool = profile == "bare" if route_to_first_pool is None else route_to_first_pool
         # Extra envoy command-line arguments (e.g. ["--component-log-level", "wasm:debug"]).
         self.envoy_args = envoy_args or []
         self.workdir = workdir
@@ -574,7 +581,6 @@ class Stack:
             "ADMIN_PORT": 0,
             "LISTEN_PORT": self.listen_port,
             "BUFFER_LIMIT_BYTES": max_body + (1 << 20),
-            "DEFAULT_POOL": self.pools[0].name,
             "FILTER_CONFIG_JSON": json.dumps(json.dumps(self.filter_config())),
             "WASM_PATH": json.dumps(str(self.wasm_path)),
             "EXT_PROC_PORT": self.ext_proc_port or 0,
@@ -602,6 +608,7 @@ class Stack:
                 filters.append(render("filters/ext_proc_metering.yaml"))
             else:
                 hcm.setdefault("access_log", []).append(render("access_log_metering.yaml"))
+            filters.append(render("filters/guard.yaml"))
         filters.append({
             "name": "envoy.filters.http.router",
             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
@@ -618,6 +625,9 @@ class Stack:
             ]
             clusters.append(render("pool_cluster.yaml", {"POOL": pool.name, "ENDPOINTS": json.dumps(endpoints)}))
         routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+        if self.route_to_first_pool:
+            routes[-1] = {"match": {"prefix": "/"},
+                          "route": {"cluster": self.pools[0].name, "timeout": "0s", "idle_timeout": "120s"}}
         for i, fb in enumerate(self.fallbacks):
             sub = {"NAME": json.dumps(fb.name), "SUB_CLUSTERS": json.dumps([{"name": p} for p in fb.pools]),
                    "RETRIES": len(fb.pools) - 1}

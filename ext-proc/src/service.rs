@@ -55,7 +55,9 @@ use gateway_contract::{
     H_MAX_TOKENS, H_MODEL, H_POOL, H_PROMPT_TOKENS, H_PROMPT_TOKENS_SOURCE, H_REQUEST_ID, H_TENANT, H_TIER,
 };
 
-pub use gateway_contract::{MD_PROMPT_TOKENS, MD_RESERVED_LOCALLY, MD_RESERVED_TOKENS, METADATA_NAMESPACE};
+pub use gateway_contract::{
+    MD_ADMITTED, MD_PROMPT_TOKENS, MD_RESERVED_LOCALLY, MD_RESERVED_TOKENS, METADATA_NAMESPACE,
+};
 /// gRPC initial-metadata key naming the role of an ext_proc filter.
 pub const ROLE_METADATA_KEY: &str = "x-gateway-ext-proc-role";
 
@@ -661,7 +663,8 @@ fn header_option(key: &str, value: &str) -> HeaderValueOption {
     }
 }
 
-/// `{"llm_gateway": {"x-ratelimit-...": "...", "reserved_tokens": N, "reserved_locally": B}}`,
+/// `{"llm_gateway": {"admitted": true, "x-ratelimit-...": "...", "reserved_tokens": N,
+/// "reserved_locally": B}}`,
 /// and `"prompt_tokens": N` when the admission counted the prompt exactly (the access log's
 /// record then prefers it to the filter's estimate).
 fn admission_metadata(admitted: &Admitted, exact_prompt_tokens: Option<u64>) -> Struct {
@@ -670,6 +673,8 @@ fn admission_metadata(admitted: &Admitted, exact_prompt_tokens: Option<u64>) -> 
         .iter()
         .map(|(k, v)| (k.clone(), Value { kind: Some(Kind::StringValue(v.clone())) }))
         .collect();
+    // The marker Envoy's RBAC guard requires of a request admitted here (envoy/filters/guard.yaml).
+    fields.insert(MD_ADMITTED.to_owned(), Value { kind: Some(Kind::BoolValue(true)) });
     fields.insert(
         MD_RESERVED_TOKENS.to_owned(),
         Value { kind: Some(Kind::NumberValue(admitted.reserved_tokens as f64)) },
@@ -866,6 +871,8 @@ mod tests {
                 .collect(),
             ..Default::default()
         };
+        let admitted = m.filter_metadata[METADATA_NAMESPACE].fields.get(MD_ADMITTED);
+        assert!(matches!(admitted.and_then(|v| v.kind.as_ref()), Some(Kind::BoolValue(true))));
         assert_eq!(reservation(Some(&m)), (77, true));
         assert_eq!(reservation(None), (0, false));
     }

@@ -433,8 +433,23 @@ impl GatewayHttp {
     }
 }
 
+/// Test-only build (feature `test-panic`): panics when the request carries
+/// [`gateway_contract::H_TEST_PANIC`], which kills this worker's VM (what Envoy's wasm
+/// `failure_policy` then does is tests/test_fail_closed.py's subject).
+#[cfg(feature = "test-panic")]
+#[allow(clippy::panic)]
+fn panic_on_marker() {
+    if let Ok(Some(_)) =
+        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, gateway_contract::H_TEST_PANIC)
+    {
+        panic!("{} (test-only build)", gateway_contract::H_TEST_PANIC);
+    }
+}
+
 impl HttpContext for GatewayHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        #[cfg(feature = "test-panic")]
+        panic_on_marker();
         self.started_us = now_us();
         if !matches!(hostcalls::get_log_level(), Ok(LogLevel::Trace | LogLevel::Debug)) {
             return self.request_headers_phase(end_of_stream);

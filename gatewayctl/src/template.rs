@@ -32,6 +32,8 @@ pub const FILTER_WASM: Template = template!("envoy/filters/wasm.yaml");
 pub const FILTER_ADMISSION: Template = template!("envoy/filters/ext_proc_admission.yaml");
 /// The admission filter wrapped in the matcher that skips it for leased admissions.
 pub const FILTER_ADMISSION_LEASE_MATCHER: Template = template!("envoy/filters/admission_lease_matcher.yaml");
+/// The RBAC guard before the router (nothing goes upstream without the filters' facts).
+pub const FILTER_GUARD: Template = template!("envoy/filters/guard.yaml");
 /// The metering ext_proc HTTP filter entry (Envoy Gateway, whose access log cannot log filter state).
 pub const FILTER_METERING: Template = template!("envoy/filters/ext_proc_metering.yaml");
 /// The metering gRPC access log entry (the HTTP connection manager's `access_log`).
@@ -185,6 +187,7 @@ mod tests {
             FILTER_ADMISSION,
             FILTER_ADMISSION_LEASE_MATCHER,
             FILTER_METERING,
+            FILTER_GUARD,
             ACCESS_LOG_METERING,
             EXT_PROC_CLUSTER,
             POOL_CLUSTER,
@@ -195,7 +198,6 @@ mod tests {
                 .set("ADMIN_PORT", 1)
                 .set("LISTEN_PORT", 2)
                 .set("BUFFER_LIMIT_BYTES", 3)
-                .set("DEFAULT_POOL", "p")
                 .set("FILTER_CONFIG_JSON", "{}")
                 .set("WASM_PATH", "/x.wasm")
                 .set("EXT_PROC_PORT", 4)

@@ -102,8 +102,19 @@ fn standalone_bootstrap_shape() {
     let hcm = &listener["filter_chains"][0]["filters"][0]["typed_config"];
     assert_eq!(
         names(&hcm["http_filters"]),
-        ["llm_gateway.filter", "llm_gateway.admission", "envoy.filters.http.router"]
+        ["llm_gateway.filter", "llm_gateway.admission", "llm_gateway.guard", "envoy.filters.http.router"]
     );
+    // The guard refuses what lacks the filter's facts or an admission (envoy/filters/guard.yaml).
+    let guard = &hcm["http_filters"][2]["typed_config"]["rules"];
+    assert_eq!(guard["action"], "ALLOW");
+    let ids = &guard["policies"]["decided-and-admitted"]["principals"][0]["and_ids"]["ids"];
+    assert_eq!(ids[0]["filter_state"]["key"], "wasm.llm_gateway.request");
+    let admitted = &ids[1]["or_ids"]["ids"];
+    assert_eq!(admitted[0]["filter_state"]["key"], "wasm.llm_gateway.admission");
+    assert_eq!(admitted[0]["filter_state"]["string_match"]["exact"], "lease");
+    let metadata = &admitted[1]["sourced_metadata"]["metadata_matcher"];
+    assert_eq!(metadata["filter"], "llm_gateway");
+    assert_eq!(metadata["path"][0]["key"], "admitted");
     // Metering: the gRPC access log to the sidecar, with the filter's usage.
     let log = &hcm["access_log"][0]["typed_config"]["common_config"];
     assert_eq!(log["grpc_service"]["envoy_grpc"]["cluster_name"], "llm_gateway_ext_proc");
@@ -133,6 +144,9 @@ fn standalone_bootstrap_shape() {
     assert_eq!(retry["retry_on"], "connect-failure,refused-stream,reset,5xx");
     assert_eq!(retry["num_retries"], 1);
     assert_eq!(routes[1]["route"]["cluster_header"], "x-gateway-pool");
+    // No route reaches a pool without the filter's x-gateway-pool: the catch-all answers 404.
+    assert!(routes[2]["route"].is_null(), "{:?}", routes[2]);
+    assert_eq!(routes[2]["direct_response"]["status"], 404);
 
     let clusters = &b["static_resources"]["clusters"];
     assert_eq!(
@@ -194,7 +208,10 @@ fn istio_inserts_wasm_then_ext_proc_before_the_router() {
     let ef = yaml(&f["istio/envoyfilter.yaml"]);
     let patches = ef["spec"]["configPatches"].as_sequence().unwrap();
     let kinds: Vec<&str> = patches.iter().map(|p| p["applyTo"].as_str().unwrap()).collect();
-    assert_eq!(kinds, ["LISTENER", "NETWORK_FILTER", "EXTENSION_CONFIG", "HTTP_FILTER", "HTTP_FILTER"]);
+    assert_eq!(
+        kinds,
+        ["LISTENER", "NETWORK_FILTER", "EXTENSION_CONFIG", "HTTP_FILTER", "HTTP_FILTER", "HTTP_FILTER"]
+    );
     let log = &patches[1]["patch"]["value"]["typed_config"]["access_log"][0]["typed_config"]["common_config"];
     assert_eq!(
         log["grpc_service"]["envoy_grpc"]["cluster_name"],
@@ -208,7 +225,16 @@ fn istio_inserts_wasm_then_ext_proc_before_the_router() {
     );
     let inserted: Vec<&str> =
         patches[3..].iter().map(|p| p["patch"]["value"]["name"].as_str().unwrap()).collect();
-    assert_eq!(inserted, ["llm_gateway.filter", "llm_gateway.admission"]);
+    assert_eq!(inserted, ["llm_gateway.filter", "llm_gateway.admission", "llm_gateway.guard"]);
+    let vs = yaml(&f["istio/virtualservice.yaml"]);
+    let routes = vs["spec"]["http"].as_sequence().unwrap();
+    // Only the x-gateway-pool routes reach a pool; the last answers the standalone's 404.
+    for route in &routes[..routes.len() - 1] {
+        assert!(!route["match"][0]["headers"]["x-gateway-pool"]["exact"].is_null(), "{route:?}");
+    }
+    let last = routes.last().unwrap();
+    assert!(last["route"].is_null(), "{last:?}");
+    assert_eq!(last["directResponse"]["status"], 404);
     assert_eq!(
         patches[4]["patch"]["value"]["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"],
         "outbound|50051||llm-gateway-ext-proc.llm-gateway.svc.cluster.local"
@@ -231,6 +257,8 @@ fn envoy_gateway_policy_carries_the_plugin_config() {
     // One rule per pool, then the catch-all that enables the policy's filters on every request.
     assert_eq!(rules.len(), 4);
     assert_eq!(rules[3]["matches"][0]["path"]["value"], "/");
+    // ... and reaches no pool.
+    assert!(rules[3]["backendRefs"].is_null(), "{:?}", rules[3]);
 }
 
 /// The example with `filter.admission_leases` (and the leases it needs) turned on.

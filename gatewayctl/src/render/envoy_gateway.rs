@@ -121,16 +121,15 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
             ("timeouts", map([("request", s("0s"))])),
         ]));
     }
-    if let Some(first) = c.pools.first() {
-        let service = pool_service(0, first, "envoy-gateway")?;
-        let ns = (service.namespace != route_ns).then_some(service.namespace.as_str());
-        rules.push(map([
-            ("matches", seq([map([("path", map([("type", s("PathPrefix")), ("value", s("/"))]))])])),
-            ("filters", filters.clone()),
-            ("backendRefs", seq([backend_ref(&service.name, ns, service.port)])),
-            ("timeouts", map([("request", s("0s"))])),
-        ]));
-    }
+    // The catch-all rule: Envoy Gateway runs the policy's filters only on requests that match a
+    // rule, so every request must match one before the filter has set x-gateway-pool. It has no
+    // backend, so a request the filter did not route reaches no pool (Gateway API: a rule
+    // without backends answers 500).
+    rules.push(map([
+        ("matches", seq([map([("path", map([("type", s("PathPrefix")), ("value", s("/"))]))])])),
+        ("filters", filters.clone()),
+        ("timeouts", map([("request", s("0s"))])),
+    ]));
     let route = template::render(
         template::EG_HTTP_ROUTE,
         &Values::new()

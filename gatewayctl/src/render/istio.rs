@@ -117,6 +117,10 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
     })?;
     *cluster = s(&sidecar_cluster);
 
+    // The RBAC guard just before the router: nothing reaches a pool without the wasm filter's
+    // facts and an admission (envoy/filters/guard.yaml).
+    let guard = template::render(template::FILTER_GUARD, &values)?;
+
     // The filter buffers the body: the listener's buffer must exceed the body limit.
     let mut patches = vec![
         map([
@@ -194,14 +198,18 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
                 ),
             ]);
             // Each INSERT_BEFORE the router lands after the previous one: wasm, admission,
-            // router.
+            // guard, router.
             patches.push(http_filter_patch("INSERT_BEFORE", ROUTER, discovered));
             patches.push(http_filter_patch("INSERT_BEFORE", ROUTER, admission));
+            patches.push(http_filter_patch("INSERT_BEFORE", ROUTER, guard));
         }
         WasmDelivery::WasmPlugin => {
             for anchor in wasm_plugin_filter_names(&istio.namespace, "llm-gateway") {
                 patches.push(http_filter_patch("INSERT_AFTER", &anchor, admission.clone()));
             }
+            // Anchored on the router, not on the plugin: it applies even where the WasmPlugin
+            // (and so the admission anchored on it) is missing, and then refuses every request.
+            patches.push(http_filter_patch("INSERT_BEFORE", ROUTER, guard));
             let plugin_config: Value =
                 serde_yaml_ng::from_str(&filter_json).map_err(|e| Error::Internal(e.to_string()))?;
             let url = if module.url.starts_with("oci://")
@@ -264,21 +272,12 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
         )?);
     }
     // Every request that passes the filter carries x-gateway-pool; the filter answers the rest
-    // itself. The default route only mirrors the standalone bootstrap's.
-    if let Some(first) = c.pools.first() {
-        let service = pool_service(0, first, "istio")?;
-        routes.push(map([
-            ("name", s("default")),
-            (
-                "route",
-                seq([map([(
-                    "destination",
-                    map([("host", s(service.fqdn())), ("port", map([("number", n(service.port))]))]),
-                )])]),
-            ),
-            ("timeout", s("0s")),
-        ]));
-    }
+    // itself. The default route reaches no pool: it answers the standalone bootstrap's 404.
+    let (status, body) = super::standalone::not_routed_response()?;
+    routes.push(map([
+        ("name", s("not-routed")),
+        ("directResponse", map([("status", n(status)), ("body", map([("string", s(body))]))])),
+    ]));
     let virtual_service = template::render(
         template::ISTIO_VIRTUAL_SERVICE,
         &Values::new()

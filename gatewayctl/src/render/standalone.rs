@@ -77,13 +77,14 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error>
     let sidecar = parse_host_port(&sidecar_address)
         .ok_or_else(|| FieldError::new("sidecar.address", "must be host:port"))?;
     let max_body = c.filter.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES);
-    let first_pool = c.pools.first().ok_or_else(|| FieldError::new("pools", "must not be empty"))?;
+    if c.pools.is_empty() {
+        return Err(FieldError::new("pools", "must not be empty").into());
+    }
 
     let values = Values::new()
         .set("ADMIN_PORT", c.envoy.admin_port)
         .set("LISTEN_PORT", c.envoy.listen.port())
         .set("BUFFER_LIMIT_BYTES", max_body.saturating_add(1 << 20))
-        .set("DEFAULT_POOL", first_pool.name.as_str())
         .set("FILTER_CONFIG_JSON", to_json(filter_config).map_err(Error::Internal)?)
         .set("WASM_PATH", wasm_path.display().to_string())
         .set("EXT_PROC_PORT", sidecar.port)
@@ -112,6 +113,7 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error>
     let filters = seq([
         template::render(template::FILTER_WASM, &values)?,
         super::admission_filter(loaded, template::render(template::FILTER_ADMISSION, &values)?)?,
+        template::render(template::FILTER_GUARD, &values)?,
         router(),
     ]);
     if !set(hcm, "http_filters", filters) {
@@ -165,6 +167,42 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error>
     *at_mut(&mut bootstrap, &["static_resources".into(), "clusters".into()])
         .ok_or_else(|| missing("clusters"))? = seq(clusters);
     Ok(bootstrap)
+}
+
+/// The status and body of envoy/bootstrap.yaml's catch-all route, the direct response to a
+/// request the filter did not route (no route reaches a pool without the filter's decision),
+/// which the mesh targets' catch-all routes answer too.
+///
+/// # Errors
+/// An internal template error.
+pub fn not_routed_response() -> Result<(u64, String), Error> {
+    let values = Values::new().set("ADMIN_PORT", 0).set("LISTEN_PORT", 0).set("BUFFER_LIMIT_BYTES", 0);
+    let bootstrap = template::render(template::BOOTSTRAP, &values)?;
+    let hcm = bootstrap
+        .get("static_resources")
+        .and_then(|r| r.get("listeners"))
+        .and_then(|l| l.get(0))
+        .and_then(|l| l.get("filter_chains"))
+        .and_then(|c| c.get(0))
+        .and_then(|c| c.get("filters"))
+        .and_then(|f| f.get(0))
+        .and_then(|f| f.get("typed_config"))
+        .ok_or_else(|| missing("http_connection_manager"))?;
+    let direct = hcm
+        .get("route_config")
+        .and_then(|r| r.get("virtual_hosts"))
+        .and_then(|v| v.get(0))
+        .and_then(|v| v.get("routes"))
+        .and_then(Value::as_sequence)
+        .and_then(|routes| routes.last())
+        .and_then(|r| r.get("direct_response"))
+        .ok_or_else(|| missing("the catch-all route's direct_response"))?;
+    let status = direct.get("status").and_then(Value::as_u64);
+    let body = direct.get("body").and_then(|b| b.get("inline_string")).and_then(Value::as_str);
+    match (status, body) {
+        (Some(status), Some(body)) => Ok((status, body.to_owned())),
+        _ => Err(missing("the catch-all route's status and body")),
+    }
 }
 
 /// The retry conditions of a fallback chain's route (envoy/fallback_route.yaml), which the mesh
