@@ -13,7 +13,7 @@
 //! (`x-gateway-pool: <pool>`), so routing, the sidecar's shedding and the metering see one name.
 
 use crate::config::FieldError;
-use crate::config::{parse_host_port, primary_cluster, Loaded, PoolSection};
+use crate::config::{parse_host_port, primary_cluster, EdgeSection, Loaded, PoolSection};
 use crate::template::{self, Values};
 use crate::tree::{at_mut, map, n, s, seq, set, to_json, Key, Value};
 
@@ -87,12 +87,8 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error>
         .set("BUFFER_LIMIT_BYTES", max_body.saturating_add(1 << 20))
         .set("FILTER_CONFIG_JSON", to_json(filter_config).map_err(Error::Internal)?)
         .set("WASM_PATH", wasm_path.display().to_string())
-        .set("EXT_PROC_PORT", sidecar.port)
-        .set("MAX_HEAP_BYTES", c.envoy.edge.max_heap_bytes)
-        .set("MAX_DOWNSTREAM_CONNECTIONS", c.envoy.edge.max_downstream_connections)
-        .set("REQUEST_HEADERS_TIMEOUT", duration(c.envoy.edge.request_headers_timeout_ms))
-        .set("REQUEST_TIMEOUT", duration(c.envoy.edge.request_timeout_ms))
-        .set("MAX_REQUEST_HEADERS_KB", c.envoy.edge.max_request_headers_kb);
+        .set("EXT_PROC_PORT", sidecar.port);
+    let values = with_edge(values, &c.envoy.edge);
 
     let mut bootstrap = template::render(template::BOOTSTRAP, &values)?;
     let listener = [Key::from("static_resources"), "listeners".into(), 0.into()];
@@ -169,6 +165,16 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error>
     Ok(bootstrap)
 }
 
+/// `values` with the edge settings' placeholders of envoy/bootstrap.yaml filled from `edge`.
+fn with_edge(values: Values, edge: &EdgeSection) -> Values {
+    values
+        .set("MAX_HEAP_BYTES", edge.max_heap_bytes)
+        .set("MAX_DOWNSTREAM_CONNECTIONS", edge.max_downstream_connections)
+        .set("REQUEST_HEADERS_TIMEOUT", duration(edge.request_headers_timeout_ms))
+        .set("REQUEST_TIMEOUT", duration(edge.request_timeout_ms))
+        .set("MAX_REQUEST_HEADERS_KB", edge.max_request_headers_kb)
+}
+
 /// The status and body of envoy/bootstrap.yaml's catch-all route, the direct response to a
 /// request the filter did not route (no route reaches a pool without the filter's decision),
 /// which the mesh targets' catch-all routes answer too.
@@ -177,6 +183,7 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error>
 /// An internal template error.
 pub fn not_routed_response() -> Result<(u64, String), Error> {
     let values = Values::new().set("ADMIN_PORT", 0).set("LISTEN_PORT", 0).set("BUFFER_LIMIT_BYTES", 0);
+    let values = with_edge(values, &EdgeSection::default());
     let bootstrap = template::render(template::BOOTSTRAP, &values)?;
     let hcm = bootstrap
         .get("static_resources")
