@@ -222,7 +222,11 @@ def test_the_gateway_routes_and_reserves_what_the_upstream_reads(diff_stack):
         recs = seen.get(diff_id, [])
         if not recs:
             # Refused by the gateway: an OpenAI-shaped error, and no upstream saw it.
-            ok = 400 <= r.status_code < 500 and "error" in r.json() and {"message", "type", "code"} <= set(r.json()["error"])
+            try:
+                error = r.json().get("error") or {}
+            except ValueError:
+                error = {}
+            ok = 400 <= r.status_code < 500 and {"message", "type", "code"} <= set(error)
             if not ok:
                 failures.append(f"{label}: no upstream record and no gateway error: {r.status_code} {r.text[:200]}")
             outcomes["gateway refused"] += 1
