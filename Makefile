@@ -8,7 +8,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CARGO_BINS := -p gateway-ext-proc -p vllm-sim -p gateway-bench -p gatewayctl
 WASM := target/wasm32-wasip1/release/gateway_filter.wasm
 
-.PHONY: help setup build run test test-unit test-integration lint bench
+.PHONY: help setup build run test test-unit test-integration lint bench fuzz
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -47,3 +47,18 @@ lint: setup ## rustfmt and clippy (host and wasm32), warnings denied (CI runs it
 	cargo fmt --all --check
 	cargo clippy --locked --workspace --all-targets -- -D warnings
 	cargo clippy --locked --target wasm32-wasip1 -p gateway-filter -- -D warnings
+
+# The property/fuzz tests (proptest): json_scan vs serde_json and the body rewrite
+# (filter/tests/parse_props.rs), the SSE meter and the filter's usage stripper
+# (meter/tests/sse_props.rs, filter/tests/sse_props.rs), every config parser
+# (gatewayctl/tests/config_fuzz.rs, sim/tests/cli_fuzz.rs, bench/tests/cli_fuzz.rs). `make test-unit`
+# (CI) runs them at their default case counts (128 to 512 per property); this runs FUZZ_CASES per
+# property, each crate's run bounded by FUZZ_TIMEOUT seconds.
+FUZZ_CASES ?= 5000
+FUZZ_TIMEOUT ?= 300
+fuzz: ## Property/fuzz tests of the parsers, the SSE meter and every config parser with many more cases (FUZZ_CASES per property, each crate bounded by FUZZ_TIMEOUT s)
+	@set -e; for t in "gateway-filter --test parse_props --test sse_props" "gateway-meter --test sse_props" \
+	    "gatewayctl --test config_fuzz" "vllm-sim --test cli_fuzz" "gateway-bench --test cli_fuzz"; do \
+	  echo "== $$t (PROPTEST_CASES=$(FUZZ_CASES))"; \
+	  PROPTEST_CASES=$(FUZZ_CASES) timeout $(FUZZ_TIMEOUT) cargo test --locked -q -p $$t; \
+	done

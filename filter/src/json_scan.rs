@@ -229,12 +229,17 @@ fn decode_key(raw: &[u8]) -> Option<String> {
         serde_json::from_slice::<String>(raw).ok()
     } else {
         let inner = raw.get(1..raw.len().checked_sub(1)?)?;
+        // A raw control character is not JSON (serde_json and Python's `json` refuse it).
+        if inner.iter().any(|b| *b < 0x20) {
+            return None;
+        }
         std::str::from_utf8(inner).ok().map(str::to_string)
     }
 }
 
 /// Scans the top-level members of the JSON object in `s` (leading/trailing whitespace allowed).
-/// Returns `None` if `s` is not an object.
+/// Returns `None` if `s` is not an object, or a key is not a valid JSON string. Bytes after the
+/// closing brace are not looked at ([`ObjectScan::close`] says where it is).
 pub fn scan_object(s: &[u8]) -> Option<ObjectScan> {
     let open = skip_ws(s, 0);
     if s.get(open) != Some(&b'{') {
@@ -373,6 +378,18 @@ mod tests {
         let out_of_range = vec![Edit { start: 2, end: 999, with: vec![] }];
         assert_eq!(apply_edits_in_place(&mut unchanged, out_of_range), None);
         assert_eq!(unchanged, base);
+    }
+
+    /// Issue 16, item 5 (found by tests/parse_props.rs): a key with a raw control character is
+    /// not JSON; the scanner took it (the large-body path then admitted what vLLM refuses).
+    #[test]
+    fn keys_with_raw_control_characters_are_refused() {
+        for doc in ["{\"a\u{0}b\": 1}", "{\"k\": 1, \"\n\": 2}", "{\"\u{1f}\":1}"] {
+            assert!(serde_json::from_str::<serde_json::Value>(doc).is_err());
+            assert_eq!(scan_object(doc.as_bytes()), None, "{doc:?}");
+        }
+        let ok = scan_object(br#"{"a\u0000b": 1, "\n": 2}"#).unwrap();
+        assert_eq!(ok.members.iter().map(|m| m.key.as_str()).collect::<Vec<_>>(), ["a\0b", "\n"]);
     }
 
     #[test]

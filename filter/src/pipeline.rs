@@ -355,6 +355,15 @@ fn on_large_body(
 ) -> Result<(ForwardPlan, Vec<Edit>), GatewayError> {
     let scan =
         scan_object(body).ok_or(GatewayError::InvalidJson { detail: "expected a JSON object".into() })?;
+    // As serde_json and Python's `json` (vLLM): nothing but whitespace after the object.
+    if !body
+        .get(scan.close + 1..)
+        .unwrap_or_default()
+        .iter()
+        .all(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+    {
+        return Err(GatewayError::InvalidJson { detail: "trailing characters after the JSON object".into() });
+    }
     if let Some(dup) = scan.first_duplicate() {
         return Err(GatewayError::DuplicateParameter { param: truncate_for_echo(dup) });
     }
@@ -1152,6 +1161,21 @@ mod tests {
         assert!(matches!(e, GatewayError::MaxTokensTooLarge { .. }), "{e:?}");
         let e = large(json!({"model": "nope", "messages": long_messages()})).unwrap_err();
         assert_eq!(e.parts().0, 404);
+    }
+
+    /// Issue 16, item 5 (found by tests/parse_props.rs): a large body with bytes after its object
+    /// was admitted from its members, where serde_json and vLLM's `json.loads` refuse it whole.
+    #[test]
+    fn a_large_body_with_trailing_characters_is_refused() {
+        let mut c = cfg();
+        c.full_parse_max_bytes = 200;
+        let p = pending("/v1/chat/completions", "sk-demo");
+        let body = json!({"model": "qwen", "messages": long_messages()}).to_string();
+        assert!(both(&c, &p, format!(" {body} \r\n").as_bytes()).is_ok());
+        for tail in ["x", "}", r#"{"model":"llama"}"#, ",", "\u{0}"] {
+            let e = both(&c, &p, format!("{body}{tail}").as_bytes()).unwrap_err();
+            assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_json", None), "{tail}");
+        }
     }
 
     #[test]
