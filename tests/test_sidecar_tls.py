@@ -1,0 +1,154 @@
+"""mTLS between Envoy and the sidecar (issue 16, item 2): the sidecar's gRPC listener with `tls`
+(its certificate, and the CA Envoy's client certificate must come from), Envoy's ext_proc cluster
+with the transport socket of envoy/ext_proc_upstream_tls.yaml.
+
+- Through Envoy over mTLS, requests are admitted and limited, and their usage records arrive in
+  Redis (the gRPC access log rides the same cluster), with admission leases on (the filter's
+  `dispatch_grpc_call` rides it too).
+- Anyone else who reaches the port is refused on each of the three services (ext_proc, the access
+  log service, the lease service): a client without a certificate, one with a certificate from
+  another CA, and one speaking plaintext. The refusal is per connection (the TLS handshake fails
+  before any HTTP/2 frame is read), so it is the same for every service; the test makes the call
+  on each, and a client with a valid certificate, on the same code path, gets each answered.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import struct
+
+import pytest
+import redis
+
+from helpers import assert_openai_error, chat_body, post, wait_for
+from sidecar_checks import usage_events, usage_hash
+from stack import Model, Pool, SidecarTls, Stack, Tenant, new_api_key
+from tls_certs import make_ca
+
+SERVER_NAME = "gateway-ext-proc.test"
+KEYS = {"mt-a": new_api_key(), "mt-tiny": new_api_key()}
+SERVICES = [
+    "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+    "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs",
+    "/llm_gateway.v1.AdmissionLeases/Acquire",
+]
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    ca = make_ca(d / "ca")
+    other = make_ca(d / "other", "other-ca")
+    server_cert, server_key = ca.issue("sidecar", server=True, dns=[SERVER_NAME])
+    client_cert, client_key = ca.issue("envoy", server=False)
+    rogue_cert, rogue_key = other.issue("rogue", server=False)
+    return {
+        "tls": SidecarTls(ca.cert, server_cert, server_key, client_cert, client_key, SERVER_NAME),
+        "rogue": (rogue_cert, rogue_key),
+    }
+
+
+@pytest.fixture(scope="module")
+def mtls_stack(tmp_path_factory, pki):
+    pools = [Pool("pool_mt", ["sim/mt"], ["--output-tokens", "5"])]
+    models = [Model("mt", "pool_mt", served_model_name="sim/mt")]
+    tenants = [
+        Tenant("mt-a", [KEYS["mt-a"]], {"requests_per_minute": 1000, "tokens_per_minute": 1_000_000}),
+        Tenant("mt-tiny", [KEYS["mt-tiny"]], {"requests_per_minute": 2}),
+    ]
+    overrides = {"redis": {"lease_fraction": 0.2}}
+    with Stack(tmp_path_factory.mktemp("mtls"), pools, models, tenants, sidecar_tls=pki["tls"],
+               sidecar_overrides=overrides, admission_leases=True) as s:
+        yield s
+
+
+def test_requests_are_admitted_limited_and_metered_over_mtls(mtls_stack):
+    stack = mtls_stack
+    assert "tls" in stack.sidecar_config()
+    client = redis.Redis(port=stack.redis_port, socket_timeout=2)
+    for _ in range(3):
+        r = post(stack, "/v1/chat/completions", chat_body("mt"), key=KEYS["mt-a"])
+        assert r.status_code == 200, (r.text, stack.logs())
+    # The tiny tenant's limit is enforced by the sidecar (over mTLS): 2 admitted, then 429.
+    codes = [post(stack, "/v1/chat/completions", chat_body("mt"), key=KEYS["mt-tiny"]).status_code
+             for _ in range(3)]
+    assert codes[:2] == [200, 200], (codes, stack.logs())
+    assert_openai_error(post(stack, "/v1/chat/completions", chat_body("mt"), key=KEYS["mt-tiny"]), 429)
+    # Usage records arrive through the gRPC access log over mTLS.
+    assert wait_for(lambda: usage_hash(client, "mt-a").get("mt:requests") == 3, timeout=30), (
+        usage_hash(client, "mt-a"), stack.logs())
+    events = usage_events(client, "mt-a")
+    assert len(events) == 3 and all(e["completion_tokens"] == 5 for e in events), events
+    assert usage_hash(client, "mt-tiny").get("mt:requests") == 2
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+
+
+def _literal(name: str, value: str) -> bytes:
+    """HPACK literal header field without indexing, new name, no Huffman (lengths < 127)."""
+    n, v = name.encode(), value.encode()
+    return b"\x00" + bytes([len(n)]) + n + bytes([len(v)]) + v
+
+
+def grpc_call(port: int, path: str, context: ssl.SSLContext | None) -> str:
+    """One gRPC call (an empty message) on `path` over HTTP/2: 'answered' when the server sends a
+    HEADERS frame on the stream, else 'refused: <why>' (TLS handshake or connection failure)."""
+    raw = socket.create_connection(("127.0.0.1", port), timeout=5)
+    try:
+        sock = context.wrap_socket(raw, server_hostname=SERVER_NAME) if context else raw
+        headers = b"".join(_literal(k, v) for k, v in [
+            (":method", "POST"), (":scheme", "https" if context else "http"), (":path", path),
+            (":authority", SERVER_NAME), ("content-type", "application/grpc"), ("te", "trailers")])
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(4, 0, 0, b"")
+                     + _frame(1, 0x4, 1, headers) + _frame(0, 0x1, 1, b"\x00\x00\x00\x00\x00"))
+        buffer = b""
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return "refused: connection closed"
+            buffer += data
+            while len(buffer) >= 9:
+                length = int.from_bytes(buffer[:3], "big")
+                if len(buffer) < 9 + length:
+                    break
+                kind, stream = buffer[3], int.from_bytes(buffer[5:9], "big") & 0x7FFFFFFF
+                if kind == 4 and not buffer[4] & 1:
+                    sock.sendall(_frame(4, 0x1, 0, b""))  # ACK the server's SETTINGS
+                if kind == 1 and stream == 1:
+                    return "answered"
+                buffer = buffer[9 + length:]
+    except (ssl.SSLError, ConnectionError, socket.timeout) as e:
+        return f"refused: {e}"
+    finally:
+        raw.close()
+
+
+def tls_context(ca, cert=None, key=None) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=str(ca))
+    context.set_alpn_protocols(["h2"])
+    if cert:
+        context.load_cert_chain(str(cert), str(key))
+    return context
+
+
+def test_clients_without_a_valid_certificate_are_refused_on_each_service(mtls_stack, pki):
+    stack, tls = mtls_stack, pki["tls"]
+    port = stack.ext_proc_port
+    valid = tls_context(tls.ca, tls.client_cert, tls.client_key)
+    clients = {
+        "no certificate": tls_context(tls.ca),
+        "certificate of another CA": tls_context(tls.ca, *pki["rogue"]),
+        "plaintext": None,
+    }
+    for path in SERVICES:
+        # The control: Envoy's certificate gets the call answered.
+        assert grpc_call(port, path, valid) == "answered", (path, stack.logs())
+        for name, context in clients.items():
+            outcome = grpc_call(port, path, context)
+            assert outcome.startswith("refused"), (path, name, outcome)
+    # The sidecar is still serving Envoy.
+    r = post(stack, "/v1/chat/completions", chat_body("mt"), key=KEYS["mt-a"])
+    assert r.status_code == 200, (r.text, stack.logs())
