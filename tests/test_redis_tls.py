@@ -48,7 +48,7 @@ def documented_acl_rules() -> list[str]:
 def pki(tmp_path_factory):
     d = tmp_path_factory.mktemp("redis-pki")
     ca = make_ca(d / "ca")
-    server = ca.issue("redis", server=True, dns=["localhost"], ips=["127.0.0.1"])
+    server = ca.issue("redis", server=True, dns=["localhost"], ips=["127.0.0.1"], client_too=True)
     client = ca.issue("sidecar", server=False)
     return {"ca": ca.cert, "server": server, "client": client, "dir": d}
 
@@ -209,3 +209,89 @@ def urllib_open(url: str):
     import urllib.request  # noqa: PLC0415
 
     return urllib.request.urlopen(url, timeout=5)
+
+
+@pytest.fixture(scope="module")
+def tls_cluster(tmp_path_factory, pki):
+    """Three Redis Cluster masters with TLS only (clients, cluster bus and replication:
+    `tls-cluster yes`, `tls-replication yes`), the same users as `tls_redis`; slots assigned by
+    `redis-cli --cluster create --tls`."""
+    import shutil  # noqa: PLC0415
+
+    d = tmp_path_factory.mktemp("redis-tls-cluster")
+    ports = Stack._cluster_ports(3)
+    procs = []
+    tls_args = ["--tls-cert-file", str(pki["server"][0]), "--tls-key-file", str(pki["server"][1]),
+                "--tls-ca-cert-file", str(pki["ca"]), "--tls-auth-clients", "yes",
+                "--tls-cluster", "yes", "--tls-replication", "yes"]
+    users = ["--user", "llmgw", "on", f">{PASSWORD}", *documented_acl_rules(),
+             "--user", "admin", "on", f">{ADMIN_PASSWORD}", "~*", "&*", "+@all",
+             "--user", "default", "off", "--masteruser", "admin", "--masterauth", ADMIN_PASSWORD]
+    for port in ports:
+        log = open(d / f"redis-{port}.log", "ab")  # noqa: SIM115
+        procs.append(subprocess.Popen(
+            [redis_binary(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(d), "--cluster-enabled", "yes",
+             "--cluster-config-file", f"nodes-{port}.conf", *tls_args, *users],
+            stdout=log, stderr=log, stdin=subprocess.DEVNULL))
+    try:
+        deadline = time.monotonic() + START_S
+        for port in ports:
+            while True:
+                try:
+                    admin(port, pki).ping()
+                    break
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        raise StackError(f"redis {port} did not start") from None
+                    time.sleep(0.05)  # polling interval of a readiness loop bounded by the deadline
+        cli = shutil.which("redis-cli") or "redis-cli"
+        create = subprocess.run(
+            [cli, "--tls", "--cacert", str(pki["ca"]), "--cert", str(pki["client"][0]),
+             "--key", str(pki["client"][1]), "--user", "admin", "--pass", ADMIN_PASSWORD,
+             "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "0",
+             "--cluster-yes"], capture_output=True, text=True, timeout=START_S, check=False)
+        assert create.returncode == 0, create.stdout + create.stderr
+        for port in ports:
+            while admin(port, pki).cluster("info").get("cluster_state") != "ok":
+                if time.monotonic() > deadline:
+                    raise StackError(f"redis cluster node {port} not ok")
+                time.sleep(0.05)  # polling interval of a readiness loop bounded by the deadline
+        yield ports
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def test_redis_cluster_over_tls_with_the_minimal_acl(tmp_path, tls_cluster, pki):
+    from redis.cluster import RedisCluster  # noqa: PLC0415
+
+    password_file = tmp_path / "redis-password"
+    password_file.write_text(PASSWORD)
+    key = new_api_key()
+    section = redis_section(tls_cluster[0], pki, password_file)
+    del section["url"]
+    section["cluster_urls"] = [f"rediss://127.0.0.1:{p}" for p in tls_cluster]
+
+    def sidecar_config(_stack) -> dict:
+        return {"listen": "127.0.0.1:0", "redis": section,
+                "tenants": [{"id": "rt-cl", "limits": {"requests_per_minute": 2}}]}
+
+    cluster = RedisCluster(host="127.0.0.1", port=tls_cluster[0], ssl=True, ssl_ca_certs=str(pki["ca"]),
+                           ssl_certfile=str(pki["client"][0]), ssl_keyfile=str(pki["client"][1]),
+                           username="admin", password=ADMIN_PASSWORD)
+    for node in cluster.get_primaries():
+        cluster.acl_log_reset(target_nodes=node)
+    with Stack(tmp_path / "stack", [Pool("pool_cl", ["sim/cl"], ["--output-tokens", "4"])],
+               [Model("cl", "pool_cl", served_model_name="sim/cl")],
+               [Tenant("rt-cl", [key], {"requests_per_minute": 2})], redis_port=tls_cluster[0],
+               sidecar_config_from=sidecar_config) as stack:
+        codes = [post(stack, "/v1/chat/completions", chat_body("cl"), key=key).status_code for _ in range(3)]
+        assert codes == [200, 200, 429], (codes, stack.logs())
+        assert wait_for(lambda: usage_hash(cluster, "rt-cl").get("cl:requests") == 2, timeout=30), stack.logs()
+        logs = "".join(p.log.read_text(errors="replace") for p in stack.procs)
+        assert PASSWORD not in logs
+    denied = [entry for node in cluster.get_primaries() for entry in cluster.acl_log(target_nodes=node)]
+    assert denied == [], denied
+    cluster.close()

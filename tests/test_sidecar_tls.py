@@ -152,3 +152,56 @@ def test_clients_without_a_valid_certificate_are_refused_on_each_service(mtls_st
     # The sidecar is still serving Envoy.
     r = post(stack, "/v1/chat/completions", chat_body("mt"), key=KEYS["mt-a"])
     assert r.status_code == 200, (r.text, stack.logs())
+
+
+def test_the_gateway_runs_over_mtls_from_gatewayctls_standalone_render(tmp_path, pki):
+    """gatewayctl's standalone target with `sidecar.tls`: the sidecar config gets `tls`, the
+    bootstrap's ext_proc cluster the transport socket; the rendered pair admits and meters."""
+    import yaml  # noqa: PLC0415
+
+    from stack import WASM_PATH, free_port, sha256_hex  # noqa: PLC0415
+    from test_deploy import gatewayctl  # noqa: PLC0415
+
+    tls, key, port = pki["tls"], new_api_key(), free_port()
+    pools = [Pool("pool_r", ["sim/r"], ["--output-tokens", "3"])]
+    out = tmp_path / "out"
+
+    def gateway_config(stack: Stack) -> dict:
+        return {
+            "envoy": {"listen": "127.0.0.1:0", "admin_port": 0},
+            "filter": {"wasm_file": str(WASM_PATH)},
+            "sidecar": {"listen": f"127.0.0.1:{port}", "tls": {
+                "server_name": tls.server_name, "cert_file": str(tls.server_cert),
+                "key_file": str(tls.server_key), "client_ca_file": str(tls.ca),
+                "envoy_cert_file": str(tls.client_cert), "envoy_key_file": str(tls.client_key),
+                "ca_file": str(tls.ca)}},
+            "redis": {"url": f"redis://127.0.0.1:{stack.redis_port}/0"},
+            "tenants": [{"id": "mt-r", "api_keys_sha256": [sha256_hex(key)],
+                         "limits": {"requests_per_minute": 1000}}],
+            "models": [{"name": "r", "pool": "pool_r", "max_model_len": 4096, "served_model_name": "sim/r"}],
+            "pools": [{"name": "pool_r", "endpoints": [u.removeprefix("http://") for u in stack.pool("pool_r").urls]}],
+        }
+
+    def rendered(name: str):
+        def load(stack: Stack) -> dict:
+            if not (out / "standalone" / name).exists():
+                path = tmp_path / "gateway.yaml"
+                path.write_text(yaml.safe_dump(gateway_config(stack), sort_keys=False))
+                gatewayctl("render", "--config", str(path), "--out", str(out), "--target", "standalone")
+            return yaml.safe_load((out / "standalone" / name).read_text())
+        return load
+
+    with Stack(tmp_path / "stack", pools, [Model("r", "pool_r", served_model_name="sim/r")],
+               [Tenant("mt-r", [key], {"requests_per_minute": 1000})],
+               sidecar_config_from=rendered("sidecar.yaml"), envoy_config_from=rendered("envoy.yaml")) as stack:
+        sidecar = yaml.safe_load((out / "standalone" / "sidecar.yaml").read_text())
+        assert sidecar["tls"]["client_ca_file"] == str(tls.ca)
+        bootstrap = yaml.safe_load((out / "standalone" / "envoy.yaml").read_text())
+        cluster = next(c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "llm_gateway_ext_proc")
+        assert cluster["transport_socket"]["typed_config"]["sni"] == SERVER_NAME
+        r = post(stack, "/v1/chat/completions", chat_body("r"), key=key)
+        assert r.status_code == 200, (r.text, stack.logs())
+        client = redis.Redis(port=stack.redis_port, socket_timeout=2)
+        assert wait_for(lambda: usage_hash(client, "mt-r").get("r:requests") == 1, timeout=30), stack.logs()
+        # Without a client certificate the rendered sidecar refuses.
+        assert grpc_call(stack.ext_proc_port, SERVICES[1], tls_context(tls.ca)).startswith("refused")

@@ -30,8 +30,11 @@ class Ca:
     def key(self) -> Path:
         return self.directory / f"{self.name}.key"
 
-    def issue(self, name: str, *, server: bool, dns: list[str] = (), ips: list[str] = ()) -> tuple[Path, Path]:
-        """A leaf certificate signed by this CA: (certificate, key) PEM files `<name>.crt/.key`."""
+    def issue(self, name: str, *, server: bool, dns: list[str] = (), ips: list[str] = (),
+              client_too: bool = False) -> tuple[Path, Path]:
+        """A leaf certificate signed by this CA: (certificate, key) PEM files `<name>.crt/.key`;
+        a server certificate with `client_too` may also authenticate as a client (Redis Cluster
+        nodes use theirs on the TLS cluster bus)."""
         d = self.directory
         _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
                  "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
@@ -39,7 +42,7 @@ class Ca:
         ext = [
             "basicConstraints=critical,CA:FALSE",
             "keyUsage=critical,digitalSignature,keyEncipherment",
-            f"extendedKeyUsage={'serverAuth' if server else 'clientAuth'}",
+            "extendedKeyUsage=" + ("serverAuth" + (",clientAuth" if client_too else "") if server else "clientAuth"),
         ]
         if sans:
             ext.append("subjectAltName=" + ",".join(sans))
