@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from helpers import assert_openai_error, chat_body, post, wait_for
-from sidecar_checks import usage_events, usage_hash
+from sidecar_checks import metric, sidecar_metrics, usage_events, usage_hash
 from stack import Model, Pool, SidecarTls, Stack, Tenant, new_api_key
 from tls_certs import make_ca
 
@@ -57,7 +57,7 @@ def mtls_stack(tmp_path_factory, pki):
         Tenant("mt-a", [KEYS["mt-a"]], {"requests_per_minute": 1000, "tokens_per_minute": 1_000_000}),
         Tenant("mt-tiny", [KEYS["mt-tiny"]], {"requests_per_minute": 2}),
     ]
-    overrides = {"redis": {"lease_fraction": 0.2}}
+    overrides = {"redis": {"lease_fraction": 0.2}, "metrics_listen": "127.0.0.1:0"}
     with Stack(tmp_path_factory.mktemp("mtls"), pools, models, tenants, sidecar_tls=pki["tls"],
                sidecar_overrides=overrides, admission_leases=True) as s:
         yield s
@@ -81,6 +81,9 @@ def test_requests_are_admitted_limited_and_metered_over_mtls(mtls_stack):
     events = usage_events(client, "mt-a")
     assert len(events) == 3 and all(e["completion_tokens"] == 5 for e in events), events
     assert usage_hash(client, "mt-tiny").get("mt:requests") == 2
+    # The filter's lease calls (dispatch_grpc_call on the same cluster) are granted over mTLS.
+    assert wait_for(lambda: metric(sidecar_metrics(stack), "llm_gateway_admission_leases_total",
+                                   outcome="granted") >= 1, timeout=30), sidecar_metrics(stack)
 
 
 def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
