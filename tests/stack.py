@@ -171,6 +171,19 @@ EDGE_DEFAULTS = {
 }
 
 
+@dataclass
+class SidecarTls:
+    """mTLS files between Envoy and the sidecar (tests/tls_certs.py makes them): one CA signs the
+    sidecar's server certificate (for `server_name`) and Envoy's client certificate."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    server_name: str
+
+
 class Stack:
     """The running gateway. Use as a context manager, or call `start()` and `close()`."""
 
@@ -198,6 +211,7 @@ class Stack:
         wasm_path: Path | None = None,
         edge: dict | None = None,
         route_to_first_pool: bool | None = None,
+        sidecar_tls: SidecarTls | None = None,
     ):
         if profile not in ("gateway", "filter", "bare"):
             raise ValueError(f"unknown profile {profile}")
@@ -208,6 +222,9 @@ class Stack:
         # Envoy skips the ext_proc admission for those); the sidecar grants them only with
         # `redis.lease_fraction` > 0 (sidecar_overrides).
         self.admission_leases = admission_leases
+        # mTLS between Envoy and the sidecar: the sidecar's listener gets `tls`, the ext_proc
+        # cluster the transport socket of envoy/ext_proc_upstream_tls.yaml.
+        self.sidecar_tls = sidecar_tls
         # Another wasm module in the filter's place (the benchmark's no-op filter).
         self.wasm_path = wasm_path or WASM_PATH
         unknown = set(edge or {}) - set(EDGE_DEFAULTS)
@@ -514,6 +531,10 @@ class Stack:
         shed = [{"name": p.name, "endpoints": list(p.urls), **p.shedding} for p in self.pools if p.shedding]
         if shed:
             config["pools"] = shed
+        if self.sidecar_tls:
+            t = self.sidecar_tls
+            config["tls"] = {"cert_file": str(t.server_cert), "key_file": str(t.server_key),
+                             "client_ca_file": str(t.ca)}
         return _merged(config, self.sidecar_overrides)
 
     def kill_sidecar(self) -> None:
@@ -616,7 +637,16 @@ class Stack:
         hcm["http_filters"] = filters
         clusters = bootstrap["static_resources"]["clusters"]
         if self.profile == "gateway":
-            clusters.append(render("ext_proc_cluster.yaml"))
+            cluster = render("ext_proc_cluster.yaml")
+            if self.sidecar_tls:
+                t = self.sidecar_tls
+                cluster["transport_socket"] = render("ext_proc_upstream_tls.yaml", {
+                    "SIDECAR_SERVER_NAME": json.dumps(t.server_name),
+                    "CLIENT_CERT_FILE": json.dumps(str(t.client_cert)),
+                    "CLIENT_KEY_FILE": json.dumps(str(t.client_key)),
+                    "SIDECAR_CA_FILE": json.dumps(str(t.ca)),
+                })
+            clusters.append(cluster)
         for pool in self.pools:
             endpoints = [
                 {"endpoint": {"address": {"socket_address": {

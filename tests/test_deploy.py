@@ -46,7 +46,7 @@ EXAMPLE = ROOT / "envoy" / "examples" / "gateway.yaml"
 CRD_DIR = Path(os.environ.get("GATEWAY_CRD_DIR", ROOT.parent / "shared" / "schemas" / "crds"))
 
 # Kinds validated by kubernetes-validate; every other kind needs its CRD.
-CORE_KINDS = {"Namespace", "ConfigMap", "Service", "Deployment", "PodDisruptionBudget"}
+CORE_KINDS = {"Namespace", "ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "NetworkPolicy"}
 
 def gatewayctl(*args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
     if not GATEWAYCTL.exists():
@@ -305,6 +305,12 @@ MANIFEST_VARIANTS = {
         "filter.module": {"url": "https://artifacts.example.com/gateway_filter-0.1.0.wasm",
                           "sha256": "ab" * 32},
     },
+    "redis-tls-from-secrets": {"redis.url": "rediss://redis.data.svc:6380/0", "redis.username": "llmgw",
+                               "redis.password_env": "REDIS_PASSWORD",
+                               "kubernetes.sidecar.redis_password_secret": {"name": "redis-auth", "key": "password"},
+                               "kubernetes.sidecar.redis_tls_secret": "redis-tls",
+                               "kubernetes.sidecar.redis_tls_client_certificate": True,
+                               "kubernetes.trial_redis": None},
     "external-redis-cluster": {"kubernetes.trial_redis": None, "redis.url": None,
                                "redis.cluster_urls": ["redis://redis-0.redis:6379", "redis://redis-1.redis:6379"],
                                "sidecar.metrics_listen": None},
@@ -350,6 +356,58 @@ def test_manifests_pass_schema_validation(tmp_path, crd_validators, variant):
             pytest.fail(f"{name} ({doc['kind']}): {e}")
         checked += 1
     assert checked == len(docs)
+
+
+def test_only_the_gateway_reaches_the_sidecar(tmp_path):
+    """Issue 16 item 2 on Kubernetes: a NetworkPolicy admits only the gateway's pods (Istio's
+    ingress gateway and Envoy Gateway's proxies) to the sidecar's gRPC port and only the sidecar
+    to the trial Redis; on Istio the sidecar's pods take only mesh mTLS (PeerAuthentication
+    STRICT) and only from the ingress gateway's principal (AuthorizationPolicy)."""
+    files = render(tmp_path, example())
+    policy = yaml.safe_load(files["kubernetes/sidecar-networkpolicy.yaml"].read_text())
+    config = example()
+    grpc_port = int(config["sidecar"]["listen"].rsplit(":", 1)[1]) if "listen" in config.get("sidecar", {}) else 50051
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "llm-gateway-ext-proc"}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    grpc = policy["spec"]["ingress"][0]
+    assert grpc["ports"] == [{"protocol": "TCP", "port": grpc_port}]
+    istio_ns = config["istio"].get("namespace", "istio-system")
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": istio_ns}},
+            "podSelector": {"matchLabels": config["istio"].get("selector", {"istio": "ingressgateway"})}} in grpc["from"]
+    eg = config["envoy_gateway"]["gateway"]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "envoy-gateway-system"}},
+            "podSelector": {"matchLabels": {"gateway.envoyproxy.io/owning-gateway-name": eg["name"],
+                                            "gateway.envoyproxy.io/owning-gateway-namespace": eg["namespace"]}}
+            } in grpc["from"]
+    assert len(grpc["from"]) == 2
+    redis_policy = yaml.safe_load(files["kubernetes/redis-networkpolicy.yaml"].read_text())
+    assert redis_policy["spec"]["ingress"] == [{
+        "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "llm-gateway-ext-proc"}}}],
+        "ports": [{"protocol": "TCP", "port": 6379}]}]
+    peer = yaml.safe_load(files["istio/sidecar-peerauthentication.yaml"].read_text())
+    assert peer["spec"]["mtls"] == {"mode": "STRICT"}
+    authz = yaml.safe_load(files["istio/sidecar-authorizationpolicy.yaml"].read_text())
+    assert authz["spec"]["action"] == "ALLOW"
+    assert authz["spec"]["rules"][0]["from"] == [{"source": {"principals": [
+        f"cluster.local/ns/{istio_ns}/sa/istio-ingressgateway-service-account"]}}]
+    assert authz["spec"]["rules"][0]["to"] == [{"operation": {"ports": [str(grpc_port)]}}]
+    namespace = yaml.safe_load(files["kubernetes/namespace.yaml"].read_text())
+    assert namespace["metadata"]["labels"]["istio-injection"] == "enabled"
+
+
+def test_redis_secrets_are_mounted_not_rendered(tmp_path):
+    files = render(tmp_path, example(**MANIFEST_VARIANTS["redis-tls-from-secrets"]))
+    configmap = yaml.safe_load(files["kubernetes/sidecar-configmap.yaml"].read_text())
+    sidecar = yaml.safe_load(configmap["data"]["sidecar.yaml"])
+    assert sidecar["redis"]["password_env"] == "REDIS_PASSWORD"
+    assert sidecar["redis"]["tls"] == {"ca_file": "/etc/llm-gateway/redis-tls/ca.crt",
+                                       "cert_file": "/etc/llm-gateway/redis-tls/tls.crt",
+                                       "key_file": "/etc/llm-gateway/redis-tls/tls.key"}
+    pod = yaml.safe_load(files["kubernetes/sidecar-deployment.yaml"].read_text())["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert {"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "redis-auth", "key": "password"}}} in container["env"]
+    assert {"name": "redis-tls", "mountPath": "/etc/llm-gateway/redis-tls", "readOnly": True} in container["volumeMounts"]
+    assert {"name": "redis-tls", "secret": {"secretName": "redis-tls"}} in pod["volumes"]
 
 
 def test_envoyproxy_puts_the_wasm_filter_first(tmp_path):

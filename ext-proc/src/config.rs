@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
@@ -48,6 +48,11 @@ fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError 
 pub struct Config {
     /// Address of the gRPC ext_proc listener, e.g. `127.0.0.1:50051` (port 0 picks a free one).
     pub listen: SocketAddr,
+    /// TLS with client certificates (mTLS) on the gRPC listener (ext_proc, the access log
+    /// service and the lease service): absent, the listener speaks plaintext HTTP/2 and must be
+    /// reachable only by Envoy (loopback, or a NetworkPolicy / mesh mTLS, docs/deploy.md).
+    #[serde(default)]
+    pub tls: Option<ListenerTls>,
     /// Redis connection and key layout.
     pub redis: RedisConfig,
     /// Per-tenant limits. A tenant that the filter authenticates but that is missing here is
@@ -226,17 +231,119 @@ impl SheddingConfig {
     }
 }
 
+/// mTLS of the sidecar's gRPC listener: its certificate, and the CA whose certificates clients
+/// (Envoy) must present; a connection without one, or with one from another CA, fails its TLS
+/// handshake before any gRPC call. PEM files, read once at start-up.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerTls {
+    /// The server certificate chain (PEM, leaf first).
+    pub cert_file: PathBuf,
+    /// The server's private key (PEM: PKCS#8, PKCS#1 or SEC1).
+    pub key_file: PathBuf,
+    /// The CA certificate(s) (PEM) that sign the clients' certificates. Required: the listener
+    /// never accepts a client without a certificate.
+    pub client_ca_file: PathBuf,
+    /// PEM bytes read at load time (see [`Config::load`]).
+    #[serde(skip)]
+    pub pem: Option<ListenerPem>,
+}
+
+/// The PEM contents of [`ListenerTls`]'s files, checked at load.
+#[derive(Clone)]
+pub struct ListenerPem {
+    /// Certificate chain.
+    pub cert: Vec<u8>,
+    /// Private key.
+    pub key: Secret<Vec<u8>>,
+    /// Client CA certificate(s).
+    pub client_ca: Vec<u8>,
+}
+
+impl std::fmt::Debug for ListenerPem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ListenerPem").field("key", &self.key).finish_non_exhaustive()
+    }
+}
+
+/// A secret (a Redis password, a private key): its `Debug` prints `<redacted>`, it has no
+/// `Display`, and it is read only through [`Secret::expose`].
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Secret<T>(T);
+
+impl<T> Secret<T> {
+    /// The secret value.
+    pub fn expose(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T> std::fmt::Debug for Secret<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// TLS towards Redis (`rediss://` URLs): the CA that signs the Redis server certificates
+/// (absent: the system's roots) and a client certificate for a Redis that requires one
+/// (`tls-auth-clients yes`). PEM files, read once at start-up. The server's name (or IP) in the
+/// URL must be in its certificate; there is no way to skip the check.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisTls {
+    /// CA certificate(s) (PEM) trusted for the Redis servers, instead of the system's roots.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// Client certificate chain (PEM); with `key_file`.
+    #[serde(default)]
+    pub cert_file: Option<PathBuf>,
+    /// Client private key (PEM); with `cert_file`.
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+}
+
+/// The PEM contents of [`RedisTls`]'s files and the password, read at load.
+#[derive(Debug, Clone, Default)]
+pub struct RedisSecrets {
+    /// The password (`redis.password_file` or `redis.password_env`).
+    pub password: Option<Secret<String>>,
+    /// The CA certificate(s).
+    pub ca: Option<Vec<u8>>,
+    /// The client certificate chain and key.
+    pub client: Option<(Vec<u8>, Secret<Vec<u8>>)>,
+}
+
 /// Redis connection settings.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RedisConfig {
-    /// Single-instance URL (`redis://127.0.0.1:6379/0`). Exactly one of `url` and
-    /// `cluster_urls` must be set.
+    /// Single-instance URL: `redis://host:6379/0`, or `rediss://host:6380/0` for TLS. Exactly one
+    /// of `url` and `cluster_urls` must be set. Credentials never go in a URL (refused: a URL
+    /// with `user@`, `user:password@` or a `pass=` parameter); set `username` and
+    /// `password_file` / `password_env`.
     #[serde(default)]
     pub url: Option<String>,
-    /// Seed node URLs of a Redis Cluster.
+    /// Seed node URLs of a Redis Cluster (all `redis://` or all `rediss://`).
     #[serde(default)]
     pub cluster_urls: Vec<String>,
+    /// Redis ACL user to authenticate as (`AUTH <username> <password>`); needs a password.
+    /// Absent: `AUTH <password>` (the `default` user, `requirepass`) when a password is set.
+    #[serde(default)]
+    pub username: Option<String>,
+    /// File holding the Redis password (one trailing newline is ignored), e.g. a mounted
+    /// Kubernetes Secret. At most one of `password_file` and `password_env`.
+    #[serde(default)]
+    pub password_file: Option<PathBuf>,
+    /// Environment variable holding the Redis password.
+    #[serde(default)]
+    pub password_env: Option<String>,
+    /// TLS settings for `rediss://` URLs (absent with `rediss://`: the system's roots, no
+    /// client certificate).
+    #[serde(default)]
+    pub tls: Option<RedisTls>,
+    /// The password and PEM contents, read at load ([`Config::load`]); never printed.
+    #[serde(skip)]
+    pub secrets: RedisSecrets,
     /// Timeout of one Redis command, in milliseconds (default 25).
     #[serde(default = "default_command_timeout_ms")]
     pub command_timeout_ms: u64,
@@ -414,21 +521,26 @@ fn default_max_json_body_bytes() -> usize {
 }
 
 impl Config {
-    /// Reads, parses and validates a YAML config file.
+    /// Reads, parses and validates a YAML config file, then reads the files and environment
+    /// variables it names ([`Config::read_secrets`]).
     ///
     /// # Errors
-    /// [`ConfigError`] naming the file (read and parse errors) or the field (validation).
+    /// [`ConfigError`] naming the file (read and parse errors) or the field (validation, and a
+    /// TLS file or password that cannot be read).
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let display = path.display().to_string();
         let text = std::fs::read_to_string(path)
             .map_err(|source| ConfigError::Read { path: display.clone(), source })?;
-        Self::from_yaml(&text).map_err(|e| match e {
+        let mut config = Self::from_yaml(&text).map_err(|e| match e {
             ConfigError::Parse { message, .. } => ConfigError::Parse { path: display, message },
             other => other,
-        })
+        })?;
+        config.read_secrets()?;
+        Ok(config)
     }
 
-    /// Parses and validates YAML text.
+    /// Parses and validates YAML text. Reads no file: the TLS files and the Redis password are
+    /// read by [`Config::read_secrets`] (gatewayctl validates configs for other hosts with this).
     ///
     /// # Errors
     /// [`ConfigError::Parse`] (with an empty path) or [`ConfigError::Invalid`].
@@ -439,12 +551,72 @@ impl Config {
         Ok(config)
     }
 
+    /// Reads the files and environment variables the config names: the listener's certificate,
+    /// key and client CA (`tls.*`), Redis's CA and client certificate (`redis.tls.*`) and the
+    /// Redis password (`redis.password_file` or `redis.password_env`), into
+    /// [`ListenerTls::pem`] and [`RedisConfig::secrets`].
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming the field: a file that cannot be read or holds no PEM of
+    /// the expected kind, an unset variable, an empty password (never the secret itself).
+    pub fn read_secrets(&mut self) -> Result<(), ConfigError> {
+        if let Some(tls) = &mut self.tls {
+            let cert = read_pem("tls.cert_file", &tls.cert_file, PemKind::Certificates)?;
+            let key = read_pem("tls.key_file", &tls.key_file, PemKind::PrivateKey)?;
+            let client_ca = read_pem("tls.client_ca_file", &tls.client_ca_file, PemKind::Certificates)?;
+            tls.pem = Some(ListenerPem { cert, key: Secret(key), client_ca });
+        }
+        let redis = &mut self.redis;
+        let password = match (&redis.password_file, &redis.password_env) {
+            (Some(path), None) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| invalid("redis.password_file", format!("{}: {e}", path.display())))?;
+                Some(
+                    text.strip_suffix('\n')
+                        .map(|t| t.strip_suffix('\r').unwrap_or(t))
+                        .unwrap_or(&text)
+                        .to_owned(),
+                )
+            }
+            (None, Some(var)) => Some(std::env::var(var).map_err(|_| {
+                invalid("redis.password_env", format!("environment variable {var} is not set (or not UTF-8)"))
+            })?),
+            _ => None,
+        };
+        if let Some(password) = &password {
+            let field =
+                if redis.password_file.is_some() { "redis.password_file" } else { "redis.password_env" };
+            if password.is_empty() {
+                return Err(invalid(field, "the password is empty"));
+            }
+            if password.contains(['\n', '\r']) {
+                return Err(invalid(field, "the password has a line break inside"));
+            }
+        }
+        redis.secrets.password = password.map(Secret);
+        if let Some(tls) = &redis.tls {
+            redis.secrets.ca = match &tls.ca_file {
+                Some(path) => Some(read_pem("redis.tls.ca_file", path, PemKind::Certificates)?),
+                None => None,
+            };
+            redis.secrets.client = match (&tls.cert_file, &tls.key_file) {
+                (Some(cert), Some(key)) => Some((
+                    read_pem("redis.tls.cert_file", cert, PemKind::Certificates)?,
+                    Secret(read_pem("redis.tls.key_file", key, PemKind::PrivateKey)?),
+                )),
+                _ => None,
+            };
+        }
+        Ok(())
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
         match (&self.redis.url, self.redis.cluster_urls.is_empty()) {
             (Some(_), false) => return Err(invalid("redis", "set either url or cluster_urls, not both")),
             (None, true) => return Err(invalid("redis", "one of url or cluster_urls is required")),
             _ => {}
         }
+        self.redis.validate_connection()?;
         if self.redis.command_timeout_ms == 0 {
             return Err(invalid("redis.command_timeout_ms", "must be > 0"));
         }
@@ -619,6 +791,106 @@ fn check_pair(
     }
 }
 
+/// What a PEM file must hold.
+#[derive(Clone, Copy)]
+enum PemKind {
+    /// One or more certificates.
+    Certificates,
+    /// One private key.
+    PrivateKey,
+}
+
+/// Reads a PEM file and checks it holds what `kind` says (errors name `field` and the path).
+fn read_pem(field: &str, path: &Path, kind: PemKind) -> Result<Vec<u8>, ConfigError> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let bytes = std::fs::read(path).map_err(|e| invalid(field, format!("{}: {e}", path.display())))?;
+    let bad = |what: &str| invalid(field, format!("{}: {what}", path.display()));
+    match kind {
+        PemKind::Certificates => {
+            let certs = CertificateDer::pem_slice_iter(&bytes)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| bad(&format!("not PEM certificates ({e})")))?;
+            if certs.is_empty() {
+                return Err(bad("no PEM certificate in it"));
+            }
+        }
+        PemKind::PrivateKey => {
+            // The key's parse error is not printed: it could quote key material.
+            PrivateKeyDer::from_pem_slice(&bytes).map_err(|_| bad("no PEM private key in it"))?;
+        }
+    }
+    Ok(bytes)
+}
+
+/// Checks a Redis URL without printing it: a scheme the sidecar supports, no credentials in it,
+/// no `#insecure` (which would skip the server certificate check).
+fn check_redis_url(field: &str, url: &str) -> Result<bool, ConfigError> {
+    let (scheme, rest) =
+        url.split_once("://").ok_or_else(|| invalid(field, "not a URL (redis://... or rediss://...)"))?;
+    let tls = match scheme {
+        "redis" => false,
+        "rediss" => true,
+        _ => return Err(invalid(field, "the scheme must be redis:// or rediss://")),
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    if authority.contains('@') || rest.contains("pass=") || rest.contains("user=") {
+        return Err(invalid(
+            field,
+            "must not carry credentials; set redis.username and redis.password_file or redis.password_env",
+        ));
+    }
+    if rest.contains('#') {
+        return Err(invalid(field, "a #fragment (e.g. #insecure) is not supported"));
+    }
+    Ok(tls)
+}
+
+impl RedisConfig {
+    /// Checks the URLs, credentials and TLS settings (no file is read here).
+    fn validate_connection(&self) -> Result<(), ConfigError> {
+        let mut schemes = Vec::new();
+        if let Some(url) = &self.url {
+            schemes.push(check_redis_url("redis.url", url)?);
+        }
+        for (i, url) in self.cluster_urls.iter().enumerate() {
+            schemes.push(check_redis_url(&format!("redis.cluster_urls[{i}]"), url)?);
+        }
+        let tls = schemes.first().copied().unwrap_or(false);
+        if schemes.iter().any(|s| *s != tls) {
+            return Err(invalid("redis.cluster_urls", "mixes redis:// and rediss:// URLs"));
+        }
+        if let Some(t) = &self.tls {
+            if !tls {
+                return Err(invalid("redis.tls", "needs rediss:// URLs"));
+            }
+            if t.cert_file.is_some() != t.key_file.is_some() {
+                return Err(invalid("redis.tls", "set both cert_file and key_file, or neither"));
+            }
+        }
+        if self.password_file.is_some() && self.password_env.is_some() {
+            return Err(invalid("redis", "set at most one of password_file and password_env"));
+        }
+        if let Some(user) = &self.username {
+            if user.is_empty() || user.contains(char::is_whitespace) {
+                return Err(invalid("redis.username", "must be non-empty, without spaces"));
+            }
+            if self.password_file.is_none() && self.password_env.is_none() {
+                return Err(invalid("redis.username", "needs redis.password_file or redis.password_env"));
+            }
+        }
+        if matches!(&self.password_env, Some(v) if v.is_empty()) {
+            return Err(invalid("redis.password_env", "must name a variable"));
+        }
+        Ok(())
+    }
+
+    /// Whether the URLs are `rediss://`.
+    pub fn uses_tls(&self) -> bool {
+        self.url.iter().chain(&self.cluster_urls).any(|u| u.starts_with("rediss://"))
+    }
+}
+
 fn valid_key_part(s: &str) -> bool {
     !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b':'))
 }
@@ -630,7 +902,17 @@ mod tests {
     const BASE: &str = "listen: 127.0.0.1:0\nredis: {url: 'redis://127.0.0.1:6379'}\n";
 
     fn err(yaml: &str) -> String {
-        Config::from_yaml(yaml).unwrap_err().to_string()
+        let mut config = match Config::from_yaml(yaml) {
+            Ok(c) => c,
+            Err(e) => return e.to_string(),
+        };
+        config.read_secrets().unwrap_err().to_string()
+    }
+
+    fn load_yaml(yaml: &str) -> Config {
+        let mut config = Config::from_yaml(yaml).unwrap();
+        config.read_secrets().unwrap();
+        config
     }
 
     #[test]
@@ -873,6 +1155,94 @@ mod tests {
         .unwrap();
         assert_eq!(c.redis.failure_mode("premium"), FailureMode::Open);
         assert_eq!(c.redis.failure_mode("free"), FailureMode::Closed);
+    }
+
+    #[test]
+    fn redis_urls_never_carry_credentials() {
+        for url in [
+            "redis://:hunter2@h:6379",
+            "rediss://llmgw:hunter2@h:6380/0",
+            "redis://llmgw@h",
+            "redis://h:6379/0?pass=hunter2",
+        ] {
+            let e = err(&format!("listen: 127.0.0.1:0\nredis: {{url: '{url}'}}\ntenants: []\n"));
+            assert!(e.starts_with("redis.url: must not carry credentials"), "{e}");
+            assert!(!e.contains("hunter2"), "{e}");
+        }
+        let e = err("listen: 127.0.0.1:0\nredis: {cluster_urls: ['rediss://a:1', 'rediss://u:hunter2@b:1']}\ntenants: []\n");
+        assert!(e.starts_with("redis.cluster_urls[1]: must not carry credentials"), "{e}");
+        assert_eq!(
+            err("listen: 127.0.0.1:0\nredis: {url: 'rediss://h:1/#insecure'}\ntenants: []\n"),
+            "redis.url: a #fragment (e.g. #insecure) is not supported"
+        );
+        assert_eq!(
+            err("listen: 127.0.0.1:0\nredis: {url: 'http://h:1'}\ntenants: []\n"),
+            "redis.url: the scheme must be redis:// or rediss://"
+        );
+        assert_eq!(
+            err("listen: 127.0.0.1:0\nredis: {cluster_urls: ['rediss://a:1', 'redis://b:1']}\ntenants: []\n"),
+            "redis.cluster_urls: mixes redis:// and rediss:// URLs"
+        );
+    }
+
+    #[test]
+    fn redis_credentials_and_tls_are_checked() {
+        let redis = |body: &str| err(&format!("listen: 127.0.0.1:0\nredis: {{{body}}}\ntenants: []\n"));
+        assert_eq!(redis("url: 'redis://h', tls: {ca_file: /ca.pem}"), "redis.tls: needs rediss:// URLs");
+        assert_eq!(
+            redis("url: 'rediss://h', tls: {cert_file: /c.pem}"),
+            "redis.tls: set both cert_file and key_file, or neither"
+        );
+        assert_eq!(
+            redis("url: 'rediss://h', username: llmgw"),
+            "redis.username: needs redis.password_file or redis.password_env"
+        );
+        assert_eq!(
+            redis("url: 'rediss://h', password_file: /p, password_env: P"),
+            "redis: set at most one of password_file and password_env"
+        );
+        assert_eq!(
+            redis("url: 'rediss://h', password_env: GATEWAY_TEST_SURELY_UNSET_VAR"),
+            "redis.password_env: environment variable GATEWAY_TEST_SURELY_UNSET_VAR is not set (or not UTF-8)"
+        );
+        let e = redis("url: 'rediss://h', tls: {ca_file: /nonexistent/ca.pem}");
+        assert!(e.starts_with("redis.tls.ca_file: /nonexistent/ca.pem: "), "{e}");
+        let e = redis("url: 'redis://h', password_file: /nonexistent/pw");
+        assert!(e.starts_with("redis.password_file: /nonexistent/pw: "), "{e}");
+    }
+
+    #[test]
+    fn a_password_file_is_read_and_never_printed() {
+        let dir = std::env::temp_dir().join(format!("gw-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pw = dir.join("pw");
+        std::fs::write(&pw, "s3cret-Pa55\n").unwrap();
+        let c = load_yaml(&format!(
+            "listen: 127.0.0.1:0\nredis: {{url: 'redis://h', username: llmgw, password_file: '{}'}}\ntenants: []\n",
+            pw.display()
+        ));
+        assert_eq!(c.redis.secrets.password.as_ref().unwrap().expose(), "s3cret-Pa55");
+        assert!(!format!("{c:?}").contains("s3cret"), "{c:?}");
+        std::fs::write(&pw, "\n").unwrap();
+        let e = err(&format!(
+            "listen: 127.0.0.1:0\nredis: {{url: 'redis://h', password_file: '{}'}}\ntenants: []\n",
+            pw.display()
+        ));
+        assert_eq!(e, "redis.password_file: the password is empty");
+        let notpem = dir.join("not.pem");
+        std::fs::write(&notpem, "hello").unwrap();
+        let e = err(&format!(
+            "listen: 127.0.0.1:0\ntls: {{cert_file: '{0}', key_file: '{0}', client_ca_file: '{0}'}}\nredis: {{url: 'redis://h'}}\ntenants: []\n",
+            notpem.display()
+        ));
+        assert!(e.starts_with("tls.cert_file: ") && e.ends_with("no PEM certificate in it"), "{e}");
+        let e = err("listen: 127.0.0.1:0
+tls: {cert_file: /c}
+redis: {url: 'redis://h'}
+tenants: []
+");
+        assert!(e.contains("missing field `key_file`"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

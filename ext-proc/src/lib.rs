@@ -89,8 +89,12 @@ pub enum RunError {
     Tokenizer(config::ConfigError),
 }
 
+/// Longest time a client may take over its TLS handshake on the gRPC listener.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Connects to Redis, starts the pool scrapers, the usage writer and the metrics listener, binds
-/// the gRPC listener, prints `gateway-ext-proc listening on ADDR` on stdout (test harnesses read
+/// the gRPC listener (mTLS with `tls`: every client must present a certificate from
+/// `tls.client_ca_file`), prints `gateway-ext-proc listening on ADDR` on stdout (test harnesses read
 /// the port from it), and serves until `shutdown` completes; then serves on while gRPC streams are
 /// open, for up to `shutdown_grace_ms` (Envoy's access-log stream carries the usage of the requests
 /// it still drains), gives the held leases back and writes the buffered usage records.
@@ -150,10 +154,20 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
         lease_service::AdmissionLeaseService::new(Arc::clone(&shared)),
     );
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let mtls = shared.config.tls.is_some();
     println!("gateway-ext-proc listening on {addr}");
-    tracing::info!(%addr, "listening");
+    tracing::info!(%addr, mtls, "listening");
     let mut graceful = stop.clone();
-    let server = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(pem) = shared.config.tls.as_ref().and_then(|t| t.pem.as_ref()) {
+        let identity = tonic::transport::Identity::from_pem(&pem.cert, pem.key.expose());
+        let tls = tonic::transport::ServerTlsConfig::new()
+            .identity(identity)
+            .client_ca_root(tonic::transport::Certificate::from_pem(&pem.client_ca))
+            .timeout(TLS_HANDSHAKE_TIMEOUT);
+        builder = builder.tls_config(tls)?;
+    }
+    let server = builder
         .add_service(service)
         .add_service(access_log)
         .add_service(leases)

@@ -160,17 +160,26 @@ impl Store {
         let mut cluster = None;
         let conn = match &config.url {
             Some(url) => {
-                let client = redis::Client::open(url.as_str())?;
+                let client = single_client(url, config)?;
                 let cfg = redis::aio::ConnectionManagerConfig::new()
                     .set_response_timeout(Some(timeout))
                     .set_connection_timeout(Some(Duration::from_secs(2)));
                 Conn::Single(ConnectionManager::new_with_config(client, cfg).await?)
             }
             None => {
-                let client = redis::cluster::ClusterClientBuilder::new(config.cluster_urls.clone())
+                let mut builder = redis::cluster::ClusterClientBuilder::new(config.cluster_urls.clone())
                     .response_timeout(timeout)
-                    .connection_timeout(Duration::from_secs(2))
-                    .build()?;
+                    .connection_timeout(Duration::from_secs(2));
+                if let Some(username) = &config.username {
+                    builder = builder.username(username);
+                }
+                if let Some(password) = &config.secrets.password {
+                    builder = builder.password(password.expose());
+                }
+                if let Some(certs) = tls_certificates(config) {
+                    builder = builder.certs(certs);
+                }
+                let client = builder.build()?;
                 let conn = Conn::Cluster(client.get_async_connection().await?);
                 cluster = Some(Arc::new(ClusterHandle {
                     client,
@@ -339,6 +348,41 @@ impl Store {
             .map_err(|error| RecordError { error, maybe_applied: true })?;
         Ok(())
     }
+}
+
+/// A single Redis's client: the URL (`redis://` or `rediss://`, no credentials in it: the
+/// config refuses them), with `redis.username` and the password, and for `rediss://` the
+/// configured CA and client certificate. The password lives only in the client's connection
+/// info, whose `Debug` redacts it.
+fn single_client(url: &str, config: &RedisConfig) -> redis::RedisResult<redis::Client> {
+    use redis::IntoConnectionInfo;
+    let info = url.into_connection_info()?;
+    let mut settings = info.redis_settings().clone();
+    if let Some(username) = &config.username {
+        settings = settings.set_username(username);
+    }
+    if let Some(password) = &config.secrets.password {
+        settings = settings.set_password(password.expose());
+    }
+    let info = info.set_redis_settings(settings);
+    match tls_certificates(config) {
+        Some(certs) => redis::Client::build_with_tls(info, certs),
+        None => redis::Client::open(info),
+    }
+}
+
+/// The CA and client certificate of `redis.tls` (None: no `tls` block; `rediss://` then
+/// verifies against the system's roots).
+fn tls_certificates(config: &RedisConfig) -> Option<redis::TlsCertificates> {
+    config.tls.as_ref()?;
+    let secrets = &config.secrets;
+    Some(redis::TlsCertificates {
+        client_tls: secrets.client.as_ref().map(|(cert, key)| redis::ClientTlsConfig {
+            client_cert: cert.clone(),
+            client_key: key.expose().clone(),
+        }),
+        root_cert: secrets.ca.clone(),
+    })
 }
 
 /// One replica's flush of a pool's in-flight counts (`lua/in_flight_flush_v1.lua`).

@@ -283,6 +283,33 @@ pub struct SidecarSection {
     /// sidecar's `shutdown_grace_ms`; absent: its default, 10,000).
     #[serde(default)]
     pub shutdown_grace_ms: Option<u64>,
+    /// mTLS between Envoy and the sidecar, standalone target (absent: plaintext; keep the
+    /// sidecar on loopback). The mesh targets rely on Istio's mTLS and a NetworkPolicy instead
+    /// (docs/deploy.md).
+    #[serde(default)]
+    pub tls: Option<SidecarTlsSection>,
+}
+
+/// mTLS between the standalone Envoy and the sidecar: PEM files, paths on the hosts (relative
+/// paths are relative to the config file). One CA may sign both certificates.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SidecarTlsSection {
+    /// The DNS name in the sidecar's certificate (a DNS subject alternative name): Envoy sends it
+    /// as SNI and accepts only a certificate naming it.
+    pub server_name: String,
+    /// The sidecar's certificate chain (sidecar `tls.cert_file`).
+    pub cert_file: PathBuf,
+    /// The sidecar's private key (sidecar `tls.key_file`).
+    pub key_file: PathBuf,
+    /// The CA that signs Envoy's client certificate (sidecar `tls.client_ca_file`).
+    pub client_ca_file: PathBuf,
+    /// Envoy's client certificate chain (the ext_proc cluster's transport socket).
+    pub envoy_cert_file: PathBuf,
+    /// Envoy's client private key.
+    pub envoy_key_file: PathBuf,
+    /// The CA that signs the sidecar's certificate, trusted by Envoy.
+    pub ca_file: PathBuf,
 }
 
 impl Default for SidecarSection {
@@ -293,6 +320,7 @@ impl Default for SidecarSection {
             metrics_listen: None,
             metering: None,
             shutdown_grace_ms: None,
+            tls: None,
         }
     }
 }
@@ -350,6 +378,35 @@ pub struct RedisSection {
     /// Milliseconds a lease admits after its last grant (sidecar default 1000).
     #[serde(default)]
     pub lease_ttl_ms: Option<u64>,
+    /// Redis ACL user (sidecar `redis.username`); needs a password.
+    #[serde(default)]
+    pub username: Option<String>,
+    /// File holding the password on the sidecar's host (sidecar `redis.password_file`). On
+    /// Kubernetes use `kubernetes.sidecar.redis_password_secret` instead.
+    #[serde(default)]
+    pub password_file: Option<PathBuf>,
+    /// Environment variable holding the password (sidecar `redis.password_env`).
+    #[serde(default)]
+    pub password_env: Option<String>,
+    /// TLS for `rediss://` URLs: `{ca_file, cert_file, key_file}` (sidecar `redis.tls`; paths on
+    /// the sidecar's host). On Kubernetes use `kubernetes.sidecar.redis_tls_secret` instead.
+    #[serde(default)]
+    pub tls: Option<RedisTlsSection>,
+}
+
+/// Redis TLS files (PEM), each optional.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisTlsSection {
+    /// CA of the Redis servers' certificates (absent: the system's roots).
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// Client certificate chain, for a Redis that requires one.
+    #[serde(default)]
+    pub cert_file: Option<PathBuf>,
+    /// Client private key.
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
 }
 
 /// Admission's behaviour when the limiter cannot decide.
@@ -687,6 +744,29 @@ pub struct SidecarWorkload {
     /// Resource requests and limits.
     #[serde(default)]
     pub resources: Resources,
+    /// A Secret holding the Redis password: `{name, key}` (in `kubernetes.namespace`); the pods
+    /// get it as the env var `REDIS_PASSWORD` (sidecar `redis.password_env`).
+    #[serde(default)]
+    pub redis_password_secret: Option<SecretKeyRef>,
+    /// A Secret (in `kubernetes.namespace`) with `ca.crt` and, for a Redis that requires a
+    /// client certificate, `tls.crt` and `tls.key` (cert-manager's layout), mounted at
+    /// `/etc/llm-gateway/redis-tls` (sidecar `redis.tls`; needs `rediss://` URLs). Keys the
+    /// Secret lacks make the sidecar fail at start, naming the file.
+    #[serde(default)]
+    pub redis_tls_secret: Option<String>,
+    /// With `redis_tls_secret`: whether it holds a client certificate (`tls.crt`, `tls.key`).
+    #[serde(default)]
+    pub redis_tls_client_certificate: bool,
+}
+
+/// A key of a Kubernetes Secret.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecretKeyRef {
+    /// The Secret's name.
+    pub name: String,
+    /// The key in it.
+    pub key: String,
 }
 
 fn default_replicas() -> u32 {
@@ -762,6 +842,23 @@ pub struct IstioSection {
     /// it: see docs/deploy.md).
     #[serde(default)]
     pub wasm_delivery: WasmDelivery,
+    /// The Istio principals of the ingress gateway's pods, the only callers the sidecar's
+    /// AuthorizationPolicy allows on its gRPC port (default
+    /// `[cluster.local/ns/<namespace>/sa/istio-ingressgateway-service-account]`; change the trust
+    /// domain or service account to yours).
+    #[serde(default)]
+    pub gateway_principals: Vec<String>,
+}
+
+impl IstioSection {
+    /// [`IstioSection::gateway_principals`], or its default.
+    pub fn principals(&self) -> Vec<String> {
+        if self.gateway_principals.is_empty() {
+            vec![format!("cluster.local/ns/{}/sa/istio-ingressgateway-service-account", self.namespace)]
+        } else {
+            self.gateway_principals.clone()
+        }
+    }
 }
 
 /// How Istio receives the wasm filter.
@@ -917,6 +1014,12 @@ pub fn is_dns_label(s: &str) -> bool {
         && !s.ends_with('-')
 }
 
+/// A Kubernetes Secret or ConfigMap name (RFC 1123 subdomain: DNS labels joined by `.`, at
+/// most 253).
+pub fn is_dns_subdomain(s: &str) -> bool {
+    s.len() <= 253 && s.split('.').all(is_dns_label)
+}
+
 /// The DNS label derived from a pool name, for per-pool Kubernetes objects and route names:
 /// lowercase, `_` and `.` become `-`.
 pub fn pool_label(pool: &str) -> String {
@@ -1056,6 +1159,17 @@ impl GatewayConfig {
         if let Some(metrics) = self.sidecar.metrics_listen {
             if metrics.port() == self.sidecar.listen.port() && metrics.port() != 0 {
                 return fail("sidecar.metrics_listen", "same port as sidecar.listen");
+            }
+        }
+        if let Some(tls) = &self.sidecar.tls {
+            let name = &tls.server_name;
+            if name.is_empty()
+                || name.len() > 253
+                || !name.split('.').all(|label| {
+                    !label.is_empty() && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                })
+            {
+                return fail("sidecar.tls.server_name", "must be a DNS name (the sidecar certificate's)");
             }
         }
         Ok(())
@@ -1257,6 +1371,25 @@ impl GatewayConfig {
             }
             if k8s.sidecar.replicas == 0 {
                 return fail("kubernetes.sidecar.replicas", "must be > 0");
+            }
+            if let Some(secret) = &k8s.sidecar.redis_password_secret {
+                if !is_dns_subdomain(&secret.name) {
+                    return fail(
+                        "kubernetes.sidecar.redis_password_secret.name",
+                        "must be a Kubernetes name",
+                    );
+                }
+                if secret.key.is_empty() {
+                    return fail("kubernetes.sidecar.redis_password_secret.key", "must be non-empty");
+                }
+            }
+            if let Some(secret) = &k8s.sidecar.redis_tls_secret {
+                if !is_dns_subdomain(secret) {
+                    return fail("kubernetes.sidecar.redis_tls_secret", "must be a Kubernetes name");
+                }
+            }
+            if k8s.sidecar.redis_tls_client_certificate && k8s.sidecar.redis_tls_secret.is_none() {
+                return fail("kubernetes.sidecar.redis_tls_client_certificate", "needs redis_tls_secret");
             }
         }
         if let Some(istio) = &self.istio {

@@ -40,6 +40,8 @@ pub const FILTER_METERING: Template = template!("envoy/filters/ext_proc_metering
 pub const ACCESS_LOG_METERING: Template = template!("envoy/access_log_metering.yaml");
 /// The sidecar's cluster.
 pub const EXT_PROC_CLUSTER: Template = template!("envoy/ext_proc_cluster.yaml");
+/// mTLS to the sidecar: the transport socket of its cluster.
+pub const EXT_PROC_UPSTREAM_TLS: Template = template!("envoy/ext_proc_upstream_tls.yaml");
 /// One vLLM pool's cluster.
 pub const POOL_CLUSTER: Template = template!("envoy/pool_cluster.yaml");
 /// An ordered fallback chain: a composite cluster over pool clusters.
@@ -53,6 +55,10 @@ pub const K8S_SIDECAR_CONFIG: Template = template!("envoy/kubernetes/sidecar-con
 pub const K8S_SIDECAR_DEPLOYMENT: Template = template!("envoy/kubernetes/sidecar-deployment.yaml");
 /// Kubernetes: the sidecar's Service.
 pub const K8S_SIDECAR_SERVICE: Template = template!("envoy/kubernetes/sidecar-service.yaml");
+/// Kubernetes: the NetworkPolicy that admits only the gateway's pods to the sidecar.
+pub const K8S_SIDECAR_NETWORK_POLICY: Template = template!("envoy/kubernetes/sidecar-networkpolicy.yaml");
+/// Kubernetes: the NetworkPolicy that admits only the sidecar to the trial Redis.
+pub const K8S_REDIS_NETWORK_POLICY: Template = template!("envoy/kubernetes/redis-networkpolicy.yaml");
 /// Kubernetes: the sidecar's PodDisruptionBudget.
 pub const K8S_SIDECAR_PDB: Template = template!("envoy/kubernetes/sidecar-pdb.yaml");
 /// Kubernetes: the trial Redis Deployment.
@@ -190,6 +196,7 @@ mod tests {
             FILTER_GUARD,
             ACCESS_LOG_METERING,
             EXT_PROC_CLUSTER,
+            EXT_PROC_UPSTREAM_TLS,
             POOL_CLUSTER,
             FALLBACK_CLUSTER,
             FALLBACK_ROUTE,
@@ -211,7 +218,11 @@ mod tests {
                 .set("NAME", "chain")
                 .set("SUB_CLUSTERS", crate::tree::seq([]))
                 .set("RETRIES", 1)
-                .set("ADMISSION_FILTER", crate::tree::map([("name", crate::tree::s("admission"))]));
+                .set("ADMISSION_FILTER", crate::tree::map([("name", crate::tree::s("admission"))]))
+                .set("SIDECAR_SERVER_NAME", "ext-proc.test")
+                .set("CLIENT_CERT_FILE", "/envoy.crt")
+                .set("CLIENT_KEY_FILE", "/envoy.key")
+                .set("SIDECAR_CA_FILE", "/ca.crt");
             render(t, &v).unwrap();
         }
     }

@@ -43,6 +43,10 @@ fn targets_render_their_files() {
         "kubernetes/sidecar-configmap.yaml",
         "kubernetes/redis-deployment.yaml",
         "kubernetes/kustomization.yaml",
+        "kubernetes/sidecar-networkpolicy.yaml",
+        "kubernetes/redis-networkpolicy.yaml",
+        "istio/sidecar-peerauthentication.yaml",
+        "istio/sidecar-authorizationpolicy.yaml",
     ] {
         assert!(istio.contains_key(f), "{f} missing: {:?}", istio.keys());
     }
@@ -56,7 +60,9 @@ fn targets_render_their_files() {
     ] {
         assert!(eg.contains_key(f), "{f} missing: {:?}", eg.keys());
     }
-    assert_eq!(files(Target::All).len(), 22);
+    // 22, plus the NetworkPolicies of the sidecar and the trial Redis and the sidecar's Istio
+    // PeerAuthentication and AuthorizationPolicy.
+    assert_eq!(files(Target::All).len(), 26);
 }
 
 #[test]

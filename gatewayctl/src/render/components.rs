@@ -147,7 +147,18 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
         Flavor::Kubernetes => format!("0.0.0.0:{}", c.sidecar.listen.port()),
     };
     top.push(("listen", s(listen)));
-    top.push(("redis", redis(c, flavor)));
+    if let (Flavor::Standalone, Some(tls)) = (flavor, &c.sidecar.tls) {
+        let path = |p: &std::path::Path| s(loaded.resolve(p).display().to_string());
+        top.push((
+            "tls",
+            map([
+                ("cert_file", path(&tls.cert_file)),
+                ("key_file", path(&tls.key_file)),
+                ("client_ca_file", path(&tls.client_ca_file)),
+            ]),
+        ));
+    }
+    top.push(("redis", redis(loaded, flavor)));
     let tenants = c.tenants.iter().map(|t| {
         let mut fields = vec![("id", s(&t.id)), ("limits", limits(&t.limits))];
         if !t.model_limits.is_empty() {
@@ -226,7 +237,13 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
     }
 }
 
-fn redis(c: &GatewayConfig, flavor: Flavor) -> Value {
+/// Where `kubernetes.sidecar.redis_tls_secret` is mounted in the sidecar's pods.
+pub const REDIS_TLS_MOUNT: &str = "/etc/llm-gateway/redis-tls";
+/// The env var the pods get `kubernetes.sidecar.redis_password_secret` in.
+pub const REDIS_PASSWORD_ENV: &str = "REDIS_PASSWORD";
+
+fn redis(loaded: &Loaded, flavor: Flavor) -> Value {
+    let c: &GatewayConfig = &loaded.config;
     let r = &c.redis;
     let mut fields = Vec::new();
     let trial = match (flavor, &c.kubernetes) {
@@ -260,6 +277,42 @@ fn redis(c: &GatewayConfig, flavor: Flavor) -> Value {
         c.tiers.iter().filter_map(|(tier, t)| Some((tier.clone(), s(t.failure_mode?.as_str())))).collect();
     if !per_tier.is_empty() {
         fields.push(("tier_failure_modes", map(per_tier)));
+    }
+    if let Some(user) = &r.username {
+        fields.push(("username", s(user)));
+    }
+    let path = |p: &std::path::Path| s(loaded.resolve(p).display().to_string());
+    let workload = match flavor {
+        Flavor::Kubernetes => c.kubernetes.as_ref().map(|k| &k.sidecar),
+        Flavor::Standalone => None,
+    };
+    match (workload.and_then(|w| w.redis_password_secret.as_ref()), &r.password_file, &r.password_env) {
+        (Some(_), _, _) => fields.push(("password_env", s(REDIS_PASSWORD_ENV))),
+        (None, Some(file), _) => fields.push(("password_file", path(file))),
+        (None, None, Some(var)) => fields.push(("password_env", s(var))),
+        (None, None, None) => {}
+    }
+    match (workload.and_then(|w| w.redis_tls_secret.as_ref().map(|_| w)), &r.tls) {
+        (Some(w), _) => {
+            let mut t = vec![("ca_file", s(format!("{REDIS_TLS_MOUNT}/ca.crt")))];
+            if w.redis_tls_client_certificate {
+                t.push(("cert_file", s(format!("{REDIS_TLS_MOUNT}/tls.crt"))));
+                t.push(("key_file", s(format!("{REDIS_TLS_MOUNT}/tls.key"))));
+            }
+            fields.push(("tls", map(t)));
+        }
+        (None, Some(tls)) => {
+            let mut t = Vec::new();
+            for (name, file) in
+                [("ca_file", &tls.ca_file), ("cert_file", &tls.cert_file), ("key_file", &tls.key_file)]
+            {
+                if let Some(file) = file {
+                    t.push((name, path(file)));
+                }
+            }
+            fields.push(("tls", map(t)));
+        }
+        (None, None) => {}
     }
     if let Some(breaker) = &r.breaker {
         let mut b = Vec::new();
@@ -296,6 +349,9 @@ fn sidecar_field(field: &str, shed: &[usize]) -> String {
     }
     if let Some(tier) = field.strip_prefix("redis.tier_failure_modes.") {
         return format!("tiers.{tier}.failure_mode");
+    }
+    if field.starts_with("tls") {
+        return format!("sidecar.{field}");
     }
     if field == "listen"
         || field == "metrics_listen"

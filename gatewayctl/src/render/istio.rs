@@ -62,6 +62,45 @@ fn http_filter_patch(operation: &str, anchor: &str, value: Value) -> Value {
     ])
 }
 
+/// The sidecar in the mesh: a PeerAuthentication that makes its pods accept only Istio mTLS
+/// (`STRICT`), and an AuthorizationPolicy that lets only the ingress gateway's principals call its
+/// gRPC port (the metrics port, if any, stays open to the mesh). The mesh's mTLS stands in for the
+/// sidecar's own `tls` on this target: its namespace must have sidecar injection
+/// (the rendered Namespace is labelled `istio-injection: enabled`).
+fn sidecar_mesh_policies(loaded: &Loaded, istio: &IstioSection, namespace: &str) -> Result<Vec<File>, Error> {
+    let c = &loaded.config;
+    let selector = map([("matchLabels", map([("app.kubernetes.io/name", s(SIDECAR_NAME))]))]);
+    let metadata = map([
+        ("name", s(SIDECAR_NAME)),
+        ("namespace", s(namespace)),
+        ("labels", kubernetes::labels(SIDECAR_NAME)),
+    ]);
+    let peer = map([
+        ("apiVersion", s("security.istio.io/v1")),
+        ("kind", s("PeerAuthentication")),
+        ("metadata", metadata.clone()),
+        ("spec", map([("selector", selector.clone()), ("mtls", map([("mode", s("STRICT"))]))])),
+    ]);
+    let port = |p: u16| map([("operation", map([("ports", strings([p.to_string()]))]))]);
+    let mut rules = vec![map([
+        ("from", seq([map([("source", map([("principals", strings(istio.principals()))]))])])),
+        ("to", seq([port(kubernetes::sidecar_port(loaded))])),
+    ])];
+    if let Some(metrics) = c.sidecar.metrics_listen {
+        rules.push(map([("to", seq([port(metrics.port())]))]));
+    }
+    let authz = map([
+        ("apiVersion", s("security.istio.io/v1")),
+        ("kind", s("AuthorizationPolicy")),
+        ("metadata", metadata),
+        ("spec", map([("selector", selector), ("action", s("ALLOW")), ("rules", seq(rules))])),
+    ]);
+    Ok(vec![
+        File::yaml("istio/sidecar-peerauthentication.yaml", &peer)?,
+        File::yaml("istio/sidecar-authorizationpolicy.yaml", &authz)?,
+    ])
+}
+
 /// Every manifest under `istio/` (and `kubernetes/`).
 ///
 /// # Errors
@@ -288,6 +327,7 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
             .set("ROUTES", seq(routes)),
     )?;
     files.push(File::yaml("istio/virtualservice.yaml", &virtual_service)?);
+    files.extend(sidecar_mesh_policies(loaded, istio, &k8s.namespace)?);
     let istio_files: Vec<File> = files.iter().filter(|f| f.path.starts_with("istio/")).cloned().collect();
     files.push(kubernetes::kustomization("istio", &istio_files)?);
     Ok(files)

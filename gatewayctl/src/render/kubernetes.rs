@@ -93,6 +93,27 @@ pub fn manifests(loaded: &Loaded, target: &str) -> Result<Vec<File>, Error> {
     let termination_grace_s = shutdown_grace_s + SHUTDOWN_FLUSH_MARGIN_S;
     // The gRPC port is bound last, once Redis was reached: ready means able to serve.
     let readiness = map([("tcpSocket", map([("port", s("grpc"))])), ("periodSeconds", n(5u64))]);
+    let mut env = vec![map([("name", s("RUST_LOG")), ("value", s("info"))])];
+    if let Some(secret) = &k8s.sidecar.redis_password_secret {
+        env.push(map([
+            ("name", s(components::REDIS_PASSWORD_ENV)),
+            ("valueFrom", map([("secretKeyRef", map([("name", s(&secret.name)), ("key", s(&secret.key))]))])),
+        ]));
+    }
+    let mut mounts = vec![map([
+        ("name", s("config")),
+        ("mountPath", s("/etc/llm-gateway")),
+        ("readOnly", Value::from(true)),
+    ])];
+    let mut volumes = vec![map([("name", s("config")), ("configMap", map([("name", s(SIDECAR_NAME))]))])];
+    if let Some(secret) = &k8s.sidecar.redis_tls_secret {
+        mounts.push(map([
+            ("name", s("redis-tls")),
+            ("mountPath", s(components::REDIS_TLS_MOUNT)),
+            ("readOnly", Value::from(true)),
+        ]));
+        volumes.push(map([("name", s("redis-tls")), ("secret", map([("secretName", s(secret))]))]));
+    }
 
     let base = Values::new()
         .set("NAMESPACE", ns)
@@ -104,7 +125,7 @@ pub fn manifests(loaded: &Loaded, target: &str) -> Result<Vec<File>, Error> {
         &map([
             ("apiVersion", s("v1")),
             ("kind", s("Namespace")),
-            ("metadata", map([("name", s(ns)), ("labels", labels("llm-gateway"))])),
+            ("metadata", map([("name", s(ns)), ("labels", namespace_labels(loaded))])),
         ]),
     )?);
     files.push(File::yaml(
@@ -127,6 +148,9 @@ pub fn manifests(loaded: &Loaded, target: &str) -> Result<Vec<File>, Error> {
                 .set("IMAGE", k8s.sidecar.image.as_str())
                 .set("PORTS", seq(container_ports))
                 .set("READINESS_PROBE", readiness)
+                .set("ENV", seq(env))
+                .set("VOLUME_MOUNTS", seq(mounts))
+                .set("VOLUMES", seq(volumes))
                 .set("CPU_REQUEST", r.cpu_request.as_str())
                 .set("MEMORY_REQUEST", r.memory_request.as_str())
                 .set("MEMORY_LIMIT", r.memory_limit.as_str()),
@@ -139,6 +163,13 @@ pub fn manifests(loaded: &Loaded, target: &str) -> Result<Vec<File>, Error> {
     files.push(File::yaml(
         "kubernetes/sidecar-pdb.yaml",
         &template::render(template::K8S_SIDECAR_PDB, &base)?,
+    )?);
+    files.push(File::yaml(
+        "kubernetes/sidecar-networkpolicy.yaml",
+        &template::render(
+            template::K8S_SIDECAR_NETWORK_POLICY,
+            &base.clone().set("INGRESS", network_policy_ingress(loaded)),
+        )?,
     )?);
     if let Some(redis) = &k8s.trial_redis {
         let redis_values = Values::new()
@@ -154,9 +185,68 @@ pub fn manifests(loaded: &Loaded, target: &str) -> Result<Vec<File>, Error> {
             "kubernetes/redis-service.yaml",
             &template::render(template::K8S_REDIS_SERVICE, &redis_values)?,
         )?);
+        files.push(File::yaml(
+            "kubernetes/redis-networkpolicy.yaml",
+            &template::render(
+                template::K8S_REDIS_NETWORK_POLICY,
+                &redis_values.set("SIDECAR_SELECTOR", selector(SIDECAR_NAME)),
+            )?,
+        )?);
     }
     files.push(kustomization("kubernetes", &files)?);
     Ok(files)
+}
+
+/// The Namespace's labels: with an `istio` section, `istio-injection: enabled`, so that the
+/// sidecar's pods join the mesh whose mTLS the istio target relies on.
+fn namespace_labels(loaded: &Loaded) -> Value {
+    let mut l = labels("llm-gateway");
+    if loaded.config.istio.is_some() {
+        crate::tree::set(&mut l, "istio-injection", s("enabled"));
+    }
+    l
+}
+
+/// Envoy Gateway's default namespace for the Envoy pods it runs (its controller's).
+pub const ENVOY_GATEWAY_PROXY_NAMESPACE: &str = "envoy-gateway-system";
+
+/// The sidecar NetworkPolicy's ingress rules: the gRPC port from the gateway's pods of each mesh
+/// target the config has (Istio: `istio.namespace` and `istio.selector`; Envoy Gateway: the pods
+/// it runs for `envoy_gateway.gateway`, in [`ENVOY_GATEWAY_PROXY_NAMESPACE`], by its
+/// `gateway.envoyproxy.io/owning-gateway-*` labels), and the metrics port from any pod.
+fn network_policy_ingress(loaded: &Loaded) -> Value {
+    let c = &loaded.config;
+    let mut peers = Vec::new();
+    let ns_selector = |ns: &str| map([("matchLabels", map([("kubernetes.io/metadata.name", s(ns))]))]);
+    if let Some(istio) = &c.istio {
+        let labels = istio.selector.iter().map(|(k, v)| (k.clone(), s(v)));
+        peers.push(map([
+            ("namespaceSelector", ns_selector(&istio.namespace)),
+            ("podSelector", map([("matchLabels", map(labels))])),
+        ]));
+    }
+    if let Some(eg) = &c.envoy_gateway {
+        peers.push(map([
+            ("namespaceSelector", ns_selector(ENVOY_GATEWAY_PROXY_NAMESPACE)),
+            (
+                "podSelector",
+                map([(
+                    "matchLabels",
+                    map([
+                        ("gateway.envoyproxy.io/owning-gateway-name", s(&eg.gateway.name)),
+                        ("gateway.envoyproxy.io/owning-gateway-namespace", s(&eg.gateway.namespace)),
+                    ]),
+                )]),
+            ),
+        ]));
+    }
+    let tcp = |port: u16| map([("protocol", s("TCP")), ("port", n(port))]);
+    let mut rules = vec![map([("from", seq(peers)), ("ports", seq([tcp(sidecar_port(loaded))]))])];
+    if let Some(metrics) = c.sidecar.metrics_listen {
+        let any = map([("namespaceSelector", map::<&str>([]))]);
+        rules.push(map([("from", seq([any])), ("ports", seq([tcp(metrics.port())]))]));
+    }
+    seq(rules)
 }
 
 /// A `kustomization.yaml` in `dir` listing `files` (those under `dir`), so that

@@ -119,7 +119,21 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error>
         return Err(missing("access_log"));
     }
     let mut fallback_routes = Vec::new();
-    let mut clusters = vec![ext_proc_cluster(&values, &sidecar)?];
+    let mut ext_proc = ext_proc_cluster(&values, &sidecar)?;
+    if let Some(tls) = &c.sidecar.tls {
+        let path = |p: &std::path::Path| loaded.resolve(p).display().to_string();
+        let tls_values = Values::new()
+            .set("SIDECAR_SERVER_NAME", tls.server_name.as_str())
+            .set("CLIENT_CERT_FILE", path(&tls.envoy_cert_file))
+            .set("CLIENT_KEY_FILE", path(&tls.envoy_key_file))
+            .set("SIDECAR_CA_FILE", path(&tls.ca_file));
+        set(
+            &mut ext_proc,
+            "transport_socket",
+            template::render(template::EXT_PROC_UPSTREAM_TLS, &tls_values)?,
+        );
+    }
+    let mut clusters = vec![ext_proc];
     for (i, pool) in c.pools.iter().enumerate() {
         clusters.push(pool_cluster(i, pool)?);
     }
