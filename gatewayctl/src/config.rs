@@ -897,6 +897,47 @@ pub struct EnvoyGatewaySection {
     /// Hostnames of the HTTPRoute (default: none, i.e. every hostname of the Gateway).
     #[serde(default)]
     pub hostnames: Vec<String>,
+    /// The Gateway's listener the gateway serves on: the HTTPRoute attaches to it only
+    /// (`parentRefs[].sectionName`), and the EnvoyPatchPolicy patches its xDS listener.
+    pub listener: GatewayListener,
+    /// How Envoy Gateway names its xDS listeners, which the EnvoyPatchPolicy must name:
+    /// `v2` (`tcp-<port>`; Envoy Gateway's `XDSNameSchemeV2` runtime flag, on by default from
+    /// v1.10) or `v1` (`<gateway namespace>/<gateway name>/<listener name>`; the default before
+    /// v1.10). No default: a wrong scheme leaves the patch unapplied and requests hang.
+    pub xds_name_scheme: XdsNameScheme,
+}
+
+/// One listener of a Gateway API Gateway (`spec.listeners[]`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatewayListener {
+    /// The listener's `name` (Gateway API `SectionName`: lower-case DNS subdomain).
+    pub name: String,
+    /// The listener's `port` (1-65535), which names the xDS listener under `xds_name_scheme: v2`.
+    pub port: u16,
+}
+
+/// Envoy Gateway's xDS listener naming (its `XDSNameSchemeV2` runtime flag).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum XdsNameScheme {
+    /// `<gateway namespace>/<gateway name>/<listener name>`.
+    V1,
+    /// `tcp-<listener port>`.
+    V2,
+}
+
+impl EnvoyGatewaySection {
+    /// The name of the xDS listener Envoy Gateway generates for [`Self::listener`]
+    /// (envoyproxy/gateway internal/xds/translator/listener.go, `xdsListenerName`).
+    pub fn xds_listener_name(&self) -> String {
+        match self.xds_name_scheme {
+            XdsNameScheme::V1 => {
+                format!("{}/{}/{}", self.gateway.namespace, self.gateway.name, self.listener.name)
+            }
+            XdsNameScheme::V2 => format!("tcp-{}", self.listener.port),
+        }
+    }
 }
 
 /// A namespaced object.
@@ -1424,6 +1465,15 @@ impl GatewayConfig {
             }
             if !is_dns_label(&eg.gateway.namespace) {
                 return fail("envoy_gateway.gateway.namespace", "must be a Kubernetes name");
+            }
+            if !is_dns_subdomain(&eg.listener.name) {
+                return fail(
+                    "envoy_gateway.listener.name",
+                    "must be a Gateway listener name (lower-case letters, digits, '-' and '.')",
+                );
+            }
+            if eg.listener.port == 0 {
+                return fail("envoy_gateway.listener.port", "must be 1 to 65535");
             }
         }
         Ok(())

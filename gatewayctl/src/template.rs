@@ -81,6 +81,9 @@ pub const EG_EXTENSION_POLICY: Template = template!("envoy/envoy-gateway/envoyex
 pub const EG_HTTP_ROUTE: Template = template!("envoy/envoy-gateway/httproute.yaml");
 /// Envoy Gateway: the EnvoyProxy filter order (wasm before ext_proc).
 pub const EG_ENVOY_PROXY: Template = template!("envoy/envoy-gateway/envoyproxy.yaml");
+/// Envoy Gateway: the EnvoyPatchPolicy on the Gateway's listener (wasm body buffering, the
+/// ext_proc filters' request attributes, the guard, the listener buffer).
+pub const EG_PATCH_POLICY: Template = template!("envoy/envoy-gateway/envoypatchpolicy.yaml");
 
 /// A template could not be rendered: a placeholder without a value, or YAML that does not
 /// parse after substitution. Both are bugs in gatewayctl or in the template, never in the

@@ -57,12 +57,13 @@ fn targets_render_their_files() {
         "envoy-gateway/httproute.yaml",
         "envoy-gateway/referencegrant-inference.yaml",
         "envoy-gateway/envoyproxy.yaml",
+        "envoy-gateway/envoypatchpolicy.yaml",
     ] {
         assert!(eg.contains_key(f), "{f} missing: {:?}", eg.keys());
     }
-    // 22, plus the NetworkPolicies of the sidecar and the trial Redis and the sidecar's Istio
-    // PeerAuthentication and AuthorizationPolicy.
-    assert_eq!(files(Target::All).len(), 26);
+    // 22, plus the NetworkPolicies of the sidecar and the trial Redis, the sidecar's Istio
+    // PeerAuthentication and AuthorizationPolicy, and Envoy Gateway's EnvoyPatchPolicy.
+    assert_eq!(files(Target::All).len(), 27);
 }
 
 #[test]
@@ -265,6 +266,27 @@ fn envoy_gateway_policy_carries_the_plugin_config() {
     assert_eq!(rules[3]["matches"][0]["path"]["value"], "/");
     // ... and reaches no pool.
     assert!(rules[3]["backendRefs"].is_null(), "{:?}", rules[3]);
+    // Only on the listener the EnvoyPatchPolicy patches.
+    assert_eq!(route["spec"]["parentRefs"][0]["sectionName"], "http");
+}
+
+#[test]
+fn envoy_gateway_patch_policy_names_the_listener_of_each_xds_name_scheme() {
+    let patch = yaml(&files(Target::EnvoyGateway)["envoy-gateway/envoypatchpolicy.yaml"]);
+    assert_eq!(patch["metadata"]["namespace"], "envoy-gateway-system");
+    assert_eq!(patch["spec"]["targetRef"]["name"], "eg");
+    let patches = patch["spec"]["jsonPatches"].as_sequence().unwrap();
+    assert_eq!(patches.len(), 5);
+    assert!(patches.iter().all(|p| p["name"] == "tcp-80"), "{patches:?}");
+    let text =
+        std::fs::read_to_string(EXAMPLE).unwrap().replace("xds_name_scheme: v2", "xds_name_scheme: v1");
+    let loaded = Loaded::from_yaml(&text, EXAMPLE, Path::new("../envoy/examples").to_path_buf()).unwrap();
+    let rendered = render(&loaded, Target::EnvoyGateway).unwrap();
+    let v1 = rendered.files.iter().find(|f| f.path == "envoy-gateway/envoypatchpolicy.yaml").unwrap();
+    let patches = yaml(&v1.content)["spec"]["jsonPatches"].as_sequence().unwrap().clone();
+    assert!(patches.iter().all(|p| p["name"] == "envoy-gateway-system/eg/http"), "{patches:?}");
+    // The buffer: filter.max_body_bytes (example: 4 MiB) + 1 MiB, as the standalone listener's.
+    assert_eq!(patches[4]["operation"]["value"], 5 * 1024 * 1024);
 }
 
 /// The example with `filter.admission_leases` (and the leases it needs) turned on.

@@ -1,12 +1,13 @@
 //! Envoy Gateway: the EnvoyExtensionPolicy (wasm + two extProc entries), the HTTPRoute routing
 //! the filter's `x-gateway-pool` header to the pools' Services, the ReferenceGrants that
-//! cross-namespace references need, and the EnvoyProxy filter order.
+//! cross-namespace references need, the EnvoyProxy filter order, and the EnvoyPatchPolicy that
+//! adds to the generated listener what an EnvoyExtensionPolicy cannot express.
 
 use std::collections::BTreeMap;
 
 use crate::config::{AttachTo, EnvoyGatewaySection, FieldError, Loaded};
 use crate::template::{self, Values};
-use crate::tree::{map, n, s, seq, strings, Value};
+use crate::tree::{at_mut, map, n, s, seq, strings, Key, Value};
 
 use super::kubernetes::{self, SIDECAR_NAME};
 use super::{module, pool_service, ratelimit_headers, Error, File};
@@ -14,6 +15,86 @@ use super::{module, pool_service, ratelimit_headers, Error, File};
 const GATEWAY_API: &str = "gateway.networking.k8s.io";
 /// Gateway API allows 16 rules per HTTPRoute; one is the catch-all.
 const MAX_POOLS: usize = 15;
+/// Name of the rendered EnvoyExtensionPolicy (envoy/envoy-gateway/envoyextensionpolicy.yaml).
+const POLICY_NAME: &str = "llm-gateway";
+/// The router, the last HTTP filter of every Envoy Gateway listener.
+const ROUTER: &str = "envoy.filters.http.router";
+
+/// The name Envoy Gateway gives the HTTP filter of entry `index` of an EnvoyExtensionPolicy's
+/// `wasm` (`kind` `wasm`, filter type `envoy.filters.http.wasm`) or `extProc` (`extproc`,
+/// `envoy.filters.http.ext_proc`) list: `<filter type>/envoyextensionpolicy/<policy
+/// namespace>/<policy name>/<kind>/<index>` (envoyproxy/gateway internal/xds/translator,
+/// `perRouteFilterName`).
+fn policy_filter_name(filter_type: &str, policy_ns: &str, kind: &str, index: usize) -> String {
+    format!("{filter_type}/envoyextensionpolicy/{policy_ns}/{POLICY_NAME}/{kind}/{index}")
+}
+
+/// A JSONPath selecting the HTTP filter `name` in every filter chain of a listener (the
+/// plain-HTTP `default_filter_chain` and the TLS `filter_chains` alike), then `then` under it.
+fn http_filter_json_path(name: &str, then: &str) -> String {
+    format!("$..http_filters[?(@.name=='{name}')]{then}")
+}
+
+/// One value of a rendered standalone filter definition (envoy/filters/*.yaml); the wasm
+/// filter's module path and plugin config are placeholders here (Envoy Gateway sets both).
+fn template_value(template: template::Template, path: &[&str]) -> Result<Value, Error> {
+    let values = Values::new().set("FILTER_CONFIG_JSON", "{}").set("WASM_PATH", "/unused.wasm");
+    let mut rendered = template::render(template, &values)?;
+    let keys: Vec<Key<'_>> = path.iter().map(|k| Key::from(*k)).collect();
+    at_mut(&mut rendered, &keys)
+        .map(|v| v.clone())
+        .ok_or_else(|| Error::Internal(format!("{}: no {}", template.path, path.join("."))))
+}
+
+/// The EnvoyPatchPolicy (envoy/envoy-gateway/envoypatchpolicy.yaml) on the Gateway's listener:
+/// `allow_on_headers_stop_iteration` on the wasm filter, the filter-state `request_attributes` on
+/// both ext_proc filters, the RBAC guard just before the router, and the per-connection buffer
+/// above `filter.max_body_bytes`. `policy_ns` is the EnvoyExtensionPolicy's namespace (part of
+/// its filters' names).
+fn patch_policy(
+    loaded: &Loaded,
+    eg: &EnvoyGatewaySection,
+    policy_ns: &str,
+    labels: Value,
+) -> Result<Value, Error> {
+    let max_body =
+        loaded.config.filter.max_body_bytes.unwrap_or(gateway_filter::config::DEFAULT_MAX_BODY_BYTES);
+    // The entries' order in envoy/envoy-gateway/envoyextensionpolicy.yaml: one wasm, then the
+    // admission extProc and the metering extProc.
+    let wasm = policy_filter_name("envoy.filters.http.wasm", policy_ns, "wasm", 0);
+    let admission = policy_filter_name("envoy.filters.http.ext_proc", policy_ns, "extproc", 0);
+    let metering = policy_filter_name("envoy.filters.http.ext_proc", policy_ns, "extproc", 1);
+    let values = Values::new()
+        .set("NAMESPACE", eg.gateway.namespace.as_str())
+        .set("LABELS", labels)
+        .set(
+            "TARGET_REF",
+            map([("group", s(GATEWAY_API)), ("kind", s("Gateway")), ("name", s(&eg.gateway.name))]),
+        )
+        .set("LISTENER", eg.xds_listener_name())
+        .set("WASM_PLUGIN_CONFIG", http_filter_json_path(&wasm, ".typed_config.config"))
+        .set(
+            "ALLOW_ON_HEADERS_STOP_ITERATION",
+            template_value(
+                template::FILTER_WASM,
+                &["typed_config", "config", "allow_on_headers_stop_iteration"],
+            )?,
+        )
+        .set("ADMISSION_FILTER_CONFIG", http_filter_json_path(&admission, ".typed_config"))
+        .set(
+            "ADMISSION_REQUEST_ATTRIBUTES",
+            template_value(template::FILTER_ADMISSION, &["typed_config", "request_attributes"])?,
+        )
+        .set("METERING_FILTER_CONFIG", http_filter_json_path(&metering, ".typed_config"))
+        .set(
+            "METERING_REQUEST_ATTRIBUTES",
+            template_value(template::FILTER_METERING, &["typed_config", "request_attributes"])?,
+        )
+        .set("ROUTER_FILTER", http_filter_json_path(ROUTER, ""))
+        .set("GUARD", template::render(template::FILTER_GUARD, &Values::new())?)
+        .set("BUFFER_LIMIT_BYTES", max_body.saturating_add(1 << 20));
+    Ok(template::render(template::EG_PATCH_POLICY, &values)?)
+}
 
 /// One ReferenceGrant: who may refer (kind, namespace, group) to which Services.
 #[derive(Debug, Default)]
@@ -142,6 +223,8 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
                     ("kind", s("Gateway")),
                     ("name", s(&eg.gateway.name)),
                     ("namespace", s(&eg.gateway.namespace)),
+                    // Only the listener the EnvoyPatchPolicy patches (its guard included).
+                    ("sectionName", s(&eg.listener.name)),
                 ])]),
             )
             .set("HOSTNAMES", strings(&eg.hostnames))
@@ -218,9 +301,11 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
     }
     let proxy = template::render(
         template::EG_ENVOY_PROXY,
-        &Values::new().set("NAMESPACE", eg.gateway.namespace.as_str()).set("LABELS", labels),
+        &Values::new().set("NAMESPACE", eg.gateway.namespace.as_str()).set("LABELS", labels.clone()),
     )?;
     files.push(File::yaml("envoy-gateway/envoyproxy.yaml", &proxy)?);
+    let patch = patch_policy(loaded, eg, &policy_ns, labels)?;
+    files.push(File::yaml("envoy-gateway/envoypatchpolicy.yaml", &patch)?);
     let eg_files: Vec<File> =
         files.iter().filter(|f| f.path.starts_with("envoy-gateway/")).cloned().collect();
     files.push(kubernetes::kustomization("envoy-gateway", &eg_files)?);
