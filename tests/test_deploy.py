@@ -333,7 +333,7 @@ def test_manifests_pass_schema_validation(tmp_path, crd_validators, variant):
     docs = manifests(files)
     kinds = {doc["kind"] for _, doc in docs}
     assert {"Deployment", "Service", "PodDisruptionBudget", "ConfigMap", "EnvoyFilter", "VirtualService",
-            "DestinationRule", "EnvoyExtensionPolicy", "HTTPRoute"} <= kinds, kinds
+            "DestinationRule", "EnvoyExtensionPolicy", "EnvoyProxy", "EnvoyPatchPolicy", "HTTPRoute"} <= kinds, kinds
     if variant == "istio-wasmplugin":
         assert "WasmPlugin" in kinds
     # Every kustomization lists exactly the manifests beside it.
@@ -421,6 +421,155 @@ def test_envoyproxy_puts_the_wasm_filter_first(tmp_path):
                                             "before": "envoy.filters.http.ext_proc"}]}
 
 
+# ------------------------------------------------------------------ Envoy Gateway's EnvoyPatchPolicy
+
+
+def _select_http_filters(doc, json_path: str) -> list[list]:
+    """JSON pointers (as key lists) that Envoy Gateway's JSONPath evaluation would give for the one
+    shape the render uses, `$..http_filters[?(@.name=='<name>')]` then `.field` steps; any other
+    shape fails the test (so a change of shape must come with this evaluator's)."""
+    m = re.fullmatch(r"\$\.\.http_filters\[\?\(@\.name=='([^']+)'\)\]((?:\.[a-z_]+)*)", json_path)
+    assert m, f"unexpected jsonPath shape: {json_path}"
+    name, rest = m.group(1), [k for k in m.group(2).split(".") if k]
+    found = []
+
+    def walk(node, at):
+        if isinstance(node, dict):
+            for key, child in node.items():
+                if key == "http_filters" and isinstance(child, list):
+                    found.extend(at + [key, i] + rest for i, f in enumerate(child) if f.get("name") == name)
+                walk(child, at + [key])
+        elif isinstance(node, list):
+            for i, child in enumerate(node):
+                walk(child, at + [i])
+
+    walk(doc, [])
+    return found
+
+
+def _apply_json_patch_add(doc, pointer: list, value) -> None:
+    """RFC 6902 `add` (into a list: insert before the index; into an object: set), creating
+    missing objects on the way as Envoy Gateway does (EnsurePathExistsOnAdd)."""
+    parent = doc
+    for key in pointer[:-1]:
+        parent = parent.setdefault(key, {}) if isinstance(parent, dict) else parent[key]
+    if isinstance(parent, list):
+        parent.insert(pointer[-1], copy.deepcopy(value))
+    else:
+        parent[pointer[-1]] = copy.deepcopy(value)
+
+
+def _apply_patch_policy(listener: dict, policy: dict) -> dict:
+    """Envoy Gateway's EnvoyPatchPolicy application (internal/xds/translator/jsonpatch.go) on one
+    listener, for `add` operations: each jsonPath exploded into pointers, `path` appended; a
+    jsonPath that selects nothing is an error there (the policy's status says Invalid), here a
+    failure."""
+    patched = copy.deepcopy(listener)
+    for patch in policy["spec"]["jsonPatches"]:
+        assert patch["type"] == "type.googleapis.com/envoy.config.listener.v3.Listener", patch
+        assert patch["name"] == listener["name"], patch
+        op = patch["operation"]
+        assert op["op"] == "add", op
+        if "jsonPath" in op:
+            pointers = _select_http_filters(patched, op["jsonPath"])
+            assert pointers, f"{op['jsonPath']} selects nothing"
+            suffix = [k for k in op.get("path", "").split("/") if k]
+        else:
+            pointers, suffix = [[k for k in op["path"].split("/") if k]], []
+        for pointer in pointers:
+            _apply_json_patch_add(patched, pointer + suffix, op["value"])
+    return patched
+
+
+def _eg_listener(name: str, policy_ns: str) -> dict:
+    """An xDS listener shaped like Envoy Gateway's translator output for a Gateway listener with
+    the rendered EnvoyExtensionPolicy attached (internal/xds/translator: listener.go, wasm.go,
+    extproc.go; field names as its protojson with proto names): the policy's filters on the HTTP
+    connection manager, disabled there and enabled per route, the router last; a plain-HTTP
+    default filter chain and a TLS one. Not taken from a live Envoy Gateway."""
+    prefix = f"envoyextensionpolicy/{policy_ns}/llm-gateway"
+    def hcm():
+        return {"name": "envoy.filters.network.http_connection_manager", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": "http-10080", "rds": {"route_config_name": "http-80"},
+            "http_filters": [
+                {"name": f"envoy.filters.http.wasm/{prefix}/wasm/0", "disabled": True, "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                    "config": {"name": "llm-gateway-filter", "root_id": "llm_gateway",
+                               "vm_config": {"vm_id": f"{prefix}/wasm/0", "runtime": "envoy.wasm.runtime.v8"}}}},
+                *({"name": f"envoy.filters.http.ext_proc/{prefix}/extproc/{i}", "disabled": True, "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                    "grpc_service": {"envoy_grpc": {"cluster_name": f"envoyextensionpolicy/{prefix}/extproc/{i}"}}}}
+                  for i in (0, 1)),
+                {"name": "envoy.filters.http.router", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
+            ]}}
+    return {"name": name, "per_connection_buffer_limit_bytes": 32768,
+            "default_filter_chain": {"filters": [hcm()]},
+            "filter_chains": [{"filter_chain_match": {"server_names": ["api.example.com"]}, "filters": [hcm()]}]}
+
+
+def test_envoy_gateway_patch_policy_patches_the_gateway_listener(tmp_path):
+    """Issue 15 item 3: the rendered EnvoyPatchPolicy, applied as Envoy Gateway applies it to a
+    listener shaped like Envoy Gateway's, sets exactly what docs/deploy.md used to ask operators
+    to hand-write: allow_on_headers_stop_iteration on the wasm filter and the filter-state
+    request_attributes on both ext_proc filters (values from envoy/filters/*.yaml), the standalone
+    render's guard just before the router in every filter chain, and the standalone listener's
+    buffer; it targets the configured Gateway's listener under both xDS name schemes."""
+    config = example()
+    eg = config["envoy_gateway"]
+    files = render(tmp_path, config)
+    policy = yaml.safe_load(files["envoy-gateway/envoypatchpolicy.yaml"].read_text())
+    extension = yaml.safe_load(files["envoy-gateway/envoyextensionpolicy.yaml"].read_text())
+    route = yaml.safe_load(files["envoy-gateway/httproute.yaml"].read_text())
+    assert policy["metadata"]["namespace"] == eg["gateway"]["namespace"]  # the target's namespace
+    assert policy["spec"]["targetRef"] == {"group": "gateway.networking.k8s.io", "kind": "Gateway",
+                                           "name": eg["gateway"]["name"]}
+    assert policy["spec"]["type"] == "JSONPatch"
+    assert eg["xds_name_scheme"] == "v2"
+    listener_name = f"tcp-{eg['listener']['port']}"
+    assert {p["name"] for p in policy["spec"]["jsonPatches"]} == {listener_name}
+    assert [r["sectionName"] for r in route["spec"]["parentRefs"]] == [eg["listener"]["name"]]
+    # The filters are named after the EnvoyExtensionPolicy's entries: one wasm, then admission
+    # (blocking) and metering (shadow mode).
+    assert len(extension["spec"]["wasm"]) == 1 and len(extension["spec"]["extProc"]) == 2
+    assert "shadowMode" not in extension["spec"]["extProc"][0] and extension["spec"]["extProc"][1]["shadowMode"]
+
+    listener = _eg_listener(listener_name, extension["metadata"]["namespace"])
+    patched = _apply_patch_policy(listener, policy)
+
+    wasm_def = yaml.safe_load((ROOT / "envoy/filters/wasm.yaml").read_text())
+    attributes = {role: yaml.safe_load((ROOT / f"envoy/filters/ext_proc_{role}.yaml").read_text())
+                  ["typed_config"]["request_attributes"] for role in ("admission", "metering")}
+    assert attributes["admission"] == attributes["metering"] == ["filter_state['wasm.llm_gateway.request']"]
+    standalone = yaml.safe_load(files["standalone/envoy.yaml"].read_text())["static_resources"]["listeners"][0]
+    standalone_guard = next(f for f in standalone["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+                            if f["name"] == "llm_gateway.guard")
+
+    expected = copy.deepcopy(listener)
+    expected["per_connection_buffer_limit_bytes"] = standalone["per_connection_buffer_limit_bytes"]
+    for chain in [expected["default_filter_chain"], *expected["filter_chains"]]:
+        filters = chain["filters"][0]["typed_config"]["http_filters"]
+        filters[0]["typed_config"]["config"]["allow_on_headers_stop_iteration"] = (
+            wasm_def["typed_config"]["config"]["allow_on_headers_stop_iteration"])
+        filters[1]["typed_config"]["request_attributes"] = attributes["admission"]
+        filters[2]["typed_config"]["request_attributes"] = attributes["metering"]
+        filters.insert(3, standalone_guard)
+    assert patched == expected
+    for chain in [patched["default_filter_chain"], *patched["filter_chains"]]:
+        names = [f["name"] for f in chain["filters"][0]["typed_config"]["http_filters"]]
+        assert names[-2:] == ["llm_gateway.guard", "envoy.filters.http.router"], names
+
+    # Envoy Gateway before 1.10 (XDSNameSchemeV2 off) names the listener after the Gateway's.
+    (tmp_path / "v1").mkdir()
+    v1 = yaml.safe_load(render(tmp_path / "v1", example(**{"envoy_gateway.xds_name_scheme": "v1"}),
+                               "envoy-gateway")["envoy-gateway/envoypatchpolicy.yaml"].read_text())
+    v1_name = f"{eg['gateway']['namespace']}/{eg['gateway']['name']}/{eg['listener']['name']}"
+    assert {p["name"] for p in v1["spec"]["jsonPatches"]} == {v1_name}
+    assert _apply_patch_policy(_eg_listener(v1_name, extension["metadata"]["namespace"]), v1) == {
+        **expected, "name": v1_name}
+
+
 # One typo per validator path: a field renamed somewhere deep in a manifest must fail.
 TYPOS = {
     "Deployment": ("kubernetes/sidecar-deployment.yaml",
@@ -433,6 +582,8 @@ TYPOS = {
     "EnvoyExtensionPolicy": ("envoy-gateway/envoyextensionpolicy.yaml",
                              ["spec", "extProc", 0, "processingMode", "request"], "requests"),
     "EnvoyProxy": ("envoy-gateway/envoyproxy.yaml", ["spec", "filterOrder", 0, "before"], "befor"),
+    "EnvoyPatchPolicy": ("envoy-gateway/envoypatchpolicy.yaml", ["spec", "jsonPatches", 0, "operation", "jsonPath"],
+                         "jsonpath"),
     "HTTPRoute": ("envoy-gateway/httproute.yaml", ["spec", "rules", 0, "backendRefs", 0, "port"], "prot"),
     "ReferenceGrant": ("envoy-gateway/referencegrant-inference.yaml", ["spec", "from", 0, "namespace"], "namspace"),
     "metadata": ("istio/envoyfilter.yaml", ["metadata", "labels"], "lables"),
