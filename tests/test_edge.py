@@ -4,7 +4,7 @@ vllm-sim): what each one refuses, and that none of them cuts what a client may d
 The stack's Envoy runs with short timeouts and small limits (`edge=`), so that each refusal is
 seen within seconds; gatewayctl renders the same settings from `envoy.edge`
 (tests/test_deploy.py runs what it renders). What they protect under load is measured by
-bench/edge_attack.py (docs/benchmarks.md).
+bench/edge_attack.py (docs/deploy.md, "Edge settings").
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ impl Default for EnvoySection {
 }
 
 /// Edge limits, after Envoy's "Configuring Envoy as an edge proxy" guidance. What each protects
-/// is measured by `bench/edge_attack.py` (docs/benchmarks.md).
+/// is measured by `bench/edge_attack.py` (docs/deploy.md, "Edge settings").
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EdgeSection {
