@@ -2,7 +2,7 @@
 
 use crate::config::{BenchConfig, CapacitySpec, Endpoint, LoadSpec, SloSpec, Sweep};
 use crate::error::BenchError;
-use crate::workload::{WorkloadSpec, DEFAULT_OUTPUT_LEN};
+use crate::workload::{DatasetOrder, WorkloadSpec, DEFAULT_OUTPUT_LEN};
 use clap::Parser;
 use std::path::PathBuf;
 
@@ -78,6 +78,10 @@ pub struct Cli {
     /// JSONL dataset: `{"prompt","max_tokens"}` or ShareGPT `{"conversations"}` lines.
     #[arg(long)]
     pub dataset_path: Option<PathBuf>,
+    /// Order in which a point draws dataset entries: `shuffled` (seeded) or `in-order` (file
+    /// order, e.g. multi-turn conversations written turn by turn).
+    #[arg(long, value_enum, default_value_t = DatasetOrder::Shuffled, requires = "dataset_path")]
+    pub dataset_order: DatasetOrder,
     /// Send `ignore_eos` (vLLM extension); default true for random prompts,
     /// false for datasets.
     #[arg(long)]
@@ -137,6 +141,7 @@ impl Cli {
                 path: path.clone(),
                 output_len: self.output_len,
                 ignore_eos: self.ignore_eos.unwrap_or(false),
+                order: self.dataset_order,
             },
             None => WorkloadSpec::Random {
                 input_len: self.input_len,
@@ -238,7 +243,12 @@ mod tests {
         let c = cli(&["--dataset-path", "x.jsonl"]).unwrap().to_config().unwrap();
         assert_eq!(
             c.workload,
-            WorkloadSpec::Dataset { path: "x.jsonl".into(), output_len: None, ignore_eos: false }
+            WorkloadSpec::Dataset {
+                path: "x.jsonl".into(),
+                output_len: None,
+                ignore_eos: false,
+                order: DatasetOrder::Shuffled
+            }
         );
     }
 }

@@ -15,9 +15,15 @@
 //!   {"from": "gpt", "value": ...}, ...]}` (first human turn is the prompt;
 //!   `max_tokens` = word count of the following gpt turn). A file whose first
 //!   non-blank character is `[` is read as one JSON array of such objects
-//!   (the usual ShareGPT dump). `--output-len` overrides every `max_tokens`;
-//!   entries without any get 128. Each point samples entries in a seeded
-//!   random order, cycling when the dataset is smaller than needed.
+//!   (the usual ShareGPT dump), or a whole chat `{"messages": [{"role":
+//!   "system", "content": ...}, {"role": "user", ...}, ...], "max_tokens": N}`
+//!   (OpenAI's `messages`, sent as is; chat endpoint only: multi-turn
+//!   conversations that resend their history, for prefix caching).
+//!   `--output-len` overrides every `max_tokens`; entries without any get
+//!   128. Each point samples entries in a seeded random order
+//!   (`--dataset-order shuffled`) or sends them in file order
+//!   (`--dataset-order in-order`, so turn k of a conversation follows turn
+//!   k - 1), cycling when the dataset is smaller than needed.
 //!
 //! At most [`MAX_UNIQUE_REQUESTS`] distinct bodies are prepared per point;
 //! longer runs cycle through them.
@@ -59,7 +65,21 @@ pub enum WorkloadSpec {
         output_len: Option<u32>,
         /// Send `ignore_eos: true`.
         ignore_eos: bool,
+        /// Sampling order of the entries.
+        #[serde(default)]
+        order: DatasetOrder,
     },
+}
+
+/// How a point draws dataset entries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum DatasetOrder {
+    /// A seeded random permutation per point.
+    #[default]
+    Shuffled,
+    /// File order (warmup requests take the first entries).
+    InOrder,
 }
 
 /// One ready-to-send request.
@@ -313,13 +333,26 @@ impl Workload {
     /// Loads the workload (reads and validates the dataset file if any).
     pub fn load(spec: &WorkloadSpec, endpoint: Endpoint, model: &str) -> Result<Self, BenchError> {
         let mut w = Self { spec: spec.clone(), endpoint, model: model.to_string(), dataset: Vec::new() };
-        if let WorkloadSpec::Dataset { path, output_len, ignore_eos } = spec {
+        if let WorkloadSpec::Dataset { path, output_len, ignore_eos, .. } = spec {
             let entries = read_dataset(path)?;
-            for e in entries {
+            for (i, e) in entries.into_iter().enumerate() {
                 let max_tokens = output_len.or(e.max_tokens).unwrap_or(DEFAULT_OUTPUT_LEN);
-                let body = build_body(endpoint, model, &e.prompt, max_tokens, *ignore_eos)?;
-                let prompt_words = e.prompt.split_whitespace().count() as u64;
-                w.dataset.push(PreparedRequest { body, prompt_words, max_tokens });
+                let body = match &e.prompt {
+                    Prompt::Text(text) => build_body(endpoint, model, text, max_tokens, *ignore_eos)?,
+                    Prompt::Messages(messages) => {
+                        if endpoint != Endpoint::Chat {
+                            return Err(BenchError::Dataset {
+                                path: path.clone(),
+                                message: format!(
+                                    "entry {}: `messages` needs the chat endpoint, not /v1/completions",
+                                    i + 1
+                                ),
+                            });
+                        }
+                        build_chat_body(model, messages, max_tokens, *ignore_eos)?
+                    }
+                };
+                w.dataset.push(PreparedRequest { body, prompt_words: e.prompt.words(), max_tokens });
             }
         }
         Ok(w)
@@ -350,9 +383,11 @@ impl Workload {
                 }
                 Ok(out.into())
             }
-            WorkloadSpec::Dataset { .. } => {
+            WorkloadSpec::Dataset { order: dataset_order, .. } => {
                 let mut order: Vec<usize> = (0..self.dataset.len()).collect();
-                order.shuffle(&mut rng);
+                if *dataset_order == DatasetOrder::Shuffled {
+                    order.shuffle(&mut rng);
+                }
                 Ok(order.iter().cycle().take(n).filter_map(|&i| self.dataset.get(i).cloned()).collect())
             }
         }
@@ -373,7 +408,7 @@ pub fn random_prompt(rng: &mut impl Rng, words: u32, out: &mut String) {
 
 #[derive(Serialize)]
 struct Message<'a> {
-    role: &'static str,
+    role: &'a str,
     content: &'a str,
 }
 
@@ -386,7 +421,7 @@ struct StreamOptions {
 struct Body<'a> {
     model: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
-    messages: Option<[Message<'a>; 1]>,
+    messages: Option<Vec<Message<'a>>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     prompt: Option<&'a str>,
     max_tokens: u32,
@@ -405,7 +440,7 @@ pub fn build_body(
     ignore_eos: bool,
 ) -> Result<Bytes, BenchError> {
     let (messages, prompt) = match endpoint {
-        Endpoint::Chat => (Some([Message { role: "user", content: prompt }]), None),
+        Endpoint::Chat => (Some(vec![Message { role: "user", content: prompt }]), None),
         Endpoint::Completions => (None, Some(prompt)),
     };
     let body = Body {
@@ -420,11 +455,58 @@ pub fn build_body(
     Ok(Bytes::from(serde_json::to_vec(&body)?))
 }
 
+/// Serializes a streaming chat request body with the whole `messages` list.
+pub fn build_chat_body(
+    model: &str,
+    messages: &[ChatMessage],
+    max_tokens: u32,
+    ignore_eos: bool,
+) -> Result<Bytes, BenchError> {
+    let body = Body {
+        model,
+        messages: Some(messages.iter().map(|m| Message { role: &m.role, content: &m.content }).collect()),
+        prompt: None,
+        max_tokens,
+        stream: true,
+        stream_options: StreamOptions { include_usage: true },
+        ignore_eos,
+    };
+    Ok(Bytes::from(serde_json::to_vec(&body)?))
+}
+
+/// One chat message of a dataset entry (OpenAI's `messages[]`: `role`, string `content`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The message text.
+    pub content: String,
+}
+
+/// What a dataset entry sends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// One text: the chat endpoint's single user message, or the completions `prompt`.
+    Text(String),
+    /// A whole chat, sent as `messages`.
+    Messages(Vec<ChatMessage>),
+}
+
+impl Prompt {
+    /// Whitespace-separated words of every text (the fallback prompt-token count).
+    pub fn words(&self) -> u64 {
+        match self {
+            Self::Text(t) => t.split_whitespace().count() as u64,
+            Self::Messages(m) => m.iter().map(|m| m.content.split_whitespace().count() as u64).sum(),
+        }
+    }
+}
+
 /// One dataset entry after normalization.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DatasetEntry {
-    /// Prompt text.
-    pub prompt: String,
+    /// What it sends.
+    pub prompt: Prompt,
     /// `max_tokens` from the entry, if any.
     pub max_tokens: Option<u32>,
 }
@@ -437,6 +519,8 @@ struct RawEntry {
     max_tokens: Option<u32>,
     #[serde(default)]
     conversations: Option<Vec<Turn>>,
+    #[serde(default)]
+    messages: Option<Vec<ChatMessage>>,
 }
 
 #[derive(Deserialize)]
@@ -450,7 +534,10 @@ struct Turn {
 impl RawEntry {
     fn normalize(self) -> Option<DatasetEntry> {
         if let Some(prompt) = self.prompt.filter(|p| !p.trim().is_empty()) {
-            return Some(DatasetEntry { prompt, max_tokens: self.max_tokens });
+            return Some(DatasetEntry { prompt: Prompt::Text(prompt), max_tokens: self.max_tokens });
+        }
+        if let Some(messages) = self.messages.filter(|m| !m.is_empty()) {
+            return Some(DatasetEntry { prompt: Prompt::Messages(messages), max_tokens: self.max_tokens });
         }
         let turns = self.conversations?;
         let pos = turns.iter().position(|t| t.from == "human" || t.from == "user")?;
@@ -463,7 +550,7 @@ impl RawEntry {
         if prompt.trim().is_empty() {
             return None;
         }
-        Some(DatasetEntry { prompt, max_tokens: self.max_tokens.or(reply) })
+        Some(DatasetEntry { prompt: Prompt::Text(prompt), max_tokens: self.max_tokens.or(reply) })
     }
 }
 
@@ -543,9 +630,12 @@ mod tests {
 "#;
         let e = parse_dataset(jsonl).unwrap();
         assert_eq!(e.len(), 3);
-        assert_eq!(e[0], DatasetEntry { prompt: "tell me a story".into(), max_tokens: Some(50) });
+        assert_eq!(
+            e[0],
+            DatasetEntry { prompt: Prompt::Text("tell me a story".into()), max_tokens: Some(50) }
+        );
         assert_eq!(e[1].max_tokens, None);
-        assert_eq!(e[2], DatasetEntry { prompt: "what is rust".into(), max_tokens: Some(3) });
+        assert_eq!(e[2], DatasetEntry { prompt: Prompt::Text("what is rust".into()), max_tokens: Some(3) });
         let arr = r#"[{"conversations":[{"from":"human","value":"q"},{"from":"gpt","value":"a b"}]}]"#;
         assert_eq!(parse_dataset(arr).unwrap()[0].max_tokens, Some(2));
         assert!(parse_dataset("{not json}\n").unwrap_err().contains("line 1"));
@@ -557,12 +647,53 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("d.jsonl");
         std::fs::write(&path, "{\"prompt\":\"a\",\"max_tokens\":5}\n{\"prompt\":\"b\"}\n").unwrap();
-        let spec = WorkloadSpec::Dataset { path: path.clone(), output_len: Some(9), ignore_eos: false };
+        let spec = WorkloadSpec::Dataset {
+            path: path.clone(),
+            output_len: Some(9),
+            ignore_eos: false,
+            order: DatasetOrder::Shuffled,
+        };
         let w = Workload::load(&spec, Endpoint::Completions, "m").unwrap();
         assert_eq!(w.dataset_len(), 2);
         let reqs = w.requests_for_point(5, 0).unwrap();
         assert_eq!(reqs.len(), 5);
         assert!(reqs.iter().all(|r| r.max_tokens == 9));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn chat_messages_entries_go_in_file_order() {
+        let dir = std::env::temp_dir().join(format!("gateway-bench-msgs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("d.jsonl");
+        let lines = [
+            r#"{"messages":[{"role":"system","content":"be brief"},{"role":"user","content":"one"}],"max_tokens":4}"#,
+            r#"{"messages":[{"role":"system","content":"be brief"},{"role":"user","content":"one"},{"role":"assistant","content":"ok"},{"role":"user","content":"two"}]}"#,
+            r#"{"prompt":"three"}"#,
+        ];
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        let spec = WorkloadSpec::Dataset {
+            path: path.clone(),
+            output_len: None,
+            ignore_eos: false,
+            order: DatasetOrder::InOrder,
+        };
+        let w = Workload::load(&spec, Endpoint::Chat, "m").unwrap();
+        let reqs = w.requests_for_point(7, 3).unwrap();
+        let firsts: Vec<serde_json::Value> =
+            reqs.iter().map(|r| serde_json::from_slice::<serde_json::Value>(&r.body).unwrap()).collect();
+        // File order, cycling; the whole history is sent.
+        assert_eq!(firsts[0]["messages"].as_array().unwrap().len(), 2);
+        assert_eq!(firsts[0]["messages"][0]["role"], "system");
+        assert_eq!(firsts[0]["max_tokens"], 4);
+        assert_eq!(firsts[1]["messages"].as_array().unwrap().len(), 4);
+        assert_eq!(firsts[1]["messages"][3]["content"], "two");
+        assert_eq!(firsts[2]["messages"][0]["content"], "three");
+        assert_eq!(firsts[3]["messages"], firsts[0]["messages"]);
+        assert_eq!(reqs[1].prompt_words, 5);
+        // A chat entry cannot go to /v1/completions.
+        let err = Workload::load(&spec, Endpoint::Completions, "m").unwrap_err();
+        assert!(err.to_string().contains("entry 1"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
