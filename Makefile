@@ -42,6 +42,7 @@ test-integration: ## Integration tests (tests/): real envoy, redis-server, sidec
 
 bench: setup build ## Benchmarks (~10 min): gateway overhead vs bare Envoy, saturation, sidecar, overload; rewrites docs/benchmarks.md (BENCH_ARGS=--quick: smoke run)
 	$(PY) bench/overhead.py $(BENCH_ARGS)
+	$(PY) bench/picker.py $(BENCH_ARGS)
 
 lint: setup ## rustfmt and clippy (host and wasm32), warnings denied (CI runs it before the tests)
 	cargo fmt --all --check

@@ -373,6 +373,20 @@ def write_charts(summary: dict, results: Path) -> list[str]:
     return names
 
 
+# The endpoint-picking section comes from bench/picker.py (`make bench` runs it after this page is
+# written); a page rewritten by bench/overhead.py keeps the section the last picker run wrote.
+PICKER_BEGIN, PICKER_END = "<!-- picker-benchmark:begin -->", "<!-- picker-benchmark:end -->"
+PICKER_PLACEHOLDER = (f"{PICKER_BEGIN}\n## Endpoint picking (issue 12)\n\nNot run yet: "
+                      f"`.venv/bin/python bench/picker.py` writes this section.\n{PICKER_END}")
+
+
+def picker_section(page: str) -> str | None:
+    """The picker section of an existing docs/benchmarks.md, markers included (None if absent)."""
+    if PICKER_BEGIN in page and PICKER_END in page:
+        return page[page.index(PICKER_BEGIN): page.index(PICKER_END) + len(PICKER_END)]
+    return None
+
+
 def render_page(summary: dict, charts: list[str]) -> str:
     """docs/benchmarks.md from bench/benchmarks.md.tmpl and the run's summary."""
     res = summary["results"]
@@ -388,6 +402,7 @@ def render_page(summary: dict, charts: list[str]) -> str:
     ov = res.get("overload")
     service_s = ov["sim"]["ttft_ms"] / 1000 + (ov["output_len"] - 1) * ov["sim"]["itl_ms"] / 1000 if ov else 0.0
     values = {
+        "picker_section": summary.get("picker_section") or PICKER_PLACEHOLDER,
         "generated": summary["finished_at"],
         "command": summary["command"],
         "nproc": str(m["nproc"]),
