@@ -77,9 +77,11 @@
 
 pub mod body;
 pub mod config;
+pub mod engine;
 pub mod error;
 pub mod fault;
 pub mod metrics;
+pub mod prompt;
 pub mod queue;
 pub mod request;
 pub mod response;
@@ -87,5 +89,5 @@ pub mod server;
 pub mod sse;
 pub mod tokens;
 
-pub use config::{Cli, SimConfig};
+pub use config::{Cli, EngineKind, SimConfig};
 pub use server::serve;
