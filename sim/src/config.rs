@@ -63,7 +63,7 @@ pub enum EngineKind {
     #[default]
     Fixed,
     /// A step-by-step model of vLLM V1's scheduler with a paged KV cache and prefix caching
-    /// (see [`crate::engine`]); `--ttft-ms` and `--itl-ms` are ignored.
+    /// (the crate docs describe it); `--ttft-ms` and `--itl-ms` are ignored.
     Batched,
 }
 
@@ -140,24 +140,29 @@ pub struct SimConfig {
     /// Batched engine: tokens per KV-cache block (vLLM `--block-size`); at least 1.
     #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE, value_parser = clap::value_parser!(u32).range(1..))]
     pub block_size: u32,
-    /// Batched engine: KV-cache blocks (vLLM `--num-gpu-blocks-override`); default: Llama 3.1 8B
-    /// on one H100 80 GB (52 GB of KV cache at 2 MiB per block). Must hold `--max-model-len`.
+    /// Batched engine: KV-cache blocks (vLLM `--num-gpu-blocks-override`); must hold
+    /// `--max-model-len`. Default: Llama 3.1 8B in BF16 on one H100 80 GB: 80 GB x 0.9 less
+    /// 16 GB of weights and ~4 GB of activations leaves ~52 GB, at 16 tokens x 128 KiB = 2 MiB a
+    /// block (Meta's model card and `config.json`; vLLM's `gpu_memory_utilization` 0.9).
     #[arg(long, default_value_t = DEFAULT_NUM_GPU_BLOCKS, value_parser = clap::value_parser!(u32).range(1..))]
     pub num_gpu_blocks: u32,
     /// Batched engine: tokens one step may compute, decode and prefill together
     /// (vLLM `--max-num-batched-tokens`); longer prompts are prefilled in chunks; at least 1.
     #[arg(long, default_value_t = DEFAULT_MAX_NUM_BATCHED_TOKENS, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_num_batched_tokens: u32,
-    /// Batched engine: fixed cost of one step in milliseconds (reading the weights once:
-    /// 16 GB at 3.35 TB/s); 0 to 60 000.
+    /// Batched engine: fixed cost of one step in milliseconds; 0 to 60 000. Default: reading
+    /// Llama 3.1 8B's 16.06 GB of BF16 weights once at the H100 SXM's 3.35 TB/s (NVIDIA's
+    /// datasheet) takes 4.8 ms.
     #[arg(long, default_value_t = DEFAULT_STEP_BASE_MS, value_parser = parse_step_base_ms)]
     pub step_base_ms: f64,
-    /// Batched engine: cost of one uncached prompt token in microseconds (16 GFLOP at 40 % of
-    /// 989 TFLOP/s); 0 to 1 000 000.
+    /// Batched engine: cost of one uncached prompt token in microseconds; 0 to 1 000 000.
+    /// Default: 2 x 8.03 GFLOP per token at 40 % of the H100 SXM's 989 TFLOP/s dense BF16 (NVIDIA's
+    /// datasheet), i.e. 25,000 prompt tokens/s.
     #[arg(long, default_value_t = DEFAULT_PREFILL_US_PER_TOKEN, value_parser = parse_step_cost_us)]
     pub prefill_us_per_token: f64,
-    /// Batched engine: cost of one decoding sequence per step in microseconds (its KV cache
-    /// read: 1,000 tokens x 128 KiB at 3.35 TB/s); 0 to 1 000 000.
+    /// Batched engine: cost of one decoding sequence per step in microseconds; 0 to 1 000 000.
+    /// Default: reading a 1,000-token context's KV cache (128 KiB a token for Llama 3.1 8B) at
+    /// 3.35 TB/s takes 39 us.
     #[arg(long, default_value_t = DEFAULT_DECODE_US_PER_SEQ, value_parser = parse_step_cost_us)]
     pub decode_us_per_seq: f64,
     /// Batched engine: multiplies every step time (3 = a replica three times slower);

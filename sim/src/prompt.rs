@@ -24,7 +24,7 @@ use crate::request::Endpoint;
 pub const BYTES_PER_TOKEN: usize = 4;
 
 /// The parent hash of a prompt's first block.
-const ROOT_HASH: u64 = 0;
+pub const ROOT_HASH: u64 = 0;
 
 #[derive(Deserialize)]
 struct ChatPrompt {
