@@ -36,6 +36,9 @@ pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 /// 16.06 GB of weights and about 4 GB of activations and CUDA graphs leaves about 52 GB for the
 /// KV cache, at 16 x 128 KiB = 2 MiB per block: 24,800 blocks (396,800 tokens).
 pub const DEFAULT_NUM_GPU_BLOCKS: u32 = 24_800;
+/// Largest accepted `--num-gpu-blocks` (2^24 blocks, 268 M tokens of 16: far above any GPU's,
+/// and the engine keeps 24 bytes of state a block).
+pub const MAX_NUM_GPU_BLOCKS: u32 = 1 << 24;
 /// Default of `--max-num-batched-tokens`: vLLM V1's per-step token budget for the OpenAI server
 /// on a GPU of 70 GB or more.
 pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: u32 = 8192;
@@ -144,7 +147,11 @@ pub struct SimConfig {
     /// `--max-model-len`. Default: Llama 3.1 8B in BF16 on one H100 80 GB: 80 GB x 0.9 less
     /// 16 GB of weights and ~4 GB of activations leaves ~52 GB, at 16 tokens x 128 KiB = 2 MiB a
     /// block (Meta's model card and `config.json`; vLLM's `gpu_memory_utilization` 0.9).
-    #[arg(long, default_value_t = DEFAULT_NUM_GPU_BLOCKS, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(
+        long,
+        default_value_t = DEFAULT_NUM_GPU_BLOCKS,
+        value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_NUM_GPU_BLOCKS))
+    )]
     pub num_gpu_blocks: u32,
     /// Batched engine: tokens one step may compute, decode and prefill together
     /// (vLLM `--max-num-batched-tokens`); longer prompts are prefilled in chunks; at least 1.
@@ -240,6 +247,9 @@ pub enum ConfigError {
         /// The largest accepted value.
         max: f64,
     },
+    /// `num_gpu_blocks` is above [`MAX_NUM_GPU_BLOCKS`].
+    #[error("num_gpu_blocks must be at most {MAX_NUM_GPU_BLOCKS}, got {0}")]
+    TooManyBlocks(u32),
     /// Batched engine: the KV cache cannot hold one request of `max_model_len` tokens (vLLM
     /// refuses to start in that case too).
     #[error(
@@ -293,6 +303,9 @@ impl SimConfig {
         }
         if !(0.0..=1.0).contains(&self.error_rate) {
             return Err(ConfigError::ErrorRate(self.error_rate));
+        }
+        if self.num_gpu_blocks > MAX_NUM_GPU_BLOCKS {
+            return Err(ConfigError::TooManyBlocks(self.num_gpu_blocks));
         }
         range("step_base_ms", self.step_base_ms, 0.0, MAX_STEP_BASE_MS)?;
         range("prefill_us_per_token", self.prefill_us_per_token, 0.0, MAX_STEP_COST_US)?;
@@ -433,6 +446,7 @@ mod tests {
             ["--decode-us-per-seq", "inf"],
             ["--engine", "fast"],
             ["--block-size", "0"],
+            ["--num-gpu-blocks", "16777217"],
         ] {
             assert!(Cli::try_parse_from(["vllm-sim", bad[0], bad[1]]).is_err(), "{bad:?}");
         }
@@ -441,6 +455,8 @@ mod tests {
         assert!(matches!(small.validate(), Err(ConfigError::KvCacheTooSmall { .. })));
         // The fixed engine ignores the KV-cache size.
         assert!(SimConfig { engine: EngineKind::Fixed, ..small }.validate().is_ok());
+        let bad = SimConfig { num_gpu_blocks: u32::MAX, ..SimConfig::default() };
+        assert_eq!(bad.validate(), Err(ConfigError::TooManyBlocks(u32::MAX)));
         let bad = SimConfig { slowdown: f64::INFINITY, ..SimConfig::default() };
         assert!(matches!(bad.validate(), Err(ConfigError::Range { name: "slowdown", .. })));
     }
