@@ -944,6 +944,116 @@ mod tests {
         assert_eq!(e.finish_step(), [Progress { id: running, generated: 2, finished: true }]);
     }
 
+    impl Engine {
+        /// Checks the bookkeeping: reservations fit in the free blocks, every held block is
+        /// counted once per holder, and the hash index points at blocks carrying that hash.
+        fn check_invariants(&self) {
+            assert!(
+                self.reserved <= self.pool.free_count(),
+                "{} > {}",
+                self.reserved,
+                self.pool.free_count()
+            );
+            let reserved: u64 = self.running.iter().map(|s| s.reserved).sum();
+            assert_eq!(reserved, self.reserved);
+            let mut refs = vec![0u32; self.pool.blocks.len()];
+            for seq in &self.running {
+                for b in &seq.blocks {
+                    refs[*b as usize] += 1;
+                }
+                assert!(seq.computed <= seq.tokens());
+            }
+            for (i, block) in self.pool.blocks.iter().enumerate() {
+                assert_eq!(block.refs, refs[i], "block {i}");
+                assert_eq!(block.free_key.is_some(), block.refs == 0, "block {i}");
+            }
+            assert_eq!(self.pool.free.len(), refs.iter().filter(|r| **r == 0).count());
+            for (hash, b) in &self.pool.cached {
+                assert_eq!(self.pool.blocks[*b as usize].hash, Some(*hash));
+            }
+            assert!(self.running.len() <= self.config.max_num_seqs as usize);
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Add { prompt: u64, shared: u64, output: u64 },
+        Abort(u64),
+        Step,
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (1u64..60, 0u64..4, 1u64..12).prop_map(|(prompt, shared, output)| Op::Add {
+                prompt,
+                shared,
+                output
+            }),
+            (0u64..40).prop_map(Op::Abort),
+            Just(Op::Step),
+            Just(Op::Step),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Any sequence of arrivals, aborts and steps keeps the bookkeeping exact, and once the
+        /// arrivals stop every request finishes and every block is free again.
+        #[test]
+        fn random_workloads_keep_the_books_and_drain(
+            ops in proptest::collection::vec(op(), 1..200),
+            blocks in 18u32..40,
+            budget in 1u32..64,
+            seqs in 1u32..6,
+        ) {
+            let config = EngineConfig {
+                num_gpu_blocks: blocks,
+                max_num_batched_tokens: budget,
+                max_num_seqs: seqs,
+                ..config()
+            };
+            let mut e = Engine::new(config);
+            let mut added = 0u64;
+            let mut aborted = std::collections::HashSet::new();
+            let mut finished = std::collections::HashSet::new();
+            for op in ops {
+                match op {
+                    Op::Add { prompt, shared, output } => {
+                        // Prompts share `shared` leading blocks (hashes 1, 2, ...), then are unique.
+                        let hashes: Vec<u64> = (0..prompt / 4)
+                            .map(|i| if i < shared { i + 1 } else { 1000 * (added + 1) + i })
+                            .collect();
+                        e.add(spec(prompt, &hashes, output));
+                        added += 1;
+                    }
+                    Op::Abort(id) => {
+                        if e.abort(id) {
+                            aborted.insert(id);
+                        }
+                    }
+                    Op::Step => {
+                        if e.schedule().is_some() {
+                            e.check_invariants();
+                            finished.extend(e.finish_step().iter().filter(|p| p.finished).map(|p| p.id));
+                        }
+                    }
+                }
+                e.check_invariants();
+            }
+            for _ in 0..100_000 {
+                if e.schedule().is_none() {
+                    break;
+                }
+                finished.extend(e.finish_step().iter().filter(|p| p.finished).map(|p| p.id));
+                e.check_invariants();
+            }
+            let s = e.snapshot();
+            proptest::prop_assert_eq!((s.running, s.waiting, s.kv_cache_usage), (0, 0, 0.0));
+            proptest::prop_assert_eq!(finished.len() + aborted.len(), added as usize);
+            proptest::prop_assert!(s.prefix_cache_hits <= s.prefix_cache_queries);
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn the_driver_delivers_tokens_at_step_ends() {
         // Whole milliseconds: tokio's timers have a 1 ms resolution.
