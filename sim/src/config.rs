@@ -107,11 +107,12 @@ pub struct SimConfig {
     /// Context window in tokens, prompt plus completion (vLLM `--max-model-len`); at least 1.
     #[arg(long, default_value_t = DEFAULT_MAX_MODEL_LEN, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_model_len: u32,
-    /// Time to first token in milliseconds, counted from when the request leaves the queue;
-    /// 0 to 3 600 000.
+    /// Fixed engine: time to first token in milliseconds, counted from when the request leaves
+    /// the queue; 0 to 3 600 000 (the batched engine ignores it).
     #[arg(long, default_value_t = 0.0, value_parser = parse_delay_ms)]
     pub ttft_ms: f64,
-    /// Inter-token latency in milliseconds between two streamed tokens; 0 to 3 600 000.
+    /// Fixed engine: inter-token latency in milliseconds between two streamed tokens;
+    /// 0 to 3 600 000 (the batched engine ignores it).
     #[arg(long, default_value_t = 0.0, value_parser = parse_delay_ms)]
     pub itl_ms: f64,
     /// Completion length in tokens when the request does not force one (`ignore_eos`) and
