@@ -997,6 +997,11 @@ mod tests {
     }
 
     proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config {
+            failure_persistence: Some(Box::new(proptest::test_runner::FileFailurePersistence::Off)),
+            ..proptest::test_runner::Config::default()
+        })]
+
         /// Any sequence of arrivals, aborts and steps keeps the bookkeeping exact, and once the
         /// arrivals stop every request finishes and every block is free again.
         #[test]
