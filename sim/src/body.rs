@@ -4,6 +4,8 @@
 //! out: it waits for a [`Slot`] in the queue, then hands hyper one SSE event per body frame,
 //! the first token `ttft` after admission and the next ones `itl` apart (tokio timers, no
 //! blocked thread). Dropping it (client gone) frees the slot and stops the token count.
+//! With the batched engine ([`TokenStream::batched`]) the stream instead sends each token when the
+//! engine step that generated it ends ([`Generation`]); dropping it aborts the request.
 
 use std::fmt;
 use std::future::Future as _;
@@ -16,6 +18,7 @@ use hyper::body::{Body, Frame, SizeHint};
 use tokio::time::{Instant, Sleep};
 
 use crate::config::Pacing;
+use crate::engine::Generation;
 use crate::metrics::RequestTracker;
 use crate::queue::{Admission, QueueClosed, Slot};
 use crate::sse::{self, EventBuf, EventKind, SseEvent, SseEvents};
@@ -79,6 +82,8 @@ enum Phase {
     Queued(Admission),
     /// Generating; token offsets count from `started`.
     Running { started: Instant, _slot: Slot },
+    /// Batched engine: tokens come as its steps end.
+    Generating(Generation),
     /// `--fail-after-chunks` reached: yield once so hyper flushes what was sent, then fail.
     Failing { flushed: bool },
     /// All events sent, or failed.
@@ -90,6 +95,7 @@ impl fmt::Debug for Phase {
         match self {
             Self::Queued(_) => f.write_str("Queued"),
             Self::Running { started, .. } => f.debug_struct("Running").field("started", started).finish(),
+            Self::Generating(_) => f.write_str("Generating"),
             Self::Failing { flushed } => f.debug_struct("Failing").field("flushed", flushed).finish(),
             Self::Ended => f.write_str("Ended"),
         }
@@ -134,6 +140,15 @@ impl TokenStream {
             Ok(slot) => Phase::Running { started: Instant::now(), _slot: slot },
             Err(wait) => Phase::Queued(wait),
         };
+        Self::with_phase(phase, parts)
+    }
+
+    /// A stream whose tokens come from the batched engine as its steps generate them.
+    pub fn batched(generation: Generation, parts: StreamParts) -> Self {
+        Self::with_phase(Phase::Generating(generation), parts)
+    }
+
+    fn with_phase(phase: Phase, parts: StreamParts) -> Self {
         Self {
             phase,
             events: parts.events,
@@ -160,13 +175,10 @@ impl TokenStream {
                         return Poll::Ready(Some(Err(closed.into())));
                     }
                 },
-                Phase::Running { started, .. } => {
-                    let started = *started;
-                    match self.poll_running(cx, started) {
-                        Some(result) => return result,
-                        None => continue,
-                    }
-                }
+                Phase::Running { .. } | Phase::Generating(_) => match self.poll_running(cx) {
+                    Some(result) => return result,
+                    None => continue,
+                },
                 Phase::Failing { flushed: false } => {
                     self.phase = Phase::Failing { flushed: true };
                     cx.waker().wake_by_ref();
@@ -181,36 +193,56 @@ impl TokenStream {
         }
     }
 
-    /// The next frame while running, or `None` after switching phase.
-    fn poll_running(&mut self, cx: &mut Context<'_>, started: Instant) -> Option<FramePoll> {
+    /// The next frame while running or generating, or `None` after switching phase.
+    fn poll_running(&mut self, cx: &mut Context<'_>) -> Option<FramePoll> {
         let Some(event) = self.pending.take().or_else(|| self.events.next()) else {
             self.phase = Phase::Ended;
             return None;
         };
+        // The output token the event waits for (the role chunk goes with the first token).
         let due = match event.kind {
-            EventKind::Role => Some(self.pacing.token_offset(0)),
+            EventKind::Role => Some(0),
             EventKind::Token { index } => {
                 if self.fail_after_chunks == Some(self.chunks_sent) {
-                    // Frees the slot now; the tracker counts the request as aborted.
+                    // Frees the slot (or aborts the engine request) now; the tracker counts the
+                    // request as aborted.
                     self.phase = Phase::Failing { flushed: false };
                     return None;
                 }
-                Some(self.pacing.token_offset(index))
+                Some(index)
             }
             EventKind::Usage | EventKind::Done => None,
         };
-        if let Some(offset) = due.filter(|o| !o.is_zero()) {
-            let deadline = started.checked_add(offset).unwrap_or_else(far_future);
-            if deadline > Instant::now() {
-                let sleep = self.sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-                if sleep.deadline() != deadline {
-                    sleep.as_mut().reset(deadline);
-                }
-                if sleep.as_mut().poll(cx).is_pending() {
-                    self.pending = Some(event);
-                    return Some(Poll::Pending);
+        match (&mut self.phase, due) {
+            (Phase::Running { started, .. }, Some(index)) => {
+                let offset = self.pacing.token_offset(index);
+                let deadline = started.checked_add(offset).unwrap_or_else(far_future);
+                if !offset.is_zero() && deadline > Instant::now() {
+                    let sleep =
+                        self.sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                    if sleep.deadline() != deadline {
+                        sleep.as_mut().reset(deadline);
+                    }
+                    if sleep.as_mut().poll(cx).is_pending() {
+                        self.pending = Some(event);
+                        return Some(Poll::Pending);
+                    }
                 }
             }
+            (Phase::Generating(generation), Some(index)) => {
+                match generation.poll_tokens(cx, index.saturating_add(1)) {
+                    Poll::Pending => {
+                        self.pending = Some(event);
+                        return Some(Poll::Pending);
+                    }
+                    Poll::Ready(Err(closed)) => {
+                        self.phase = Phase::Ended;
+                        return Some(Poll::Ready(Some(Err(closed.into()))));
+                    }
+                    Poll::Ready(Ok(_)) => {}
+                }
+            }
+            _ => {}
         }
         match event.kind {
             EventKind::Token { .. } => {

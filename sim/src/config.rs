@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use clap::{Args, Parser};
+use clap::{Args, Parser, ValueEnum};
 
 /// Default of `--served-model-name`.
 pub const DEFAULT_MODEL_NAME: &str = "sim-model";
@@ -20,6 +20,55 @@ pub const DEFAULT_OUTPUT_TOKENS: u32 = 16;
 pub const DEFAULT_MAX_NUM_SEQS: u32 = 256;
 /// Largest accepted `--ttft-ms` / `--itl-ms`, in milliseconds (one hour).
 pub const MAX_DELAY_MS: f64 = 3_600_000.0;
+
+// Batched-engine defaults (`--engine batched`). They model Llama 3.1 8B Instruct in BF16 on one
+// H100 SXM 80 GB under vLLM V1, derived from published figures, not measured here:
+// * the model: 8.03 B parameters (16.06 GB of BF16 weights), 32 layers, 8 KV heads of 128
+//   dimensions, so 2 x 32 x 8 x 128 x 2 bytes = 128 KiB of KV cache per token
+//   (Meta's Llama 3.1 model card and `config.json`);
+// * the GPU: 989 TFLOP/s dense BF16 and 3.35 TB/s HBM3 (NVIDIA's H100 SXM datasheet);
+// * vLLM: 16-token blocks, `gpu_memory_utilization` 0.9, `max_num_batched_tokens` 8192 for the
+//   OpenAI server on a GPU of 70 GB or more (vLLM V1's `EngineArgs` defaults).
+
+/// Default of `--block-size`: tokens per KV-cache block (vLLM's default block size on CUDA).
+pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+/// Default of `--num-gpu-blocks`: 80 GB x 0.9 (vLLM's `gpu_memory_utilization`) less the
+/// 16.06 GB of weights and about 4 GB of activations and CUDA graphs leaves about 52 GB for the
+/// KV cache, at 16 x 128 KiB = 2 MiB per block: 24,800 blocks (396,800 tokens).
+pub const DEFAULT_NUM_GPU_BLOCKS: u32 = 24_800;
+/// Largest accepted `--num-gpu-blocks` (2^24 blocks, 268 M tokens of 16: far above any GPU's,
+/// and the engine keeps 24 bytes of state a block).
+pub const MAX_NUM_GPU_BLOCKS: u32 = 1 << 24;
+/// Default of `--max-num-batched-tokens`: vLLM V1's per-step token budget for the OpenAI server
+/// on a GPU of 70 GB or more.
+pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: u32 = 8192;
+/// Default of `--step-base-ms`: one forward pass reads every weight once: 16.06 GB at 3.35 TB/s
+/// is 4.8 ms, rounded to 5 ms (the inter-token latency of a lone request).
+pub const DEFAULT_STEP_BASE_MS: f64 = 5.0;
+/// Default of `--prefill-us-per-token`: 2 x 8.03 GFLOP per prompt token at 40 % of the H100's
+/// 989 TFLOP/s dense BF16 peak is 40 us per token (25,000 prompt tokens/s).
+pub const DEFAULT_PREFILL_US_PER_TOKEN: f64 = 40.0;
+/// Default of `--decode-us-per-seq`: each decoding sequence reads its KV cache every step; a
+/// 1,000-token context is 1,000 x 128 KiB = 131 MB, 39 us at 3.35 TB/s, rounded to 40 us.
+pub const DEFAULT_DECODE_US_PER_SEQ: f64 = 40.0;
+/// Largest accepted `--step-base-ms` (one minute).
+pub const MAX_STEP_BASE_MS: f64 = 60_000.0;
+/// Largest accepted `--prefill-us-per-token` / `--decode-us-per-seq` (one second).
+pub const MAX_STEP_COST_US: f64 = 1_000_000.0;
+/// Largest accepted `--slowdown`.
+pub const MAX_SLOWDOWN: f64 = 1000.0;
+
+/// How the simulator paces tokens (`--engine`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum EngineKind {
+    /// Every request gets its first token `--ttft-ms` after it leaves the `--max-num-seqs` queue
+    /// and the next ones `--itl-ms` apart, whatever else runs.
+    #[default]
+    Fixed,
+    /// A step-by-step model of vLLM V1's scheduler with a paged KV cache and prefix caching
+    /// (the crate docs describe it); `--ttft-ms` and `--itl-ms` are ignored.
+    Batched,
+}
 
 /// The `vllm-sim` command line.
 #[derive(Debug, Clone, Parser)]
@@ -58,11 +107,12 @@ pub struct SimConfig {
     /// Context window in tokens, prompt plus completion (vLLM `--max-model-len`); at least 1.
     #[arg(long, default_value_t = DEFAULT_MAX_MODEL_LEN, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_model_len: u32,
-    /// Time to first token in milliseconds, counted from when the request leaves the queue;
-    /// 0 to 3 600 000.
+    /// Fixed engine: time to first token in milliseconds, counted from when the request leaves
+    /// the queue; 0 to 3 600 000 (the batched engine ignores it).
     #[arg(long, default_value_t = 0.0, value_parser = parse_delay_ms)]
     pub ttft_ms: f64,
-    /// Inter-token latency in milliseconds between two streamed tokens; 0 to 3 600 000.
+    /// Fixed engine: inter-token latency in milliseconds between two streamed tokens;
+    /// 0 to 3 600 000 (the batched engine ignores it).
     #[arg(long, default_value_t = 0.0, value_parser = parse_delay_ms)]
     pub itl_ms: f64,
     /// Completion length in tokens when the request does not force one (`ignore_eos`) and
@@ -87,6 +137,50 @@ pub struct SimConfig {
     /// as vLLM answers.
     #[arg(long = "lora-modules", value_name = "NAME[=PATH]", num_args = 1.., value_parser = parse_lora)]
     pub lora_modules: Vec<String>,
+    /// Pacing model: `fixed` (`--ttft-ms`/`--itl-ms` per request, the default) or `batched`
+    /// (vLLM V1's scheduler: steps, chunked prefill, a paged KV cache with prefix caching).
+    #[arg(long, value_enum, default_value_t = EngineKind::Fixed)]
+    pub engine: EngineKind,
+    /// Batched engine: tokens per KV-cache block (vLLM `--block-size`); at least 1.
+    #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE, value_parser = clap::value_parser!(u32).range(1..))]
+    pub block_size: u32,
+    /// Batched engine: KV-cache blocks (vLLM `--num-gpu-blocks-override`); must hold
+    /// `--max-model-len`. Default: Llama 3.1 8B in BF16 on one H100 80 GB: 80 GB x 0.9 less
+    /// 16 GB of weights and ~4 GB of activations leaves ~52 GB, at 16 tokens x 128 KiB = 2 MiB a
+    /// block (Meta's model card and `config.json`; vLLM's `gpu_memory_utilization` 0.9).
+    #[arg(
+        long,
+        default_value_t = DEFAULT_NUM_GPU_BLOCKS,
+        value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_NUM_GPU_BLOCKS))
+    )]
+    pub num_gpu_blocks: u32,
+    /// Batched engine: tokens one step may compute, decode and prefill together
+    /// (vLLM `--max-num-batched-tokens`); longer prompts are prefilled in chunks; at least 1.
+    #[arg(long, default_value_t = DEFAULT_MAX_NUM_BATCHED_TOKENS, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_num_batched_tokens: u32,
+    /// Batched engine: fixed cost of one step in milliseconds; 0 to 60 000. Default: reading
+    /// Llama 3.1 8B's 16.06 GB of BF16 weights once at the H100 SXM's 3.35 TB/s (NVIDIA's
+    /// datasheet) takes 4.8 ms.
+    #[arg(long, default_value_t = DEFAULT_STEP_BASE_MS, value_parser = parse_step_base_ms)]
+    pub step_base_ms: f64,
+    /// Batched engine: cost of one uncached prompt token in microseconds; 0 to 1 000 000.
+    /// Default: 2 x 8.03 GFLOP per token at 40 % of the H100 SXM's 989 TFLOP/s dense BF16 (NVIDIA's
+    /// datasheet), i.e. 25,000 prompt tokens/s.
+    #[arg(long, default_value_t = DEFAULT_PREFILL_US_PER_TOKEN, value_parser = parse_step_cost_us)]
+    pub prefill_us_per_token: f64,
+    /// Batched engine: cost of one decoding sequence per step in microseconds; 0 to 1 000 000.
+    /// Default: reading a 1,000-token context's KV cache (128 KiB a token for Llama 3.1 8B) at
+    /// 3.35 TB/s takes 39 us.
+    #[arg(long, default_value_t = DEFAULT_DECODE_US_PER_SEQ, value_parser = parse_step_cost_us)]
+    pub decode_us_per_seq: f64,
+    /// Batched engine: multiplies every step time (3 = a replica three times slower);
+    /// above 0, at most 1000.
+    #[arg(long, default_value_t = 1.0, value_parser = parse_slowdown)]
+    pub slowdown: f64,
+    /// Batched engine: no prefix caching (vLLM `--no-enable-prefix-caching`): every prompt token
+    /// is prefilled and the prefix-cache counters stay 0.
+    #[arg(long = "no-enable-prefix-caching", action = clap::ArgAction::SetFalse)]
+    pub enable_prefix_caching: bool,
 }
 
 fn parse_lora(value: &str) -> Result<String, String> {
@@ -109,6 +203,15 @@ impl Default for SimConfig {
             fail_after_chunks: None,
             seed: 0,
             lora_modules: Vec::new(),
+            engine: EngineKind::Fixed,
+            block_size: DEFAULT_BLOCK_SIZE,
+            num_gpu_blocks: DEFAULT_NUM_GPU_BLOCKS,
+            max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            step_base_ms: DEFAULT_STEP_BASE_MS,
+            prefill_us_per_token: DEFAULT_PREFILL_US_PER_TOKEN,
+            decode_us_per_seq: DEFAULT_DECODE_US_PER_SEQ,
+            slowdown: 1.0,
+            enable_prefix_caching: true,
         }
     }
 }
@@ -133,6 +236,34 @@ pub enum ConfigError {
     /// `error_rate` is outside 0..=1.
     #[error("error_rate must be between 0 and 1, got {0}")]
     ErrorRate(f64),
+    /// A batched-engine cost or `slowdown` is not finite or outside its range.
+    #[error("{name} must be between {min} and {max}, got {value}")]
+    Range {
+        /// The flag's field name.
+        name: &'static str,
+        /// The rejected value.
+        value: f64,
+        /// The smallest accepted value.
+        min: f64,
+        /// The largest accepted value.
+        max: f64,
+    },
+    /// `num_gpu_blocks` is above [`MAX_NUM_GPU_BLOCKS`].
+    #[error("num_gpu_blocks must be at most {MAX_NUM_GPU_BLOCKS}, got {0}")]
+    TooManyBlocks(u32),
+    /// Batched engine: the KV cache cannot hold one request of `max_model_len` tokens (vLLM
+    /// refuses to start in that case too).
+    #[error(
+        "num_gpu_blocks x block_size ({blocks} x {block_size}) must hold max_model_len ({max_model_len}) tokens"
+    )]
+    KvCacheTooSmall {
+        /// `num_gpu_blocks`.
+        blocks: u32,
+        /// `block_size`.
+        block_size: u32,
+        /// `max_model_len`.
+        max_model_len: u32,
+    },
 }
 
 /// Token pacing derived from [`SimConfig::ttft_ms`] and [`SimConfig::itl_ms`].
@@ -163,6 +294,9 @@ impl SimConfig {
             ("max_model_len", self.max_model_len),
             ("output_tokens", self.output_tokens),
             ("max_num_seqs", self.max_num_seqs),
+            ("block_size", self.block_size),
+            ("num_gpu_blocks", self.num_gpu_blocks),
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
         ] {
             if value == 0 {
                 return Err(ConfigError::Zero(name));
@@ -170,6 +304,21 @@ impl SimConfig {
         }
         if !(0.0..=1.0).contains(&self.error_rate) {
             return Err(ConfigError::ErrorRate(self.error_rate));
+        }
+        if self.num_gpu_blocks > MAX_NUM_GPU_BLOCKS {
+            return Err(ConfigError::TooManyBlocks(self.num_gpu_blocks));
+        }
+        range("step_base_ms", self.step_base_ms, 0.0, MAX_STEP_BASE_MS)?;
+        range("prefill_us_per_token", self.prefill_us_per_token, 0.0, MAX_STEP_COST_US)?;
+        range("decode_us_per_seq", self.decode_us_per_seq, 0.0, MAX_STEP_COST_US)?;
+        range("slowdown", self.slowdown, f64::MIN_POSITIVE, MAX_SLOWDOWN)?;
+        let kv_tokens = u64::from(self.num_gpu_blocks).saturating_mul(u64::from(self.block_size));
+        if self.engine == EngineKind::Batched && kv_tokens < u64::from(self.max_model_len) {
+            return Err(ConfigError::KvCacheTooSmall {
+                blocks: self.num_gpu_blocks,
+                block_size: self.block_size,
+                max_model_len: self.max_model_len,
+            });
         }
         self.pacing().map(drop)
     }
@@ -198,6 +347,31 @@ fn parse_delay_ms(text: &str) -> Result<f64, String> {
     delay("delay", value).map(|_| value).map_err(|e| e.to_string())
 }
 
+fn range(name: &'static str, value: f64, min: f64, max: f64) -> Result<f64, ConfigError> {
+    if (min..=max).contains(&value) {
+        Ok(value)
+    } else {
+        Err(ConfigError::Range { name, value, min, max })
+    }
+}
+
+fn parse_in(text: &str, name: &'static str, min: f64, max: f64) -> Result<f64, String> {
+    let value: f64 = text.parse().map_err(|e| format!("{e}"))?;
+    range(name, value, min, max).map_err(|e| e.to_string())
+}
+
+fn parse_step_base_ms(text: &str) -> Result<f64, String> {
+    parse_in(text, "step_base_ms", 0.0, MAX_STEP_BASE_MS)
+}
+
+fn parse_step_cost_us(text: &str) -> Result<f64, String> {
+    parse_in(text, "cost", 0.0, MAX_STEP_COST_US)
+}
+
+fn parse_slowdown(text: &str) -> Result<f64, String> {
+    parse_in(text, "slowdown", f64::MIN_POSITIVE, MAX_SLOWDOWN)
+}
+
 fn parse_fraction(text: &str) -> Result<f64, String> {
     let value: f64 = text.parse().map_err(|e| format!("{e}"))?;
     if (0.0..=1.0).contains(&value) {
@@ -223,7 +397,69 @@ mod tests {
         assert_eq!(cli.sim.output_tokens, d.output_tokens);
         assert_eq!(cli.sim.max_num_seqs, d.max_num_seqs);
         assert_eq!(cli.sim.fail_after_chunks, None);
+        assert_eq!(cli.sim.engine, EngineKind::Fixed);
+        assert_eq!(cli.sim.block_size, d.block_size);
+        assert_eq!(cli.sim.num_gpu_blocks, d.num_gpu_blocks);
+        assert_eq!(cli.sim.max_num_batched_tokens, d.max_num_batched_tokens);
+        assert_eq!(cli.sim.step_base_ms, d.step_base_ms);
+        assert_eq!(cli.sim.prefill_us_per_token, d.prefill_us_per_token);
+        assert_eq!(cli.sim.decode_us_per_seq, d.decode_us_per_seq);
+        assert_eq!(cli.sim.slowdown, d.slowdown);
+        assert!(cli.sim.enable_prefix_caching && d.enable_prefix_caching);
         assert!(d.validate().is_ok());
+        let batched = SimConfig { engine: EngineKind::Batched, ..d };
+        assert!(batched.validate().is_ok());
+    }
+
+    #[test]
+    fn batched_engine_flags_parse_and_are_checked() {
+        let cli = Cli::parse_from([
+            "vllm-sim",
+            "--engine",
+            "batched",
+            "--block-size",
+            "8",
+            "--num-gpu-blocks",
+            "600",
+            "--max-num-batched-tokens",
+            "512",
+            "--step-base-ms",
+            "2",
+            "--prefill-us-per-token",
+            "10",
+            "--decode-us-per-seq",
+            "20",
+            "--slowdown",
+            "3",
+            "--no-enable-prefix-caching",
+        ]);
+        let s = &cli.sim;
+        assert_eq!(s.engine, EngineKind::Batched);
+        assert_eq!((s.block_size, s.num_gpu_blocks, s.max_num_batched_tokens), (8, 600, 512));
+        assert_eq!((s.step_base_ms, s.prefill_us_per_token, s.decode_us_per_seq), (2.0, 10.0, 20.0));
+        assert_eq!(s.slowdown, 3.0);
+        assert!(!s.enable_prefix_caching);
+        assert!(s.validate().is_ok());
+        for bad in [
+            ["--slowdown", "0"],
+            ["--slowdown", "NaN"],
+            ["--step-base-ms", "-1"],
+            ["--decode-us-per-seq", "inf"],
+            ["--engine", "fast"],
+            ["--block-size", "0"],
+            ["--num-gpu-blocks", "16777217"],
+        ] {
+            assert!(Cli::try_parse_from(["vllm-sim", bad[0], bad[1]]).is_err(), "{bad:?}");
+        }
+        // 600 blocks of 8 tokens hold 4800 >= 4096 tokens; 100 blocks do not.
+        let small = SimConfig { num_gpu_blocks: 100, ..s.clone() };
+        assert!(matches!(small.validate(), Err(ConfigError::KvCacheTooSmall { .. })));
+        // The fixed engine ignores the KV-cache size.
+        assert!(SimConfig { engine: EngineKind::Fixed, ..small }.validate().is_ok());
+        let bad = SimConfig { num_gpu_blocks: u32::MAX, ..SimConfig::default() };
+        assert_eq!(bad.validate(), Err(ConfigError::TooManyBlocks(u32::MAX)));
+        let bad = SimConfig { slowdown: f64::INFINITY, ..SimConfig::default() };
+        assert!(matches!(bad.validate(), Err(ConfigError::Range { name: "slowdown", .. })));
     }
 
     #[test]

@@ -6,7 +6,9 @@
 //! |---|---|---|
 //! | `vllm:num_requests_running` | gauge | requests holding one of the `--max-num-seqs` slots |
 //! | `vllm:num_requests_waiting` | gauge | requests queued for a slot |
-//! | `vllm:kv_cache_usage_perc` | gauge | `running / max_num_seqs`, 0..1 |
+//! | `vllm:kv_cache_usage_perc` | gauge | fixed engine: `running / max_num_seqs`; batched engine: KV blocks held by running requests / `--num-gpu-blocks` (cached blocks of finished requests are free, as in vLLM); 0..1 |
+//! | `vllm:prefix_cache_queries_total` | counter | batched engine only: prompt tokens looked up in the prefix cache (vLLM V1) |
+//! | `vllm:prefix_cache_hits_total` | counter | batched engine only: prompt tokens found there (vLLM V1) |
 //! | `vllm:time_to_first_token_seconds` | histogram | arrival to first token (queueing included, as vLLM), vLLM's buckets |
 //! | `vllm:prompt_tokens_total` | counter | prompt tokens of requests that produced a first token |
 //! | `vllm:generation_tokens_total` | counter | output tokens actually sent (streams cut short count what was sent) |
@@ -22,6 +24,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::engine::EngineSnapshot;
 use crate::queue::QueueSnapshot;
 use crate::tokens::FinishReason;
 
@@ -95,27 +98,67 @@ impl Metrics {
         self.received.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// The Prometheus text exposition of all metrics, with the queue gauges from `queue`.
+    /// The Prometheus text exposition of all metrics, with the queue gauges from `queue`
+    /// (the fixed engine: KV-cache use is `running / max_num_seqs`, no prefix-cache counters).
     pub fn render(&self, queue: QueueSnapshot) -> String {
+        let usage =
+            if self.max_num_seqs == 0 { 0.0 } else { queue.running as f64 / f64::from(self.max_num_seqs) };
+        self.render_gauges(queue.running, queue.waiting, usage, None)
+    }
+
+    /// The Prometheus text exposition of all metrics with the batched engine's gauges and
+    /// prefix-cache counters.
+    pub fn render_engine(&self, engine: EngineSnapshot) -> String {
+        self.render_gauges(
+            engine.running,
+            engine.waiting,
+            engine.kv_cache_usage,
+            Some((engine.prefix_cache_queries, engine.prefix_cache_hits)),
+        )
+    }
+
+    fn render_gauges(&self, running: u64, waiting: u64, usage: f64, prefix: Option<(u64, u64)>) -> String {
         let mut out = String::with_capacity(4096);
         // Writing into a String cannot fail.
-        let _ = self.write_to(&mut out, queue);
+        let _ = self.write_to(&mut out, running, waiting, usage, prefix);
         out
     }
 
-    fn write_to(&self, out: &mut String, queue: QueueSnapshot) -> fmt::Result {
+    fn write_to(
+        &self,
+        out: &mut String,
+        running: u64,
+        waiting: u64,
+        usage: f64,
+        prefix: Option<(u64, u64)>,
+    ) -> fmt::Result {
         let label = format!("model_name=\"{}\"", self.model_label);
         let header = |out: &mut String, name: &str, kind: &str, help: &str| {
             writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}")
         };
-        let usage =
-            if self.max_num_seqs == 0 { 0.0 } else { queue.running as f64 / f64::from(self.max_num_seqs) };
         header(out, "vllm:num_requests_running", "gauge", "Number of requests in model execution batches.")?;
-        writeln!(out, "vllm:num_requests_running{{{label}}} {}", queue.running)?;
+        writeln!(out, "vllm:num_requests_running{{{label}}} {running}")?;
         header(out, "vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.")?;
-        writeln!(out, "vllm:num_requests_waiting{{{label}}} {}", queue.waiting)?;
+        writeln!(out, "vllm:num_requests_waiting{{{label}}} {waiting}")?;
         header(out, "vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.")?;
         writeln!(out, "vllm:kv_cache_usage_perc{{{label}}} {usage:?}")?;
+        if let Some((queries, hits)) = prefix {
+            for (name, help, value) in [
+                (
+                    "vllm:prefix_cache_queries_total",
+                    "Prefix cache queries, in terms of number of queried tokens.",
+                    queries,
+                ),
+                (
+                    "vllm:prefix_cache_hits_total",
+                    "Prefix cache hits, in terms of number of cached tokens.",
+                    hits,
+                ),
+            ] {
+                header(out, name, "counter", help)?;
+                writeln!(out, "{name}{{{label}}} {value}")?;
+            }
+        }
 
         let name = "vllm:time_to_first_token_seconds";
         header(out, name, "histogram", "Histogram of time to first token in seconds.")?;
@@ -266,6 +309,26 @@ mod tests {
         assert_eq!(value(&text, "vllm_sim:requests_received_total"), 1.0);
         assert!(text.contains("# TYPE vllm:time_to_first_token_seconds histogram"));
         assert!(text.contains("# TYPE vllm:prompt_tokens_total counter"));
+        assert!(!text.contains("prefix_cache"), "the fixed engine has no prefix cache");
+    }
+
+    #[test]
+    fn engine_render_has_kv_use_and_prefix_counters() {
+        let metrics = Metrics::new("m", 4);
+        let text = metrics.render_engine(EngineSnapshot {
+            running: 3,
+            waiting: 1,
+            kv_cache_usage: 0.125,
+            prefix_cache_queries: 100,
+            prefix_cache_hits: 64,
+        });
+        let l = "model_name=\"m\"";
+        assert_eq!(value(&text, &format!("vllm:num_requests_running{{{l}}}")), 3.0);
+        assert_eq!(value(&text, &format!("vllm:num_requests_waiting{{{l}}}")), 1.0);
+        assert_eq!(value(&text, &format!("vllm:kv_cache_usage_perc{{{l}}}")), 0.125);
+        assert_eq!(value(&text, &format!("vllm:prefix_cache_queries_total{{{l}}}")), 100.0);
+        assert_eq!(value(&text, &format!("vllm:prefix_cache_hits_total{{{l}}}")), 64.0);
+        assert!(text.contains("# TYPE vllm:prefix_cache_hits_total counter"));
     }
 
     #[test]

@@ -19,10 +19,12 @@ use tokio::net::TcpListener;
 use tokio::time::Instant;
 
 use crate::body::{SimBody, StreamParts, TokenStream};
-use crate::config::{Pacing, SimConfig};
+use crate::config::{EngineKind, Pacing, SimConfig};
+use crate::engine::{EngineConfig, EngineHandle, SeqSpec};
 use crate::error::ApiError;
 use crate::fault::{self, FaultInjector};
 use crate::metrics::{Metrics, RequestTracker};
+use crate::prompt;
 use crate::queue::Queue;
 use crate::request::{self, Endpoint, InferenceRequest};
 use crate::response::{self, IdGen, ResponseMeta};
@@ -49,6 +51,7 @@ where
     F: Future<Output = ()>,
 {
     let state = Arc::new(AppState::new(config)?);
+    let engine_task = state.engine.clone().map(|engine| tokio::spawn(engine.run()));
     let graceful = GracefulShutdown::new();
     let builder = http1::Builder::new();
     let mut shutdown = std::pin::pin!(shutdown);
@@ -79,8 +82,14 @@ where
     }
     drop(listener);
     state.queue.close();
+    if let Some(engine) = &state.engine {
+        engine.close();
+    }
     if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown()).await.is_err() {
         eprintln!("vllm-sim: responses still in flight after {SHUTDOWN_GRACE:?}; dropping them");
+    }
+    if let Some(task) = engine_task {
+        task.abort();
     }
     Ok(())
 }
@@ -94,6 +103,12 @@ struct AppState {
     pacing: Pacing,
     fail_after_chunks: Option<u64>,
     queue: Arc<Queue>,
+    /// `--engine batched`: the engine that paces every request (the queue is then unused).
+    engine: Option<Arc<EngineHandle>>,
+    /// Batched engine with prefix caching: bytes per KV block of rendered prompt, else 0.
+    prefix_block_bytes: usize,
+    /// `--block-size`, in tokens.
+    block_size: u64,
     metrics: Arc<Metrics>,
     faults: FaultInjector,
     ids: IdGen,
@@ -121,6 +136,14 @@ impl AppState {
             pacing,
             fail_after_chunks: config.fail_after_chunks,
             queue: Queue::new(config.max_num_seqs),
+            engine: (config.engine == EngineKind::Batched)
+                .then(|| EngineHandle::new(EngineConfig::from_sim(&config))),
+            prefix_block_bytes: if config.engine == EngineKind::Batched && config.enable_prefix_caching {
+                (config.block_size as usize).saturating_mul(prompt::BYTES_PER_TOKEN)
+            } else {
+                0
+            },
+            block_size: u64::from(config.block_size),
             metrics: Arc::new(Metrics::new(&response_model, config.max_num_seqs)),
             faults: FaultInjector::new(config.seed, config.error_rate),
             ids: IdGen::new(fault::mix64(now ^ (u64::from(std::process::id()) << 32))),
@@ -174,7 +197,10 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<
         (&Method::GET, "/v1/models") => with_type(StatusCode::OK, JSON, state.models_body.clone()),
         (&Method::GET, "/health") => Response::new(SimBody::Full(None)),
         (&Method::GET, "/metrics") => {
-            let text = state.metrics.render(state.queue.snapshot());
+            let text = match &state.engine {
+                Some(engine) => state.metrics.render_engine(engine.snapshot()),
+                None => state.metrics.render(state.queue.snapshot()),
+            };
             with_type(StatusCode::OK, PROMETHEUS_TEXT, Bytes::from(text))
         }
         (_, "/v1/chat/completions" | "/v1/completions" | "/v1/models" | "/health" | "/metrics") => {
@@ -205,6 +231,40 @@ async fn inference(state: &Arc<AppState>, endpoint: Endpoint, req: Request<Incom
         model: state.response_model_for(request.model.as_deref()),
     };
     let tracker = RequestTracker::new(state.metrics.clone(), arrival, plan.prompt_tokens);
+    if let Some(engine) = &state.engine {
+        let block_hashes = if state.prefix_block_bytes == 0 {
+            Vec::new()
+        } else {
+            let max_blocks = plan.prompt_tokens / state.block_size.max(1);
+            let max_blocks = usize::try_from(max_blocks).unwrap_or(usize::MAX);
+            prompt::block_hashes(endpoint, &body, state.prefix_block_bytes, max_blocks)
+        };
+        let spec = SeqSpec {
+            prompt_tokens: plan.prompt_tokens,
+            block_hashes,
+            output_tokens: plan.completion_tokens,
+            choices: plan.choices,
+        };
+        let Ok(generation) = engine.submit(spec) else {
+            return error_response(&ApiError::shutting_down());
+        };
+        if request.stream {
+            let stream = TokenStream::batched(
+                generation,
+                StreamParts {
+                    events: SseEvents::new(&meta, &plan, request.include_usage),
+                    pacing: state.pacing,
+                    tracker,
+                    finish_reason: plan.finish_reason,
+                    fail_after_chunks: state.fail_after_chunks,
+                },
+            );
+            let mut response = Response::new(SimBody::Stream(Box::new(stream)));
+            response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(EVENT_STREAM));
+            return response;
+        }
+        return generate_batched(generation, &meta, &plan, request.logprobs, tracker).await;
+    }
     if request.stream {
         let stream = TokenStream::new(
             state.queue.admission(),
@@ -247,6 +307,32 @@ async fn generate(
     }
     tracker.finish(plan.finish_reason);
     drop(slot);
+    with_type(StatusCode::OK, JSON, response::completion_body(meta, plan, logprobs))
+}
+
+/// Runs a non-streamed request on the batched engine: its tokens as the steps generate them,
+/// then the whole body.
+async fn generate_batched(
+    mut generation: crate::engine::Generation,
+    meta: &ResponseMeta<'_>,
+    plan: &OutputPlan,
+    logprobs: Option<u32>,
+    mut tracker: RequestTracker,
+) -> Response<SimBody> {
+    let mut sent = 0u64;
+    while sent < plan.completion_tokens {
+        match generation.tokens(sent.saturating_add(1)).await {
+            Ok(generated) => {
+                let new = generated.min(plan.completion_tokens).saturating_sub(sent);
+                // Every choice generates its tokens side by side: n tokens per step.
+                tracker.tokens_sent(new.saturating_mul(plan.choices));
+                sent = sent.saturating_add(new);
+            }
+            Err(_) => return error_response(&ApiError::shutting_down()),
+        }
+    }
+    tracker.finish(plan.finish_reason);
+    drop(generation);
     with_type(StatusCode::OK, JSON, response::completion_body(meta, plan, logprobs))
 }
 
