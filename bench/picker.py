@@ -149,9 +149,12 @@ class Settings:
     rounds: int
 
 
-FULL = Settings(groups=16, conversations=2, turns=5, system_tokens=2000, rate=8.0, num_gpu_blocks=2048,
+# The full run: 16 groups x 4 conversations x 5 turns = 320 requests per run at 16 req/s (~20 s);
+# 2,048 KV blocks per replica (32,768 tokens) hold about a quarter of the groups' system prompts
+# (125 blocks each) besides the running requests.
+FULL = Settings(groups=16, conversations=4, turns=5, system_tokens=2000, rate=16.0, num_gpu_blocks=2048,
                 cost_requests=2000, rounds=3)
-QUICK = Settings(groups=4, conversations=2, turns=3, system_tokens=2000, rate=8.0, num_gpu_blocks=2048,
+QUICK = Settings(groups=4, conversations=2, turns=3, system_tokens=2000, rate=16.0, num_gpu_blocks=2048,
                  cost_requests=200, rounds=1)
 
 
