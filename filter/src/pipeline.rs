@@ -317,6 +317,7 @@ fn finish_plan(
         max_tokens: max_tokens_header,
         context_model: exact_check.then(|| route.model.name.clone()),
         leased_tokens: None,
+        prefix_hashes: None,
     };
     let admission = (!exact_check).then(|| AdmissionFacts {
         tenant: facts.tenant.clone(),
