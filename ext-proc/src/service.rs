@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::ProcessingMode;
@@ -322,7 +323,11 @@ async fn admission_stream(
     let mut set_headers = exact_headers;
     if let Some(pick) = &pick {
         add_pick(&mut metadata, pick);
-        set_headers.push(header_option(H_DESTINATION_ENDPOINT, &pick.value()));
+        // Replaces any value already there (the filter removes client-sent x-gateway-* headers).
+        set_headers.push(HeaderValueOption {
+            append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+            ..header_option(H_DESTINATION_ENDPOINT, &pick.value())
+        });
     }
     let mut response = continue_response(&first.request, Some(metadata));
     let common = CommonResponse {
