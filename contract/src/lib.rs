@@ -16,6 +16,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod prefix;
+
 /// Prefix of the request headers the gateway owns; the filter removes client-sent ones first.
 pub const GATEWAY_HEADER_PREFIX: &str = "x-gateway-";
 /// Tenant id.

@@ -89,6 +89,54 @@ pub struct Config {
     /// (default `filter_state`). The gRPC access log always reads the filter state.
     #[serde(default)]
     pub request_facts: FactsSource,
+    /// The sidecar as the endpoint picker (EPP) of Gateway API Inference Extension InferencePools
+    /// ([`crate::epp`]): one gRPC listener per entry, each picking for one pool that has a
+    /// `picker`. Requests admitted to such a pool are not picked by the admission (the
+    /// InferencePool's own ext_proc call picks them). Default none.
+    #[serde(default)]
+    pub endpoint_pickers: Vec<EndpointPickerConfig>,
+}
+
+/// `endpoint_pickers[]`: one endpoint-picker listener (the Inference Extension's ext_proc
+/// protocol; its InferencePool's `endpointPickerRef` names this port).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointPickerConfig {
+    /// The pool (a `pools[].name` with a `picker`) whose endpoints it picks from.
+    pub pool: String,
+    /// Address of its plaintext gRPC listener (the Inference Extension's EPP serves on 9002), e.g.
+    /// `0.0.0.0:9002`; port 0 asks for an ephemeral one.
+    pub listen: SocketAddr,
+    /// Largest request body it buffers to read the prompt, in bytes (default 4 MiB); a larger one
+    /// gets 413.
+    #[serde(default = "default_epp_max_body_bytes")]
+    pub max_body_bytes: usize,
+    /// Bytes per prompt block hashed for prefix affinity (default 64, as the wasm filter's
+    /// `prefix_hashing.block_bytes`).
+    #[serde(default = "default_epp_block_bytes")]
+    pub block_bytes: usize,
+    /// Most prompt blocks hashed (default 256).
+    #[serde(default = "default_epp_max_blocks")]
+    pub max_blocks: usize,
+}
+
+fn default_epp_max_body_bytes() -> usize {
+    4 << 20
+}
+
+fn default_epp_block_bytes() -> usize {
+    64
+}
+
+fn default_epp_max_blocks() -> usize {
+    256
+}
+
+impl Config {
+    /// Whether an `endpoint_pickers[]` listener picks for `pool` (then the admission does not).
+    pub fn pool_has_endpoint_picker(&self, pool: &str) -> bool {
+        self.endpoint_pickers.iter().any(|e| e.pool == pool)
+    }
 }
 
 /// Where the sidecar's ext_proc streams take a request's facts from.
@@ -844,6 +892,28 @@ impl Config {
                     field,
                     "set at least one of max_queue_depth, max_kv_cache_usage, max_in_flight",
                 ));
+            }
+        }
+        let mut picker_pools = HashSet::new();
+        for (i, epp) in self.endpoint_pickers.iter().enumerate() {
+            let field = format!("endpoint_pickers[{i}]");
+            if !self.pools.iter().any(|p| p.name == epp.pool && p.picker.is_some()) {
+                return Err(invalid(format!("{field}.pool"), "must name a pools[] entry that has a picker"));
+            }
+            if !picker_pools.insert(epp.pool.as_str()) {
+                return Err(invalid(format!("{field}.pool"), "has another endpoint picker"));
+            }
+            if epp.listen.port() != 0 && epp.listen == self.listen {
+                return Err(invalid(format!("{field}.listen"), "is the sidecar's own listen address"));
+            }
+            if epp.max_body_bytes == 0 {
+                return Err(invalid(format!("{field}.max_body_bytes"), "must be > 0"));
+            }
+            if !(1..=4096).contains(&epp.block_bytes) {
+                return Err(invalid(format!("{field}.block_bytes"), "must be in 1..=4096"));
+            }
+            if !(1..=4096).contains(&epp.max_blocks) {
+                return Err(invalid(format!("{field}.max_blocks"), "must be in 1..=4096"));
             }
         }
         let mut models = HashSet::new();

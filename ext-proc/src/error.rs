@@ -59,6 +59,13 @@ pub enum AdmissionError {
         /// The pool (Envoy cluster).
         pool: String,
     },
+    /// The endpoint picker (`crate::epp`) buffers the body to read the prompt, up to
+    /// `endpoint_pickers[].max_body_bytes`: 413, `invalid_request_error`, code `request_too_large`.
+    #[error("request body over {max_bytes} bytes")]
+    RequestTooLarge {
+        /// The limit, in bytes.
+        max_bytes: usize,
+    },
     /// The request's pool is over its load threshold for this tier: shed before its queue grows.
     #[error("pool {pool} is overloaded")]
     Overloaded {
@@ -144,6 +151,13 @@ impl AdmissionError {
                 "no_eligible_endpoint",
                 "None of the model's servers this request may use is available; please retry.".to_owned(),
                 vec![("retry-after".to_owned(), "1".to_owned())],
+            ),
+            AdmissionError::RequestTooLarge { max_bytes } => (
+                413,
+                "invalid_request_error",
+                "request_too_large",
+                format!("The request body is larger than the gateway's limit of {max_bytes} bytes."),
+                Vec::new(),
             ),
             AdmissionError::LimiterUnavailable => (
                 503,

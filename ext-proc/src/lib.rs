@@ -27,6 +27,7 @@ pub mod admission_lease;
 pub mod breaker;
 pub mod config;
 pub mod context;
+pub mod epp;
 pub mod error;
 pub mod lease;
 pub mod lease_service;
@@ -147,6 +148,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
             }
         })
     });
+    let endpoint_pickers = epp::server::spawn_all(&shared, stop.clone())
+        .await
+        .map_err(|(addr, source)| RunError::Bind { addr, source })?;
     let access_log = AccessLogServiceServer::new(AccessLog::new(Arc::clone(&shared)));
     // A body at the filter's max_body_bytes comes whole for an exact count.
     let service = ExternalProcessorServer::new(Gateway::new(Arc::clone(&shared)))
@@ -181,6 +185,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
         () = shutdown => drain(&mut server, &shared, grace, &stopping).await,
     };
     let _ = stopping.send(true);
+    for task in endpoint_pickers {
+        let _ = task.await;
+    }
     if let Some(expiry) = expiry {
         let _ = expiry.await;
     }

@@ -356,6 +356,10 @@ fn pick_endpoint(
         .as_deref()
         .and_then(|h| gateway_contract::decode_prefix_hashes(h, MAX_PREFIX_HASHES))
         .unwrap_or_default();
+    if shared.config.pool_has_endpoint_picker(&facts.pool) {
+        // Its InferencePool's endpoint-picker call picks (crate::epp).
+        return Ok(None);
+    }
     match shared.pools.pick(&facts.pool, &hashes, subset) {
         PickOutcome::NotPicking => Ok(None),
         PickOutcome::Picked(pick) => Ok(Some(pick)),
@@ -488,6 +492,7 @@ fn outcome_label(error: &AdmissionError) -> &'static str {
         AdmissionError::MissingTenant => "missing_tenant",
         AdmissionError::ContextLengthExceeded { .. } => "context_length_exceeded",
         AdmissionError::NoEligibleEndpoint { .. } => "no_eligible_endpoint",
+        AdmissionError::RequestTooLarge { .. } => "request_too_large",
     }
 }
 
@@ -762,7 +767,7 @@ fn continue_response(request: &Option<ProcRequest>, metadata: Option<Struct>) ->
     ProcessingResponse { response: Some(response), dynamic_metadata: metadata, ..Default::default() }
 }
 
-fn immediate_response(error: &AdmissionError) -> ProcessingResponse {
+pub(crate) fn immediate_response(error: &AdmissionError) -> ProcessingResponse {
     let reply = error.to_reply();
     let mut set_headers = vec![header_option("content-type", "application/json")];
     set_headers.extend(reply.headers.iter().map(|(k, v)| header_option(k, v)));

@@ -1,80 +1,28 @@
 //! Prompt-prefix block hashes for the sidecar's endpoint picker (`prefix_hashing` in the plugin
 //! configuration; issue 12's prefix affinity).
 //!
-//! The prompt text is cut from its start into blocks of `block_bytes` bytes; each full block is
-//! hashed with XXH3-64 (crate `xxhash-rust`, pure Rust: the same values on wasm32 and the host)
-//! seeded with the previous block's hash, so block `i`'s hash stands for the whole prefix up to
-//! and including it, as the Gateway API Inference Extension's prefix-cache scorer does. The chain
-//! starts from the XXH3-64 of the model name (the facts' `model`: vLLM's prefix cache is per model
-//! and per LoRA adapter). A trailing partial block is not hashed (a longer prompt sharing the
-//! prefix would hash it differently), and at most `max_blocks` blocks are.
-//!
-//! The text: for chat, each message in order as its `role`, a 0 byte, the text of its `content`
-//! (the string, or the `text` parts concatenated), a 0 byte; for completions, the prompt string.
+//! The hashing is [`gateway_contract::prefix`]'s (chained XXH3-64 blocks from the model name's
+//! hash, role and content per chat message), shared with the sidecar's endpoint-picker role,
+//! which hashes the raw body the same way.
 //! A batched completions prompt (several prompts), a pre-tokenized prompt and embeddings get no
 //! hashes; neither does a body over `full_parse_max_bytes`, whose prompt the filter only scans
 //! (`pipeline::on_large_body`): those requests are picked without prefix affinity.
 
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use gateway_contract::prefix::BlockHasher;
 
 use crate::config::PrefixHashing;
 use crate::request::{Prompt, PromptItem};
 
-/// Cuts a byte stream into blocks and hashes each full block, chained, up to a bound.
-struct BlockHasher {
-    block: Vec<u8>,
-    block_bytes: usize,
-    max_blocks: usize,
-    previous: u64,
-    hashes: Vec<u64>,
-}
-
-impl BlockHasher {
-    fn new(config: PrefixHashing, seed: u64) -> Self {
-        let block_bytes = usize::try_from(config.block_bytes).unwrap_or(usize::MAX).max(1);
-        let max_blocks = usize::try_from(config.max_blocks).unwrap_or(usize::MAX);
-        Self {
-            block: Vec::with_capacity(block_bytes),
-            block_bytes,
-            max_blocks,
-            previous: seed,
-            hashes: Vec::new(),
-        }
-    }
-
-    fn full(&self) -> bool {
-        self.hashes.len() >= self.max_blocks
-    }
-
-    /// Feeds bytes; returns false once `max_blocks` are hashed (nothing more is needed).
-    fn feed(&mut self, mut bytes: &[u8]) -> bool {
-        while !bytes.is_empty() && !self.full() {
-            let room = self.block_bytes.saturating_sub(self.block.len());
-            let (head, rest) = bytes.split_at(room.min(bytes.len()));
-            self.block.extend_from_slice(head);
-            bytes = rest;
-            if self.block.len() == self.block_bytes {
-                self.previous = xxh3_64_with_seed(&self.block, self.previous);
-                self.hashes.push(self.previous);
-                self.block.clear();
-            }
-        }
-        !self.full()
-    }
-}
-
 /// The chained block hashes of a request's prompt for `model` (see the module doc); `None` for
 /// prompts that get none (batched, pre-tokenized).
 pub fn prompt_hashes(config: PrefixHashing, model: &str, prompt: &Prompt<'_>) -> Option<Vec<u64>> {
-    let mut hasher = BlockHasher::new(config, xxh3_64(model.as_bytes()));
+    let block_bytes = usize::try_from(config.block_bytes).unwrap_or(usize::MAX);
+    let max_blocks = usize::try_from(config.max_blocks).unwrap_or(usize::MAX);
+    let mut hasher = BlockHasher::new(model, block_bytes, max_blocks);
     match prompt {
         Prompt::Chat(messages) => {
             for m in messages {
-                let mut more = hasher.feed(m.role.as_bytes()) && hasher.feed(&[0]);
-                for text in &m.texts {
-                    more = more && hasher.feed(text.as_bytes());
-                }
-                if !(more && hasher.feed(&[0])) {
+                if !hasher.message(m.role, m.texts.iter().copied()) {
                     break;
                 }
             }
@@ -86,7 +34,7 @@ pub fn prompt_hashes(config: PrefixHashing, model: &str, prompt: &Prompt<'_>) ->
             _ => return None,
         },
     }
-    Some(hasher.hashes)
+    Some(hasher.finish())
 }
 
 /// [`prompt_hashes`] in the facts' encoding ([`gateway_contract::encode_prefix_hashes`]); `None`
@@ -101,6 +49,7 @@ pub fn encoded_prompt_hashes(config: PrefixHashing, model: &str, prompt: &Prompt
 mod tests {
     use super::*;
     use crate::request::ChatMessage;
+    use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
     const CFG: PrefixHashing = PrefixHashing { block_bytes: 4, max_blocks: 8 };
 
