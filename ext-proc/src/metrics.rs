@@ -149,6 +149,15 @@ pub struct PoolEndpoint {
     pub by: &'static str,
 }
 
+/// `{pool, endpoint}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EndpointLabel {
+    /// Envoy cluster of the pool.
+    pub pool: String,
+    /// One of the pool's configured endpoints, `ip:port`.
+    pub endpoint: String,
+}
+
 /// `{pool, kind}` of the picker's prompt blocks: `requested` (the requests' blocks) or `hit`
 /// (those the picked endpoint had served recently).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -248,6 +257,9 @@ pub struct Metrics {
     /// `llm_gateway_picker_no_pick_total{pool,reason}`: admitted requests of a picking pool sent
     /// without a pick (`none_eligible`) or refused 503 (`subset_none_eligible`).
     pub no_pick: Family<PoolReason, Counter>,
+    /// `llm_gateway_picker_in_flight_requests{pool,endpoint}`: this sidecar's picks of the
+    /// endpoint whose end it has not seen (the in-flight scorer's input).
+    pub pick_in_flight: Family<EndpointLabel, Gauge>,
     /// `llm_gateway_picker_pick_duration_seconds{pool}`: the time of one pick (the lock, the
     /// scores, the prefix lookups).
     pub pick_duration: Family<PoolLabel, Histogram>,
@@ -301,6 +313,7 @@ impl Metrics {
             picks: Family::default(),
             pick_prefix_blocks: Family::default(),
             no_pick: Family::default(),
+            pick_in_flight: Family::default(),
             // 1 µs .. ~32 ms
             pick_duration: Family::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(1e-6, 2.0, 16))
@@ -410,6 +423,11 @@ impl Metrics {
             "llm_gateway_picker_no_pick",
             "Admitted requests of a picking pool without a pick: none_eligible (LEAST_REQUEST) or subset_none_eligible (503)",
             m.no_pick.clone(),
+        );
+        r.register(
+            "llm_gateway_picker_in_flight_requests",
+            "This sidecar's picks of an endpoint whose end it has not seen",
+            m.pick_in_flight.clone(),
         );
         r.register_with_unit(
             "llm_gateway_picker_pick_duration",

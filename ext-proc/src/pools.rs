@@ -27,7 +27,7 @@ use hyper_util::rt::TokioExecutor;
 use tracing::{debug, info};
 
 use crate::config::{endpoint_addr, PoolConfig};
-use crate::metrics::{Metrics, PoolBlocks, PoolEndpoint, PoolLabel, PoolReason};
+use crate::metrics::{EndpointLabel, Metrics, PoolBlocks, PoolEndpoint, PoolLabel, PoolReason};
 use crate::scheduling::{Pick, PoolPicker};
 use crate::shedding::{self, PoolSignals, Scrape};
 use crate::store::{InFlightFlush, InFlightTotal, Store};
@@ -196,9 +196,13 @@ impl Pools {
             return PickOutcome::NotPicking;
         };
         let started = Instant::now();
-        let pick = match picker.lock() {
-            Ok(mut p) => p.pick(hashes, subset, started),
-            Err(_) => None,
+        let (pick, in_flight) = match picker.lock() {
+            Ok(mut p) => {
+                let pick = p.pick(hashes, subset, started);
+                let in_flight = pick.as_ref().and_then(|pick| p.in_flight(pick.primary()));
+                (pick, in_flight)
+            }
+            Err(_) => (None, None),
         };
         let label = PoolLabel { pool: pool.to_owned() };
         self.metrics.pick_duration.get_or_create(&label).observe(started.elapsed().as_secs_f64());
@@ -207,6 +211,9 @@ impl Pools {
                 let by = if pick.affinity { "affinity" } else { "score" };
                 let labels = PoolEndpoint { pool: pool.to_owned(), endpoint: pick.primary().to_owned(), by };
                 self.metrics.picks.get_or_create(&labels).inc();
+                if let Some(n) = in_flight {
+                    self.set_in_flight(pool, pick.primary(), n);
+                }
                 for (kind, n) in [("requested", pick.request_blocks), ("hit", pick.prefix_blocks)] {
                     let labels = PoolBlocks { pool: pool.to_owned(), kind };
                     self.metrics.pick_prefix_blocks.get_or_create(&labels).inc_by(n as u64);
@@ -223,9 +230,18 @@ impl Pools {
 
     /// A request picked for `endpoint` (`ip:port`) of `pool` ended.
     pub fn pick_finished(&self, pool: &str, endpoint: &str) {
-        if let Some(Ok(mut p)) = self.pools.get(pool).and_then(|p| p.picker.as_ref()).map(|p| p.lock()) {
-            p.finished(endpoint);
+        let Some(Ok(mut p)) = self.pools.get(pool).and_then(|p| p.picker.as_ref()).map(|p| p.lock()) else {
+            return;
+        };
+        if let Some(n) = p.finished(endpoint) {
+            drop(p);
+            self.set_in_flight(pool, endpoint, n);
         }
+    }
+
+    fn set_in_flight(&self, pool: &str, endpoint: &str, n: u64) {
+        let labels = EndpointLabel { pool: pool.to_owned(), endpoint: endpoint.to_owned() };
+        self.metrics.pick_in_flight.get_or_create(&labels).set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
     /// Counts a request admitted to `pool`.

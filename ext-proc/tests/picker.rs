@@ -162,6 +162,54 @@ fn immediate_status(r: &ProcessingResponse) -> Option<(i32, serde_json::Value)> 
     Some((i.status.as_ref()?.code, serde_json::from_slice(&i.body).unwrap()))
 }
 
+/// The sidecar's Prometheus text.
+async fn scrape_metrics(port: u16) -> String {
+    let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await.unwrap();
+    let mut text = String::new();
+    conn.read_to_string(&mut text).await.unwrap();
+    text
+}
+
+/// One access-log entry, as Envoy's gRPC access log sends it, of an admitted request of tenant
+/// `free` picked for `endpoint`.
+async fn send_access_log(listen: u16, endpoint: &str) {
+    use envoy_types::pb::envoy::data::accesslog::v3::{AccessLogCommon, HttpAccessLogEntry};
+    use envoy_types::pb::envoy::service::accesslog::v3::access_log_service_client::AccessLogServiceClient;
+    use envoy_types::pb::envoy::service::accesslog::v3::stream_access_logs_message::{
+        HttpAccessLogEntries, LogEntries,
+    };
+    use envoy_types::pb::envoy::service::accesslog::v3::StreamAccessLogsMessage;
+    use envoy_types::pb::google::protobuf::Any;
+    use prost::Message;
+    let facts = r#"{"v":1,"tenant":"free","tier":"standard","model":"m","pool":"picked","prompt_tokens":10,"max_tokens":10}"#;
+    let any = Any {
+        type_url: "type.googleapis.com/google.protobuf.BytesValue".into(),
+        value: facts.as_bytes().to_vec().encode_to_vec(),
+    };
+    let fields = HashMap::from([
+        (gateway_contract::MD_RESERVED_TOKENS.to_owned(), Value { kind: Some(Kind::NumberValue(20.0)) }),
+        (MD_PICKED_ENDPOINT.to_owned(), Value { kind: Some(Kind::StringValue(endpoint.to_owned())) }),
+    ]);
+    let entry = HttpAccessLogEntry {
+        common_properties: Some(AccessLogCommon {
+            filter_state_objects: HashMap::from([(gateway_contract::FS_REQUEST.to_owned(), any)]),
+            metadata: Some(Metadata {
+                filter_metadata: HashMap::from([(METADATA_NAMESPACE.to_owned(), Struct { fields })]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let message = StreamAccessLogsMessage {
+        log_entries: Some(LogEntries::HttpLogs(HttpAccessLogEntries { log_entry: vec![entry] })),
+        ..Default::default()
+    };
+    let mut client = AccessLogServiceClient::connect(format!("http://127.0.0.1:{listen}")).await.unwrap();
+    client.stream_access_logs(tokio_stream::iter(vec![message])).await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_continue_carries_the_pick_and_the_subset_hint_restricts_it() {
     let redis = Redis::start();
@@ -171,8 +219,10 @@ async fn the_continue_carries_the_pick_and_the_subset_hint_restricts_it() {
     // An endpoint that never answers its scrape: never eligible.
     let dead: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let listen = free_port();
+    let metrics_port = free_port();
     let yaml = format!(
         "listen: 127.0.0.1:{listen}
+metrics_listen: 127.0.0.1:{metrics_port}
 redis: {{url: 'redis://127.0.0.1:{}'}}
 tenants:
   - {{id: free, limits: {{}}}}
@@ -271,6 +321,26 @@ pools:
     assert_eq!(metadata_field(&r, METADATA_NAMESPACE, MD_ADMITTED), Some(Kind::BoolValue(true)));
     assert_eq!(destination_header(&r), None);
     assert_eq!(metadata_field(&r, MD_NAMESPACE_LB, MD_DESTINATION_ENDPOINT), None);
+
+    // The access log's entry of a picked request takes it off its endpoint's in-flight count.
+    let r = admit(&mut client, "free", "picked", &[], None).await;
+    let endpoint = destination_header(&r).unwrap().split(',').next().unwrap().to_owned();
+    let gauge = |text: &str| {
+        let prefix =
+            format!("llm_gateway_picker_in_flight_requests{{pool=\"picked\",endpoint=\"{endpoint}\"}} ");
+        text.lines().find_map(|l| l.strip_prefix(&prefix)).map(|v| v.trim().parse::<i64>().unwrap())
+    };
+    let before = gauge(&scrape_metrics(metrics_port).await).expect("the gauge of the pick");
+    assert!(before >= 1);
+    send_access_log(listen, &endpoint).await;
+    loop {
+        let now = gauge(&scrape_metrics(metrics_port).await).unwrap();
+        if now < before {
+            break;
+        }
+        assert!(start.elapsed() < DEADLINE, "in flight still {now} after the access log");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 
     let _ = stop.send(());
     let _ = tokio::time::timeout(Duration::from_secs(15), server).await;

@@ -226,11 +226,17 @@ impl PoolPicker {
         Some(Pick { endpoints, prefix_blocks, request_blocks: hashes.len(), affinity: choice.affinity })
     }
 
-    /// A request picked for `label` (`ip:port`) ended.
-    pub fn finished(&mut self, label: &str) {
-        if let Some(e) = self.endpoints.iter_mut().find(|e| e.label == label) {
-            e.in_flight = e.in_flight.saturating_sub(1);
-        }
+    /// A request picked for `label` (`ip:port`) ended; returns the endpoint's in-flight count
+    /// (None: not an endpoint of the pool).
+    pub fn finished(&mut self, label: &str) -> Option<u64> {
+        let e = self.endpoints.iter_mut().find(|e| e.label == label)?;
+        e.in_flight = e.in_flight.saturating_sub(1);
+        Some(e.in_flight)
+    }
+
+    /// The in-flight count of the endpoint `label`.
+    pub fn in_flight(&self, label: &str) -> Option<u64> {
+        self.endpoints.iter().find(|e| e.label == label).map(|e| e.in_flight)
     }
 }
 
