@@ -92,6 +92,68 @@ pub const MD_RESERVED_LOCALLY: &str = "reserved_locally";
 /// context check).
 pub const MD_PROMPT_TOKENS: &str = "prompt_tokens";
 
+/// Request header the sidecar's endpoint picker sets (a request-header mutation of its ext_proc
+/// CONTINUE): the picked vLLM endpoint as `ip:port`, or `ip:port,ip:port,...` (the pick, then
+/// fallbacks in order). The Gateway API Inference Extension's endpoint-picker protocol
+/// (`x-gateway-destination-endpoint`); the filter removes a client-sent one like every
+/// `x-gateway-*` header.
+pub const H_DESTINATION_ENDPOINT: &str = "x-gateway-destination-endpoint";
+/// Dynamic-metadata namespace of the pick (the endpoint-picker protocol's default, `envoy.lb`):
+/// the sidecar sets [`MD_DESTINATION_ENDPOINT`] in it, with the same value as
+/// [`H_DESTINATION_ENDPOINT`].
+pub const MD_NAMESPACE_LB: &str = "envoy.lb";
+/// Metadata key (namespace [`MD_NAMESPACE_LB`]) of the picked endpoint list (same value as the
+/// header).
+pub const MD_DESTINATION_ENDPOINT: &str = "x-gateway-destination-endpoint";
+/// Metadata key (namespace [`MD_NAMESPACE_LB`], in the ext_proc request's `metadata_context`) of
+/// the endpoint that served the request (`ip:port`), as the data plane reports it back.
+pub const MD_DESTINATION_ENDPOINT_SERVED: &str = "x-gateway-destination-endpoint-served";
+/// Filter-metadata namespace of the subset hint the data plane may send in the ext_proc request's
+/// `metadata_context` (the endpoint-picker protocol's default).
+pub const MD_NAMESPACE_SUBSET_HINT: &str = "envoy.lb.subset_hint";
+/// Metadata key (namespace [`MD_NAMESPACE_SUBSET_HINT`]): a list of `ip:port` strings; when set,
+/// the picker picks only among them, and answers 503 when none of them is eligible.
+pub const MD_DESTINATION_ENDPOINT_SUBSET: &str = "x-gateway-destination-endpoint-subset";
+
+/// Bytes of one encoded prefix hash in [`RequestFacts::prefix_hashes`] (a little-endian `u64`).
+pub const PREFIX_HASH_BYTES: usize = 8;
+
+/// Encodes chained prompt-prefix block hashes for [`RequestFacts::prefix_hashes`]: each hash as
+/// 8 little-endian bytes, concatenated, in unpadded URL-safe base64 (RFC 4648 §5). 64-bit
+/// hashes, as the Inference Extension's prefix scorer uses, make a false match between two
+/// blocks negligible; base64 costs 4/3 byte per byte (11 characters per hash, against 16 in hex
+/// or up to 20 as JSON numbers) and needs no JSON escaping. 256 blocks (the default bound) are
+/// 2,731 characters.
+pub fn encode_prefix_hashes(hashes: &[u64]) -> String {
+    use base64::Engine as _;
+    let bytes: Vec<u8> = hashes.iter().flat_map(|h| h.to_le_bytes()).collect();
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
+}
+
+/// Decodes [`encode_prefix_hashes`]' string; `None` when it is not unpadded URL-safe base64 of a
+/// whole number of 8-byte hashes, or holds more than `max` hashes.
+pub fn decode_prefix_hashes(encoded: &str, max: usize) -> Option<Vec<u64>> {
+    use base64::Engine as _;
+    // 8 bytes are 11 characters (the last one partial): refuse before decoding anything larger.
+    if encoded.len() > max.saturating_mul(11) {
+        return None;
+    }
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(encoded).ok()?;
+    if bytes.len() % PREFIX_HASH_BYTES != 0 {
+        return None;
+    }
+    Some(
+        bytes
+            .chunks_exact(PREFIX_HASH_BYTES)
+            .map(|c| {
+                let mut b = [0u8; PREFIX_HASH_BYTES];
+                b.copy_from_slice(c);
+                u64::from_le_bytes(b)
+            })
+            .collect(),
+    )
+}
+
 /// Version of [`RequestFacts`]' JSON.
 pub const FACTS_VERSION: u32 = 1;
 
@@ -123,6 +185,11 @@ pub struct RequestFacts {
     /// from the lease (the sidecar settles them from the access log).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub leased_tokens: Option<u64>,
+    /// Set when the filter has `prefix_hashing`: the chained hashes of the prompt's leading
+    /// blocks ([`encode_prefix_hashes`]), which the sidecar's endpoint picker matches against
+    /// what each endpoint served recently. Absent from facts written without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix_hashes: Option<String>,
 }
 
 impl RequestFacts {
@@ -164,9 +231,11 @@ mod tests {
             max_tokens: u64::MAX,
             context_model: None,
             leased_tokens: Some(7),
+            prefix_hashes: None,
         };
         let json = facts.to_json().unwrap();
         assert!(!String::from_utf8_lossy(&json).contains("context_model"));
+        assert!(!String::from_utf8_lossy(&json).contains("prefix_hashes"));
         assert_eq!(RequestFacts::from_json(&json), Some(facts.clone()));
         assert_eq!(facts.reserve_tokens(), u64::MAX);
         let other_version = RequestFacts { v: 2, ..facts.clone() }.to_json().unwrap();
@@ -175,6 +244,23 @@ mod tests {
         assert_eq!(RequestFacts::from_json(&no_tenant), None);
         assert_eq!(RequestFacts::from_json(b"{"), None);
         assert_eq!(RequestFacts::from_json(b""), None);
+    }
+
+    #[test]
+    fn prefix_hashes_round_trip_and_refuse_malformed() {
+        let hashes = [0u64, 1, u64::MAX, 0x0123_4567_89ab_cdef];
+        let encoded = encode_prefix_hashes(&hashes);
+        assert_eq!(encoded.len(), 43, "32 bytes in unpadded base64");
+        assert!(encoded.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'));
+        assert_eq!(decode_prefix_hashes(&encoded, 4), Some(hashes.to_vec()));
+        assert_eq!(decode_prefix_hashes(&encoded, 3), None, "more hashes than allowed");
+        assert_eq!(decode_prefix_hashes("", 4), Some(vec![]));
+        assert_eq!(decode_prefix_hashes("AAAA", 4), None, "3 bytes: not a whole hash");
+        assert_eq!(decode_prefix_hashes("!!!!!!!!!!!", 4), None);
+        // Old facts (without the member) still parse.
+        let old =
+            br#"{"v":1,"tenant":"a","tier":"t","model":"m","pool":"p","prompt_tokens":1,"max_tokens":2}"#;
+        assert_eq!(RequestFacts::from_json(old).and_then(|f| f.prefix_hashes), None);
     }
 
     #[test]

@@ -44,6 +44,17 @@ pub const DEFAULT_TIER: &str = "standard";
 pub const DEFAULT_LEASE_REFRESH_MS: u64 = 100;
 /// Default `admission_leases.timeout_ms`: one lease call's timeout, in milliseconds.
 pub const DEFAULT_LEASE_TIMEOUT_MS: u64 = 500;
+/// Default `prefix_hashing.block_bytes`: bytes of prompt text per hashed block (the Gateway API
+/// Inference Extension prefix-cache scorer's default block size, 64).
+pub const DEFAULT_PREFIX_BLOCK_BYTES: u32 = 64;
+/// Default `prefix_hashing.max_blocks`: leading blocks hashed per request (the Inference
+/// Extension scorer's default, 256: the first 16 KiB of the prompt at 64-byte blocks).
+pub const DEFAULT_PREFIX_MAX_BLOCKS: u32 = 256;
+/// Largest `prefix_hashing.block_bytes` accepted.
+pub const MAX_PREFIX_BLOCK_BYTES: u32 = 1 << 20;
+/// Largest `prefix_hashing.max_blocks` accepted (the hashes travel in every request's facts:
+/// 11 bytes of JSON per block).
+pub const MAX_PREFIX_MAX_BLOCKS: u32 = 4096;
 /// Default `max_token_bytes` of a model when the field is absent: 1024 bytes.
 ///
 /// Deliberately larger than the longest token of common byte-level BPE vocabularies (including
@@ -110,6 +121,24 @@ pub struct RawConfig {
     /// ext_proc admission). See [`crate::lease`].
     #[serde(default)]
     pub admission_leases: Option<RawAdmissionLeases>,
+    /// Prompt-prefix hashes for the sidecar's endpoint picker (optional; absent: none are
+    /// computed, and the picker has no prefix affinity). See [`crate::prefix`].
+    #[serde(default)]
+    pub prefix_hashing: Option<RawPrefixHashing>,
+}
+
+/// `prefix_hashing`: how the filter hashes the prompt's leading blocks into the facts.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPrefixHashing {
+    /// Bytes of prompt text per block. Optional, default [`DEFAULT_PREFIX_BLOCK_BYTES`]; in
+    /// 1..=[`MAX_PREFIX_BLOCK_BYTES`].
+    #[serde(default)]
+    pub block_bytes: Option<u32>,
+    /// Most leading blocks hashed. Optional, default [`DEFAULT_PREFIX_MAX_BLOCKS`]; in
+    /// 1..=[`MAX_PREFIX_MAX_BLOCKS`].
+    #[serde(default)]
+    pub max_blocks: Option<u32>,
 }
 
 /// `admission_leases`: where the filter asks the sidecar for leases, and how often it looks.
@@ -247,6 +276,8 @@ pub struct Config {
     pub key_digests: Vec<([u8; 32], usize)>,
     /// Admission leases, when configured.
     pub admission_leases: Option<AdmissionLeases>,
+    /// Prompt-prefix hashing, when configured.
+    pub prefix_hashing: Option<PrefixHashing>,
     lookup: HashMap<String, Target>,
 }
 
@@ -259,6 +290,15 @@ pub struct AdmissionLeases {
     pub refresh_ms: u64,
     /// Timeout of one lease call, in milliseconds.
     pub timeout_ms: u64,
+}
+
+/// The validated `prefix_hashing` section.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixHashing {
+    /// Bytes of prompt text per block (> 0).
+    pub block_bytes: u32,
+    /// Most leading blocks hashed (> 0).
+    pub max_blocks: u32,
 }
 
 /// What a public model identifier resolves to.
@@ -516,6 +556,7 @@ impl Config {
 
         let lookup = names.into_iter().map(|(k, (t, _))| (k, t)).collect();
         let admission_leases = raw.admission_leases.map(compile_leases).transpose()?;
+        let prefix_hashing = raw.prefix_hashing.map(compile_prefix_hashing).transpose()?;
         Ok(Config {
             max_body_bytes,
             full_parse_max_bytes,
@@ -524,6 +565,7 @@ impl Config {
             models,
             key_digests,
             admission_leases,
+            prefix_hashing,
             lookup,
         })
     }
@@ -532,6 +574,18 @@ impl Config {
     pub fn resolve(&self, name: &str) -> Option<Target> {
         self.lookup.get(name).copied()
     }
+}
+
+fn compile_prefix_hashing(raw: RawPrefixHashing) -> Result<PrefixHashing, ConfigError> {
+    let block_bytes = raw.block_bytes.unwrap_or(DEFAULT_PREFIX_BLOCK_BYTES);
+    if !(1..=MAX_PREFIX_BLOCK_BYTES).contains(&block_bytes) {
+        return Err(err("prefix_hashing.block_bytes", format!("must be in 1..={MAX_PREFIX_BLOCK_BYTES}")));
+    }
+    let max_blocks = raw.max_blocks.unwrap_or(DEFAULT_PREFIX_MAX_BLOCKS);
+    if !(1..=MAX_PREFIX_MAX_BLOCKS).contains(&max_blocks) {
+        return Err(err("prefix_hashing.max_blocks", format!("must be in 1..={MAX_PREFIX_MAX_BLOCKS}")));
+    }
+    Ok(PrefixHashing { block_bytes, max_blocks })
 }
 
 fn compile_leases(raw: RawAdmissionLeases) -> Result<AdmissionLeases, ConfigError> {
@@ -695,7 +749,7 @@ mod tests {
         v["max_body"] = json!(1);
         expect_err(
             v,
-            "max_body: unknown field `max_body`, expected one of `max_body_bytes`, `full_parse_max_bytes`, `max_uploads_per_tenant`, `tenants`, `models`, `admission_leases`",
+            "max_body: unknown field `max_body`, expected one of `max_body_bytes`, `full_parse_max_bytes`, `max_uploads_per_tenant`, `tenants`, `models`, `admission_leases`, `prefix_hashing`",
         );
     }
 
@@ -705,6 +759,26 @@ mod tests {
         let mut v = base();
         v["max_uploads_per_tenant"] = json!(0);
         expect_err(v, "max_uploads_per_tenant: must be > 0");
+    }
+
+    #[test]
+    fn prefix_hashing_defaults_and_errors() {
+        assert_eq!(load(&base()).unwrap().prefix_hashing, None);
+        let mut v = base();
+        v["prefix_hashing"] = json!({});
+        assert_eq!(
+            load(&v).unwrap().prefix_hashing,
+            Some(PrefixHashing { block_bytes: 64, max_blocks: 256 })
+        );
+        v["prefix_hashing"] = json!({"block_bytes": 16, "max_blocks": 8});
+        assert_eq!(load(&v).unwrap().prefix_hashing, Some(PrefixHashing { block_bytes: 16, max_blocks: 8 }));
+        v["prefix_hashing"] = json!({"block_bytes": 0});
+        expect_err(v.clone(), "prefix_hashing.block_bytes: must be in 1..=1048576");
+        v["prefix_hashing"] = json!({"max_blocks": 4097});
+        expect_err(v.clone(), "prefix_hashing.max_blocks: must be in 1..=4096");
+        v["prefix_hashing"] = json!({"block_byte": 4});
+        let e = load(&v).unwrap_err().to_string();
+        assert!(e.starts_with("prefix_hashing.block_byte: unknown field"), "{e}");
     }
 
     #[test]

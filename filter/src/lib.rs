@@ -16,6 +16,7 @@ pub mod error;
 pub mod json_scan;
 pub mod lease;
 pub mod pipeline;
+pub mod prefix;
 pub mod request;
 pub mod routing;
 pub mod sse;

@@ -267,7 +267,13 @@ fn plan_request_body(
         completion_budget(max_model_len, &counts, req.max_tokens, req.choices, req.prompt.count())
     };
 
-    finish_plan(pending, tenant, body, &req, &value, &route, &counts, max_tokens_header, exact_check)
+    let prefix = cfg
+        .prefix_hashing
+        .and_then(|c| crate::prefix::encoded_prompt_hashes(c, route.public_name, &req.prompt));
+    let mut planned =
+        finish_plan(pending, tenant, body, &req, &value, &route, &counts, max_tokens_header, exact_check)?;
+    planned.0.facts.prefix_hashes = prefix;
+    Ok(planned)
 }
 
 /// The plan of a validated, routed request: the headers, and the edits that rewrite the body.
@@ -317,6 +323,7 @@ fn finish_plan(
         max_tokens: max_tokens_header,
         context_model: exact_check.then(|| route.model.name.clone()),
         leased_tokens: None,
+        prefix_hashes: None,
     };
     let admission = (!exact_check).then(|| AdmissionFacts {
         tenant: facts.tenant.clone(),
@@ -847,6 +854,29 @@ mod tests {
         assert_eq!(f.max_tokens, 7);
         assert_eq!(f.leased_tokens, None, "a lease is the adapter's to record");
         assert_eq!(plan.admission.unwrap().reserve_tokens, f.reserve_tokens());
+    }
+
+    #[test]
+    fn prefix_hashes_go_in_the_facts_when_configured_and_not_for_scanned_bodies() {
+        let p = pending("/v1/chat/completions", "sk-demo");
+        let text = "a system prompt long enough for a few blocks of sixteen bytes";
+        let body = json!({"model": "qwen-latest", "max_tokens": 7, "messages": [{"role": "system", "content": text}]});
+        let plan = on_request_body(&cfg(), &p, body.to_string().as_bytes()).unwrap();
+        assert_eq!(plan.facts.prefix_hashes, None, "not configured: none");
+        let mut c = cfg();
+        c.prefix_hashing = Some(crate::config::PrefixHashing { block_bytes: 16, max_blocks: 256 });
+        let plan = both(&c, &p, body.to_string().as_bytes()).unwrap();
+        let chat = crate::request::Prompt::Chat(vec![crate::request::ChatMessage {
+            role: "system",
+            texts: vec![text],
+        }]);
+        let expected = crate::prefix::encoded_prompt_hashes(c.prefix_hashing.unwrap(), "qwen", &chat);
+        assert!(expected.is_some());
+        assert_eq!(plan.facts.prefix_hashes, expected, "seeded with the canonical model, not the alias");
+        // A body over full_parse_max_bytes is only scanned: no hashes.
+        c.full_parse_max_bytes = 50;
+        let plan = on_request_body(&c, &p, body.to_string().as_bytes()).unwrap();
+        assert_eq!(plan.facts.prefix_hashes, None);
     }
 
     #[test]
