@@ -201,10 +201,129 @@ pub struct PoolConfig {
     /// the Redis (`crate::pools`), at which the pool is full.
     #[serde(default)]
     pub max_in_flight: Option<u64>,
+    /// The endpoint picker (issue 12): with it, every request this sidecar admits to the pool is
+    /// sent to an endpoint it picks ([`crate::scheduling`]); without it, Envoy's `LEAST_REQUEST`
+    /// picks. Needs `endpoints`, each `http://ip:port` (an IP literal: the pick names Envoy's
+    /// host by address).
+    #[serde(default)]
+    pub picker: Option<PickerConfig>,
 }
 
 fn default_scrape_interval_ms() -> u64 {
     500
+}
+
+/// `pools[].picker`: the weights of the endpoint picker's scorers and its bounds
+/// ([`crate::scheduling`]). Every member is optional, with the default given.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PickerConfig {
+    /// Weight of the prefix-affinity score (the share of the request's prompt blocks the
+    /// endpoint served recently). Finite, >= 0; default 3.
+    #[serde(default = "default_prefix_weight")]
+    pub prefix_weight: f64,
+    /// Weight of the queue score (`vllm:num_requests_waiting`, min-max normalized over the
+    /// eligible endpoints). Finite, >= 0; default 2.
+    #[serde(default = "default_load_weight")]
+    pub queue_weight: f64,
+    /// Weight of the KV-cache score (1 - `vllm:kv_cache_usage_perc`). Finite, >= 0; default 2.
+    #[serde(default = "default_load_weight")]
+    pub kv_cache_weight: f64,
+    /// Weight of the in-flight score (this sidecar's requests on the endpoint not yet finished,
+    /// min-max normalized). Finite, >= 0; default 2.
+    #[serde(default = "default_load_weight")]
+    pub in_flight_weight: f64,
+    /// Bounded-load affinity: the endpoint holding the request's longest prefix wins outright
+    /// while `load + 1 <= affinity_load_factor x (least load + 1)` over the eligible endpoints
+    /// (load = waiting + in flight, see [`crate::scheduling::picker`]); past it the scores
+    /// decide. Finite, >= 1; default 2.
+    #[serde(default = "default_affinity_load_factor")]
+    pub affinity_load_factor: f64,
+    /// Block hashes remembered per endpoint (an LRU). >= 1, at most 10,000,000; default 16,384:
+    /// 1 MiB of prompt text at the filter's default 64-byte blocks, about 250k tokens. Size it
+    /// to what one replica's prefix cache holds.
+    #[serde(default = "default_prefix_lru_blocks")]
+    pub prefix_lru_blocks: usize,
+    /// Endpoints sent after the pick, best first, for Envoy to try when the pick fails. At most
+    /// 16; default 1.
+    #[serde(default = "default_fallback_endpoints")]
+    pub fallback_endpoints: usize,
+    /// An endpoint whose last successful scrape is older than this (milliseconds), or whose last
+    /// scrape failed, is never picked. > `scrape_interval_ms`; default the larger of 2,000 and
+    /// 3 x `scrape_interval_ms` (set when the config is loaded).
+    #[serde(default)]
+    pub stale_after_ms: Option<u64>,
+}
+
+fn default_prefix_weight() -> f64 {
+    3.0
+}
+fn default_load_weight() -> f64 {
+    2.0
+}
+fn default_affinity_load_factor() -> f64 {
+    2.0
+}
+fn default_prefix_lru_blocks() -> usize {
+    16_384
+}
+fn default_fallback_endpoints() -> usize {
+    1
+}
+
+/// Most `picker.prefix_lru_blocks`.
+pub const MAX_PREFIX_LRU_BLOCKS: usize = 10_000_000;
+/// Most `picker.fallback_endpoints`.
+pub const MAX_FALLBACK_ENDPOINTS: usize = 16;
+
+impl PickerConfig {
+    /// `stale_after_ms`, or its default for a pool scraped every `scrape_interval_ms`.
+    pub fn stale_after_ms(&self, scrape_interval_ms: u64) -> u64 {
+        self.stale_after_ms.unwrap_or_else(|| scrape_interval_ms.saturating_mul(3).max(2_000))
+    }
+
+    fn validate(&self, field: &str, scrape_interval_ms: u64) -> Result<(), ConfigError> {
+        for (name, w) in [
+            ("prefix_weight", self.prefix_weight),
+            ("queue_weight", self.queue_weight),
+            ("kv_cache_weight", self.kv_cache_weight),
+            ("in_flight_weight", self.in_flight_weight),
+        ] {
+            if !(w.is_finite() && w >= 0.0) {
+                return Err(invalid(format!("{field}.{name}"), "must be a finite number >= 0"));
+            }
+        }
+        if !(self.affinity_load_factor.is_finite() && self.affinity_load_factor >= 1.0) {
+            return Err(invalid(format!("{field}.affinity_load_factor"), "must be a finite number >= 1"));
+        }
+        if !(1..=MAX_PREFIX_LRU_BLOCKS).contains(&self.prefix_lru_blocks) {
+            return Err(invalid(
+                format!("{field}.prefix_lru_blocks"),
+                format!("must be in 1..={MAX_PREFIX_LRU_BLOCKS}"),
+            ));
+        }
+        if self.fallback_endpoints > MAX_FALLBACK_ENDPOINTS {
+            return Err(invalid(
+                format!("{field}.fallback_endpoints"),
+                format!("must be at most {MAX_FALLBACK_ENDPOINTS}"),
+            ));
+        }
+        if let Some(ms) = self.stale_after_ms {
+            if ms <= scrape_interval_ms {
+                return Err(invalid(
+                    format!("{field}.stale_after_ms"),
+                    format!("must be > scrape_interval_ms ({scrape_interval_ms})"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The `ip:port` of an endpoint base URL `http://ip:port` (a trailing `/` allowed), as the pick
+/// names it (IPv6 as `[addr]:port`); None for anything else (a host name, a path, no port).
+pub fn endpoint_addr(url: &str) -> Option<std::net::SocketAddr> {
+    url.strip_prefix("http://")?.trim_end_matches('/').parse().ok()
 }
 
 /// Tier shedding levels: a request of a tier is shed when its pool's load (the highest of
@@ -698,6 +817,21 @@ impl Config {
                     return Err(invalid(format!("{field}.max_kv_cache_usage"), "must be in (0, 1]"));
                 }
             }
+            if let Some(picker) = &pool.picker {
+                picker.validate(&format!("{field}.picker"), pool.scrape_interval_ms)?;
+                if pool.endpoints.is_empty() {
+                    return Err(invalid(format!("{field}.endpoints"), "needed by picker"));
+                }
+                for (j, url) in pool.endpoints.iter().enumerate() {
+                    if endpoint_addr(url).is_none() {
+                        return Err(invalid(
+                            format!("{field}.endpoints[{j}]"),
+                            "the picker needs http://ip:port (an IP address and a port, no path)",
+                        ));
+                    }
+                }
+                continue;
+            }
             let scraped = pool.max_queue_depth.is_some() || pool.max_kv_cache_usage.is_some();
             if scraped && pool.endpoints.is_empty() {
                 return Err(invalid(
@@ -1110,6 +1244,57 @@ mod tests {
         assert_eq!(
             err(&format!("{POOL}  - {{name: a, endpoints: ['h:1'], max_queue_depth: 1}}\n")),
             "pools[0].endpoints[0]: must be an http:// URL"
+        );
+    }
+
+    #[test]
+    fn picker_defaults_and_errors() {
+        let ok = |picker: &str| {
+            Config::from_yaml(&format!(
+                "{POOL}  - {{name: a, endpoints: ['http://10.0.0.1:8000/', 'http://[::1]:9'], picker: {picker}}}\n"
+            ))
+            .unwrap()
+            .pools[0]
+            .picker
+            .unwrap()
+        };
+        let p = ok("{}");
+        assert_eq!(
+            (p.prefix_weight, p.queue_weight, p.kv_cache_weight, p.in_flight_weight),
+            (3.0, 2.0, 2.0, 2.0)
+        );
+        assert_eq!((p.affinity_load_factor, p.prefix_lru_blocks, p.fallback_endpoints), (2.0, 16_384, 1));
+        assert_eq!((p.stale_after_ms, p.stale_after_ms(500), p.stale_after_ms(5_000)), (None, 2_000, 15_000));
+        assert_eq!(ok("{stale_after_ms: 501}").stale_after_ms(500), 501);
+        let bad = |picker: &str| {
+            err(&format!("{POOL}  - {{name: a, endpoints: ['http://10.0.0.1:8000'], picker: {picker}}}\n"))
+        };
+        assert_eq!(bad("{queue_weight: -1}"), "pools[0].picker.queue_weight: must be a finite number >= 0");
+        assert_eq!(
+            bad("{prefix_weight: .nan}"),
+            "pools[0].picker.prefix_weight: must be a finite number >= 0"
+        );
+        assert_eq!(
+            bad("{affinity_load_factor: 0.5}"),
+            "pools[0].picker.affinity_load_factor: must be a finite number >= 1"
+        );
+        assert_eq!(
+            bad("{prefix_lru_blocks: 0}"),
+            "pools[0].picker.prefix_lru_blocks: must be in 1..=10000000"
+        );
+        assert_eq!(bad("{fallback_endpoints: 17}"), "pools[0].picker.fallback_endpoints: must be at most 16");
+        assert_eq!(
+            bad("{stale_after_ms: 500}"),
+            "pools[0].picker.stale_after_ms: must be > scrape_interval_ms (500)"
+        );
+        assert!(bad("{queue_weigth: 1}").contains("unknown field `queue_weigth`"));
+        assert_eq!(
+            err(&format!("{POOL}  - {{name: a, endpoints: ['http://vllm-0:8000'], picker: {{}}}}\n")),
+            "pools[0].endpoints[0]: the picker needs http://ip:port (an IP address and a port, no path)"
+        );
+        assert_eq!(
+            err(&format!("{POOL}  - {{name: a, picker: {{}}}}\n")),
+            "pools[0].endpoints: needed by picker"
         );
     }
 

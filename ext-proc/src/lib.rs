@@ -37,6 +37,7 @@ pub mod meter;
 pub mod metrics;
 pub mod pools;
 pub mod recorder;
+pub mod scheduling;
 pub mod service;
 pub mod shedding;
 pub use gateway_meter::sse;

@@ -177,6 +177,7 @@ mod tests {
             max_queue_depth: Some(10),
             max_kv_cache_usage: Some(0.9),
             max_in_flight: None,
+            picker: None,
         }
     }
 

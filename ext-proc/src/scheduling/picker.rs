@@ -1,0 +1,387 @@
+//! The pick: which eligible endpoint of a pool serves a request, then its fallbacks.
+//!
+//! 1. **Eligible**: the endpoint's last scrape succeeded and is at most `stale_after_ms` old,
+//!    and, when the request carries a subset hint (`envoy.lb.subset_hint`), it is in the subset.
+//! 2. **Scores**: each scorer ([`super::scorers`]) scores every eligible endpoint in [0, 1]; the
+//!    pool's weights (`prefix_weight`, `queue_weight`, `kv_cache_weight`, `in_flight_weight`)
+//!    sum them. Endpoints are ranked by the sum, ties broken by a rotation that moves with every
+//!    pick (so equal endpoints take turns).
+//! 3. **Bounded-load affinity**: among the endpoints holding the request's longest matched prefix
+//!    (at least one block), the best-ranked one, `a`, goes first when
+//!    `load(a) + 1 <= affinity_load_factor x (min load + 1)`, where `load` = `waiting` (vLLM's
+//!    queue at the last scrape) + `in_flight` (this sidecar's picks not yet ended) and the
+//!    minimum is over the eligible endpoints; the `+ 1`s count the request being placed, so an
+//!    idle pool does not turn every affinity down. Past the bound a popular prefix cannot pin one
+//!    replica: the ranking of step 2 decides (in which the prefix still scores).
+//! 4. **Fallbacks**: the next `fallback_endpoints` of the ranking, for Envoy to try in order.
+//!
+//! After a pick the request's block hashes are recorded on the picked endpoint
+//! ([`super::PrefixIndex`]) and its in-flight count goes up; the request's end (the access log, or
+//! the metering stream) takes it down.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use super::prefix_index::PrefixIndex;
+use super::scorers::{self, Candidate, InFlightScorer, KvCacheScorer, PrefixScorer, QueueScorer};
+use crate::config::PickerConfig;
+use crate::shedding::Scrape;
+
+/// The ranking of one request's candidates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Choice {
+    /// Indices into the candidates: the pick, then the fallbacks, best first.
+    pub order: Vec<usize>,
+    /// Whether bounded-load prefix affinity decided the pick (rather than the scores).
+    pub affinity: bool,
+}
+
+/// Ranks `candidates` (already eligible) for a request of `request_blocks` prompt blocks under
+/// `config` (steps 2 to 4 of the module doc); `tiebreak` rotates equal scores. `None` when there
+/// are no candidates.
+pub fn choose(
+    candidates: &[Candidate],
+    config: &PickerConfig,
+    request_blocks: usize,
+    tiebreak: usize,
+) -> Option<Choice> {
+    let n = candidates.len();
+    if n == 0 {
+        return None;
+    }
+    let scores = scorers::weighted(
+        &[
+            (&PrefixScorer, config.prefix_weight),
+            (&QueueScorer, config.queue_weight),
+            (&KvCacheScorer, config.kv_cache_weight),
+            (&InFlightScorer, config.in_flight_weight),
+        ],
+        candidates,
+        request_blocks,
+    );
+    let score = |i: usize| scores.get(i).copied().unwrap_or(0.0);
+    let rotation = |i: usize| (i + n - tiebreak % n) % n;
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| score(b).total_cmp(&score(a)).then(rotation(a).cmp(&rotation(b))));
+    let mut affinity = false;
+    let longest = candidates.iter().map(|c| c.prefix_blocks).max().unwrap_or(0);
+    if longest > 0 {
+        let min_load = candidates.iter().map(Candidate::load).fold(f64::INFINITY, f64::min);
+        let holder =
+            order.iter().position(|&i| candidates.get(i).is_some_and(|c| c.prefix_blocks == longest));
+        if let Some(at) = holder {
+            let load = order.get(at).and_then(|&i| candidates.get(i)).map_or(f64::INFINITY, Candidate::load);
+            if load + 1.0 <= config.affinity_load_factor * (min_load + 1.0) {
+                let i = order.remove(at);
+                order.insert(0, i);
+                affinity = true;
+            }
+        }
+    }
+    order.truncate(config.fallback_endpoints.saturating_add(1));
+    Some(Choice { order, affinity })
+}
+
+/// What the picker keeps of one endpoint.
+#[derive(Debug)]
+pub struct EndpointState {
+    /// Its address, as picks name it.
+    pub addr: SocketAddr,
+    /// `addr` as text (`ip:port`, IPv6 `[addr]:port`).
+    pub label: String,
+    /// The last successful scrape: `vllm:num_requests_waiting`, `vllm:num_requests_running`,
+    /// `vllm:kv_cache_usage_perc`, and when.
+    pub scraped: Option<(Scrape, Instant)>,
+    /// Whether the last scrape succeeded.
+    pub scrape_ok: bool,
+    /// This sidecar's picks of it that have not ended.
+    pub in_flight: u64,
+    /// Picks since the last scrape, and in the interval before it.
+    picks: (u64, u64),
+    /// The block hashes it served recently.
+    pub prefixes: PrefixIndex,
+}
+
+impl EndpointState {
+    /// Whether it may be picked at `now` (step 1 of the module doc, without the subset).
+    pub fn eligible(&self, now: Instant, stale_after: Duration) -> bool {
+        self.scrape_ok && self.scraped.is_some_and(|(_, at)| now.saturating_duration_since(at) <= stale_after)
+    }
+}
+
+/// A pick to send to Envoy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pick {
+    /// `ip:port` of the pick, then of the fallbacks.
+    pub endpoints: Vec<String>,
+    /// The request's prompt blocks the pick served recently.
+    pub prefix_blocks: usize,
+    /// The request's prompt blocks.
+    pub request_blocks: usize,
+    /// Whether bounded-load affinity decided it.
+    pub affinity: bool,
+}
+
+impl Pick {
+    /// The value of `x-gateway-destination-endpoint` and of the `envoy.lb` metadata:
+    /// `ip:port[,ip:port...]`.
+    pub fn value(&self) -> String {
+        self.endpoints.join(",")
+    }
+
+    /// The picked endpoint.
+    pub fn primary(&self) -> &str {
+        self.endpoints.first().map_or("", String::as_str)
+    }
+}
+
+/// One pool's picker: its config, and the state of each endpoint.
+#[derive(Debug)]
+pub struct PoolPicker {
+    config: PickerConfig,
+    stale_after: Duration,
+    endpoints: Vec<EndpointState>,
+    picks: usize,
+}
+
+impl PoolPicker {
+    /// A picker over the pool's endpoint addresses (the validated `ip:port` of its endpoint URLs,
+    /// in config order), with nothing scraped yet.
+    pub fn new(config: PickerConfig, addrs: &[SocketAddr], scrape_interval_ms: u64) -> Self {
+        let endpoints = addrs
+            .iter()
+            .map(|addr| EndpointState {
+                addr: *addr,
+                label: addr.to_string(),
+                scraped: None,
+                scrape_ok: false,
+                in_flight: 0,
+                picks: (0, 0),
+                prefixes: PrefixIndex::new(config.prefix_lru_blocks),
+            })
+            .collect();
+        let stale_after = Duration::from_millis(config.stale_after_ms(scrape_interval_ms));
+        Self { config, stale_after, endpoints, picks: 0 }
+    }
+
+    /// The endpoints' state, in config order.
+    pub fn endpoints(&self) -> &[EndpointState] {
+        &self.endpoints
+    }
+
+    /// The scrape of endpoint `index` (config order) ended at `now`: `None` when it failed (the
+    /// endpoint is then not eligible until a scrape succeeds). A successful scrape also bounds
+    /// the endpoint's in-flight count by what vLLM holds (`running + waiting`) plus the picks of
+    /// the last two scrape intervals (on their way to it), so requests whose end never reaches
+    /// this sidecar (an Envoy killed) are taken off.
+    pub fn scraped(&mut self, index: usize, scrape: Option<Scrape>, now: Instant) {
+        let Some(e) = self.endpoints.get_mut(index) else { return };
+        e.scrape_ok = scrape.is_some();
+        if let Some(s) = scrape {
+            let held = (s.running.max(0.0) + s.waiting.max(0.0)).ceil();
+            let held = if held.is_finite() && held < u64::MAX as f64 { held as u64 } else { u64::MAX };
+            e.in_flight = e.in_flight.min(held.saturating_add(e.picks.0).saturating_add(e.picks.1));
+            e.scraped = Some((s, now));
+        }
+        e.picks = (0, e.picks.0);
+    }
+
+    /// Picks an endpoint for a request whose prompt hashes to `hashes` (chained block hashes, may
+    /// be empty), among `subset` when given (the subset hint), at `now`; records the hashes on it
+    /// and counts it in flight. `None` when no endpoint is eligible.
+    pub fn pick(&mut self, hashes: &[u64], subset: Option<&[SocketAddr]>, now: Instant) -> Option<Pick> {
+        let eligible: Vec<usize> = (0..self.endpoints.len())
+            .filter(|&i| {
+                self.endpoints.get(i).is_some_and(|e| {
+                    e.eligible(now, self.stale_after) && subset.is_none_or(|s| s.contains(&e.addr))
+                })
+            })
+            .collect();
+        let candidates: Vec<Candidate> = eligible
+            .iter()
+            .filter_map(|&i| self.endpoints.get(i))
+            .map(|e| {
+                let (waiting, kv) =
+                    e.scraped.as_ref().map_or((0.0, 0.0), |(s, _)| (s.waiting, s.kv_cache_usage));
+                Candidate {
+                    waiting,
+                    kv_cache_usage: kv,
+                    in_flight: e.in_flight,
+                    prefix_blocks: e.prefixes.matched(hashes),
+                }
+            })
+            .collect();
+        let choice = choose(&candidates, &self.config, hashes.len(), self.picks)?;
+        self.picks = self.picks.wrapping_add(1);
+        let prefix_blocks =
+            choice.order.first().and_then(|&c| candidates.get(c)).map_or(0, |c| c.prefix_blocks);
+        let picked: Vec<usize> = choice.order.iter().filter_map(|&c| eligible.get(c).copied()).collect();
+        if let Some(e) = picked.first().and_then(|&i| self.endpoints.get_mut(i)) {
+            e.prefixes.record(hashes);
+            e.in_flight = e.in_flight.saturating_add(1);
+            e.picks.0 = e.picks.0.saturating_add(1);
+        }
+        let endpoints =
+            picked.iter().filter_map(|&i| self.endpoints.get(i)).map(|e| e.label.clone()).collect();
+        Some(Pick { endpoints, prefix_blocks, request_blocks: hashes.len(), affinity: choice.affinity })
+    }
+
+    /// A request picked for `label` (`ip:port`) ended.
+    pub fn finished(&mut self, label: &str) {
+        if let Some(e) = self.endpoints.iter_mut().find(|e| e.label == label) {
+            e.in_flight = e.in_flight.saturating_sub(1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> PickerConfig {
+        crate::config::Config::from_yaml(
+            "listen: 127.0.0.1:0\nredis: {url: 'redis://x'}\ntenants: []\npools:\n  - {name: p, endpoints: ['http://10.0.0.1:1'], picker: {}}\n",
+        )
+        .unwrap()
+        .pools[0]
+        .picker
+        .unwrap()
+    }
+
+    fn c(waiting: f64, in_flight: u64, prefix_blocks: usize) -> Candidate {
+        Candidate { waiting, kv_cache_usage: 0.0, in_flight, prefix_blocks }
+    }
+
+    fn scrape(waiting: f64, running: f64, kv: f64) -> Option<Scrape> {
+        Some(Scrape { waiting, running, kv_cache_usage: kv, finished: 0.0 })
+    }
+
+    fn addrs(n: u16) -> Vec<SocketAddr> {
+        (1..=n).map(|p| SocketAddr::from(([10, 0, 0, 1], p))).collect()
+    }
+
+    #[test]
+    fn scores_rank_and_fallbacks_follow() {
+        let cfg = PickerConfig { fallback_endpoints: 2, ..config() };
+        let cs = [c(4.0, 0, 0), c(0.0, 0, 0), c(2.0, 0, 0), c(8.0, 0, 0)];
+        let choice = choose(&cs, &cfg, 0, 0).unwrap();
+        assert_eq!(choice, Choice { order: vec![1, 2, 0], affinity: false });
+        let cfg = PickerConfig { fallback_endpoints: 0, ..cfg };
+        assert_eq!(choose(&cs, &cfg, 0, 0).unwrap().order, vec![1]);
+        assert_eq!(choose(&[], &cfg, 0, 0), None);
+    }
+
+    #[test]
+    fn equal_endpoints_take_turns() {
+        let cs = [c(0.0, 0, 0), c(0.0, 0, 0), c(0.0, 0, 0)];
+        let firsts: Vec<usize> = (0..3).map(|t| choose(&cs, &config(), 0, t).unwrap().order[0]).collect();
+        assert_eq!(firsts, vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn the_longest_prefix_wins_within_the_load_bound() {
+        // Endpoint 2 holds 6 of 8 blocks but is busier than endpoint 0: affinity holds while
+        // load + 1 <= 2 x (min load + 1).
+        let cfg = config();
+        let cs = [c(0.0, 1, 0), c(0.0, 2, 3), c(1.0, 2, 6)];
+        let choice = choose(&cs, &cfg, 8, 0).unwrap();
+        assert_eq!((choice.order[0], choice.affinity), (2, true), "3 + 1 <= 2 x (1 + 1)");
+        // One more in flight on it: 4 + 1 > 4, the bound breaks and the scores decide.
+        let cs = [c(0.0, 1, 0), c(0.0, 2, 3), c(1.0, 3, 6)];
+        let choice = choose(&cs, &cfg, 8, 0).unwrap();
+        assert!(!choice.affinity);
+        assert_ne!(choice.order[0], 2);
+        // A larger factor keeps it.
+        let loose = PickerConfig { affinity_load_factor: 3.0, ..cfg };
+        assert_eq!(choose(&cs, &loose, 8, 0).unwrap().order[0], 2);
+        // An idle pool: a holder with one request in flight still wins (1 + 1 <= 2 x 1).
+        let cs = [c(0.0, 0, 0), c(0.0, 1, 4)];
+        assert_eq!(choose(&cs, &cfg, 8, 0).unwrap(), Choice { order: vec![1, 0], affinity: true });
+    }
+
+    #[test]
+    fn without_prefix_affinity_load_decides() {
+        // Factor 1 and a busy holder: the prefix score (weight 3 x 0.5) does not outweigh the
+        // queue and in-flight scores (2 + 2) of the idle endpoint.
+        let cfg = PickerConfig { affinity_load_factor: 1.0, ..config() };
+        let cs = [c(0.0, 0, 0), c(3.0, 3, 4)];
+        assert_eq!(choose(&cs, &cfg, 8, 0).unwrap(), Choice { order: vec![0, 1], affinity: false });
+    }
+
+    #[test]
+    fn stale_or_failed_endpoints_are_not_eligible() {
+        let t0 = Instant::now();
+        let mut p = PoolPicker::new(config(), &addrs(3), 500);
+        assert_eq!(p.pick(&[], None, t0), None, "nothing scraped yet");
+        p.scraped(0, scrape(9.0, 0.0, 0.9), t0);
+        p.scraped(1, scrape(0.0, 0.0, 0.0), t0);
+        p.scraped(2, scrape(0.0, 0.0, 0.0), t0);
+        p.scraped(2, None, t0 + Duration::from_millis(10));
+        // 1 is the best; 2 failed its last scrape.
+        let pick = p.pick(&[], None, t0 + Duration::from_millis(100)).unwrap();
+        assert_eq!(pick.endpoints, vec!["10.0.0.1:2", "10.0.0.1:1"]);
+        // Past stale_after_ms (default 2 s at a 500 ms interval) since their scrape: none.
+        assert_eq!(p.pick(&[], None, t0 + Duration::from_millis(2_001)), None);
+        p.scraped(0, scrape(9.0, 0.0, 0.9), t0 + Duration::from_millis(2_000));
+        let pick = p.pick(&[], None, t0 + Duration::from_millis(2_001)).unwrap();
+        assert_eq!(pick.endpoints, vec!["10.0.0.1:1"], "only the fresh one, though loaded");
+    }
+
+    #[test]
+    fn the_subset_restricts_the_pick() {
+        let t0 = Instant::now();
+        let mut p = PoolPicker::new(config(), &addrs(3), 500);
+        for i in 0..3 {
+            p.scraped(i, scrape(if i == 1 { 0.0 } else { 5.0 }, 0.0, 0.0), t0);
+        }
+        assert_eq!(p.pick(&[], None, t0).unwrap().primary(), "10.0.0.1:2");
+        let subset = [SocketAddr::from(([10, 0, 0, 1], 3)), SocketAddr::from(([10, 0, 0, 9], 9))];
+        let pick = p.pick(&[], Some(&subset), t0).unwrap();
+        assert_eq!(pick.endpoints, vec!["10.0.0.1:3"], "only the subset, not even as a fallback");
+        assert_eq!(p.pick(&[], Some(&[]), t0), None, "an empty subset: nothing eligible");
+        assert_eq!(p.pick(&[], Some(&subset[1..]), t0), None, "a subset of unknown endpoints");
+    }
+
+    #[test]
+    fn a_pick_records_the_prefix_and_counts_in_flight_until_finished() {
+        let t0 = Instant::now();
+        let mut p = PoolPicker::new(PickerConfig { fallback_endpoints: 0, ..config() }, &addrs(2), 500);
+        p.scraped(0, scrape(0.0, 0.0, 0.0), t0);
+        p.scraped(1, scrape(0.0, 0.0, 0.0), t0);
+        let first = p.pick(&[11, 12, 13], None, t0).unwrap();
+        assert_eq!((first.prefix_blocks, first.request_blocks, first.affinity), (0, 3, false));
+        // The same conversation again (a longer prompt): the same endpoint, by affinity.
+        let again = p.pick(&[11, 12, 13, 14], None, t0).unwrap();
+        assert_eq!((again.primary(), again.prefix_blocks, again.affinity), (first.primary(), 3, true));
+        let e = p.endpoints().iter().find(|e| e.label == first.primary()).unwrap();
+        assert_eq!((e.in_flight, e.prefixes.len()), (2, 4));
+        // Another prompt goes to the other, idle endpoint.
+        let other = p.pick(&[21, 22], None, t0).unwrap();
+        assert_ne!(other.primary(), first.primary());
+        p.finished(first.primary());
+        p.finished(first.primary());
+        p.finished(first.primary());
+        p.finished("10.9.9.9:1");
+        let in_flight: Vec<u64> = p.endpoints().iter().map(|e| e.in_flight).collect();
+        assert!(in_flight.contains(&0) && in_flight.contains(&1), "{in_flight:?}: never below 0");
+    }
+
+    #[test]
+    fn a_scrape_bounds_in_flight_by_what_vllm_holds_plus_recent_picks() {
+        let t0 = Instant::now();
+        let mut p = PoolPicker::new(PickerConfig { fallback_endpoints: 0, ..config() }, &addrs(1), 500);
+        p.scraped(0, scrape(0.0, 0.0, 0.0), t0);
+        for _ in 0..5 {
+            p.pick(&[], None, t0);
+        }
+        // vLLM holds 2: the 5 picks of this interval may still be on their way.
+        p.scraped(0, scrape(1.0, 1.0, 0.0), t0);
+        assert_eq!(p.endpoints()[0].in_flight, 5);
+        // Next interval: still within the two-interval window.
+        p.scraped(0, scrape(1.0, 1.0, 0.0), t0);
+        assert_eq!(p.endpoints()[0].in_flight, 5);
+        // Their ends never came (lost access-log entries): past the window, bounded by vLLM's 2.
+        p.scraped(0, scrape(1.0, 1.0, 0.0), t0);
+        assert_eq!(p.endpoints()[0].in_flight, 2);
+    }
+}
