@@ -115,6 +115,10 @@ pub const MD_NAMESPACE_SUBSET_HINT: &str = "envoy.lb.subset_hint";
 /// the picker picks only among them, and answers 503 when none of them is eligible.
 pub const MD_DESTINATION_ENDPOINT_SUBSET: &str = "x-gateway-destination-endpoint-subset";
 
+/// Most prefix hashes a request's facts carry (the filter's `prefix_hashing.max_blocks` bound);
+/// the sidecar ignores facts with more.
+pub const MAX_PREFIX_HASHES: usize = 4096;
+
 /// Bytes of one encoded prefix hash in [`RequestFacts::prefix_hashes`] (a little-endian `u64`).
 pub const PREFIX_HASH_BYTES: usize = 8;
 
@@ -153,6 +157,12 @@ pub fn decode_prefix_hashes(encoded: &str, max: usize) -> Option<Vec<u64>> {
             .collect(),
     )
 }
+
+/// Metadata key (namespace [`METADATA_NAMESPACE`]): the endpoint (`ip:port`) the sidecar's picker
+/// picked for the request (the first of [`H_DESTINATION_ENDPOINT`]), which the access log (or
+/// the metering stream) hands back so that the sidecar counts the request's end on the endpoint
+/// it counted its start on.
+pub const MD_PICKED_ENDPOINT: &str = "picked_endpoint";
 
 /// Version of [`RequestFacts`]' JSON.
 pub const FACTS_VERSION: u32 = 1;

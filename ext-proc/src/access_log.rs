@@ -56,6 +56,10 @@ impl AccessLogService for AccessLog {
             let Some(LogEntries::HttpLogs(logs)) = message.log_entries else { continue };
             for entry in logs.log_entry {
                 if let Some(record) = record_of(&entry, || self.shared.ids.next()) {
+                    let metadata = entry.common_properties.as_ref().and_then(|c| c.metadata.as_ref());
+                    if let Some(endpoint) = service::picked_endpoint(metadata) {
+                        self.shared.pools.pick_finished(&record.info.pool, &endpoint);
+                    }
                     service::finish(&self.shared, record);
                 }
             }

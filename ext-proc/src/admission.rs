@@ -27,6 +27,9 @@ pub struct RequestFacts {
     /// `x-gateway-reserved-tokens`, when the filter admitted the request from an admission lease
     /// (`x-gateway-admission: lease`): the tokens it reserved from the lease.
     pub leased_tokens: Option<u64>,
+    /// The filter's prompt-prefix hashes ([`gateway_contract::RequestFacts::prefix_hashes`],
+    /// encoded), for the endpoint picker.
+    pub prefix_hashes: Option<String>,
 }
 
 impl RequestFacts {
@@ -41,6 +44,7 @@ impl RequestFacts {
             request_id,
             tier: facts.tier,
             leased_tokens: facts.leased_tokens,
+            prefix_hashes: facts.prefix_hashes,
         }
     }
 

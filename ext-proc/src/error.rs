@@ -51,6 +51,14 @@ pub enum AdmissionError {
         /// The model's context window in tokens.
         max_model_len: u64,
     },
+    /// The request carried the endpoint-picker subset hint (`envoy.lb.subset_hint`) and no
+    /// endpoint of it is eligible (unknown, metrics stale or failing): 503, as the Gateway API
+    /// Inference Extension's endpoint-picker protocol requires.
+    #[error("no eligible endpoint of pool {pool} in the request's subset")]
+    NoEligibleEndpoint {
+        /// The pool (Envoy cluster).
+        pool: String,
+    },
     /// The request's pool is over its load threshold for this tier: shed before its queue grows.
     #[error("pool {pool} is overloaded")]
     Overloaded {
@@ -130,6 +138,13 @@ impl AdmissionError {
                 };
                 (400, "invalid_request_error", "context_length_exceeded", message, Vec::new())
             }
+            AdmissionError::NoEligibleEndpoint { .. } => (
+                503,
+                "server_error",
+                "no_eligible_endpoint",
+                "None of the model's servers this request may use is available; please retry.".to_owned(),
+                vec![("retry-after".to_owned(), "1".to_owned())],
+            ),
             AdmissionError::LimiterUnavailable => (
                 503,
                 "server_error",
@@ -209,6 +224,13 @@ mod tests {
         assert_eq!(AdmissionError::MissingTenant.to_reply().status, 403);
         assert_eq!(AdmissionError::TenantNotConfigured.to_reply().status, 403);
         assert_eq!(AdmissionError::LimiterUnavailable.to_reply().status, 503);
+        let n = AdmissionError::NoEligibleEndpoint { pool: "p".into() }.to_reply();
+        assert_eq!(n.status, 503);
+        let v: serde_json::Value = serde_json::from_slice(&n.body).unwrap();
+        assert_eq!(
+            (v["error"]["type"].as_str(), v["error"]["code"].as_str()),
+            (Some("server_error"), Some("no_eligible_endpoint"))
+        );
         let o = AdmissionError::Overloaded { pool: "p".into(), retry_after_secs: 3 }.to_reply();
         assert_eq!(o.status, 429);
         let v: serde_json::Value = serde_json::from_slice(&o.body).unwrap();

@@ -138,6 +138,37 @@ pub struct PoolTier {
     pub tier: String,
 }
 
+/// `{pool, endpoint}` of a pick.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolEndpoint {
+    /// Envoy cluster of the pool.
+    pub pool: String,
+    /// The picked endpoint, `ip:port` (one of the pool's configured endpoints).
+    pub endpoint: String,
+    /// `affinity` when bounded-load prefix affinity decided it, else `score`.
+    pub by: &'static str,
+}
+
+/// `{pool, kind}` of the picker's prompt blocks: `requested` (the requests' blocks) or `hit`
+/// (those the picked endpoint had served recently).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolBlocks {
+    /// Envoy cluster of the pool.
+    pub pool: String,
+    /// `requested` or `hit`.
+    pub kind: &'static str,
+}
+
+/// `{pool, reason}` of an admitted request the picker did not pick for: `none_eligible` (sent
+/// without a pick: Envoy's `LEAST_REQUEST` chooses) or `subset_none_eligible` (answered 503).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolReason {
+    /// Envoy cluster of the pool.
+    pub pool: String,
+    /// Why no pick.
+    pub reason: &'static str,
+}
+
 /// `{op}` of a Redis call: `take`, `settle`, `record`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Op {
@@ -209,6 +240,17 @@ pub struct Metrics {
     /// `llm_gateway_usage_records_unknown_tenant_total`: records of a tenant the config does not
     /// list, dropped (never stored).
     pub records_unknown_tenant: Counter,
+    /// `llm_gateway_picker_picks_total{pool,endpoint,by}`: the endpoint picker's picks.
+    pub picks: Family<PoolEndpoint, Counter>,
+    /// `llm_gateway_picker_prefix_blocks_total{pool,kind}`: prompt blocks of picked requests
+    /// (`requested`) and those the picked endpoint had served recently (`hit`).
+    pub pick_prefix_blocks: Family<PoolBlocks, Counter>,
+    /// `llm_gateway_picker_no_pick_total{pool,reason}`: admitted requests of a picking pool sent
+    /// without a pick (`none_eligible`) or refused 503 (`subset_none_eligible`).
+    pub no_pick: Family<PoolReason, Counter>,
+    /// `llm_gateway_picker_pick_duration_seconds{pool}`: the time of one pick (the lock, the
+    /// scores, the prefix lookups).
+    pub pick_duration: Family<PoolLabel, Histogram>,
 }
 
 #[derive(Default)]
@@ -256,6 +298,13 @@ impl Metrics {
             records_refused: Counter::default(),
             records_unconfirmed: Counter::default(),
             records_unknown_tenant: Counter::default(),
+            picks: Family::default(),
+            pick_prefix_blocks: Family::default(),
+            no_pick: Family::default(),
+            // 1 µs .. ~32 ms
+            pick_duration: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(1e-6, 2.0, 16))
+            }),
             registry: Registry::default(),
         };
         r.register("llm_gateway_requests", "Admission outcomes", m.requests.clone());
@@ -346,6 +395,27 @@ impl Metrics {
             "llm_gateway_usage_records_unknown_tenant",
             "Usage records of an unconfigured tenant, dropped (logged)",
             m.records_unknown_tenant.clone(),
+        );
+        r.register(
+            "llm_gateway_picker_picks",
+            "Endpoint picks by pool, endpoint and what decided",
+            m.picks.clone(),
+        );
+        r.register(
+            "llm_gateway_picker_prefix_blocks",
+            "Prompt blocks of picked requests (requested) and those the pick had served recently (hit)",
+            m.pick_prefix_blocks.clone(),
+        );
+        r.register(
+            "llm_gateway_picker_no_pick",
+            "Admitted requests of a picking pool without a pick: none_eligible (LEAST_REQUEST) or subset_none_eligible (503)",
+            m.no_pick.clone(),
+        );
+        r.register_with_unit(
+            "llm_gateway_picker_pick_duration",
+            "Time of one endpoint pick",
+            Unit::Seconds,
+            m.pick_duration.clone(),
         );
         Arc::new(Self { registry: r, ..m })
     }

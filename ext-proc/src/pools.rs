@@ -1,7 +1,10 @@
-//! The pools' live state for shedding: a task per pool reads each endpoint's vLLM `/metrics`
-//! every `scrape_interval_ms` and flushes this replica's in-flight counts to Redis; admission
-//! counts the requests it lets in, the access log (or metering stream) the ones that end. The
-//! arithmetic is in [`crate::shedding`].
+//! The pools' live state for shedding and endpoint picking: a task per pool reads each
+//! endpoint's vLLM `/metrics` every `scrape_interval_ms` and flushes this replica's in-flight
+//! counts to Redis; admission counts the requests it lets in, the access log (or metering stream)
+//! the ones that end. The arithmetic is in [`crate::shedding`]. A pool with `picker` also keeps
+//! each endpoint's own scrape (waiting, running, KV use, when, whether it answered), in-flight
+//! picks and served prefixes in a [`PoolPicker`] ([`crate::scheduling`]), which [`Pools::pick`]
+//! asks.
 //!
 //! The in-flight count holds across sidecar replicas although a request's admission and its end
 //! may reach different replicas: each replica counts what it sees (admitted +1 where admitted,
@@ -23,8 +26,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tracing::{debug, info};
 
-use crate::config::PoolConfig;
-use crate::metrics::{Metrics, PoolLabel};
+use crate::config::{endpoint_addr, PoolConfig};
+use crate::metrics::{Metrics, PoolBlocks, PoolEndpoint, PoolLabel, PoolReason};
+use crate::scheduling::{Pick, PoolPicker};
 use crate::shedding::{self, PoolSignals, Scrape};
 use crate::store::{InFlightFlush, InFlightTotal, Store};
 
@@ -119,6 +123,19 @@ struct PoolState {
 struct Pool {
     config: PoolConfig,
     state: Mutex<PoolState>,
+    /// The endpoint picker, for a pool with `picker`.
+    picker: Option<Mutex<PoolPicker>>,
+}
+
+/// What [`Pools::pick`] answers for an admitted request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PickOutcome {
+    /// The pool has no `picker` (or is not configured): Envoy's `LEAST_REQUEST` chooses.
+    NotPicking,
+    /// No endpoint (of the subset, when one was given) is eligible.
+    NoneEligible,
+    /// The pick, then its fallbacks.
+    Picked(Pick),
 }
 
 /// A shed decision.
@@ -146,7 +163,14 @@ impl Pools {
     pub fn new(configs: &[PoolConfig], metrics: Arc<Metrics>, store: Option<Store>) -> Arc<Self> {
         let pools = configs
             .iter()
-            .map(|c| (c.name.clone(), Pool { config: c.clone(), state: Mutex::new(PoolState::default()) }))
+            .map(|c| {
+                let picker = c.picker.map(|p| {
+                    // Validated at load: every endpoint of a picking pool is http://ip:port.
+                    let addrs: Vec<_> = c.endpoints.iter().filter_map(|u| endpoint_addr(u)).collect();
+                    Mutex::new(PoolPicker::new(p, &addrs, c.scrape_interval_ms))
+                });
+                (c.name.clone(), Pool { config: c.clone(), state: Mutex::new(PoolState::default()), picker })
+            })
             .collect();
         let replica = format!(
             "{:016x}",
@@ -162,6 +186,46 @@ impl Pools {
         let load = shedding::load(&p.config, &signals);
         shedding::should_shed(load, level)
             .then(|| Shed { load, retry_after_secs: shedding::retry_after_secs(&p.config, &signals, level) })
+    }
+
+    /// Picks the endpoint of `pool` for an admitted request whose prompt hashes to `hashes`,
+    /// among `subset` when the request carries a subset hint, and counts it in the picker's
+    /// metrics.
+    pub fn pick(&self, pool: &str, hashes: &[u64], subset: Option<&[std::net::SocketAddr]>) -> PickOutcome {
+        let Some(picker) = self.pools.get(pool).and_then(|p| p.picker.as_ref()) else {
+            return PickOutcome::NotPicking;
+        };
+        let started = Instant::now();
+        let pick = match picker.lock() {
+            Ok(mut p) => p.pick(hashes, subset, started),
+            Err(_) => None,
+        };
+        let label = PoolLabel { pool: pool.to_owned() };
+        self.metrics.pick_duration.get_or_create(&label).observe(started.elapsed().as_secs_f64());
+        match pick {
+            Some(pick) => {
+                let by = if pick.affinity { "affinity" } else { "score" };
+                let labels = PoolEndpoint { pool: pool.to_owned(), endpoint: pick.primary().to_owned(), by };
+                self.metrics.picks.get_or_create(&labels).inc();
+                for (kind, n) in [("requested", pick.request_blocks), ("hit", pick.prefix_blocks)] {
+                    let labels = PoolBlocks { pool: pool.to_owned(), kind };
+                    self.metrics.pick_prefix_blocks.get_or_create(&labels).inc_by(n as u64);
+                }
+                PickOutcome::Picked(pick)
+            }
+            None => {
+                let reason = if subset.is_some() { "subset_none_eligible" } else { "none_eligible" };
+                self.metrics.no_pick.get_or_create(&PoolReason { pool: pool.to_owned(), reason }).inc();
+                PickOutcome::NoneEligible
+            }
+        }
+    }
+
+    /// A request picked for `endpoint` (`ip:port`) of `pool` ended.
+    pub fn pick_finished(&self, pool: &str, endpoint: &str) {
+        if let Some(Ok(mut p)) = self.pools.get(pool).and_then(|p| p.picker.as_ref()).map(|p| p.lock()) {
+            p.finished(endpoint);
+        }
     }
 
     /// Counts a request admitted to `pool`.
@@ -280,10 +344,15 @@ impl Pools {
         let Some(pool) = self.pools.get(name) else { return };
         let mut total = Scrape::default();
         let mut complete = true;
-        for endpoint in &pool.config.endpoints {
-            match fetch(client, &format!("{}/metrics", endpoint.trim_end_matches('/')), timeout).await {
-                Some(text) => {
-                    let s = shedding::parse_vllm_metrics(&text);
+        for (index, endpoint) in pool.config.endpoints.iter().enumerate() {
+            let scrape = fetch(client, &format!("{}/metrics", endpoint.trim_end_matches('/')), timeout)
+                .await
+                .map(|text| shedding::parse_vllm_metrics(&text));
+            if let Some(Ok(mut picker)) = pool.picker.as_ref().map(|p| p.lock()) {
+                picker.scraped(index, scrape, Instant::now());
+            }
+            match scrape {
+                Some(s) => {
                     total.waiting += s.waiting;
                     total.running += s.running;
                     total.kv_cache_usage = total.kv_cache_usage.max(s.kv_cache_usage);

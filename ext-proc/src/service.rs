@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::ProcessingMode;
@@ -48,11 +49,14 @@ use crate::meter::{EndReason, Meter, RequestInfo, UsageRecord};
 use crate::metrics::{
     CountOutcome, Decision, Finished, Metrics, ModelLabel, PoolTier, TenantTokens, TokenType,
 };
-use crate::pools::Pools;
+use crate::pools::{PickOutcome, Pools};
 use crate::recorder::Recorder;
+use crate::scheduling::Pick;
 use gateway_contract::{
     ATTRIBUTES_FILTER_NAME, ATTRIBUTE_REQUEST, CONTEXT_CHECK_EXACT, H_CONTEXT_CHECK, H_CONTEXT_MODEL,
-    H_MAX_TOKENS, H_MODEL, H_POOL, H_PROMPT_TOKENS, H_PROMPT_TOKENS_SOURCE, H_REQUEST_ID, H_TENANT, H_TIER,
+    H_DESTINATION_ENDPOINT, H_MAX_TOKENS, H_MODEL, H_POOL, H_PROMPT_TOKENS, H_PROMPT_TOKENS_SOURCE,
+    H_REQUEST_ID, H_TENANT, H_TIER, MAX_PREFIX_HASHES, MD_DESTINATION_ENDPOINT,
+    MD_DESTINATION_ENDPOINT_SUBSET, MD_NAMESPACE_LB, MD_NAMESPACE_SUBSET_HINT, MD_PICKED_ENDPOINT,
 };
 
 pub use gateway_contract::{
@@ -229,6 +233,8 @@ async fn admission_stream(
         return send(tx, continue_response(&first.request, None)).await;
     }
     facts.leased_tokens = None;
+    // The endpoint-picker protocol's subset hint, sent with the request headers.
+    let subset = subset_hint(first.metadata_context.as_ref());
     // The base model's tokenizer (for a LoRA adapter, the facts' model names the adapter).
     let exact = context_model.as_deref().is_some_and(|m| shared.context.knows(m));
     let context_model = context_model.unwrap_or_default();
@@ -295,18 +301,133 @@ async fn admission_stream(
         }
     }
     let _e = span.enter();
-    debug!(reserved_tokens = admitted.reserved_tokens, "admitted");
+    // Last, the endpoint (for a pool with `picker`): a refusal here gives the admission back.
+    let pick = match pick_endpoint(shared, &facts, subset.as_deref()) {
+        Ok(pick) => pick,
+        Err(error) => {
+            debug!(reason = %error, "refused");
+            give_back(shared, &facts, &admitted);
+            shared.metrics.request(
+                facts.tenant.as_deref().unwrap_or(""),
+                &facts.model,
+                outcome_label(&error),
+            );
+            return send(tx, immediate_response(&error)).await;
+        }
+    };
+    debug!(reserved_tokens = admitted.reserved_tokens, endpoint = pick.as_ref().map(Pick::value), "admitted");
     shared.pools.admitted(&facts.pool);
     shared.metrics.request(facts.tenant.as_deref().unwrap_or(""), &facts.model, "admitted");
     let counted = (!exact_headers.is_empty()).then_some(facts.prompt_tokens);
-    let mut response = continue_response(&first.request, Some(admission_metadata(&admitted, counted)));
-    if let Some(ProcResponse::RequestBody(body)) = &mut response.response {
-        body.response = Some(CommonResponse {
-            header_mutation: Some(HeaderMutation { set_headers: exact_headers, remove_headers: Vec::new() }),
-            ..Default::default()
+    let mut metadata = admission_metadata(&admitted, counted);
+    let mut set_headers = exact_headers;
+    if let Some(pick) = &pick {
+        add_pick(&mut metadata, pick);
+        // Replaces any value already there (the filter removes client-sent x-gateway-* headers).
+        set_headers.push(HeaderValueOption {
+            append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+            ..header_option(H_DESTINATION_ENDPOINT, &pick.value())
         });
     }
+    let mut response = continue_response(&first.request, Some(metadata));
+    let common = CommonResponse {
+        header_mutation: Some(HeaderMutation { set_headers, remove_headers: Vec::new() }),
+        ..Default::default()
+    };
+    match &mut response.response {
+        Some(ProcResponse::RequestBody(body)) => body.response = Some(common),
+        Some(ProcResponse::RequestHeaders(headers)) if pick.is_some() => headers.response = Some(common),
+        _ => {}
+    }
     send(tx, response).await
+}
+
+/// The endpoint of an admitted request of a pool with `picker` ([`Pools::pick`]), from the
+/// facts' prefix hashes and the subset hint; `Ok(None)` for a pool without a picker, and for no
+/// eligible endpoint without a subset hint (sent without a pick: Envoy's `LEAST_REQUEST`
+/// chooses). No eligible endpoint in a subset hint: [`AdmissionError::NoEligibleEndpoint`].
+fn pick_endpoint(
+    shared: &Shared,
+    facts: &RequestFacts,
+    subset: Option<&[std::net::SocketAddr]>,
+) -> Result<Option<Pick>, AdmissionError> {
+    let hashes = facts
+        .prefix_hashes
+        .as_deref()
+        .and_then(|h| gateway_contract::decode_prefix_hashes(h, MAX_PREFIX_HASHES))
+        .unwrap_or_default();
+    match shared.pools.pick(&facts.pool, &hashes, subset) {
+        PickOutcome::NotPicking => Ok(None),
+        PickOutcome::Picked(pick) => Ok(Some(pick)),
+        PickOutcome::NoneEligible if subset.is_some() => {
+            Err(AdmissionError::NoEligibleEndpoint { pool: facts.pool.clone() })
+        }
+        PickOutcome::NoneEligible => Ok(None),
+    }
+}
+
+/// The endpoint-picker protocol's subset hint in an ext_proc request's `metadata_context`:
+/// `filter_metadata["envoy.lb.subset_hint"]["x-gateway-destination-endpoint-subset"]`, a list of
+/// `ip:port` strings (a comma-separated string is read too). `None` when the key is absent; the
+/// addresses that parse otherwise (none, for an empty list or a value of another kind).
+pub(crate) fn subset_hint(metadata: Option<&Metadata>) -> Option<Vec<std::net::SocketAddr>> {
+    let value = metadata?
+        .filter_metadata
+        .get(MD_NAMESPACE_SUBSET_HINT)?
+        .fields
+        .get(MD_DESTINATION_ENDPOINT_SUBSET)?;
+    let mut addrs = Vec::new();
+    let mut add =
+        |s: &str| addrs.extend(s.split(',').filter_map(|a| a.trim().parse::<std::net::SocketAddr>().ok()));
+    match &value.kind {
+        Some(Kind::ListValue(list)) => {
+            for v in &list.values {
+                if let Some(Kind::StringValue(s)) = &v.kind {
+                    add(s);
+                }
+            }
+        }
+        Some(Kind::StringValue(s)) => add(s),
+        _ => {}
+    }
+    Some(addrs)
+}
+
+/// Adds a pick to the admission's dynamic metadata: `envoy.lb: {x-gateway-destination-endpoint:
+/// "ip:port[,ip:port...]"}` (the same value as the header, for Envoy's override-host policy),
+/// and `llm_gateway.picked_endpoint: "ip:port"` (the pick, which the access log hands back).
+fn add_pick(metadata: &mut Struct, pick: &Pick) {
+    let text = |s: String| Value { kind: Some(Kind::StringValue(s)) };
+    if let Some(Value { kind: Some(Kind::StructValue(inner)) }) = metadata.fields.get_mut(METADATA_NAMESPACE)
+    {
+        inner.fields.insert(MD_PICKED_ENDPOINT.to_owned(), text(pick.primary().to_owned()));
+    }
+    let lb = Struct { fields: HashMap::from([(MD_DESTINATION_ENDPOINT.to_owned(), text(pick.value()))]) };
+    metadata.fields.insert(MD_NAMESPACE_LB.to_owned(), Value { kind: Some(Kind::StructValue(lb)) });
+}
+
+/// The endpoint the picker picked for a request, from the forwarded `llm_gateway` metadata
+/// (`picked_endpoint`); None when it was not picked.
+pub(crate) fn picked_endpoint(metadata: Option<&Metadata>) -> Option<String> {
+    let value = metadata?.filter_metadata.get(METADATA_NAMESPACE)?.fields.get(MD_PICKED_ENDPOINT)?;
+    match &value.kind {
+        Some(Kind::StringValue(s)) if !s.is_empty() => Some(s.clone()),
+        _ => None,
+    }
+}
+
+/// Counts a picked request's end on its endpoint when dropped (the metering stream ends in many
+/// places).
+struct PickedGuard<'a> {
+    pools: &'a Pools,
+    pool: String,
+    endpoint: String,
+}
+
+impl Drop for PickedGuard<'_> {
+    fn drop(&mut self) {
+        self.pools.pick_finished(&self.pool, &self.endpoint);
+    }
 }
 
 /// Moves each bucket of an admitted request's plan by `delta(bucket)` (positive gives back), off
@@ -366,6 +487,7 @@ fn outcome_label(error: &AdmissionError) -> &'static str {
         AdmissionError::TenantNotConfigured => "tenant_not_configured",
         AdmissionError::MissingTenant => "missing_tenant",
         AdmissionError::ContextLengthExceeded { .. } => "context_length_exceeded",
+        AdmissionError::NoEligibleEndpoint { .. } => "no_eligible_endpoint",
     }
 }
 
@@ -466,6 +588,7 @@ async fn metering_stream(
 ) -> Result<(), Status> {
     let mut meter = Meter::new(gateway_meter::MAX_USAGE_BYTES);
     let mut info = None;
+    let mut _picked = None;
     let mut next = Some(first);
     loop {
         let message = match next.take() {
@@ -488,6 +611,9 @@ async fn metering_stream(
                     Some(tokens) => (tokens, false),
                     None => reservation(message.metadata_context.as_ref()),
                 };
+                if let Some(endpoint) = picked_endpoint(message.metadata_context.as_ref()) {
+                    _picked = Some(PickedGuard { pools: &shared.pools, pool: facts.pool.clone(), endpoint });
+                }
                 meter.start(now);
                 info = Some(RequestInfo::new(facts, reserved, shared.ids.next()));
                 None
@@ -781,6 +907,7 @@ pub(crate) fn facts_from_headers(header: impl Fn(&str) -> Option<String>) -> Req
         request_id: header(H_REQUEST_ID).unwrap_or_default(),
         tier: header(H_TIER).unwrap_or_default(),
         leased_tokens: None,
+        prefix_hashes: None,
     }
 }
 
@@ -875,6 +1002,72 @@ mod tests {
         assert!(matches!(admitted.and_then(|v| v.kind.as_ref()), Some(Kind::BoolValue(true))));
         assert_eq!(reservation(Some(&m)), (77, true));
         assert_eq!(reservation(None), (0, false));
+    }
+
+    fn metadata_of(namespace: &str, key: &str, value: Kind) -> Metadata {
+        let fields = HashMap::from([(key.to_owned(), Value { kind: Some(value) })]);
+        Metadata {
+            filter_metadata: HashMap::from([(namespace.to_owned(), Struct { fields })]),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_subset_hint_is_read_from_the_metadata_context() {
+        use envoy_types::pb::google::protobuf::ListValue;
+        let list = |items: &[&str]| {
+            Kind::ListValue(ListValue {
+                values: items
+                    .iter()
+                    .map(|s| Value { kind: Some(Kind::StringValue((*s).to_owned())) })
+                    .collect(),
+            })
+        };
+        let hint = |kind| {
+            subset_hint(Some(&metadata_of(MD_NAMESPACE_SUBSET_HINT, MD_DESTINATION_ENDPOINT_SUBSET, kind)))
+        };
+        let a: std::net::SocketAddr = "10.0.0.1:8000".parse().unwrap();
+        let b: std::net::SocketAddr = "[::1]:9".parse().unwrap();
+        assert_eq!(hint(list(&["10.0.0.1:8000", "[::1]:9", "vllm:1"])), Some(vec![a, b]), "names dropped");
+        assert_eq!(hint(Kind::StringValue("10.0.0.1:8000, [::1]:9".into())), Some(vec![a, b]));
+        assert_eq!(hint(list(&[])), Some(vec![]), "present and empty: nothing eligible");
+        assert_eq!(hint(Kind::NumberValue(1.0)), Some(vec![]));
+        assert_eq!(subset_hint(None), None);
+        let other_key = metadata_of(MD_NAMESPACE_SUBSET_HINT, "other", list(&["10.0.0.1:8000"]));
+        assert_eq!(subset_hint(Some(&other_key)), None);
+    }
+
+    #[test]
+    fn a_pick_goes_in_both_namespaces_and_comes_back_from_the_access_log() {
+        let mut s = admission_metadata(
+            &Admitted { ratelimit_headers: vec![], reserved_tokens: 1, reserved_locally: false },
+            None,
+        );
+        let pick = Pick {
+            endpoints: vec!["10.0.0.1:1".into(), "10.0.0.2:1".into()],
+            prefix_blocks: 0,
+            request_blocks: 0,
+            affinity: false,
+        };
+        add_pick(&mut s, &pick);
+        let m = Metadata {
+            filter_metadata: s
+                .fields
+                .into_iter()
+                .filter_map(|(k, v)| match v.kind {
+                    Some(Kind::StructValue(s)) => Some((k, s)),
+                    _ => None,
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let lb = m.filter_metadata[MD_NAMESPACE_LB].fields.get(MD_DESTINATION_ENDPOINT);
+        assert!(
+            matches!(lb.and_then(|v| v.kind.as_ref()), Some(Kind::StringValue(v)) if v == "10.0.0.1:1,10.0.0.2:1")
+        );
+        assert_eq!(picked_endpoint(Some(&m)).as_deref(), Some("10.0.0.1:1"));
+        assert_eq!(reservation(Some(&m)), (1, false), "the admission's metadata is kept");
+        assert_eq!(picked_endpoint(None), None);
     }
 
     #[test]

@@ -54,7 +54,7 @@ pub const DEFAULT_PREFIX_MAX_BLOCKS: u32 = 256;
 pub const MAX_PREFIX_BLOCK_BYTES: u32 = 1 << 20;
 /// Largest `prefix_hashing.max_blocks` accepted (the hashes travel in every request's facts:
 /// 11 bytes of JSON per block).
-pub const MAX_PREFIX_MAX_BLOCKS: u32 = 4096;
+pub const MAX_PREFIX_MAX_BLOCKS: u32 = gateway_contract::MAX_PREFIX_HASHES as u32;
 /// Default `max_token_bytes` of a model when the field is absent: 1024 bytes.
 ///
 /// Deliberately larger than the longest token of common byte-level BPE vocabularies (including
