@@ -6,6 +6,10 @@ Part 1, Envoy alone (the `bare` profile, no filter, no sidecar): a header_to_met
 front of the router copies the test's own `x-test-pick` request header into that metadata, so the
 test decides the pick as the sidecar would, and asserts which replica served from each vllm-sim's
 request counter.
+
+Part 2, the whole gateway (filter, sidecar with the picker, Envoy): the sidecar's pick is the
+replica that served, a client's x-gateway-destination-endpoint changes nothing, a stopped replica
+is never picked, and with the sidecar away admission fails closed.
 """
 
 from __future__ import annotations
@@ -259,3 +263,107 @@ def _clusters(stack, host: str) -> str:
         text = c.get(stack.admin_url + "/clusters").text
     return "\n".join(line for line in text.splitlines() if host in line)
 
+
+
+# ------------------------------------------------------------------------------------------------
+# Part 2, the whole gateway (filter, sidecar with the picker, Envoy): the sidecar's pick, read back
+# from envoy.lb metadata in the response headers, is the replica whose vllm-sim counter moved.
+
+GW_KEY = "sk-picker-test-key-0123456789abcdefghijklmnopqrstu"
+PROMPT = "You are a careful assistant. " * 40  # 1,160 bytes: 18 blocks of 64 bytes to hash
+
+
+class _PickReported(Stack):
+    """The gateway stack, whose responses carry the sidecar's pick (`x-test-picked`) and the
+    endpoint that served (`x-test-served`), both from envoy.lb metadata."""
+
+    def envoy_config(self) -> dict:
+        bootstrap = super().envoy_config()
+        hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        vhost = hcm["route_config"]["virtual_hosts"][0]
+        vhost.setdefault("response_headers_to_add", []).extend([
+            {"header": {"key": "x-test-picked",
+                        "value": "%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)%"}},
+            {"header": {"key": "x-test-served",
+                        "value": "%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint-served)%"}},
+        ])
+        return bootstrap
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    pool = Pool("pool_pick", ["sim/pick"], ["--output-tokens", "1"], replicas=3, picker={},
+                shedding={"scrape_interval_ms": 100})
+    models = [Model("pick", "pool_pick", served_model_name="sim/pick")]
+    tenants = [Tenant("picker", [GW_KEY], {"requests_per_minute": 1000000})]
+    with _PickReported(tmp_path_factory.mktemp("pick-gateway"), [pool], models, tenants) as s:
+        yield s
+
+
+def gw_send(stack, content: str = PROMPT, headers: dict | None = None) -> httpx.Response:
+    h = {"Authorization": f"Bearer {GW_KEY}", **(headers or {})}
+    return httpx.post(stack.base_url + "/v1/chat/completions",
+                      json=chat_body("pick", content, max_tokens=1), headers=h, timeout=10)
+
+
+def gw_served(stack, content: str = PROMPT, headers: dict | None = None) -> tuple[str, int]:
+    """One request: (the sidecar's pick, the index of the replica whose counter moved)."""
+    before = counts(stack)
+    r = gw_send(stack, content, headers)
+    assert r.status_code == 200, (r.status_code, r.text, stack.logs())
+    moved = [i for i, (a, b) in enumerate(zip(counts(stack), before)) if a != b]
+    assert len(moved) == 1, (moved, r.headers)
+    return r.headers.get("x-test-picked", ""), moved[0]
+
+
+def test_gateway_the_sidecars_pick_serves(gateway):
+    urls = [addr(u) for u in gateway.pool("pool_pick").urls]
+    # Wait for the sidecar's first scrapes: until then it sends requests without a pick.
+    assert wait_for(lambda: gw_send(gateway).headers.get("x-test-picked"), timeout=15), gateway.logs()
+    for i in range(12):
+        picked, served = gw_served(gateway, f"{PROMPT} question {i}")
+        # The pick, then fallback_endpoints (default 1) more: the first listed one serves.
+        listed = picked.split(",")
+        assert len(listed) == 2 and set(listed) <= set(urls), picked
+        assert urls[served] == listed[0], (picked, urls, served)
+
+
+def test_gateway_drops_a_client_sent_destination_header(gateway):
+    urls = [addr(u) for u in gateway.pool("pool_pick").urls]
+    # The same prompt again: prefix affinity keeps it on the endpoint that served it (idle sims,
+    # so the bounded load never overrides it); a client naming another endpoint changes nothing.
+    _, served = gw_served(gateway)
+    spoofed = next(u for u in urls if u != urls[served])
+    for _ in range(5):
+        picked, s = gw_served(gateway, headers={"x-gateway-destination-endpoint": spoofed})
+        assert s == served and urls[s] == picked.split(",")[0], (picked, urls, s, spoofed)
+
+
+def test_gateway_never_picks_a_stopped_endpoint(gateway):
+    urls = [addr(u) for u in gateway.pool("pool_pick").urls]
+    dead = urls[0]
+    proc = next(p for p in gateway.procs if p.name == "pool_pick-0")
+    proc.stop()
+    gateway.procs.remove(proc)
+    gateway.pool("pool_pick").replicas = 0  # counts() cannot read the stopped sim any more
+
+    def not_listed() -> bool:
+        r = gw_send(gateway)
+        return r.status_code == 200 and dead not in r.headers.get("x-test-picked", dead)
+
+    # Once its scrapes fail (stale_after_ms), the picker excludes it from the pick and the list.
+    assert wait_for(not_listed, timeout=15), gateway.logs()
+    for i in range(20):
+        r = gw_send(gateway, f"{PROMPT} after {i}")
+        assert r.status_code == 200, (r.status_code, r.text)
+        assert dead not in r.headers["x-test-picked"], r.headers["x-test-picked"]
+        assert r.headers["x-test-served"] != dead
+
+
+def test_gateway_with_the_sidecar_down_fails_closed(gateway):
+    """The admission ext_proc fails closed (failure_mode_allow: false): with the sidecar away no
+    request is admitted, picked or not (a pool never falls back to LEAST_REQUEST this way; only
+    requests admitted from an admission lease skip the sidecar and get LEAST_REQUEST)."""
+    gateway.kill_sidecar()
+    r = gw_send(gateway)
+    assert r.status_code >= 500, (r.status_code, r.text)
