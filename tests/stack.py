@@ -129,6 +129,14 @@ class Pool:
     # `pools:` with these settings (e.g. {"max_queue_depth": 4, "scrape_interval_ms": 100}) and
     # the pool's upstream URLs as `endpoints`.
     shedding: dict | None = None
+    # When set, the sidecar picks this pool's replica for every request (its `pools[].picker`,
+    # e.g. {} for the defaults or {"prefix_weight": 2.0}); the pool's cluster then routes by the
+    # pick (envoy/pool_picker_lb.yaml, envoy/picker_route.yaml), and the filter hashes prompt
+    # prefixes (`prefix_hashing`, defaults) for every pool.
+    picker: dict | None = None
+    # Extra sim args per replica, after `sim_args` (e.g. [[], ["--slowdown", "3"]]: the second
+    # replica 3x slower); as many lists as `replicas`, or None.
+    replica_sim_args: list[list[str]] | None = None
 
 
 @dataclass
@@ -293,6 +301,9 @@ class Stack:
                 if not pool.urls:
                     raise StackError(f"pool {pool.name}: kind 'external' needs its upstream urls")
                 continue
+            if pool.replica_sim_args is not None and len(pool.replica_sim_args) != pool.replicas:
+                raise StackError(f"pool {pool.name}: replica_sim_args has {len(pool.replica_sim_args)} "
+                                 f"lists for {pool.replicas} replicas")
             for i in range(pool.replicas):
                 pool.urls.append(self._start_upstream(pool, i))
         if self.profile == "gateway":
@@ -494,7 +505,8 @@ class Stack:
             argv = [str(SIM_BIN), "--port", "0", "--max-model-len", str(pool.max_model_len)]
             for m in pool.served_models:
                 argv += ["--served-model-name", m]
-            proc = self._spawn(name, argv + pool.sim_args, stdout_pipe=True)
+            extra = pool.replica_sim_args[index] if pool.replica_sim_args else []
+            proc = self._spawn(name, argv + pool.sim_args + extra, stdout_pipe=True)
             return self._read_banner(proc, "vllm-sim listening on")
         if pool.kind == "xpyd-sim":
             port = free_port()
@@ -528,9 +540,12 @@ class Stack:
         if self.redis_cluster_ports:
             del config["redis"]["url"]
             config["redis"]["cluster_urls"] = [f"redis://127.0.0.1:{p}" for p in self.redis_cluster_ports]
-        shed = [{"name": p.name, "endpoints": list(p.urls), **p.shedding} for p in self.pools if p.shedding]
-        if shed:
-            config["pools"] = shed
+        # Pools the sidecar sheds in front of or picks replicas for (or both).
+        pools = [{"name": p.name, "endpoints": list(p.urls), **(p.shedding or {}),
+                  **({"picker": p.picker} if p.picker is not None else {})}
+                 for p in self.pools if p.shedding or p.picker is not None]
+        if pools:
+            config["pools"] = pools
         if self.sidecar_tls:
             t = self.sidecar_tls
             config["tls"] = {"cert_file": str(t.server_cert), "key_file": str(t.server_key),
@@ -591,6 +606,8 @@ class Stack:
         }
         if self.admission_leases and self.profile == "gateway":
             config["admission_leases"] = {"cluster": "llm_gateway_ext_proc"}
+        if self.profile == "gateway" and any(p.picker is not None for p in self.pools):
+            config["prefix_hashing"] = {}
         config.update(self.filter_extra)
         return config
 
@@ -653,17 +670,34 @@ class Stack:
                     "address": "127.0.0.1", "port_value": int(url.rsplit(":", 1)[1])}}}}
                 for url in pool.urls
             ]
-            clusters.append(render("pool_cluster.yaml", {"POOL": pool.name, "ENDPOINTS": json.dumps(endpoints)}))
+            cluster = render("pool_cluster.yaml", {"POOL": pool.name, "ENDPOINTS": json.dumps(endpoints)})
+            if pool.picker is not None:
+                del cluster["lb_policy"]
+                cluster["load_balancing_policy"] = render("pool_picker_lb.yaml")
+            clusters.append(cluster)
         routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+        picking = [p for p in self.pools if p.picker is not None]
+        for pool in picking:
+            routes.insert(0, self._picker_route(render, pool))
         if self.route_to_first_pool:
+            first = self.pools[0]
             routes[-1] = {"match": {"prefix": "/"},
-                          "route": {"cluster": self.pools[0].name, "timeout": "0s", "idle_timeout": "120s"}}
+                          "route": {"cluster": first.name, "timeout": "0s", "idle_timeout": "120s"}}
+            if first.picker is not None:
+                routes[-1]["route"]["retry_policy"] = self._picker_route(render, first)["route"]["retry_policy"]
         for i, fb in enumerate(self.fallbacks):
             sub = {"NAME": json.dumps(fb.name), "SUB_CLUSTERS": json.dumps([{"name": p} for p in fb.pools]),
                    "RETRIES": len(fb.pools) - 1}
             clusters.append(render("fallback_cluster.yaml", sub))
             routes.insert(i, render("fallback_route.yaml", sub))
         return bootstrap
+
+    @staticmethod
+    def _picker_route(render, pool: Pool) -> dict:
+        """envoy/picker_route.yaml for a picking pool: one retry per further endpoint, so that a
+        connect failure walks the sidecar's whole list (and then LEAST_REQUEST)."""
+        retries = max(1, len(pool.urls) - 1)
+        return render("picker_route.yaml", {"NAME": json.dumps(pool.name), "RETRIES": retries})
 
     def _dynamic(self, bootstrap: dict) -> dict:
         """Moves the listener out of the bootstrap into the filesystem-watched LDS file."""

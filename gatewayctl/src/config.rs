@@ -554,6 +554,14 @@ pub struct PoolSection {
     /// Load thresholds at which the sidecar sheds requests to this pool (absent: never shed).
     #[serde(default)]
     pub shedding: Option<PoolSheddingSection>,
+    /// Endpoint picking: the sidecar picks the endpoint of every request (its `pools[].picker`)
+    /// and Envoy routes to it (envoy/pool_picker_lb.yaml); absent: Envoy's LEAST_REQUEST.
+    #[serde(default)]
+    pub picker: Option<PickerSection>,
+    /// The InferencePool (`inference.networking.k8s.io/v1`) rendered for a picking pool on the
+    /// istio and envoy_gateway targets, whose endpoint picker is the sidecar.
+    #[serde(default)]
+    pub inference_pool: Option<InferencePoolSection>,
     /// Connect timeout to an endpoint in milliseconds (default 1000).
     #[serde(default = "default_connect_timeout_ms")]
     pub connect_timeout_ms: u64,
@@ -691,6 +699,74 @@ impl Default for CircuitBreakersSection {
     }
 }
 
+/// A Kubernetes label value (the InferencePool CRD's pattern): at most 63 characters, empty or
+/// starting and ending with a letter or digit, with `-`, `_`, `.` between.
+fn is_label_value(v: &str) -> bool {
+    let b = v.as_bytes();
+    let edge = |c: &u8| c.is_ascii_alphanumeric();
+    v.len() <= 63
+        && (b.is_empty()
+            || (b.first().is_some_and(edge)
+                && b.last().is_some_and(edge)
+                && b.iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))))
+}
+
+/// A Kubernetes label key: an optional DNS-subdomain prefix and `/`, then a name as a label
+/// value (1 to 63 characters).
+fn is_label_key(k: &str) -> bool {
+    let (prefix, name) = match k.rsplit_once('/') {
+        Some((prefix, name)) => (Some(prefix), name),
+        None => (None, k),
+    };
+    let prefix_ok = prefix.is_none_or(|p| !p.is_empty() && p.len() <= 253 && p.split('.').all(is_dns_label));
+    prefix_ok && !name.is_empty() && is_label_value(name)
+}
+
+/// `pools[i].picker` and `pools[i].inference_pool`: the picker's numbers are the sidecar's to
+/// check (its parser runs at render); the numbers here are only those that are never valid.
+fn validate_picker(at: &str, pool: &PoolSection) -> Result<(), FieldError> {
+    if let Some(picker) = &pool.picker {
+        for (name, value) in picker.members() {
+            if let PickerValue::Float(v) = value {
+                if !v.is_finite() || v < 0.0 {
+                    return fail(format!("{at}.picker.{name}"), "must be a finite number >= 0");
+                }
+            }
+        }
+    }
+    let Some(ip) = &pool.inference_pool else {
+        return Ok(());
+    };
+    if pool.picker.is_none() {
+        return fail(
+            format!("{at}.inference_pool"),
+            "needs picker: the InferencePool's endpoint picker is the sidecar's picker of this pool",
+        );
+    }
+    if ip.match_labels.is_empty() || ip.match_labels.len() > 64 {
+        return fail(format!("{at}.inference_pool.match_labels"), "must have 1 to 64 labels");
+    }
+    for (k, v) in &ip.match_labels {
+        if !is_label_key(k) {
+            return fail(
+                format!("{at}.inference_pool.match_labels"),
+                format!("'{k}' is not a Kubernetes label key"),
+            );
+        }
+        if !is_label_value(v) {
+            return fail(
+                format!("{at}.inference_pool.match_labels.{k}"),
+                "must be a Kubernetes label value (at most 63 letters, digits, '-', '_', '.'; \
+                 a letter or digit first and last)",
+            );
+        }
+    }
+    if ip.target_port == 0 {
+        return fail(format!("{at}.inference_pool.target_port"), "must be > 0");
+    }
+    Ok(())
+}
+
 fn default_breaker_limit() -> u32 {
     4096
 }
@@ -711,6 +787,89 @@ pub struct PoolSheddingSection {
     /// Interval of the sidecar's `/metrics` scrape of the endpoints, in milliseconds.
     #[serde(default)]
     pub scrape_interval_ms: Option<u64>,
+}
+
+/// The sidecar's endpoint picker of one pool: its `pools[].picker`, member for member (each
+/// optional; the sidecar's defaults and its own validation apply, and its errors are reported
+/// against `pools[i].picker.<member>`). `{}` picks with every default.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PickerSection {
+    /// Weight of prefix affinity (the longest matched prompt prefix) in an endpoint's score.
+    #[serde(default)]
+    pub prefix_weight: Option<f64>,
+    /// Weight of the endpoint's queue (`vllm:num_requests_waiting`).
+    #[serde(default)]
+    pub queue_weight: Option<f64>,
+    /// Weight of the endpoint's KV-cache use (`vllm:kv_cache_usage_perc`).
+    #[serde(default)]
+    pub kv_cache_weight: Option<f64>,
+    /// Weight of the requests this gateway has in flight on the endpoint.
+    #[serde(default)]
+    pub in_flight_weight: Option<f64>,
+    /// Bounded-load affinity: the prefix-holding endpoint is kept only while its load is within
+    /// this factor of the least-loaded endpoint's.
+    #[serde(default)]
+    pub affinity_load_factor: Option<f64>,
+    /// Prompt-prefix block hashes remembered per endpoint (LRU).
+    #[serde(default)]
+    pub prefix_lru_blocks: Option<u64>,
+    /// Further endpoints listed after the pick (`x-gateway-destination-endpoint`), tried in order
+    /// on a connect failure.
+    #[serde(default)]
+    pub fallback_endpoints: Option<u64>,
+    /// Milliseconds after which an endpoint's scraped metrics are stale (it is then never picked).
+    #[serde(default)]
+    pub stale_after_ms: Option<u64>,
+}
+
+impl PickerSection {
+    /// The members that are set, by their sidecar names (numbers as given).
+    pub fn members(&self) -> Vec<(&'static str, PickerValue)> {
+        let mut out = Vec::new();
+        for (name, value) in [
+            ("prefix_weight", self.prefix_weight),
+            ("queue_weight", self.queue_weight),
+            ("kv_cache_weight", self.kv_cache_weight),
+            ("in_flight_weight", self.in_flight_weight),
+            ("affinity_load_factor", self.affinity_load_factor),
+        ] {
+            if let Some(v) = value {
+                out.push((name, PickerValue::Float(v)));
+            }
+        }
+        for (name, value) in [
+            ("prefix_lru_blocks", self.prefix_lru_blocks),
+            ("fallback_endpoints", self.fallback_endpoints),
+            ("stale_after_ms", self.stale_after_ms),
+        ] {
+            if let Some(v) = value {
+                out.push((name, PickerValue::Int(v)));
+            }
+        }
+        out
+    }
+}
+
+/// A picker member's value.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PickerValue {
+    /// A weight or factor.
+    Float(f64),
+    /// A count or a duration in milliseconds.
+    Int(u64),
+}
+
+/// What an InferencePool needs beyond the pool's `service`: the labels that select the pool's
+/// model-server Pods (its `spec.selector.matchLabels`, in the pool's Service namespace) and the
+/// port they serve on (`spec.targetPorts[0]`, the container port, not the Service port).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InferencePoolSection {
+    /// Pod labels, 1 to 64 pairs (the CRD's limits).
+    pub match_labels: BTreeMap<String, String>,
+    /// The model servers' container port.
+    pub target_port: u16,
 }
 
 /// Kubernetes workloads.
@@ -1303,6 +1462,7 @@ impl GatewayConfig {
                     return fail(format!("{at}.service.port"), "must be > 0");
                 }
             }
+            validate_picker(&at, pool)?;
             let hc = &pool.health_check;
             if !hc.path.starts_with('/') {
                 return fail(format!("{at}.health_check.path"), "must start with '/'");

@@ -48,6 +48,10 @@ pub const POOL_CLUSTER: Template = template!("envoy/pool_cluster.yaml");
 pub const FALLBACK_CLUSTER: Template = template!("envoy/fallback_cluster.yaml");
 /// The route of a fallback chain, with its retry policy.
 pub const FALLBACK_ROUTE: Template = template!("envoy/fallback_route.yaml");
+/// The load-balancing policy of a picking pool's cluster (override host, LEAST_REQUEST fallback).
+pub const POOL_PICKER_LB: Template = template!("envoy/pool_picker_lb.yaml");
+/// The route of a picking pool, whose retries walk the sidecar's endpoint list.
+pub const PICKER_ROUTE: Template = template!("envoy/picker_route.yaml");
 
 /// Kubernetes: the sidecar's ConfigMap.
 pub const K8S_SIDECAR_CONFIG: Template = template!("envoy/kubernetes/sidecar-configmap.yaml");
@@ -63,6 +67,8 @@ pub const K8S_REDIS_NETWORK_POLICY: Template = template!("envoy/kubernetes/redis
 pub const K8S_SIDECAR_PDB: Template = template!("envoy/kubernetes/sidecar-pdb.yaml");
 /// Kubernetes: the trial Redis Deployment.
 pub const K8S_REDIS_DEPLOYMENT: Template = template!("envoy/kubernetes/redis-deployment.yaml");
+/// Kubernetes: a picking pool's InferencePool (istio and envoy-gateway targets).
+pub const K8S_INFERENCE_POOL: Template = template!("envoy/kubernetes/inferencepool.yaml");
 /// Kubernetes: the trial Redis Service.
 pub const K8S_REDIS_SERVICE: Template = template!("envoy/kubernetes/redis-service.yaml");
 

@@ -3,7 +3,7 @@
 //! is an error here, reported against the gateway config's field.
 
 use crate::config::FieldError;
-use crate::config::{GatewayConfig, LimitsSection, Loaded, PoolSection};
+use crate::config::{GatewayConfig, LimitsSection, Loaded, PickerValue, PoolSection};
 use crate::tree::{f, map, n, s, seq, strings, to_json, to_yaml, Value};
 
 use super::Error;
@@ -78,6 +78,11 @@ pub fn filter_config(loaded: &Loaded) -> Result<Value, Error> {
         models.push(map(fields));
     }
     top.push(("models", seq(models)));
+    if c.pools.iter().any(|p| p.picker.is_some()) {
+        // The prompt-prefix hashes the sidecar's picker scores affinity by (the filter's
+        // defaults: 64-byte blocks, at most 256).
+        top.push(("prefix_hashing", map::<&str>([])));
+    }
     let config = map(top);
 
     let json = to_json(&config).map_err(Error::Internal)?;
@@ -125,10 +130,12 @@ fn limits(l: &LimitsSection) -> Value {
     map(fields)
 }
 
-/// Scrape URLs of a pool's endpoints for the sidecar (its `/metrics`).
+/// Scrape URLs of a pool's endpoints for the sidecar (its `/metrics`). A picking pool's are its
+/// `endpoints` on every target: the picker names one of them to Envoy as `ip:port`, which a
+/// Service's address is not (the sidecar does not discover a Service's Pods).
 fn scrape_urls(pool: &PoolSection, flavor: Flavor) -> Vec<String> {
     match (flavor, &pool.service) {
-        (Flavor::Kubernetes, Some(service)) => {
+        (Flavor::Kubernetes, Some(service)) if pool.picker.is_none() => {
             vec![format!("http://{}:{}", service.fqdn(), service.port)]
         }
         _ => pool.endpoints.iter().map(|e| format!("http://{e}")).collect(),
@@ -188,26 +195,40 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
         // The exact count receives bodies up to the filter's limit.
         top.push(("context", map([("max_body_bytes", n(max))])));
     }
-    // Sidecar pools[j] is the gateway config's pools[shed[j]].
-    let shed: Vec<usize> =
-        c.pools.iter().enumerate().filter(|(_, p)| p.shedding.is_some()).map(|(i, _)| i).collect();
+    // Sidecar pools[j] is the gateway config's pools[shed[j]]: the pools it sheds in front of
+    // or picks endpoints for (or both).
+    let shed: Vec<usize> = c
+        .pools
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.shedding.is_some() || p.picker.is_some())
+        .map(|(i, _)| i)
+        .collect();
     if !shed.is_empty() {
-        let pools = c.pools.iter().filter_map(|p| {
-            let sh = p.shedding.as_ref()?;
+        let pools = shed.iter().filter_map(|&i| c.pools.get(i)).map(|p| {
             let mut fields = vec![("name", s(&p.name)), ("endpoints", strings(scrape_urls(p, flavor)))];
-            if let Some(v) = sh.scrape_interval_ms {
-                fields.push(("scrape_interval_ms", n(v)));
+            if let Some(sh) = &p.shedding {
+                if let Some(v) = sh.scrape_interval_ms {
+                    fields.push(("scrape_interval_ms", n(v)));
+                }
+                if let Some(v) = sh.max_queue_depth {
+                    fields.push(("max_queue_depth", n(v)));
+                }
+                if let Some(v) = sh.max_kv_cache_usage {
+                    fields.push(("max_kv_cache_usage", f(v)));
+                }
+                if let Some(v) = sh.max_in_flight {
+                    fields.push(("max_in_flight", n(v)));
+                }
             }
-            if let Some(v) = sh.max_queue_depth {
-                fields.push(("max_queue_depth", n(v)));
+            if let Some(picker) = &p.picker {
+                let members = picker.members().into_iter().map(|(name, value)| match value {
+                    PickerValue::Float(v) => (name, f(v)),
+                    PickerValue::Int(v) => (name, n(v)),
+                });
+                fields.push(("picker", map(members)));
             }
-            if let Some(v) = sh.max_kv_cache_usage {
-                fields.push(("max_kv_cache_usage", f(v)));
-            }
-            if let Some(v) = sh.max_in_flight {
-                fields.push(("max_in_flight", n(v)));
-            }
-            Some(map(fields))
+            map(fields)
         });
         top.push(("pools", seq(pools)));
     }
@@ -334,7 +355,9 @@ fn sidecar_field(field: &str, shed: &[usize]) -> String {
             if let Some(i) = j.parse::<usize>().ok().and_then(|j| shed.get(j)) {
                 return match rest.strip_prefix('.') {
                     Some("name") => format!("pools[{i}].name"),
-                    Some(r) if r.starts_with("endpoints") => format!("pools[{i}].{r}"),
+                    Some(r) if r.starts_with("endpoints") || r.starts_with("picker") => {
+                        format!("pools[{i}].{r}")
+                    }
                     Some(r) => format!("pools[{i}].shedding.{r}"),
                     None => format!("pools[{i}].shedding"),
                 };
@@ -372,6 +395,10 @@ mod tests {
         assert_eq!(sidecar_field("pools[1].max_queue_depth", &[0, 3]), "pools[3].shedding.max_queue_depth");
         assert_eq!(sidecar_field("pools[0]", &[2]), "pools[2].shedding");
         assert_eq!(sidecar_field("pools[0].endpoints[1]", &[2]), "pools[2].endpoints[1]");
+        assert_eq!(
+            sidecar_field("pools[1].picker.affinity_load_factor", &[0, 4]),
+            "pools[4].picker.affinity_load_factor"
+        );
         assert_eq!(sidecar_field("shedding.tier_levels.batch", &[]), "tiers.batch.shed_level");
         assert_eq!(sidecar_field("tenants[0].limits.token_burst", &[]), "tenants[0].limits.token_burst");
         assert_eq!(

@@ -306,6 +306,7 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
     files.push(File::yaml("envoy-gateway/envoyproxy.yaml", &proxy)?);
     let patch = patch_policy(loaded, eg, &policy_ns, labels)?;
     files.push(File::yaml("envoy-gateway/envoypatchpolicy.yaml", &patch)?);
+    files.extend(super::inference_pools(loaded, "envoy-gateway", "envoy-gateway")?);
     let eg_files: Vec<File> =
         files.iter().filter(|f| f.path.starts_with("envoy-gateway/")).cloned().collect();
     files.push(kubernetes::kustomization("envoy-gateway", &eg_files)?);

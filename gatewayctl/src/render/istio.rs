@@ -328,6 +328,7 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
     )?;
     files.push(File::yaml("istio/virtualservice.yaml", &virtual_service)?);
     files.extend(sidecar_mesh_policies(loaded, istio, &k8s.namespace)?);
+    files.extend(super::inference_pools(loaded, "istio", "istio")?);
     let istio_files: Vec<File> = files.iter().filter(|f| f.path.starts_with("istio/")).cloned().collect();
     files.push(kubernetes::kustomization("istio", &istio_files)?);
     Ok(files)

@@ -19,8 +19,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use crate::config::{ConfigError, FieldError, Loaded, PoolSection, ServiceRef, WasmModule};
-use crate::template::TemplateError;
-use crate::tree::{s, to_json, to_yaml, Value};
+use crate::template::{self, TemplateError, Values};
+use crate::tree::{map, s, to_json, to_yaml, Value};
 
 /// A render target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
@@ -174,6 +174,60 @@ fn pool_service<'c>(i: usize, pool: &'c PoolSection, target: &str) -> Result<&'c
         )
         .into()
     })
+}
+
+/// One InferencePool (`inference.networking.k8s.io/v1`, envoy/kubernetes/inferencepool.yaml) per
+/// pool with a `picker`, under `dir/`, whose endpoint picker is the sidecar's Service. It lives in
+/// the sidecar's namespace (an endpointPickerRef names a Service of its own namespace) and
+/// selects Pods of that namespace only, so the pool's Service must be there too.
+///
+/// # Errors
+/// A picking pool without `inference_pool` or `service`, or whose Service is in another namespace.
+fn inference_pools(loaded: &Loaded, target: &str, dir: &str) -> Result<Vec<File>, Error> {
+    let k8s = kubernetes::section(loaded, target)?;
+    let mut files = Vec::new();
+    for (i, pool) in loaded.config.pools.iter().enumerate() {
+        if pool.picker.is_none() {
+            continue;
+        }
+        let ip = pool.inference_pool.as_ref().ok_or_else(|| {
+            FieldError::new(
+                format!("pools[{i}].inference_pool"),
+                format!(
+                    "required by the {target} target for a pool with a picker (match_labels of the \
+                     pool's Pods and their target_port, for its InferencePool)"
+                ),
+            )
+        })?;
+        let service = pool_service(i, pool, target)?;
+        if service.namespace != k8s.namespace {
+            return Err(FieldError::new(
+                format!("pools[{i}].service.namespace"),
+                format!(
+                    "must be the sidecar's namespace '{}' for a pool with a picker: its \
+                     InferencePool selects Pods of its own namespace and names the sidecar's \
+                     Service there",
+                    k8s.namespace
+                ),
+            )
+            .into());
+        }
+        let label = crate::config::pool_label(&pool.name);
+        let labels = ip.match_labels.iter().map(|(k, v)| (k.clone(), s(v)));
+        let doc = template::render(
+            template::K8S_INFERENCE_POOL,
+            &Values::new()
+                .set("NAME", format!("llm-gateway-{label}"))
+                .set("NAMESPACE", k8s.namespace.as_str())
+                .set("LABELS", kubernetes::labels("llm-gateway"))
+                .set("MATCH_LABELS", map(labels))
+                .set("TARGET_PORT", ip.target_port)
+                .set("PICKER_SERVICE", kubernetes::SIDECAR_NAME)
+                .set("PICKER_PORT", kubernetes::sidecar_port(loaded)),
+        )?;
+        files.push(File::yaml(&format!("{dir}/inferencepool-{label}.yaml"), &doc)?);
+    }
+    Ok(files)
 }
 
 /// OpenAI's rate-limit response headers, from the admission filter's dynamic metadata (an

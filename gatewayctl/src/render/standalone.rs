@@ -137,6 +137,13 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error>
     for (i, pool) in c.pools.iter().enumerate() {
         clusters.push(pool_cluster(i, pool)?);
     }
+    // A picking pool's own route, whose retries walk the sidecar's endpoint list; a pool in a
+    // fallback chain keeps the chain's route (its retries move to the next pool instead).
+    for pool in c.pools.iter().filter(|p| p.picker.is_some() && p.fallback.is_empty()) {
+        let retries = pool.endpoints.len().saturating_sub(1).max(1);
+        let route = Values::new().set("NAME", pool.name.as_str()).set("RETRIES", retries);
+        fallback_routes.push(template::render(template::PICKER_ROUTE, &route)?);
+    }
     for pool in c.pools.iter().filter(|p| !p.fallback.is_empty()) {
         let mut members = vec![map([("name", s(endpoints_cluster(pool)))])];
         for other in &pool.fallback {
@@ -151,7 +158,8 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error>
         clusters.push(template::render(template::FALLBACK_CLUSTER, &chain)?);
         fallback_routes.push(template::render(template::FALLBACK_ROUTE, &chain)?);
     }
-    // Each chain's route goes before the generic x-gateway-pool route, as tests/stack.py does.
+    // Each chain's (and picking pool's) route goes before the generic x-gateway-pool route, as
+    // tests/stack.py does.
     let routes = at_mut(
         &mut bootstrap,
         &[
@@ -331,6 +339,15 @@ fn pool_cluster(i: usize, pool: &PoolSection) -> Result<Value, Error> {
             ("max_ejection_percent", n(od.max_ejection_percent)),
         ]),
     );
+    if pool.picker.is_some() {
+        // The sidecar's pick in envoy.lb metadata, LEAST_REQUEST without one.
+        let policy = template::render(template::POOL_PICKER_LB, &Values::new())?;
+        let fields = cluster.as_mapping_mut().ok_or_else(bad)?;
+        if fields.remove("lb_policy").is_none() {
+            return Err(bad());
+        }
+        set(&mut cluster, "load_balancing_policy", policy);
+    }
     Ok(cluster)
 }
 
