@@ -48,6 +48,7 @@ import datetime
 import json
 import os
 import random
+import re
 import shlex
 import statistics
 import subprocess
@@ -160,8 +161,8 @@ QUICK = Settings(groups=4, conversations=2, turns=3, system_tokens=2000, rate=16
 
 def sim_args(num_gpu_blocks: int) -> list[str]:
     """The batched engine with the sim's documented default speeds and the scenario's KV cache."""
-    return ["--engine", "batched", "--num-gpu-blocks", str(num_gpu_blocks), "--max-num-seqs", "32",
-            "--max-model-len", "8192"]
+    # --max-model-len comes from the stack (Pool.max_model_len).
+    return ["--engine", "batched", "--num-gpu-blocks", str(num_gpu_blocks), "--max-num-seqs", "32"]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -178,9 +179,9 @@ def start_gateway(workdir: Path, picker: bool, leases: bool, replica_args: list[
         pool = Pool(POOL, [MODEL], kind="external", urls=list(urls), max_model_len=8192)
     else:
         pool = Pool(POOL, [MODEL], replicas=REPLICAS, replica_sim_args=replica_args, max_model_len=8192)
-    # Every pool scrapes its endpoints (the picker's and the stack's in-flight view); only the
-    # picker's pool picks.
-    pool.shedding = {"scrape_interval_ms": 100}
+    # The picker's pool is scraped every 100 ms; the least-request pool needs no scrapes (no
+    # shedding in either: every request is served).
+    pool.shedding = {"scrape_interval_ms": 100} if picker else None
     pool.picker = {} if picker else None
     tenants = [Tenant("bench", [key], {"requests_per_minute": 10_000_000, "tokens_per_minute": 10_000_000_000})]
     stack = Stack(workdir, [pool], [Model(MODEL, POOL, 8192)], tenants, envoy_concurrency=1,
@@ -264,8 +265,14 @@ def one_run(scenario: str, target: str, workload: Workload, s: Settings, raw: Pa
         figures = replica_figures(urls, before)
     row = point(reports[0]) if parts == 1 else merged_points(reports)
     row.update(figures)
-    row["command"] = shlex.join(procs[0][2]).replace(key, "$API_KEY")
+    row["command"] = display(procs[0][2], key)
     return row
+
+
+def display(argv: list[str], key: str) -> str:
+    """A command as run, with the API key, the ephemeral port and the absolute paths masked."""
+    text = shlex.join(argv).replace(key, "$API_KEY").replace(str(ROOT) + "/", "")
+    return re.sub(r"http://127\.0\.0\.1:\d+", "$TARGET_URL", text)
 
 
 def merged_points(reports: list[dict]) -> dict:
@@ -299,7 +306,7 @@ def cost_run(target: str, s: Settings, raw: Path, round_no: int) -> dict:
         cpu = cpu_seconds(sidecar.popen.pid) - cpu_before
     row = point(report)
     row["sidecar_cpu_ms_per_request"] = 1000 * cpu / max(1, row["completed"] + 50)
-    row["command"] = shlex.join(argv).replace(key, "$API_KEY")
+    row["command"] = display(argv, key)
     return row
 
 
@@ -404,7 +411,8 @@ Envoy's LEAST_REQUEST.
 {table}{cost_text}{gains}
 
 Reproduce: `.venv/bin/python bench/picker.py` (all scenarios; `--scenarios a,b` for some). Each
-scenario's first command, as run (`$TARGET_URL`-style ephemeral ports, `$API_KEY` generated):
+scenario's first command, as run (`$TARGET_URL` is the gateway's ephemeral address, `$API_KEY` a
+key generated for the run; the dataset is written by the script):
 
 {commands}
 {END}"""
