@@ -11,8 +11,9 @@ Targets (each the full gateway: Envoy + wasm filter + ext_proc sidecar + redis-s
     least-request   the pool without `picker`: Envoy's LEAST_REQUEST picks the replica
     picker          the pool with `picker: {}` (defaults): the sidecar picks (queue, KV cache,
                     in-flight, prefix affinity) and Envoy's override-host policy honours it
-    picker-leases   (scenario a) the picker with admission leases on: requests the filter admits
-                    from a lease never reach the sidecar and fall back to LEAST_REQUEST
+    picker-leases   (scenario a) the picker with admission leases allowed (`picker:
+                    {admission_leases: true}`, `redis.lease_fraction` 0.01): requests the filter
+                    admits from a lease never reach the sidecar and fall back to LEAST_REQUEST
 
 Scenarios (`--scenarios`, all by default):
 
@@ -182,7 +183,8 @@ def start_gateway(workdir: Path, picker: bool, leases: bool, replica_args: list[
     # The picker's pool is scraped every 100 ms; the least-request pool needs no scrapes (no
     # shedding in either: every request is served).
     pool.shedding = {"scrape_interval_ms": 100} if picker else None
-    pool.picker = {} if picker else None
+    # A picking pool takes no admission leases unless its picker allows them.
+    pool.picker = ({"admission_leases": True} if leases else {}) if picker else None
     tenants = [Tenant("bench", [key], {"requests_per_minute": 10_000_000, "tokens_per_minute": 10_000_000_000})]
     stack = Stack(workdir, [pool], [Model(MODEL, POOL, 8192)], tenants, envoy_concurrency=1,
                   admission_leases=leases,
@@ -403,8 +405,9 @@ round), medians; ratios are medians of per-round ratios against `least-request` 
 `vllm-sim --engine batched` (KV cache of {st['num_gpu_blocks']} blocks of 16 tokens each, prefix caching,
 `--max-num-seqs 32`), {st['groups']} groups × {st['conversations']} conversations × {st['turns']} turns,
 system prompts of ~{st['system_tokens']} tokens, Poisson arrivals at {st['rate']:g} req/s, 64 output tokens.
-`picker-leases` is the picker with admission leases: leased requests skip the sidecar and go to
-Envoy's LEAST_REQUEST.
+`picker-leases` is the picker with admission leases allowed (`picker: {{admission_leases: true}}`):
+leased requests skip the sidecar and go to Envoy's LEAST_REQUEST. Without it (the default) a
+picking pool gets no leases, so every request is picked.
 
 ![TTFT by scenario and target](benchmarks/picker-ttft.svg)
 

@@ -64,3 +64,29 @@ def test_quick_run_summary_is_complete_and_consistent(tmp_path):
     assert all(status in ("pass", "miss", "pending", "reported", "not run") for status in checks.values())
     page = (results / "benchmarks.md").read_text()
     assert "| `bare` |" in page and "## Targets" in page
+
+
+def test_picker_quick_run_is_complete_and_consistent(tmp_path):
+    """bench/picker.py --quick on scenario a: every target's run sent its whole workload, nothing
+    failed, the replicas' request counters add up to what was sent, the hit rates are rates, and
+    the ratios are computed against least-request (no timing asserted)."""
+    results = tmp_path / "picker"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "picker.py"), "--quick", "--scenarios", "a", "--no-docs",
+         "--results", str(results)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads((results / "summary.json").read_text())
+    rows = summary["results"]["a"]
+    assert set(rows) == {"least-request", "picker", "picker-leases"}
+    sent = {len(r) for r in rows.values()}
+    assert sent == {1}, rows
+    for target, (row,) in rows.items():
+        assert row["sent"] > 0 and row["failed"] == 0 and row["completed"] == row["sent"], (target, row)
+        assert sum(row["requests"]) == row["sent"], (target, row)  # every request reached a replica once
+        assert 0.0 <= row["hit_rate"] <= 1.0, (target, row)
+        assert row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+    a = summary["summary"]["a"]
+    assert a["picker"]["ttft_p50_ms_ratio"] > 0 and "ttft_p50_ms_ratio" not in a["least-request"]
+    assert (results / "picker.md").read_text().count("picker-benchmark:") == 2

@@ -133,6 +133,12 @@ fn default_epp_max_blocks() -> usize {
 }
 
 impl Config {
+    /// Whether the filter may admit `pool`'s requests from admission leases: not for a pool whose
+    /// `picker` does not allow them ([`PickerConfig::admission_leases`]).
+    pub fn pool_allows_admission_leases(&self, pool: &str) -> bool {
+        self.pools.iter().find(|p| p.name == pool).and_then(|p| p.picker).is_none_or(|p| p.admission_leases)
+    }
+
     /// Whether an `endpoint_pickers[]` listener picks for `pool` (then the admission does not).
     pub fn pool_has_endpoint_picker(&self, pool: &str) -> bool {
         self.endpoint_pickers.iter().any(|e| e.pool == pool)
@@ -301,6 +307,13 @@ pub struct PickerConfig {
     /// 3 x `scrape_interval_ms` (set when the config is loaded).
     #[serde(default)]
     pub stale_after_ms: Option<u64>,
+    /// Whether the sidecar grants the filter admission leases for this pool (with
+    /// `redis.lease_fraction`). Requests admitted from a lease never reach the sidecar, so they are
+    /// not picked (Envoy's LEAST_REQUEST chooses their replica): default false, every request of a
+    /// picking pool takes the ext_proc admission and is picked. docs/benchmarks.md ("Endpoint
+    /// picking", target `picker-leases`) measures what leases cost the picker.
+    #[serde(default)]
+    pub admission_leases: bool,
 }
 
 fn default_prefix_weight() -> f64 {
@@ -1336,6 +1349,17 @@ mod tests {
         assert_eq!((p.affinity_load_factor, p.prefix_lru_blocks, p.fallback_endpoints), (2.0, 16_384, 1));
         assert_eq!((p.stale_after_ms, p.stale_after_ms(500), p.stale_after_ms(5_000)), (None, 2_000, 15_000));
         assert_eq!(ok("{stale_after_ms: 501}").stale_after_ms(500), 501);
+        assert!(!p.admission_leases && ok("{admission_leases: true}").admission_leases);
+        let leases = |picker: &str| {
+            Config::from_yaml(&format!(
+                "{POOL}  - {{name: a, endpoints: ['http://10.0.0.1:8000'], {picker}}}\n  - {{name: b, max_in_flight: 4}}\n"
+            ))
+            .unwrap()
+        };
+        let c = leases("picker: {}");
+        assert!(!c.pool_allows_admission_leases("a"), "a picking pool gets no leases by default");
+        assert!(c.pool_allows_admission_leases("b") && c.pool_allows_admission_leases("unknown"));
+        assert!(leases("picker: {admission_leases: true}").pool_allows_admission_leases("a"));
         let bad = |picker: &str| {
             err(&format!("{POOL}  - {{name: a, endpoints: ['http://10.0.0.1:8000'], picker: {picker}}}\n"))
         };

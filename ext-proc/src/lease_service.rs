@@ -63,7 +63,8 @@ impl AdmissionLeases for AdmissionLeaseService {
 
 /// Serves one call; returns the grant and its metric outcome: `granted`, `given_back` (nothing
 /// asked), or why nothing was granted: `off` (`redis.lease_fraction` 0), `unknown_tenant`,
-/// `shedding` (the pool is at the lowest tier's shedding level), `too_tight` (a lease would not
+/// `picking` (the pool's `picker` takes no leases), `shedding` (the pool is at the lowest tier's
+/// shedding level), `too_tight` (a lease would not
 /// cover two requests), `over_limit` (the buckets lack the lease), `redis_unavailable`.
 async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'static str) {
     let config = &shared.config;
@@ -86,6 +87,10 @@ async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'stat
     let ttl_ms = config.redis.lease_ttl_ms;
     if fraction <= 0.0 {
         return (admission_lease::refusal(LEASES_OFF_RETRY_MS), "off");
+    }
+    if !config.pool_allows_admission_leases(&request.pool) {
+        // Every request of a picking pool goes through the admission, where it is picked.
+        return (admission_lease::refusal(LEASES_OFF_RETRY_MS), "picking");
     }
     if shared.pools.check(&request.pool, config.shedding.lowest_level()).is_some() {
         return (admission_lease::refusal(ttl_ms), "shedding");
