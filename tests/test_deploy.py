@@ -7,7 +7,8 @@
    OpenAPI schemas in ../shared/schemas/crds/, with unknown fields rejected wherever a schema
    lists its properties (Kubernetes would silently prune them). Negative tests inject typos.
 3. The rendered standalone bootstrap and sidecar config run the gateway: 401, a 200 stream with
-   the x-ratelimit-* headers, and a fallback from a dead pool to the next.
+   the x-ratelimit-* headers, and a fallback from a dead pool to the next; the rendered mesh
+   sidecar config of a picking pool starts the sidecar's endpoint-picker listener.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import copy
 import json
 import os
 import re
+import select
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -29,6 +32,8 @@ import yaml
 from helpers import assert_openai_error, auth, chat_body, post, sse_events
 from stack import (
     ROOT,
+    SIDECAR_BIN,
+    START_DEADLINE_S,
     TARGET,
     WASM_PATH,
     Model,
@@ -38,6 +43,7 @@ from stack import (
     envoy_binary,
     free_port,
     new_api_key,
+    redis_binary,
     sha256_hex,
 )
 
@@ -758,11 +764,15 @@ def _picker_config() -> dict:
     return config
 
 
-def test_picking_pool_renders_an_inference_pool_valid_against_its_crd(tmp_path):
+def test_picking_pool_renders_an_inference_pool_valid_against_its_crd(tmp_path, crd_validators):
     """Issue 12 item 4: an InferencePool per picking pool on both mesh targets, schema-checked
     against ../shared's CRD (which must be there: this test fails, never skips, without it), its
-    endpoint picker the sidecar's Service and gRPC port; the standalone bootstrap's pool cluster
-    gets the override-host policy and the retry route, and passes envoy --mode validate."""
+    endpoint picker the sidecar's Service on the pool's endpoint-picker port (9002 for the first
+    picking pool), which the mesh sidecar's config listens on (endpoint_pickers) and its
+    container, Service, NetworkPolicy and Istio AuthorizationPolicy expose to the gateway only;
+    every manifest of that render passes schema validation; the standalone sidecar keeps picking
+    on the admission path (no endpoint_pickers), its bootstrap's pool cluster gets the
+    override-host policy and the retry route, and passes envoy --mode validate."""
     if not (CRD_DIR / "gateway-api-inference-extension-inferencepools.yaml").is_file():
         pytest.fail(f"InferencePool CRD not found in {CRD_DIR}: the InferencePool render is NOT validated")
     config = _picker_config()
@@ -774,6 +784,29 @@ def test_picking_pool_renders_an_inference_pool_valid_against_its_crd(tmp_path):
         validators[("inference.networking.k8s.io/v1", "InferencePool")] = jsonschema.Draft7Validator(schema)
     sidecar_service = yaml.safe_load(files["kubernetes/sidecar-service.yaml"].read_text())
     grpc_port = sidecar_service["spec"]["ports"][0]["port"]
+    epp_port = 9002
+    assert grpc_port != epp_port
+    # The mesh sidecar serves the pool's endpoint-picker protocol on a listener of its own.
+    configmap = yaml.safe_load(files["kubernetes/sidecar-configmap.yaml"].read_text())
+    mesh_sidecar = yaml.safe_load(configmap["data"]["sidecar.yaml"])
+    assert mesh_sidecar["endpoint_pickers"] == [{"pool": "pool_llama", "listen": f"0.0.0.0:{epp_port}",
+                                                 "max_body_bytes": config["filter"]["max_body_bytes"]}]
+    assert {"name": "grpc-epp-0", "port": epp_port, "targetPort": "grpc-epp-0",
+            "appProtocol": "grpc"} in sidecar_service["spec"]["ports"]
+    deployment = yaml.safe_load(files["kubernetes/sidecar-deployment.yaml"].read_text())
+    assert {"name": "grpc-epp-0", "containerPort": epp_port} in \
+        deployment["spec"]["template"]["spec"]["containers"][0]["ports"]
+    policy = yaml.safe_load(files["kubernetes/sidecar-networkpolicy.yaml"].read_text())
+    assert policy["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": grpc_port},
+                                                     {"protocol": "TCP", "port": epp_port}]
+    authz = yaml.safe_load(files["istio/sidecar-authorizationpolicy.yaml"].read_text())
+    assert authz["spec"]["rules"][0]["to"] == [{"operation": {"ports": [str(grpc_port)]}},
+                                               {"operation": {"ports": [str(epp_port)]}}]
+    for name, doc in manifests(files):
+        try:
+            validate_manifest(doc, crd_validators)
+        except Exception as e:  # noqa: BLE001 (report which file)
+            pytest.fail(f"{name} ({doc['kind']}): {e}")
     for target in ("istio", "envoy-gateway"):
         doc = yaml.safe_load(files[f"{target}/inferencepool-pool-llama.yaml"].read_text())
         validate_manifest(doc, validators)
@@ -782,7 +815,7 @@ def test_picking_pool_renders_an_inference_pool_valid_against_its_crd(tmp_path):
         assert doc["spec"]["targetPorts"] == [{"number": 8000}]
         # The CRD's CEL rule (port required for a Service), which jsonschema does not run.
         assert doc["spec"]["endpointPickerRef"] == {"kind": "Service", "name": sidecar_service["metadata"]["name"],
-                                                   "port": {"number": grpc_port}, "failureMode": "FailClose"}
+                                                   "port": {"number": epp_port}, "failureMode": "FailClose"}
         assert "inferencepool-pool-llama.yaml" in yaml.safe_load(files[f"{target}/kustomization.yaml"].read_text())["resources"]
         broken = copy.deepcopy(doc)
         broken["spec"]["targetPorts"][0]["numbr"] = broken["spec"]["targetPorts"][0].pop("number")
@@ -790,6 +823,7 @@ def test_picking_pool_renders_an_inference_pool_valid_against_its_crd(tmp_path):
             validate_manifest(broken, validators)
     assert not any("inferencepool-pool-qwen" in name for name in files)
     sidecar = yaml.safe_load(files["standalone/sidecar.yaml"].read_text())
+    assert "endpoint_pickers" not in sidecar
     llama = next(p for p in sidecar["pools"] if p["name"] == "pool_llama")
     assert llama["picker"] == {"prefix_weight": 3.0, "fallback_endpoints": 1}
     assert llama["endpoints"] == ["http://10.0.2.11:8000", "http://10.0.2.12:8000"]
@@ -805,3 +839,78 @@ def test_picking_pool_renders_an_inference_pool_valid_against_its_crd(tmp_path):
     picked = [r for r in routes if r["match"].get("headers", [{}])[0].get("string_match") == {"exact": "pool_llama"}]
     assert picked and picked[0]["route"]["retry_policy"]["num_retries"] == 1
     envoy_validate(files["standalone/envoy.yaml"])
+
+
+def _read_lines_until(proc: subprocess.Popen, done, what: str, log: Path) -> list[str]:
+    """Reads `proc`'s stdout lines until `done(lines)` holds (raw reads of the pipe, as
+    stack.Stack reads banners), or fails after START_DEADLINE_S with what it read and the tail
+    of its stderr `log`."""
+    deadline = time.monotonic() + START_DEADLINE_S
+    fd, pending, lines = proc.stdout.fileno(), b"", []
+    while time.monotonic() < deadline and not done(lines):
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            data = os.read(fd, 65536)
+            if not data:
+                break
+            pending += data
+            *complete, pending = pending.split(b"\n")
+            lines += [raw.decode(errors="replace").strip() for raw in complete]
+        elif proc.poll() is not None:
+            break
+    if not done(lines):
+        stderr = log.read_text(errors="replace").splitlines()[-40:] if log.exists() else []
+        pytest.fail(f"{what} (exit {proc.poll()}); stdout:\n" + "\n".join(lines)
+                    + "\nstderr:\n" + "\n".join(stderr))
+    return lines
+
+
+def test_rendered_mesh_sidecar_config_serves_its_endpoint_pickers(tmp_path):
+    """The mesh sidecar config rendered for a picking pool starts the real sidecar with the
+    pool's endpoint-picker listener (its `gateway-ext-proc endpoint picker for POOL on ADDR`
+    line). Only what a pod has and a test host lacks is changed: Redis (the trial Redis's
+    in-cluster address) is a local redis-server, and the listeners bind loopback port 0 instead of
+    0.0.0.0:50051 / 9002 (ports other tests may hold)."""
+    config = _picker_config()
+    files = render(tmp_path, config)
+    configmap = yaml.safe_load(files["kubernetes/sidecar-configmap.yaml"].read_text())
+    sidecar = yaml.safe_load(configmap["data"]["sidecar.yaml"])
+    assert [e["pool"] for e in sidecar["endpoint_pickers"]] == ["pool_llama"]
+    redis_port = free_port()
+    sidecar["redis"]["url"] = f"redis://127.0.0.1:{redis_port}/0"
+    sidecar["listen"] = "127.0.0.1:0"
+    sidecar.pop("metrics_listen", None)
+    for epp in sidecar["endpoint_pickers"]:
+        epp["listen"] = "127.0.0.1:0"
+    path = tmp_path / "sidecar.yaml"
+    path.write_text(yaml.safe_dump(sidecar, sort_keys=False))
+    redis = subprocess.Popen([redis_binary(), "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no", "--dir", str(tmp_path)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + START_DEADLINE_S
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", redis_port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)  # polling interval of a readiness loop bounded by the deadline
+        log = tmp_path / "sidecar.log"
+        with log.open("wb") as stderr:
+            proc = subprocess.Popen([str(SIDECAR_BIN), "--config", str(path)], stdout=subprocess.PIPE,
+                                    stderr=stderr, stdin=subprocess.DEVNULL)
+        try:
+            def started(lines):
+                return (any(line.startswith("gateway-ext-proc listening on") for line in lines)
+                        and any(line.startswith("gateway-ext-proc endpoint picker for") for line in lines))
+            lines = _read_lines_until(proc, started, "the sidecar did not start its endpoint picker", log)
+            picker = next(line for line in lines if line.startswith("gateway-ext-proc endpoint picker for"))
+            assert re.fullmatch(r"gateway-ext-proc endpoint picker for pool_llama on 127\.0\.0\.1:\d+", picker), picker
+            epp_port = int(picker.rsplit(":", 1)[1])
+            socket.create_connection(("127.0.0.1", epp_port), timeout=5).close()
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    finally:
+        redis.terminate()
+        redis.wait(timeout=10)

@@ -554,12 +554,16 @@ pub struct PoolSection {
     /// Load thresholds at which the sidecar sheds requests to this pool (absent: never shed).
     #[serde(default)]
     pub shedding: Option<PoolSheddingSection>,
-    /// Endpoint picking: the sidecar picks the endpoint of every request (its `pools[].picker`)
-    /// and Envoy routes to it (envoy/pool_picker_lb.yaml); absent: Envoy's LEAST_REQUEST.
+    /// Endpoint picking: the sidecar picks the endpoint of every request (its `pools[].picker`).
+    /// Standalone: on the admission path, and Envoy routes to it (envoy/pool_picker_lb.yaml); istio
+    /// and envoy_gateway: from the pool's InferencePool's call to the sidecar's endpoint-picker
+    /// listener of this pool (`0.0.0.0:9002 + k` for the k-th picking pool). Absent: Envoy's
+    /// LEAST_REQUEST.
     #[serde(default)]
     pub picker: Option<PickerSection>,
     /// The InferencePool (`inference.networking.k8s.io/v1`) rendered for a picking pool on the
-    /// istio and envoy_gateway targets, whose endpoint picker is the sidecar.
+    /// istio and envoy_gateway targets, whose endpoint picker is the sidecar's endpoint-picker
+    /// port of this pool.
     #[serde(default)]
     pub inference_pool: Option<InferencePoolSection>,
     /// Connect timeout to an endpoint in milliseconds (default 1000).

@@ -333,3 +333,124 @@ fn admission_leases_wrap_the_admission_filter_and_name_the_sidecar_cluster() {
     // Off by default: the example renders no wrapper.
     assert!(!files(Target::Standalone)["standalone/envoy.yaml"].contains("ExtensionWithMatcher"));
 }
+
+/// The example with pool_qwen and pool_llama picking (in that config order), both Services in the
+/// sidecar's namespace, with `sidecar_extra` appended to the sidecar section.
+fn picking(sidecar_extra: &str) -> Result<gatewayctl::render::Output, gatewayctl::config::ConfigError> {
+    let dir = tempdir();
+    let text = std::fs::read_to_string(EXAMPLE).unwrap();
+    let picker = "    picker: {prefix_weight: 3.0}\n    inference_pool: {match_labels: {app: vllm}, target_port: 8000}\n";
+    let text = text
+        .replace(
+            "    service: {name: vllm-qwen, namespace: inference, port: 8000}\n",
+            &format!("    service: {{name: vllm-qwen, namespace: llm-gateway, port: 8000}}\n{picker}"),
+        )
+        .replace(
+            "    service: {name: vllm-llama, namespace: inference, port: 8000}\n",
+            &format!("    service: {{name: vllm-llama, namespace: llm-gateway, port: 8000}}\n{picker}"),
+        )
+        .replace(
+            "  metrics_listen: 127.0.0.1:9464",
+            &format!("  metrics_listen: 127.0.0.1:9464\n{sidecar_extra}"),
+        );
+    assert_eq!(text.matches("picker:").count(), 2, "the example's pools changed");
+    let path = dir.join("gateway.yaml");
+    std::fs::write(&path, text).unwrap();
+    let loaded = Loaded::load(&path).unwrap();
+    render(&loaded, Target::All)
+}
+
+#[test]
+fn inference_pools_name_their_pools_endpoint_picker_port() {
+    let rendered = picking("").unwrap();
+    let files: BTreeMap<String, String> = rendered.files.into_iter().map(|f| (f.path, f.content)).collect();
+    // The mesh sidecar: one endpoint-picker listener per picking pool, 9002 + k in config order.
+    let configmap = yaml(&files["kubernetes/sidecar-configmap.yaml"]);
+    let sidecar_yaml = configmap["data"]["sidecar.yaml"].as_str().unwrap();
+    let sidecar = yaml(sidecar_yaml);
+    let pickers: Vec<(&str, &str)> = sidecar["endpoint_pickers"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|e| (e["pool"].as_str().unwrap(), e["listen"].as_str().unwrap()))
+        .collect();
+    assert_eq!(pickers, [("pool_qwen", "0.0.0.0:9002"), ("pool_llama", "0.0.0.0:9003")]);
+    let parsed = gateway_ext_proc::config::Config::from_yaml(sidecar_yaml).unwrap();
+    assert!(parsed.pool_has_endpoint_picker("pool_llama"));
+    // The standalone sidecar keeps picking on the admission path.
+    assert!(yaml(&files["standalone/sidecar.yaml"]).get("endpoint_pickers").is_none());
+    // Each InferencePool names its own pool's port of the sidecar's Service.
+    for target in ["istio", "envoy-gateway"] {
+        for (label, port) in [("pool-qwen", 9002), ("pool-llama", 9003)] {
+            let pool = yaml(&files[&format!("{target}/inferencepool-{label}.yaml")]);
+            let picker = &pool["spec"]["endpointPickerRef"];
+            assert_eq!(picker["name"].as_str(), Some("llm-gateway-ext-proc"));
+            assert_eq!(picker["port"]["number"].as_u64(), Some(port), "{target} {label}");
+        }
+    }
+    // The Service and the container expose them as gRPC (Istio: HTTP/2).
+    let service = yaml(&files["kubernetes/sidecar-service.yaml"]);
+    let epp: Vec<&Value> = service["spec"]["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter(|p| p["name"].as_str().unwrap().starts_with("grpc-epp-"))
+        .collect();
+    assert_eq!(epp.len(), 2);
+    for (k, p) in epp.iter().enumerate() {
+        assert_eq!(p["name"].as_str(), Some(format!("grpc-epp-{k}").as_str()));
+        assert_eq!(p["port"].as_u64(), Some(9002 + k as u64));
+        assert_eq!(p["targetPort"], p["name"]);
+        assert_eq!(p["appProtocol"].as_str(), Some("grpc"));
+    }
+    let deployment = yaml(&files["kubernetes/sidecar-deployment.yaml"]);
+    let ports = &deployment["spec"]["template"]["spec"]["containers"][0]["ports"];
+    let container: Vec<(&str, u64)> = ports
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|p| (p["name"].as_str().unwrap(), p["containerPort"].as_u64().unwrap()))
+        .collect();
+    assert!(
+        container.contains(&("grpc-epp-0", 9002)) && container.contains(&("grpc-epp-1", 9003)),
+        "{container:?}"
+    );
+    // Only the gateway's pods (and, on Istio, its principals) reach them.
+    let policy = yaml(&files["kubernetes/sidecar-networkpolicy.yaml"]);
+    let gateway_ports: Vec<u64> = policy["spec"]["ingress"][0]["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|p| p["port"].as_u64().unwrap())
+        .collect();
+    assert_eq!(gateway_ports, [50051, 9002, 9003]);
+    let authz = yaml(&files["istio/sidecar-authorizationpolicy.yaml"]);
+    let to: Vec<&str> = authz["spec"]["rules"][0]["to"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|t| t["operation"]["ports"][0].as_str().unwrap())
+        .collect();
+    assert_eq!(to, ["50051", "9002", "9003"]);
+}
+
+#[test]
+fn a_sidecar_port_on_an_endpoint_picker_port_is_refused() {
+    let text = std::fs::read_to_string(EXAMPLE).unwrap();
+    assert!(text.contains("  metrics_listen: 127.0.0.1:9464"));
+    let dir = tempdir();
+    let text = text
+        .replace(
+            "    service: {name: vllm-llama, namespace: inference, port: 8000}\n",
+            "    service: {name: vllm-llama, namespace: llm-gateway, port: 8000}\n    picker: {}\n    inference_pool: {match_labels: {app: vllm}, target_port: 8000}\n",
+        )
+        .replace("  metrics_listen: 127.0.0.1:9464", "  metrics_listen: 127.0.0.1:9002");
+    let path = dir.join("gateway.yaml");
+    std::fs::write(&path, text).unwrap();
+    let loaded = Loaded::load(&path).unwrap();
+    let err = render(&loaded, Target::Istio).unwrap_err();
+    assert_eq!(err.field, "sidecar.metrics_listen", "{err:?}");
+    assert!(err.message.contains("endpoint picker port of pools[2]"), "{err:?}");
+    // The standalone target has no endpoint-picker listener: nothing to collide with.
+    assert!(render(&loaded, Target::Standalone).is_ok());
+}

@@ -106,7 +106,9 @@ pub fn filter_config(loaded: &Loaded) -> Result<Value, Error> {
 pub enum Flavor {
     /// Next to the standalone Envoy: `sidecar.listen`, pool `endpoints`, `redis` as given.
     Standalone,
-    /// A pod: all interfaces, pool Services, the trial Redis when configured.
+    /// A pod (istio and envoy-gateway targets): all interfaces, pool Services, the trial Redis
+    /// when configured, and an endpoint-picker listener per picking pool
+    /// ([`super::kubernetes::endpoint_pickers`]).
     Kubernetes,
 }
 
@@ -231,6 +233,23 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
             map(fields)
         });
         top.push(("pools", seq(pools)));
+    }
+    if flavor == Flavor::Kubernetes {
+        // On the mesh targets each picking pool's picks come from its InferencePool's call to an
+        // endpoint-picker listener of its own (then the admission does not pick for it); the
+        // standalone sidecar picks on the admission path.
+        let pickers = super::kubernetes::endpoint_pickers(loaded)?;
+        if !pickers.is_empty() {
+            let pickers = pickers.iter().map(|epp| {
+                let mut fields = vec![("pool", s(epp.pool)), ("listen", s(format!("0.0.0.0:{}", epp.port)))];
+                if let Some(max) = c.filter.max_body_bytes {
+                    // It buffers the bodies the filter let through.
+                    fields.push(("max_body_bytes", n(max)));
+                }
+                map(fields)
+            });
+            top.push(("endpoint_pickers", seq(pickers)));
+        }
     }
     let levels: Vec<(String, Value)> =
         c.tiers.iter().filter_map(|(tier, t)| Some((tier.clone(), f(t.shed_level?)))).collect();

@@ -64,8 +64,9 @@ fn http_filter_patch(operation: &str, anchor: &str, value: Value) -> Value {
 
 /// The sidecar in the mesh: a PeerAuthentication that makes its pods accept only Istio mTLS
 /// (`STRICT`), and an AuthorizationPolicy that lets only the ingress gateway's principals call its
-/// gRPC port (the metrics port, if any, stays open to the mesh). The mesh's mTLS stands in for the
-/// sidecar's own `tls` on this target: its namespace must have sidecar injection
+/// gRPC port and endpoint-picker ports (the metrics port, if any, stays open to the mesh). The
+/// mesh's mTLS stands in for the sidecar's own `tls` on this target: its namespace must have
+/// sidecar injection
 /// (the rendered Namespace is labelled `istio-injection: enabled`).
 fn sidecar_mesh_policies(loaded: &Loaded, istio: &IstioSection, namespace: &str) -> Result<Vec<File>, Error> {
     let c = &loaded.config;
@@ -82,9 +83,13 @@ fn sidecar_mesh_policies(loaded: &Loaded, istio: &IstioSection, namespace: &str)
         ("spec", map([("selector", selector.clone()), ("mtls", map([("mode", s("STRICT"))]))])),
     ]);
     let port = |p: u16| map([("operation", map([("ports", strings([p.to_string()]))]))]);
+    // The gateway calls the gRPC port (admission, access log, leases) and, for an InferencePool,
+    // its pool's endpoint-picker port.
+    let mut to = vec![port(kubernetes::sidecar_port(loaded))];
+    to.extend(kubernetes::endpoint_pickers(loaded)?.iter().map(|epp| port(epp.port)));
     let mut rules = vec![map([
         ("from", seq([map([("source", map([("principals", strings(istio.principals()))]))])])),
-        ("to", seq([port(kubernetes::sidecar_port(loaded))])),
+        ("to", seq(to)),
     ])];
     if let Some(metrics) = c.sidecar.metrics_listen {
         rules.push(map([("to", seq([port(metrics.port())]))]));

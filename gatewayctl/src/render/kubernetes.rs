@@ -46,6 +46,66 @@ pub fn sidecar_port(loaded: &Loaded) -> u16 {
     loaded.config.sidecar.listen.port()
 }
 
+/// The port of the first endpoint-picker listener: the Gateway API Inference Extension's EPP
+/// serves its ext_proc on 9002; picking pool `k` (in config order) gets `9002 + k`.
+pub const EPP_BASE_PORT: u16 = 9002;
+
+/// One endpoint-picker listener of the sidecar on the istio and envoy-gateway targets: the
+/// ext_proc service an InferencePool's `endpointPickerRef` names (sidecar config
+/// `endpoint_pickers[]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointPicker<'c> {
+    /// Index of the pool in the gateway config's `pools`.
+    pub index: usize,
+    /// The pool's name (`pools[index].name`).
+    pub pool: &'c str,
+    /// Its port: [`EPP_BASE_PORT`] + its rank among the picking pools.
+    pub port: u16,
+    /// The container and Service port name, `grpc-epp-<rank>` (the `grpc-` prefix and
+    /// `appProtocol: grpc` make Istio speak HTTP/2 to it).
+    pub port_name: String,
+}
+
+/// The endpoint-picker listeners of the mesh targets: one per pool with a `picker`, in config
+/// order, on ports 9002, 9003, ...
+///
+/// # Errors
+/// `sidecar.listen` or `sidecar.metrics_listen` on one of those ports (named with the pool that
+/// takes it), or more picking pools than ports above 9002.
+pub fn endpoint_pickers(loaded: &Loaded) -> Result<Vec<EndpointPicker<'_>>, Error> {
+    let c = &loaded.config;
+    let mut pickers = Vec::new();
+    for (index, pool) in c.pools.iter().enumerate() {
+        if pool.picker.is_none() {
+            continue;
+        }
+        let rank = pickers.len();
+        let port = u16::try_from(rank).ok().and_then(|k| EPP_BASE_PORT.checked_add(k)).ok_or_else(|| {
+            FieldError::new(format!("pools[{index}].picker"), "too many picking pools for ports above 9002")
+        })?;
+        let taken = [
+            ("sidecar.listen", Some(c.sidecar.listen)),
+            ("sidecar.metrics_listen", c.sidecar.metrics_listen),
+        ];
+        for (field, addr) in taken {
+            if addr.is_some_and(|a| a.port() == port) {
+                return Err(FieldError::new(
+                    field,
+                    format!(
+                        "port {port} is the endpoint picker port of pools[{index}] ('{}') on the \
+                         Kubernetes targets (picking pool k in config order takes {EPP_BASE_PORT} + k): \
+                         choose another port",
+                        pool.name
+                    ),
+                )
+                .into());
+            }
+        }
+        pickers.push(EndpointPicker { index, pool: &pool.name, port, port_name: format!("grpc-epp-{rank}") });
+    }
+    Ok(pickers)
+}
+
 /// Every manifest under `kubernetes/`, with a kustomization.yaml listing them.
 ///
 /// # Errors
@@ -75,6 +135,15 @@ pub fn manifests(loaded: &Loaded, target: &str) -> Result<Vec<File>, Error> {
         ("targetPort", s("grpc")),
         ("appProtocol", s("grpc")),
     ])];
+    for epp in endpoint_pickers(loaded)? {
+        container_ports.push(map([("name", s(&epp.port_name)), ("containerPort", n(epp.port))]));
+        service_ports.push(map([
+            ("name", s(&epp.port_name)),
+            ("port", n(epp.port)),
+            ("targetPort", s(&epp.port_name)),
+            ("appProtocol", s("grpc")),
+        ]));
+    }
     if let Some(metrics) = c.sidecar.metrics_listen {
         let mport = metrics.port();
         annotations.extend([
@@ -168,7 +237,7 @@ pub fn manifests(loaded: &Loaded, target: &str) -> Result<Vec<File>, Error> {
         "kubernetes/sidecar-networkpolicy.yaml",
         &template::render(
             template::K8S_SIDECAR_NETWORK_POLICY,
-            &base.clone().set("INGRESS", network_policy_ingress(loaded)),
+            &base.clone().set("INGRESS", network_policy_ingress(loaded)?),
         )?,
     )?);
     if let Some(redis) = &k8s.trial_redis {
@@ -210,11 +279,12 @@ fn namespace_labels(loaded: &Loaded) -> Value {
 /// Envoy Gateway's default namespace for the Envoy pods it runs (its controller's).
 pub const ENVOY_GATEWAY_PROXY_NAMESPACE: &str = "envoy-gateway-system";
 
-/// The sidecar NetworkPolicy's ingress rules: the gRPC port from the gateway's pods of each mesh
+/// The sidecar NetworkPolicy's ingress rules: the gRPC port and the endpoint-picker ports
+/// ([`endpoint_pickers`]) from the gateway's pods of each mesh
 /// target the config has (Istio: `istio.namespace` and `istio.selector`; Envoy Gateway: the pods
 /// it runs for `envoy_gateway.gateway`, in [`ENVOY_GATEWAY_PROXY_NAMESPACE`], by its
 /// `gateway.envoyproxy.io/owning-gateway-*` labels), and the metrics port from any pod.
-fn network_policy_ingress(loaded: &Loaded) -> Value {
+fn network_policy_ingress(loaded: &Loaded) -> Result<Value, Error> {
     let c = &loaded.config;
     let mut peers = Vec::new();
     let ns_selector = |ns: &str| map([("matchLabels", map([("kubernetes.io/metadata.name", s(ns))]))]);
@@ -241,12 +311,14 @@ fn network_policy_ingress(loaded: &Loaded) -> Value {
         ]));
     }
     let tcp = |port: u16| map([("protocol", s("TCP")), ("port", n(port))]);
-    let mut rules = vec![map([("from", seq(peers)), ("ports", seq([tcp(sidecar_port(loaded))]))])];
+    let mut ports = vec![tcp(sidecar_port(loaded))];
+    ports.extend(endpoint_pickers(loaded)?.iter().map(|epp| tcp(epp.port)));
+    let mut rules = vec![map([("from", seq(peers)), ("ports", seq(ports))])];
     if let Some(metrics) = c.sidecar.metrics_listen {
         let any = map([("namespaceSelector", map::<&str>([]))]);
         rules.push(map([("from", seq([any])), ("ports", seq([tcp(metrics.port())]))]));
     }
-    seq(rules)
+    Ok(seq(rules))
 }
 
 /// A `kustomization.yaml` in `dir` listing `files` (those under `dir`), so that

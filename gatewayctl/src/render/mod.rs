@@ -177,7 +177,8 @@ fn pool_service<'c>(i: usize, pool: &'c PoolSection, target: &str) -> Result<&'c
 }
 
 /// One InferencePool (`inference.networking.k8s.io/v1`, envoy/kubernetes/inferencepool.yaml) per
-/// pool with a `picker`, under `dir/`, whose endpoint picker is the sidecar's Service. It lives in
+/// pool with a `picker`, under `dir/`, whose endpoint picker is the sidecar's Service on that
+/// pool's endpoint-picker port ([`kubernetes::endpoint_pickers`]). It lives in
 /// the sidecar's namespace (an endpointPickerRef names a Service of its own namespace) and
 /// selects Pods of that namespace only, so the pool's Service must be there too.
 ///
@@ -186,10 +187,11 @@ fn pool_service<'c>(i: usize, pool: &'c PoolSection, target: &str) -> Result<&'c
 fn inference_pools(loaded: &Loaded, target: &str, dir: &str) -> Result<Vec<File>, Error> {
     let k8s = kubernetes::section(loaded, target)?;
     let mut files = Vec::new();
-    for (i, pool) in loaded.config.pools.iter().enumerate() {
-        if pool.picker.is_none() {
-            continue;
-        }
+    for epp in kubernetes::endpoint_pickers(loaded)? {
+        let i = epp.index;
+        let Some(pool) = loaded.config.pools.get(i) else {
+            return Err(Error::Internal(format!("endpoint picker of pools[{i}]: no such pool")));
+        };
         let ip = pool.inference_pool.as_ref().ok_or_else(|| {
             FieldError::new(
                 format!("pools[{i}].inference_pool"),
@@ -223,7 +225,7 @@ fn inference_pools(loaded: &Loaded, target: &str, dir: &str) -> Result<Vec<File>
                 .set("MATCH_LABELS", map(labels))
                 .set("TARGET_PORT", ip.target_port)
                 .set("PICKER_SERVICE", kubernetes::SIDECAR_NAME)
-                .set("PICKER_PORT", kubernetes::sidecar_port(loaded)),
+                .set("PICKER_PORT", epp.port),
         )?;
         files.push(File::yaml(&format!("{dir}/inferencepool-{label}.yaml"), &doc)?);
     }
