@@ -287,6 +287,10 @@ pub struct PickerConfig {
     /// min-max normalized). Finite, >= 0; default 2.
     #[serde(default = "default_load_weight")]
     pub in_flight_weight: f64,
+    /// Weight of the latency score (the endpoint's recent mean `vllm:time_to_first_token_seconds`,
+    /// min-max normalized: the fastest scores 1). Finite, >= 0; default 2.
+    #[serde(default = "default_load_weight")]
+    pub latency_weight: f64,
     /// Bounded-load affinity: the endpoint holding the request's longest prefix wins outright
     /// while `load + 1 <= affinity_load_factor x (least load + 1)` over the eligible endpoints
     /// (load = waiting + in flight, see [`crate::scheduling::picker`]); past it the scores
@@ -349,6 +353,7 @@ impl PickerConfig {
             ("queue_weight", self.queue_weight),
             ("kv_cache_weight", self.kv_cache_weight),
             ("in_flight_weight", self.in_flight_weight),
+            ("latency_weight", self.latency_weight),
         ] {
             if !(w.is_finite() && w >= 0.0) {
                 return Err(invalid(format!("{field}.{name}"), "must be a finite number >= 0"));

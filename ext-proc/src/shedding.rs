@@ -139,6 +139,10 @@ pub struct Scrape {
     pub kv_cache_usage: f64,
     /// `vllm:request_success_total` (a counter, summed over `finished_reason`).
     pub finished: f64,
+    /// `vllm:time_to_first_token_seconds_sum` (the TTFT histogram's sum, seconds, a counter).
+    pub ttft_sum: f64,
+    /// `vllm:time_to_first_token_seconds_count` (requests that got a first token, a counter).
+    pub ttft_count: f64,
 }
 
 /// Parses the metrics text of a vLLM endpoint (label sets summed; the KV-cache usage is the
@@ -159,6 +163,8 @@ pub fn parse_vllm_metrics(text: &str) -> Scrape {
                 s.kv_cache_usage = s.kv_cache_usage.max(value)
             }
             "vllm:request_success_total" => s.finished += value,
+            "vllm:time_to_first_token_seconds_sum" => s.ttft_sum += value,
+            "vllm:time_to_first_token_seconds_count" => s.ttft_count += value,
             _ => {}
         }
     }
@@ -214,7 +220,14 @@ vllm:num_requests_waiting{model_name=\"m\"} 3.0\nvllm:num_requests_running{model
 vllm:kv_cache_usage_perc{model_name=\"m\"} 0.42\nvllm:request_success_total{finished_reason=\"stop\",model_name=\"m\"} 10\n\
 vllm:request_success_total{finished_reason=\"length\",model_name=\"m\"} 5\nvllm:other 1\ngarbage\n";
         let s = parse_vllm_metrics(text);
-        assert_eq!(s, Scrape { waiting: 3.0, running: 8.0, kv_cache_usage: 0.42, finished: 15.0 });
+        assert_eq!(
+            s,
+            Scrape { waiting: 3.0, running: 8.0, kv_cache_usage: 0.42, finished: 15.0, ..Scrape::default() }
+        );
+        let h = parse_vllm_metrics(
+            "vllm:time_to_first_token_seconds_sum{model_name=\"m\"} 1.5\nvllm:time_to_first_token_seconds_count{model_name=\"m\"} 6\nvllm:time_to_first_token_seconds_bucket{le=\"0.1\"} 2\n",
+        );
+        assert_eq!((h.ttft_sum, h.ttft_count), (1.5, 6.0));
     }
 
     #[test]

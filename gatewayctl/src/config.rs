@@ -811,6 +811,9 @@ pub struct PickerSection {
     /// Weight of the requests this gateway has in flight on the endpoint.
     #[serde(default)]
     pub in_flight_weight: Option<f64>,
+    /// Weight of the endpoint's recent mean time to first token (`vllm:time_to_first_token_seconds`).
+    #[serde(default)]
+    pub latency_weight: Option<f64>,
     /// Bounded-load affinity: the prefix-holding endpoint is kept only while its load is within
     /// this factor of the least-loaded endpoint's.
     #[serde(default)]
@@ -825,6 +828,10 @@ pub struct PickerSection {
     /// Milliseconds after which an endpoint's scraped metrics are stale (it is then never picked).
     #[serde(default)]
     pub stale_after_ms: Option<u64>,
+    /// Whether the filter may admit this pool's requests from admission leases (those are not
+    /// picked: Envoy's LEAST_REQUEST chooses); the sidecar's default is false.
+    #[serde(default)]
+    pub admission_leases: Option<bool>,
 }
 
 impl PickerSection {
@@ -836,6 +843,7 @@ impl PickerSection {
             ("queue_weight", self.queue_weight),
             ("kv_cache_weight", self.kv_cache_weight),
             ("in_flight_weight", self.in_flight_weight),
+            ("latency_weight", self.latency_weight),
             ("affinity_load_factor", self.affinity_load_factor),
         ] {
             if let Some(v) = value {
@@ -851,6 +859,9 @@ impl PickerSection {
                 out.push((name, PickerValue::Int(v)));
             }
         }
+        if let Some(v) = self.admission_leases {
+            out.push(("admission_leases", PickerValue::Bool(v)));
+        }
         out
     }
 }
@@ -862,6 +873,8 @@ pub enum PickerValue {
     Float(f64),
     /// A count or a duration in milliseconds.
     Int(u64),
+    /// A switch.
+    Bool(bool),
 }
 
 /// What an InferencePool needs beyond the pool's `service`: the labels that select the pool's

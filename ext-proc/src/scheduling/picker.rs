@@ -23,7 +23,9 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use super::prefix_index::PrefixIndex;
-use super::scorers::{self, Candidate, InFlightScorer, KvCacheScorer, PrefixScorer, QueueScorer};
+use super::scorers::{
+    self, Candidate, InFlightScorer, KvCacheScorer, LatencyScorer, PrefixScorer, QueueScorer,
+};
 use crate::config::PickerConfig;
 use crate::shedding::Scrape;
 
@@ -55,6 +57,7 @@ pub fn choose(
             (&QueueScorer, config.queue_weight),
             (&KvCacheScorer, config.kv_cache_weight),
             (&InFlightScorer, config.in_flight_weight),
+            (&LatencyScorer, config.latency_weight),
         ],
         candidates,
         request_blocks,
@@ -100,7 +103,16 @@ pub struct EndpointState {
     picks: (u64, u64),
     /// The block hashes it served recently.
     pub prefixes: PrefixIndex,
+    /// Its recent mean TTFT in seconds: the mean of `vllm:time_to_first_token_seconds` over each
+    /// scrape interval with new first tokens (sum and count deltas), smoothed over intervals
+    /// ([`TTFT_ALPHA`]); kept while no new first token comes.
+    pub ttft: Option<f64>,
+    /// The TTFT histogram's (sum, count) at the last scrape.
+    ttft_seen: Option<(f64, f64)>,
 }
+
+/// Weight of the newest interval in an endpoint's smoothed mean TTFT.
+pub const TTFT_ALPHA: f64 = 0.5;
 
 impl EndpointState {
     /// Whether it may be picked at `now` (step 1 of the module doc, without the subset).
@@ -158,6 +170,8 @@ impl PoolPicker {
                 in_flight: 0,
                 picks: (0, 0),
                 prefixes: PrefixIndex::new(config.prefix_lru_blocks),
+                ttft: None,
+                ttft_seen: None,
             })
             .collect();
         let stale_after = Duration::from_millis(config.stale_after_ms(scrape_interval_ms));
@@ -181,6 +195,15 @@ impl PoolPicker {
             let held = (s.running.max(0.0) + s.waiting.max(0.0)).ceil();
             let held = if held.is_finite() && held < u64::MAX as f64 { held as u64 } else { u64::MAX };
             e.in_flight = e.in_flight.min(held.saturating_add(e.picks.0).saturating_add(e.picks.1));
+            if let Some((sum, count)) = e.ttft_seen {
+                let (dsum, dcount) = (s.ttft_sum - sum, s.ttft_count - count);
+                if dcount > 0.0 && dsum >= 0.0 && dsum.is_finite() {
+                    let mean = dsum / dcount;
+                    e.ttft = Some(e.ttft.map_or(mean, |old| old + TTFT_ALPHA * (mean - old)));
+                }
+            }
+            // A counter that went down (the server restarted) starts over from this scrape.
+            e.ttft_seen = Some((s.ttft_sum, s.ttft_count));
             e.scraped = Some((s, now));
         }
         e.picks = (0, e.picks.0);
@@ -208,6 +231,7 @@ impl PoolPicker {
                     kv_cache_usage: kv,
                     in_flight: e.in_flight,
                     prefix_blocks: e.prefixes.matched(hashes),
+                    ttft: e.ttft,
                 }
             })
             .collect();
@@ -255,11 +279,38 @@ mod tests {
     }
 
     fn c(waiting: f64, in_flight: u64, prefix_blocks: usize) -> Candidate {
-        Candidate { waiting, kv_cache_usage: 0.0, in_flight, prefix_blocks }
+        Candidate { waiting, kv_cache_usage: 0.0, in_flight, prefix_blocks, ttft: None }
+    }
+
+    #[test]
+    fn an_endpoint_slow_to_first_tokens_is_avoided_at_equal_load_and_its_ttft_is_smoothed() {
+        let mut p = PoolPicker::new(PickerConfig { fallback_endpoints: 0, ..config() }, &addrs(2), 500);
+        let t0 = Instant::now();
+        let ttft =
+            |sum: f64, count: f64| Some(Scrape { ttft_sum: sum, ttft_count: count, ..Scrape::default() });
+        p.scraped(0, ttft(0.0, 0.0), t0);
+        p.scraped(1, ttft(0.0, 0.0), t0);
+        // Interval 1: endpoint 0 served 4 first tokens in 0.4 s, endpoint 1 in 1.2 s (3x slower).
+        p.scraped(0, ttft(0.4, 4.0), t0);
+        p.scraped(1, ttft(1.2, 4.0), t0);
+        assert_eq!(p.endpoints()[1].ttft, Some(0.3));
+        for _ in 0..3 {
+            let pick = p.pick(&[], None, t0).unwrap();
+            assert_eq!(pick.primary(), "10.0.0.1:1", "the fast endpoint, while loads allow");
+            p.finished(pick.primary());
+        }
+        // Interval 2 (no new first token on 1 keeps its mean; 0 smooths toward 0.3 s).
+        p.scraped(0, ttft(1.6, 8.0), t0);
+        p.scraped(1, ttft(1.2, 4.0), t0);
+        assert_eq!(p.endpoints()[0].ttft, Some(0.2));
+        assert_eq!(p.endpoints()[1].ttft, Some(0.3));
+        // A restarted server (counters down) starts over without a bogus sample.
+        p.scraped(1, ttft(0.1, 1.0), t0);
+        assert_eq!(p.endpoints()[1].ttft, Some(0.3));
     }
 
     fn scrape(waiting: f64, running: f64, kv: f64) -> Option<Scrape> {
-        Some(Scrape { waiting, running, kv_cache_usage: kv, finished: 0.0 })
+        Some(Scrape { waiting, running, kv_cache_usage: kv, ..Scrape::default() })
     }
 
     fn addrs(n: u16) -> Vec<SocketAddr> {

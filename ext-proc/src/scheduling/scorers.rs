@@ -14,6 +14,9 @@ pub struct Candidate {
     pub in_flight: u64,
     /// The request's leading prompt blocks it served recently (its longest matched prefix).
     pub prefix_blocks: usize,
+    /// Its recent mean time to first token in seconds (from `vllm:time_to_first_token_seconds`,
+    /// see [`crate::scheduling::picker::EndpointState::ttft`]); None before it reported any.
+    pub ttft: Option<f64>,
 }
 
 impl Candidate {
@@ -87,6 +90,26 @@ impl Scorer for InFlightScorer {
     }
 }
 
+/// Latency: the endpoint's recent mean TTFT, min-max normalized (the fastest scores 1). A replica
+/// that serves first tokens slower (a slower GPU, a noisy neighbour, longer prompts queued) scores
+/// lower even when its queue and in-flight counts look like the others'; one that reported no
+/// TTFT yet scores 1 (it is not penalized for being new).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LatencyScorer;
+
+impl Scorer for LatencyScorer {
+    fn name(&self) -> &'static str {
+        "latency"
+    }
+    fn score(&self, candidates: &[Candidate], _: usize) -> Vec<f64> {
+        let fastest = candidates.iter().filter_map(|c| c.ttft).fold(f64::INFINITY, f64::min);
+        if !fastest.is_finite() {
+            return vec![1.0; candidates.len()];
+        }
+        inverse_min_max(candidates.iter().map(|c| c.ttft.unwrap_or(fastest)))
+    }
+}
+
 /// Prefix affinity: the share of the request's prompt blocks the endpoint served recently
 /// (0 for every endpoint when the request has no blocks).
 #[derive(Debug, Clone, Copy, Default)]
@@ -129,7 +152,15 @@ mod tests {
     use super::*;
 
     fn c(waiting: f64, kv: f64, in_flight: u64, prefix_blocks: usize) -> Candidate {
-        Candidate { waiting, kv_cache_usage: kv, in_flight, prefix_blocks }
+        Candidate { waiting, kv_cache_usage: kv, in_flight, prefix_blocks, ttft: None }
+    }
+
+    #[test]
+    fn latency_scores_the_fastest_first_token_highest_and_unknown_as_fastest() {
+        let t = |ttft: Option<f64>| Candidate { ttft, ..c(0.0, 0.0, 0, 0) };
+        assert_eq!(LatencyScorer.score(&[t(Some(0.1)), t(Some(0.5)), t(Some(0.3))], 0), vec![1.0, 0.0, 0.5]);
+        assert_eq!(LatencyScorer.score(&[t(None), t(Some(0.5)), t(Some(0.1))], 0), vec![1.0, 0.0, 1.0]);
+        assert_eq!(LatencyScorer.score(&[t(None), t(None)], 0), vec![1.0, 1.0]);
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 use crate::config::FieldError;
 use crate::config::{GatewayConfig, LimitsSection, Loaded, PickerValue, PoolSection};
-use crate::tree::{f, map, n, s, seq, strings, to_json, to_yaml, Value};
+use crate::tree::{b, f, map, n, s, seq, strings, to_json, to_yaml, Value};
 
 use super::Error;
 
@@ -227,6 +227,7 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
                 let members = picker.members().into_iter().map(|(name, value)| match value {
                     PickerValue::Float(v) => (name, f(v)),
                     PickerValue::Int(v) => (name, n(v)),
+                    PickerValue::Bool(v) => (name, b(v)),
                 });
                 fields.push(("picker", map(members)));
             }
