@@ -287,9 +287,10 @@ pub struct PickerConfig {
     /// min-max normalized). Finite, >= 0; default 2.
     #[serde(default = "default_load_weight")]
     pub in_flight_weight: f64,
-    /// Weight of the latency score (the endpoint's recent mean `vllm:time_to_first_token_seconds`,
-    /// min-max normalized: the fastest scores 1). Finite, >= 0; default 2.
-    #[serde(default = "default_load_weight")]
+    /// Weight of the latency score (the expected wait: the endpoint's recent mean
+    /// `vllm:time_to_first_token_seconds` × (waiting + in flight + 1), min-max normalized: the
+    /// shortest scores 1). Finite, >= 0; default 4 (it is the one score that weighs load by speed).
+    #[serde(default = "default_latency_weight")]
     pub latency_weight: f64,
     /// Bounded-load affinity: the endpoint holding the request's longest prefix wins outright
     /// while `load + 1 <= affinity_load_factor x (least load + 1)` over the eligible endpoints
@@ -328,6 +329,9 @@ fn default_load_weight() -> f64 {
 }
 fn default_affinity_load_factor() -> f64 {
     2.0
+}
+fn default_latency_weight() -> f64 {
+    4.0
 }
 fn default_prefix_lru_blocks() -> usize {
     16_384

@@ -90,10 +90,11 @@ impl Scorer for InFlightScorer {
     }
 }
 
-/// Latency: the endpoint's recent mean TTFT, min-max normalized (the fastest scores 1). A replica
-/// that serves first tokens slower (a slower GPU, a noisy neighbour, longer prompts queued) scores
-/// lower even when its queue and in-flight counts look like the others'; one that reported no
-/// TTFT yet scores 1 (it is not penalized for being new).
+/// Latency: the request's expected wait on the endpoint, its recent mean TTFT × (load + 1)
+/// (load = waiting + in flight, [`Candidate::load`]), min-max normalized (the shortest scores 1).
+/// A replica that serves first tokens slower (a slower GPU, a noisy neighbour) is picked only when
+/// the others are proportionally busier; one that reported no TTFT yet counts as the fastest (it
+/// is not penalized for being new).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LatencyScorer;
 
@@ -106,7 +107,7 @@ impl Scorer for LatencyScorer {
         if !fastest.is_finite() {
             return vec![1.0; candidates.len()];
         }
-        inverse_min_max(candidates.iter().map(|c| c.ttft.unwrap_or(fastest)))
+        inverse_min_max(candidates.iter().map(|c| c.ttft.unwrap_or(fastest) * (c.load() + 1.0)))
     }
 }
 
@@ -159,6 +160,9 @@ mod tests {
     fn latency_scores_the_fastest_first_token_highest_and_unknown_as_fastest() {
         let t = |ttft: Option<f64>| Candidate { ttft, ..c(0.0, 0.0, 0, 0) };
         assert_eq!(LatencyScorer.score(&[t(Some(0.1)), t(Some(0.5)), t(Some(0.3))], 0), vec![1.0, 0.0, 0.5]);
+        // Expected wait: 0.1 s x 4 (3 in flight) > 0.3 s x 1 (idle): the slow idle one wins.
+        let busy = Candidate { in_flight: 3, ..t(Some(0.1)) };
+        assert_eq!(LatencyScorer.score(&[busy, t(Some(0.3))], 0), vec![0.0, 1.0]);
         assert_eq!(LatencyScorer.score(&[t(None), t(Some(0.5)), t(Some(0.1))], 0), vec![1.0, 0.0, 1.0]);
         assert_eq!(LatencyScorer.score(&[t(None), t(None)], 0), vec![1.0, 1.0]);
     }
