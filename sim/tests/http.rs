@@ -18,9 +18,9 @@ use serde_json::{json, Value};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
-use vllm_sim::SimConfig;
+use vllm_sim::{EngineKind, SimConfig};
 
-const LIMIT: Duration = Duration::from_secs(10);
+const LIMIT: Duration = Duration::from_secs(20);
 
 async fn bounded<T>(what: &str, fut: impl Future<Output = T>) -> T {
     tokio::time::timeout(LIMIT, fut).await.unwrap_or_else(|_| panic!("timed out: {what}"))
@@ -514,4 +514,211 @@ async fn invalid_config_is_rejected() {
     let config = SimConfig { max_num_seqs: 0, ..SimConfig::default() };
     let err = bounded("serve", vllm_sim::serve(config, listener, std::future::pending())).await.unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
+}
+
+// ---- `--engine batched` (issue 12, item 5): the prefix cache, queueing and KV use over real HTTP.
+
+const KV_USAGE: &str = "vllm:kv_cache_usage_perc{model_name=\"sim-model\"}";
+const HITS: &str = "vllm:prefix_cache_hits_total{model_name=\"sim-model\"}";
+const QUERIES: &str = "vllm:prefix_cache_queries_total{model_name=\"sim-model\"}";
+const ABORTED: &str = "vllm:request_success_total{finished_reason=\"abort\",model_name=\"sim-model\"}";
+
+fn batched(config: SimConfig) -> SimConfig {
+    SimConfig { engine: EngineKind::Batched, ..config }
+}
+
+/// A chat body whose system prompt is `bytes` long (about `bytes / 4` tokens).
+fn long_chat(bytes: usize, extra: Value) -> Value {
+    let system: String = (0..bytes).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+    let mut body = json!({"model": "sim-model", "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "What is the answer?"},
+    ]});
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    body
+}
+
+/// Time from sending a streamed request to its first content chunk, and the whole body.
+async fn ttft(sim: &Sim, body: Value) -> (Duration, Vec<String>) {
+    let started = Instant::now();
+    let mut client = sim.client().await;
+    let response = client.send(Method::POST, "/v1/chat/completions", Some(body)).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let mut received = Vec::new();
+    let mut first = None;
+    bounded("stream", async {
+        while let Some(frame) = body.frame().await {
+            received.extend_from_slice(frame.unwrap().data_ref().unwrap());
+            if first.is_none() && std::str::from_utf8(&received).unwrap().contains("\"content\":\"the \"") {
+                first = Some(started.elapsed());
+            }
+        }
+    })
+    .await;
+    (first.expect("no content chunk"), sse_events(&received))
+}
+
+/// The issue's acceptance check for the sim: a repeated long prompt is mostly served from the
+/// prefix cache, so its time to first token is far lower, and the hit counter grows.
+#[tokio::test]
+async fn a_repeated_long_prompt_hits_the_prefix_cache_and_gets_a_lower_ttft() {
+    // 2,000 prompt tokens at 200 us: a cold prefill of about 400 ms; a warm one computes 1 block.
+    let sim = Sim::start(batched(SimConfig { prefill_us_per_token: 200.0, ..SimConfig::default() })).await;
+    let body = long_chat(8000, json!({"stream": true, "max_tokens": 4}));
+    let (cold, events) = ttft(&sim, body.clone()).await;
+    assert_eq!(events.len(), 1 + 4 + 1, "{events:#?}");
+    let text = sim.metrics().await;
+    let prompt_tokens = metric(&text, "vllm:prompt_tokens_total{model_name=\"sim-model\"}");
+    assert!(prompt_tokens > 2000.0, "{prompt_tokens}");
+    assert_eq!(metric(&text, QUERIES), prompt_tokens);
+    assert_eq!(metric(&text, HITS), 0.0);
+    assert_eq!(metric(&text, KV_USAGE), 0.0, "finished requests hold no blocks");
+
+    let (warm, _) = ttft(&sim, body).await;
+    let text = sim.metrics().await;
+    assert_eq!(metric(&text, QUERIES), 2.0 * prompt_tokens);
+    // Every full 16-token block of the rendered prompt but the one with the last token.
+    let hits = metric(&text, HITS);
+    assert!(hits >= 1900.0 && hits < prompt_tokens, "{hits} of {prompt_tokens}");
+    assert!(cold >= Duration::from_millis(400), "cold {cold:?}");
+    assert!(warm * 2 < cold, "warm {warm:?} vs cold {cold:?}");
+
+    // Without prefix caching the repeat is as slow as the first.
+    let sim2 = Sim::start(batched(SimConfig {
+        prefill_us_per_token: 200.0,
+        enable_prefix_caching: false,
+        ..SimConfig::default()
+    }))
+    .await;
+    let body = long_chat(8000, json!({"stream": true, "max_tokens": 4}));
+    let _ = ttft(&sim2, body.clone()).await;
+    let (uncached, _) = ttft(&sim2, body).await;
+    assert!(uncached >= Duration::from_millis(400), "{uncached:?}");
+    assert_eq!(metric(&sim2.metrics().await, HITS), 0.0);
+    sim2.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn batched_responses_keep_their_shapes() {
+    let sim = Sim::start(batched(SimConfig { output_tokens: 4, ..SimConfig::default() })).await;
+    let (status, v) = sim.post("/v1/chat/completions", chat(json!({"n": 2}))).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(v["choices"].as_array().unwrap().len(), 2);
+    assert_eq!(v["choices"][1]["message"]["content"], "the quick brown fox ");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(
+        v["usage"],
+        json!({"prompt_tokens": CHAT_PROMPT_TOKENS, "completion_tokens": 8, "total_tokens": CHAT_PROMPT_TOKENS + 8})
+    );
+    let (_, v) = sim.post("/v1/chat/completions", chat(json!({"max_tokens": 40, "ignore_eos": true}))).await;
+    assert_eq!(v["usage"]["completion_tokens"], 40);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+
+    let body = json!({"model": "sim-model", "prompt": [1, 2, 3], "max_tokens": 2, "stream": true,
+        "stream_options": {"include_usage": true}});
+    let (status, _, bytes) = sim.call(Method::POST, "/v1/completions", Some(body)).await;
+    assert_eq!(status, StatusCode::OK);
+    let events = sse_events(&bytes);
+    assert_eq!(events.len(), 2 + 1 + 1, "{events:#?}");
+    let last: Value = serde_json::from_str(&events[1]).unwrap();
+    assert_eq!(last["choices"][0]["text"], "quick ");
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    let usage: Value = serde_json::from_str(&events[2]).unwrap();
+    assert_eq!(usage["usage"], json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}));
+
+    // Errors are answered before the engine.
+    let (status, _) = sim.post("/v1/chat/completions", chat(json!({"max_tokens": 5000}))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let text = sim.metrics().await;
+    assert_eq!(metric(&text, "vllm:generation_tokens_total{model_name=\"sim-model\"}"), 8.0 + 40.0 + 2.0);
+    assert_eq!(metric(&text, "vllm:time_to_first_token_seconds_count{model_name=\"sim-model\"}"), 3.0);
+    assert_eq!(metric(&text, RECEIVED), 4.0);
+    sim.shutdown().await;
+}
+
+/// Queueing at `--max-num-seqs`, KV use while running, and a client going away: its blocks are
+/// freed (the waiting request runs) and what it filled stays cached.
+#[tokio::test]
+async fn queueing_kv_use_and_gone_clients() {
+    let sim = Sim::start(batched(SimConfig {
+        max_num_seqs: 1,
+        num_gpu_blocks: 1000,
+        // Long steps: nothing finishes during the test.
+        step_base_ms: 1000.0,
+        ..SimConfig::default()
+    }))
+    .await;
+    let body = long_chat(4000, json!({"stream": true, "max_tokens": 1000, "ignore_eos": true}));
+    let mut first = sim.client().await;
+    let first_response = first.send(Method::POST, "/v1/chat/completions", Some(body.clone())).await;
+    assert_eq!(first_response.status(), StatusCode::OK);
+    let mut second = sim.client().await;
+    let second_response =
+        second.send(Method::POST, "/v1/chat/completions", Some(chat(json!({"stream": true})))).await;
+    let text = sim
+        .wait_metrics("one running, one waiting, blocks in use", |t| {
+            metric(t, RUNNING) == 1.0 && metric(t, WAITING) == 1.0 && metric(t, KV_USAGE) > 0.0
+        })
+        .await;
+    // About 1,000 prompt tokens: 63 blocks of 16 out of 1000 (the completion's are reserved, not used).
+    let usage = metric(&text, KV_USAGE);
+    assert!((0.06..0.07).contains(&usage), "{usage}");
+
+    drop(first_response);
+    drop(first);
+    sim.wait_metrics("second admitted", |t| {
+        metric(t, RUNNING) == 1.0 && metric(t, WAITING) == 0.0 && metric(t, ABORTED) == 1.0
+    })
+    .await;
+    drop(second_response);
+    drop(second);
+    let text = sim.wait_metrics("all gone", |t| metric(t, RUNNING) == 0.0 && metric(t, ABORTED) == 2.0).await;
+    assert_eq!(metric(&text, KV_USAGE), 0.0);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn fail_after_chunks_cuts_batched_streams_and_frees_the_request() {
+    let sim = Sim::start(batched(SimConfig { fail_after_chunks: Some(2), ..SimConfig::default() })).await;
+    let mut client = sim.client().await;
+    let response =
+        client.send(Method::POST, "/v1/chat/completions", Some(chat(json!({"stream": true})))).await;
+    let mut body = response.into_body();
+    let mut received = Vec::new();
+    bounded("cut stream", async {
+        loop {
+            match body.frame().await {
+                Some(Ok(frame)) => received.extend_from_slice(frame.data_ref().unwrap()),
+                Some(Err(_)) => return,
+                None => panic!("stream ended cleanly"),
+            }
+        }
+    })
+    .await;
+    assert_eq!(sse_events(&received).len(), 3, "role + 2 content chunks");
+    let text = sim.wait_metrics("abort counted", |t| metric(t, ABORTED) == 1.0).await;
+    assert_eq!(metric(&text, RUNNING), 0.0);
+    assert_eq!(metric(&text, KV_USAGE), 0.0);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn shutdown_fails_waiting_requests() {
+    let sim =
+        Sim::start(batched(SimConfig { max_num_seqs: 1, step_base_ms: 200.0, ..SimConfig::default() })).await;
+    let mut first = sim.client().await;
+    let running = tokio::spawn(async move {
+        first.send(Method::POST, "/v1/chat/completions", Some(chat(json!({"max_tokens": 2})))).await.status()
+    });
+    sim.wait_metrics("running", |t| metric(t, RUNNING) == 1.0).await;
+    let mut second = sim.client().await;
+    let waiting = tokio::spawn(async move {
+        second.send(Method::POST, "/v1/chat/completions", Some(chat(json!({})))).await.status()
+    });
+    sim.wait_metrics("waiting", |t| metric(t, WAITING) == 1.0).await;
+    sim.shutdown().await;
+    assert_eq!(bounded("waiting answered", waiting).await.unwrap(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(bounded("running answered", running).await.unwrap(), StatusCode::OK);
 }
