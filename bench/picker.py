@@ -73,6 +73,8 @@ CHART = ROOT / "docs" / "benchmarks" / "picker-ttft.svg"
 MODEL = "m"
 POOL = "pool"
 REPLICAS = 4
+# The picking pools' `picker` members (--picker; default: the sidecar's defaults).
+PICKER: dict = {}
 SEED = 7
 # Words of the synthetic text (random common words, ~5.5 bytes each with the space: the sim counts
 # ceil(bytes / 4) tokens, so a word is ~1.4 of its tokens).
@@ -184,7 +186,7 @@ def start_gateway(workdir: Path, picker: bool, leases: bool, replica_args: list[
     # shedding in either: every request is served).
     pool.shedding = {"scrape_interval_ms": 100} if picker else None
     # A picking pool takes no admission leases unless its picker allows them.
-    pool.picker = ({"admission_leases": True} if leases else {}) if picker else None
+    pool.picker = ({**PICKER, "admission_leases": True} if leases else dict(PICKER)) if picker else None
     tenants = [Tenant("bench", [key], {"requests_per_minute": 10_000_000, "tokens_per_minute": 10_000_000_000})]
     stack = Stack(workdir, [pool], [Model(MODEL, POOL, 8192)], tenants, envoy_concurrency=1,
                   admission_leases=leases,
@@ -454,9 +456,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=None, help="Poisson arrival rate, req/s")
     parser.add_argument("--num-gpu-blocks", type=int, default=None)
     parser.add_argument("--no-docs", action="store_true", help="leave docs/ alone")
+    parser.add_argument("--picker", type=json.loads, default={},
+                        help='JSON members of the picking pools\' picker, e.g. \'{"latency_weight": 2}\'')
     parser.add_argument("--results", type=Path, default=None,
                         help="directory for summary.json and the raw reports (default target/bench-results/picker-<stamp>)")
     args = parser.parse_args(argv)
+    PICKER.update(args.picker)
     s = QUICK if args.quick else FULL
     s = Settings(**{**s.__dict__, **{k: v for k, v in (("rounds", args.rounds), ("rate", args.rate),
                                                         ("num_gpu_blocks", args.num_gpu_blocks)) if v}})
