@@ -93,6 +93,11 @@ pub struct Cli {
     /// Write one CSV row per point here.
     #[arg(long)]
     pub output_csv: Option<PathBuf>,
+    /// Write every measured request here, one JSON object per line: point, sent_ms, status,
+    /// class, ttft_ms, e2e_ms, prompt_tokens, completion_tokens, queue_wait_ms (the gateway's
+    /// `x-gateway-queue-wait-ms`).
+    #[arg(long)]
+    pub output_requests: Option<PathBuf>,
     /// Write an SVG chart (throughput vs TTFT p99, knee marked) here.
     #[arg(long)]
     pub plot: Option<PathBuf>,

@@ -197,6 +197,11 @@ impl RequestContext {
             }
         };
         let status = resp.status().as_u16();
+        let queue_wait_ms = resp
+            .headers()
+            .get(gateway_contract::H_QUEUE_WAIT_MS)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
         let mut body = resp.into_body();
 
         if !resp_is_success(status) {
@@ -223,7 +228,7 @@ impl RequestContext {
             if complete {
                 self.pool.release(sender);
             }
-            return fail(classify_status(status, &buf), Some(status));
+            return RequestOutcome { queue_wait_ms, ..fail(classify_status(status, &buf), Some(status)) };
         }
 
         let mut parser = SseParser::new();
@@ -282,6 +287,7 @@ impl RequestContext {
             completion_tokens: usage.and_then(|u| u.completion_tokens).unwrap_or(parser.content_events()),
             usage_reported: usage.is_some(),
             sse_parse_errors: parser.parse_errors(),
+            queue_wait_ms,
         }
     }
 }

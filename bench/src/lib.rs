@@ -63,6 +63,9 @@ pub fn run_cli(cli: &Cli) -> Result<SweepReport, BenchError> {
     if let Some(p) = &cli.output_csv {
         report::write_csv(&report, p)?;
     }
+    if let Some(p) = &cli.output_requests {
+        report::write_requests(&report, p)?;
+    }
     if let Some(p) = &cli.plot {
         plot::write_svg(&report, p)?;
     }

@@ -143,6 +143,9 @@ pub struct RequestOutcome {
     pub usage_reported: bool,
     /// SSE events that could not be parsed.
     pub sse_parse_errors: u64,
+    /// The gateway's `x-gateway-queue-wait-ms` response header: how long the request waited in
+    /// its flow-control queue (None when absent).
+    pub queue_wait_ms: Option<u64>,
 }
 
 impl RequestOutcome {
@@ -158,6 +161,7 @@ impl RequestOutcome {
             completion_tokens: 0,
             usage_reported: false,
             sse_parse_errors: 0,
+            queue_wait_ms: None,
         }
     }
 
@@ -536,6 +540,7 @@ mod tests {
             completion_tokens: 10,
             usage_reported: true,
             sse_parse_errors: 0,
+            queue_wait_ms: None,
         };
         assert_eq!(ok.tpot(), Some(Duration::from_millis(100)));
         c.record(&ok);

@@ -203,6 +203,17 @@ pub fn csv_header() -> Vec<String> {
     h
 }
 
+/// Writes every measured request as one JSON object per line ([`crate::runner::RequestRecord`]).
+pub fn write_requests(r: &SweepReport, path: &Path) -> Result<(), BenchError> {
+    let file = std::fs::File::create(path).map_err(|e| BenchError::io(path, e))?;
+    let mut out = std::io::BufWriter::new(file);
+    for record in r.points.iter().flat_map(|p| &p.requests) {
+        serde_json::to_writer(&mut out, record).map_err(|e| BenchError::io(path, e.into()))?;
+        out.write_all(b"\n").map_err(|e| BenchError::io(path, e))?;
+    }
+    out.flush().map_err(|e| BenchError::io(path, e))
+}
+
 /// CSV cells of one point (matching [`csv_header`]; empty = null).
 pub fn csv_row(r: &SweepReport, i: usize, p: &PointResult) -> Vec<String> {
     let s = &p.stats;
@@ -271,13 +282,14 @@ mod tests {
                 completion_tokens: 11,
                 usage_reported: true,
                 sse_parse_errors: 0,
+                queue_wait_ms: None,
             });
         }
         c.record(&RequestOutcome::failed(ErrorClass::RateLimitedQuota, Some(429), Duration::ZERO));
         let cfg = Cli::try_parse_from(["b", "--model", "m"]).unwrap().to_config().unwrap();
         let mut load = cfg.points().remove(0);
         load.label = label.into();
-        PointResult { load, stats: c.finish(Duration::from_secs(1)) }
+        PointResult { load, stats: c.finish(Duration::from_secs(1)), requests: Vec::new() }
     }
 
     #[test]

@@ -62,6 +62,33 @@ pub struct PointResult {
     /// Measured statistics.
     #[serde(flatten)]
     pub stats: PointStats,
+    /// Every measured request, in the order they ended (`--output-requests`; not in the JSON
+    /// report).
+    #[serde(skip)]
+    pub requests: Vec<RequestRecord>,
+}
+
+/// One measured request, as `--output-requests` writes it (one JSON object per line).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RequestRecord {
+    /// Index of the point in the sweep.
+    pub point: usize,
+    /// When it was sent, in milliseconds after the point's first measured send.
+    pub sent_ms: f64,
+    /// HTTP status (None when no response headers arrived).
+    pub status: Option<u16>,
+    /// Outcome class (`ok`, `rate_limited_overload`, `timeout`, ...).
+    pub class: &'static str,
+    /// Time to the first content token, in milliseconds (successful streams).
+    pub ttft_ms: Option<f64>,
+    /// Time to the end of the response (or the failure), in milliseconds.
+    pub e2e_ms: f64,
+    /// Prompt tokens (usage).
+    pub prompt_tokens: u64,
+    /// Completion tokens (usage, or content events).
+    pub completion_tokens: u64,
+    /// The gateway's `x-gateway-queue-wait-ms`, when present.
+    pub queue_wait_ms: Option<u64>,
 }
 
 fn request_at(reqs: &[PreparedRequest], i: u64) -> Option<PreparedRequest> {
@@ -97,6 +124,7 @@ pub async fn run_point(cfg: &PointConfig) -> Result<PointResult, BenchError> {
     }
 
     let collector = Arc::new(Mutex::new(Collector::new()?));
+    let records = Arc::new(Mutex::new(Vec::new()));
     let counters = Arc::new(Counters::default());
     let reporter =
         cfg.progress.then(|| Reporter::start(cfg.load.label.clone(), cfg.num_prompts, counters.clone()));
@@ -129,13 +157,27 @@ pub async fn run_point(cfg: &PointConfig) -> Result<PointResult, BenchError> {
             break;
         };
         counters.sent.fetch_add(1, Ordering::Relaxed);
-        let (ctx, collector, counters) = (ctx.clone(), collector.clone(), counters.clone());
+        let (ctx, collector, counters, records) =
+            (ctx.clone(), collector.clone(), counters.clone(), records.clone());
+        let sent_ms = start.elapsed().as_secs_f64() * 1e3;
         set.spawn(async move {
             let outcome = ctx.execute(&req).await;
             drop(permit);
             let c = if outcome.class == ErrorClass::Ok { &counters.ok } else { &counters.failed };
             c.fetch_add(1, Ordering::Relaxed);
             collector.lock().unwrap_or_else(|e| e.into_inner()).record(&outcome);
+            let record = RequestRecord {
+                point: 0,
+                sent_ms,
+                status: outcome.status,
+                class: outcome.class.as_str(),
+                ttft_ms: outcome.ttft.map(|t| t.as_secs_f64() * 1e3),
+                e2e_ms: outcome.e2e.as_secs_f64() * 1e3,
+                prompt_tokens: outcome.prompt_tokens,
+                completion_tokens: outcome.completion_tokens,
+                queue_wait_ms: outcome.queue_wait_ms,
+            };
+            records.lock().unwrap_or_else(|e| e.into_inner()).push(record);
         });
         while set.try_join_next().is_some() {}
     }
@@ -145,7 +187,8 @@ pub async fn run_point(cfg: &PointConfig) -> Result<PointResult, BenchError> {
         r.finish();
     }
     let stats = collector.lock().unwrap_or_else(|e| e.into_inner()).finish(duration);
-    Ok(PointResult { load: cfg.load.clone(), stats })
+    let requests = std::mem::take(&mut *records.lock().unwrap_or_else(|e| e.into_inner()));
+    Ok(PointResult { load: cfg.load.clone(), stats, requests })
 }
 
 /// Runs every point of `cfg` in order and analyses the sweep (knee, SLO,
@@ -181,6 +224,9 @@ pub async fn run_sweep(cfg: &BenchConfig, progress: bool) -> Result<SweepReport,
         };
         let mut r = run_point(&pc).await?;
         r.load.label = label;
+        for record in &mut r.requests {
+            record.point = i;
+        }
         results.push(r);
     }
     Ok(capacity::build_report(cfg, results))
