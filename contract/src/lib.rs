@@ -94,6 +94,14 @@ pub const MD_RESERVED_LOCALLY: &str = "reserved_locally";
 /// context check).
 pub const MD_PROMPT_TOKENS: &str = "prompt_tokens";
 
+/// Metadata key (namespace [`METADATA_NAMESPACE`]) of how long a flow-controlled request waited
+/// in its pool's queue before admission, in whole milliseconds (a string); Envoy's route turns it
+/// into the response header [`H_QUEUE_WAIT_MS`]. Absent for a request that did not wait.
+pub const MD_QUEUE_WAIT_MS: &str = "queue_wait_ms";
+/// Response header: how long the request waited in the gateway's flow-control queue, in
+/// milliseconds (from [`MD_QUEUE_WAIT_MS`]).
+pub const H_QUEUE_WAIT_MS: &str = "x-gateway-queue-wait-ms";
+
 /// Request header the sidecar's endpoint picker sets (a request-header mutation of its ext_proc
 /// CONTINUE): the picked vLLM endpoint as `ip:port`, or `ip:port,ip:port,...` (the pick, then
 /// fallbacks in order). The Gateway API Inference Extension's endpoint-picker protocol

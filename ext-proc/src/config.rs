@@ -68,6 +68,11 @@ pub struct Config {
     /// How tiers are shed.
     #[serde(default)]
     pub shedding: SheddingConfig,
+    /// Flow control (issue 13): the tiers whose requests wait in a saturated pool's queue
+    /// (`pools[].flow_control`) instead of being refused, their order and budgets, and the
+    /// tenants' fair shares. Needed when a pool has `flow_control`; absent, nothing is queued.
+    #[serde(default)]
+    pub flow_control: Option<FlowControlConfig>,
     /// Address of the Prometheus `/metrics` HTTP listener (absent: no listener).
     #[serde(default)]
     pub metrics_listen: Option<SocketAddr>,
@@ -261,10 +266,87 @@ pub struct PoolConfig {
     /// host by address).
     #[serde(default)]
     pub picker: Option<PickerConfig>,
+    /// Flow control (issue 13): with it, a request of a tier listed in `flow_control.tiers`
+    /// that finds the pool without room ([`crate::flow_control::room`]: `max_in_flight`,
+    /// `max_queue_depth`, `max_kv_cache_usage`) waits in the pool's queue instead of being shed.
+    #[serde(default)]
+    pub flow_control: Option<PoolFlowConfig>,
 }
 
 fn default_scrape_interval_ms() -> u64 {
     500
+}
+
+/// `flow_control`: which tiers queue, in which order, for how long, and how tenants share.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FlowControlConfig {
+    /// The tiers that wait in a saturated pool's queue, highest priority first: a queued request
+    /// of a tier is always dispatched before any of the tiers after it. A tier not listed is
+    /// never queued: it is shed at its `shedding.tier_levels` level (1.0 unlisted) as before.
+    pub tiers: Vec<QueueTierConfig>,
+    /// Weight of a completion token against a prompt token in a tenant's attained service (the
+    /// virtual token counter of "Fairness in Serving Large Language Models", OSDI 2024, whose
+    /// evaluation uses 2). Default 2; 0 to 100.
+    #[serde(default = "default_output_token_weight")]
+    pub output_token_weight: f64,
+    /// Fair-share weight per tenant id (default 1): a tenant of weight 2 is served twice the
+    /// tokens of a tenant of weight 1 of its tier while both are backlogged. Each > 0 and at most
+    /// 1000; the tenant must be in `tenants`.
+    #[serde(default)]
+    pub tenant_weights: BTreeMap<String, f64>,
+}
+
+fn default_output_token_weight() -> f64 {
+    2.0
+}
+
+/// `flow_control.tiers[]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueueTierConfig {
+    /// The tier, as the filter's tenants name it (`x-gateway-tier`).
+    pub name: String,
+    /// The longest a request of the tier may wait in the queue, in milliseconds (1 to 600,000):
+    /// the part of its TTFT budget the queue may spend. A request whose predicted wait is longer
+    /// is refused 429 `overloaded` at once; one still queued when it runs out gets the same 429.
+    /// Envoy's admission filter must allow the wait: its `max_message_timeout` at least the
+    /// largest budget plus [`crate::flow_control::MESSAGE_TIMEOUT_MARGIN`].
+    pub max_queue_wait_ms: u64,
+    /// The share of a pool's room the tier may fill (default 1; in (0, 1], never above the
+    /// tier before it): its requests are dispatched only while the pool's load
+    /// ([`crate::flow_control::room::load`]) is below it, so that the rest stays free for the
+    /// higher tiers' requests, which then wait for nothing (e.g. batch 0.6).
+    #[serde(default = "default_max_load")]
+    pub max_load: f64,
+}
+
+fn default_max_load() -> f64 {
+    1.0
+}
+
+/// `pools[].flow_control`.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PoolFlowConfig {
+    /// The most requests the pool's queue holds (default 1000; 1 to 1,000,000). A request that
+    /// finds it full takes the place of the newest request of the lowest tier below its own, or
+    /// is refused 429 `overloaded`.
+    #[serde(default = "default_max_queued")]
+    pub max_queued: usize,
+    /// The filter's admission leases for the pool stop while anything is queued or its load
+    /// (`shedding::load`) is at this level, so that its requests go through the queue (default
+    /// 0.8; in (0, 1]).
+    #[serde(default = "default_leases_below_load")]
+    pub leases_below_load: f64,
+}
+
+fn default_max_queued() -> usize {
+    1000
+}
+
+fn default_leases_below_load() -> f64 {
+    0.8
 }
 
 /// `pools[].picker`: the weights of the endpoint picker's scorers and its bounds
@@ -890,6 +972,27 @@ impl Config {
                     return Err(invalid(format!("{field}.max_kv_cache_usage"), "must be in (0, 1]"));
                 }
             }
+            if let Some(flow) = &pool.flow_control {
+                let field = format!("{field}.flow_control");
+                if self.flow_control.is_none() {
+                    return Err(invalid(field, "needs the top-level flow_control (its tiers)"));
+                }
+                if !(1..=1_000_000).contains(&flow.max_queued) {
+                    return Err(invalid(format!("{field}.max_queued"), "must be in 1..=1000000"));
+                }
+                if !(flow.leases_below_load > 0.0 && flow.leases_below_load <= 1.0) {
+                    return Err(invalid(format!("{field}.leases_below_load"), "must be in (0, 1]"));
+                }
+                if pool.max_in_flight.is_none()
+                    && pool.max_queue_depth.is_none()
+                    && pool.max_kv_cache_usage.is_none()
+                {
+                    return Err(invalid(
+                        field,
+                        "needs the pool's max_in_flight, max_queue_depth or max_kv_cache_usage (when it has room)",
+                    ));
+                }
+            }
             if let Some(picker) = &pool.picker {
                 picker.validate(&format!("{field}.picker"), pool.scrape_interval_ms)?;
                 if pool.endpoints.is_empty() {
@@ -976,6 +1079,9 @@ impl Config {
                 return Err(invalid(format!("shedding.tier_levels.{tier}"), "must be in (0, 1]"));
             }
         }
+        if let Some(flow) = &self.flow_control {
+            flow.validate(self)?;
+        }
         Ok(())
     }
 
@@ -987,6 +1093,46 @@ impl Config {
     /// Name of the usage-event Redis Stream.
     pub fn usage_stream(&self) -> String {
         self.metering.stream.clone().unwrap_or_else(|| format!("{}:usage-events", self.redis.key_prefix))
+    }
+}
+
+impl FlowControlConfig {
+    fn validate(&self, config: &Config) -> Result<(), ConfigError> {
+        if self.tiers.is_empty() {
+            return Err(invalid("flow_control.tiers", "must list at least one tier"));
+        }
+        let mut names = HashSet::new();
+        for (i, tier) in self.tiers.iter().enumerate() {
+            let field = format!("flow_control.tiers[{i}]");
+            if tier.name.is_empty() {
+                return Err(invalid(format!("{field}.name"), "must be non-empty"));
+            }
+            if !names.insert(tier.name.as_str()) {
+                return Err(invalid(format!("{field}.name"), format!("duplicate tier '{}'", tier.name)));
+            }
+            if !(1..=600_000).contains(&tier.max_queue_wait_ms) {
+                return Err(invalid(format!("{field}.max_queue_wait_ms"), "must be in 1..=600000"));
+            }
+            if !(tier.max_load > 0.0 && tier.max_load <= 1.0) {
+                return Err(invalid(format!("{field}.max_load"), "must be in (0, 1]"));
+            }
+            if i > 0 && self.tiers.get(i - 1).is_some_and(|higher| higher.max_load < tier.max_load) {
+                return Err(invalid(format!("{field}.max_load"), "must not be above the higher tier's"));
+            }
+        }
+        if !(0.0..=100.0).contains(&self.output_token_weight) {
+            return Err(invalid("flow_control.output_token_weight", "must be in 0..=100"));
+        }
+        for (tenant, weight) in &self.tenant_weights {
+            let field = format!("flow_control.tenant_weights.{tenant}");
+            if !(*weight > 0.0 && *weight <= 1000.0) {
+                return Err(invalid(field, "must be in (0, 1000]"));
+            }
+            if config.tenant(tenant).is_none() {
+                return Err(invalid(field, "is not a tenant of tenants[]"));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -1410,6 +1556,65 @@ mod tests {
             err(&format!("{POOL}  - {{name: a, max_in_flight: 1}}\n  - {{name: a, max_in_flight: 1}}\n")),
             "pools[1].name: duplicate pool 'a'"
         );
+    }
+
+    #[test]
+    fn flow_control() {
+        let tenants = "tenants:\n  - {id: heavy, limits: {}}\n";
+        let pool = |flow: &str| {
+            format!("pools:\n  - {{name: p, endpoints: ['http://h:1'], max_in_flight: 8, flow_control: {flow}}}\n")
+        };
+        let tiers = "flow_control: {tiers: [{name: premium, max_queue_wait_ms: 500}, {name: batch, max_queue_wait_ms: 5000}], tenant_weights: {heavy: 2}}\n";
+        let c = load_yaml(&format!("{BASE}{tenants}{}{tiers}", pool("{}")));
+        let flow = c.flow_control.as_ref().unwrap();
+        assert_eq!(flow.output_token_weight, 2.0);
+        assert_eq!(flow.tiers[1].max_queue_wait_ms, 5000);
+        assert_eq!(
+            c.pools[0].flow_control,
+            Some(PoolFlowConfig { max_queued: 1000, leases_below_load: 0.8 })
+        );
+        for (yaml, expected) in [
+            (format!("{BASE}{tenants}{}", pool("{}")), "pools[0].flow_control: needs the top-level flow_control"),
+            (format!("{BASE}{tenants}{}{tiers}", pool("{max_queued: 0}")), "pools[0].flow_control.max_queued: must be in"),
+            (format!("{BASE}{tenants}{}{tiers}", pool("{leases_below_load: 1.5}")), "pools[0].flow_control.leases_below_load"),
+            (
+                format!("{BASE}{tenants}pools:\n  - {{name: p, endpoints: ['http://h:1'], flow_control: {{}}}}\n{tiers}"),
+                "pools[0].flow_control: needs the pool's max_in_flight",
+            ),
+            (format!("{BASE}{tenants}flow_control: {{tiers: []}}\n"), "flow_control.tiers: must list at least one tier"),
+            (
+                format!("{BASE}{tenants}flow_control: {{tiers: [{{name: a, max_queue_wait_ms: 1}}, {{name: a, max_queue_wait_ms: 1}}]}}\n"),
+                "flow_control.tiers[1].name: duplicate tier 'a'",
+            ),
+            (
+                format!("{BASE}{tenants}flow_control: {{tiers: [{{name: a, max_queue_wait_ms: 0}}]}}\n"),
+                "flow_control.tiers[0].max_queue_wait_ms: must be in 1..=600000",
+            ),
+            (
+                format!("{BASE}{tenants}flow_control: {{tiers: [{{name: a, max_queue_wait_ms: 1}}], tenant_weights: {{ghost: 1}}}}\n"),
+                "flow_control.tenant_weights.ghost: is not a tenant",
+            ),
+            (
+                format!("{BASE}{tenants}flow_control: {{tiers: [{{name: a, max_queue_wait_ms: 1}}], tenant_weights: {{heavy: 0}}}}\n"),
+                "flow_control.tenant_weights.heavy: must be in (0, 1000]",
+            ),
+            (
+                format!("{BASE}{tenants}flow_control: {{tiers: [{{name: a, max_queue_wait_ms: 1}}], output_token_weight: -1}}\n"),
+                "flow_control.output_token_weight: must be in 0..=100",
+            ),
+            (format!("{BASE}{tenants}flow_control: {{tiers: [{{name: a, max_wait: 1}}]}}\n"), "unknown field `max_wait`"),
+            (
+                format!("{BASE}{tenants}flow_control: {{tiers: [{{name: a, max_queue_wait_ms: 1, max_load: 0.5}}, {{name: b, max_queue_wait_ms: 1}}]}}\n"),
+                "flow_control.tiers[1].max_load: must not be above the higher tier's",
+            ),
+            (
+                format!("{BASE}{tenants}flow_control: {{tiers: [{{name: a, max_queue_wait_ms: 1, max_load: 0}}]}}\n"),
+                "flow_control.tiers[0].max_load: must be in (0, 1]",
+            ),
+        ] {
+            let e = err(&yaml);
+            assert!(e.contains(expected), "{yaml}\n=> {e}");
+        }
     }
 
     #[test]

@@ -3,9 +3,10 @@
 //! worker. Each call gives the previous lease's rest back to the buckets, counts the requests
 //! admitted from it toward the pool's in-flight count, and, when asked, takes a new lease from
 //! Redis ([`crate::admission_lease`] sizes it). No lease while `redis.lease_fraction` is 0, while
-//! Redis cannot decide, or while the pool's load is at the lowest tier's shedding level: the
-//! filter's requests then go through the ext_proc admission, which sheds and limits them one by
-//! one.
+//! Redis cannot decide, while the pool's load is at the lowest tier's shedding level, or, for a
+//! flow-controlled pool, while its queue holds requests or its load is at `leases_below_load`:
+//! the filter's requests then go through the ext_proc admission, which sheds (or queues) and
+//! limits them one by one.
 
 use std::sync::Arc;
 
@@ -64,7 +65,7 @@ impl AdmissionLeases for AdmissionLeaseService {
 /// Serves one call; returns the grant and its metric outcome: `granted`, `given_back` (nothing
 /// asked), or why nothing was granted: `off` (`redis.lease_fraction` 0), `unknown_tenant`,
 /// `picking` (the pool's `picker` takes no leases), `shedding` (the pool is at the lowest tier's
-/// shedding level), `too_tight` (a lease would not
+/// shedding level, or near saturation with flow control), `too_tight` (a lease would not
 /// cover two requests), `over_limit` (the buckets lack the lease), `redis_unavailable`.
 async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'static str) {
     let config = &shared.config;
@@ -92,7 +93,10 @@ async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'stat
         // Every request of a picking pool goes through the admission, where it is picked.
         return (admission_lease::refusal(LEASES_OFF_RETRY_MS), "picking");
     }
-    if shared.pools.check(&request.pool, config.shedding.lowest_level()).is_some() {
+    if shared.pools.check(&request.pool, config.shedding.lowest_level()).is_some()
+        || shared.pools.near_saturation(&request.pool)
+    {
+        // The pool's requests go request by request through the admission (and its queue).
         return (admission_lease::refusal(ttl_ms), "shedding");
     }
     let Some(size) = admission_lease::size(&plan, fraction, request.request_tokens) else {

@@ -29,6 +29,7 @@ pub mod config;
 pub mod context;
 pub mod epp;
 pub mod error;
+pub mod flow_control;
 pub mod lease;
 pub mod lease_service;
 pub mod limiter;
@@ -123,7 +124,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
         .await
         .map_err(|source| RunError::Bind { addr: config.listen, source })?;
     let addr = listener.local_addr().map_err(|source| RunError::Bind { addr: config.listen, source })?;
-    let pools = Pools::new(&config.pools, Arc::clone(&metrics), Some(store.clone()));
+    let pools =
+        Pools::new(&config.pools, config.flow_control.as_ref(), Arc::clone(&metrics), Some(store.clone()));
     pools.spawn_scrapers();
     let (closing, closing_rx) = tokio::sync::watch::channel(false);
     let tenants = config.tenants.iter().map(|t| t.id.clone()).collect();
@@ -218,6 +220,9 @@ where
         open_streams = shared.open_streams(),
         "shutting down: serving open streams until they end or the grace period is over"
     );
+    // Every request waiting in a flow-control queue is answered now (429, Retry-After: 1, for
+    // another replica to take), and nothing more is queued.
+    shared.pools.close_queues();
     let deadline = tokio::time::Instant::now() + grace;
     while shared.open_streams() > 0 {
         if tokio::time::Instant::now() >= deadline {

@@ -263,6 +263,36 @@ pub struct Metrics {
     /// `llm_gateway_picker_pick_duration_seconds{pool}`: the time of one pick (the lock, the
     /// scores, the prefix lookups).
     pub pick_duration: Family<PoolLabel, Histogram>,
+    /// `llm_gateway_queue_requests{pool,tier}`: requests waiting in a flow-control queue.
+    pub queue_length: Family<PoolTier, Gauge>,
+    /// `llm_gateway_queue_wait_seconds{pool,tier,tenant}`: how long dispatched requests waited.
+    pub queue_wait: Family<QueueWait, Histogram>,
+    /// `llm_gateway_queue_dequeues_total{pool,tier,reason}`: requests leaving a queue (or
+    /// refused before entering it), by reason.
+    pub queue_dequeues: Family<QueueDequeue, Counter>,
+}
+
+/// `{pool, tier, tenant}`: a flow-control queue's waits.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueWait {
+    /// Pool (Envoy cluster).
+    pub pool: String,
+    /// Tenant tier.
+    pub tier: String,
+    /// Tenant id.
+    pub tenant: String,
+}
+
+/// `{pool, tier, reason}`: why a request left (or never entered) a flow-control queue.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueDequeue {
+    /// Pool (Envoy cluster).
+    pub pool: String,
+    /// Tenant tier.
+    pub tier: String,
+    /// `dispatched`, `timeout`, `predicted_wait`, `full`, `evicted`, `cancelled` (its stream went
+    /// away), `shutdown`.
+    pub reason: &'static str,
 }
 
 #[derive(Default)]
@@ -318,6 +348,9 @@ impl Metrics {
             pick_duration: Family::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(1e-6, 2.0, 16))
             }),
+            queue_length: Family::default(),
+            queue_wait: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
+            queue_dequeues: Family::default(),
             registry: Registry::default(),
         };
         r.register("llm_gateway_requests", "Admission outcomes", m.requests.clone());
@@ -434,6 +467,22 @@ impl Metrics {
             "Time of one endpoint pick",
             Unit::Seconds,
             m.pick_duration.clone(),
+        );
+        r.register(
+            "llm_gateway_queue_requests",
+            "Requests waiting in a pool's flow-control queue, by tier",
+            m.queue_length.clone(),
+        );
+        r.register_with_unit(
+            "llm_gateway_queue_wait",
+            "Time dispatched requests waited in a flow-control queue",
+            Unit::Seconds,
+            m.queue_wait.clone(),
+        );
+        r.register(
+            "llm_gateway_queue_dequeues",
+            "Requests leaving a flow-control queue (or refused before entering it), by reason",
+            m.queue_dequeues.clone(),
         );
         Arc::new(Self { registry: r, ..m })
     }

@@ -26,7 +26,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tracing::{debug, info};
 
-use crate::config::{endpoint_addr, PoolConfig};
+use crate::config::{endpoint_addr, FlowControlConfig, PoolConfig};
+use crate::flow_control::room::{self, SinceScrape};
+use crate::flow_control::PoolFlow;
 use crate::metrics::{EndpointLabel, Metrics, PoolBlocks, PoolEndpoint, PoolLabel, PoolReason};
 use crate::scheduling::{Pick, PoolPicker};
 use crate::shedding::{self, PoolSignals, Scrape};
@@ -118,13 +120,37 @@ struct PoolState {
     finished_samples: VecDeque<(Instant, f64)>,
     /// When the last complete scrape ended.
     scraped_at: Option<Instant>,
+    /// This sidecar's admissions and the ends it saw since the last complete scrape (the room
+    /// rule's estimate of vLLM's queue, [`room::has_room`]).
+    since_scrape: SinceScrape,
 }
 
-struct Pool {
+pub(crate) struct Pool {
     config: PoolConfig,
     state: Mutex<PoolState>,
     /// The endpoint picker, for a pool with `picker`.
     picker: Option<Mutex<PoolPicker>>,
+    /// The flow-control queue, for a pool with `flow_control` ([`crate::flow_control`]).
+    pub(crate) flow: Option<PoolFlow>,
+}
+
+impl Pool {
+    /// Whether the pool has room for one more request of a tier that may fill it up to `level`
+    /// ([`room::has_room`]).
+    pub(crate) fn has_room(&self, level: f64) -> bool {
+        self.state.lock().map_or(true, |s| room::has_room(&self.config, &s.signals, s.since_scrape, level))
+    }
+
+    /// The pool's signals now.
+    #[cfg(test)]
+    pub(crate) fn signals(&self) -> PoolSignals {
+        self.state.lock().map(|s| s.signals).unwrap_or_default()
+    }
+
+    /// The pool's load ratio ([`shedding::load`]).
+    pub(crate) fn load(&self) -> f64 {
+        self.state.lock().map_or(0.0, |s| shedding::load(&self.config, &s.signals))
+    }
 }
 
 /// What [`Pools::pick`] answers for an admitted request.
@@ -150,7 +176,7 @@ pub struct Shed {
 /// Every configured pool.
 pub struct Pools {
     pools: HashMap<String, Pool>,
-    metrics: Arc<Metrics>,
+    pub(crate) metrics: Arc<Metrics>,
     /// Where the replicas' in-flight counts meet (None: each replica counts alone).
     store: Option<Store>,
     /// This process's id among the replicas (random per process).
@@ -159,8 +185,15 @@ pub struct Pools {
 
 impl Pools {
     /// The pools of the config; nothing runs until [`Pools::spawn_scrapers`]. With a `store`,
-    /// in-flight counts are summed over the replicas sharing it.
-    pub fn new(configs: &[PoolConfig], metrics: Arc<Metrics>, store: Option<Store>) -> Arc<Self> {
+    /// in-flight counts are summed over the replicas sharing it. A pool with `flow_control` gets
+    /// a queue with the tiers and weights of `flow` (validated at load: present whenever a pool
+    /// has `flow_control`).
+    pub fn new(
+        configs: &[PoolConfig],
+        flow: Option<&FlowControlConfig>,
+        metrics: Arc<Metrics>,
+        store: Option<Store>,
+    ) -> Arc<Self> {
         let pools = configs
             .iter()
             .map(|c| {
@@ -169,7 +202,11 @@ impl Pools {
                     let addrs: Vec<_> = c.endpoints.iter().filter_map(|u| endpoint_addr(u)).collect();
                     Mutex::new(PoolPicker::new(p, &addrs, c.scrape_interval_ms))
                 });
-                (c.name.clone(), Pool { config: c.clone(), state: Mutex::new(PoolState::default()), picker })
+                let flow = c.flow_control.zip(flow).map(|(pool, flow)| PoolFlow::new(pool, flow));
+                (
+                    c.name.clone(),
+                    Pool { config: c.clone(), state: Mutex::new(PoolState::default()), picker, flow },
+                )
             })
             .collect();
         let replica = format!(
@@ -177,6 +214,14 @@ impl Pools {
             RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now()))
         );
         Arc::new(Self { pools, metrics, store, replica })
+    }
+
+    pub(crate) fn pool(&self, name: &str) -> Option<&Pool> {
+        self.pools.get(name)
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&String, &Pool)> {
+        self.pools.iter()
     }
 
     /// Whether a request of a tier with shedding level `level` is shed from `pool` now.
@@ -254,15 +299,27 @@ impl Pools {
         self.adjust(pool, i64::try_from(n).unwrap_or(i64::MAX), n);
     }
 
-    /// Counts a request to `pool` finished (whichever replica admitted it).
+    /// Counts a request to `pool` finished (whichever replica admitted it), and dispatches what
+    /// its queue holds while there is room.
     pub fn finished(&self, pool: &str) {
         self.adjust(pool, -1, 0);
+        if let Some(flow) = self.pools.get(pool).and_then(|p| p.flow.as_ref()) {
+            flow.finished(Instant::now());
+        }
+        self.pump(pool);
     }
 
-    fn adjust(&self, pool: &str, delta: i64, admitted: u64) {
+    /// Counts `delta` requests in flight, `admitted` of them admissions (never dispatches: the
+    /// queue's lock may be held).
+    pub(crate) fn adjust(&self, pool: &str, delta: i64, admitted: u64) {
         let Some(p) = self.pools.get(pool) else { return };
         if let Ok(mut s) = p.state.lock() {
             s.in_flight.count(delta, admitted);
+            if delta < 0 {
+                s.since_scrape.finished = s.since_scrape.finished.saturating_add(delta.unsigned_abs());
+            } else {
+                s.since_scrape.dispatched = s.since_scrape.dispatched.saturating_add(delta.unsigned_abs());
+            }
             self.publish(pool, &p.config, &mut s, Instant::now());
         }
     }
@@ -349,6 +406,8 @@ impl Pools {
             Err(e) => debug!(pool = name, error = %e, "in-flight flush failed"),
         }
         self.publish(name, &pool.config, &mut s, now);
+        drop(s);
+        self.pump(name);
     }
 
     async fn scrape(
@@ -390,6 +449,7 @@ impl Pools {
             return;
         }
         state.scraped_at = Some(now);
+        state.since_scrape = SinceScrape::default();
         state.finished_samples.push_back((now, total.finished));
         let lag = lag(&pool.config);
         while state.finished_samples.len() > 2
@@ -413,6 +473,8 @@ impl Pools {
         self.metrics.pool_waiting.get_or_create(&label).set(total.waiting);
         self.metrics.pool_kv_cache.get_or_create(&label).set(total.kv_cache_usage);
         self.metrics.pool_load.get_or_create(&label).set(shedding::load(&pool.config, &state.signals));
+        drop(state);
+        self.pump(name);
     }
 }
 

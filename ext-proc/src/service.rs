@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption, Metadata};
@@ -43,6 +43,7 @@ use crate::config::Config;
 use crate::config::FactsSource;
 use crate::context::{ContextChecker, ContextError, Counted};
 use crate::error::AdmissionError;
+use crate::flow_control::{self, Entered};
 use crate::limiter::{Limiter, Take};
 use crate::limits::{self, BucketKind, BucketSpec};
 use crate::meter::{EndReason, Meter, RequestInfo, UsageRecord};
@@ -57,6 +58,7 @@ use gateway_contract::{
     H_DESTINATION_ENDPOINT, H_MAX_TOKENS, H_MODEL, H_POOL, H_PROMPT_TOKENS, H_PROMPT_TOKENS_SOURCE,
     H_REQUEST_ID, H_TENANT, H_TIER, MAX_PREFIX_HASHES, MD_DESTINATION_ENDPOINT,
     MD_DESTINATION_ENDPOINT_SUBSET, MD_NAMESPACE_LB, MD_NAMESPACE_SUBSET_HINT, MD_PICKED_ENDPOINT,
+    MD_QUEUE_WAIT_MS,
 };
 
 pub use gateway_contract::{
@@ -300,12 +302,35 @@ async fn admission_stream(
             Err(ContextError::Undecided(why)) => debug!(%why, "no exact count; vLLM decides"),
         }
     }
+    // Then the pool's room: a flow-controlled pool may hold the request in its queue (its
+    // answer waits); counted in flight from here on.
+    let queue_wait = match wait_for_room(shared, &facts, &mut inbound, tx).instrument(span.clone()).await {
+        Ok(waited) => waited,
+        Err(refusal) => {
+            give_back(shared, &facts, &admitted);
+            return match refusal {
+                Some(error) => {
+                    let _e = span.enter();
+                    debug!(reason = %error, "refused by the queue");
+                    shared.metrics.request(
+                        facts.tenant.as_deref().unwrap_or(""),
+                        &facts.model,
+                        outcome_label(&error),
+                    );
+                    send(tx, immediate_response(&error)).await
+                }
+                // The stream went away while queued: nothing to answer.
+                None => Ok(()),
+            };
+        }
+    };
     let _e = span.enter();
     // Last, the endpoint (for a pool with `picker`): a refusal here gives the admission back.
     let pick = match pick_endpoint(shared, &facts, subset.as_deref()) {
         Ok(pick) => pick,
         Err(error) => {
             debug!(reason = %error, "refused");
+            shared.pools.finished(&facts.pool);
             give_back(shared, &facts, &admitted);
             shared.metrics.request(
                 facts.tenant.as_deref().unwrap_or(""),
@@ -316,10 +341,12 @@ async fn admission_stream(
         }
     };
     debug!(reserved_tokens = admitted.reserved_tokens, endpoint = pick.as_ref().map(Pick::value), "admitted");
-    shared.pools.admitted(&facts.pool);
     shared.metrics.request(facts.tenant.as_deref().unwrap_or(""), &facts.model, "admitted");
     let counted = (!exact_headers.is_empty()).then_some(facts.prompt_tokens);
     let mut metadata = admission_metadata(&admitted, counted);
+    if let Some(waited) = queue_wait {
+        add_queue_wait(&mut metadata, waited);
+    }
     let mut set_headers = exact_headers;
     if let Some(pick) = &pick {
         add_pick(&mut metadata, pick);
@@ -539,12 +566,89 @@ fn exact_count_headers(counted: &Counted) -> Vec<HeaderValueOption> {
     ]
 }
 
+/// The request's tier in `flow_control.tiers` (index and budget) when its pool queues: None
+/// for a pool without `flow_control` or a tier not listed (shed as before).
+fn queued_tier(shared: &Shared, facts: &RequestFacts) -> Option<(usize, Duration)> {
+    flow_control::tier_budget(shared.config.flow_control.as_ref(), &facts.tier)
+        .filter(|_| shared.pools.flow_controlled(&facts.pool))
+}
+
+/// Counts the request in its pool's in-flight requests, at once, or once a flow-controlled pool
+/// has room for it ([`Pools::enter`]): `Ok(Some(waited))` when it was queued. While it waits,
+/// Envoy is told to wait as long (`override_message_timeout`), and a stream that ends (the
+/// client went away) takes it out of the queue: `Err(None)`. `Err(Some(429))` when the queue
+/// refuses it. The caller gives the admission back on an error.
+async fn wait_for_room(
+    shared: &Arc<Shared>,
+    facts: &RequestFacts,
+    inbound: &mut Streaming<ProcessingRequest>,
+    tx: &Tx,
+) -> Result<Option<Duration>, Option<AdmissionError>> {
+    let Some((tier, budget)) = queued_tier(shared, facts) else {
+        shared.pools.admitted(&facts.pool);
+        return Ok(None);
+    };
+    let tenant = facts.tenant.as_deref().unwrap_or("");
+    let overloaded =
+        |retry_after_secs| Some(AdmissionError::Overloaded { pool: facts.pool.clone(), retry_after_secs });
+    let waiter = match shared.pools.enter(&facts.pool, tier, tenant, facts.prompt_tokens, budget) {
+        Entered::Now => return Ok(None),
+        Entered::Refused(_, retry_after_secs) => return Err(overloaded(retry_after_secs)),
+        Entered::Queued(waiter) => waiter,
+    };
+    debug!(pool = %facts.pool, "queued");
+    let timeout = waiter.remaining() + flow_control::MESSAGE_TIMEOUT_MARGIN;
+    let extend =
+        ProcessingResponse { override_message_timeout: Some(proto_duration(timeout)), ..Default::default() };
+    if send(tx, extend).await.is_err() {
+        return Err(None);
+    }
+    tokio::select! {
+        released = waiter.wait() => match released {
+            Ok(waited) => Ok(Some(waited)),
+            Err((_, retry_after_secs)) => Err(overloaded(retry_after_secs)),
+        },
+        () = stream_ended(inbound) => Err(None),
+    }
+}
+
+/// Resolves when Envoy ends the ext_proc stream (nothing else is sent on it while the request
+/// headers wait for their answer).
+async fn stream_ended(inbound: &mut Streaming<ProcessingRequest>) {
+    while let Ok(Some(_)) = inbound.message().await {}
+}
+
+fn proto_duration(d: Duration) -> envoy_types::pb::google::protobuf::Duration {
+    envoy_types::pb::google::protobuf::Duration {
+        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        nanos: i32::try_from(d.subsec_nanos()).unwrap_or(0),
+    }
+}
+
+/// Adds `llm_gateway.queue_wait_ms` (the route's `x-gateway-queue-wait-ms` response header).
+fn add_queue_wait(metadata: &mut Struct, waited: Duration) {
+    if let Some(Value { kind: Some(Kind::StructValue(inner)) }) = metadata.fields.get_mut(METADATA_NAMESPACE)
+    {
+        let ms = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX);
+        inner
+            .fields
+            .insert(MD_QUEUE_WAIT_MS.to_owned(), Value { kind: Some(Kind::StringValue(ms.to_string())) });
+    }
+}
+
 async fn admit(shared: &Shared, facts: &RequestFacts) -> Result<Admitted, AdmissionError> {
     let config = &shared.config;
     let tenant = facts.tenant.as_deref().ok_or(AdmissionError::MissingTenant)?;
     let tenant_config = config.tenant(tenant).ok_or(AdmissionError::TenantNotConfigured)?;
     // Shed before taking quota: a request the pool cannot serve soon costs the tenant nothing.
-    if let Some(shed) = shared.pools.check(&facts.pool, config.shedding.level(&facts.tier)) {
+    // A tier that queues in a flow-controlled pool is refused only when its predicted wait is
+    // over its budget.
+    if let Some((tier, budget)) = queued_tier(shared, facts) {
+        if let Some(retry_after_secs) = shared.pools.predict_refusal(&facts.pool, tier, tenant, budget) {
+            debug!(pool = %facts.pool, retry_after_secs, "predicted wait over the tier's budget");
+            return Err(AdmissionError::Overloaded { pool: facts.pool.clone(), retry_after_secs });
+        }
+    } else if let Some(shed) = shared.pools.check(&facts.pool, config.shedding.level(&facts.tier)) {
         let labels =
             PoolTier { pool: shared.metrics.bounded(&facts.pool), tier: shared.metrics.bounded(&facts.tier) };
         shared.metrics.shed.get_or_create(&labels).inc();
@@ -672,6 +776,7 @@ pub(crate) fn finish(shared: &Arc<Shared>, record: UsageRecord) {
         duration_us = record.duration_us,
         "usage"
     );
+    shared.pools.charge_output(&record.info.pool, &record.info.tenant, record.completion_tokens);
     shared.pools.finished(&record.info.pool);
     if !record.fits_redis() {
         // Counts no Redis integer holds (an upstream's bug): refused before any of it is

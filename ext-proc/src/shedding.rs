@@ -184,6 +184,7 @@ mod tests {
             max_kv_cache_usage: Some(0.9),
             max_in_flight: None,
             picker: None,
+            flow_control: None,
         }
     }
 
