@@ -192,19 +192,24 @@ impl<T> FlowQueue<T> {
     }
 
     /// Takes the request to dispatch next: from the highest tier with requests, the oldest
-    /// request of the backlogged tenant with the least counter (ties: the oldest head), and
-    /// charges its prompt tokens to that tenant.
+    /// request of the backlogged tenant with the least counter (ties, as when a tenant was just
+    /// lifted to the least counter: the one with fewer requests queued, then the oldest head),
+    /// and charges its prompt tokens to that tenant.
     pub fn pop(&mut self) -> Option<Entry<T>> {
         let tier = self.tiers.iter().position(|t| t.len > 0)?;
         let t = self.tiers.get(tier)?;
         let tenant = t
             .tenants
             .iter()
-            .filter_map(|(name, q)| q.keys().next().map(|id| (name, *id)))
-            .min_by(|(a, a_id), (b, b_id)| {
-                self.fairness.counter(a).total_cmp(&self.fairness.counter(b)).then(a_id.cmp(b_id))
+            .filter_map(|(name, q)| q.keys().next().map(|id| (name, q.len(), *id)))
+            .min_by(|(a, a_len, a_id), (b, b_len, b_id)| {
+                self.fairness
+                    .counter(a)
+                    .total_cmp(&self.fairness.counter(b))
+                    .then(a_len.cmp(b_len))
+                    .then(a_id.cmp(b_id))
             })
-            .map(|(name, _)| name.clone())?;
+            .map(|(name, _, _)| name.clone())?;
         let entry = self.take(tier, &tenant, None)?;
         self.fairness.charge_prompt(&entry.tenant, entry.prompt_tokens);
         Some(entry)
@@ -316,10 +321,10 @@ mod tests {
         assert_eq!(heavy.len(), 10);
         assert_eq!(q.pop().map(|e| e.item), Some("h"));
         q.push(1, "light", 100, now, "l").unwrap();
-        // Light's counter was lifted to heavy's (the least backlogged): equal, the older head
-        // (heavy's) goes first, then light.
-        assert_eq!(q.pop().map(|e| e.item), Some("h"));
+        // Light's counter was lifted to heavy's (the least backlogged): equal, and light, with
+        // fewer queued, goes first; then heavy (its counter now the lower).
         assert_eq!(q.pop().map(|e| e.item), Some("l"));
+        assert_eq!(q.pop().map(|e| e.item), Some("h"));
         assert_eq!(q.len(), 8);
     }
 
