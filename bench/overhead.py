@@ -73,7 +73,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import stack as stack_module  # noqa: E402
-from results_page import (fmt, overhead_tables, picker_section, ratio, render_page, signed, targets_table,
+from results_page import (FLOW_BEGIN, FLOW_END, fmt, kept_section, overhead_tables, picker_section, ratio, render_page, signed, targets_table,
                           write_charts)  # noqa: E402
 from stack import (  # noqa: E402
     TARGET,
@@ -1254,7 +1254,9 @@ def publish(summary: dict, results: Path, write_docs: bool) -> None:
     """Writes the charts and the page into `results`, and into docs/ if `write_docs`."""
     charts = write_charts(summary, results)
     if DOC.exists():
-        summary = {**summary, "picker_section": picker_section(DOC.read_text())}
+        page = DOC.read_text()
+        summary = {**summary, "picker_section": picker_section(page),
+                   "flow_section": kept_section(page, FLOW_BEGIN, FLOW_END)}
     page = render_page(summary, charts)
     (results / "benchmarks.md").write_text(page)
     say(f"\nsummary: {results / 'summary.json'}\npage:    {results / 'benchmarks.md'}")

@@ -380,11 +380,30 @@ PICKER_PLACEHOLDER = (f"{PICKER_BEGIN}\n## Endpoint picking (issue 12)\n\nNot ru
                       f"`.venv/bin/python bench/picker.py` writes this section.\n{PICKER_END}")
 
 
+# Likewise the flow-control section, from bench/flow_control.py.
+FLOW_BEGIN, FLOW_END = "<!-- flow-control-benchmark:begin -->", "<!-- flow-control-benchmark:end -->"
+FLOW_PLACEHOLDER = (f"{FLOW_BEGIN}\n## Flow control (issue 13)\n\nNot run yet: "
+                    f"`.venv/bin/python bench/flow_control.py` writes this section.\n{FLOW_END}")
+
+
+def kept_section(page: str, begin: str = PICKER_BEGIN, end: str = PICKER_END) -> str | None:
+    """The section between `begin` and `end` of an existing docs/benchmarks.md, markers included
+    (None if absent)."""
+    if begin in page and end in page:
+        return page[page.index(begin): page.index(end) + len(end)]
+    return None
+
+
 def picker_section(page: str) -> str | None:
     """The picker section of an existing docs/benchmarks.md, markers included (None if absent)."""
-    if PICKER_BEGIN in page and PICKER_END in page:
-        return page[page.index(PICKER_BEGIN): page.index(PICKER_END) + len(PICKER_END)]
-    return None
+    return kept_section(page)
+
+
+def replace_section(page: str, text: str, begin: str, end: str) -> str:
+    """`page` with its section between `begin` and `end` replaced by `text` (appended if absent)."""
+    if begin in page and end in page:
+        return page[: page.index(begin)] + text + page[page.index(end) + len(end):]
+    return page.rstrip() + "\n\n" + text + "\n"
 
 
 def render_page(summary: dict, charts: list[str]) -> str:
@@ -403,6 +422,7 @@ def render_page(summary: dict, charts: list[str]) -> str:
     service_s = ov["sim"]["ttft_ms"] / 1000 + (ov["output_len"] - 1) * ov["sim"]["itl_ms"] / 1000 if ov else 0.0
     values = {
         "picker_section": summary.get("picker_section") or PICKER_PLACEHOLDER,
+        "flow_section": summary.get("flow_section") or FLOW_PLACEHOLDER,
         "generated": summary["finished_at"],
         "command": summary["command"],
         "nproc": str(m["nproc"]),
