@@ -518,8 +518,9 @@ def _eg_listener(name: str, policy_ns: str) -> dict:
 def test_envoy_gateway_patch_policy_patches_the_gateway_listener(tmp_path):
     """Issue 15 item 3: the rendered EnvoyPatchPolicy, applied as Envoy Gateway applies it to a
     listener shaped like Envoy Gateway's, sets exactly what docs/deploy.md used to ask operators
-    to hand-write: allow_on_headers_stop_iteration on the wasm filter and the filter-state
-    request_attributes on both ext_proc filters (values from envoy/filters/*.yaml), the standalone
+    to hand-write: allow_on_headers_stop_iteration on the wasm filter, the filter-state
+    request_attributes on both ext_proc filters and the admission's max_message_timeout (flow
+    control, issue 13) (values from envoy/filters/*.yaml), the standalone
     render's guard just before the router in every filter chain, and the standalone listener's
     buffer; it targets the configured Gateway's listener under both xDS name schemes."""
     config = example()
@@ -548,6 +549,10 @@ def test_envoy_gateway_patch_policy_patches_the_gateway_listener(tmp_path):
     attributes = {role: yaml.safe_load((ROOT / f"envoy/filters/ext_proc_{role}.yaml").read_text())
                   ["typed_config"]["request_attributes"] for role in ("admission", "metering")}
     assert attributes["admission"] == attributes["metering"] == ["filter_state['wasm.llm_gateway.request']"]
+    # Flow control's longest hold of a queued request's answer (override_message_timeout).
+    max_message_timeout = yaml.safe_load((ROOT / "envoy/filters/ext_proc_admission.yaml").read_text())[
+        "typed_config"]["max_message_timeout"]
+    assert max_message_timeout == "601s"
     standalone = yaml.safe_load(files["standalone/envoy.yaml"].read_text())["static_resources"]["listeners"][0]
     standalone_guard = next(f for f in standalone["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
                             if f["name"] == "llm_gateway.guard")
@@ -559,6 +564,7 @@ def test_envoy_gateway_patch_policy_patches_the_gateway_listener(tmp_path):
         filters[0]["typed_config"]["config"]["allow_on_headers_stop_iteration"] = (
             wasm_def["typed_config"]["config"]["allow_on_headers_stop_iteration"])
         filters[1]["typed_config"]["request_attributes"] = attributes["admission"]
+        filters[1]["typed_config"]["max_message_timeout"] = max_message_timeout
         filters[2]["typed_config"]["request_attributes"] = attributes["metering"]
         filters.insert(3, standalone_guard)
     assert patched == expected

@@ -278,7 +278,7 @@ fn default_scrape_interval_ms() -> u64 {
 }
 
 /// `flow_control`: which tiers queue, in which order, for how long, and how tenants share.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct FlowControlConfig {
     /// The tiers that wait in a saturated pool's queue, highest priority first: a queued request
@@ -302,7 +302,7 @@ fn default_output_token_weight() -> f64 {
 }
 
 /// `flow_control.tiers[]`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct QueueTierConfig {
     /// The tier, as the filter's tenants name it (`x-gateway-tier`).
@@ -326,7 +326,7 @@ fn default_max_load() -> f64 {
 }
 
 /// `pools[].flow_control`.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Copy, Deserialize, serde::Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct PoolFlowConfig {
     /// The most requests the pool's queue holds (default 1000; 1 to 1,000,000). A request that

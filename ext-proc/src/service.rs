@@ -245,6 +245,16 @@ async fn admission_stream(
         request_id = %facts.request_id,
         tenant = facts.tenant.as_deref().unwrap_or("")
     );
+    // A request its pool may make wait: Envoy is told at once to wait as long as its budget
+    // (then neither the limits' Redis call nor the queue can run into the admission filter's
+    // message_timeout, also when a burst arrives at once).
+    let mut extended = false;
+    if let Some((tier, budget)) = queued_tier(shared, &facts) {
+        if !shared.pools.room_now(&facts.pool, tier) {
+            extend_message_timeout(tx, budget).await?;
+            extended = true;
+        }
+    }
     // The cheap checks first (tenant, shedding, the limits with the filter's estimate): a tenant
     // over its limit, or a shed pool, never costs an exact count.
     let decision = admit(shared, &facts).instrument(span.clone()).await;
@@ -272,6 +282,8 @@ async fn admission_stream(
             return counted.map(|_| ());
         };
         first = body;
+        // The body is another processing state: a new message_timeout (and override) applies.
+        extended = false;
         let _e = span.enter();
         let label = match &outcome {
             Ok(_) => "fits",
@@ -304,26 +316,27 @@ async fn admission_stream(
     }
     // Then the pool's room: a flow-controlled pool may hold the request in its queue (its
     // answer waits); counted in flight from here on.
-    let queue_wait = match wait_for_room(shared, &facts, &mut inbound, tx).instrument(span.clone()).await {
-        Ok(waited) => waited,
-        Err(refusal) => {
-            give_back(shared, &facts, &admitted);
-            return match refusal {
-                Some(error) => {
-                    let _e = span.enter();
-                    debug!(reason = %error, "refused by the queue");
-                    shared.metrics.request(
-                        facts.tenant.as_deref().unwrap_or(""),
-                        &facts.model,
-                        outcome_label(&error),
-                    );
-                    send(tx, immediate_response(&error)).await
-                }
-                // The stream went away while queued: nothing to answer.
-                None => Ok(()),
-            };
-        }
-    };
+    let queue_wait =
+        match wait_for_room(shared, &facts, &mut inbound, tx, extended).instrument(span.clone()).await {
+            Ok(waited) => waited,
+            Err(refusal) => {
+                give_back(shared, &facts, &admitted);
+                return match refusal {
+                    Some(error) => {
+                        let _e = span.enter();
+                        debug!(reason = %error, "refused by the queue");
+                        shared.metrics.request(
+                            facts.tenant.as_deref().unwrap_or(""),
+                            &facts.model,
+                            outcome_label(&error),
+                        );
+                        send(tx, immediate_response(&error)).await
+                    }
+                    // The stream went away while queued: nothing to answer.
+                    None => Ok(()),
+                };
+            }
+        };
     let _e = span.enter();
     // Last, the endpoint (for a pool with `picker`): a refusal here gives the admission back.
     let pick = match pick_endpoint(shared, &facts, subset.as_deref()) {
@@ -573,16 +586,28 @@ fn queued_tier(shared: &Shared, facts: &RequestFacts) -> Option<(usize, Duration
         .filter(|_| shared.pools.flow_controlled(&facts.pool))
 }
 
+/// Tells Envoy to wait for this processing state's answer up to `budget` +
+/// [`flow_control::MESSAGE_TIMEOUT_MARGIN`] (`override_message_timeout`; once per state).
+async fn extend_message_timeout(tx: &Tx, budget: Duration) -> Result<(), Status> {
+    let timeout = budget + flow_control::MESSAGE_TIMEOUT_MARGIN;
+    send(
+        tx,
+        ProcessingResponse { override_message_timeout: Some(proto_duration(timeout)), ..Default::default() },
+    )
+    .await
+}
+
 /// Counts the request in its pool's in-flight requests, at once, or once a flow-controlled pool
 /// has room for it ([`Pools::enter`]): `Ok(Some(waited))` when it was queued. While it waits,
-/// Envoy is told to wait as long (`override_message_timeout`), and a stream that ends (the
-/// client went away) takes it out of the queue: `Err(None)`. `Err(Some(429))` when the queue
-/// refuses it. The caller gives the admission back on an error.
+/// Envoy is told to wait as long (`override_message_timeout`, unless `extended` already in this
+/// state), and a stream that ends (the client went away) takes it out of the queue: `Err(None)`.
+/// `Err(Some(429))` when the queue refuses it. The caller gives the admission back on an error.
 async fn wait_for_room(
     shared: &Arc<Shared>,
     facts: &RequestFacts,
     inbound: &mut Streaming<ProcessingRequest>,
     tx: &Tx,
+    extended: bool,
 ) -> Result<Option<Duration>, Option<AdmissionError>> {
     let Some((tier, budget)) = queued_tier(shared, facts) else {
         shared.pools.admitted(&facts.pool);
@@ -597,10 +622,7 @@ async fn wait_for_room(
         Entered::Queued(waiter) => waiter,
     };
     debug!(pool = %facts.pool, "queued");
-    let timeout = waiter.remaining() + flow_control::MESSAGE_TIMEOUT_MARGIN;
-    let extend =
-        ProcessingResponse { override_message_timeout: Some(proto_duration(timeout)), ..Default::default() };
-    if send(tx, extend).await.is_err() {
+    if !extended && extend_message_timeout(tx, waiter.remaining()).await.is_err() {
         return Err(None);
     }
     tokio::select! {

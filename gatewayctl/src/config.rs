@@ -105,6 +105,12 @@ pub struct GatewayConfig {
     pub models: Vec<ModelSection>,
     /// vLLM pools: endpoints, health checks, fallback order, shedding thresholds.
     pub pools: Vec<PoolSection>,
+    /// Flow control: the tiers whose requests wait in a saturated pool's queue (those pools
+    /// with `flow_control`), highest priority first, their budgets, and the tenants' fair-share
+    /// weights. The sidecar's `flow_control`, member for member (its validation applies, its
+    /// errors name these fields).
+    #[serde(default)]
+    pub flow_control: Option<gateway_ext_proc::config::FlowControlConfig>,
     /// Kubernetes (the sidecar and Redis as workloads); needed by the istio and envoy-gateway
     /// targets.
     #[serde(default)]
@@ -561,6 +567,11 @@ pub struct PoolSection {
     /// LEAST_REQUEST.
     #[serde(default)]
     pub picker: Option<PickerSection>,
+    /// Flow control of this pool (the sidecar's `pools[].flow_control`: `max_queued`,
+    /// `leases_below_load`): a request of a tier in `flow_control.tiers` that finds the pool
+    /// without room (its `shedding` thresholds) waits in the sidecar's queue. Needs `shedding`.
+    #[serde(default)]
+    pub flow_control: Option<gateway_ext_proc::config::PoolFlowConfig>,
     /// The InferencePool (`inference.networking.k8s.io/v1`) rendered for a picking pool on the
     /// istio and envoy_gateway targets, whose endpoint picker is the sidecar's endpoint-picker
     /// port of this pool.

@@ -454,3 +454,57 @@ fn a_sidecar_port_on_an_endpoint_picker_port_is_refused() {
     // The standalone target has no endpoint-picker listener: nothing to collide with.
     assert!(render(&loaded, Target::Standalone).is_ok());
 }
+
+/// The example with flow control on pool_llama (issue 13).
+fn flow_controlled(
+    flow: &str,
+    pool_flow: &str,
+) -> Result<gatewayctl::render::Output, gatewayctl::config::ConfigError> {
+    let dir = tempdir();
+    let text = std::fs::read_to_string(EXAMPLE).unwrap();
+    let text = text.replace(
+        "    shedding: {max_in_flight: 256}\n",
+        &format!("    shedding: {{max_in_flight: 256}}\n    flow_control: {pool_flow}\n"),
+    );
+    let text = format!("{text}\nflow_control: {flow}\n");
+    let path = dir.join("gateway.yaml");
+    std::fs::write(&path, text).unwrap();
+    render(&Loaded::load(&path).unwrap(), Target::All)
+}
+
+#[test]
+fn flow_control_is_rendered_into_the_sidecar_config() {
+    let flow = "{tiers: [{name: premium, max_queue_wait_ms: 1000}, {name: batch, max_queue_wait_ms: 10000, max_load: 0.6}], tenant_weights: {acme: 2}}";
+    let rendered = flow_controlled(flow, "{max_queued: 500}").unwrap();
+    let files: BTreeMap<_, _> = rendered.files.into_iter().map(|f| (f.path, f.content)).collect();
+    let parsed = gateway_ext_proc::config::Config::from_yaml(&files["standalone/sidecar.yaml"]).unwrap();
+    let tiers: Vec<_> = parsed
+        .flow_control
+        .as_ref()
+        .unwrap()
+        .tiers
+        .iter()
+        .map(|t| (t.name.as_str(), t.max_queue_wait_ms))
+        .collect();
+    assert_eq!(tiers, [("premium", 1000), ("batch", 10000)]);
+    let pool = parsed.pools.iter().find(|p| p.name == "pool_llama").unwrap();
+    assert_eq!(pool.flow_control.map(|f| f.max_queued), Some(500));
+    assert_eq!(pool.max_in_flight, Some(256));
+    // The admission filter may hold a queued request's answer (standalone bootstrap).
+    assert!(
+        files["standalone/envoy.yaml"].contains("max_message_timeout: \"601s\""),
+        "{}",
+        files["standalone/envoy.yaml"]
+    );
+    // The sidecar's own validation, reported against the gateway config's fields.
+    let err =
+        flow_controlled("{tiers: [{name: premium, max_queue_wait_ms: 0}]}", "{}").unwrap_err().to_string();
+    assert!(err.contains("flow_control.tiers[0].max_queue_wait_ms: must be in 1..=600000"), "{err}");
+    let err = flow_controlled(flow, "{max_queued: 0}").unwrap_err().to_string();
+    assert!(err.contains("pools[2].flow_control.max_queued: must be in 1..=1000000"), "{err}");
+    let err =
+        flow_controlled("{tiers: [{name: premium, max_queue_wait_ms: 1}], tenant_weights: {ghost: 1}}", "{}")
+            .unwrap_err()
+            .to_string();
+    assert!(err.contains("flow_control.tenant_weights.ghost: is not a tenant"), "{err}");
+}

@@ -174,6 +174,14 @@ impl Pools {
         self.pool(pool).is_some_and(|p| p.flow.is_some())
     }
 
+    /// Whether a request of `tier` would be let into `pool` at once: nothing queued and room
+    /// for its tier (always, for a pool without flow control).
+    pub fn room_now(&self, pool: &str, tier: usize) -> bool {
+        let Some(p) = self.pool(pool) else { return true };
+        let Some(flow) = p.flow.as_ref() else { return true };
+        flow.queue.lock().map_or(true, |q| q.is_empty()) && p.has_room(flow.level(tier))
+    }
+
     /// Before any quota is taken: `Some(retry_after_secs)` when a request of `tier` (an index
     /// into `flow_control.tiers`) and `tenant` would have to wait longer than `budget`, by the
     /// queue ahead of it and the pool's drain rate; None when it may go on (room now, a wait

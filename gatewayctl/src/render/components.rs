@@ -203,11 +203,11 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
         .pools
         .iter()
         .enumerate()
-        .filter(|(_, p)| p.shedding.is_some() || p.picker.is_some())
+        .filter(|(_, p)| p.shedding.is_some() || p.picker.is_some() || p.flow_control.is_some())
         .map(|(i, _)| i)
         .collect();
     if !shed.is_empty() {
-        let pools = shed.iter().filter_map(|&i| c.pools.get(i)).map(|p| {
+        let pools = shed.iter().filter_map(|&i| c.pools.get(i)).map(|p| -> Result<Value, Error> {
             let mut fields = vec![("name", s(&p.name)), ("endpoints", strings(scrape_urls(p, flavor)))];
             if let Some(sh) = &p.shedding {
                 if let Some(v) = sh.scrape_interval_ms {
@@ -231,9 +231,15 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
                 });
                 fields.push(("picker", map(members)));
             }
-            map(fields)
+            if let Some(flow) = &p.flow_control {
+                fields.push(("flow_control", to_value(flow)?));
+            }
+            Ok(map(fields))
         });
-        top.push(("pools", seq(pools)));
+        top.push(("pools", seq(pools.collect::<Result<Vec<_>, _>>()?)));
+    }
+    if let Some(flow) = &c.flow_control {
+        top.push(("flow_control", to_value(flow)?));
     }
     if flavor == Flavor::Kubernetes {
         // On the mesh targets each picking pool's picks come from its InferencePool's call to an
@@ -368,6 +374,11 @@ fn redis(loaded: &Loaded, flavor: Flavor) -> Value {
     map(fields)
 }
 
+/// A section the gateway config takes over from the sidecar's own config type, as a tree.
+fn to_value(section: &impl serde::Serialize) -> Result<Value, Error> {
+    serde_yaml_ng::to_value(section).map_err(|e| Error::Internal(e.to_string()))
+}
+
 /// Maps a field of the rendered sidecar config back to the gateway config's field.
 fn sidecar_field(field: &str, shed: &[usize]) -> String {
     if let Some(rest) = field.strip_prefix("pools[") {
@@ -375,7 +386,11 @@ fn sidecar_field(field: &str, shed: &[usize]) -> String {
             if let Some(i) = j.parse::<usize>().ok().and_then(|j| shed.get(j)) {
                 return match rest.strip_prefix('.') {
                     Some("name") => format!("pools[{i}].name"),
-                    Some(r) if r.starts_with("endpoints") || r.starts_with("picker") => {
+                    Some(r)
+                        if r.starts_with("endpoints")
+                            || r.starts_with("picker")
+                            || r.starts_with("flow_control") =>
+                    {
                         format!("pools[{i}].{r}")
                     }
                     Some(r) => format!("pools[{i}].shedding.{r}"),

@@ -85,6 +85,10 @@ fn patch_policy(
             "ADMISSION_REQUEST_ATTRIBUTES",
             template_value(template::FILTER_ADMISSION, &["typed_config", "request_attributes"])?,
         )
+        .set(
+            "ADMISSION_MAX_MESSAGE_TIMEOUT",
+            template_value(template::FILTER_ADMISSION, &["typed_config", "max_message_timeout"])?,
+        )
         .set("METERING_FILTER_CONFIG", http_filter_json_path(&metering, ".typed_config"))
         .set(
             "METERING_REQUEST_ATTRIBUTES",
