@@ -90,3 +90,32 @@ def test_picker_quick_run_is_complete_and_consistent(tmp_path):
     a = summary["summary"]["a"]
     assert a["picker"]["ttft_p50_ms_ratio"] > 0 and "ttft_p50_ms_ratio" not in a["least-request"]
     assert (results / "picker.md").read_text().count("picker-benchmark:") == 2
+
+
+def test_flow_control_quick_run_is_complete_and_consistent(tmp_path):
+    """bench/flow_control.py --quick on the burst and memory scenarios: every request of every
+    target is accounted for (served, 429 or timed out), flow control queued the whole burst (its
+    budget holds it) and reported the waits, and SIGTERM answered every queued request (no timing
+    asserted)."""
+    results = tmp_path / "flow"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "flow_control.py"), "--quick", "--scenarios", "burst,memory",
+         "--no-docs", "--results", str(results)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads((results / "summary.json").read_text())
+    runs = summary["results"]["burst"]
+    assert set(runs) == {"flow-control", "threshold", "threshold-tuned", "direct"}
+    for target, (row,) in runs.items():
+        burst = row["tenants"]["burst"]
+        assert burst["sent"] > 0, target
+        accounted = burst["served"] + burst["overloaded"] + burst["timeouts"] + burst["other_errors"]
+        assert accounted == burst["sent"], (target, burst)
+    flow = runs["flow-control"][0]["tenants"]["burst"]
+    assert flow["served"] == flow["sent"] and flow["max_queue_wait_ms"] > 0, flow
+    assert "max_queue_wait_ms" not in runs["direct"][0]["tenants"]["burst"] or \
+        runs["direct"][0]["tenants"]["burst"]["max_queue_wait_ms"] is None
+    memory = summary["summary"]["memory"]
+    assert memory["queued"] > 0 and memory["answered_429"] == memory["requests"], memory
+    assert (results / "flow-control.md").read_text().count("flow-control-benchmark:") == 2
