@@ -672,7 +672,6 @@ class Stack:
             ]
             cluster = render("pool_cluster.yaml", {"POOL": pool.name, "ENDPOINTS": json.dumps(endpoints)})
             if pool.picker is not None:
-                del cluster["lb_policy"]
                 cluster["load_balancing_policy"] = render("pool_picker_lb.yaml")
             clusters.append(cluster)
         routes = hcm["route_config"]["virtual_hosts"][0]["routes"]

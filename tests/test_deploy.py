@@ -839,7 +839,9 @@ def test_picking_pool_renders_an_inference_pool_valid_against_its_crd(tmp_path, 
     policy = clusters["pool_llama"]["load_balancing_policy"]["policies"][0]["typed_extension_config"]
     assert policy["name"] == "envoy.load_balancing_policies.override_host"
     assert "lb_policy" not in clusters["pool_llama"]
-    assert clusters["pool_qwen-primary"]["lb_policy"] == "LEAST_REQUEST"
+    least = clusters["pool_qwen-primary"]["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert least["name"] == "envoy.load_balancing_policies.least_request"
+    assert least["typed_config"]["selection_method"] == "FULL_SCAN"
     routes = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
         "route_config"]["virtual_hosts"][0]["routes"]
     picked = [r for r in routes if r["match"].get("headers", [{}])[0].get("string_match") == {"exact": "pool_llama"}]

@@ -187,7 +187,7 @@ def test_the_picked_endpoint_serves(bare):
 
 def test_no_pick_is_least_request_over_every_replica(bare):
     got = sent_to(bare, None, n=30)
-    # Sequential requests: LEAST_REQUEST's two random choices tie at 0 in flight, so every replica
+    # Sequential requests: LEAST_REQUEST's full scan finds every replica at 0 in flight and breaks the tie at random, so every replica
     # gets some (all 30 on at most two of three replicas: p < 3 * (2/3)^30 < 1e-5).
     assert sum(got) == 30 and all(c > 0 for c in got), got
 

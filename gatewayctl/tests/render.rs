@@ -276,8 +276,11 @@ fn envoy_gateway_patch_policy_names_the_listener_of_each_xds_name_scheme() {
     assert_eq!(patch["metadata"]["namespace"], "envoy-gateway-system");
     assert_eq!(patch["spec"]["targetRef"]["name"], "eg");
     let patches = patch["spec"]["jsonPatches"].as_sequence().unwrap();
-    assert_eq!(patches.len(), 5);
+    assert_eq!(patches.len(), 6);
     assert!(patches.iter().all(|p| p["name"] == "tcp-80"), "{patches:?}");
+    // Flow control's longest hold of a queued request's answer, on the admission filter.
+    assert_eq!(patches[3]["operation"]["path"], "max_message_timeout");
+    assert_eq!(patches[3]["operation"]["value"], "601s");
     let text =
         std::fs::read_to_string(EXAMPLE).unwrap().replace("xds_name_scheme: v2", "xds_name_scheme: v1");
     let loaded = Loaded::from_yaml(&text, EXAMPLE, Path::new("../envoy/examples").to_path_buf()).unwrap();
@@ -286,7 +289,7 @@ fn envoy_gateway_patch_policy_names_the_listener_of_each_xds_name_scheme() {
     let patches = yaml(&v1.content)["spec"]["jsonPatches"].as_sequence().unwrap().clone();
     assert!(patches.iter().all(|p| p["name"] == "envoy-gateway-system/eg/http"), "{patches:?}");
     // The buffer: filter.max_body_bytes (example: 4 MiB) + 1 MiB, as the standalone listener's.
-    assert_eq!(patches[4]["operation"]["value"], 5 * 1024 * 1024);
+    assert_eq!(patches[5]["operation"]["value"], 5 * 1024 * 1024);
 }
 
 /// The example with `filter.admission_leases` (and the leases it needs) turned on.

@@ -343,7 +343,7 @@ fn pool_cluster(i: usize, pool: &PoolSection) -> Result<Value, Error> {
         // The sidecar's pick in envoy.lb metadata, LEAST_REQUEST without one.
         let policy = template::render(template::POOL_PICKER_LB, &Values::new())?;
         let fields = cluster.as_mapping_mut().ok_or_else(bad)?;
-        if fields.remove("lb_policy").is_none() {
+        if fields.remove("load_balancing_policy").is_none() {
             return Err(bad());
         }
         set(&mut cluster, "load_balancing_policy", policy);
