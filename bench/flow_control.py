@@ -509,10 +509,11 @@ def section(summary: dict) -> str:
                      f"{mem['sigterm_to_all_answered_s']:.1f} s. Command: `{mem['command']}`")
     st = summary["settings"]
     commands = "\n".join(f"- {sc}: `{t.get('flow-control', {}).get('command')}`" for sc, t in s.items() if sc != "memory")
+    reused = "".join(f" ({sc}: run {at})" for sc, at in summary.get("reused", {}).items())
     return f"""{BEGIN}
 ## Flow control (issue 13)
 
-Run {summary['finished_at']}, {st['rounds']} interleaved rounds (fresh stacks for every target and round),
+Run {summary['finished_at']}{reused}, {st['rounds']} interleaved rounds (fresh stacks for every target and round),
 medians. Upstream: {REPLICAS} × `vllm-sim --max-num-seqs {MAX_NUM_SEQS} --ttft-ms {TTFT_MS} --itl-ms {ITL_MS}`,
 {OUTPUT_MIN}–{OUTPUT_MAX} output tokens (uniform): {SLOTS} slots of {SERVICE_S * 1000:.0f} ms on average,
 capacity {CAPACITY:.0f} requests/s.
@@ -560,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--no-docs", action="store_true", help="leave docs/ alone")
     parser.add_argument("--results", type=Path, default=None)
+    parser.add_argument("--reuse", type=Path, default=None,
+                        help="a previous run's results directory: its scenarios not in --scenarios are kept")
     args = parser.parse_args(argv)
     s = QUICK if args.quick else FULL
     if args.rounds:
@@ -594,8 +597,18 @@ def main(argv: list[str] | None = None) -> int:
     if "memory" in scenarios:
         summary_by["memory"] = memory_run(s, raw)
         print(f"[memory] {summary_by['memory']}", flush=True)
+    reused: dict[str, str] = {}
+    if args.reuse:
+        previous = json.loads((args.reuse / "summary.json").read_text())
+        for sc in ["fair", "tiers", "burst", "memory"]:
+            if sc not in summary_by and sc in previous["summary"]:
+                summary_by[sc] = previous["summary"][sc]
+                reused[sc] = previous.get("reused", {}).get(sc, previous["finished_at"])
+                if sc in previous.get("results", {}):
+                    results[sc] = previous["results"][sc]
+        summary_by = {sc: summary_by[sc] for sc in ["fair", "tiers", "burst", "memory"] if sc in summary_by}
     summary = {"finished_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               "wall_s": time.monotonic() - started, "settings": s.__dict__, "summary": summary_by,
+               "wall_s": time.monotonic() - started, "settings": s.__dict__, "summary": summary_by, "reused": reused,
                "results": results}
     (raw / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     text = section(summary)

@@ -245,11 +245,20 @@ async fn admission_stream(
         request_id = %facts.request_id,
         tenant = facts.tenant.as_deref().unwrap_or("")
     );
-    // A request its pool may make wait: Envoy is told at once to wait as long as its budget
-    // (then neither the limits' Redis call nor the queue can run into the admission filter's
-    // message_timeout, also when a burst arrives at once).
+    // A request its pool may make wait: refused at once when its predicted wait is over its
+    // budget, else Envoy is told at once to wait as long as the budget (then neither the limits'
+    // Redis call nor the queue can run into the admission filter's message_timeout, also when a
+    // burst arrives at once).
     let mut extended = false;
     if let Some((tier, budget)) = queued_tier(shared, &facts) {
+        let tenant = facts.tenant.as_deref().unwrap_or("");
+        if let Some(retry_after_secs) = shared.pools.predict_refusal(&facts.pool, tier, tenant, budget) {
+            let error = AdmissionError::Overloaded { pool: facts.pool.clone(), retry_after_secs };
+            let _e = span.enter();
+            debug!(reason = %error, "predicted wait over the tier's budget");
+            shared.metrics.request(tenant, &facts.model, outcome_label(&error));
+            return send(tx, immediate_response(&error)).await;
+        }
         if !shared.pools.room_now(&facts.pool, tier) {
             extend_message_timeout(tx, budget).await?;
             extended = true;
@@ -663,14 +672,13 @@ async fn admit(shared: &Shared, facts: &RequestFacts) -> Result<Admitted, Admiss
     let tenant = facts.tenant.as_deref().ok_or(AdmissionError::MissingTenant)?;
     let tenant_config = config.tenant(tenant).ok_or(AdmissionError::TenantNotConfigured)?;
     // Shed before taking quota: a request the pool cannot serve soon costs the tenant nothing.
-    // A tier that queues in a flow-controlled pool is refused only when its predicted wait is
-    // over its budget.
-    if let Some((tier, budget)) = queued_tier(shared, facts) {
-        if let Some(retry_after_secs) = shared.pools.predict_refusal(&facts.pool, tier, tenant, budget) {
-            debug!(pool = %facts.pool, retry_after_secs, "predicted wait over the tier's budget");
-            return Err(AdmissionError::Overloaded { pool: facts.pool.clone(), retry_after_secs });
-        }
-    } else if let Some(shed) = shared.pools.check(&facts.pool, config.shedding.level(&facts.tier)) {
+    // A tier that queues in a flow-controlled pool is not shed: its predicted wait was checked
+    // before (admission_stream).
+    let shed = match queued_tier(shared, facts) {
+        Some(_) => None,
+        None => shared.pools.check(&facts.pool, config.shedding.level(&facts.tier)),
+    };
+    if let Some(shed) = shed {
         let labels =
             PoolTier { pool: shared.metrics.bounded(&facts.pool), tier: shared.metrics.bounded(&facts.tier) };
         shared.metrics.shed.get_or_create(&labels).inc();
