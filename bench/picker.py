@@ -8,7 +8,11 @@ Every target of every round gets fresh replicas, so no target inherits another's
 
 Targets (each the full gateway: Envoy + wasm filter + ext_proc sidecar + redis-server):
 
-    least-request   the pool without `picker`: Envoy's LEAST_REQUEST picks the replica
+    least-request   the pool without `picker`: Envoy's LEAST_REQUEST picks the replica, scanning
+                    every replica (the gateway's pools, envoy/pool_cluster.yaml: FULL_SCAN)
+    lr-two-choices  (scenarios a, b, c) Envoy's stock LEAST_REQUEST: the less busy of two random
+                    replicas (the default `choice_count` 2, which picks the busier of two replicas
+                    25 % of the time)
     picker          the pool with `picker: {}` (defaults): the sidecar picks (queue, KV cache,
                     in-flight, prefix affinity) and Envoy's override-host policy honours it
     picker-leases   (scenario a) the picker with admission leases allowed (`picker:
@@ -175,7 +179,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 def start_gateway(workdir: Path, picker: bool, leases: bool, replica_args: list[list[str]],
-                  urls: list[str] | None, key: str, exits: contextlib.ExitStack) -> Stack:
+                  urls: list[str] | None, key: str, exits: contextlib.ExitStack,
+                  two_choices: bool = False) -> Stack:
     """One gateway (Envoy + filter + sidecar + Redis) in front of REPLICAS vllm-sims it starts, or of
     the running `urls`."""
     if urls:
@@ -187,6 +192,7 @@ def start_gateway(workdir: Path, picker: bool, leases: bool, replica_args: list[
     pool.shedding = {"scrape_interval_ms": 100} if picker else None
     # A picking pool takes no admission leases unless its picker allows them.
     pool.picker = ({**PICKER, "admission_leases": True} if leases else dict(PICKER)) if picker else None
+    pool.lb_two_choices = two_choices
     tenants = [Tenant("bench", [key], {"requests_per_minute": 10_000_000, "tokens_per_minute": 10_000_000_000})]
     stack = Stack(workdir, [pool], [Model(MODEL, POOL, 8192)], tenants, envoy_concurrency=1,
                   admission_leases=leases,
@@ -239,13 +245,13 @@ def one_run(scenario: str, target: str, workload: Workload, s: Settings, raw: Pa
         replica_args[0] = [*replica_args[0], "--slowdown", "3"]
     work = raw / scenario / f"r{round_no}-{target}"
     with contextlib.ExitStack() as exits:
-        first = start_gateway(work / "gw0", target != "least-request", target == "picker-leases", replica_args,
-                              None, key, exits)
+        picking = target not in ("least-request", "lr-two-choices")
+        first = start_gateway(work / "gw0", picking, target == "picker-leases", replica_args,
+                              None, key, exits, two_choices=target == "lr-two-choices")
         urls = list(first.pool(POOL).urls)
         gateways = [first]
         if scenario == "d":
-            gateways.append(start_gateway(work / "gw1", target != "least-request", False, replica_args, urls, key,
-                                          exits))
+            gateways.append(start_gateway(work / "gw1", picking, False, replica_args, urls, key, exits))
         before = snapshot(urls)
         parts = len(gateways)
         procs = []
@@ -315,10 +321,10 @@ def cost_run(target: str, s: Settings, raw: Path, round_no: int) -> dict:
 
 
 SCENARIO_TARGETS = {
-    "a": ["least-request", "picker", "picker-leases"],
+    "a": ["least-request", "picker", "picker-leases", "lr-two-choices"],
     "a-big-cache": ["least-request", "picker"],
-    "b": ["least-request", "picker"],
-    "c": ["least-request", "picker"],
+    "b": ["least-request", "picker", "lr-two-choices"],
+    "c": ["least-request", "picker", "lr-two-choices"],
     "d": ["least-request", "picker"],
     "cost": ["least-request", "picker"],
 }
@@ -348,6 +354,11 @@ def summarize(results: dict[str, dict[str, list[dict]]]) -> dict:
                 for k in ("ttft_p50_ms", "ttft_p99_ms"):
                     pairs = [(a[k], b[k]) for a, b in zip(rows, base) if a.get(k) and b.get(k)]
                     t[f"{k}_ratio"] = statistics.median(a / b for a, b in pairs) if pairs else None
+            two = targets.get("lr-two-choices", [])
+            if name == "picker" and two:
+                for k in ("ttft_p50_ms", "ttft_p99_ms"):
+                    pairs = [(a[k], b[k]) for a, b in zip(rows, two) if a.get(k) and b.get(k)]
+                    t[f"{k}_ratio_two_choices"] = statistics.median(a / b for a, b in pairs) if pairs else None
                 pairs = [(a["ttft_p50_ms"], b["ttft_p50_ms"]) for a, b in zip(rows, base)]
                 t["ttft_p50_diff_ms"] = statistics.median(a - b for a, b in pairs) if pairs else None
             t["command"] = rows[0]["command"] if rows else None
@@ -391,6 +402,11 @@ def section(summary: dict) -> str:
                      f"against the gateway without picking (median of per-round differences); the sidecar's CPU "
                      f"{fmt(cost['picker'].get('sidecar_cpu_ms_per_request'), 3)} ms per request against "
                      f"{fmt(cost['least-request'].get('sidecar_cpu_ms_per_request'), 3)} ms.")
+    two = [f"({sc}) p50 {ratio(t['picker'].get('ttft_p50_ms_ratio_two_choices'))}, "
+           f"p99 {ratio(t['picker'].get('ttft_p99_ms_ratio_two_choices'))}"
+           for sc, t in s.items() if t.get("picker", {}).get("ttft_p50_ms_ratio_two_choices") is not None]
+    two_text = ("\n\nThe picker against Envoy's stock LEAST_REQUEST (two random choices, `lr-two-choices`), "
+                "medians of per-round ratios: " + "; ".join(two) + ".") if two else ""
     gains = ""
     a, d = s.get("a", {}).get("picker"), s.get("d", {}).get("picker")
     if a and d and a.get("ttft_p50_ms_ratio") and d.get("ttft_p50_ms_ratio"):
@@ -403,7 +419,8 @@ def section(summary: dict) -> str:
 ## Endpoint picking (issue 12)
 
 Run {summary['finished_at']}, {st['rounds']} interleaved rounds (fresh replicas for every target and
-round), medians; ratios are medians of per-round ratios against `least-request` (LR). 4 replicas of
+round), medians; ratios are medians of per-round ratios against `least-request` (LR: the gateway's pools,
+LEAST_REQUEST scanning every replica; `lr-two-choices` is Envoy's stock two random choices). 4 replicas of
 `vllm-sim --engine batched` (KV cache of {st['num_gpu_blocks']} blocks of 16 tokens each, prefix caching,
 `--max-num-seqs 32`), {st['groups']} groups × {st['conversations']} conversations × {st['turns']} turns,
 system prompts of ~{st['system_tokens']} tokens, Poisson arrivals at {st['rate']:g} req/s, 64 output tokens.
@@ -413,7 +430,7 @@ picking pool gets no leases, so every request is picked.
 
 ![TTFT by scenario and target](benchmarks/picker-ttft.svg)
 
-{table}{cost_text}{gains}
+{table}{two_text}{cost_text}{gains}
 
 Reproduce: `.venv/bin/python bench/picker.py` (all scenarios; `--scenarios a,b` for some). Each
 scenario's first command, as run (`$TARGET_URL` is the gateway's ephemeral address, `$API_KEY` a
@@ -426,7 +443,7 @@ key generated for the run; the dataset is written by the script):
 def write_chart(summary: dict, path: Path) -> None:
     s = summary["summary"]
     cats = [sc for sc in s if sc != "cost"]
-    names = sorted({n for sc in cats for n in s[sc]}, key=["least-request", "picker", "picker-leases"].index)
+    names = sorted({n for sc in cats for n in s[sc]}, key=["least-request", "lr-two-choices", "picker", "picker-leases"].index)
     series = {f"{n} p99": [s[sc].get(n, {}).get("ttft_p99_ms") for sc in cats] for n in names}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(bar_chart_svg("TTFT p99 by scenario (median of rounds)", " ms", cats, series))

@@ -137,6 +137,9 @@ class Pool:
     # Extra sim args per replica, after `sim_args` (e.g. [[], ["--slowdown", "3"]]: the second
     # replica 3x slower); as many lists as `replicas`, or None.
     replica_sim_args: list[list[str]] | None = None
+    # Envoy's stock LEAST_REQUEST (two random choices) instead of the pool's full scan
+    # (envoy/pool_cluster.yaml), for the picker benchmark's comparison with Envoy's default.
+    lb_two_choices: bool = False
 
 
 @dataclass
@@ -673,6 +676,9 @@ class Stack:
             cluster = render("pool_cluster.yaml", {"POOL": pool.name, "ENDPOINTS": json.dumps(endpoints)})
             if pool.picker is not None:
                 cluster["load_balancing_policy"] = render("pool_picker_lb.yaml")
+            elif pool.lb_two_choices:
+                least = cluster["load_balancing_policy"]["policies"][0]["typed_extension_config"]["typed_config"]
+                del least["selection_method"]
             clusters.append(cluster)
         routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
         picking = [p for p in self.pools if p.picker is not None]

@@ -79,7 +79,7 @@ def test_picker_quick_run_is_complete_and_consistent(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads((results / "summary.json").read_text())
     rows = summary["results"]["a"]
-    assert set(rows) == {"least-request", "picker", "picker-leases"}
+    assert set(rows) == {"least-request", "picker", "picker-leases", "lr-two-choices"}
     sent = {len(r) for r in rows.values()}
     assert sent == {1}, rows
     for target, (row,) in rows.items():
