@@ -55,9 +55,7 @@ import contextlib
 import datetime
 import json
 import math
-import os
 import random
-import re
 import shlex
 import signal
 import statistics
@@ -74,6 +72,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from results_page import FLOW_BEGIN as BEGIN  # noqa: E402
 from results_page import FLOW_END as END  # noqa: E402
+from picker import cpu_seconds, display  # noqa: E402
 from results_page import bar_chart_svg, fmt, md_table, ratio, replace_section  # noqa: E402
 from stack import TARGET, Model, Pool, Stack, Tenant, new_api_key  # noqa: E402
 
@@ -284,11 +283,6 @@ def sidecar_rss_kb(pid: int) -> int:
     return 0
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def sidecar_metric(stack: Stack, name: str, **labels: str) -> float:
     from sidecar_checks import metric
     with urllib.request.urlopen(stack.sidecar_metrics_url + "/metrics", timeout=5) as r:
@@ -310,11 +304,6 @@ def one_run(scenario: str, target: str, s: Settings, raw: Path, round_no: int) -
     first = clients[0]
     argv = bench_argv(stack, keys[first.tenant], first, work / f"{first.tenant}.json", SEED)
     return {"tenants": by_tenant, "command": display(argv, keys[first.tenant])}
-
-
-def display(argv: list[str], key: str) -> str:
-    text = shlex.join(argv).replace(key, "$API_KEY").replace(str(ROOT) + "/", "")
-    return re.sub(r"http://127\.0\.0\.1:\d+", "$TARGET_URL", text)
 
 
 def memory_run(s: Settings, raw: Path) -> dict:
