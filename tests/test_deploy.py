@@ -922,3 +922,111 @@ def test_rendered_mesh_sidecar_config_serves_its_endpoint_pickers(tmp_path):
     finally:
         redis.terminate()
         redis.wait(timeout=10)
+
+
+# ------------------------------------------------------------------ exact counting from the one config
+
+
+def _qwen_model(max_model_len: int) -> dict:
+    """A gateway-config model counted exactly with Qwen2.5's tokenizer and chat template (the
+    same files tests/test_context_check.py checks against the reference implementation)."""
+    from test_context_check import qwen_spec
+    return {"name": "qwen-exact", "pool": "pool_q", "max_model_len": max_model_len,
+            "served_model_name": "sim/qwen", **qwen_spec()}
+
+
+def test_exact_counting_from_the_one_config_decides_at_the_boundary(tmp_path):
+    """Issue 15 item 1: `models[].tokenizer` and `chat_template` in gatewayctl's config turn on the
+    exact count end to end: the filter's `exact_count`, the sidecar's `models` (loaded at render
+    time), and what was rendered, run, answers 200 at max_model_len and 400
+    `context_length_exceeded` one token past it."""
+    from test_context_check import MAX_MODEL_LEN, MESSAGES, reference_chat_tokens
+    key = new_api_key()
+    pools = [Pool("pool_q", ["sim/qwen"], ["--output-tokens", "4"], max_model_len=1_000_000)]
+    models = [Model("qwen-exact", "pool_q", MAX_MODEL_LEN, served_model_name="sim/qwen")]
+    tenants = [Tenant("acme", [key], {"requests_per_minute": 1000})]
+    sidecar_port = free_port()
+    out = tmp_path / "out"
+
+    def rendered(name: str):
+        def load(stack: Stack) -> dict:
+            if not (out / "standalone" / name).exists():
+                config = {
+                    "envoy": {"listen": "127.0.0.1:0", "admin_port": 0},
+                    "filter": {"wasm_file": str(WASM_PATH)},
+                    "sidecar": {"listen": f"127.0.0.1:{sidecar_port}"},
+                    "redis": {"url": f"redis://127.0.0.1:{stack.redis_port}/0"},
+                    "tenants": [{"id": "acme", "api_keys_sha256": [sha256_hex(key)],
+                                 "limits": {"requests_per_minute": 1000}}],
+                    "models": [_qwen_model(MAX_MODEL_LEN)],
+                    "pools": [{"name": "pool_q",
+                               "endpoints": [u.removeprefix("http://") for u in stack.pool("pool_q").urls]}],
+                }
+                (tmp_path / "gateway.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+                gatewayctl("render", "--config", str(tmp_path / "gateway.yaml"), "--out", str(out),
+                           "--target", "standalone")
+            return yaml.safe_load((out / "standalone" / name).read_text())
+        return load
+
+    with Stack(tmp_path, pools, models, tenants, sidecar_config_from=rendered("sidecar.yaml"),
+               envoy_config_from=rendered("envoy.yaml")) as stack:
+        filter_config = json.loads((out / "standalone" / "filter.json").read_text())
+        assert filter_config["models"][0]["exact_count"] is True
+        sidecar = yaml.safe_load((out / "standalone" / "sidecar.yaml").read_text())
+        assert [m["name"] for m in sidecar["models"]] == ["qwen-exact"]
+        prompt = reference_chat_tokens(MESSAGES)
+        fits = post(stack, "/v1/chat/completions",
+                    {"model": "qwen-exact", "messages": MESSAGES, "max_tokens": MAX_MODEL_LEN - prompt}, key=key)
+        assert fits.status_code == 200, fits.text
+        over = post(stack, "/v1/chat/completions",
+                    {"model": "qwen-exact", "messages": MESSAGES, "max_tokens": MAX_MODEL_LEN - prompt + 1}, key=key)
+        error = assert_openai_error(over, 400, code="context_length_exceeded")
+        assert f"{prompt} tokens" in error["message"] or str(prompt) in error["message"], error
+
+
+def test_exact_counting_on_kubernetes_reads_the_tokenizers_volume(tmp_path, crd_validators):
+    """On the mesh targets the sidecar's models name their files below /models, the volume
+    `kubernetes.sidecar.tokenizers` mounted there (a tokenizer is far larger than a ConfigMap
+    holds); every manifest still passes schema validation; a file outside the volume's root is a
+    render error naming the model's field."""
+    model = _qwen_model(4096)
+    root = tmp_path / "tokenizers"
+    (root / "qwen").mkdir(parents=True)
+    ranks = Path(model["tokenizer"]["tiktoken"]["ranks"])
+    template = Path(model["chat_template"]["jinja"])
+    (root / "qwen" / "qwen.tiktoken").write_bytes(ranks.read_bytes())
+    (root / "qwen" / "chat_template.jinja").write_bytes(template.read_bytes())
+    model["tokenizer"]["tiktoken"]["ranks"] = str(root / "qwen" / "qwen.tiktoken")
+    model["chat_template"]["jinja"] = str(root / "qwen" / "chat_template.jinja")
+    config = example()
+    config["models"].append({**model, "pool": config["pools"][0]["name"]})
+    config["kubernetes"]["sidecar"]["tokenizers"] = {
+        "root": "tokenizers", "volume": {"persistentVolumeClaim": {"claimName": "tokenizers", "readOnly": True}}}
+    files = render(tmp_path, config)
+    configmap = yaml.safe_load(files["kubernetes/sidecar-configmap.yaml"].read_text())
+    sidecar = yaml.safe_load(configmap["data"]["sidecar.yaml"])
+    (counted,) = sidecar["models"]
+    assert counted["tokenizer"]["tiktoken"]["ranks"] == "/models/qwen/qwen.tiktoken"
+    assert counted["chat_template"]["jinja"] == "/models/qwen/chat_template.jinja"
+    standalone = yaml.safe_load(files["standalone/sidecar.yaml"].read_text())
+    assert standalone["models"][0]["tokenizer"]["tiktoken"]["ranks"] == str(root / "qwen" / "qwen.tiktoken")
+    pod = yaml.safe_load(files["kubernetes/sidecar-deployment.yaml"].read_text())["spec"]["template"]["spec"]
+    assert {"name": "tokenizers", "mountPath": "/models", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+    assert {"name": "tokenizers", "persistentVolumeClaim": {"claimName": "tokenizers", "readOnly": True}} \
+        in pod["volumes"]
+    for _, doc in manifests(files):
+        validate_manifest(doc, crd_validators)
+    # Without the volume, or with a file outside its root: refused, naming the field.
+    del config["kubernetes"]["sidecar"]["tokenizers"]
+    (tmp_path / "bad").mkdir()
+    result = gatewayctl("validate", "--config", str(_write(tmp_path / "bad" / "gateway.yaml", config)), check=False)
+    assert result.returncode != 0
+    assert "kubernetes.sidecar.tokenizers: needed by models[" in result.stderr, result.stderr
+    config["kubernetes"]["sidecar"]["tokenizers"] = {"root": str(root / "elsewhere"), "volume": {"emptyDir": {}}}
+    result = gatewayctl("validate", "--config", str(_write(tmp_path / "bad" / "gateway.yaml", config)), check=False)
+    assert "is not below kubernetes.sidecar.tokenizers.root" in result.stderr, result.stderr
+
+
+def _write(path: Path, config: dict) -> Path:
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path

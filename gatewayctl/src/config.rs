@@ -512,13 +512,25 @@ pub struct ModelSection {
     /// LoRA adapters served on the model's pool.
     #[serde(default)]
     pub lora_adapters: Option<Vec<String>>,
-    /// `tokenizer.json` of the model (relative to this file). Reserved: rendering refuses it
-    /// until the filter can load a tokenizer.
+    /// The model's tokenizer, for the sidecar's exact prompt-token count: the sidecar's own
+    /// `models[].tokenizer` (`{huggingface: PATH}`, `{tiktoken: {ranks, pattern, special_tokens,
+    /// normalization, add_bos}}` or `{tekken: PATH}`), paths relative to this file. With it the
+    /// filter hands the prompts its bounds cannot decide to the sidecar (`exact_count`), which
+    /// answers vLLM's 400 `context_length_exceeded` to the token. The files are loaded at render
+    /// time by the sidecar's own loader (a bad file is a render error naming this field).
     #[serde(default)]
-    pub tokenizer: Option<PathBuf>,
-    /// Chat template of the model (relative to this file). Reserved like `tokenizer`.
+    pub tokenizer: Option<gateway_tokenize::spec::TokenizerSpec>,
+    /// Its chat template (`{tokenizer_config: PATH, jinja: PATH, bos_token, eos_token,
+    /// content_format}`, paths relative to this file). Needs `tokenizer`. Absent: only
+    /// completions prompts are counted exactly.
     #[serde(default)]
-    pub chat_template: Option<PathBuf>,
+    pub chat_template: Option<gateway_tokenize::spec::ChatTemplateSpec>,
+    /// A Hugging Face model folder (relative to this file), instead of `tokenizer` and
+    /// `chat_template`: its `tokenizer.json` (or Mistral's `tekken.json`) is the tokenizer, its
+    /// `tokenizer_config.json` and `chat_template.jinja` (where present) the chat template, as
+    /// vLLM loads them from the model folder.
+    #[serde(default)]
+    pub model_dir: Option<PathBuf>,
 }
 
 /// One entry of a weighted split.
@@ -944,6 +956,28 @@ pub struct SidecarWorkload {
     /// With `redis_tls_secret`: whether it holds a client certificate (`tls.crt`, `tls.key`).
     #[serde(default)]
     pub redis_tls_client_certificate: bool,
+    /// Where the sidecar pods find the tokenizer files of `models[]` (needed when a model has
+    /// `tokenizer` or `model_dir`): a volume mounted read-only at `/models` that holds the tree
+    /// below `root`.
+    #[serde(default)]
+    pub tokenizers: Option<TokenizersVolume>,
+}
+
+/// `kubernetes.sidecar.tokenizers`: a tokenizer file is far larger than a ConfigMap holds (a
+/// 33 MB `tokenizer.json`), so the sidecar reads them from a volume.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizersVolume {
+    /// The local folder (relative to this file) whose tree the volume holds: every model's
+    /// tokenizer files must be below it; `root/a/tokenizer.json` is `/models/a/tokenizer.json`
+    /// in the pod.
+    pub root: PathBuf,
+    /// The Kubernetes volume source, as in a Pod's `volumes[]` without `name`, e.g.
+    /// `{persistentVolumeClaim: {claimName: tokenizers, readOnly: true}}`, or an OCI image holding
+    /// the files (`{image: {reference: registry.example.com/tokenizers@sha256:..., pullPolicy:
+    /// IfNotPresent}}`, Kubernetes' image volumes). Passed through; the manifests are checked
+    /// against the Kubernetes schema by the tests.
+    pub volume: serde_yaml_ng::Mapping,
 }
 
 /// A key of a Kubernetes Secret.
@@ -1562,6 +1596,21 @@ impl GatewayConfig {
     fn validate_models(&self, pools: &HashSet<&str>) -> Result<(), FieldError> {
         for (i, model) in self.models.iter().enumerate() {
             let at = format!("models[{i}]");
+            if model.model_dir.is_some() && (model.tokenizer.is_some() || model.chat_template.is_some()) {
+                return fail(
+                    format!("{at}.model_dir"),
+                    "not with tokenizer or chat_template (it names both)",
+                );
+            }
+            if model.chat_template.is_some() && model.tokenizer.is_none() {
+                return fail(format!("{at}.chat_template"), "needs tokenizer");
+            }
+            if let Some(t) = &model.tokenizer {
+                t.validate().map_err(|e| FieldError::new(format!("{at}.{}", e.field), e.message))?;
+            }
+            if let Some(t) = &model.chat_template {
+                t.validate().map_err(|e| FieldError::new(format!("{at}.{}", e.field), e.message))?;
+            }
             if let Some(pool) = &model.pool {
                 if !pools.contains(pool.as_str()) {
                     return fail(format!("{at}.pool"), format!("unknown pool '{pool}'"));
@@ -1615,6 +1664,15 @@ impl GatewayConfig {
             if let Some(secret) = &k8s.sidecar.redis_tls_secret {
                 if !is_dns_subdomain(secret) {
                     return fail("kubernetes.sidecar.redis_tls_secret", "must be a Kubernetes name");
+                }
+            }
+            if let Some(t) = &k8s.sidecar.tokenizers {
+                let keys: Vec<_> = t.volume.keys().filter_map(|k| k.as_str()).collect();
+                if keys.len() != 1 || keys.contains(&"name") {
+                    return fail(
+                        "kubernetes.sidecar.tokenizers.volume",
+                        "must be one Kubernetes volume source without `name`, e.g. {persistentVolumeClaim: {claimName: tokenizers}}",
+                    );
                 }
             }
             if k8s.sidecar.redis_tls_client_certificate && k8s.sidecar.redis_tls_secret.is_none() {

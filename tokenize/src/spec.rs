@@ -31,33 +31,33 @@
 
 use std::path::PathBuf;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The builtin tiktoken encodings (ranks compiled into the binary by `tiktoken-rs`).
 pub const BUILTIN_RANKS: [&str; 2] = ["cl100k_base", "o200k_base"];
 
 /// The vocabulary that counts tokens. Exactly one of the three fields must be set.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct TokenizerSpec {
     /// Path of a Hugging Face `tokenizer.json` (the file vLLM loads from the model folder).
     /// Chat prompts are tokenized without added special tokens (vLLM's chat default,
     /// `add_special_tokens: false`), completions prompts with them (the post-processor's BOS).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub huggingface: Option<PathBuf>,
     /// A tiktoken-format ranks file (`<base64 token> <rank>` per line) or a builtin encoding.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tiktoken: Option<TiktokenSpec>,
     /// Path of a Mistral `tekken.json` (tiktoken ranks in JSON, as `mistral-common` loads it).
     /// Its special tokens (`<s>`, `[INST]`, ...) are recognized in rendered templates;
     /// completions prompts count one BOS token and no special tokens, as vLLM's Mistral
     /// tokenizer (`Tekkenizer.encode(text, bos=True)`) encodes them.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tekken: Option<PathBuf>,
 }
 
 /// A tiktoken-format vocabulary.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct TiktokenSpec {
     /// `cl100k_base`, `o200k_base` (builtin: pattern and special tokens come with them), or the
@@ -65,7 +65,7 @@ pub struct TiktokenSpec {
     pub ranks: String,
     /// The pre-tokenizer regex (tiktoken's `pat_str`). Required for a ranks file, not allowed
     /// with a builtin.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pattern: Option<String>,
     /// Special tokens recognized anywhere in the text (each counts as one token), e.g. ChatML's
     /// `<|im_start|>`. Not allowed with a builtin (which has its own). Unique, non-empty.
@@ -82,7 +82,7 @@ pub struct TiktokenSpec {
 }
 
 /// Unicode normalization before tokenizing.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Normalization {
     /// The text as is.
@@ -93,23 +93,23 @@ pub enum Normalization {
 }
 
 /// The model's chat template. At least one of `tokenizer_config` and `jinja` must be set.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChatTemplateSpec {
     /// Path of the model's `tokenizer_config.json`: its `chat_template` (a string, or the entry
     /// named `default` of a list) is the template unless `jinja` is set, and its `bos_token`,
     /// `eos_token`, `unk_token` and `pad_token` are template variables.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer_config: Option<PathBuf>,
     /// Path of a `.jinja` template file (e.g. the model folder's `chat_template.jinja`, or vLLM's
     /// `--chat-template`); it wins over `tokenizer_config`'s `chat_template`.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub jinja: Option<PathBuf>,
     /// `bos_token` template variable; overrides `tokenizer_config`'s.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bos_token: Option<String>,
     /// `eos_token` template variable; overrides `tokenizer_config`'s.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eos_token: Option<String>,
     /// How message `content` reaches the template, as vLLM's `--chat-template-content-format`:
     /// `string` (text parts joined with `\n`; what templates that print `message.content`
@@ -119,7 +119,7 @@ pub struct ChatTemplateSpec {
 }
 
 /// vLLM's chat-template content format.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ContentFormat {
     /// `content` is a string.
@@ -144,6 +144,25 @@ pub(crate) fn spec_error(field: impl Into<String>, message: impl Into<String>) -
 }
 
 impl TokenizerSpec {
+    /// The same spec with every file path passed through `f` (the builtin tiktoken encodings,
+    /// which are no paths, stay as they are).
+    #[must_use]
+    pub fn map_paths(&self, mut f: impl FnMut(&std::path::Path) -> PathBuf) -> Self {
+        let mut out = self.clone();
+        if let Some(p) = &self.huggingface {
+            out.huggingface = Some(f(p));
+        }
+        if let Some(p) = &self.tekken {
+            out.tekken = Some(f(p));
+        }
+        if let (Some(t), Some(o)) = (&self.tiktoken, out.tiktoken.as_mut()) {
+            if !BUILTIN_RANKS.contains(&t.ranks.as_str()) {
+                o.ranks = f(std::path::Path::new(&t.ranks)).display().to_string();
+            }
+        }
+        out
+    }
+
     /// Checks the shape without touching files.
     ///
     /// # Errors
@@ -200,6 +219,16 @@ impl TokenizerSpec {
 }
 
 impl ChatTemplateSpec {
+    /// The same spec with every file path passed through `f`.
+    #[must_use]
+    pub fn map_paths(&self, mut f: impl FnMut(&std::path::Path) -> PathBuf) -> Self {
+        Self {
+            tokenizer_config: self.tokenizer_config.as_deref().map(&mut f),
+            jinja: self.jinja.as_deref().map(&mut f),
+            ..self.clone()
+        }
+    }
+
     /// Checks the shape without touching files.
     ///
     /// # Errors

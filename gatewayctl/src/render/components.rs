@@ -2,6 +2,10 @@
 //! parser before it is returned: a rendered config that the component would refuse at start-up
 //! is an error here, reported against the gateway config's field.
 
+use std::path::Path;
+
+use gateway_tokenize::spec::{ChatTemplateSpec, TokenizerSpec};
+
 use crate::config::FieldError;
 use crate::config::{GatewayConfig, LimitsSection, Loaded, PickerValue, PoolSection};
 use crate::tree::{b, f, map, n, s, seq, strings, to_json, to_yaml, Value};
@@ -11,8 +15,7 @@ use super::Error;
 /// The wasm filter's plugin config, validated by `gateway_filter::config::Config::from_json`.
 ///
 /// # Errors
-/// A field the filter rejects (named as in the gateway config), or a field the filter cannot
-/// carry yet (`models[].tokenizer`, `models[].chat_template`).
+/// A field the filter rejects (named as in the gateway config).
 pub fn filter_config(loaded: &Loaded) -> Result<Value, Error> {
     let c = &loaded.config;
     let mut top = Vec::new();
@@ -37,23 +40,7 @@ pub fn filter_config(loaded: &Loaded) -> Result<Value, Error> {
     });
     top.push(("tenants", seq(tenants)));
     let mut models = Vec::with_capacity(c.models.len());
-    for (i, m) in c.models.iter().enumerate() {
-        if m.tokenizer.is_some() {
-            return Err(FieldError::new(
-                format!("models[{i}].tokenizer"),
-                "not supported yet: the gateway-filter in this build cannot load a tokenizer \
-                 (remove the field; the context check then uses max_token_bytes)",
-            )
-            .into());
-        }
-        if m.chat_template.is_some() {
-            return Err(FieldError::new(
-                format!("models[{i}].chat_template"),
-                "not supported yet: the gateway-filter in this build cannot apply a chat template \
-                 (remove the field)",
-            )
-            .into());
-        }
+    for m in &c.models {
         let mut fields = vec![("name", s(&m.name))];
         if let Some(pool) = &m.pool {
             fields.push(("pool", s(pool)));
@@ -74,6 +61,10 @@ pub fn filter_config(loaded: &Loaded) -> Result<Value, Error> {
         }
         if let Some(adapters) = &m.lora_adapters {
             fields.push(("lora_adapters", strings(adapters)));
+        }
+        if m.tokenizer.is_some() || m.model_dir.is_some() {
+            // What the bounds cannot decide goes to the sidecar's exact count.
+            fields.push(("exact_count", b(true)));
         }
         models.push(map(fields));
     }
@@ -196,6 +187,10 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
     if let Some(max) = c.filter.max_body_bytes {
         // The exact count receives bodies up to the filter's limit.
         top.push(("context", map([("max_body_bytes", n(max))])));
+    }
+    let counted = exact_count_models(loaded, flavor)?;
+    if !counted.is_empty() {
+        top.push(("models", seq(counted)));
     }
     // Sidecar pools[j] is the gateway config's pools[shed[j]]: the pools it sheds in front of
     // or picks endpoints for (or both).
@@ -372,6 +367,119 @@ fn redis(loaded: &Loaded, flavor: Flavor) -> Value {
         fields.push(("breaker", map(b)));
     }
     map(fields)
+}
+
+/// Where the sidecar pods mount `kubernetes.sidecar.tokenizers`.
+pub const TOKENIZERS_MOUNT: &str = "/models";
+
+/// The tokenizer and chat template of `models[i]` with their files resolved on this machine
+/// (against the config file's folder), and the gateway-config field they come from; None for a
+/// model without exact counting.
+fn local_specs(
+    loaded: &Loaded,
+    i: usize,
+) -> Result<Option<(TokenizerSpec, Option<ChatTemplateSpec>, String)>, Error> {
+    let Some(m) = loaded.config.models.get(i) else { return Ok(None) };
+    if let Some(dir) = &m.model_dir {
+        let dir = loaded.resolve(dir);
+        let field = format!("models[{i}].model_dir");
+        let file = |name: &str| Some(dir.join(name)).filter(|p| p.is_file());
+        let tokenizer = match (file("tokenizer.json"), file("tekken.json")) {
+            (Some(p), _) => TokenizerSpec { huggingface: Some(p), tiktoken: None, tekken: None },
+            (None, Some(p)) => TokenizerSpec { huggingface: None, tiktoken: None, tekken: Some(p) },
+            (None, None) => {
+                return Err(FieldError::new(
+                    field,
+                    format!("{}: holds neither tokenizer.json nor tekken.json", dir.display()),
+                )
+                .into())
+            }
+        };
+        let (config, jinja) = (file("tokenizer_config.json"), file("chat_template.jinja"));
+        let template = (config.is_some() || jinja.is_some()).then(|| ChatTemplateSpec {
+            tokenizer_config: config,
+            jinja,
+            bos_token: None,
+            eos_token: None,
+            content_format: Default::default(),
+        });
+        return Ok(Some((tokenizer, template, field)));
+    }
+    let Some(tokenizer) = &m.tokenizer else { return Ok(None) };
+    let resolve = |p: &Path| loaded.resolve(p);
+    let template = m.chat_template.as_ref().map(|t| t.map_paths(resolve));
+    Ok(Some((tokenizer.map_paths(resolve), template, format!("models[{i}]"))))
+}
+
+/// The sidecar's `models[]`: every model with a tokenizer, its files loaded here by the
+/// sidecar's own loader (a missing or bad file is an error naming the gateway config's field),
+/// then named as the sidecar sees them: these paths on the standalone host, or below
+/// [`TOKENIZERS_MOUNT`] in a pod (`kubernetes.sidecar.tokenizers`).
+fn exact_count_models(loaded: &Loaded, flavor: Flavor) -> Result<Vec<Value>, Error> {
+    let c = &loaded.config;
+    let mut out = Vec::new();
+    for (i, m) in c.models.iter().enumerate() {
+        let Some((tokenizer, template, field)) = local_specs(loaded, i)? else { continue };
+        let local = gateway_ext_proc::config::ModelConfig {
+            name: m.name.clone(),
+            max_model_len: m.max_model_len,
+            tokenizer: tokenizer.clone(),
+            chat_template: template.clone(),
+        };
+        if let Err(e) = gateway_ext_proc::context::ContextChecker::from_config(std::slice::from_ref(&local)) {
+            let (at, message) = match e {
+                gateway_ext_proc::config::ConfigError::Invalid { field: f, message } => (f, message),
+                other => (String::new(), other.to_string()),
+            };
+            // `models[0].tokenizer.huggingface` of the one-model check: this model's field.
+            let sub = at.strip_prefix("models[0]").unwrap_or("");
+            let named = if field.ends_with("model_dir") { field.clone() } else { format!("{field}{sub}") };
+            return Err(FieldError::new(named, format!("{message} (gateway-ext-proc)")).into());
+        }
+        let (tokenizer, template) = match flavor {
+            Flavor::Standalone => (tokenizer, template),
+            Flavor::Kubernetes => {
+                let Some(volume) = c.kubernetes.as_ref().and_then(|k| k.sidecar.tokenizers.as_ref()) else {
+                    return Err(FieldError::new(
+                        "kubernetes.sidecar.tokenizers",
+                        format!("needed by {field}: the sidecar pods read tokenizer files from a volume"),
+                    )
+                    .into());
+                };
+                let root = loaded.resolve(&volume.root);
+                let mut outside = None;
+                let mut in_pod = |p: &Path| match p.strip_prefix(&root) {
+                    Ok(rel) => Path::new(TOKENIZERS_MOUNT).join(rel),
+                    Err(_) => {
+                        outside.get_or_insert_with(|| p.display().to_string());
+                        p.to_path_buf()
+                    }
+                };
+                let mapped = (tokenizer.map_paths(&mut in_pod), template.map(|t| t.map_paths(&mut in_pod)));
+                if let Some(path) = outside {
+                    return Err(FieldError::new(
+                        field,
+                        format!(
+                            "{path} is not below kubernetes.sidecar.tokenizers.root ({})",
+                            root.display()
+                        ),
+                    )
+                    .into());
+                }
+                mapped
+            }
+        };
+        let mut fields = vec![
+            ("name", s(&m.name)),
+            ("max_model_len", n(m.max_model_len)),
+            ("tokenizer", to_value(&tokenizer)?),
+        ];
+        if let Some(t) = &template {
+            fields.push(("chat_template", to_value(t)?));
+        }
+        out.push(map(fields));
+    }
+    Ok(out)
 }
 
 /// A section the gateway config takes over from the sidecar's own config type, as a tree.

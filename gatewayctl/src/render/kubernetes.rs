@@ -183,6 +183,20 @@ pub fn manifests(loaded: &Loaded, target: &str) -> Result<Vec<File>, Error> {
         ]));
         volumes.push(map([("name", s("redis-tls")), ("secret", map([("secretName", s(secret))]))]));
     }
+    if let Some(tokenizers) = &k8s.sidecar.tokenizers {
+        // The models' tokenizer files (sidecar `models[]`, paths below this mount).
+        mounts.push(map([
+            ("name", s("tokenizers")),
+            ("mountPath", s(components::TOKENIZERS_MOUNT)),
+            ("readOnly", Value::from(true)),
+        ]));
+        let mut volume = serde_yaml_ng::Mapping::new();
+        volume.insert(s("name"), s("tokenizers"));
+        for (k, v) in &tokenizers.volume {
+            volume.insert(k.clone(), v.clone());
+        }
+        volumes.push(Value::Mapping(volume));
+    }
 
     let base = Values::new()
         .set("NAMESPACE", ns)
