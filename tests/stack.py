@@ -223,6 +223,7 @@ class Stack:
         edge: dict | None = None,
         route_to_first_pool: bool | None = None,
         sidecar_tls: SidecarTls | None = None,
+        otlp_port: int | None = None,
     ):
         if profile not in ("gateway", "filter", "bare"):
             raise ValueError(f"unknown profile {profile}")
@@ -236,6 +237,9 @@ class Stack:
         # mTLS between Envoy and the sidecar: the sidecar's listener gets `tls`, the ext_proc
         # cluster the transport socket of envoy/ext_proc_upstream_tls.yaml.
         self.sidecar_tls = sidecar_tls
+        # OpenTelemetry traces to an OTLP/gRPC receiver on this loopback port: Envoy's
+        # (envoy/tracing.yaml, every request sampled) and the sidecar's (`tracing`).
+        self.otlp_port = otlp_port
         # Another wasm module in the filter's place (the benchmark's no-op filter).
         self.wasm_path = wasm_path or WASM_PATH
         unknown = set(edge or {}) - set(EDGE_DEFAULTS)
@@ -553,6 +557,8 @@ class Stack:
             t = self.sidecar_tls
             config["tls"] = {"cert_file": str(t.server_cert), "key_file": str(t.server_key),
                              "client_ca_file": str(t.ca)}
+        if self.otlp_port:
+            config["tracing"] = {"otlp_endpoint": f"http://127.0.0.1:{self.otlp_port}"}
         return _merged(config, self.sidecar_overrides)
 
     def kill_sidecar(self) -> None:
@@ -656,6 +662,9 @@ class Stack:
         })
         hcm["http_filters"] = filters
         clusters = bootstrap["static_resources"]["clusters"]
+        if self.otlp_port:
+            hcm["tracing"] = render("tracing.yaml", {"SERVICE_NAME": "llm-gateway", "RANDOM_SAMPLING": 100})
+            clusters.append(render("otel_cluster.yaml", {"OTLP_HOST": "127.0.0.1", "OTLP_PORT": self.otlp_port}))
         if self.profile == "gateway":
             cluster = render("ext_proc_cluster.yaml")
             if self.sidecar_tls:

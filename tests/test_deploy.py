@@ -152,6 +152,8 @@ def bootstrap_variant(name: str) -> dict:
         for pool in config["pools"]:
             pool.pop("fallback", None)
         return config
+    if name == "tracing":
+        return example(**MANIFEST_VARIANTS["tracing"])
     if name == "redis-cluster-and-dns-sidecar":
         return example(**{"redis.url": None,
                           "redis.cluster_urls": ["redis://10.0.0.21:7000", "redis://10.0.0.22:7000"],
@@ -159,7 +161,7 @@ def bootstrap_variant(name: str) -> dict:
     raise ValueError(name)
 
 
-@pytest.mark.parametrize("variant", ["example", "no-fallback", "redis-cluster-and-dns-sidecar"])
+@pytest.mark.parametrize("variant", ["example", "no-fallback", "redis-cluster-and-dns-sidecar", "tracing"])
 def test_rendered_bootstrap_passes_envoy_validate(tmp_path, variant):
     files = render(tmp_path, bootstrap_variant(variant), "standalone")
     assert set(files) == {"standalone/envoy.yaml", "standalone/filter.json", "standalone/sidecar.yaml"}
@@ -317,6 +319,8 @@ MANIFEST_VARIANTS = {
                                "kubernetes.sidecar.redis_tls_secret": "redis-tls",
                                "kubernetes.sidecar.redis_tls_client_certificate": True,
                                "kubernetes.trial_redis": None},
+    "tracing": {"tracing": {"otlp_endpoint": "otel-collector.observability.svc.cluster.local:4317",
+                            "sampling_percent": 2.5, "istio_provider": "otel"}},
     "external-redis-cluster": {"kubernetes.trial_redis": None, "redis.url": None,
                                "redis.cluster_urls": ["redis://redis-0.redis:6379", "redis://redis-1.redis:6379"],
                                "sidecar.metrics_listen": None},
@@ -1030,3 +1034,35 @@ def test_exact_counting_on_kubernetes_reads_the_tokenizers_volume(tmp_path, crd_
 def _write(path: Path, config: dict) -> Path:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def test_tracing_is_rendered_for_every_target(tmp_path):
+    """Issue 15 item 4: `tracing` turns on Envoy's OpenTelemetry tracer on every target (the
+    standalone bootstrap's tracer and collector cluster, Istio's Telemetry for the gateway's pods,
+    Envoy Gateway's EnvoyProxy telemetry) and the sidecar's OTLP export, at the configured rate.
+    Schema validity is test_manifests_pass_schema_validation[tracing]; the spans' one trace is
+    tests/test_tracing.py."""
+    files = render(tmp_path, example(**MANIFEST_VARIANTS["tracing"]))
+    bootstrap = yaml.safe_load(files["standalone/envoy.yaml"].read_text())
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["tracing"]["provider"]["name"] == "envoy.tracers.opentelemetry"
+    assert hcm["tracing"]["random_sampling"] == {"value": 2.5}
+    (otel,) = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "llm_gateway_otel"]
+    address = otel["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    assert address == {"address": "otel-collector.observability.svc.cluster.local", "port_value": 4317}
+    for path in ("standalone/sidecar.yaml",):
+        sidecar = yaml.safe_load(files[path].read_text())
+        assert sidecar["tracing"] == {"otlp_endpoint": "http://otel-collector.observability.svc.cluster.local:4317",
+                                      "sampling_ratio": 0.025}
+    telemetry = yaml.safe_load(files["istio/telemetry.yaml"].read_text())
+    assert telemetry["spec"]["tracing"] == [{"providers": [{"name": "otel"}], "randomSamplingPercentage": 2.5}]
+    proxy = yaml.safe_load(files["envoy-gateway/envoyproxy.yaml"].read_text())
+    assert proxy["spec"]["telemetry"]["tracing"] == {
+        "samplingFraction": {"numerator": 250, "denominator": 10000},
+        "provider": {"type": "OpenTelemetry", "host": "otel-collector.observability.svc.cluster.local", "port": 4317}}
+    # Istio configures the gateway's tracer from its MeshConfig: without the provider's name, refused.
+    config = example(**MANIFEST_VARIANTS["tracing"])
+    del config["tracing"]["istio_provider"]
+    (tmp_path / "bad").mkdir()
+    result = gatewayctl("validate", "--config", str(_write(tmp_path / "bad" / "gateway.yaml", config)), check=False)
+    assert "tracing.istio_provider: needed by the istio target" in result.stderr, result.stderr

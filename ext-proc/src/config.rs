@@ -100,6 +100,37 @@ pub struct Config {
     /// InferencePool's own ext_proc call picks them). Default none.
     #[serde(default)]
     pub endpoint_pickers: Vec<EndpointPickerConfig>,
+    /// OpenTelemetry traces of the admission (issue 15): absent, no spans leave the process
+    /// ([`crate::telemetry`]).
+    #[serde(default)]
+    pub tracing: Option<TracingConfig>,
+}
+
+/// `tracing`: the admission's spans (the limit decision and its Redis call, the exact count, the
+/// flow-control wait) exported over OTLP/gRPC, children of Envoy's span when Envoy's ext_proc
+/// call carries a W3C `traceparent`. Attributes follow the OpenTelemetry GenAI semantic
+/// conventions (`gen_ai.request.model`, `gen_ai.usage.input_tokens`) plus the tenant; never an
+/// API key (the sidecar never sees one).
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TracingConfig {
+    /// The collector's OTLP/gRPC endpoint, `http://host:port` (4317 by convention) or `https://`.
+    pub otlp_endpoint: String,
+    /// Share of the admissions whose trace starts here that are sampled, in 0..=1 (default 1). A
+    /// request whose ext_proc call carries Envoy's trace context follows Envoy's decision.
+    #[serde(default = "default_sampling_ratio")]
+    pub sampling_ratio: f64,
+    /// The spans' `service.name` (default `llm-gateway-ext-proc`).
+    #[serde(default = "default_service_name")]
+    pub service_name: String,
+}
+
+fn default_sampling_ratio() -> f64 {
+    1.0
+}
+
+fn default_service_name() -> String {
+    "llm-gateway-ext-proc".to_owned()
 }
 
 /// `endpoint_pickers[]`: one endpoint-picker listener (the Inference Extension's ext_proc
@@ -1081,6 +1112,21 @@ impl Config {
         }
         if let Some(flow) = &self.flow_control {
             flow.validate(self)?;
+        }
+        if let Some(t) = &self.tracing {
+            let scheme = t.otlp_endpoint.split_once("://").map(|(scheme, _)| scheme);
+            if !matches!(scheme, Some("http" | "https")) || t.otlp_endpoint.ends_with("://") {
+                return Err(invalid(
+                    "tracing.otlp_endpoint",
+                    "must be http://host:port or https://host:port",
+                ));
+            }
+            if !(0.0..=1.0).contains(&t.sampling_ratio) {
+                return Err(invalid("tracing.sampling_ratio", "must be in 0..=1"));
+            }
+            if t.service_name.is_empty() {
+                return Err(invalid("tracing.service_name", "must be non-empty"));
+            }
         }
         Ok(())
     }

@@ -44,6 +44,7 @@ pub mod service;
 pub mod shedding;
 pub use gateway_meter::sse;
 pub mod store;
+pub mod telemetry;
 
 /// Protobuf types of `proto/llm_gateway/v1/usage.proto` and `lease.proto` (with the lease
 /// service's server).

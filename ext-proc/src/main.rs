@@ -5,6 +5,9 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use gateway_ext_proc::config::Config;
+use gateway_ext_proc::telemetry::Telemetry;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
 
 /// Envoy ext_proc sidecar of the LLM gateway: per-tenant RPM/TPM limits in Redis and token
 /// metering from streamed responses.
@@ -18,16 +21,6 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .json()
-        .with_current_span(true)
-        .with_span_list(false)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let args = Args::parse();
     let config = match Config::load(&args.config) {
         Ok(c) => c,
@@ -36,7 +29,34 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match gateway_ext_proc::run(config, shutdown_signal()).await {
+    // With `tracing`, the spans also go to the OTLP collector (gateway_ext_proc::telemetry).
+    let telemetry = match config.tracing.as_ref().map(Telemetry::new).transpose() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("gateway-ext-proc: invalid config: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let otel = telemetry.as_ref().map(|t| tracing_opentelemetry::layer().with_tracer(t.tracer()));
+    tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with(
+            tracing_subscriber::fmt::layer()
+                .json()
+                .with_current_span(true)
+                .with_span_list(false)
+                .with_writer(std::io::stderr),
+        )
+        .with(otel)
+        .init();
+    let result = gateway_ext_proc::run(config, shutdown_signal()).await;
+    if let Some(t) = &telemetry {
+        t.shutdown();
+    }
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "stopped");

@@ -53,6 +53,7 @@ use crate::metrics::{
 use crate::pools::{PickOutcome, Pools};
 use crate::recorder::Recorder;
 use crate::scheduling::Pick;
+use crate::telemetry;
 use gateway_contract::{
     ATTRIBUTES_FILTER_NAME, ATTRIBUTE_REQUEST, CONTEXT_CHECK_EXACT, H_CONTEXT_CHECK, H_CONTEXT_MODEL,
     H_DESTINATION_ENDPOINT, H_MAX_TOKENS, H_MODEL, H_POOL, H_PROMPT_TOKENS, H_PROMPT_TOKENS_SOURCE,
@@ -60,6 +61,7 @@ use gateway_contract::{
     MD_DESTINATION_ENDPOINT_SUBSET, MD_NAMESPACE_LB, MD_NAMESPACE_SUBSET_HINT, MD_PICKED_ENDPOINT,
     MD_QUEUE_WAIT_MS,
 };
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 pub use gateway_contract::{
     MD_ADMITTED, MD_PROMPT_TOKENS, MD_RESERVED_LOCALLY, MD_RESERVED_TOKENS, METADATA_NAMESPACE,
@@ -182,13 +184,16 @@ impl ExternalProcessor for Gateway {
             }
             None => None,
         };
+        // Envoy's span, when tracing is on: the admission becomes its child.
+        let parent =
+            self.shared.config.tracing.is_some().then(|| telemetry::parent_context(request.metadata()));
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(4);
         let shared = Arc::clone(&self.shared);
         let open = shared.stream_opened();
         tokio::spawn(async move {
             let _open = open;
-            if let Err(status) = serve_stream(role, inbound, &tx, shared).await {
+            if let Err(status) = serve_stream(role, inbound, &tx, shared, parent).await {
                 // Envoy resets the gRPC stream at the end of every HTTP stream; that is normal.
                 debug!(code = ?status.code(), "ext_proc stream ended: {}", status.message());
             }
@@ -204,11 +209,12 @@ async fn serve_stream(
     mut inbound: Streaming<ProcessingRequest>,
     tx: &Tx,
     shared: Arc<Shared>,
+    parent: Option<opentelemetry::Context>,
 ) -> Result<(), Status> {
     let Some(first) = inbound.message().await? else { return Ok(()) };
     let role = role.unwrap_or(if first.observability_mode { Role::Metering } else { Role::Admission });
     match role {
-        Role::Admission => admission_stream(first, inbound, tx, &shared).await,
+        Role::Admission => admission_stream(first, inbound, tx, &shared, parent).await,
         Role::Metering => metering_stream(first, inbound, &shared).await,
     }
 }
@@ -222,6 +228,7 @@ async fn admission_stream(
     mut inbound: Streaming<ProcessingRequest>,
     tx: &Tx,
     shared: &Arc<Shared>,
+    parent: Option<opentelemetry::Context>,
 ) -> Result<(), Status> {
     let Some(ProcRequest::RequestHeaders(headers)) = &first.request else {
         // Misconfigured processing mode: let the request through untouched.
@@ -240,11 +247,21 @@ async fn admission_stream(
     // The base model's tokenizer (for a LoRA adapter, the facts' model names the adapter).
     let exact = context_model.as_deref().is_some_and(|m| shared.context.knows(m));
     let context_model = context_model.unwrap_or_default();
+    // Attributes of the OpenTelemetry GenAI semantic conventions, and the tenant.
     let span = tracing::info_span!(
         "admission",
         request_id = %facts.request_id,
-        tenant = facts.tenant.as_deref().unwrap_or("")
+        tenant = facts.tenant.as_deref().unwrap_or(""),
+        gen_ai.request.model = %facts.model,
+        // OpenTelemetry attributes are i64 (a u64 field would be exported as a string).
+        gen_ai.usage.input_tokens = i64::try_from(facts.prompt_tokens).unwrap_or(i64::MAX),
+        llm_gateway.pool = %facts.pool,
+        llm_gateway.outcome = tracing::field::Empty,
+        otel.kind = "server",
     );
+    if let Some(parent) = parent {
+        let _ = span.set_parent(parent);
+    }
     // A request its pool may make wait: refused at once when its predicted wait is over its
     // budget, else Envoy is told at once to wait as long as the budget (then neither the limits'
     // Redis call nor the queue can run into the admission filter's message_timeout, also when a
@@ -256,7 +273,7 @@ async fn admission_stream(
             let error = AdmissionError::Overloaded { pool: facts.pool.clone(), retry_after_secs };
             let _e = span.enter();
             debug!(reason = %error, "predicted wait over the tier's budget");
-            shared.metrics.request(tenant, &facts.model, outcome_label(&error));
+            record_outcome(shared, &span, tenant, &facts.model, outcome_label(&error));
             return send(tx, immediate_response(&error)).await;
         }
         if !shared.pools.room_now(&facts.pool, tier) {
@@ -272,7 +289,9 @@ async fn admission_stream(
         Err(error) => {
             let _e = span.enter();
             debug!(reason = %error, "refused");
-            shared.metrics.request(
+            record_outcome(
+                shared,
+                &span,
                 facts.tenant.as_deref().unwrap_or(""),
                 &facts.model,
                 outcome_label(&error),
@@ -284,7 +303,9 @@ async fn admission_stream(
     let mut exact_headers = Vec::new();
     if exact {
         let tenant = facts.tenant.clone().unwrap_or_default();
-        let counted = exact_context(&context_model, &tenant, &mut inbound, tx, shared).await;
+        let counted = exact_context(&context_model, &tenant, &mut inbound, tx, shared)
+            .instrument(tracing::info_span!(parent: &span, "exact_count"))
+            .await;
         let Ok(Some((body, outcome))) = counted else {
             // The stream ended during the count: the request never goes upstream.
             give_back(shared, &facts, &admitted);
@@ -305,6 +326,10 @@ async fn admission_stream(
                 debug!(prompt_tokens = counted.prompt_tokens, "exact context check passed");
                 let estimated = facts.reserve_tokens();
                 facts.prompt_tokens = counted.prompt_tokens;
+                span.record(
+                    "gen_ai.usage.input_tokens",
+                    i64::try_from(counted.prompt_tokens).unwrap_or(i64::MAX),
+                );
                 facts.max_tokens = counted.max_tokens;
                 if admitted.reserved_tokens > 0 {
                     admitted.reserved_tokens = facts.reserve_tokens();
@@ -317,7 +342,7 @@ async fn admission_stream(
                     AdmissionError::ContextLengthExceeded { param, prompt_tokens, max_tokens, max_model_len };
                 debug!(reason = %error, "refused");
                 give_back(shared, &facts, &admitted);
-                shared.metrics.request(&tenant, &facts.model, outcome_label(&error));
+                record_outcome(shared, &span, &tenant, &facts.model, outcome_label(&error));
                 return send(tx, immediate_response(&error)).await;
             }
             Err(ContextError::Undecided(why)) => debug!(%why, "no exact count; vLLM decides"),
@@ -334,7 +359,9 @@ async fn admission_stream(
                     Some(error) => {
                         let _e = span.enter();
                         debug!(reason = %error, "refused by the queue");
-                        shared.metrics.request(
+                        record_outcome(
+                            shared,
+                            &span,
                             facts.tenant.as_deref().unwrap_or(""),
                             &facts.model,
                             outcome_label(&error),
@@ -354,7 +381,9 @@ async fn admission_stream(
             debug!(reason = %error, "refused");
             shared.pools.finished(&facts.pool);
             give_back(shared, &facts, &admitted);
-            shared.metrics.request(
+            record_outcome(
+                shared,
+                &span,
                 facts.tenant.as_deref().unwrap_or(""),
                 &facts.model,
                 outcome_label(&error),
@@ -363,7 +392,7 @@ async fn admission_stream(
         }
     };
     debug!(reserved_tokens = admitted.reserved_tokens, endpoint = pick.as_ref().map(Pick::value), "admitted");
-    shared.metrics.request(facts.tenant.as_deref().unwrap_or(""), &facts.model, "admitted");
+    record_outcome(shared, &span, facts.tenant.as_deref().unwrap_or(""), &facts.model, "admitted");
     let counted = (!exact_headers.is_empty()).then_some(facts.prompt_tokens);
     let mut metadata = admission_metadata(&admitted, counted);
     if let Some(waited) = queue_wait {
@@ -588,6 +617,13 @@ fn exact_count_headers(counted: &Counted) -> Vec<HeaderValueOption> {
     ]
 }
 
+/// Counts an admission outcome (`llm_gateway_requests_total`) and records it on the request's
+/// `admission` span (`llm_gateway.outcome`).
+fn record_outcome(shared: &Shared, span: &tracing::Span, tenant: &str, model: &str, outcome: &str) {
+    span.record("llm_gateway.outcome", outcome);
+    shared.metrics.request(tenant, model, outcome);
+}
+
 /// The request's tier in `flow_control.tiers` (index and budget) when its pool queues: None
 /// for a pool without `flow_control` or a tier not listed (shed as before).
 fn queued_tier(shared: &Shared, facts: &RequestFacts) -> Option<(usize, Duration)> {
@@ -634,8 +670,17 @@ async fn wait_for_room(
     if !extended && extend_message_timeout(tx, waiter.remaining()).await.is_err() {
         return Err(None);
     }
+    let queued = tracing::info_span!("queue", llm_gateway.queue_wait_ms = tracing::field::Empty);
+    let wait = async {
+        let released = waiter.wait().await;
+        if let Ok(waited) = &released {
+            let ms = i64::try_from(waited.as_millis()).unwrap_or(i64::MAX);
+            tracing::Span::current().record("llm_gateway.queue_wait_ms", ms);
+        }
+        released
+    };
     tokio::select! {
-        released = waiter.wait() => match released {
+        released = wait.instrument(queued) => match released {
             Ok(waited) => Ok(Some(waited)),
             Err((_, retry_after_secs)) => Err(overloaded(retry_after_secs)),
         },
@@ -693,7 +738,11 @@ async fn admit(shared: &Shared, facts: &RequestFacts) -> Result<Admitted, Admiss
     if plan.is_empty() {
         return Ok(Admitted { ratelimit_headers: Vec::new(), reserved_tokens: 0, reserved_locally: false });
     }
-    let (outcome, degraded) = match shared.limiter.take(&plan, config.redis.failure_mode(&facts.tier)).await {
+    let take = shared
+        .limiter
+        .take(&plan, config.redis.failure_mode(&facts.tier))
+        .instrument(tracing::info_span!("rate_limit", db.system = "redis", otel.kind = "client"));
+    let (outcome, degraded) = match take.await {
         Take::Redis(outcome) => (outcome, false),
         Take::Local(outcome) => (outcome, true),
         Take::Unavailable => return Err(AdmissionError::LimiterUnavailable),

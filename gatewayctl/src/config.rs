@@ -111,6 +111,11 @@ pub struct GatewayConfig {
     /// errors name these fields).
     #[serde(default)]
     pub flow_control: Option<gateway_ext_proc::config::FlowControlConfig>,
+    /// OpenTelemetry traces of every request: Envoy's tracer on every target and the sidecar's
+    /// admission spans, one trace per request (Envoy passes `traceparent` to vLLM and to the
+    /// sidecar). Absent: no tracing.
+    #[serde(default)]
+    pub tracing: Option<TracingSection>,
     /// Kubernetes (the sidecar and Redis as workloads); needed by the istio and envoy-gateway
     /// targets.
     #[serde(default)]
@@ -485,6 +490,36 @@ pub struct TenantSection {
 /// Requests-per-minute and tokens-per-minute token buckets: the sidecar's own type, so the two
 /// cannot drift.
 pub use gateway_ext_proc::config::Limits as LimitsSection;
+
+/// `tracing`: where spans go and how many requests are traced.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TracingSection {
+    /// The OpenTelemetry collector's OTLP/gRPC endpoint as `host:port` (plaintext), e.g.
+    /// `otel-collector.observability.svc.cluster.local:4317`; Envoy and the sidecar export to it.
+    pub otlp_endpoint: String,
+    /// Percentage of the requests that start a trace that are sampled, 0 to 100 (default 100). A
+    /// request that arrives with a sampled `traceparent` is traced whatever this says.
+    #[serde(default = "default_sampling_percent")]
+    pub sampling_percent: f64,
+    /// istio target: the name of the OpenTelemetry `extensionProviders` entry of Istio's
+    /// MeshConfig (Istio configures the ingress gateway's tracer; gatewayctl renders the
+    /// Telemetry resource that turns it on for the gateway's pods). Needed by that target.
+    #[serde(default)]
+    pub istio_provider: Option<String>,
+}
+
+fn default_sampling_percent() -> f64 {
+    100.0
+}
+
+impl TracingSection {
+    /// `(host, port)` of `otlp_endpoint` (validated at load).
+    pub fn host_port(&self) -> Option<(&str, u16)> {
+        let (host, port) = self.otlp_endpoint.rsplit_once(':')?;
+        Some((host, port.parse().ok()?))
+    }
+}
 
 /// One served model.
 #[derive(Debug, Clone, Deserialize)]
@@ -1351,6 +1386,17 @@ impl GatewayConfig {
         self.validate_models(&pools)?;
         self.validate_tenants()?;
         self.validate_kubernetes()?;
+        if let Some(t) = &self.tracing {
+            if t.host_port().is_none_or(|(host, port)| host.is_empty() || port == 0 || host.contains('/')) {
+                return fail("tracing.otlp_endpoint", "must be host:port (e.g. otel-collector:4317)");
+            }
+            if !(0.0..=100.0).contains(&t.sampling_percent) {
+                return fail("tracing.sampling_percent", "must be in 0..=100");
+            }
+            if t.istio_provider.as_ref().is_some_and(|p| p.is_empty()) {
+                return fail("tracing.istio_provider", "must be non-empty");
+            }
+        }
         Ok(())
     }
 

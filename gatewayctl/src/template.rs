@@ -48,6 +48,10 @@ pub const POOL_CLUSTER: Template = template!("envoy/pool_cluster.yaml");
 pub const FALLBACK_CLUSTER: Template = template!("envoy/fallback_cluster.yaml");
 /// The route of a fallback chain, with its retry policy.
 pub const FALLBACK_ROUTE: Template = template!("envoy/fallback_route.yaml");
+/// The HTTP connection manager's OpenTelemetry tracing (`tracing`).
+pub const TRACING: Template = template!("envoy/tracing.yaml");
+/// The OpenTelemetry collector's cluster (`tracing`).
+pub const OTEL_CLUSTER: Template = template!("envoy/otel_cluster.yaml");
 /// The load-balancing policy of a picking pool's cluster (override host, LEAST_REQUEST fallback).
 pub const POOL_PICKER_LB: Template = template!("envoy/pool_picker_lb.yaml");
 /// The route of a picking pool, whose retries walk the sidecar's endpoint list.
@@ -80,6 +84,8 @@ pub const ISTIO_WASM_PLUGIN: Template = template!("envoy/istio/wasmplugin.yaml")
 pub const ISTIO_VIRTUAL_SERVICE: Template = template!("envoy/istio/virtualservice.yaml");
 /// Istio: one DestinationRule per pool (outlier detection, connection pool).
 pub const ISTIO_DESTINATION_RULE: Template = template!("envoy/istio/destinationrule.yaml");
+/// Istio's tracer turned on for the ingress gateway's pods (`tracing`).
+pub const ISTIO_TELEMETRY: Template = template!("envoy/istio/telemetry.yaml");
 
 /// Envoy Gateway: the EnvoyExtensionPolicy (wasm + two extProc entries).
 pub const EG_EXTENSION_POLICY: Template = template!("envoy/envoy-gateway/envoyextensionpolicy.yaml");

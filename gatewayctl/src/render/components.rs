@@ -236,6 +236,15 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
     if let Some(flow) = &c.flow_control {
         top.push(("flow_control", to_value(flow)?));
     }
+    if let Some(t) = &c.tracing {
+        top.push((
+            "tracing",
+            map([
+                ("otlp_endpoint", s(format!("http://{}", t.otlp_endpoint))),
+                ("sampling_ratio", f(t.sampling_percent / 100.0)),
+            ]),
+        ));
+    }
     if flavor == Flavor::Kubernetes {
         // On the mesh targets each picking pool's picks come from its InferencePool's call to an
         // endpoint-picker listener of its own (then the admission does not pick for it); the

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use crate::config::{AttachTo, EnvoyGatewaySection, FieldError, Loaded};
 use crate::template::{self, Values};
-use crate::tree::{at_mut, map, n, s, seq, strings, Key, Value};
+use crate::tree::{at_mut, map, n, s, seq, set, strings, Key, Value};
 
 use super::kubernetes::{self, SIDECAR_NAME};
 use super::{module, pool_service, ratelimit_headers, Error, File};
@@ -303,10 +303,22 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
         ]);
         files.push(File::yaml(&format!("envoy-gateway/referencegrant-{ns}.yaml"), &grant)?);
     }
-    let proxy = template::render(
+    let mut proxy = template::render(
         template::EG_ENVOY_PROXY,
         &Values::new().set("NAMESPACE", eg.gateway.namespace.as_str()).set("LABELS", labels.clone()),
     )?;
+    if let Some(t) = &loaded.config.tracing {
+        // Envoy Gateway's tracer (OpenTelemetry, to the collector), sampled per 10,000.
+        let (host, port) = t.host_port().unwrap_or(("", 0));
+        let numerator = (t.sampling_percent * 100.0).round().clamp(0.0, 10_000.0) as u64;
+        let tracing = map([
+            ("samplingFraction", map([("numerator", n(numerator)), ("denominator", n(10_000u64))])),
+            ("provider", map([("type", s("OpenTelemetry")), ("host", s(host)), ("port", n(port))])),
+        ]);
+        let spec = at_mut(&mut proxy, &["spec".into()])
+            .ok_or_else(|| Error::Internal("EnvoyProxy: no spec".into()))?;
+        set(spec, "telemetry", map([("tracing", tracing)]));
+    }
     files.push(File::yaml("envoy-gateway/envoyproxy.yaml", &proxy)?);
     let patch = patch_policy(loaded, eg, &policy_ns, labels)?;
     files.push(File::yaml("envoy-gateway/envoypatchpolicy.yaml", &patch)?);

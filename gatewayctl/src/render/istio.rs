@@ -8,7 +8,7 @@
 
 use crate::config::{FieldError, IstioSection, Loaded, WasmDelivery};
 use crate::template::{self, Values};
-use crate::tree::{at_mut, map, n, s, seq, strings, to_json, Value};
+use crate::tree::{at_mut, f, map, n, s, seq, strings, to_json, Value};
 
 use super::kubernetes::{self, SIDECAR_NAME};
 use super::standalone::duration;
@@ -278,6 +278,19 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
     let envoy_filter =
         template::render(template::ISTIO_ENVOY_FILTER, &values.clone().set("PATCHES", seq(patches)))?;
     files.push(File::yaml("istio/envoyfilter.yaml", &envoy_filter)?);
+    if let Some(t) = &c.tracing {
+        let provider = t.istio_provider.as_deref().ok_or_else(|| {
+            FieldError::new(
+                "tracing.istio_provider",
+                "needed by the istio target: the name of the OpenTelemetry extensionProviders entry of Istio's MeshConfig",
+            )
+        })?;
+        let telemetry = template::render(
+            template::ISTIO_TELEMETRY,
+            &values.clone().set("PROVIDER", provider).set("SAMPLING", f(t.sampling_percent)),
+        )?;
+        files.push(File::yaml("istio/telemetry.yaml", &telemetry)?);
+    }
 
     let retry_on = super::standalone::fallback_retry_on()?;
     let mut routes = Vec::new();

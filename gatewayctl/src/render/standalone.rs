@@ -15,7 +15,7 @@
 use crate::config::FieldError;
 use crate::config::{parse_host_port, primary_cluster, EdgeSection, Loaded, PoolSection};
 use crate::template::{self, Values};
-use crate::tree::{at_mut, map, n, s, seq, set, to_json, Key, Value};
+use crate::tree::{at_mut, f, map, n, s, seq, set, to_json, Key, Value};
 
 use super::Error;
 
@@ -43,6 +43,16 @@ fn endpoints_cluster(pool: &PoolSection) -> String {
     } else {
         primary_cluster(&pool.name)
     }
+}
+
+/// The values of envoy/tracing.yaml and envoy/otel_cluster.yaml.
+fn tracing_values(t: &crate::config::TracingSection) -> Values {
+    let (host, port) = t.host_port().unwrap_or(("", 0));
+    Values::new()
+        .set("SERVICE_NAME", "llm-gateway")
+        .set("RANDOM_SAMPLING", f(t.sampling_percent))
+        .set("OTLP_HOST", host)
+        .set("OTLP_PORT", port)
 }
 
 /// The Envoy bootstrap for the standalone edge, with `filter_config` embedded.
@@ -118,6 +128,9 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error>
     if !set(hcm, "access_log", seq([template::render(template::ACCESS_LOG_METERING, &values)?])) {
         return Err(missing("access_log"));
     }
+    if let Some(t) = &c.tracing {
+        set(hcm, "tracing", template::render(template::TRACING, &tracing_values(t))?);
+    }
     let mut fallback_routes = Vec::new();
     let mut ext_proc = ext_proc_cluster(&values, &sidecar)?;
     if let Some(tls) = &c.sidecar.tls {
@@ -134,6 +147,9 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error>
         );
     }
     let mut clusters = vec![ext_proc];
+    if let Some(t) = &c.tracing {
+        clusters.push(template::render(template::OTEL_CLUSTER, &tracing_values(t))?);
+    }
     for (i, pool) in c.pools.iter().enumerate() {
         clusters.push(pool_cluster(i, pool)?);
     }
