@@ -170,11 +170,12 @@ def test_the_ledger_marks_records_in_bounded_window_sets(two):
 
 def test_records_are_named_by_their_request_and_close_their_reservation(two):
     client = redis.Redis(port=two.redis_port, decode_responses=True)
-    before = len(usage_events(client, "ledger-tenant"))
+    raw = redis.Redis(port=two.redis_port)  # the events are protobuf bytes
+    before = len(usage_events(raw, "ledger-tenant"))
     r = post(two, "/v1/chat/completions", chat_body("ledger", max_tokens=2), key=LEDGER_KEY)
     assert r.status_code == 200, r.text
-    assert wait_for(lambda: len(usage_events(client, "ledger-tenant")) == before + 1, timeout=10)
-    event = usage_events(client, "ledger-tenant")[-1]
+    assert wait_for(lambda: len(usage_events(raw, "ledger-tenant")) == before + 1, timeout=10)
+    event = usage_events(raw, "ledger-tenant")[-1]
     # `<x-request-id>.<nonce>`: Envoy's UUID as the filter saw it, and the filter's 64-bit nonce.
     request_id, nonce = event["record_id"].rsplit(".", 1)
     assert request_id == event["request_id"] and len(request_id) == 36, event
@@ -212,6 +213,7 @@ def stream(stack, out: dict) -> None:
 
 def test_envoy_killed_mid_stream_leaves_one_reservation_record_per_lost_request(killed):
     client = redis.Redis(port=killed.redis_port, decode_responses=True)
+    raw = redis.Redis(port=killed.redis_port)  # the events are protobuf bytes
     charged = lambda: sum(metric(scrape(u), "llm_gateway_usage_records_from_reservation_total")  # noqa: E731
                           for u in (killed.sidecar_metrics_url, killed.sidecar_b_metrics_url))
     # One request that ends: recorded from its usage, its reservation closed.
@@ -249,7 +251,7 @@ def test_envoy_killed_mid_stream_leaves_one_reservation_record_per_lost_request(
     assert client.zcard("llmgw:reservations-due:{killed-tenant}") == 0
     h = usage_hash(client, "killed-tenant")
     assert h.get("killed:requests") == 1 + KILLED_STREAMS, h
-    events = usage_events(client, "killed-tenant")
+    events = usage_events(raw, "killed-tenant")
     lost = [e for e in events if e["end_reason"] == END_UNREPORTED]
     assert len(events) == 1 + KILLED_STREAMS and len(lost) == KILLED_STREAMS, events
     assert len({e["record_id"] for e in lost}) == KILLED_STREAMS, lost
