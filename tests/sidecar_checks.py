@@ -27,8 +27,8 @@ _EVENT_FIELDS = {
     11: ("end_reason", "int"), 12: ("usage_source", "int"), 13: ("reserved_tokens", "int"),
     14: ("finished_at_unix_ms", "int"), 15: ("record_id", "str"), 16: ("tier", "str"),
 }
-END_COMPLETED, END_INCOMPLETE = 1, 2
-SOURCE_UPSTREAM, SOURCE_STREAMED_CHUNKS = 1, 2
+END_COMPLETED, END_INCOMPLETE, END_UNREPORTED = 1, 2, 3
+SOURCE_UPSTREAM, SOURCE_STREAMED_CHUNKS, SOURCE_RESERVATION = 1, 2, 3
 
 
 def _varint(data: bytes, i: int) -> tuple[int, int]:

@@ -179,6 +179,9 @@ EDGE_DEFAULTS = {
     "REQUEST_HEADERS_TIMEOUT": "10s",
     "REQUEST_TIMEOUT": "60s",
     "MAX_REQUEST_HEADERS_KB": 32,
+    # The longest a stream lives (the sidecar's metering.reservations.record_after_ms default,
+    # 65 minutes, leaves it 5 minutes of margin).
+    "MAX_STREAM_DURATION": "3600s",
 }
 
 

@@ -4,20 +4,27 @@ Envoy's ext_proc admission goes to sidecar A and its gRPC access log (the reques
 sidecar B, the worst split two replicas behind one Service can see. The pool sheds at
 `max_in_flight`, so each replica's in-flight count must be the pool's, not its own admitted minus
 finished (which only grows on A). Also checks the usage ledger's idempotency marks in Redis: one
-set per tenant and 10 s window, kept for a bounded time, never one key per request.
+set per tenant and 10 s window, kept for a bounded time, never one key per request; that every
+record is named by its request (Envoy's x-request-id and the filter's nonce) and closes the
+reservation its admission opened; and that when Envoy itself is SIGKILLed mid-stream, so that no
+usage ever arrives, each lost request's reservation becomes one `reservation` record once the
+(short, here) longest stream lifetime has passed, with both replicas sweeping.
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 import time
 
+import httpx
 import pytest
 import redis
 import yaml
 
-from helpers import chat_body, post, wait_for
-from sidecar_checks import metric, usage_hash
+from helpers import auth, chat_body, envoy_counter, post, wait_for
+from sidecar_checks import (END_COMPLETED, END_UNREPORTED, SOURCE_RESERVATION, SOURCE_UPSTREAM, metric,
+                            usage_events, usage_hash)
 from stack import SIDECAR_BIN, Model, Pool, Stack, Tenant, new_api_key
 
 MAX_IN_FLIGHT = 5
@@ -25,6 +32,11 @@ REQUESTS = 15
 KEY = new_api_key()
 LEDGER_KEY = new_api_key()
 LEDGER_REQUESTS = 8
+KILLED_KEY = new_api_key()
+# Streams in flight when Envoy is killed.
+KILLED_STREAMS = 3
+# The sidecars' longest stream lifetime in this test (the default is 65 minutes).
+RECORD_AFTER_S = 5
 # The ledger keeps a window's applied ids this long past the window's end (store.rs
 # IDEMPOTENCY_RETENTION, 10 minutes) and windows are 10 s wide.
 RETENTION_S = 600
@@ -154,3 +166,97 @@ def test_the_ledger_marks_records_in_bounded_window_sets(two):
         # Expires the retention past its window's end (or past the write, if later), never later.
         expire_at = client.expiretime(k)
         assert window + WINDOW_S + RETENTION_S <= expire_at <= now + WINDOW_S + RETENTION_S + 5, (k, expire_at)
+
+
+def test_records_are_named_by_their_request_and_close_their_reservation(two):
+    client = redis.Redis(port=two.redis_port, decode_responses=True)
+    raw = redis.Redis(port=two.redis_port)  # the events are protobuf bytes
+    before = len(usage_events(raw, "ledger-tenant"))
+    r = post(two, "/v1/chat/completions", chat_body("ledger", max_tokens=2), key=LEDGER_KEY)
+    assert r.status_code == 200, r.text
+    assert wait_for(lambda: len(usage_events(raw, "ledger-tenant")) == before + 1, timeout=10)
+    event = usage_events(raw, "ledger-tenant")[-1]
+    # `<x-request-id>.<nonce>`: Envoy's UUID as the filter saw it, and the filter's 64-bit nonce.
+    request_id, nonce = event["record_id"].rsplit(".", 1)
+    assert request_id == event["request_id"] and len(request_id) == 36, event
+    assert len(nonce) == 16 and all(c in "0123456789abcdef" for c in nonce), event
+    assert (event["end_reason"], event["usage_source"]) == (END_COMPLETED, SOURCE_UPSTREAM), event
+    # The admission (sidecar A) opened the reservation, the record (through sidecar B) closed it.
+    assert wait_for(lambda: client.hlen("llmgw:reservations:{ledger-tenant}") == 0), \
+        client.hgetall("llmgw:reservations:{ledger-tenant}")
+    assert client.zcard("llmgw:reservations-due:{ledger-tenant}") == 0
+
+
+@pytest.fixture
+def killed(tmp_path):
+    # 60 tokens 100 ms apart: streams of about 6 s, still running when Envoy dies.
+    pools = [Pool("pool_killed", ["sim/killed"], ["--ttft-ms", "50", "--itl-ms", "100", "--output-tokens", "60"])]
+    models = [Model("killed", "pool_killed", served_model_name="sim/killed")]
+    tenants = [Tenant("killed-tenant", [KILLED_KEY], {"requests_per_minute": 100000, "tokens_per_minute": 10000000})]
+    overrides = {"metrics_listen": "127.0.0.1:0",
+                 "metering": {"reservations": {"record_after_ms": RECORD_AFTER_S * 1000, "sweep_interval_ms": 200}}}
+    with TwoSidecars(tmp_path, pools, models, tenants, sidecar_overrides=overrides) as s:
+        yield s
+
+
+def stream(stack, out: dict) -> None:
+    body = chat_body("killed", "stream me", stream=True, max_tokens=60)
+    try:
+        with httpx.stream("POST", stack.base_url + "/v1/chat/completions", json=body, headers=auth(KILLED_KEY),
+                          timeout=30) as r:
+            out["status"] = r.status_code
+            for _ in r.iter_lines():
+                pass
+    except httpx.HTTPError as e:
+        out["error"] = type(e).__name__
+
+
+def test_envoy_killed_mid_stream_leaves_one_reservation_record_per_lost_request(killed):
+    client = redis.Redis(port=killed.redis_port, decode_responses=True)
+    raw = redis.Redis(port=killed.redis_port)  # the events are protobuf bytes
+    charged = lambda: sum(metric(scrape(u), "llm_gateway_usage_records_from_reservation_total")  # noqa: E731
+                          for u in (killed.sidecar_metrics_url, killed.sidecar_b_metrics_url))
+    # One request that ends: recorded from its usage, its reservation closed.
+    r = post(killed, "/v1/chat/completions", chat_body("killed", max_tokens=3), key=KILLED_KEY)
+    assert r.status_code == 200, r.text
+    assert wait_for(lambda: usage_hash(client, "killed-tenant").get("killed:requests") == 1, timeout=10)
+    assert wait_for(lambda: client.hlen("llmgw:reservations:{killed-tenant}") == 0)
+
+    outs = [{} for _ in range(KILLED_STREAMS)]
+    threads = [threading.Thread(target=stream, args=(killed, out)) for out in outs]
+    for t in threads:
+        t.start()
+    assert wait_for(lambda: envoy_counter(killed, "cluster.pool_killed.upstream_rq_active") == KILLED_STREAMS,
+                    timeout=10)
+    admitted_at = time.monotonic()
+    assert client.hlen("llmgw:reservations:{killed-tenant}") == KILLED_STREAMS
+    # Envoy dies mid-stream: no access-log entry of these requests will ever be sent.
+    killed.envoy.popen.kill()
+    killed.envoy.popen.wait(timeout=5)
+    for t in threads:
+        t.join(timeout=30)
+    assert all("error" in out for out in outs), outs
+
+    # Nothing is charged before the longest stream lifetime has passed.
+    assert time.monotonic() - admitted_at < RECORD_AFTER_S - 2, "too slow to see the reservations still open"
+    assert charged() == 0
+    assert client.hlen("llmgw:reservations:{killed-tenant}") == KILLED_STREAMS
+    # Then each lost request is charged once, whichever replica's sweep took it.
+    assert wait_for(lambda: charged() >= KILLED_STREAMS, timeout=RECORD_AFTER_S + 10), \
+        (charged(), client.hgetall("llmgw:reservations:{killed-tenant}"))
+    assert time.monotonic() - admitted_at >= RECORD_AFTER_S
+    time.sleep(1)  # a few more sweeps of both replicas (every 200 ms): nothing more is charged
+    assert charged() == KILLED_STREAMS
+    assert client.hlen("llmgw:reservations:{killed-tenant}") == 0
+    assert client.zcard("llmgw:reservations-due:{killed-tenant}") == 0
+    h = usage_hash(client, "killed-tenant")
+    assert h.get("killed:requests") == 1 + KILLED_STREAMS, h
+    events = usage_events(raw, "killed-tenant")
+    lost = [e for e in events if e["end_reason"] == END_UNREPORTED]
+    assert len(events) == 1 + KILLED_STREAMS and len(lost) == KILLED_STREAMS, events
+    assert len({e["record_id"] for e in lost}) == KILLED_STREAMS, lost
+    for e in lost:
+        # The reservation: the prompt's estimate plus the completion cap, nothing settled back.
+        assert e["usage_source"] == SOURCE_RESERVATION and e["status"] == 0, e
+        assert e["completion_tokens"] == 60 and e["prompt_tokens"] + 60 == e["reserved_tokens"], e
+    assert h["killed:completion_tokens"] == 3 + KILLED_STREAMS * 60, h

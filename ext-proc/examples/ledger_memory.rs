@@ -1,6 +1,6 @@
 //! The usage ledger's Redis memory per request: writes `N` usage records through the real
-//! [`Store::record`] (the sidecar's own write path and Lua script) to a running Redis and reads
-//! `INFO memory` `used_memory` before and after. The usage-event stream is bounded on its own
+//! [`Store::apply`] and [`Store::append`] (the sidecar's own write path and Lua script) to a
+//! running Redis and reads `INFO memory` `used_memory` before and after. The usage-event stream is bounded on its own
 //! (`metering.stream_maxlen`) and is measured apart (`MEMORY USAGE` of the stream) and left out
 //! of the ledger's figure.
 //!
@@ -37,13 +37,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await?;
     let before = used_memory(&redis::cmd("INFO").arg("memory").query_async::<String>(&mut conn).await?);
     let start_ms = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as u64;
-    // Ids as the sidecar makes them (a random per-process prefix, a hex counter).
-    let prefix = 0x9e37_79b9_7f4a_7c15_u64 ^ start_ms;
+    // Ids as the ledger makes them: a UUID-shaped x-request-id and the filter's 64-bit nonce.
+    let seed = 0x9e37_79b9_7f4a_7c15_u64 ^ start_ms;
     let mut pending = Vec::new();
     for i in 0..n {
+        let request_id = format!("{:08x}-0000-4000-8000-{:012x}", i, seed & 0xffff_ffff_ffff);
+        let record_id =
+            gateway_contract::record_id(&request_id, &format!("{:016x}", seed.wrapping_mul(i + 1)))
+                .ok_or("record id")?;
         let record = UsageRecord {
             info: RequestInfo {
-                request_id: format!("{:032x}", u128::from(i) * 0x1000_0000_0001),
+                request_id,
                 tenant: format!("tenant-{}", i % tenants),
                 model: "qwen2.5-0.5b-instruct".to_owned(),
                 pool: "pool_qwen".to_owned(),
@@ -52,7 +56,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 reserved_tokens: 300,
                 reserved_locally: false,
                 tier: "standard".to_owned(),
-                record_id: format!("{prefix:016x}-{i:x}"),
+                record_id,
             },
             prompt_tokens: 100,
             completion_tokens: 200,
@@ -66,9 +70,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             // 1,000 req/s of finish times: the windows the ledger keys by finish time fill as
             // they would at that rate.
             finished_at_unix_ms: start_ms + i,
+            unreported: false,
         };
         let store = store.clone();
-        pending.push(tokio::spawn(async move { store.record(&record).await }));
+        pending.push(tokio::spawn(async move {
+            store.apply(&record, &[], false).await?;
+            store.append(&record).await
+        }));
         if pending.len() >= 256 {
             for p in pending.drain(..) {
                 p.await??;

@@ -13,7 +13,14 @@
 //! Envoy logs a stream once, at its end, whether it completed, was reset or the client went
 //! away: one entry, one record. An admitted request whose entry lacks the filter state (the
 //! filter never saw its response) is recorded as `incomplete` with no tokens, so its reservation
-//! is still settled.
+//! is still settled. The record's id comes from the request (the facts' request id and nonce,
+//! [`gateway_contract::record_id`]), so an entry delivered twice, or replayed after a restart, is
+//! applied once ([`crate::ledger`]).
+//!
+//! An entry of a request the filter decided but whose admission answer Envoy never received (the
+//! sidecar died or did not answer in time after taking the buckets, or the client left
+//! meanwhile: status 0 or 5xx, not a reply of the sidecar's own) releases the request's
+//! reservation, should the ledger hold one open, so that it is never charged.
 
 use std::sync::Arc;
 
@@ -30,7 +37,7 @@ use gateway_contract::{FS_REQUEST, FS_USAGE, MD_PROMPT_TOKENS, MD_RESERVED_TOKEN
 
 use crate::admission::RequestFacts;
 use crate::meter::{RequestInfo, Usage, UsageRecord};
-use crate::service::{self, Shared};
+use crate::service::{self, Shared, ADMISSION_REPLY_DETAILS};
 
 /// The access log service.
 pub struct AccessLog {
@@ -55,12 +62,18 @@ impl AccessLogService for AccessLog {
         while let Some(message) = inbound.message().await? {
             let Some(LogEntries::HttpLogs(logs)) = message.log_entries else { continue };
             for entry in logs.log_entry {
-                if let Some(record) = record_of(&entry, || self.shared.ids.next()) {
-                    let metadata = entry.common_properties.as_ref().and_then(|c| c.metadata.as_ref());
-                    if let Some(endpoint) = service::picked_endpoint(metadata) {
-                        self.shared.pools.pick_finished(&record.info.pool, &endpoint);
+                match entry_of(&entry, || self.shared.ids.next()) {
+                    Entry::Record(record) => {
+                        let metadata = entry.common_properties.as_ref().and_then(|c| c.metadata.as_ref());
+                        if let Some(endpoint) = service::picked_endpoint(metadata) {
+                            self.shared.pools.pick_finished(&record.info.pool, &endpoint);
+                        }
+                        service::finish(&self.shared, *record);
                     }
-                    service::finish(&self.shared, record);
+                    Entry::Release { tenant, model, record_id } => {
+                        service::release(&self.shared, &tenant, &model, record_id);
+                    }
+                    Entry::Nothing => {}
                 }
             }
         }
@@ -68,27 +81,84 @@ impl AccessLogService for AccessLog {
     }
 }
 
-/// The usage record of one access-log entry; `None` when the filter did not decide the request
-/// (no [`FS_REQUEST`]) or it was not admitted: neither the ext_proc admission's reservation in
-/// its dynamic metadata (namespace `llm_gateway`) nor the filter's lease in its facts.
-fn record_of(entry: &HttpAccessLogEntry, record_id: impl FnOnce() -> String) -> Option<UsageRecord> {
+/// What one access-log entry asks of the ledger.
+#[derive(Debug)]
+enum Entry {
+    /// An admitted request's usage.
+    Record(Box<UsageRecord>),
+    /// A request the filter decided whose admission answer Envoy never received: its reservation,
+    /// if open, is released.
+    Release {
+        /// The tenant.
+        tenant: String,
+        /// The model (its buckets).
+        model: String,
+        /// The request's record id.
+        record_id: String,
+    },
+    /// Nothing: the filter did not decide the request, or the sidecar answered it (refused).
+    Nothing,
+}
+
+/// What an access-log entry asks of the ledger: the usage record of an admitted request
+/// ([`record_with`]); the release of the reservation of a request the filter decided (with a nonce)
+/// whose admission Envoy never received (not admitted, not a lease, and ended with status 0 or
+/// 5xx that is not the sidecar's own reply, [`ADMISSION_REPLY_DETAILS`]); else nothing.
+fn entry_of(entry: &HttpAccessLogEntry, record_id: impl FnOnce() -> String) -> Entry {
+    let Some(facts) = decided(entry) else { return Entry::Nothing };
+    let facts = match record_with(entry, facts, record_id) {
+        Ok(record) => return Entry::Record(Box::new(record)),
+        Err(facts) => *facts,
+    };
+    let response = entry.response.as_ref();
+    let status = response.and_then(|r| r.response_code).map_or(0, |c| c.value);
+    let by_the_sidecar = response.is_some_and(|r| r.response_code_details == ADMISSION_REPLY_DETAILS);
+    let unanswered = (status == 0 || status >= 500) && !by_the_sidecar && facts.leased_tokens.is_none();
+    match (unanswered, facts.record_id(), facts.tenant) {
+        (true, Some(record_id), Some(tenant)) => Entry::Release { tenant, model: facts.model, record_id },
+        _ => Entry::Nothing,
+    }
+}
+
+/// The filter's facts in an entry's filter state (None: absent or unreadable).
+fn decided(entry: &HttpAccessLogEntry) -> Option<gateway_contract::RequestFacts> {
     let common = entry.common_properties.as_ref()?;
-    let decided = common.filter_state_objects.get(FS_REQUEST).and_then(|any| match bytes_of(any) {
+    common.filter_state_objects.get(FS_REQUEST).and_then(|any| match bytes_of(any) {
         Ok(bytes) => gateway_contract::RequestFacts::from_json(&bytes),
         Err(why) => {
             warn!(%why, "unreadable request facts in the access log");
             None
         }
-    })?;
+    })
+}
+
+/// [`record_with`] of an entry's facts; `None` without them, or when not admitted.
+#[cfg(test)]
+fn record_of(entry: &HttpAccessLogEntry, record_id: impl FnOnce() -> String) -> Option<UsageRecord> {
+    record_with(entry, decided(entry)?, record_id).ok()
+}
+
+/// The usage record of one access-log entry of a request the filter decided (`decided`, its
+/// [`FS_REQUEST`]); the facts back when it was not admitted: neither the ext_proc admission's
+/// reservation in its dynamic metadata (namespace `llm_gateway`) nor the filter's lease in its
+/// facts. Its id is the request's ([`gateway_contract::record_id`]); facts without a nonce (an
+/// older filter) name it by the request id and Envoy's start time of the stream, else by
+/// `record_id()`.
+fn record_with(
+    entry: &HttpAccessLogEntry,
+    decided: gateway_contract::RequestFacts,
+    record_id: impl FnOnce() -> String,
+) -> Result<UsageRecord, Box<RequestFacts>> {
     let request_id = entry.request.as_ref().map(|r| r.request_id.clone()).unwrap_or_default();
     let mut facts = RequestFacts::from_filter(decided, request_id);
+    let Some(common) = entry.common_properties.as_ref() else { return Err(Box::new(facts)) };
     let metadata = common.metadata.as_ref();
     let admission = metadata.and_then(|m| m.filter_metadata.get(METADATA_NAMESPACE)).map(|s| &s.fields);
     let reserved = match facts.leased_tokens {
         Some(tokens) => (tokens, false),
         None => {
             if !admission.is_some_and(|f| f.contains_key(MD_RESERVED_TOKENS)) {
-                return None;
+                return Err(Box::new(facts));
             }
             service::reservation(metadata)
         }
@@ -114,10 +184,25 @@ fn record_of(entry: &HttpAccessLogEntry, record_id: impl FnOnce() -> String) -> 
         }
         None => Usage::unseen(duration_us(entry), status),
     };
-    let info = RequestInfo::new(facts, reserved, record_id());
+    let id = facts.record_id().or_else(|| started_id(entry, &facts.request_id)).unwrap_or_else(record_id);
+    let info = RequestInfo::new(facts, reserved, id);
     let mut record = UsageRecord::new(info, usage, reached_upstream(common));
     record.finished_at_unix_ms = finished_at_unix_ms(entry);
-    Some(record)
+    Ok(record)
+}
+
+/// A record id from the request id and Envoy's start time of the stream, in nanoseconds (in the
+/// nonce's place), for facts without a nonce; `None` without either.
+fn started_id(entry: &HttpAccessLogEntry, request_id: &str) -> Option<String> {
+    let start = entry.common_properties.as_ref()?.start_time.as_ref()?;
+    if request_id.is_empty() {
+        return None;
+    }
+    let ns = u64::try_from(start.seconds)
+        .ok()?
+        .checked_mul(1_000_000_000)?
+        .checked_add(u64::try_from(start.nanos).ok()?)?;
+    gateway_contract::record_id(request_id, &format!("{ns:016x}"))
 }
 
 /// Whether Envoy sent the whole request upstream (`time_to_last_upstream_tx_byte` is set): only
@@ -321,6 +406,62 @@ mod tests {
             (r.prompt_tokens, r.completion_tokens, r.usage_source),
             (12, 38, UsageSource::Reservation)
         );
+    }
+
+    const NAMED: &str = r#"{"v":1,"tenant":"acme","tier":"standard","model":"m","pool":"p","prompt_tokens":12,"max_tokens":38,"request_id":"rid-7","nonce":"00000000000000ff"}"#;
+
+    #[test]
+    fn a_record_is_named_by_its_request() {
+        let e = entry(Some(NAMED), true, Some(any_bytes(USAGE)));
+        let r = record_of(&e, || panic!("named by the facts")).unwrap();
+        assert_eq!(r.info.record_id, "rid-7.00000000000000ff");
+        assert_eq!(r.info.request_id, "rid-7", "the request id the filter saw");
+        // Every delivery of the entry names the same record.
+        assert_eq!(record_of(&e, || panic!()).unwrap().info.record_id, r.info.record_id);
+        // Facts of an older filter (no nonce): the request id and Envoy's start time of the stream.
+        let mut old = entry(Some(FACTS), true, Some(any_bytes(USAGE)));
+        old.common_properties.as_mut().unwrap().start_time =
+            Some(envoy_types::pb::google::protobuf::Timestamp { seconds: 1, nanos: 5 });
+        assert_eq!(record_of(&old, || panic!()).unwrap().info.record_id, "req-1.000000003b9aca05");
+        // Neither: the sidecar's own id.
+        let none = entry(Some(FACTS), true, Some(any_bytes(USAGE)));
+        assert_eq!(record_of(&none, || "own".into()).unwrap().info.record_id, "own");
+    }
+
+    #[test]
+    fn an_unanswered_admission_releases_its_reservation_and_a_refusal_does_not() {
+        let ended = |status: u32, details: &str| {
+            let mut e = entry(Some(NAMED), false, None);
+            let response = e.response.as_mut().unwrap();
+            response.response_code = Some(envoy_types::pb::google::protobuf::UInt32Value { value: status });
+            response.response_code_details = details.to_owned();
+            e
+        };
+        let release = |e: &HttpAccessLogEntry| match entry_of(e, || "id".into()) {
+            Entry::Release { tenant, model, record_id } => Some((tenant, model, record_id)),
+            Entry::Record(_) | Entry::Nothing => None,
+        };
+        let expected = Some(("acme".to_owned(), "m".to_owned(), "rid-7.00000000000000ff".to_owned()));
+        // Envoy's own 500 (the sidecar died after its take), its 504 (no answer in time), a client
+        // gone before any response: released.
+        assert_eq!(release(&ended(500, "ext_proc_error_gRPC_error_14")), expected);
+        assert_eq!(release(&ended(504, "ext_proc_error_message_timeout")), expected);
+        assert_eq!(release(&ended(0, "")), expected);
+        // The sidecar's own refusals (it gave back whatever it took itself), other 4xx: nothing.
+        assert_eq!(release(&ended(503, ADMISSION_REPLY_DETAILS)), None);
+        assert_eq!(release(&ended(429, ADMISSION_REPLY_DETAILS)), None);
+        assert_eq!(release(&ended(403, "rbac_access_denied_matched_policy[none]")), None);
+        // An older filter's facts (no nonce): no reservation to name.
+        let mut old = ended(500, "");
+        old.common_properties
+            .as_mut()
+            .unwrap()
+            .filter_state_objects
+            .insert(FS_REQUEST.to_owned(), any_bytes(FACTS));
+        assert_eq!(release(&old), None);
+        // No facts: nothing; admitted: a record.
+        assert!(matches!(entry_of(&entry(None, false, None), || "id".into()), Entry::Nothing));
+        assert!(matches!(entry_of(&entry(Some(NAMED), true, None), || "id".into()), Entry::Record(_)));
     }
 
     #[test]

@@ -30,10 +30,15 @@ pub struct RequestFacts {
     /// The filter's prompt-prefix hashes ([`gateway_contract::RequestFacts::prefix_hashes`],
     /// encoded), for the endpoint picker.
     pub prefix_hashes: Option<String>,
+    /// The filter's per-request nonce ([`gateway_contract::RequestFacts::nonce`]; `None` from an
+    /// older filter).
+    pub nonce: Option<String>,
 }
 
 impl RequestFacts {
-    /// The facts the filter set (filter state), with Envoy's request id.
+    /// The facts the filter set (filter state); the request id is the one the filter saw, else
+    /// `request_id` (Envoy's `x-request-id` where the caller reads it, from a filter older than
+    /// the facts' `request_id`).
     pub fn from_filter(facts: gateway_contract::RequestFacts, request_id: String) -> Self {
         Self {
             tenant: Some(facts.tenant),
@@ -41,11 +46,19 @@ impl RequestFacts {
             pool: facts.pool,
             prompt_tokens: facts.prompt_tokens,
             max_tokens: facts.max_tokens,
-            request_id,
+            request_id: facts.request_id.unwrap_or(request_id),
             tier: facts.tier,
             leased_tokens: facts.leased_tokens,
             prefix_hashes: facts.prefix_hashes,
+            nonce: facts.nonce,
         }
+    }
+
+    /// The request's record id in the ledger ([`gateway_contract::record_id`] of its request id
+    /// and nonce); `None` without a valid nonce (facts of an older filter: its usage record gets
+    /// another id, and its reservation is not tracked).
+    pub fn record_id(&self) -> Option<String> {
+        gateway_contract::record_id(&self.request_id, self.nonce.as_deref()?)
     }
 
     /// Tokens to reserve against the tenant's TPM bucket: prompt plus the completion cap, the
@@ -67,6 +80,9 @@ pub struct Admitted {
     /// Whether the buckets were taken in this sidecar's memory (Redis unavailable, failure mode
     /// `open`), so the settlement goes there too.
     pub reserved_locally: bool,
+    /// When the take recorded the reservation as open in the ledger ([`crate::ledger`]): the
+    /// admission's Unix time in ms (the reservation's `at_ms`). A give-back then closes it there.
+    pub tracked_at_ms: Option<u64>,
 }
 
 /// What settling a finished request gives back to (positive) or charges (negative) one TPM
@@ -115,6 +131,7 @@ pub fn decide(
         ratelimit_headers,
         reserved_tokens: if has_tokens { reserve_tokens } else { 0 },
         reserved_locally: false,
+        tracked_at_ms: None,
     })
 }
 

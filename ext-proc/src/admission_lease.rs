@@ -5,7 +5,7 @@
 //! A lease is `redis.lease_fraction` of the smallest capacity among the request plan's buckets of
 //! each kind, taken from every bucket of that kind: the filter then admits one request per leased
 //! request and its reservation (prompt + max tokens) from the leased tokens, exactly as the
-//! ext_proc admission would have taken them. The take is all-or-nothing (`token_bucket_take_v2`
+//! ext_proc admission would have taken them. The take is all-or-nothing (`token_bucket_take_v3`
 //! with the lease as the cost): a tenant near its limit gets no lease, and each of its requests is
 //! decided against Redis by the ext_proc admission. A lease is granted only when it covers at
 //! least two requests of the largest reservation the filter saw.

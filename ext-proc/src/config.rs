@@ -800,6 +800,10 @@ pub struct MeteringConfig {
     /// in `llm_gateway_usage_records_dropped_total`, never dropped silently.
     #[serde(default = "default_buffer_records")]
     pub buffer_records: usize,
+    /// The ledger's open reservations ([`crate::ledger`]): when one whose usage never arrived is
+    /// recorded as charged.
+    #[serde(default)]
+    pub reservations: ReservationsConfig,
 }
 
 fn default_buffer_records() -> usize {
@@ -813,8 +817,55 @@ impl Default for MeteringConfig {
             stream_maxlen: default_stream_maxlen(),
             max_json_body_bytes: default_max_json_body_bytes(),
             buffer_records: default_buffer_records(),
+            reservations: ReservationsConfig::default(),
         }
     }
+}
+
+/// `metering.reservations`: how the sweeper ([`crate::sweeper`], on every replica) records as
+/// charged the reservations of admitted requests whose usage never arrived.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ReservationsConfig {
+    /// Age in milliseconds past which an open reservation is recorded as charged: the longest a
+    /// request's stream can live plus the time its usage can take to arrive (default 3,900,000:
+    /// the standalone bootstrap's `max_stream_duration`, 1 h, which bounds a stream's life in
+    /// Envoy whatever it streams, plus 5 minutes for the access log's batching and connection
+    /// retries; 1,000 to 604,800,000). Envoy's idle timeouts (`stream_idle_timeout`, the route's
+    /// `idle_timeout`) only bound a stream's silences: without a `max_stream_duration` below this
+    /// age, a live stream can outlast it, and its real usage, arriving after the charge, is not
+    /// applied.
+    #[serde(default = "default_record_after_ms")]
+    pub record_after_ms: u64,
+    /// How often each replica sweeps, in milliseconds (default 5,000; 100 to 600,000). A sweep is
+    /// one Redis call per configured tenant.
+    #[serde(default = "default_sweep_interval_ms")]
+    pub sweep_interval_ms: u64,
+    /// Most reservations one sweep charges per tenant (default 100; 1 to 10,000).
+    #[serde(default = "default_sweep_batch")]
+    pub sweep_batch: usize,
+}
+
+impl Default for ReservationsConfig {
+    fn default() -> Self {
+        Self {
+            record_after_ms: default_record_after_ms(),
+            sweep_interval_ms: default_sweep_interval_ms(),
+            sweep_batch: default_sweep_batch(),
+        }
+    }
+}
+
+fn default_record_after_ms() -> u64 {
+    3_900_000
+}
+
+fn default_sweep_interval_ms() -> u64 {
+    5_000
+}
+
+fn default_sweep_batch() -> usize {
+    100
 }
 
 fn default_stream_maxlen() -> u64 {
@@ -968,6 +1019,16 @@ impl Config {
         }
         if self.metering.buffer_records == 0 {
             return Err(invalid("metering.buffer_records", "must be > 0"));
+        }
+        let reservations = &self.metering.reservations;
+        if !(1_000..=604_800_000).contains(&reservations.record_after_ms) {
+            return Err(invalid("metering.reservations.record_after_ms", "must be in 1000..=604800000"));
+        }
+        if !(100..=600_000).contains(&reservations.sweep_interval_ms) {
+            return Err(invalid("metering.reservations.sweep_interval_ms", "must be in 100..=600000"));
+        }
+        if !(1..=10_000).contains(&reservations.sweep_batch) {
+            return Err(invalid("metering.reservations.sweep_batch", "must be in 1..=10000"));
         }
         if self.redis.breaker.failure_threshold == 0 {
             return Err(invalid("redis.breaker.failure_threshold", "must be > 0"));
@@ -1415,6 +1476,40 @@ mod tests {
         assert_eq!(
             err(&format!("{BASE}tenants: []\nshutdown_grace_ms: 600001\n")),
             "shutdown_grace_ms: must be in 1..=600000"
+        );
+    }
+
+    #[test]
+    fn reservations_are_validated_and_named() {
+        let c = Config::from_yaml(&format!("{BASE}tenants: []\n")).unwrap();
+        assert_eq!(
+            c.metering.reservations,
+            ReservationsConfig { record_after_ms: 3_900_000, sweep_interval_ms: 5_000, sweep_batch: 100 }
+        );
+        let r = |yaml: &str| err(&format!("{BASE}tenants: []\nmetering: {{reservations: {yaml}}}\n"));
+        assert_eq!(
+            r("{record_after_ms: 999}"),
+            "metering.reservations.record_after_ms: must be in 1000..=604800000"
+        );
+        assert_eq!(
+            r("{record_after_ms: 604800001}"),
+            "metering.reservations.record_after_ms: must be in 1000..=604800000"
+        );
+        assert_eq!(
+            r("{sweep_interval_ms: 99}"),
+            "metering.reservations.sweep_interval_ms: must be in 100..=600000"
+        );
+        assert_eq!(r("{sweep_batch: 0}"), "metering.reservations.sweep_batch: must be in 1..=10000");
+        assert_eq!(r("{sweep_batch: 10001}"), "metering.reservations.sweep_batch: must be in 1..=10000");
+        let e = r("{after_ms: 1}");
+        assert!(e.contains("unknown field `after_ms`"), "{e}");
+        let c = Config::from_yaml(&format!(
+            "{BASE}tenants: []\nmetering: {{reservations: {{record_after_ms: 1000, sweep_interval_ms: 100}}}}\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            (c.metering.reservations.record_after_ms, c.metering.reservations.sweep_batch),
+            (1000, 100)
         );
     }
 

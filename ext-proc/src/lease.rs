@@ -1,5 +1,5 @@
 //! Token leases, with no I/O and an injected clock: a sidecar takes a little more than a request
-//! needs from a Redis bucket (`lua/token_bucket_take_v2.lua`) and admits the next requests of
+//! needs from a Redis bucket (`lua/token_bucket_take_v3.lua`) and admits the next requests of
 //! that bucket from what it holds, without a Redis round trip, until the lease runs out or
 //! expires. Leased tokens are already gone from Redis, so leases never over-admit; a lease held
 //! by one sidecar while another is refused under-admits by at most the lease. Unused tokens go

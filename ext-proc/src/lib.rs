@@ -10,9 +10,10 @@
 //! with a failure mode per tier.
 //!
 //! The decisions are pure code ([`limits`], [`admission`], [`shedding`], [`breaker`],
-//! [`local_limiter`], [`meter`], [`sse`], [`admission_lease`]); the tonic adapters ([`service`],
-//! [`access_log`], [`lease_service`]), the Redis client
-//! ([`store`], [`limiter`], [`recorder`]) and the scraper ([`pools`]) only move data.
+//! [`local_limiter`], [`meter`], [`sse`], [`admission_lease`], [`ledger`]); the tonic adapters
+//! ([`service`], [`access_log`], [`lease_service`]), the Redis client
+//! ([`store`], [`limiter`], [`recorder`]), the scraper ([`pools`]) and the ledger's sweeper
+//! ([`sweeper`]) only move data.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -32,6 +33,7 @@ pub mod error;
 pub mod flow_control;
 pub mod lease;
 pub mod lease_service;
+pub mod ledger;
 pub mod limiter;
 pub mod limits;
 pub mod local_limiter;
@@ -44,6 +46,7 @@ pub mod service;
 pub mod shedding;
 pub use gateway_meter::sse;
 pub mod store;
+pub mod sweeper;
 pub mod telemetry;
 
 /// Protobuf types of `proto/llm_gateway/v1/usage.proto` and `lease.proto` (with the lease
@@ -151,6 +154,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
             }
         })
     });
+    // Charges the reservations whose usage never arrived (every replica sweeps).
+    let sweeper = tokio::spawn(sweeper::run(Arc::clone(&shared), stop.clone()));
     let endpoint_pickers = epp::server::spawn_all(&shared, stop.clone())
         .await
         .map_err(|(addr, source)| RunError::Bind { addr, source })?;
@@ -194,6 +199,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
     if let Some(expiry) = expiry {
         let _ = expiry.await;
     }
+    let _ = sweeper.await;
     shared.limiter.give_back_all_leases().await;
     // Streams still open past the grace hold a Recorder: close the writer's queue explicitly; it
     // writes what is queued, then ends.

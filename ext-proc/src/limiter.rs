@@ -17,7 +17,7 @@ use crate::lease::Leases;
 use crate::limits::{BucketSpec, TakeOutcome};
 use crate::local_limiter::LocalLimiter;
 use crate::metrics::{Metrics, Reason};
-use crate::store::Store;
+use crate::store::{Store, Tracking};
 
 /// Result of a take.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,19 +74,27 @@ impl Limiter {
         }
     }
 
-    /// Takes the plan's costs: from Redis, or degraded per `mode`.
-    pub async fn take(&self, plan: &[BucketSpec], mode: FailureMode) -> Take {
+    /// Takes the plan's costs: from Redis, or degraded per `mode`. With `tracking`, a take that
+    /// Redis decides in a round trip also records the admission's reservation as open in the
+    /// ledger ([`Store::take`]); the second value says whether it did (not for an admission from
+    /// this sidecar's lease, nor a degraded one).
+    pub async fn take(
+        &self,
+        plan: &[BucketSpec],
+        mode: FailureMode,
+        tracking: Option<&Tracking<'_>>,
+    ) -> (Take, bool) {
         let wanted = match self.leases.as_ref().map(Mutex::lock) {
             Some(Ok(mut leases)) => match leases.try_take(plan, Instant::now()) {
                 // Tokens Redis granted earlier: decided by Redis, without a round trip.
-                Some(outcome) => return Take::Redis(outcome),
+                Some(outcome) => return (Take::Redis(outcome), false),
                 None => leases.wanted(plan),
             },
             Some(Err(_)) | None => Vec::new(),
         };
         let reason = if self.allow() {
             let started = Instant::now();
-            let result = self.store.take(plan, &wanted).await;
+            let result = self.store.take(plan, &wanted, tracking).await;
             self.metrics.redis_call("take", started.elapsed(), result.is_ok());
             self.record(result.is_ok());
             match result {
@@ -105,7 +113,8 @@ impl Limiter {
                             }
                         }
                     }
-                    return Take::Redis(outcome);
+                    let tracked = tracking.is_some() && outcome.denied.is_none();
+                    return (Take::Redis(outcome), tracked);
                 }
                 Err(error) => {
                     warn!(%error, "rate limit take failed");
@@ -116,12 +125,32 @@ impl Limiter {
             "breaker_open"
         };
         self.metrics.degraded.get_or_create(&Reason { reason: reason.to_owned() }).inc();
-        match mode {
+        let take = match mode {
             FailureMode::Open => match self.local.lock() {
                 Ok(mut local) => Take::Local(local.take(plan, Instant::now())),
                 Err(_) => Take::Unavailable,
             },
             FailureMode::Closed => Take::Unavailable,
+        };
+        (take, false)
+    }
+
+    /// Records an admission that no limit applies to as open in the ledger (a take of no bucket,
+    /// [`Store::take`]); whether it did. Redis unavailable: not recorded, the admission stands.
+    pub async fn track(&self, tracking: &Tracking<'_>) -> bool {
+        if !self.allow() {
+            return false;
+        }
+        let started = Instant::now();
+        let result = self.store.take(&[], &[], Some(tracking)).await;
+        self.metrics.redis_call("take", started.elapsed(), result.is_ok());
+        self.record(result.is_ok());
+        match result {
+            Ok(_) => true,
+            Err(error) => {
+                warn!(%error, "reservation not recorded");
+                false
+            }
         }
     }
 
@@ -133,7 +162,7 @@ impl Limiter {
             return None;
         }
         let started = Instant::now();
-        let result = self.store.take(plan, &[]).await;
+        let result = self.store.take(plan, &[], None).await;
         self.metrics.redis_call("lease", started.elapsed(), result.is_ok());
         self.record(result.is_ok());
         match result {

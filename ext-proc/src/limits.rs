@@ -1,7 +1,7 @@
 //! Limit arithmetic, with no I/O: which token buckets a request draws on, how the Redis script's
 //! reply is read, and the `Retry-After` / `x-ratelimit-*` values that follow from it.
 //!
-//! Buckets live in Redis (see `lua/token_bucket_take_v2.lua`); keys carry the tenant as a hash tag
+//! Buckets live in Redis (see `lua/token_bucket_take_v3.lua`); keys carry the tenant as a hash tag
 //! (`<prefix>:rl:{<tenant>}:rpm`) so one tenant's buckets share a Redis Cluster slot and one
 //! script call can touch them all atomically.
 
@@ -125,11 +125,11 @@ pub struct TakeOutcome {
 
 /// Errors reading the take script's reply.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("unexpected reply from token_bucket_take_v2.lua: {0}")]
+#[error("unexpected reply from token_bucket_take_v3.lua: {0}")]
 pub struct ReplyError(pub String);
 
 impl TakeOutcome {
-    /// Reads the flat reply of `token_bucket_take_v2.lua` for `n` buckets:
+    /// Reads the flat reply of `token_bucket_take_v3.lua` for `n` buckets:
     /// `[admitted, denied_index, (remaining, reset_ms, retry_after_ms, granted) × n]`; returns the
     /// outcome and the lease tokens granted per bucket.
     ///

@@ -1,6 +1,6 @@
 //! In-memory token buckets, with no I/O and an injected clock: the approximate limits that
 //! admission applies while Redis is unavailable and the tier's failure mode is `open`. Same
-//! arithmetic as `lua/token_bucket_take_v2.lua` (continuous refill, all-or-nothing take), per
+//! arithmetic as `lua/token_bucket_take_v3.lua` (continuous refill, all-or-nothing take), per
 //! sidecar process, over `share` of each bucket's burst and rate (`redis.local_share`; with N
 //! sidecars and share 1 a tenant may get up to N times its limit while degraded). Each bucket
 //! starts from its level in Redis's last answer (times the share) when there was one, so an

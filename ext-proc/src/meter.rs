@@ -26,8 +26,9 @@ pub struct RequestInfo {
     pub reserved_locally: bool,
     /// `x-gateway-tier`.
     pub tier: String,
-    /// Unique id of the usage record, made by the sidecar (the key that makes its write
-    /// idempotent).
+    /// The usage record's id, the key that makes its write idempotent and that names its
+    /// reservation in the ledger: derived from the request ([`gateway_contract::record_id`] of
+    /// the facts' request id and nonce), so every delivery of its usage has the same one.
     pub record_id: String,
 }
 
@@ -83,6 +84,10 @@ pub struct UsageRecord {
     /// Unix time of the end, in milliseconds; stamped by the caller (the meter reads no clock
     /// but the monotonic instants it is given). 0 until then.
     pub finished_at_unix_ms: u64,
+    /// No usage arrived: the ledger's record of the request's reservation, charged once the
+    /// request was older than the longest stream lifetime ([`crate::ledger::charged_record`];
+    /// the event's `END_REASON_UNREPORTED`).
+    pub unreported: bool,
 }
 
 impl UsageRecord {
@@ -129,6 +134,7 @@ impl UsageRecord {
             end_reason: usage.end_reason,
             usage_source: usage.usage_source,
             finished_at_unix_ms: 0,
+            unreported: false,
             info,
         }
     }

@@ -249,6 +249,22 @@ pub struct Metrics {
     /// `llm_gateway_usage_records_unknown_tenant_total`: records of a tenant the config does not
     /// list, dropped (never stored).
     pub records_unknown_tenant: Counter,
+    /// `llm_gateway_usage_records_duplicate_total`: deliveries of a record the ledger had applied
+    /// already (a retry, a replay, a second sink), not applied again.
+    pub records_duplicate: Counter,
+    /// `llm_gateway_usage_records_from_reservation_total`: reservations whose usage never arrived,
+    /// recorded as charged by this replica's sweeper (`usage_source` reservation, end reason
+    /// unreported).
+    pub records_charged: Counter,
+    /// `llm_gateway_usage_records_after_charge_total`: usage that arrived after its request's
+    /// reservation was charged, not applied (each logged).
+    pub records_after_charge: Counter,
+    /// `llm_gateway_reservations_released_total`: admissions given back before their request
+    /// went upstream, their reservation closed.
+    pub reservations_released: Counter,
+    /// `llm_gateway_reservations_open`: open reservations over the configured tenants, as this
+    /// replica's last sweep counted them (requests admitted whose usage has not landed).
+    pub reservations_open: Gauge,
     /// `llm_gateway_picker_picks_total{pool,endpoint,by}`: the endpoint picker's picks.
     pub picks: Family<PoolEndpoint, Counter>,
     /// `llm_gateway_picker_prefix_blocks_total{pool,kind}`: prompt blocks of picked requests
@@ -340,6 +356,11 @@ impl Metrics {
             records_refused: Counter::default(),
             records_unconfirmed: Counter::default(),
             records_unknown_tenant: Counter::default(),
+            records_duplicate: Counter::default(),
+            records_charged: Counter::default(),
+            records_after_charge: Counter::default(),
+            reservations_released: Counter::default(),
+            reservations_open: Gauge::default(),
             picks: Family::default(),
             pick_prefix_blocks: Family::default(),
             no_pick: Family::default(),
@@ -441,6 +462,31 @@ impl Metrics {
             "llm_gateway_usage_records_unknown_tenant",
             "Usage records of an unconfigured tenant, dropped (logged)",
             m.records_unknown_tenant.clone(),
+        );
+        r.register(
+            "llm_gateway_usage_records_duplicate",
+            "Deliveries of a usage record the ledger had applied already, not applied again",
+            m.records_duplicate.clone(),
+        );
+        r.register(
+            "llm_gateway_usage_records_from_reservation",
+            "Reservations whose usage never arrived, recorded as charged by this replica's sweeper",
+            m.records_charged.clone(),
+        );
+        r.register(
+            "llm_gateway_usage_records_after_charge",
+            "Usage that arrived after its reservation was charged, not applied (logged)",
+            m.records_after_charge.clone(),
+        );
+        r.register(
+            "llm_gateway_reservations_released",
+            "Admissions given back before their request went upstream, their reservation closed",
+            m.reservations_released.clone(),
+        );
+        r.register(
+            "llm_gateway_reservations_open",
+            "Open reservations over the configured tenants at this replica's last sweep",
+            m.reservations_open.clone(),
         );
         r.register(
             "llm_gateway_picker_picks",

@@ -44,6 +44,7 @@ use crate::config::FactsSource;
 use crate::context::{ContextChecker, ContextError, Counted};
 use crate::error::AdmissionError;
 use crate::flow_control::{self, Entered};
+use crate::ledger::{self, Reservation};
 use crate::limiter::{Limiter, Take};
 use crate::limits::{self, BucketKind, BucketSpec};
 use crate::meter::{EndReason, Meter, RequestInfo, UsageRecord};
@@ -53,11 +54,12 @@ use crate::metrics::{
 use crate::pools::{PickOutcome, Pools};
 use crate::recorder::Recorder;
 use crate::scheduling::Pick;
+use crate::store::Tracking;
 use crate::telemetry;
 use gateway_contract::{
     ATTRIBUTES_FILTER_NAME, ATTRIBUTE_REQUEST, CONTEXT_CHECK_EXACT, H_CONTEXT_CHECK, H_CONTEXT_MODEL,
     H_DESTINATION_ENDPOINT, H_MAX_TOKENS, H_MODEL, H_POOL, H_PROMPT_TOKENS, H_PROMPT_TOKENS_SOURCE,
-    H_REQUEST_ID, H_TENANT, H_TIER, MAX_PREFIX_HASHES, MD_DESTINATION_ENDPOINT,
+    H_REQUEST_ID, H_REQUEST_NONCE, H_TENANT, H_TIER, MAX_PREFIX_HASHES, MD_DESTINATION_ENDPOINT,
     MD_DESTINATION_ENDPOINT_SUBSET, MD_NAMESPACE_LB, MD_NAMESPACE_SUBSET_HINT, MD_PICKED_ENDPOINT,
     MD_QUEUE_WAIT_MS,
 };
@@ -68,6 +70,10 @@ pub use gateway_contract::{
 };
 /// gRPC initial-metadata key naming the role of an ext_proc filter.
 pub const ROLE_METADATA_KEY: &str = "x-gateway-ext-proc-role";
+/// The `details` of the sidecar's own replies (ImmediateResponse), which Envoy logs as the
+/// response code details: the access log tells the sidecar's refusals from requests whose
+/// admission answer never arrived.
+pub const ADMISSION_REPLY_DETAILS: &str = "llm_gateway_admission";
 
 /// What every stream of the service shares.
 pub struct Shared {
@@ -129,9 +135,17 @@ impl Shared {
     pub fn open_streams(&self) -> usize {
         self.open_streams.load(Ordering::Relaxed)
     }
+
+    /// How long a tenant's reservation keys live past their last write: the age at which an open
+    /// reservation is charged, plus [`ledger::KEEP_MARGIN`].
+    pub(crate) fn reservation_keep(&self) -> Duration {
+        Duration::from_millis(self.config.metering.reservations.record_after_ms) + ledger::KEEP_MARGIN
+    }
 }
 
-/// Unique usage-record ids: a random per-process prefix and a counter.
+/// Usage-record ids for requests whose facts carry no nonce (an older filter): a random
+/// per-process prefix and a counter. Requests with one are named by
+/// [`gateway_contract::record_id`].
 pub(crate) struct RecordIds {
     prefix: u64,
     next: AtomicU64,
@@ -333,8 +347,8 @@ async fn admission_stream(
                 facts.max_tokens = counted.max_tokens;
                 if admitted.reserved_tokens > 0 {
                     admitted.reserved_tokens = facts.reserve_tokens();
-                    rereserve(shared, &facts, &admitted, estimated);
                 }
+                rereserve(shared, &facts, &admitted, estimated).await;
                 exact_headers = exact_count_headers(&counted);
             }
             Err(ContextError::Exceeded { param, prompt_tokens, max_tokens, max_model_len }) => {
@@ -417,7 +431,12 @@ async fn admission_stream(
         Some(ProcResponse::RequestHeaders(headers)) if pick.is_some() => headers.response = Some(common),
         _ => {}
     }
-    send(tx, response).await
+    let sent = send(tx, response).await;
+    if sent.is_err() {
+        // Envoy closed the stream before the answer: the request never goes upstream.
+        give_back(shared, &facts, &admitted);
+    }
+    sent
 }
 
 /// The endpoint of an admitted request of a pool with `picker` ([`Pools::pick`]), from the
@@ -542,17 +561,58 @@ fn settle_plan(
 }
 
 /// A request admitted but refused (or gone) before it went upstream: its request and its token
-/// reservation go back to the buckets they were taken from.
+/// reservation go back to the buckets they were taken from. A reservation the ledger tracks is
+/// closed with them, once ([`crate::recorder::LedgerOp::Release`]).
 fn give_back(shared: &Arc<Shared>, facts: &RequestFacts, admitted: &Admitted) {
+    if admitted.tracked_at_ms.is_some() {
+        let tenant = facts.tenant.as_deref().and_then(|t| shared.config.tenant(t));
+        if let (Some(tenant), Some(record_id)) = (tenant, facts.record_id()) {
+            let buckets = limits::plan(shared.limiter.store().prefix(), tenant, &facts.model, 0);
+            shared.recorder.release(tenant.id.clone(), record_id, buckets);
+            return;
+        }
+    }
     settle_plan(shared, facts, admitted, |b| match b.kind {
         BucketKind::Requests => 1,
         BucketKind::Tokens => admission::settlement(b, admitted.reserved_tokens, 0),
     });
 }
 
+/// Releases the reservation of a request of `tenant` for `model` whose admission answer Envoy
+/// never received, should the ledger hold it open (the access log's [`crate::recorder::LedgerOp::Release`]).
+pub(crate) fn release(shared: &Shared, tenant: &str, model: &str, record_id: String) {
+    if let Some(config) = shared.config.tenant(tenant) {
+        let buckets = limits::plan(shared.limiter.store().prefix(), config, model, 0);
+        shared.recorder.release(config.id.clone(), record_id, buckets);
+    }
+}
+
 /// After the exact count: each token bucket's reservation moves from the filter's estimate
-/// (`estimated`, prompt + max tokens) to the exact one (`admitted.reserved_tokens`).
-fn rereserve(shared: &Arc<Shared>, facts: &RequestFacts, admitted: &Admitted, estimated: u64) {
+/// (`estimated`, prompt + max tokens) to the exact one (`admitted.reserved_tokens`). A reservation
+/// the ledger tracks moves there with its buckets, in one call that is waited for (a later
+/// give-back returns what it then holds).
+async fn rereserve(shared: &Arc<Shared>, facts: &RequestFacts, admitted: &Admitted, estimated: u64) {
+    let tenant = facts.tenant.as_deref().and_then(|t| shared.config.tenant(t));
+    if let (Some(at_ms), Some(tenant), Some(record_id)) = (admitted.tracked_at_ms, tenant, facts.record_id())
+    {
+        let reservation = Reservation::of(facts, admitted.reserved_tokens, at_ms);
+        let buckets = limits::token_buckets(shared.limiter.store().prefix(), tenant, &facts.model);
+        let started = Instant::now();
+        let result = shared.limiter.store().rereserve(&tenant.id, &record_id, &reservation, &buckets).await;
+        shared.metrics.redis_call("rereserve", started.elapsed(), result.is_ok());
+        match result {
+            Ok(_) => return,
+            Err(error) if error.maybe_applied() => {
+                tracing::warn!(%error, "reservation move may not have landed");
+                return;
+            }
+            // Nothing moved: the buckets move on their own below.
+            Err(error) => tracing::warn!(%error, "reservation move failed"),
+        }
+    }
+    if admitted.reserved_tokens == 0 {
+        return;
+    }
     settle_plan(shared, facts, admitted, |b| match b.kind {
         BucketKind::Requests => 0,
         BucketKind::Tokens => admission::rereservation(b, estimated, admitted.reserved_tokens),
@@ -735,20 +795,47 @@ async fn admit(shared: &Shared, facts: &RequestFacts) -> Result<Admitted, Admiss
     }
     let plan =
         limits::plan(shared.limiter.store().prefix(), tenant_config, &facts.model, facts.reserve_tokens());
+    // The reservation the ledger keeps open until the request's usage lands (crate::ledger):
+    // recorded by the same Redis call that takes the buckets.
+    let at_ms = unix_ms();
+    let reserved = if plan.iter().any(|b| b.kind == BucketKind::Tokens) { facts.reserve_tokens() } else { 0 };
+    let record_id = facts.record_id();
+    let reservation = Reservation::of(facts, reserved, at_ms);
+    let tracking = record_id.as_deref().map(|record_id| Tracking {
+        tenant,
+        record_id,
+        reservation: &reservation,
+        keep: shared.reservation_keep(),
+    });
     if plan.is_empty() {
-        return Ok(Admitted { ratelimit_headers: Vec::new(), reserved_tokens: 0, reserved_locally: false });
+        // No limit to take: the reservation alone is recorded (one Redis call).
+        let tracked = match &tracking {
+            Some(t) => shared.limiter.track(t).await,
+            None => false,
+        };
+        return Ok(Admitted {
+            ratelimit_headers: Vec::new(),
+            reserved_tokens: 0,
+            reserved_locally: false,
+            tracked_at_ms: tracked.then_some(at_ms),
+        });
     }
-    let take = shared
+    let mode = config.redis.failure_mode(&facts.tier);
+    let (take, tracked) = shared
         .limiter
-        .take(&plan, config.redis.failure_mode(&facts.tier))
-        .instrument(tracing::info_span!("rate_limit", db.system = "redis", otel.kind = "client"));
-    let (outcome, degraded) = match take.await {
+        .take(&plan, mode, tracking.as_ref())
+        .instrument(tracing::info_span!("rate_limit", db.system = "redis", otel.kind = "client"))
+        .await;
+    let (outcome, degraded) = match take {
         Take::Redis(outcome) => (outcome, false),
         Take::Local(outcome) => (outcome, true),
         Take::Unavailable => return Err(AdmissionError::LimiterUnavailable),
     };
-    let decision = admission::decide(&plan, &outcome, facts.reserve_tokens())
-        .map(|admitted| Admitted { reserved_locally: degraded, ..admitted });
+    let decision = admission::decide(&plan, &outcome, facts.reserve_tokens()).map(|admitted| Admitted {
+        reserved_locally: degraded,
+        tracked_at_ms: tracked.then_some(at_ms),
+        ..admitted
+    });
     let labels = Decision {
         decision: if decision.is_ok() { "admit" } else { "deny" }.to_owned(),
         degraded: degraded.to_string(),
@@ -803,7 +890,8 @@ async fn metering_stream(
                     _picked = Some(PickedGuard { pools: &shared.pools, pool: facts.pool.clone(), endpoint });
                 }
                 meter.start(now);
-                info = Some(RequestInfo::new(facts, reserved, shared.ids.next()));
+                let record_id = facts.record_id().unwrap_or_else(|| shared.ids.next());
+                info = Some(RequestInfo::new(facts, reserved, record_id));
                 None
             }
             Some(ProcRequest::ResponseHeaders(h)) => {
@@ -859,7 +947,8 @@ pub(crate) fn finish(shared: &Arc<Shared>, record: UsageRecord) {
     shared.pools.finished(&record.info.pool);
     if !record.fits_redis() {
         // Counts no Redis integer holds (an upstream's bug): refused before any of it is
-        // written; the reservation stays charged, nothing is refunded or billed.
+        // written; the reservation stays charged, nothing is refunded, and a reservation the
+        // ledger tracks is charged once it is older than `record_after_ms`.
         error!(?record, "usage counts past what Redis holds: record refused");
         shared.metrics.records_refused.inc();
         return;
@@ -869,36 +958,37 @@ pub(crate) fn finish(shared: &Arc<Shared>, record: UsageRecord) {
     // The end of the request, not of its (possibly delayed) write, dates the record: Envoy's
     // time when the access log gave it, else now.
     if record.finished_at_unix_ms == 0 {
-        record.finished_at_unix_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        record.finished_at_unix_ms = unix_ms();
     }
     let buckets = shared
         .config
         .tenant(&record.info.tenant)
         .map(|t| limits::token_buckets(shared.limiter.store().prefix(), t, &record.info.model))
         .unwrap_or_default();
-    let settlements: Vec<_> = buckets
-        .into_iter()
-        .map(|b| {
-            let delta = admission::settlement(&b, record.info.reserved_tokens, record.total_tokens());
-            (b, delta)
-        })
-        .filter(|(_, delta)| *delta != 0)
-        .collect();
-    if !settlements.is_empty() {
-        let shared = Arc::clone(shared);
-        let locally = record.info.reserved_locally;
+    let settlements = ledger::settlements(buckets, record.info.reserved_tokens, record.total_tokens());
+    if record.info.reserved_locally {
+        // Taken in this sidecar's memory (Redis was away): settled there, at once.
+        let local = Arc::clone(shared);
         tokio::spawn(
             async move {
                 for (bucket, delta) in &settlements {
-                    shared.limiter.settle(bucket, *delta, locally).await;
+                    local.limiter.settle(bucket, *delta, true).await;
                 }
             }
             .instrument(span.clone()),
         );
+        shared.recorder.record(record, Vec::new());
+    } else {
+        // Settled in Redis with the record, in one call, once per request (lua/ledger_v1.lua).
+        shared.recorder.record(record, settlements);
     }
-    shared.recorder.record(record);
+}
+
+/// Unix milliseconds now (the sidecar's clock).
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Per-request metrics of a finished request.
@@ -961,7 +1051,7 @@ pub(crate) fn immediate_response(error: &AdmissionError) -> ProcessingResponse {
             headers: Some(HeaderMutation { set_headers, remove_headers: Vec::new() }),
             body: reply.body,
             grpc_status: None,
-            details: "llm_gateway_admission".to_owned(),
+            details: ADMISSION_REPLY_DETAILS.to_owned(),
         })),
         ..Default::default()
     }
@@ -1097,6 +1187,7 @@ pub(crate) fn facts_from_headers(header: impl Fn(&str) -> Option<String>) -> Req
         tier: header(H_TIER).unwrap_or_default(),
         leased_tokens: None,
         prefix_hashes: None,
+        nonce: header(H_REQUEST_NONCE),
     }
 }
 
@@ -1171,9 +1262,41 @@ mod tests {
     }
 
     #[test]
+    fn the_record_id_comes_from_the_facts_request_id_and_nonce() {
+        // The filter state's request id (as the filter saw it) wins over the header's.
+        let facts = r#"{"v":1,"tenant":"acme","tier":"t","model":"m","pool":"p","prompt_tokens":5,"max_tokens":7,"request_id":"seen","nonce":"0123456789abcdef"}"#;
+        let (m, h) = message(Some(facts));
+        let (f, _) = request_facts(FactsSource::FilterState, &m, &h);
+        assert_eq!(f.request_id, "seen");
+        assert_eq!(f.record_id().as_deref(), Some("seen.0123456789abcdef"));
+        // Facts of an older filter: the header's request id, and no record id of the request.
+        let (m, h) = message(Some(
+            r#"{"v":1,"tenant":"acme","tier":"t","model":"m","pool":"p","prompt_tokens":5,"max_tokens":7}"#,
+        ));
+        let (f, _) = request_facts(FactsSource::FilterState, &m, &h);
+        assert_eq!((f.request_id.as_str(), f.record_id()), ("abc", None));
+        // From the headers (request_facts: headers): the filter's nonce header.
+        let (m, mut h) = message(None);
+        if let Some(map) = h.headers.as_mut() {
+            map.headers.push(HeaderValue {
+                key: H_REQUEST_NONCE.into(),
+                value: String::new(),
+                raw_value: b"fedcba9876543210".to_vec(),
+            });
+        }
+        let (f, _) = request_facts(FactsSource::Headers, &m, &h);
+        assert_eq!(f.record_id().as_deref(), Some("abc.fedcba9876543210"));
+    }
+
+    #[test]
     fn metadata_round_trip() {
         let s = admission_metadata(
-            &Admitted { ratelimit_headers: vec![], reserved_tokens: 77, reserved_locally: true },
+            &Admitted {
+                ratelimit_headers: vec![],
+                reserved_tokens: 77,
+                reserved_locally: true,
+                tracked_at_ms: None,
+            },
             None,
         );
         let m = Metadata {
@@ -1229,7 +1352,12 @@ mod tests {
     #[test]
     fn a_pick_goes_in_both_namespaces_and_comes_back_from_the_access_log() {
         let mut s = admission_metadata(
-            &Admitted { ratelimit_headers: vec![], reserved_tokens: 1, reserved_locally: false },
+            &Admitted {
+                ratelimit_headers: vec![],
+                reserved_tokens: 1,
+                reserved_locally: false,
+                tracked_at_ms: None,
+            },
             None,
         );
         let pick = Pick {

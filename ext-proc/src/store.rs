@@ -13,18 +13,33 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 
 use crate::config::RedisConfig;
+use crate::ledger::{self, CHARGED_RETENTION};
 use crate::limits::{BucketSpec, ReplyError, TakeOutcome};
 use crate::meter::{EndReason, UsageRecord, UsageSource};
 use crate::proto;
 
-/// `lua/token_bucket_take_v2.lua`: take a cost from every bucket or from none, plus leases.
-const TAKE_LUA: &str = include_str!("../lua/token_bucket_take_v2.lua");
+/// `lua/token_bucket_take_v3.lua`: take a cost from every bucket or from none, plus leases.
+const TAKE_LUA: &str = include_str!("../lua/token_bucket_take_v3.lua");
 /// `lua/token_bucket_settle_v1.lua`: settle a reservation against the real usage.
 const SETTLE_LUA: &str = include_str!("../lua/token_bucket_settle_v1.lua");
-/// `lua/usage_record_v2.lua`: add a record to the daily aggregates exactly once (bounded space).
-const USAGE_LUA: &str = include_str!("../lua/usage_record_v2.lua");
+/// `lua/ledger_v1.lua`: the ledger's writes for one request (record, charge, release,
+/// rereserve, claim), each applied once.
+const LEDGER_LUA: &str = include_str!("../lua/ledger_v1.lua");
 /// `lua/in_flight_flush_v1.lua`: a replica's in-flight counts of a pool, and the pool's total.
 const IN_FLIGHT_LUA: &str = include_str!("../lua/in_flight_flush_v1.lua");
+
+/// What an admission's take records of its reservation ([`Store::take`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Tracking<'a> {
+    /// The tenant (the reservation keys' hash tag, the same as the plan's buckets').
+    pub tenant: &'a str,
+    /// The request's record id ([`gateway_contract::record_id`]).
+    pub record_id: &'a str,
+    /// What the ledger charges should the request's usage never arrive.
+    pub reservation: &'a ledger::Reservation,
+    /// How long the reservation keys live past their last write.
+    pub keep: Duration,
+}
 
 /// How long after a write attempt that may have landed a retry of the same record is still
 /// deduplicated: the set of applied ids of a record's window is kept this long past the later of
@@ -69,18 +84,6 @@ impl StoreError {
             StoreError::Reply(_) => false,
         }
     }
-}
-
-/// A usage record's write failed; [`RecordError::maybe_applied`] says whether its counts may
-/// have landed anyway (then a retry is deduplicated only within [`IDEMPOTENCY_RETENTION`]).
-#[derive(Debug, thiserror::Error)]
-#[error("{error}")]
-pub struct RecordError {
-    /// What failed.
-    pub error: StoreError,
-    /// The ledger script may have applied the record (it timed out, the connection was lost
-    /// mid-command, or it succeeded and the stream append after it failed).
-    pub maybe_applied: bool,
 }
 
 #[derive(Clone)]
@@ -138,7 +141,7 @@ pub struct Store {
     cluster: Option<Arc<ClusterHandle>>,
     take: Script,
     settle: Script,
-    usage: Script,
+    ledger: Script,
     in_flight: Script,
     timeout: Duration,
     prefix: String,
@@ -194,7 +197,7 @@ impl Store {
             cluster,
             take: Script::new(TAKE_LUA),
             settle: Script::new(SETTLE_LUA),
-            usage: Script::new(USAGE_LUA),
+            ledger: Script::new(LEDGER_LUA),
             in_flight: Script::new(IN_FLIGHT_LUA),
             timeout,
             prefix: config.key_prefix.clone(),
@@ -264,8 +267,11 @@ impl Store {
     }
 
     /// Atomically takes each bucket's cost from every bucket, or from none; when admitted, also
-    /// up to `leases[i]` more tokens from bucket `i` (missing entries: 0). Returns the outcome
-    /// and the lease tokens granted per bucket.
+    /// up to `leases[i]` more tokens from bucket `i` (missing entries: 0), and, with `tracking`,
+    /// records the admission's reservation as open (`lua/token_bucket_take_v3.lua`: the
+    /// reservation's JSON under its record id in `<prefix>:reservations:{<tenant>}`, indexed by
+    /// Redis's time in `<prefix>:reservations-due:{<tenant>}`, both kept `tracking.keep` past their
+    /// last write), in the same call. Returns the outcome and the lease tokens granted per bucket.
     ///
     /// # Errors
     /// [`StoreError`] on timeout, Redis error or a malformed reply.
@@ -273,12 +279,20 @@ impl Store {
         &self,
         plan: &[BucketSpec],
         leases: &[u64],
+        tracking: Option<&Tracking<'_>>,
     ) -> Result<(TakeOutcome, Vec<u64>), StoreError> {
         let mut inv = self.take.prepare_invoke();
         inv.arg(plan.len());
         for (i, b) in plan.iter().enumerate() {
             let lease = leases.get(i).copied().unwrap_or(0);
             inv.key(&b.key).arg(b.capacity).arg(b.rate_per_minute).arg(b.cost).arg(lease);
+        }
+        if let Some(t) = tracking {
+            inv.key(ledger::reservations_key(&self.prefix, t.tenant))
+                .key(ledger::due_key(&self.prefix, t.tenant))
+                .arg(t.record_id)
+                .arg(t.reservation.to_json())
+                .arg(u64::try_from(t.keep.as_millis()).unwrap_or(u64::MAX));
         }
         let mut conn = self.conn();
         let reply: Vec<i64> = self.bounded(inv.invoke_async(&mut conn)).await?;
@@ -296,41 +310,80 @@ impl Store {
         self.bounded(inv.invoke_async(&mut conn)).await
     }
 
-    /// Records one finished request: adds its counts to the tenant's daily hash
-    /// `<prefix>:usage:{<tenant>}:<YYYY-MM-DD>` (fields `<model>:requests`, `<model>:prompt_tokens`,
-    /// `<model>:completion_tokens`, `<model>:cached_tokens`) exactly once per record id
-    /// (`lua/usage_record_v2.lua`: the id joins the set
-    /// `<prefix>:usage-seen:{<tenant>}:<window start>` of its 10 s finish-time window, kept
-    /// [`IDEMPOTENCY_RETENTION`] past the later of the window's end and now), then appends the
-    /// protobuf `UsageEvent` to the usage stream (fields `event`, `tenant`, `record_id`). Safe to
-    /// retry within [`IDEMPOTENCY_RETENTION`] of an attempt that may have landed.
+    /// Applies one usage record to the ledger (`lua/ledger_v1.lua`, operation `record`, or
+    /// `charge` when `charge`): adds its counts to the tenant's daily hash
+    /// `<prefix>:usage:{<tenant>}:<YYYY-MM-DD>` (fields `<model>:requests`,
+    /// `<model>:prompt_tokens`, `<model>:completion_tokens`, `<model>:cached_tokens`) and moves each
+    /// bucket of `settlements` by its delta (tokens back; negative: charged more), all at once and
+    /// once per request:
+    /// - `record`: closes the request's open reservation (`<prefix>:reservations:{<tenant>}`, see
+    ///   [`Store::take`]) if there is one, and is not applied ([`Applied::AfterCharge`]) when that
+    ///   reservation was charged already; the record id joins the set
+    ///   `<prefix>:usage-seen:{<tenant>}:<window start>` of its 10 s finish-time window (kept
+    ///   [`IDEMPOTENCY_RETENTION`] past the later of the window's end and now), and a record whose
+    ///   id is there is not applied again ([`Applied::Duplicate`]).
+    /// - `charge` (the sweeper's record of a reservation whose usage never arrived): applied only
+    ///   while the reservation is open ([`Applied::Duplicate`] otherwise); it joins
+    ///   `<prefix>:reservations-charged:{<tenant>}` for [`CHARGED_RETENTION`].
+    ///
+    /// Dated by `record.finished_at_unix_ms` (0: now).
     ///
     /// # Errors
-    /// [`RecordError`] on timeout or Redis error, saying whether the counts may have landed.
-    pub async fn record(&self, record: &UsageRecord) -> Result<(), RecordError> {
-        let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-        // Dated by the request's end (a record written after an outage keeps its own day).
-        let finished_ms = match record.finished_at_unix_ms {
-            0 => now_ms,
-            ms => ms,
-        };
+    /// [`StoreError`] on timeout or Redis error ([`StoreError::maybe_applied`] says whether it may
+    /// have been applied anyway).
+    pub async fn apply(
+        &self,
+        record: &UsageRecord,
+        settlements: &[(BucketSpec, i64)],
+        charge: bool,
+    ) -> Result<Applied, StoreError> {
+        let now_ms = unix_ms();
+        let finished_ms = finished_ms(record, now_ms);
         let info = &record.info;
-        let key = usage_key(&self.prefix, &info.tenant, finished_ms / 1000);
-        let (seen, expire_at) = seen_key(&self.prefix, &info.tenant, finished_ms / 1000, now_ms / 1000);
-        let mut inv = self.usage.key(&seen);
-        inv.key(&key)
-            .arg(&info.record_id)
-            .arg(expire_at)
-            .arg(&info.model)
+        let tenant = &info.tenant;
+        let mut inv = self.ledger.prepare_invoke();
+        inv.key(ledger::reservations_key(&self.prefix, tenant)).key(ledger::due_key(&self.prefix, tenant));
+        if charge {
+            inv.key(ledger::charged_key(&self.prefix, tenant))
+                .key(usage_key(&self.prefix, tenant, finished_ms / 1000))
+                .arg("charge")
+                .arg(&info.record_id)
+                .arg(CHARGED_RETENTION.as_millis() as u64);
+        } else {
+            let (seen, expire_at) = seen_key(&self.prefix, tenant, finished_ms / 1000, now_ms / 1000);
+            inv.key(ledger::charged_key(&self.prefix, tenant))
+                .key(seen)
+                .key(usage_key(&self.prefix, tenant, finished_ms / 1000))
+                .arg("record")
+                .arg(&info.record_id)
+                .arg(expire_at);
+        }
+        inv.arg(&info.model)
             .arg(record.prompt_tokens)
             .arg(record.completion_tokens)
-            .arg(record.cached_tokens);
+            .arg(record.cached_tokens)
+            .arg(settlements.len());
+        for (bucket, delta) in settlements {
+            inv.key(&bucket.key).arg(bucket.capacity).arg(bucket.rate_per_minute).arg(*delta);
+        }
         let mut conn = self.conn();
-        let _applied: i64 = self
-            .bounded(inv.invoke_async(&mut conn))
-            .await
-            .map_err(|error| RecordError { maybe_applied: error.maybe_applied(), error })?;
-        let event = to_event(record, finished_ms).encode_to_vec();
+        let reply: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
+        match reply {
+            1 => Ok(Applied::Applied),
+            0 => Ok(Applied::Duplicate),
+            2 => Ok(Applied::AfterCharge),
+            other => Err(StoreError::Reply(ReplyError(format!("ledger_v1.lua record: {other}")))),
+        }
+    }
+
+    /// Appends a record's protobuf `UsageEvent` to the usage stream (fields `event`, `tenant`,
+    /// `record_id`; `XADD ... MAXLEN ~ metering.stream_maxlen`). A retry after a failure that
+    /// landed appends it twice: consumers deduplicate on `record_id`.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error.
+    pub async fn append(&self, record: &UsageRecord) -> Result<(), StoreError> {
+        let event = to_event(record, finished_ms(record, unix_ms())).encode_to_vec();
         let mut xadd = redis::cmd("XADD");
         xadd.arg(&self.stream)
             .arg("MAXLEN")
@@ -340,13 +393,120 @@ impl Store {
             .arg("event")
             .arg(event)
             .arg("tenant")
-            .arg(&info.tenant)
+            .arg(&record.info.tenant)
             .arg("record_id")
-            .arg(&info.record_id);
-        self.bounded(xadd.query_async::<redis::Value>(&mut conn))
-            .await
-            .map_err(|error| RecordError { error, maybe_applied: true })?;
+            .arg(&record.info.record_id);
+        let mut conn = self.conn();
+        self.bounded(xadd.query_async::<redis::Value>(&mut conn)).await?;
         Ok(())
+    }
+
+    /// Gives an admission back (`lua/ledger_v1.lua`, operation `release`): if the request's
+    /// reservation is open, closes it and returns one request to each requests bucket of
+    /// `buckets` and the reservation's tokens (at most each one's capacity) to each tokens
+    /// bucket. Whether it was open (false: already closed, given back or charged: nothing
+    /// moved). Safe to retry.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error.
+    pub async fn release(
+        &self,
+        tenant: &str,
+        record_id: &str,
+        buckets: &[BucketSpec],
+    ) -> Result<bool, StoreError> {
+        let mut inv = self.ledger.prepare_invoke();
+        inv.key(ledger::reservations_key(&self.prefix, tenant))
+            .key(ledger::due_key(&self.prefix, tenant))
+            .arg("release")
+            .arg(record_id)
+            .arg(buckets.len());
+        for b in buckets {
+            inv.key(&b.key).arg(b.kind.as_str()).arg(b.capacity).arg(b.rate_per_minute);
+        }
+        let mut conn = self.conn();
+        let reply: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
+        Ok(reply == 1)
+    }
+
+    /// Moves an open reservation to `reservation` (`lua/ledger_v1.lua`, operation `rereserve`:
+    /// after the exact prompt count): each tokens bucket of `buckets` by its share of the
+    /// difference. Whether it was open (false: nothing moved). A retry moves nothing more.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error.
+    pub async fn rereserve(
+        &self,
+        tenant: &str,
+        record_id: &str,
+        reservation: &ledger::Reservation,
+        buckets: &[BucketSpec],
+    ) -> Result<bool, StoreError> {
+        let mut inv = self.ledger.prepare_invoke();
+        inv.key(ledger::reservations_key(&self.prefix, tenant))
+            .arg("rereserve")
+            .arg(record_id)
+            .arg(reservation.to_json())
+            .arg(buckets.len());
+        for b in buckets {
+            inv.key(&b.key).arg(b.capacity).arg(b.rate_per_minute);
+        }
+        let mut conn = self.conn();
+        let reply: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
+        Ok(reply == 1)
+    }
+
+    /// A tenant's open reservations taken more than `age` ago (Redis's clock), at most `most`
+    /// of them (`lua/ledger_v1.lua`, operation `claim`), each due again `claim` later; and how
+    /// many are open. Reservations whose JSON does not parse are returned as `None`.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout, Redis error or a malformed reply.
+    pub async fn claim(
+        &self,
+        tenant: &str,
+        age: Duration,
+        claim: Duration,
+        most: usize,
+    ) -> Result<ledger::Claimed, StoreError> {
+        let mut inv = self.ledger.prepare_invoke();
+        inv.key(ledger::reservations_key(&self.prefix, tenant))
+            .key(ledger::due_key(&self.prefix, tenant))
+            .arg("claim")
+            .arg(age.as_millis() as u64)
+            .arg(claim.as_millis() as u64)
+            .arg(most);
+        let mut conn = self.conn();
+        let reply: Vec<Value> = self.bounded(inv.invoke_async(&mut conn)).await?;
+        ledger::read_claim(&reply).map_err(StoreError::Reply)
+    }
+}
+
+/// What [`Store::apply`] did with a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    /// Its counts and settlements landed now.
+    Applied,
+    /// Nothing: it was applied before (a retry, a second delivery), or, for a charge, the
+    /// reservation is no longer open.
+    Duplicate,
+    /// Nothing: the request's reservation was charged before its usage arrived (the ledger
+    /// billed the reservation).
+    AfterCharge,
+}
+
+/// Unix milliseconds now.
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// A record's date: its end (a record written after an outage keeps its own day), or `now_ms`.
+fn finished_ms(record: &UsageRecord, now_ms: u64) -> u64 {
+    match record.finished_at_unix_ms {
+        0 => now_ms,
+        ms => ms,
     }
 }
 
@@ -505,9 +665,10 @@ fn to_event(r: &UsageRecord, finished_at_unix_ms: u64) -> proto::UsageEvent {
         ttft_us: r.ttft_us,
         duration_us: r.duration_us,
         status: u32::from(r.status),
-        end_reason: match r.end_reason {
-            EndReason::Completed => proto::EndReason::Completed,
-            EndReason::Incomplete => proto::EndReason::Incomplete,
+        end_reason: match (r.unreported, r.end_reason) {
+            (true, _) => proto::EndReason::Unreported,
+            (false, EndReason::Completed) => proto::EndReason::Completed,
+            (false, EndReason::Incomplete) => proto::EndReason::Incomplete,
         } as i32,
         usage_source: match r.usage_source {
             UsageSource::Upstream => proto::UsageSource::Upstream,

@@ -324,6 +324,9 @@ fn finish_plan(
         context_model: exact_check.then(|| route.model.name.clone()),
         leased_tokens: None,
         prefix_hashes: None,
+        // Envoy's id of the request as this filter saw it; the nonce is drawn by the adapter.
+        request_id: pending.request_id.as_deref().map(|id| String::from_utf8_lossy(id).into_owned()),
+        nonce: None,
     };
     let admission = (!exact_check).then(|| AdmissionFacts {
         tenant: facts.tenant.clone(),
@@ -854,6 +857,9 @@ mod tests {
         assert_eq!(f.max_tokens, 7);
         assert_eq!(f.leased_tokens, None, "a lease is the adapter's to record");
         assert_eq!(plan.admission.unwrap().reserve_tokens, f.reserve_tokens());
+        // Envoy's x-request-id as the filter saw it names the usage record, with the nonce the
+        // adapter draws.
+        assert_eq!((f.request_id.as_deref(), f.nonce.as_deref()), (Some("rid-1"), None));
     }
 
     #[test]

@@ -42,7 +42,9 @@ use crate::sse::{ChunkOutput, UsageStripper};
 use crate::uploads::UploadSlots;
 use gateway_meter::{Meter, Usage};
 
-use gateway_contract::{ADMISSION_LEASE, PROPERTY_ADMISSION, PROPERTY_REQUEST, PROPERTY_USAGE};
+use gateway_contract::{
+    ADMISSION_LEASE, H_REQUEST_NONCE, PROPERTY_ADMISSION, PROPERTY_REQUEST, PROPERTY_USAGE,
+};
 
 /// The sidecar's lease service and method (`proto/llm_gateway/v1/lease.proto`).
 const LEASE_SERVICE: &str = "llm_gateway.v1.AdmissionLeases";
@@ -54,6 +56,18 @@ fn now_us() -> u64 {
         .ok()
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+/// A fresh [`gateway_contract::RequestFacts::nonce`]: SipHash, under this VM's random keys (std's
+/// `RandomState`, seeded from Envoy's `random_get`; every `new()` moves its keys on, so no two
+/// draws of a VM share them), of Envoy's clock, as 16 lowercase hex digits.
+fn request_nonce() -> String {
+    use std::hash::BuildHasher;
+    let now_ns = hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    format!("{:016x}", std::hash::RandomState::new().hash_one(now_ns))
 }
 
 /// Sets a property (Envoy filter state `wasm.<name>`, which clients cannot write); logs a failure.
@@ -326,6 +340,9 @@ impl GatewayHttp {
             }
         }
         let mut facts = plan.facts;
+        // Names the request's usage record with its request id (gateway_contract::record_id).
+        let nonce = request_nonce();
+        facts.nonce = Some(nonce.clone());
         if let (Some(lease_facts), true) = (&plan.admission, cfg.admission_leases.is_some()) {
             let admitted =
                 self.leases.try_borrow_mut().ok().and_then(|mut l| l.try_admit(lease_facts, now_us()));
@@ -345,7 +362,8 @@ impl GatewayHttp {
             // the admission still sees `leased_tokens` in the facts and does not charge again.
             set_property(PROPERTY_ADMISSION, ADMISSION_LEASE.as_bytes());
         }
-        for (name, value) in &plan.set_headers {
+        let nonce_header = std::iter::once((H_REQUEST_NONCE, nonce.as_str()));
+        for (name, value) in plan.set_headers.iter().map(|(n, v)| (*n, v.as_str())).chain(nonce_header) {
             if let Err(status) =
                 hostcalls::set_map_value_bytes(MapType::HttpRequestHeaders, name, Some(value.as_bytes()))
             {

@@ -185,6 +185,13 @@ pub struct EdgeSection {
     /// 8,192); past it Envoy answers 431.
     #[serde(default = "default_max_request_headers_kb")]
     pub max_request_headers_kb: u64,
+    /// The longest a request's stream lives, in ms (HCM `common_http_protocol_options.
+    /// max_stream_duration`; default 3,600,000; 1,000 to 86,400,000). Envoy resets a stream past
+    /// it, whatever it streams (the idle timeouts only bound its silences). The sidecar charges the
+    /// reservation of an admitted request whose usage has not arrived this long plus 5 minutes
+    /// after its admission (its `metering.reservations.record_after_ms`, rendered from it).
+    #[serde(default = "default_max_stream_duration_ms")]
+    pub max_stream_duration_ms: u64,
 }
 
 impl Default for EdgeSection {
@@ -195,9 +202,18 @@ impl Default for EdgeSection {
             request_headers_timeout_ms: default_request_headers_timeout_ms(),
             request_timeout_ms: default_request_timeout_ms(),
             max_request_headers_kb: default_max_request_headers_kb(),
+            max_stream_duration_ms: default_max_stream_duration_ms(),
         }
     }
 }
+
+fn default_max_stream_duration_ms() -> u64 {
+    3_600_000
+}
+
+/// How much longer than `envoy.edge.max_stream_duration_ms` the sidecar waits for a request's
+/// usage before it charges its reservation (the access log's batching and connection retries).
+pub const USAGE_DELIVERY_MARGIN_MS: u64 = 300_000;
 
 fn default_max_heap_bytes() -> u64 {
     1 << 30
@@ -1416,6 +1432,9 @@ impl GatewayConfig {
         }
         if !(1..=8192).contains(&e.max_request_headers_kb) {
             return fail("envoy.edge.max_request_headers_kb", "must be in 1..=8192");
+        }
+        if !(1_000..=86_400_000).contains(&e.max_stream_duration_ms) {
+            return fail("envoy.edge.max_stream_duration_ms", "must be in 1000..=86400000");
         }
         Ok(())
     }

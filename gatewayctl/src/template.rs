@@ -228,6 +228,7 @@ mod tests {
                 .set("REQUEST_HEADERS_TIMEOUT", "10s")
                 .set("REQUEST_TIMEOUT", "60s")
                 .set("MAX_REQUEST_HEADERS_KB", 32)
+                .set("MAX_STREAM_DURATION", "3600s")
                 .set("POOL", "p")
                 .set("ENDPOINTS", crate::tree::seq([]))
                 .set("NAME", "chain")

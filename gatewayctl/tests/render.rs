@@ -88,6 +88,11 @@ fn standalone_bootstrap_has_the_edge_settings_of_the_config() {
     assert_eq!(hcm["max_request_headers_kb"], 32);
     assert_eq!(hcm["common_http_protocol_options"]["headers_with_underscores_action"], "REJECT_REQUEST");
     assert_eq!(hcm["path_with_escaped_slashes_action"], "REJECT_REQUEST");
+    assert_eq!(hcm["common_http_protocol_options"]["max_stream_duration"], "3600s");
+    // The sidecar charges a reservation whose usage has not arrived 5 minutes after that.
+    let sidecar = &rendered.files.iter().find(|f| f.path == "standalone/sidecar.yaml").unwrap().content;
+    let parsed = gateway_ext_proc::config::Config::from_yaml(sidecar).unwrap();
+    assert_eq!(parsed.metering.reservations.record_after_ms, 3_900_000);
 }
 
 fn tempdir() -> std::path::PathBuf {

@@ -7,7 +7,9 @@ use std::path::Path;
 use gateway_tokenize::spec::{ChatTemplateSpec, TokenizerSpec};
 
 use crate::config::FieldError;
-use crate::config::{GatewayConfig, LimitsSection, Loaded, PickerValue, PoolSection};
+use crate::config::{
+    GatewayConfig, LimitsSection, Loaded, PickerValue, PoolSection, USAGE_DELIVERY_MARGIN_MS,
+};
 use crate::tree::{b, f, map, n, s, seq, strings, to_json, to_yaml, Value};
 
 use super::Error;
@@ -168,19 +170,23 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
         map(fields)
     });
     top.push(("tenants", seq(tenants)));
+    let mut metering = Vec::new();
     if let Some(m) = &c.sidecar.metering {
-        let mut fields = Vec::new();
         if let Some(stream) = &m.stream {
-            fields.push(("stream", s(stream)));
+            metering.push(("stream", s(stream)));
         }
         if let Some(len) = m.stream_maxlen {
-            fields.push(("stream_maxlen", n(len)));
+            metering.push(("stream_maxlen", n(len)));
         }
         if let Some(bytes) = m.max_json_body_bytes {
-            fields.push(("max_json_body_bytes", n(bytes)));
+            metering.push(("max_json_body_bytes", n(bytes)));
         }
-        top.push(("metering", map(fields)));
     }
+    // A reservation is charged once no usage arrived within the longest stream lifetime (the
+    // standalone bootstrap's max_stream_duration; on the mesh targets, the bound set there).
+    let record_after = c.envoy.edge.max_stream_duration_ms.saturating_add(USAGE_DELIVERY_MARGIN_MS);
+    metering.push(("reservations", map([("record_after_ms", n(record_after))])));
+    top.push(("metering", map(metering)));
     if let Some(grace) = c.sidecar.shutdown_grace_ms {
         top.push(("shutdown_grace_ms", n(grace)));
     }

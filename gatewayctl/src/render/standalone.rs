@@ -211,6 +211,7 @@ fn with_edge(values: Values, edge: &EdgeSection) -> Values {
         .set("REQUEST_HEADERS_TIMEOUT", duration(edge.request_headers_timeout_ms))
         .set("REQUEST_TIMEOUT", duration(edge.request_timeout_ms))
         .set("MAX_REQUEST_HEADERS_KB", edge.max_request_headers_kb)
+        .set("MAX_STREAM_DURATION", duration(edge.max_stream_duration_ms))
 }
 
 /// The status and body of envoy/bootstrap.yaml's catch-all route, the direct response to a

@@ -1,17 +1,27 @@
--- token_bucket_take_v2.lua: atomically take a cost from every given token bucket, or from none,
--- and, when admitted, up to an extra lease from each.
+-- token_bucket_take_v3.lua: atomically take a cost from every given token bucket, or from none,
+-- and, when admitted, up to an extra lease from each, and record the admission's reservation.
 --
--- Version 2 (v1 had no lease: ARGV per bucket was capacity, rate, cost; replies had no granted
--- field). A lease is taken like a cost, for the sidecar to admit later requests from without a
--- round trip; it is never more than the bucket holds after the cost, and unused lease tokens are
--- given back with token_bucket_settle_v1.lua. Buckets are Redis hashes {t = tokens (float), ts = last refill, microseconds since
--- the Unix epoch, from Redis TIME}. A bucket holds at most `capacity` tokens and refills at
--- `rate_per_minute` tokens per minute (continuous refill). A bucket that does not exist is full.
+-- Version 3 (v2 did not record the reservation; v1 had no lease: ARGV per bucket was capacity,
+-- rate, cost; replies had no granted field). A lease is taken like a cost, for the sidecar to
+-- admit later requests from without a round trip; it is never more than the bucket holds after
+-- the cost, and unused lease tokens are given back with token_bucket_settle_v1.lua. Buckets are
+-- Redis hashes {t = tokens (float), ts = last refill, microseconds since the Unix epoch, from
+-- Redis TIME}. A bucket holds at most `capacity` tokens and refills at `rate_per_minute` tokens
+-- per minute (continuous refill). A bucket that does not exist is full.
 --
--- KEYS[i]  bucket i (all keys of one call share one hash tag: one tenant, one cluster slot)
--- ARGV[1]  number of buckets n
+-- The reservation (when a record id is given and the take admits): the request's entry in the
+-- tenant's open reservations (KEYS[n + 1], record id -> the reservation's JSON) and in their
+-- index by admission time (KEYS[n + 2], score: Redis TIME in ms), which ledger_v1.lua removes
+-- when the request's usage record lands (or gives the reservation back, or records it as
+-- charged once the request is older than the longest stream lifetime).
+--
+-- KEYS[i]  bucket i, i = 1..n; KEYS[n + 1], KEYS[n + 2] the reservations hash and index (all keys
+--          of one call share one hash tag: one tenant, one cluster slot)
+-- ARGV[1]  number of buckets n (0: only the reservation is recorded)
 -- ARGV[1 + 4(i-1) + 1..4]  capacity_i, rate_per_minute_i, cost_i, lease_i  (numbers; cost and
 --                          lease may be 0)
+-- ARGV[4n + 2]  record id ('' or absent: no reservation recorded), ARGV[4n + 3] its JSON,
+-- ARGV[4n + 4]  ms the reservation keys live past their last write
 --
 -- Returns a flat array: { admitted (1|0), denied_bucket (1-based; 0 when admitted),
 --                         then for each bucket i: remaining_i (floor, after taking when admitted),
@@ -68,5 +78,13 @@ for i = 1, n do
   out[#out + 1] = reset_ms
   out[#out + 1] = retry_ms
   out[#out + 1] = granted
+end
+local id = ARGV[4 * n + 2]
+if admitted == 1 and id ~= nil and id ~= '' then
+  local keep = tonumber(ARGV[4 * n + 4])
+  redis.call('HSET', KEYS[n + 1], id, ARGV[4 * n + 3])
+  redis.call('ZADD', KEYS[n + 2], math.floor(now / 1000), id)
+  redis.call('PEXPIRE', KEYS[n + 1], keep)
+  redis.call('PEXPIRE', KEYS[n + 2], keep)
 end
 return out

@@ -1,0 +1,180 @@
+-- ledger_v1.lua: the usage ledger's writes for one request, each atomic and applied once.
+--
+-- Version 1; it replaces usage_record_v2.lua, whose record write is its 'record' operation
+-- (that version kept no reservations: every record was deduplicated by its id in a window set
+-- only). Every key of one call carries the tenant's hash tag (one Redis Cluster slot):
+--   R  <prefix>:reservations:{<tenant>}           hash: record id -> the reservation's JSON, open
+--                                                 from the admission (token_bucket_take_v3.lua)
+--                                                 until its usage lands, it is given back, or it
+--                                                 is charged
+--   D  <prefix>:reservations-due:{<tenant>}       zset: record id -> admission time (ms, Redis
+--                                                 TIME), moved on by claims
+--   C  <prefix>:reservations-charged:{<tenant>}   zset: record id -> when its reservation was
+--                                                 charged (ms), kept ARGV's retention
+--   S  <prefix>:usage-seen:{<tenant>}:<window>    set: record ids applied in a 10 s window of
+--                                                 finish time
+--   U  <prefix>:usage:{<tenant>}:<YYYY-MM-DD>     hash: <model>:requests, :prompt_tokens,
+--                                                 :completion_tokens, :cached_tokens
+--   B  token buckets, as token_bucket_take_v3.lua keeps them
+--
+-- ARGV[1] names the operation:
+--
+-- 'record': a finished request's usage. KEYS: R, D, C, S, U, B1..Bn.
+--   ARGV[2] record id, ARGV[3] unix time (s) at which S expires, ARGV[4] model, ARGV[5] prompt
+--   tokens, ARGV[6] completion tokens, ARGV[7] cached tokens, ARGV[8] n, then per bucket:
+--   capacity, rate_per_minute, delta (tokens given back; negative: charged more).
+--   The request's open reservation, if any, is closed by it. A request whose reservation was
+--   charged already is not applied (returns 2: the ledger billed its reservation). Otherwise the
+--   id joins S, and a record whose id was there already is not applied (a retry after a write
+--   that landed, or a second delivery, within the retention; returns 0). Applied: 1.
+-- 'charge': an open reservation older than the longest stream lifetime, recorded as charged.
+--   KEYS: R, D, C, U, B1..Bn. ARGV[2] record id, ARGV[3] C's retention (ms), ARGV[4..7] as for
+--   'record', ARGV[8] n, per bucket: capacity, rate_per_minute, delta. Applied (1) only if the
+--   reservation is still open; else 0 (its usage landed, it was given back, or another replica
+--   charged it).
+-- 'release': an admission given back before the request went upstream. KEYS: R, D, B1..Bn.
+--   ARGV[2] record id, ARGV[3] n, per bucket: kind ('requests' or 'tokens'), capacity,
+--   rate_per_minute. If the reservation is open it is closed and each requests bucket gets 1
+--   back, each tokens bucket min(reserved, capacity) (`reserved` of the stored JSON): 1; else 0.
+-- 'rereserve': the exact prompt count moves an open reservation. KEYS: R, B1..Bn (its tokens
+--   buckets). ARGV[2] record id, ARGV[3] the new JSON, ARGV[4] n, per bucket: capacity,
+--   rate_per_minute. Each bucket moves by min(before, capacity) - min(after, capacity): 1; not
+--   open: nothing moves, 0.
+-- 'claim': the open reservations admitted more than ARGV[2] ms ago, at most ARGV[4] of them.
+--   KEYS: R, D. Each one returned is due again ARGV[3] ms later (another replica's sweep takes it
+--   should this one's charge not land). Returns {open reservations, id1, json1, id2, json2, ...}.
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- token_bucket_settle_v1.lua's settlement of one bucket.
+local function settle(key, capacity, rate_per_minute, delta, now)
+  if delta == 0 then
+    return
+  end
+  local rate = rate_per_minute / 60000000.0
+  local state = redis.call('HMGET', key, 't', 'ts')
+  local level = tonumber(state[1])
+  local ts = tonumber(state[2])
+  if level == nil or ts == nil then
+    level = capacity
+  else
+    local elapsed = now - ts
+    if elapsed < 0 then elapsed = 0 end
+    level = math.min(capacity, level + elapsed * rate)
+  end
+  level = math.min(capacity, level + delta)
+  redis.call('HSET', key, 't', tostring(level), 'ts', tostring(now))
+  local missing = capacity - level
+  local keep_ms = 60000
+  if rate > 0 and missing > 0 then keep_ms = keep_ms + math.ceil(missing / rate / 1000) end
+  redis.call('PEXPIRE', key, keep_ms)
+end
+
+-- Buckets from KEYS[first], settlements (capacity, rate, delta) from ARGV[arg].
+local function settle_all(first, arg, n, now)
+  for i = 1, n do
+    local a = arg + 3 * (i - 1)
+    settle(KEYS[first + i - 1], tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), now)
+  end
+end
+
+local function add_usage(key, model, prompt, completion, cached)
+  redis.call('HINCRBY', key, model .. ':requests', 1)
+  redis.call('HINCRBY', key, model .. ':prompt_tokens', prompt)
+  redis.call('HINCRBY', key, model .. ':completion_tokens', completion)
+  redis.call('HINCRBY', key, model .. ':cached_tokens', cached)
+  redis.call('EXPIRE', key, 40 * 86400)
+end
+
+-- The `reserved` tokens of a reservation's JSON (0 if unreadable).
+local function reserved_of(json)
+  local ok, r = pcall(cjson.decode, json)
+  if ok and type(r) == 'table' then
+    return tonumber(r.reserved) or 0
+  end
+  return 0
+end
+
+local op = ARGV[1]
+if op == 'record' then
+  local id = ARGV[2]
+  if redis.call('HDEL', KEYS[1], id) == 1 then
+    redis.call('ZREM', KEYS[2], id)
+    redis.call('SADD', KEYS[4], id)
+  elseif redis.call('ZSCORE', KEYS[3], id) then
+    return 2
+  elseif redis.call('SADD', KEYS[4], id) == 0 then
+    return 0
+  end
+  redis.call('EXPIREAT', KEYS[4], ARGV[3])
+  add_usage(KEYS[5], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
+  settle_all(6, 9, tonumber(ARGV[8]), now_us())
+  return 1
+elseif op == 'charge' then
+  local id = ARGV[2]
+  if redis.call('HDEL', KEYS[1], id) == 0 then
+    return 0
+  end
+  redis.call('ZREM', KEYS[2], id)
+  local now = now_us()
+  local now_ms = math.floor(now / 1000)
+  local keep = tonumber(ARGV[3])
+  redis.call('ZADD', KEYS[3], now_ms, id)
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms - keep)
+  redis.call('PEXPIRE', KEYS[3], keep)
+  add_usage(KEYS[4], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
+  settle_all(5, 9, tonumber(ARGV[8]), now)
+  return 1
+elseif op == 'release' then
+  local id = ARGV[2]
+  local json = redis.call('HGET', KEYS[1], id)
+  if not json then
+    return 0
+  end
+  redis.call('HDEL', KEYS[1], id)
+  redis.call('ZREM', KEYS[2], id)
+  local reserved = reserved_of(json)
+  local now = now_us()
+  for i = 1, tonumber(ARGV[3]) do
+    local a = 4 + 3 * (i - 1)
+    local capacity = tonumber(ARGV[a + 1])
+    local back = 1
+    if ARGV[a] == 'tokens' then back = math.min(reserved, capacity) end
+    settle(KEYS[2 + i], capacity, tonumber(ARGV[a + 2]), back, now)
+  end
+  return 1
+elseif op == 'rereserve' then
+  local id = ARGV[2]
+  local json = redis.call('HGET', KEYS[1], id)
+  if not json then
+    return 0
+  end
+  local before, after = reserved_of(json), reserved_of(ARGV[3])
+  redis.call('HSET', KEYS[1], id, ARGV[3])
+  local now = now_us()
+  for i = 1, tonumber(ARGV[4]) do
+    local a = 5 + 2 * (i - 1)
+    local capacity = tonumber(ARGV[a])
+    settle(KEYS[1 + i], capacity, tonumber(ARGV[a + 1]), math.min(before, capacity) - math.min(after, capacity), now)
+  end
+  return 1
+elseif op == 'claim' then
+  local now_ms = math.floor(now_us() / 1000)
+  local age, claim, most = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+  local due = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_ms - age, 'LIMIT', 0, most)
+  local out = { redis.call('ZCARD', KEYS[2]) }
+  for _, id in ipairs(due) do
+    local json = redis.call('HGET', KEYS[1], id)
+    if json then
+      redis.call('ZADD', KEYS[2], now_ms - age + claim, id)
+      out[#out + 1] = id
+      out[#out + 1] = json
+    else
+      redis.call('ZREM', KEYS[2], id)
+    end
+  end
+  return out
+end
+return redis.error_reply('ledger_v1.lua: unknown operation ' .. tostring(op))

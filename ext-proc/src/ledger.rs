@@ -1,0 +1,291 @@
+//! The usage ledger's bookkeeping of each request, with no I/O (issue 14: idempotent by request,
+//! nothing silently lost). The writes are `lua/ledger_v1.lua` and `lua/token_bucket_take_v3.lua`
+//! through [`crate::store`]; the sweeper that charges forgotten reservations is
+//! [`crate::sweeper`].
+//!
+//! **Idempotent by request.** A usage record is named by its request
+//! ([`gateway_contract::record_id`]: Envoy's `x-request-id` as the wasm filter saw it, and a random
+//! nonce the filter draws for the request; both in the filter state, which clients cannot
+//! write), so every delivery of one request's usage (a retry, a replay after a restart, a second
+//! sink) carries the same id, and the ledger applies it, and settles its reservation, once.
+//!
+//! **Nothing silently lost.** An admission the sidecar decides in Redis records its reservation as
+//! open in the same call ([`Reservation`], keyed by the record id, indexed by Redis's time). The
+//! request's usage record closes it; so does a give-back before the request went upstream. A
+//! reservation still open after the longest stream lifetime (`metering.reservations.
+//! record_after_ms`) belongs to a request whose usage will never arrive (Envoy killed mid-stream,
+//! its access-log entries lost): a sweeper on any replica claims it and records it as charged
+//! ([`charged_record`]: `usage_source` reservation, end reason unreported), once: closing by a
+//! record and charging exclude each other inside one script, and a usage record that arrives after
+//! the charge is not applied (the reservation is the most the request could cost).
+//!
+//! Not tracked per request (no Redis call of their own to record them in): admissions from an
+//! admission lease, the filter's or this sidecar's own (`redis.lease_fraction`), which took their
+//! tokens per lease; and admissions decided in the sidecar's memory while Redis was away.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::admission::{self, RequestFacts};
+use crate::limits::{BucketSpec, ReplyError};
+use crate::meter::{RequestInfo, Usage, UsageRecord};
+
+/// Version of [`Reservation`]'s JSON.
+pub const RESERVATION_VERSION: u32 = 1;
+
+/// How long a claimed reservation is left to the replica that claimed it before another replica's
+/// sweep may claim it again (its charge is written through the usage writer, which retries).
+pub const CLAIM: Duration = Duration::from_secs(60);
+
+/// How long the ledger remembers a charged reservation, so that the request's usage, should it
+/// still arrive, is not applied on top of the charge.
+pub const CHARGED_RETENTION: Duration = Duration::from_secs(86_400);
+
+/// How long a tenant's reservation keys outlive `record_after_ms` past their last write (a
+/// sweeper that was down that long finds nothing to charge: the keys are gone).
+pub const KEEP_MARGIN: Duration = Duration::from_secs(86_400);
+
+/// The hash of a tenant's open reservations: `<prefix>:reservations:{<tenant>}` (record id ->
+/// [`Reservation`] JSON).
+pub fn reservations_key(prefix: &str, tenant: &str) -> String {
+    format!("{prefix}:reservations:{{{tenant}}}")
+}
+
+/// The index of a tenant's open reservations by admission time (ms, Redis's clock; a claim moves
+/// it on by [`CLAIM`]): `<prefix>:reservations-due:{<tenant>}`.
+pub fn due_key(prefix: &str, tenant: &str) -> String {
+    format!("{prefix}:reservations-due:{{{tenant}}}")
+}
+
+/// The reservations charged in the last [`CHARGED_RETENTION`]:
+/// `<prefix>:reservations-charged:{<tenant>}` (record id -> when, ms).
+pub fn charged_key(prefix: &str, tenant: &str) -> String {
+    format!("{prefix}:reservations-charged:{{{tenant}}}")
+}
+
+/// An open reservation, as the ledger keeps it (JSON): what a charge records should the
+/// request's usage never arrive.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reservation {
+    /// [`RESERVATION_VERSION`].
+    pub v: u32,
+    /// Tokens reserved against the tenant's TPM buckets (0 without one), as admission's
+    /// `reserved_tokens`: what a give-back returns (each bucket at most its capacity).
+    pub reserved: u64,
+    /// The prompt tokens the admission knew (the filter's estimate, or the exact count).
+    pub prompt: u64,
+    /// The most completion tokens the request can produce over all its choices.
+    pub max_tokens: u64,
+    /// The public model name.
+    pub model: String,
+    /// The pool.
+    pub pool: String,
+    /// The tenant's tier.
+    pub tier: String,
+    /// Envoy's `x-request-id`.
+    pub request_id: String,
+    /// Unix ms of the admission (the sidecar's clock): a charge is dated by it.
+    pub at_ms: u64,
+}
+
+impl Reservation {
+    /// The reservation of an admission of `facts` that reserved `reserved` tokens at `at_ms`.
+    pub fn of(facts: &RequestFacts, reserved: u64, at_ms: u64) -> Self {
+        Self {
+            v: RESERVATION_VERSION,
+            reserved,
+            prompt: facts.prompt_tokens,
+            max_tokens: facts.max_tokens,
+            model: facts.model.clone(),
+            pool: facts.pool.clone(),
+            tier: facts.tier.clone(),
+            request_id: facts.request_id.clone(),
+            at_ms,
+        }
+    }
+
+    /// Its JSON.
+    pub fn to_json(&self) -> String {
+        // A struct of numbers and strings always serializes.
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Reads a reservation's JSON: `None` when unreadable or of another version.
+    pub fn from_json(json: &[u8]) -> Option<Self> {
+        let r: Self = serde_json::from_slice(json).ok()?;
+        (r.v == RESERVATION_VERSION).then_some(r)
+    }
+}
+
+/// The record of a reservation charged because no usage arrived: its prompt count plus the rest
+/// of `max(reserved, prompt + max_tokens)` as completion tokens (what the request could cost at
+/// most, as a non-stream gone before its headers is charged: [`UsageRecord::new`]), status 0,
+/// `usage_source` reservation, [`UsageRecord::unreported`], dated by the admission.
+pub fn charged_record(tenant: &str, record_id: &str, r: &Reservation) -> UsageRecord {
+    let info = RequestInfo {
+        request_id: r.request_id.clone(),
+        tenant: tenant.to_owned(),
+        model: r.model.clone(),
+        pool: r.pool.clone(),
+        prompt_tokens_estimate: r.prompt,
+        max_tokens: r.max_tokens,
+        reserved_tokens: r.reserved,
+        reserved_locally: false,
+        tier: r.tier.clone(),
+        record_id: record_id.to_owned(),
+    };
+    // Reached the upstream, ended before any response headers, not known as a stream: charged
+    // its reservation.
+    let usage = Usage { stream: Some(false), ..Usage::unseen(0, 0) };
+    let mut record = UsageRecord::new(info, usage, true);
+    record.unreported = true;
+    record.finished_at_unix_ms = r.at_ms;
+    record
+}
+
+/// What settling a request that reserved `reserved` tokens and used `used` moves in each of
+/// `buckets` (its TPM buckets): [`admission::settlement`], the buckets that do not move left out.
+pub fn settlements(buckets: Vec<BucketSpec>, reserved: u64, used: u64) -> Vec<(BucketSpec, i64)> {
+    buckets
+        .into_iter()
+        .map(|b| {
+            let delta = admission::settlement(&b, reserved, used);
+            (b, delta)
+        })
+        .filter(|(_, delta)| *delta != 0)
+        .collect()
+}
+
+/// A tenant's open reservations due for a charge ([`crate::store::Store::claim`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Claimed {
+    /// Open reservations of the tenant (due or not).
+    pub open: u64,
+    /// The due ones: record id and reservation (`None`: unreadable JSON, left to the give-back's
+    /// default).
+    pub due: Vec<(String, Option<Reservation>)>,
+}
+
+/// Reads the `claim` operation's reply: `[open, id1, json1, id2, json2, ...]`.
+///
+/// # Errors
+/// [`ReplyError`] when it does not have that shape.
+pub fn read_claim(reply: &[redis::Value]) -> Result<Claimed, ReplyError> {
+    let bytes = |v: &redis::Value| match v {
+        redis::Value::BulkString(b) => Some(b.clone()),
+        redis::Value::SimpleString(s) => Some(s.clone().into_bytes()),
+        _ => None,
+    };
+    let Some((first, rest)) = reply.split_first() else {
+        return Err(ReplyError("ledger claim: empty reply".to_owned()));
+    };
+    let open = match first {
+        redis::Value::Int(n) => u64::try_from(*n).unwrap_or(0),
+        other => return Err(ReplyError(format!("ledger claim: count {other:?}"))),
+    };
+    if rest.len() % 2 != 0 {
+        return Err(ReplyError(format!("ledger claim: {} values after the count", rest.len())));
+    }
+    let mut due = Vec::with_capacity(rest.len() / 2);
+    for pair in rest.chunks_exact(2) {
+        let (Some(id), Some(json)) = (pair.first().and_then(bytes), pair.get(1).and_then(bytes)) else {
+            return Err(ReplyError("ledger claim: not an id and a JSON".to_owned()));
+        };
+        let id = String::from_utf8(id).map_err(|_| ReplyError("ledger claim: id not UTF-8".to_owned()))?;
+        due.push((id, Reservation::from_json(&json)));
+    }
+    Ok(Claimed { open, due })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limits::BucketKind;
+    use crate::meter::{EndReason, UsageSource};
+
+    fn reservation() -> Reservation {
+        let facts = RequestFacts {
+            tenant: Some("acme".into()),
+            model: "m".into(),
+            pool: "p".into(),
+            prompt_tokens: 12,
+            max_tokens: 30,
+            request_id: "rid".into(),
+            tier: "standard".into(),
+            ..Default::default()
+        };
+        Reservation::of(&facts, 42, 1_700_000_000_000)
+    }
+
+    #[test]
+    fn a_reservation_round_trips_and_refuses_other_versions() {
+        let r = reservation();
+        let json = r.to_json();
+        assert_eq!(Reservation::from_json(json.as_bytes()), Some(r.clone()));
+        assert!(json.contains("\"reserved\":42"), "the script reads `reserved`: {json}");
+        let v2 = json.replace("\"v\":1", "\"v\":2");
+        assert_eq!(Reservation::from_json(v2.as_bytes()), None);
+        assert_eq!(Reservation::from_json(b"{"), None);
+    }
+
+    #[test]
+    fn a_charge_is_the_reservation_dated_by_the_admission() {
+        let r = reservation();
+        let c = charged_record("acme", "rid.0123456789abcdef", &r);
+        assert_eq!((c.info.tenant.as_str(), c.info.record_id.as_str()), ("acme", "rid.0123456789abcdef"));
+        assert_eq!((c.prompt_tokens, c.completion_tokens, c.total_tokens()), (12, 30, 42));
+        assert_eq!(
+            (c.status, c.end_reason, c.usage_source),
+            (0, EndReason::Incomplete, UsageSource::Reservation)
+        );
+        assert!(c.unreported);
+        assert_eq!(c.finished_at_unix_ms, 1_700_000_000_000);
+        // Its settlement moves nothing: the buckets keep what the admission took.
+        let tpm = BucketSpec {
+            kind: BucketKind::Tokens,
+            key: "k".into(),
+            capacity: 1000,
+            rate_per_minute: 1000,
+            cost: 0,
+        };
+        assert!(settlements(vec![tpm.clone()], c.info.reserved_tokens, c.total_tokens()).is_empty());
+        // A reservation capped by a small bucket, or none (no TPM limit): charged prompt + cap.
+        let none = Reservation { reserved: 0, ..r.clone() };
+        let c = charged_record("acme", "x", &none);
+        assert_eq!(c.total_tokens(), 42);
+        let small = BucketSpec { capacity: 20, ..tpm };
+        let capped = Reservation { reserved: 42, ..r };
+        let c = charged_record("acme", "x", &capped);
+        assert_eq!(settlements(vec![small], c.info.reserved_tokens, c.total_tokens())[0].1, -22);
+    }
+
+    #[test]
+    fn a_claim_reply_is_read() {
+        use redis::Value;
+        let json = reservation().to_json();
+        let reply = [
+            Value::Int(3),
+            Value::BulkString(b"a.0123456789abcdef".to_vec()),
+            Value::BulkString(json.into_bytes()),
+            Value::BulkString(b"b.0123456789abcdef".to_vec()),
+            Value::BulkString(b"not json".to_vec()),
+        ];
+        let c = read_claim(&reply).unwrap();
+        assert_eq!(c.open, 3);
+        assert_eq!(c.due.len(), 2);
+        assert_eq!(c.due[0], ("a.0123456789abcdef".to_owned(), Some(reservation())));
+        assert_eq!(c.due[1].1, None);
+        assert_eq!(read_claim(&[Value::Int(0)]).unwrap(), Claimed::default());
+        assert!(read_claim(&[]).is_err());
+        assert!(read_claim(&[Value::Int(1), Value::BulkString(b"a".to_vec())]).is_err());
+        assert!(read_claim(&[Value::Nil]).is_err());
+    }
+
+    #[test]
+    fn keys_share_the_tenants_hash_tag() {
+        assert_eq!(reservations_key("p", "acme"), "p:reservations:{acme}");
+        assert_eq!(due_key("p", "acme"), "p:reservations-due:{acme}");
+        assert_eq!(charged_key("p", "acme"), "p:reservations-charged:{acme}");
+    }
+}

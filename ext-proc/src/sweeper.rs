@@ -1,0 +1,82 @@
+//! The ledger's sweeper ([`crate::ledger`]), a task on every replica: every
+//! `metering.reservations.sweep_interval_ms`, one Redis call per configured tenant claims up to
+//! `sweep_batch` of its open reservations older than `record_after_ms` ([`Store::claim`], by
+//! Redis's clock) and queues each one's charge to the usage writer ([`Recorder::charge`]), which
+//! records it as a usage record (`usage_source` reservation, end reason unreported) counted in
+//! `llm_gateway_usage_records_from_reservation_total`.
+//!
+//! Any number of replicas may sweep at once: a claim moves what it returns out of the others'
+//! reach for [`CLAIM`], and a charge applies only to a reservation still open
+//! (`lua/ledger_v1.lua`), so each is charged once whoever claims it, and a replica that dies
+//! between its claim and its charge leaves the reservation to the next sweep after [`CLAIM`].
+//!
+//! [`Store::claim`]: crate::store::Store::claim
+//! [`Recorder::charge`]: crate::recorder::Recorder::charge
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tokio::time::MissedTickBehavior;
+use tracing::{debug, warn};
+
+use crate::ledger::{self, CLAIM};
+use crate::limits;
+use crate::service::Shared;
+
+/// Sweeps every `sweep_interval_ms` until `stop` turns true.
+pub async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    let every = Duration::from_millis(shared.config.metering.reservations.sweep_interval_ms);
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.wait_for(|stopping| *stopping) => return,
+        }
+        sweep(&shared).await;
+    }
+}
+
+/// One sweep over the configured tenants; returns how many charges it queued.
+pub async fn sweep(shared: &Shared) -> usize {
+    let settings = shared.config.metering.reservations;
+    let age = Duration::from_millis(settings.record_after_ms);
+    let store = shared.limiter.store();
+    let mut open: u64 = 0;
+    let mut charged = 0;
+    for tenant in &shared.config.tenants {
+        let started = Instant::now();
+        let result = store.claim(&tenant.id, age, CLAIM, settings.sweep_batch).await;
+        shared.metrics.redis_call("claim", started.elapsed(), result.is_ok());
+        let claimed = match result {
+            Ok(claimed) => claimed,
+            Err(error) => {
+                debug!(%error, tenant = %tenant.id, "reservation sweep failed");
+                continue;
+            }
+        };
+        open = open.saturating_add(claimed.open);
+        for (record_id, reservation) in claimed.due {
+            let Some(reservation) = reservation else {
+                // Written by another version of the sidecar: left to one that reads it.
+                warn!(tenant = %tenant.id, %record_id, "unreadable reservation left open");
+                continue;
+            };
+            let record = ledger::charged_record(&tenant.id, &record_id, &reservation);
+            warn!(
+                tenant = %tenant.id,
+                request_id = %reservation.request_id,
+                %record_id,
+                tokens = record.total_tokens(),
+                "no usage arrived within metering.reservations.record_after_ms: reservation charged"
+            );
+            let buckets = limits::token_buckets(store.prefix(), tenant, &reservation.model);
+            let settlements = ledger::settlements(buckets, reservation.reserved, record.total_tokens());
+            shared.recorder.charge(record, settlements);
+            charged += 1;
+        }
+    }
+    shared.metrics.reservations_open.set(i64::try_from(open).unwrap_or(i64::MAX));
+    charged
+}
