@@ -753,6 +753,8 @@ async fn metering_stream(
                 if let Some(endpoint) = picked_endpoint(message.metadata_context.as_ref()) {
                     _picked = Some(PickedGuard { pools: &shared.pools, pool: facts.pool.clone(), endpoint });
                 }
+                // The Responses API's usage and stream events have shapes of their own.
+                meter.set_api(gateway_meter::Api::for_path(&header(h, ":path").unwrap_or_default()));
                 meter.start(now);
                 info = Some(RequestInfo::new(facts, reserved, shared.ids.next()));
                 None
