@@ -889,6 +889,8 @@ async fn metering_stream(
                 if let Some(endpoint) = picked_endpoint(message.metadata_context.as_ref()) {
                     _picked = Some(PickedGuard { pools: &shared.pools, pool: facts.pool.clone(), endpoint });
                 }
+                // The Responses API's usage and stream events have shapes of their own.
+                meter.set_api(gateway_meter::Api::for_path(&header(h, ":path").unwrap_or_default()));
                 meter.start(now);
                 let record_id = facts.record_id().unwrap_or_else(|| shared.ids.next());
                 info = Some(RequestInfo::new(facts, reserved, record_id));

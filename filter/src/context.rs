@@ -344,6 +344,21 @@ pub fn completion_budget(
     per_choice.saturating_mul(choices)
 }
 
+/// The completion budget of a Responses API request (`x-gateway-max-tokens`, reserved with the
+/// prompt): `max_output_tokens` capped at what the context leaves after the prompt estimate, else
+/// what it leaves. vLLM's Responses API caps `max_output_tokens` so
+/// (`ResponsesRequest.to_sampling_params`: `min(max_output_tokens, max_model_len - prompt)`); its
+/// later releases refuse a request whose `max_output_tokens` does not fit, so an admitted request
+/// generates at most this either way. One sequence (no `n`).
+pub fn responses_budget(
+    max_model_len: u64,
+    counts: &PromptCounts,
+    max_output_tokens: Option<MaxTokens>,
+) -> u64 {
+    let left = max_model_len.saturating_sub(counts.total_estimate);
+    max_output_tokens.map_or(left, |m| m.value.min(left))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -572,6 +587,14 @@ mod tests {
         assert_eq!(effective_max_tokens(4096, &counts(100), mt(50)), 50);
         assert_eq!(effective_max_tokens(4096, &counts(100), None), 3996);
         assert_eq!(effective_max_tokens(10, &counts(100), None), 0);
+    }
+
+    #[test]
+    fn responses_budget_is_capped_by_the_context() {
+        assert_eq!(responses_budget(4096, &counts(100), mt(50)), 50);
+        assert_eq!(responses_budget(4096, &counts(100), None), 3996);
+        assert_eq!(responses_budget(4096, &counts(100), mt(5000)), 3996);
+        assert_eq!(responses_budget(10, &counts(100), mt(5)), 0);
     }
 
     #[test]

@@ -12,8 +12,8 @@
 //! | `x-gateway-pool` | Envoy cluster (route uses `cluster_header: x-gateway-pool`) |
 //! | `x-gateway-prompt-tokens` | prompt token estimate (decimal integer; sum over a batch) |
 //! | `x-gateway-prompt-tokens-source` | `estimate` or `exact` |
-//! | `x-gateway-max-tokens` | the most completion tokens the request can produce over all its choices: the per-choice cap (`max_completion_tokens`/`max_tokens`; if unset, `max_model_len - estimate` floored at 0) times the sequences vLLM generates (`n`, on completions `max(n, best_of)`, for each prompt of a batch), saturating; 0 for embeddings |
-//! | `x-gateway-usage-injected` | `1`, only when the filter injected `stream_options.include_usage` |
+//! | `x-gateway-max-tokens` | the most completion tokens the request can produce over all its choices: the per-choice cap (`max_completion_tokens`/`max_tokens`; if unset, `max_model_len - estimate` floored at 0) times the sequences vLLM generates (`n`, on completions `max(n, best_of)`, for each prompt of a batch), saturating; for the Responses API `max_output_tokens` capped at `max_model_len - estimate` ([`crate::context::responses_budget`]); 0 for embeddings |
+//! | `x-gateway-usage-injected` | `1`, only when the filter injected `stream_options.include_usage` (chat and completions streams; never for the Responses API, whose streams report usage unasked) |
 //! | `x-gateway-context-check` | `exact`, only when the bounds cannot decide the context rule and the model has `exact_count` (the sidecar counts exactly) |
 //! | `x-gateway-context-model` | with `x-gateway-context-check`: the base model whose tokenizer counts |
 //!
@@ -30,8 +30,8 @@ use serde_json::Value;
 use crate::auth::authenticate;
 use crate::config::Config;
 use crate::context::{
-    check_context, completion_budget, count_prompt, fits_by_upper_bound, ByteBoundCounter, CountSource,
-    PromptCounts, TokenCounter,
+    check_context, completion_budget, count_prompt, fits_by_upper_bound, responses_budget, ByteBoundCounter,
+    CountSource, PromptCounts, TokenCounter,
 };
 use crate::error::{truncate_for_echo, GatewayError, LocalReply};
 use crate::json_scan::{
@@ -188,6 +188,8 @@ pub struct ForwardPlan {
     /// The request's OpenAI `stream` flag, for the meter (what an abort before the response
     /// headers is charged: `gateway_meter::Usage::charges_reservation`).
     pub stream: bool,
+    /// The API whose response shapes the meter reads (the Responses API's differ from chat's).
+    pub api: gateway_meter::Api,
     /// What an admission lease needs to admit the request; `None` when only the sidecar can
     /// (its exact context check).
     pub admission: Option<AdmissionFacts>,
@@ -257,14 +259,24 @@ fn plan_request_body(
     let counts = count_prompt(&counter as &dyn TokenCounter, &req.prompt);
     let max_model_len = route.model.max_model_len;
     let mut exact_check = false;
-    let max_tokens_header = if pending.endpoint == Endpoint::Embeddings {
-        0
-    } else {
-        check_context(max_model_len, &counts, req.max_tokens, pending.endpoint.prompt_param())?;
-        // The lower bound fits; the upper bound settles it unless it is unknown or too large.
-        let settled = fits_by_upper_bound(route.model, &req.prompt, &value, req.max_tokens);
-        exact_check = !settled && route.model.exact_count;
-        completion_budget(max_model_len, &counts, req.max_tokens, req.choices, req.prompt.count())
+    let max_tokens_header = match pending.endpoint {
+        Endpoint::Embeddings => 0,
+        Endpoint::Responses => {
+            // vLLM's rule for the Responses API (`_validate_generator_input`,
+            // `vllm/entrypoints/openai/serving_responses.py`): a prompt of `max_model_len` tokens
+            // or more is refused, `max_output_tokens` capped to what the context leaves (later
+            // releases refuse more; vLLM answers those itself). The sidecar's exact count reads
+            // chat and completions bodies only: the bounds decide, else vLLM.
+            check_context(max_model_len, &counts, None, pending.endpoint.prompt_param())?;
+            responses_budget(max_model_len, &counts, req.max_tokens)
+        }
+        _ => {
+            check_context(max_model_len, &counts, req.max_tokens, pending.endpoint.prompt_param())?;
+            // The lower bound fits; the upper bound settles it unless it is unknown or too large.
+            let settled = fits_by_upper_bound(route.model, &req.prompt, &value, req.max_tokens);
+            exact_check = !settled && route.model.exact_count;
+            completion_budget(max_model_len, &counts, req.max_tokens, req.choices, req.prompt.count())
+        }
     };
 
     let prefix = cfg
@@ -289,7 +301,7 @@ fn finish_plan(
     max_tokens_header: u64,
     exact_check: bool,
 ) -> Result<(ForwardPlan, Vec<Edit>), GatewayError> {
-    let inject = req.stream && !req.include_usage;
+    let inject = pending.endpoint.stream_usage_needs_asking() && req.stream && !req.include_usage;
     let edits = body_edits(body, req, value, route, inject)?;
 
     let mut set_headers = vec![
@@ -341,6 +353,7 @@ fn finish_plan(
             new_body: None,
             usage_injected: inject,
             stream: req.stream,
+            api: pending.endpoint.meter_api(),
             admission,
             facts,
         },
@@ -352,7 +365,8 @@ fn finish_plan(
 /// prompt member, which is nearly all of it), so that it holds the Envoy worker about as long as
 /// a body of `full_parse_max_bytes`. Every top-level member but the prompt (`messages`, `prompt`,
 /// `input`) is parsed and validated as usual; the prompt member must be present (and for chat an
-/// array). Its content is not validated here and the context rule is not applied from bounds:
+/// array, for the Responses API a string or an array; its `instructions` count with it). Its
+/// content is not validated here and the context rule is not applied from bounds:
 /// a model with `exact_count` gets `x-gateway-context-check: exact` (the sidecar counts the body
 /// natively and answers the 400), any other the rule of vLLM itself (which answers its own 400
 /// before any GPU work). `max_tokens` above `max_model_len` is still refused here, and the token
@@ -399,6 +413,16 @@ fn on_large_body(
                         got: json_type_of(raw.first().copied()),
                     })
                 }
+                (Endpoint::Responses, Some(b'[')) => serde_json::json!([]),
+                (Endpoint::Responses, Some(b'"')) => Value::String("(not parsed in the filter)".into()),
+                (Endpoint::Responses, Some(b'n')) => Value::Null,
+                (Endpoint::Responses, _) => {
+                    return Err(GatewayError::InvalidType {
+                        param: prompt_key.into(),
+                        expected: "a string or an array",
+                        got: json_type_of(raw.first().copied()),
+                    })
+                }
                 _ => Value::String("(not parsed in the filter)".into()),
             };
             members.insert(m.key.clone(), stand_in);
@@ -416,15 +440,23 @@ fn on_large_body(
     req.scan = scan;
     let route = route(cfg, tenant, req.model, pending.request_id.as_deref())?;
 
+    // The Responses API's `instructions` (parsed above, it is not the prompt member) are prompt too.
+    let instructions = match (pending.endpoint, value.get("instructions")) {
+        (Endpoint::Responses, Some(Value::String(s))) => s.trim().len() as u64,
+        _ => 0,
+    };
+    let prompt_bytes = prompt_bytes.saturating_add(instructions);
     let estimate = prompt_bytes.div_ceil(4);
     let max_model_len = route.model.max_model_len;
     let max_token_bytes = route.model.max_token_bytes.max(1);
+    // The Responses API's rule ignores `max_output_tokens` (vLLM caps it): see `plan_request_body`.
+    let rule_max_tokens = if pending.endpoint == Endpoint::Responses { None } else { req.max_tokens };
     // A lower bound only when it could refuse (the prompt's raw bytes are more than its text): a
     // second walk over the prompt's strings, without decoding them.
     let could_refuse =
-        !crate::context::fits(max_model_len, prompt_bytes.div_ceil(max_token_bytes), req.max_tokens);
+        !crate::context::fits(max_model_len, prompt_bytes.div_ceil(max_token_bytes), rule_max_tokens);
     let max_lower = if could_refuse && pending.endpoint != Endpoint::Embeddings {
-        prompt_text_lower(pending.endpoint, prompt_raw).div_ceil(max_token_bytes)
+        prompt_text_lower(pending.endpoint, prompt_raw).saturating_add(instructions).div_ceil(max_token_bytes)
     } else {
         0
     };
@@ -434,26 +466,50 @@ fn on_large_body(
         total_estimate: estimate.max(max_lower),
         source: CountSource::Estimate,
     };
-    let (max_tokens_header, exact_check) = if pending.endpoint == Endpoint::Embeddings {
-        (0, false)
-    } else {
-        // Refuses max_tokens over max_model_len, and prompts whose text alone is too long.
-        check_context(max_model_len, &counts, req.max_tokens, prompt_key)?;
-        let prompts = large_prompt_count(pending.endpoint, prompt_raw);
-        (
-            completion_budget(max_model_len, &counts, req.max_tokens, req.choices, prompts),
-            route.model.exact_count,
-        )
+    let (max_tokens_header, exact_check) = match pending.endpoint {
+        Endpoint::Embeddings => (0, false),
+        Endpoint::Responses => {
+            // Refuses prompts whose text alone fills the context; vLLM decides the rest.
+            check_context(max_model_len, &counts, None, prompt_key)?;
+            (responses_budget(max_model_len, &counts, req.max_tokens), false)
+        }
+        _ => {
+            // Refuses max_tokens over max_model_len, and prompts whose text alone is too long.
+            check_context(max_model_len, &counts, req.max_tokens, prompt_key)?;
+            let prompts = large_prompt_count(pending.endpoint, prompt_raw);
+            (
+                completion_budget(max_model_len, &counts, req.max_tokens, req.choices, prompts),
+                route.model.exact_count,
+            )
+        }
     };
     finish_plan(pending, tenant, body, &req, &value, &route, &counts, max_tokens_header, exact_check)
 }
 
-/// A lower bound on the bytes of prompt text in an unparsed prompt member: for chat, the string
-/// `content` of each message (parts and roles not counted); for completions, the longest string
-/// (a batch is checked per prompt). Escapes are not decoded ([`string_bytes_lower`]).
+/// A lower bound on the bytes of prompt text in an unparsed prompt member: for chat and the
+/// Responses API's input items, the string `content` of each message (parts and roles not
+/// counted), for a Responses `input` string the string; for completions, the longest string (a
+/// batch is checked per prompt). Escapes are not decoded ([`string_bytes_lower`]).
 fn prompt_text_lower(endpoint: Endpoint, raw: &[u8]) -> u64 {
     let elements = || array_elements(raw).unwrap_or_default().into_iter().filter_map(|(a, b)| raw.get(a..b));
     match endpoint {
+        Endpoint::Responses if raw.first() == Some(&b'"') => string_bytes_lower(raw),
+        // Only message items (a `role`, `type` absent, null or "message") reach the template as
+        // text, as the full parse counts them (`request::responses_input`).
+        Endpoint::Responses => elements()
+            .filter_map(|item| {
+                let scan = scan_object(item)?;
+                let role = scan.get("role")?;
+                if item.get(role.value_start..role.value_end) == Some(b"null") {
+                    return None;
+                }
+                let is_message = scan.get("type").is_none_or(|t| {
+                    matches!(item.get(t.value_start..t.value_end), Some(b"null" | b"\"message\""))
+                });
+                let content = scan.get("content").filter(|_| is_message)?;
+                item.get(content.value_start..content.value_end).map(string_bytes_lower)
+            })
+            .fold(0u64, u64::saturating_add),
         Endpoint::ChatCompletions => elements()
             .filter_map(|message| {
                 let scan = scan_object(message)?;
@@ -1233,5 +1289,110 @@ mod tests {
         let plan =
             on_request_body(&c, &pending("/v1/chat/completions", "sk-demo"), fits.to_string().as_bytes());
         assert!(header_map(&plan.unwrap()).contains(&("x-gateway-context-check".into(), "exact".into())));
+    }
+
+    fn responses(body: Value) -> Result<ForwardPlan, GatewayError> {
+        both(&cfg(), &pending("/v1/responses", "sk-demo"), body.to_string().as_bytes())
+    }
+
+    /// Issue 15, item 5: the Responses API is routed, estimated and reserved like chat, with its
+    /// own rule (vLLM caps `max_output_tokens`), and never gets `stream_options` injected.
+    #[test]
+    fn a_responses_request_is_planned_like_chat() {
+        let body = json!({"model": "qwen-latest", "instructions": "be brief", "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "x".repeat(100)}]}],
+            "max_output_tokens": 50, "stream": true});
+        let plan = responses(body.clone()).unwrap();
+        // system(6) + 8, user(4) + 100 = 118 bytes: estimate 30.
+        assert_eq!(reservation(&plan), (30, 50, 80));
+        let h = header_map(&plan);
+        assert!(h.contains(&("x-gateway-pool".into(), "pool_a".into())));
+        assert!(h.contains(&("x-gateway-model".into(), "qwen".into())));
+        assert!(!h.iter().any(|(k, _)| k == H_USAGE_INJECTED), "{h:?}");
+        assert!(!plan.usage_injected && plan.stream);
+        assert_eq!(plan.api, gateway_meter::Api::Responses);
+        // Only the model is rewritten: no stream_options.
+        let sent: Value = serde_json::from_slice(plan.new_body.as_ref().unwrap()).unwrap();
+        let mut expected = body;
+        expected["model"] = json!("Qwen/Qwen2.5-0.5B-Instruct");
+        assert_eq!(sent, expected);
+        // The facts the sidecar admits by.
+        assert_eq!(
+            (plan.facts.prompt_tokens, plan.facts.max_tokens, plan.facts.pool.as_str()),
+            (30, 50, "pool_a")
+        );
+        // Chat is metered as chat.
+        let chat_plan =
+            chat(json!({"model": "qwen", "messages": [{"role": "user", "content": "x"}]})).unwrap();
+        assert_eq!(chat_plan.api, gateway_meter::Api::ChatCompletions);
+    }
+
+    #[test]
+    fn the_responses_context_rule_refuses_only_a_prompt_that_fills_the_context() {
+        // tiny: max_model_len 100, max_token_bytes 4. user(4) + 392 bytes: lower bound 99 fits...
+        let fits = json!({"model": "tiny", "input": "y".repeat(392), "max_output_tokens": 1000});
+        let plan = responses(fits).unwrap();
+        // ...and max_output_tokens is capped by what the context leaves after the estimate (99).
+        assert_eq!(reservation(&plan), (99, 1, 100));
+        // 396 bytes: lower bound 100, the whole context.
+        let e = responses(json!({"model": "tiny", "input": "y".repeat(396)})).unwrap_err();
+        assert_eq!(e.parts(), (400, "invalid_request_error", "context_length_exceeded", Some("input")));
+        // Instructions count: 4 bytes of "y" moved there (system(6) + 4) still fill it.
+        let e = responses(json!({"model": "tiny", "instructions": "yyyy", "input": "y".repeat(392)}))
+            .unwrap_err();
+        assert_eq!(e.parts().2, "context_length_exceeded");
+        // A max_output_tokens beyond max_model_len alone is vLLM's to cap, not refused.
+        let plan = responses(json!({"model": "tiny", "input": "hi", "max_output_tokens": 5000})).unwrap();
+        assert_eq!(reservation(&plan).1, 100 - 2);
+        // Without max_output_tokens: what the context leaves.
+        let plan = responses(json!({"model": "tiny", "input": "hi"})).unwrap();
+        assert_eq!(reservation(&plan), (2, 98, 100));
+        // Never marked for the sidecar's exact count, which reads chat and completions bodies only.
+        let c = bounds_cfg();
+        let p = pending_in(&c, "/v1/responses", "sk-t");
+        let plan =
+            on_request_body(&c, &p, json!({"model": "ex", "input": "z".repeat(64)}).to_string().as_bytes())
+                .unwrap();
+        assert!(!header_map(&plan).iter().any(|(k, _)| k.starts_with("x-gateway-context")));
+        assert!(plan.admission.is_some(), "a lease may admit it");
+    }
+
+    #[test]
+    fn a_large_responses_body_decides_as_the_full_parse() {
+        let mut c = cfg();
+        c.full_parse_max_bytes = 200;
+        let p = pending("/v1/responses", "sk-demo");
+        let run = |body: Value| both(&c, &p, body.to_string().as_bytes());
+        let items = json!([{"role": "user", "content": "word ".repeat(80)}, {"type": "function_call_output", "content": "z".repeat(500), "role": "tool"}]);
+        let plan =
+            run(json!({"model": "qwen-latest", "input": items, "stream": true, "max_output_tokens": 7}))
+                .unwrap();
+        let h = header_map(&plan);
+        assert!(h.contains(&("x-gateway-pool".into(), "pool_a".into())));
+        assert_eq!(reservation(&plan).1, 7);
+        assert!(!plan.usage_injected && plan.api == gateway_meter::Api::Responses);
+        let body: Value = serde_json::from_slice(plan.new_body.as_ref().unwrap()).unwrap();
+        assert_eq!(body["input"], items);
+        assert_eq!(body.get("stream_options"), None);
+        // The same checks of the small members and of the input's type.
+        let e = run(json!({"model": "qwen", "input": 5, "pad": "p".repeat(300)})).unwrap_err();
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_type", Some("input")));
+        let e = run(json!({"model": "qwen", "input": null, "pad": "p".repeat(300)})).unwrap_err();
+        assert_eq!(e.parts().3, Some("input"));
+        let e =
+            run(json!({"model": "qwen", "input": "w".repeat(300), "max_output_tokens": "7"})).unwrap_err();
+        assert_eq!(e.parts().3, Some("max_output_tokens"));
+        // A text that fills the context alone is refused here too; the function call output's
+        // content is not counted (the full parse does not count it either).
+        let over = json!({"model": "tiny", "input": "x".repeat(400)});
+        assert_eq!(responses(over.clone()).unwrap_err().parts().2, "context_length_exceeded");
+        assert_eq!(run(over).unwrap_err().parts().2, "context_length_exceeded");
+        let tool = json!({"model": "tiny", "input": [{"type": "function_call_output", "role": "tool", "content": "x".repeat(400)}]});
+        assert!(responses(tool.clone()).is_ok());
+        assert!(run(tool).is_ok());
+        let instructions =
+            json!({"model": "tiny", "instructions": "x".repeat(300), "input": "x".repeat(100)});
+        assert_eq!(responses(instructions.clone()).unwrap_err().parts().2, "context_length_exceeded");
+        assert_eq!(run(instructions).unwrap_err().parts().2, "context_length_exceeded");
     }
 }

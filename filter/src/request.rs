@@ -1,10 +1,11 @@
 //! Request classification (method + path) and validation of OpenAI request bodies.
 //!
 //! Endpoints follow the OpenAI REST API: `POST /v1/chat/completions`, `POST /v1/completions`,
-//! `POST /v1/embeddings`, `GET /v1/models`. Body fields follow the OpenAI request objects; only
-//! the fields the gateway needs are validated (`model`, `messages`/`prompt`, `max_tokens`,
-//! `max_completion_tokens`, `n`, completions `best_of`, `stream`, `stream_options.include_usage`),
-//! everything else is passed to vLLM untouched.
+//! `POST /v1/responses`, `POST /v1/embeddings`, `GET /v1/models`. Body fields follow the OpenAI
+//! request objects; only the fields the gateway needs are validated (`model`, `messages`/`prompt`,
+//! `max_tokens`, `max_completion_tokens`, `n`, completions `best_of`, `stream`,
+//! `stream_options.include_usage`; for the Responses API `instructions`, `input` and
+//! `max_output_tokens`), everything else is passed to vLLM untouched.
 
 use serde_json::{Map, Value};
 
@@ -18,6 +19,9 @@ pub enum Endpoint {
     ChatCompletions,
     /// `POST /v1/completions` (legacy text completions).
     Completions,
+    /// `POST /v1/responses` (OpenAI's Responses API, as vLLM serves it: stateless, `input` and
+    /// `instructions` rendered as chat messages).
+    Responses,
     /// `POST /v1/embeddings` (auth and routing only, no context check).
     Embeddings,
     /// `GET /v1/models`, answered locally.
@@ -39,7 +43,22 @@ impl Endpoint {
         match self {
             Endpoint::ChatCompletions => "messages",
             Endpoint::Completions => "prompt",
-            Endpoint::Embeddings | Endpoint::Models => "input",
+            Endpoint::Responses | Endpoint::Embeddings | Endpoint::Models => "input",
+        }
+    }
+
+    /// Whether vLLM reports a stream's usage only when asked with `stream_options.include_usage`
+    /// (chat and completions), which the filter then injects. The Responses API always ends a
+    /// stream with `response.completed` and its `usage` (vLLM's `responses_stream_generator`).
+    pub fn stream_usage_needs_asking(self) -> bool {
+        matches!(self, Endpoint::ChatCompletions | Endpoint::Completions)
+    }
+
+    /// The API whose response shapes the meter reads for this endpoint.
+    pub fn meter_api(self) -> gateway_meter::Api {
+        match self {
+            Endpoint::Responses => gateway_meter::Api::Responses,
+            _ => gateway_meter::Api::ChatCompletions,
         }
     }
 }
@@ -55,6 +74,7 @@ pub fn classify(method: &str, path: &str) -> Result<Endpoint, GatewayError> {
     let endpoint = match bare {
         "/v1/chat/completions" => Endpoint::ChatCompletions,
         "/v1/completions" => Endpoint::Completions,
+        "/v1/responses" => Endpoint::Responses,
         "/v1/embeddings" => Endpoint::Embeddings,
         "/v1/models" => Endpoint::Models,
         _ => {
@@ -96,7 +116,8 @@ pub enum PromptItem<'a> {
 /// The prompt of a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Prompt<'a> {
-    /// Chat `messages`.
+    /// Chat `messages`; for the Responses API, `instructions` (a `system` message, as vLLM
+    /// renders it) and the `input` messages.
     Chat(Vec<ChatMessage<'a>>),
     /// Completions `prompt` or embeddings `input`: each item is a separate prompt for vLLM.
     Items(Vec<PromptItem<'a>>),
@@ -129,7 +150,7 @@ pub struct ValidatedRequest<'a> {
     /// The prompt.
     pub prompt: Prompt<'a>,
     /// Effective max tokens: chat `max_completion_tokens` if set, else `max_tokens`; completions
-    /// `max_tokens`; embeddings never.
+    /// `max_tokens`; Responses `max_output_tokens`; embeddings never.
     pub max_tokens: Option<MaxTokens>,
     /// Sequences vLLM generates for each prompt, each up to `max_tokens`: `n` (OpenAI's number
     /// of choices, default 1), on completions `max(n, best_of)` (vLLM samples `best_of` and
@@ -137,7 +158,8 @@ pub struct ValidatedRequest<'a> {
     pub choices: u64,
     /// `stream` (false when absent or null; always false for embeddings).
     pub stream: bool,
-    /// Whether the client itself set `stream_options.include_usage: true`.
+    /// Whether the client itself set `stream_options.include_usage: true` (always false for the
+    /// Responses API, whose streams report their usage unasked).
     pub include_usage: bool,
     /// Byte offsets of the body's top-level members (for surgical rewrites).
     pub scan: ObjectScan,
@@ -188,9 +210,9 @@ fn field<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
 ///
 /// # Errors
 /// 400-class [`GatewayError`]s naming the parameter: `DuplicateParameter` for a repeated
-/// top-level key, `MissingParameter` (`model`, `messages`, `prompt`, `messages[i].role`),
-/// `InvalidType`, `InvalidValue` (empty `messages`/`prompt`, `max_tokens`, `n` or `best_of` < 1,
-/// `best_of` < `n`).
+/// top-level key, `MissingParameter` (`model`, `messages`, `prompt`, `messages[i].role`, `input`,
+/// `input[i].role` of a `"type": "message"` item), `InvalidType`, `InvalidValue` (empty
+/// `messages`/`prompt`, `max_tokens`, `max_output_tokens`, `n` or `best_of` < 1, `best_of` < `n`).
 pub fn validate<'a>(
     endpoint: Endpoint,
     body: &[u8],
@@ -232,6 +254,11 @@ pub fn validate<'a>(
             let choices = completion_choices(obj)?;
             let (stream, include_usage) = stream_fields(obj)?;
             (prompt, mt, choices, stream, include_usage)
+        }
+        Endpoint::Responses => {
+            let prompt = responses_input(obj)?;
+            let max_output = max_tokens_field(obj, "max_output_tokens")?;
+            (prompt, max_output, 1, stream_flag(obj)?, false)
         }
         Endpoint::Embeddings | Endpoint::Models => {
             // Auth and routing only: `input` is read for the token estimate, never rejected.
@@ -296,6 +323,94 @@ fn chat_messages(obj: &Map<String, Value>) -> Result<Prompt<'_>, GatewayError> {
             }
             Some(other) => {
                 return Err(invalid_type(format!("messages[{i}].content"), "a string or an array", other))
+            }
+        };
+        out.push(ChatMessage { role, texts });
+    }
+    Ok(Prompt::Chat(out))
+}
+
+/// The prompt of a Responses API request, as vLLM builds its chat messages
+/// (`_construct_input_messages` in `vllm/entrypoints/openai/serving_responses.py`): a non-empty
+/// `instructions` first as a `system` message, then `input`, a string (one `user` message) or an
+/// array of input items. An item that is a message (a `role`, and `type` absent or `"message"`)
+/// contributes its `content`: a string, or the `text` of its `input_text`, `output_text` and
+/// `text` parts (vLLM's chat parser reads those three; images, files and other parts count
+/// nothing). Other items (function calls and their outputs, reasoning, item references) count
+/// nothing: the prompt's lower bound stays a lower bound. Only what the gateway reads is typed
+/// strictly; other fields and item kinds go to vLLM untouched.
+fn responses_input(obj: &Map<String, Value>) -> Result<Prompt<'_>, GatewayError> {
+    let mut out = Vec::new();
+    match field(obj, "instructions") {
+        None => {}
+        // vLLM adds the system message only for a non-empty `instructions`.
+        Some(Value::String(s)) if s.is_empty() => {}
+        Some(Value::String(s)) => out.push(ChatMessage { role: "system", texts: vec![s.as_str()] }),
+        Some(other) => return Err(invalid_type("instructions", "a string", other)),
+    }
+    let items = match field(obj, "input") {
+        None => return Err(GatewayError::MissingParameter { param: "input".into() }),
+        Some(Value::String(s)) => {
+            out.push(ChatMessage { role: "user", texts: vec![s.as_str()] });
+            return Ok(Prompt::Chat(out));
+        }
+        Some(Value::Array(items)) => items,
+        Some(other) => return Err(invalid_type("input", "a string or an array", other)),
+    };
+    for (i, item) in items.iter().enumerate() {
+        let item = item.as_object().ok_or_else(|| invalid_type(format!("input[{i}]"), "an object", item))?;
+        let kind = match field(item, "type") {
+            None => None,
+            Some(Value::String(t)) => Some(t.as_str()),
+            Some(other) => return Err(invalid_type(format!("input[{i}].type"), "a string", other)),
+        };
+        let role = match field(item, "role") {
+            None => None,
+            Some(Value::String(r)) => Some(r.as_str()),
+            Some(other) => return Err(invalid_type(format!("input[{i}].role"), "a string", other)),
+        };
+        let role = match (kind, role) {
+            (None | Some("message"), Some(role)) => role,
+            (Some("message"), None) => {
+                return Err(GatewayError::MissingParameter { param: format!("input[{i}].role") })
+            }
+            _ => continue,
+        };
+        let texts = match field(item, "content") {
+            None => Vec::new(),
+            Some(Value::String(s)) => vec![s.as_str()],
+            Some(Value::Array(parts)) => {
+                let mut texts = Vec::new();
+                for (j, part) in parts.iter().enumerate() {
+                    let p = part
+                        .as_object()
+                        .ok_or_else(|| invalid_type(format!("input[{i}].content[{j}]"), "an object", part))?;
+                    if !matches!(
+                        p.get("type").and_then(Value::as_str),
+                        Some("input_text" | "output_text" | "text")
+                    ) {
+                        continue;
+                    }
+                    match p.get("text") {
+                        Some(Value::String(t)) => texts.push(t.as_str()),
+                        Some(other) => {
+                            return Err(invalid_type(
+                                format!("input[{i}].content[{j}].text"),
+                                "a string",
+                                other,
+                            ))
+                        }
+                        None => {
+                            return Err(GatewayError::MissingParameter {
+                                param: format!("input[{i}].content[{j}].text"),
+                            })
+                        }
+                    }
+                }
+                texts
+            }
+            Some(other) => {
+                return Err(invalid_type(format!("input[{i}].content"), "a string or an array", other))
             }
         };
         out.push(ChatMessage { role, texts });
@@ -380,12 +495,17 @@ fn positive_integer(obj: &Map<String, Value>, param: &'static str) -> Result<Opt
     }
 }
 
+/// `stream`: a boolean, false when absent or null.
+fn stream_flag(obj: &Map<String, Value>) -> Result<bool, GatewayError> {
+    match field(obj, "stream") {
+        None => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(other) => Err(invalid_type("stream", "a boolean", other)),
+    }
+}
+
 fn stream_fields(obj: &Map<String, Value>) -> Result<(bool, bool), GatewayError> {
-    let stream = match field(obj, "stream") {
-        None => false,
-        Some(Value::Bool(b)) => *b,
-        Some(other) => return Err(invalid_type("stream", "a boolean", other)),
-    };
+    let stream = stream_flag(obj)?;
     let include_usage = match field(obj, "stream_options") {
         None => false,
         Some(Value::Object(o)) => match field(o, "include_usage") {
@@ -704,5 +824,111 @@ mod tests {
         assert_eq!(r.3, "Items([])");
         let e = run(Endpoint::Embeddings, &json!({"input": "x"})).unwrap_err();
         assert_eq!(param(&e).as_deref(), Some("model"));
+    }
+
+    /// Issue 15, item 5: the Responses API's body, read as vLLM builds its chat messages.
+    #[test]
+    fn responses_prompt_forms() {
+        let r = |v: Value| run(Endpoint::Responses, &v);
+        let (mt, stream, iu, p) = r(json!({"model": "m", "input": "hello", "instructions": "be brief",
+            "max_output_tokens": 5, "stream": true}))
+        .unwrap();
+        assert_eq!(mt, Some(MaxTokens { value: 5, param: "max_output_tokens" }));
+        assert!(stream && !iu, "the Responses API never asks for include_usage");
+        assert_eq!(
+            p,
+            r#"Chat([ChatMessage { role: "system", texts: ["be brief"] }, ChatMessage { role: "user", texts: ["hello"] }])"#
+        );
+        // Empty or null instructions add no system message (vLLM: `if request.instructions`).
+        for instructions in [json!(""), Value::Null] {
+            let p = r(json!({"model": "m", "input": "x", "instructions": instructions})).unwrap().3;
+            assert_eq!(p, r#"Chat([ChatMessage { role: "user", texts: ["x"] }])"#);
+        }
+        let items = json!([
+            {"role": "user", "content": "hi"},
+            {"type": "message", "role": "assistant", "content": [
+                {"type": "output_text", "text": "yo", "annotations": []}, {"type": "refusal", "refusal": "no"}]},
+            {"type": "function_call_output", "call_id": "c", "output": "42"},
+            {"id": "ref_1"},
+            {"type": "reasoning", "role": "assistant", "summary": []},
+            {"role": "developer", "type": null, "content": [{"type": "input_text", "text": "a"},
+                {"type": "input_image", "image_url": "u"}, {"type": "text", "text": "b"}]},
+            {"role": "user", "content": null}
+        ]);
+        let (mt, stream, _, p) =
+            r(json!({"model": "m", "input": items, "stream": null, "stream_options": 5})).unwrap();
+        assert_eq!((mt, stream), (None, false));
+        assert_eq!(
+            p,
+            r#"Chat([ChatMessage { role: "user", texts: ["hi"] }, ChatMessage { role: "assistant", texts: ["yo"] }, ChatMessage { role: "developer", texts: ["a", "b"] }, ChatMessage { role: "user", texts: [] }])"#
+        );
+        assert_eq!(r(json!({"model": "m", "input": []})).unwrap().3, "Chat([])");
+    }
+
+    #[test]
+    fn responses_errors_name_the_param() {
+        let e = |v: Value| run(Endpoint::Responses, &v).unwrap_err();
+        let err = e(json!({"model": "m"}));
+        assert_eq!(err.to_string(), "Missing required parameter: 'input'.");
+        assert_eq!(err.parts(), (400, "invalid_request_error", "missing_required_parameter", Some("input")));
+        let err = e(json!({"model": "m", "input": 5}));
+        assert_eq!(
+            err.to_string(),
+            "Invalid type for 'input': expected a string or an array, but got an integer instead."
+        );
+        let cases = [
+            (json!({"input": "x"}), "model"),
+            (json!({"model": "m", "input": ["x"]}), "input[0]"),
+            (json!({"model": "m", "input": [{"type": 5, "role": "user"}]}), "input[0].type"),
+            (json!({"model": "m", "input": [{"role": 5}]}), "input[0].role"),
+            (
+                json!({"model": "m", "input": [{"role": "user", "content": "a"}, {"type": "message", "content": "x"}]}),
+                "input[1].role",
+            ),
+            (json!({"model": "m", "input": [{"role": "user", "content": 5}]}), "input[0].content"),
+            (json!({"model": "m", "input": [{"role": "user", "content": ["x"]}]}), "input[0].content[0]"),
+            (
+                json!({"model": "m", "input": [{"role": "user", "content": [{"type": "input_text"}]}]}),
+                "input[0].content[0].text",
+            ),
+            (
+                json!({"model": "m", "input": [{"role": "user", "content": [{"type": "output_text", "text": 1}]}]}),
+                "input[0].content[0].text",
+            ),
+            (json!({"model": "m", "input": "x", "instructions": ["a"]}), "instructions"),
+            (json!({"model": "m", "input": "x", "max_output_tokens": "5"}), "max_output_tokens"),
+            (json!({"model": "m", "input": "x", "max_output_tokens": 0}), "max_output_tokens"),
+            (json!({"model": "m", "input": "x", "max_output_tokens": 1.5}), "max_output_tokens"),
+            (json!({"model": "m", "input": "x", "stream": "true"}), "stream"),
+        ];
+        for (body, want) in cases {
+            assert_eq!(param(&e(body.clone())).as_deref(), Some(want), "{body}");
+        }
+        assert_eq!(
+            e(json!({"model": "m", "input": "x", "max_output_tokens": -1})).parts().2,
+            "invalid_value"
+        );
+        assert_eq!(e(json!({"model": "m", "input": "x", "stream": 1})).parts().2, "invalid_type");
+    }
+
+    #[test]
+    fn responses_path_and_meter_api() {
+        assert_eq!(classify("POST", "/v1/responses"), Ok(Endpoint::Responses));
+        assert_eq!(classify("POST", "/v1/responses?x=1"), Ok(Endpoint::Responses));
+        assert_eq!(classify("GET", "/v1/responses").unwrap_err().parts().0, 405);
+        assert!(classify("POST", "/v1/responses/resp_1").is_err());
+        // The sidecar's metering stream picks the API from the path: it must agree.
+        for path in
+            ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/models"]
+        {
+            let method = if path == "/v1/models" { "GET" } else { "POST" };
+            let endpoint = classify(method, path).unwrap();
+            assert_eq!(endpoint.meter_api(), gateway_meter::Api::for_path(path), "{path}");
+        }
+        assert!(!Endpoint::Responses.stream_usage_needs_asking());
+        assert!(
+            Endpoint::ChatCompletions.stream_usage_needs_asking()
+                && Endpoint::Completions.stream_usage_needs_asking()
+        );
     }
 }

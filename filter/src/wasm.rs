@@ -373,6 +373,7 @@ impl GatewayHttp {
         }
         self.usage_injected = plan.usage_injected;
         self.meter.set_stream(plan.stream);
+        self.meter.set_api(plan.api);
         self.meter.start(self.started_us);
         // Envoy picked a route before these headers existed; make it re-pick with x-gateway-pool.
         if let Err(status) = hostcalls::call_foreign_function("clear_route_cache", None) {

@@ -18,6 +18,9 @@
 //! * the reservation is `max_tokens` times the sequences vLLM generates, read from the body;
 //! * the large-body path (top-level members only) decides as the full parse does.
 //!
+//! The same properties hold for Responses API bodies (issue 15, item 5: `input`, `instructions`,
+//! `max_output_tokens`), which are never rewritten but for `model`.
+//!
 //! `PROPTEST_CASES` sets the number of cases (CI: the default below; `make fuzz`: many more).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
@@ -185,8 +188,10 @@ fn known_key() -> impl Strategy<Value = J> {
             key("stream_options"),
             key("temperature"),
             key("user"),
+            key("max_output_tokens"),
+            key("instructions"),
         ],
-        1 => prop_oneof![key("model"), key("messages"), key("prompt")],
+        1 => prop_oneof![key("model"), key("messages"), key("prompt"), key("input")],
     ]
     .boxed()
 }
@@ -274,6 +279,55 @@ fn prompt_value() -> impl Strategy<Value = J> {
     ]
 }
 
+/// A Responses API `input`: a string, or items: messages (`type` absent or `"message"`, string or
+/// `input_text` / `output_text` parts), other items (`function_call_output`, item references).
+fn input_value() -> impl Strategy<Value = J> {
+    let part = (
+        prop_oneof![Just("input_text"), Just("output_text"), Just("text"), Just("input_image")],
+        string_value(),
+    )
+        .prop_map(|(t, text)| {
+            J::Obj(
+                vec![
+                    (J::Str("type".into(), vec![0]), J::Str(t.into(), vec![0])),
+                    (J::Str("text".into(), vec![1]), text),
+                ],
+                vec![0],
+            )
+        });
+    let content = prop_oneof![
+        4 => string_value(),
+        1 => Just(J::Null),
+        2 => prop::collection::vec(part, 0..3).prop_map(|v| J::Arr(v, vec![1])),
+        1 => any_json(),
+    ];
+    let item = prop_oneof![
+        4 => (message(), any::<bool>()).prop_map(|(m, typed)| match m {
+            J::Obj(mut members, w) if typed => {
+                members.insert(0, (J::Str("type".into(), vec![0]), J::Str("message".into(), vec![0])));
+                J::Obj(members, w)
+            }
+            other => other,
+        }),
+        2 => (prop_oneof![Just("user"), Just("assistant"), Just("developer")], content).prop_map(|(r, c)| J::Obj(vec![
+            (J::Str("role".into(), vec![0]), J::Str(r.into(), vec![0])),
+            (J::Str("content".into(), vec![0]), c),
+        ], vec![0])),
+        1 => string_value().prop_map(|o| J::Obj(vec![
+            (J::Str("type".into(), vec![0]), J::Str("function_call_output".into(), vec![0])),
+            (J::Str("call_id".into(), vec![0]), J::Str("c".into(), vec![0])),
+            (J::Str("output".into(), vec![0]), o),
+        ], vec![0])),
+        1 => Just(J::Obj(vec![(J::Str("id".into(), vec![0]), J::Str("ref_1".into(), vec![0]))], vec![0])),
+        1 => any_json(),
+    ];
+    prop_oneof![
+        6 => string_value(),
+        6 => prop::collection::vec(item, 0..4).prop_map(|v| J::Arr(v, vec![0, 1])),
+        1 => any_json(),
+    ]
+}
+
 fn stream_options_value() -> impl Strategy<Value = J> {
     prop_oneof![
         1 => Just(J::Null),
@@ -294,7 +348,9 @@ fn stream_options_value() -> impl Strategy<Value = J> {
 fn value_for(key: &str) -> BoxedStrategy<J> {
     match key {
         "model" => model_value().boxed(),
-        "max_tokens" | "max_completion_tokens" | "n" | "best_of" => int_like().boxed(),
+        "max_tokens" | "max_completion_tokens" | "n" | "best_of" | "max_output_tokens" => int_like().boxed(),
+        "input" => input_value().boxed(),
+        "instructions" => prop_oneof![6 => string_value(), 1 => Just(J::Null), 1 => any_json()].boxed(),
         "stream" => bool_like().boxed(),
         "stream_options" => stream_options_value().boxed(),
         "messages" => prop_oneof![
@@ -314,10 +370,36 @@ fn key_name(j: &J) -> String {
     }
 }
 
+/// The API a generated body is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Api {
+    Chat,
+    Completions,
+    Responses,
+}
+
+impl Api {
+    fn path(self) -> &'static str {
+        match self {
+            Api::Chat => "/v1/chat/completions",
+            Api::Completions => "/v1/completions",
+            Api::Responses => "/v1/responses",
+        }
+    }
+
+    fn prompt_key(self) -> &'static str {
+        match self {
+            Api::Chat => "messages",
+            Api::Completions => "prompt",
+            Api::Responses => "input",
+        }
+    }
+}
+
 /// A request body: the prompt member and `model` most of the time, then known and unknown
 /// members in any order, sometimes a duplicate.
-fn request_body(chat: bool) -> impl Strategy<Value = J> {
-    let prompt_key = if chat { "messages" } else { "prompt" };
+fn request_body(api: Api) -> impl Strategy<Value = J> {
+    let prompt_key = api.prompt_key();
     let members = prop::collection::vec(
         prop_oneof![3 => known_key(), 1 => string_value()].prop_flat_map(|k| {
             let name = key_name(&k);
@@ -440,10 +522,17 @@ fn written_keys(j: &J) -> Vec<String> {
 
 /// The pydantic-lax hazards: a field the filter reads, present with a value whose strict JSON
 /// type is not what the filter requires (pydantic would coerce some of these).
-fn strict_types_ok(obj: &Map<String, Value>, chat: bool) -> bool {
+fn strict_types_ok(obj: &Map<String, Value>, api: Api) -> bool {
     let int = |k: &str| obj.get(k).is_none_or(|v| v.is_null() || v.is_u64() || v.is_i64());
     let boolean = |v: Option<&Value>| v.is_none_or(|v| v.is_null() || v.is_boolean());
     let model_ok = obj.get("model").is_some_and(Value::is_string);
+    if api == Api::Responses {
+        // `stream_options` is not read there: vLLM's Responses streams end with their usage.
+        let instructions = obj.get("instructions").is_none_or(|v| v.is_null() || v.is_string());
+        let input = obj.get("input").is_some_and(|v| v.is_string() || v.is_array());
+        return model_ok && instructions && input && int("max_output_tokens") && boolean(obj.get("stream"));
+    }
+    let chat = api == Api::Chat;
     let so_ok = match obj.get("stream_options") {
         None | Some(Value::Null) => true,
         Some(Value::Object(o)) => boolean(o.get("include_usage")),
@@ -476,8 +565,9 @@ fn served_name(canonical: &str, sent: &str) -> String {
     }
 }
 
-fn check_request(chat: bool, j: &J, mutation: (u8, usize, u8)) -> Result<(), TestCaseError> {
-    let path = if chat { "/v1/chat/completions" } else { "/v1/completions" };
+fn check_request(api: Api, j: &J, mutation: (u8, usize, u8)) -> Result<(), TestCaseError> {
+    let path = api.path();
+    let chat = api == Api::Chat;
     let body = mutate(text(j).into_bytes(), mutation.0, mutation.1, mutation.2, 16);
     let full = plan(&config(1 << 20), path, &body);
     let large = plan(&config(16), path, &body);
@@ -496,7 +586,7 @@ fn check_request(chat: bool, j: &J, mutation: (u8, usize, u8)) -> Result<(), Tes
         // full parse refuses for its prompt alone, never for any other member.
         (Err((_, e)), Ok(_)) => {
             let param = e["error"]["param"].as_str().unwrap_or_default();
-            let prompt_key = if chat { "messages" } else { "prompt" };
+            let prompt_key = api.prompt_key();
             // Invalid JSON inside the prompt member, which the large path leaves to vLLM (whose
             // own JSON parser refuses the whole body).
             let prompt_invalid = scan_object(&body)
@@ -530,13 +620,22 @@ fn check_request(chat: bool, j: &J, mutation: (u8, usize, u8)) -> Result<(), Tes
     let scan = scan_object(&body).ok_or_else(|| TestCaseError::fail("admitted body does not scan"))?;
     prop_assert!(scan.first_duplicate().is_none());
     prop_assert!(
-        strict_types_ok(&obj, chat),
+        strict_types_ok(&obj, api),
         "admitted a lax-typed field: {}",
         String::from_utf8_lossy(&body)
     );
 
     // The reservation is read from the same values.
-    let prompts = if chat {
+    if api == Api::Responses {
+        // max_output_tokens, capped at what the context leaves (only tiny's 100 can cap it here).
+        if let Some(cap) = positive(&obj, "max_output_tokens") {
+            prop_assert!(plan.facts.max_tokens <= cap, "{} > {cap}", plan.facts.max_tokens);
+            if plan.facts.pool != "pool_t" {
+                prop_assert_eq!(plan.facts.max_tokens, cap);
+            }
+        }
+    }
+    let prompts = if api != Api::Completions {
         1
     } else {
         match obj.get("prompt") {
@@ -551,7 +650,7 @@ fn check_request(chat: bool, j: &J, mutation: (u8, usize, u8)) -> Result<(), Tes
     };
     let n = positive(&obj, "n").unwrap_or(1);
     let choices = if chat { n } else { positive(&obj, "best_of").unwrap_or(n).max(n) };
-    if let Some(cap) = cap {
+    if let (Some(cap), false) = (cap, api == Api::Responses) {
         prop_assert_eq!(plan.facts.max_tokens, cap.saturating_mul(choices).saturating_mul(prompts));
     }
 
@@ -572,7 +671,7 @@ fn check_request(chat: bool, j: &J, mutation: (u8, usize, u8)) -> Result<(), Tes
         .and_then(Value::as_bool)
         .unwrap_or(false);
     prop_assert_eq!(plan.stream, stream);
-    prop_assert_eq!(plan.usage_injected, stream && !asked_usage);
+    prop_assert_eq!(plan.usage_injected, stream && !asked_usage && api != Api::Responses);
     let mut expected = obj.clone();
     expected.insert("model".into(), Value::String(served_name(canonical, sent)));
     if plan.usage_injected {
@@ -631,18 +730,28 @@ proptest! {
     /// Chat bodies: admitted only with strict types, reserved and rewritten as read.
     #[test]
     fn chat_bodies_are_read_as_serde_json_reads_them(
-        j in request_body(true),
+        j in request_body(Api::Chat),
         mutation in (any::<u8>(), any::<usize>(), any::<u8>()),
     ) {
-        check_request(true, &j, mutation)?;
+        check_request(Api::Chat, &j, mutation)?;
     }
 
     /// Completions bodies: the same, with `prompt` forms and `best_of`.
     #[test]
     fn completions_bodies_are_read_as_serde_json_reads_them(
-        j in request_body(false),
+        j in request_body(Api::Completions),
         mutation in (any::<u8>(), any::<usize>(), any::<u8>()),
     ) {
-        check_request(false, &j, mutation)?;
+        check_request(Api::Completions, &j, mutation)?;
+    }
+
+    /// Responses API bodies: `input` in its forms, `instructions`, `max_output_tokens`; only
+    /// `model` rewritten (no `stream_options` injected).
+    #[test]
+    fn responses_bodies_are_read_as_serde_json_reads_them(
+        j in request_body(Api::Responses),
+        mutation in (any::<u8>(), any::<usize>(), any::<u8>()),
+    ) {
+        check_request(Api::Responses, &j, mutation)?;
     }
 }

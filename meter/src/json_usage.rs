@@ -42,20 +42,24 @@ enum Phase {
     Invalid,
 }
 
-/// What the scan found of the `usage` member.
+/// What [`Members::feed`] reports, in body order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Found<U> {
-    /// No `usage` member (yet).
-    None,
-    /// One `usage` member, parsed (`None`: null, unreadable or over the bound).
-    One(Option<U>),
-    /// More than one: serde_json refuses the body.
-    Duplicate,
+pub(crate) enum Piece<'a> {
+    /// A top-level member's key ended (its value follows): the raw bytes between its quotes
+    /// (escapes not decoded), `None` when longer than [`MAX_KEY_BYTES`].
+    Key(Option<&'a [u8]>),
+    /// Raw bytes of the current member's value (from its first byte; whitespace after it, before
+    /// the next `,` or `}`, included).
+    Value(&'a [u8]),
+    /// The current member's value ended.
+    End,
 }
 
-/// Incremental scanner state for one body; `U` is what the `usage` value is parsed into.
+/// The walk over a JSON body's top-level object: where it is in the grammar (nesting depth,
+/// inside a string, after a backslash) and the current key (at most [`MAX_KEY_BYTES`]); the
+/// members' values are handed on as [`Piece`]s, never held.
 #[derive(Debug)]
-pub struct UsageScanner<U> {
+pub(crate) struct Members {
     phase: Phase,
     /// Nesting inside the current member's value (0: at the value itself).
     depth: u32,
@@ -64,18 +68,10 @@ pub struct UsageScanner<U> {
     /// Raw bytes of the current top-level key (without quotes), up to [`MAX_KEY_BYTES`].
     key: Vec<u8>,
     key_overflow: bool,
-    /// Whether the current member is `usage` (its value is being captured).
-    capturing: bool,
-    capture: Vec<u8>,
-    capture_overflow: bool,
-    max_usage_bytes: usize,
-    found: Found<U>,
 }
 
-impl<U: serde::de::DeserializeOwned + Copy> UsageScanner<U> {
-    /// A scanner that holds at most `max_usage_bytes` of the `usage` value (a larger one reads as
-    /// no usage).
-    pub fn new(max_usage_bytes: usize) -> Self {
+impl Members {
+    pub(crate) fn new() -> Self {
         Self {
             phase: Phase::Start,
             depth: 0,
@@ -83,67 +79,54 @@ impl<U: serde::de::DeserializeOwned + Copy> UsageScanner<U> {
             escape: false,
             key: Vec::new(),
             key_overflow: false,
-            capturing: false,
-            capture: Vec::new(),
-            capture_overflow: false,
-            max_usage_bytes,
-            found: Found::None,
         }
     }
 
-    /// Whether more bytes can change the answer (false once the top-level object closed or the
-    /// body is not an object).
-    pub fn wants_more(&self) -> bool {
+    /// Whether more bytes can be reported (false once the top-level object closed or the body is
+    /// not an object).
+    pub(crate) fn wants_more(&self) -> bool {
         !matches!(self.phase, Phase::Done | Phase::Invalid)
     }
 
-    /// The `usage` member's value, once it ended (whether or not the body did); `None` when there
-    /// is none, it is `null` or unreadable, or it was given twice.
-    pub fn usage(&self) -> Option<U> {
-        match self.found {
-            Found::One(u) => u,
-            Found::None | Found::Duplicate => None,
-        }
-    }
-
     /// Feeds the next bytes of the body.
-    pub fn feed(&mut self, chunk: &[u8]) {
+    pub(crate) fn feed(&mut self, chunk: &[u8], on: &mut impl FnMut(Piece<'_>)) {
         let mut rest = chunk;
         while !rest.is_empty() && self.wants_more() {
-            rest = if self.in_string { self.string_bytes(rest) } else { self.structure_bytes(rest) };
+            rest = if self.in_string { self.string_bytes(rest, on) } else { self.structure_bytes(rest, on) };
         }
     }
 
     /// Consumes bytes inside a string up to and including its closing quote; returns the rest.
-    fn string_bytes<'a>(&mut self, rest: &'a [u8]) -> &'a [u8] {
+    fn string_bytes<'a>(&mut self, rest: &'a [u8], on: &mut impl FnMut(Piece<'_>)) -> &'a [u8] {
         if self.escape {
             self.escape = false;
-            let Some((&b, tail)) = rest.split_first() else { return rest };
-            self.keep(&[b]);
+            let Some((_, tail)) = rest.split_first() else { return rest };
+            self.keep(rest.get(..1).unwrap_or_default(), on);
             return tail;
         }
         let pos = rest.iter().position(|&b| b == b'"' || b == b'\\').unwrap_or(rest.len());
         let (head, tail) = rest.split_at(pos);
-        self.keep(head);
-        let Some((&mark, tail)) = tail.split_first() else { return tail };
+        self.keep(head, on);
+        let Some((&mark, after)) = tail.split_first() else { return tail };
         if mark == b'\\' {
             self.escape = true;
-            self.keep(&[mark]);
+            self.keep(tail.get(..1).unwrap_or_default(), on);
         } else {
             self.in_string = false;
             if self.phase == Phase::InKey {
                 self.phase = Phase::Colon;
             } else {
-                self.keep(&[mark]);
+                self.keep(tail.get(..1).unwrap_or_default(), on);
             }
         }
-        tail
+        after
     }
 
     /// Consumes structural bytes (outside strings) until a string starts or the object closes.
-    fn structure_bytes<'a>(&mut self, rest: &'a [u8]) -> &'a [u8] {
+    fn structure_bytes<'a>(&mut self, rest: &'a [u8], on: &mut impl FnMut(Piece<'_>)) -> &'a [u8] {
         let mut i = 0;
         while let Some(&b) = rest.get(i) {
+            let this = rest.get(i..=i).unwrap_or_default();
             i += 1;
             match self.phase {
                 Phase::Start => match b {
@@ -165,9 +148,7 @@ impl<U: serde::de::DeserializeOwned + Copy> UsageScanner<U> {
                 Phase::Colon => match b {
                     b':' => {
                         self.phase = Phase::BeforeValue;
-                        self.capturing = self.key_is_usage();
-                        self.capture.clear();
-                        self.capture_overflow = false;
+                        on(Piece::Key((!self.key_overflow).then_some(self.key.as_slice())));
                     }
                     b' ' | b'\t' | b'\n' | b'\r' => {}
                     _ => self.phase = Phase::Invalid,
@@ -182,22 +163,22 @@ impl<U: serde::de::DeserializeOwned + Copy> UsageScanner<U> {
                 },
                 Phase::Value => match b {
                     b',' | b'}' if self.depth == 0 => {
-                        self.end_member();
+                        on(Piece::End);
                         self.phase = if b == b',' { Phase::Key } else { Phase::Done };
                     }
                     b'"' => {
                         self.in_string = true;
-                        self.keep(&[b]);
+                        self.keep(this, on);
                     }
                     b'{' | b'[' => {
                         self.depth = self.depth.saturating_add(1);
-                        self.keep(&[b]);
+                        self.keep(this, on);
                     }
                     b'}' | b']' => {
                         self.depth = self.depth.saturating_sub(1);
-                        self.keep(&[b]);
+                        self.keep(this, on);
                     }
-                    _ => self.keep(&[b]),
+                    _ => self.keep(this, on),
                 },
                 Phase::InKey | Phase::Done | Phase::Invalid => {}
             }
@@ -208,55 +189,149 @@ impl<U: serde::de::DeserializeOwned + Copy> UsageScanner<U> {
         rest.get(i..).unwrap_or_default()
     }
 
-    /// Keeps bytes of the current key or of the captured `usage` value, within their bounds.
-    fn keep(&mut self, bytes: &[u8]) {
+    /// Keeps bytes of the current key (within its bound), or reports bytes of a member's value.
+    fn keep(&mut self, bytes: &[u8], on: &mut impl FnMut(Piece<'_>)) {
         if self.phase == Phase::InKey {
             if self.key_overflow || self.key.len().saturating_add(bytes.len()) > MAX_KEY_BYTES {
                 self.key_overflow = true;
             } else {
                 self.key.extend_from_slice(bytes);
             }
-        } else if self.capturing && !self.capture_overflow {
-            if self.capture.len().saturating_add(bytes.len()) > self.max_usage_bytes {
-                self.capture_overflow = true;
-                self.capture = Vec::new();
-            } else {
-                self.capture.extend_from_slice(bytes);
-            }
+        } else if self.phase == Phase::Value && !bytes.is_empty() {
+            on(Piece::Value(bytes));
         }
     }
+}
 
-    /// Whether the key just read is `usage` (escapes decoded as serde_json does).
-    fn key_is_usage(&self) -> bool {
-        if self.key_overflow {
-            return false;
-        }
-        if !self.key.contains(&b'\\') {
-            return self.key == b"usage";
-        }
-        let mut quoted = Vec::with_capacity(self.key.len().saturating_add(2));
-        quoted.push(b'"');
-        quoted.extend_from_slice(&self.key);
-        quoted.push(b'"');
-        serde_json::from_slice::<String>(&quoted).is_ok_and(|k| k == "usage")
+/// Whether a raw key (escapes not decoded, as [`Piece::Key`] gives it) is `name`, escapes decoded
+/// as serde_json does.
+pub(crate) fn key_is(raw: Option<&[u8]>, name: &str) -> bool {
+    let Some(raw) = raw else { return false };
+    if !raw.contains(&b'\\') {
+        return raw == name.as_bytes();
+    }
+    let mut quoted = Vec::with_capacity(raw.len().saturating_add(2));
+    quoted.push(b'"');
+    quoted.extend_from_slice(raw);
+    quoted.push(b'"');
+    serde_json::from_slice::<String>(&quoted).is_ok_and(|k| k == name)
+}
+
+/// The raw bytes of one member's value, up to a bound.
+#[derive(Debug)]
+pub(crate) struct Capture {
+    bytes: Vec<u8>,
+    overflow: bool,
+    max: usize,
+}
+
+impl Capture {
+    pub(crate) fn new(max: usize) -> Self {
+        Self { bytes: Vec::new(), overflow: false, max }
     }
 
-    /// A member's value ended: parse it if it was `usage`.
-    fn end_member(&mut self) {
-        if !self.capturing {
+    pub(crate) fn clear(&mut self) {
+        self.bytes.clear();
+        self.overflow = false;
+    }
+
+    pub(crate) fn push(&mut self, bytes: &[u8]) {
+        if self.overflow {
             return;
         }
-        self.capturing = false;
-        let parsed = if self.capture_overflow {
-            None
+        if self.bytes.len().saturating_add(bytes.len()) > self.max {
+            self.overflow = true;
+            self.bytes = Vec::new();
         } else {
-            serde_json::from_slice::<Option<U>>(&self.capture).ok().flatten()
-        };
-        self.capture = Vec::new();
-        self.found = match self.found {
-            Found::None => Found::One(parsed),
-            Found::One(_) | Found::Duplicate => Found::Duplicate,
-        };
+            self.bytes.extend_from_slice(bytes);
+        }
+    }
+
+    /// The bytes held, `None` after an overflow.
+    pub(crate) fn get(&self) -> Option<&[u8]> {
+        (!self.overflow).then_some(self.bytes.as_slice())
+    }
+
+    #[cfg(test)]
+    pub(crate) fn capacity(&self) -> usize {
+        self.bytes.capacity()
+    }
+}
+
+/// What the scan found of the `usage` member.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Found<U> {
+    /// No `usage` member (yet).
+    None,
+    /// One `usage` member, parsed (`None`: null, unreadable or over the bound).
+    One(Option<U>),
+    /// More than one: serde_json refuses the body.
+    Duplicate,
+}
+
+/// Incremental scanner state for one body; `U` is what the `usage` value is parsed into.
+#[derive(Debug)]
+pub struct UsageScanner<U> {
+    members: Members,
+    /// Whether the current member is `usage` (its value is being captured).
+    capturing: bool,
+    capture: Capture,
+    found: Found<U>,
+}
+
+impl<U: serde::de::DeserializeOwned + Copy> UsageScanner<U> {
+    /// A scanner that holds at most `max_usage_bytes` of the `usage` value (a larger one reads as
+    /// no usage).
+    pub fn new(max_usage_bytes: usize) -> Self {
+        Self {
+            members: Members::new(),
+            capturing: false,
+            capture: Capture::new(max_usage_bytes),
+            found: Found::None,
+        }
+    }
+
+    /// Whether more bytes can change the answer (false once the top-level object closed or the
+    /// body is not an object).
+    pub fn wants_more(&self) -> bool {
+        self.members.wants_more()
+    }
+
+    /// The `usage` member's value, once it ended (whether or not the body did); `None` when there
+    /// is none, it is `null` or unreadable, or it was given twice.
+    pub fn usage(&self) -> Option<U> {
+        match self.found {
+            Found::One(u) => u,
+            Found::None | Found::Duplicate => None,
+        }
+    }
+
+    /// Feeds the next bytes of the body.
+    pub fn feed(&mut self, chunk: &[u8]) {
+        let Self { members, capturing, capture, found } = self;
+        members.feed(chunk, &mut |piece| match piece {
+            Piece::Key(key) => {
+                *capturing = key_is(key, "usage");
+                capture.clear();
+            }
+            Piece::Value(bytes) => {
+                if *capturing {
+                    capture.push(bytes);
+                }
+            }
+            Piece::End => {
+                if !std::mem::take(capturing) {
+                    return;
+                }
+                let parsed =
+                    capture.get().and_then(|b| serde_json::from_slice::<Option<U>>(b).ok().flatten());
+                capture.clear();
+                *found = match *found {
+                    Found::None => Found::One(parsed),
+                    Found::One(_) | Found::Duplicate => Found::Duplicate,
+                };
+            }
+        });
     }
 }
 
@@ -405,7 +480,7 @@ mod tests {
         while fed < 20_000_000 {
             s.feed(chunk.as_bytes());
             fed += chunk.len();
-            assert!(s.key.capacity() <= MAX_KEY_BYTES && s.capture.capacity() <= MAX_USAGE_BYTES);
+            assert!(s.members.key.capacity() <= MAX_KEY_BYTES && s.capture.capacity() <= MAX_USAGE_BYTES);
         }
         s.feed(br#"{"token":"x","logprob":0}]},"finish_reason":"length"}],"usage":{"prompt_tokens":12,"completion_tokens":163840}}"#);
         assert_eq!(s.usage(), Some(U { prompt_tokens: 12, completion_tokens: 163_840 }));

@@ -13,6 +13,15 @@
 //! tokens are left to the caller (the estimate or exact count it holds; see
 //! [`Usage::prompt_tokens_known`]).
 //!
+//! A response of the Responses API ([`Api::Responses`], `POST /v1/responses`) is read the same
+//! way in its own shapes: a JSON body's top-level `usage` has `input_tokens`, `output_tokens` and
+//! `input_tokens_details.cached_tokens`; a stream is typed events (`event:` / `data:`), its usage
+//! the `response.usage` of the terminal `response.completed` (or `response.incomplete`,
+//! `response.failed`) event, its content the `*.delta` events with a non-empty `delta`, one per
+//! decoded step. Those events are never held: the stream is read by [`sse::SseStream`] and an
+//! incremental reader of each event's JSON, so a terminal event that repeats a response of any
+//! size is metered in bounded memory (see the `responses` module).
+//!
 //! Times are microseconds on any clock that does not go backwards between calls, given by the
 //! caller (`now_us`). A body chunk needs a time only while [`Meter::needs_clock`] says so (until the
 //! first content, for TTFT) and with the last chunk: a caller whose clock costs a host call (the
@@ -25,6 +34,7 @@
 //! marks the record).
 
 pub mod json_usage;
+mod responses;
 pub mod sse;
 
 use std::borrow::Cow;
@@ -34,7 +44,8 @@ use serde::de::{SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::json_usage::UsageScanner;
-use crate::sse::SseParser;
+use crate::responses::{EventReader, ResponsesUsage};
+use crate::sse::{SseParser, SsePiece, SseStream};
 
 pub use crate::json_usage::MAX_USAGE_BYTES;
 
@@ -51,7 +62,8 @@ pub enum EndReason {
     /// The last response body chunk (or a body-less response) arrived.
     Completed,
     /// The stream ended before the response did (abort, reset, timeout), or a 2xx SSE stream
-    /// ended without `data: [DONE]` (truncated upstream).
+    /// ended without its protocol's end (truncated upstream): `data: [DONE]`, or for the
+    /// Responses API a terminal event (`response.completed`, `.incomplete`, `.failed`).
     Incomplete,
 }
 
@@ -81,14 +93,17 @@ pub struct Usage {
     pub v: u32,
     /// Upstream HTTP status (0: no response headers arrived).
     pub status: u16,
-    /// OpenAI `usage.prompt_tokens`; 0 when [`UsageSource::StreamedChunks`] (the caller knows
-    /// its own count).
+    /// OpenAI `usage.prompt_tokens` (Responses API: `usage.input_tokens`); 0 when
+    /// [`UsageSource::StreamedChunks`] (the caller knows its own count).
     pub prompt_tokens: u64,
-    /// OpenAI `usage.completion_tokens`, or the content chunks streamed.
+    /// OpenAI `usage.completion_tokens` (Responses API: `usage.output_tokens`), or the content
+    /// chunks (Responses API: content delta events) streamed.
     pub completion_tokens: u64,
-    /// OpenAI `usage.prompt_tokens_details.cached_tokens`.
+    /// OpenAI `usage.prompt_tokens_details.cached_tokens` (Responses API:
+    /// `usage.input_tokens_details.cached_tokens`).
     pub cached_tokens: u64,
-    /// Microseconds from the start (the request) to the first content chunk (0: none).
+    /// Microseconds from the start (the request) to the first content chunk or delta event
+    /// (0: none).
     pub ttft_us: u64,
     /// Mean microseconds between content chunks after the first (OTel
     /// `gen_ai.server.time_per_output_token`; 0 with fewer than two chunks).
@@ -152,6 +167,61 @@ impl Usage {
             && self.end_reason == EndReason::Incomplete
             && reached_upstream
             && self.stream != Some(true)
+    }
+}
+
+/// Which OpenAI API's response shapes a [`Meter`] reads ([`Meter::set_api`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Api {
+    /// Chat Completions and (legacy) Completions, and anything else: `usage` with
+    /// `prompt_tokens` / `completion_tokens`, streams of `data:` chunks with `choices` ending in
+    /// `data: [DONE]`.
+    #[default]
+    ChatCompletions,
+    /// The Responses API (`POST /v1/responses`): `usage` with `input_tokens` / `output_tokens`,
+    /// streams of typed events ending in `response.completed` (or `.incomplete`, `.failed`).
+    Responses,
+}
+
+/// The request path of the Responses API, [`Api::Responses`].
+pub const RESPONSES_PATH: &str = "/v1/responses";
+
+impl Api {
+    /// The API of a request path (`:path`, query string and fragment ignored; exact,
+    /// case-sensitive, as the filter classifies it).
+    pub fn for_path(path: &str) -> Self {
+        match path.split(['?', '#']).next() {
+            Some(RESPONSES_PATH) => Api::Responses,
+            _ => Api::ChatCompletions,
+        }
+    }
+}
+
+/// Token counts read from an upstream's usage object, whatever its API's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Counts {
+    prompt: u64,
+    completion: u64,
+    cached: u64,
+}
+
+impl From<WireUsage> for Counts {
+    fn from(u: WireUsage) -> Self {
+        Self {
+            prompt: u.prompt_tokens,
+            completion: u.completion_tokens,
+            cached: u.prompt_tokens_details.and_then(|d| d.cached_tokens).unwrap_or(0),
+        }
+    }
+}
+
+impl From<ResponsesUsage> for Counts {
+    fn from(u: ResponsesUsage) -> Self {
+        Self {
+            prompt: u.input_tokens,
+            completion: u.output_tokens,
+            cached: u.input_tokens_details.and_then(|d| d.cached_tokens).unwrap_or(0),
+        }
     }
 }
 
@@ -226,10 +296,21 @@ struct Delta<'a> {
 enum Body {
     /// Not known yet (no response headers).
     Unknown,
-    /// `text/event-stream`.
+    /// `text/event-stream` of chat or completions chunks.
     Sse(SseParser),
     /// Anything else: scanned for its top-level `usage` member, nothing else held.
     Json(UsageScanner<WireUsage>),
+    /// `text/event-stream` of Responses API events, read as they arrive (no event held).
+    ResponsesSse(Box<ResponsesStream>),
+    /// A Responses API JSON body, scanned for its top-level `usage`.
+    ResponsesJson(UsageScanner<ResponsesUsage>),
+}
+
+/// The readers of a Responses API stream.
+#[derive(Debug)]
+struct ResponsesStream {
+    sse: SseStream,
+    event: EventReader,
 }
 
 #[derive(Debug)]
@@ -237,7 +318,7 @@ struct Active {
     started: u64,
     status: u16,
     body: Body,
-    usage: Option<WireUsage>,
+    usage: Option<Counts>,
     content_chunks: u64,
     first_content: Option<u64>,
     last_content: Option<u64>,
@@ -253,6 +334,7 @@ pub struct Meter {
     state: State,
     max_usage_bytes: usize,
     stream: Option<bool>,
+    api: Api,
 }
 
 #[derive(Debug)]
@@ -268,7 +350,13 @@ impl Meter {
     /// ([`MAX_USAGE_BYTES`] is plenty; the body itself is never held, whatever its size). It
     /// meters nothing until [`Meter::start`].
     pub fn new(max_usage_bytes: usize) -> Self {
-        Self { state: State::Unstarted, max_usage_bytes, stream: None }
+        Self { state: State::Unstarted, max_usage_bytes, stream: None, api: Api::ChatCompletions }
+    }
+
+    /// Records which API the request used, so that its response is read in that API's shapes
+    /// ([`Api::ChatCompletions`] unless set). Set it before the response headers.
+    pub fn set_api(&mut self, api: Api) {
+        self.api = api;
     }
 
     /// Records the request's OpenAI `stream` flag, carried into the [`Usage`] (it decides what an
@@ -312,7 +400,8 @@ impl Meter {
         match &self.state {
             State::Active(a) => match &a.body {
                 Body::Json(scanner) => scanner.wants_more() || a.first_content.is_none(),
-                Body::Sse(_) | Body::Unknown => true,
+                Body::ResponsesJson(scanner) => scanner.wants_more() || a.first_content.is_none(),
+                Body::Sse(_) | Body::ResponsesSse(_) | Body::Unknown => true,
             },
             State::Unstarted | State::Done => false,
         }
@@ -328,10 +417,15 @@ impl Meter {
     ) -> Option<Usage> {
         if let State::Active(a) = &mut self.state {
             a.status = status;
-            a.body = if content_type.trim_start().starts_with("text/event-stream") {
-                Body::Sse(SseParser::new(MAX_SSE_EVENT_BYTES))
-            } else {
-                Body::Json(UsageScanner::new(self.max_usage_bytes))
+            let sse = content_type.trim_start().starts_with("text/event-stream");
+            a.body = match (self.api, sse) {
+                (Api::ChatCompletions, true) => Body::Sse(SseParser::new(MAX_SSE_EVENT_BYTES)),
+                (Api::ChatCompletions, false) => Body::Json(UsageScanner::new(self.max_usage_bytes)),
+                (Api::Responses, true) => Body::ResponsesSse(Box::new(ResponsesStream {
+                    sse: SseStream::new(),
+                    event: EventReader::new(self.max_usage_bytes),
+                })),
+                (Api::Responses, false) => Body::ResponsesJson(UsageScanner::new(self.max_usage_bytes)),
             };
         }
         if end_of_stream {
@@ -368,8 +462,8 @@ impl Meter {
                     let Ok(parsed) = serde_json::from_slice::<Chunk>(data) else {
                         return;
                     };
-                    if parsed.usage.is_some() {
-                        *usage = parsed.usage;
+                    if let Some(u) = parsed.usage {
+                        *usage = Some(u.into());
                     }
                     if parsed.choices.0 > 0 {
                         *content_chunks = content_chunks.saturating_add(parsed.choices.0);
@@ -383,7 +477,39 @@ impl Meter {
                         }
                     }
                 }),
+                Body::ResponsesSse(reader) => {
+                    let ResponsesStream { sse, event } = reader.as_mut();
+                    sse.feed(chunk, |piece| match piece {
+                        SsePiece::Data(data) => event.feed(data),
+                        SsePiece::EventName(name) => event.set_name(name),
+                        SsePiece::EventEnd { data: false } => event.reset(),
+                        SsePiece::EventEnd { data: true } => {
+                            let summary = event.finish();
+                            *saw_done |= summary.end;
+                            if let Some(u) = summary.usage {
+                                *usage = Some(u.into());
+                            }
+                            if summary.content {
+                                *content_chunks = content_chunks.saturating_add(1);
+                                match now {
+                                    Some(t) => {
+                                        first_content.get_or_insert(t);
+                                        *last_content = Some(t);
+                                        *last_content_untimed = false;
+                                    }
+                                    None => *last_content_untimed = true,
+                                }
+                            }
+                        }
+                    });
+                }
                 Body::Json(scanner) => {
+                    if let (false, Some(t)) = (chunk.is_empty(), now) {
+                        first_content.get_or_insert(t);
+                    }
+                    scanner.feed(chunk);
+                }
+                Body::ResponsesJson(scanner) => {
                     if let (false, Some(t)) = (chunk.is_empty(), now) {
                         first_content.get_or_insert(t);
                     }
@@ -410,24 +536,23 @@ impl Meter {
             return None;
         };
         let a = *a;
-        // An SSE stream that ended cleanly but without `data: [DONE]` was truncated upstream.
+        // An SSE stream that ended cleanly but without its protocol's end (`data: [DONE]`, or a
+        // Responses terminal event) was truncated upstream.
         let end_reason = match (&a.body, end_reason) {
-            (Body::Sse(_), EndReason::Completed) if !a.saw_done && (200..300).contains(&a.status) => {
+            (Body::Sse(_) | Body::ResponsesSse(_), EndReason::Completed)
+                if !a.saw_done && (200..300).contains(&a.status) =>
+            {
                 EndReason::Incomplete
             }
             (_, reason) => reason,
         };
         let usage = a.usage.or_else(|| match &a.body {
-            Body::Json(scanner) => scanner.usage(),
-            Body::Sse(_) | Body::Unknown => None,
+            Body::Json(scanner) => scanner.usage().map(Counts::from),
+            Body::ResponsesJson(scanner) => scanner.usage().map(Counts::from),
+            Body::Sse(_) | Body::ResponsesSse(_) | Body::Unknown => None,
         });
         let (prompt_tokens, completion_tokens, cached_tokens, usage_source) = match usage {
-            Some(u) => (
-                u.prompt_tokens,
-                u.completion_tokens,
-                u.prompt_tokens_details.and_then(|d| d.cached_tokens).unwrap_or(0),
-                UsageSource::Upstream,
-            ),
+            Some(u) => (u.prompt, u.completion, u.cached, UsageSource::Upstream),
             None => (0, a.content_chunks, 0, UsageSource::StreamedChunks),
         };
         let last_content = match (a.last_content_untimed, end_reason) {
@@ -825,5 +950,168 @@ mod tests {
         assert!(json.ends_with(r#""usage_source":"streamed_chunks","stream":false}"#), "{json}");
         assert_eq!(serde_json::from_str::<Usage>(&json).unwrap(), s);
         assert_eq!(serde_json::to_string(&UsageSource::Reservation).unwrap(), r#""reservation""#);
+    }
+
+    /// A Responses API stream as vLLM sends it: `event:` + `data:` per event, fields in vLLM's
+    /// (pydantic) order with `type` last, deltas of `words`, then `response.completed` with the
+    /// usage (when `usage` is set); no `[DONE]`.
+    fn responses_stream(words: &[&str], usage: Option<(u64, u64, u64)>) -> String {
+        let ev = |t: &str, json: String| format!("event: {t}\ndata: {json}\n\n");
+        let head = r#"{"id":"resp_1","created_at":1,"incomplete_details":null,"instructions":"Be brief.","metadata":null,"model":"m","object":"response","output":[],"status":"in_progress","usage":null}"#;
+        let mut s = ev(
+            "response.created",
+            format!(r#"{{"response":{head},"sequence_number":0,"type":"response.created"}}"#),
+        );
+        s.push_str(&ev(
+            "response.in_progress",
+            format!(r#"{{"response":{head},"sequence_number":1,"type":"response.in_progress"}}"#),
+        ));
+        s.push_str(&ev("response.output_item.added", r#"{"item":{"id":"msg_1","content":[],"role":"assistant","status":"in_progress","type":"message"},"output_index":0,"sequence_number":2,"type":"response.output_item.added"}"#.into()));
+        s.push_str(&ev("response.content_part.added", r#"{"content_index":0,"item_id":"msg_1","output_index":0,"part":{"annotations":[],"text":"","type":"output_text","logprobs":[]},"sequence_number":3,"type":"response.content_part.added"}"#.into()));
+        for (i, w) in words.iter().enumerate() {
+            s.push_str(&ev("response.output_text.delta", format!(r#"{{"content_index":0,"delta":"{w}","item_id":"msg_1","logprobs":[],"output_index":0,"sequence_number":{},"type":"response.output_text.delta"}}"#, 4 + i)));
+        }
+        let text: String = words.concat();
+        s.push_str(&ev("response.output_text.done", format!(r#"{{"content_index":0,"item_id":"msg_1","logprobs":[],"output_index":0,"sequence_number":90,"text":"{text}","type":"response.output_text.done"}}"#)));
+        if let Some((input, output, cached)) = usage {
+            s.push_str(&ev("response.completed", format!(r#"{{"response":{{"id":"resp_1","created_at":1,"incomplete_details":null,"instructions":"Be brief.","output":[{{"id":"msg_1","content":[{{"annotations":[],"text":"{text}","type":"output_text","logprobs":null}}],"role":"assistant","status":"completed","type":"message"}}],"status":"completed","usage":{{"input_tokens":{input},"input_tokens_details":{{"cached_tokens":{cached}}},"output_tokens":{output},"output_tokens_details":{{"reasoning_tokens":0}},"total_tokens":{}}},"user":null}},"sequence_number":99,"type":"response.completed"}}"#, input + output)));
+        }
+        s
+    }
+
+    fn responses_meter(t0: u64) -> Meter {
+        let mut m = Meter::new(MAX_USAGE_BYTES);
+        m.set_api(Api::Responses);
+        m.set_stream(true);
+        m.start(t0);
+        assert!(m.on_response_headers(200, "text/event-stream; charset=utf-8", false, t0).is_none());
+        m
+    }
+
+    #[test]
+    fn responses_usage_from_the_completed_event_at_every_split() {
+        let s = responses_stream(&["a ", "b ", "c "], Some((17, 3, 5)));
+        for split in 0..=s.len() {
+            let t0 = 1_000_000u64;
+            let mut m = responses_meter(t0);
+            let (a, b) = s.as_bytes().split_at(split);
+            assert!(m.on_response_body(a, false, Some(t0 + 5 * MS)).is_none());
+            let r = m.on_response_body(b, true, Some(t0 + 9 * MS)).unwrap();
+            assert_eq!((r.prompt_tokens, r.completion_tokens, r.cached_tokens), (17, 3, 5), "split {split}");
+            assert_eq!((r.usage_source, r.end_reason), (UsageSource::Upstream, EndReason::Completed));
+            assert_eq!((r.duration_us, r.stream), (9 * MS, Some(true)));
+            assert!(m.on_stream_end(t0).is_none(), "recorded twice");
+        }
+    }
+
+    #[test]
+    fn responses_ttft_is_the_first_delta_and_an_abort_counts_the_deltas() {
+        let s = responses_stream(&["a ", "b ", "c "], Some((17, 3, 0)));
+        let events: Vec<&str> = s.split_inclusive("\n\n").collect();
+        let t0 = 1_000_000u64;
+        let mut m = responses_meter(t0);
+        // created, in_progress, output_item.added, content_part.added: no content.
+        for (i, e) in events.iter().take(4).enumerate() {
+            m.on_response_body(e.as_bytes(), false, Some(t0 + i as u64 * MS));
+            assert!(m.needs_clock());
+        }
+        m.on_response_body(events[4].as_bytes(), false, Some(t0 + 20 * MS));
+        assert!(!m.needs_clock());
+        m.on_response_body(events[5].as_bytes(), false, None);
+        let r = m.on_stream_end(t0 + 50 * MS).unwrap();
+        assert_eq!((r.prompt_tokens, r.completion_tokens), (0, 2));
+        assert_eq!((r.usage_source, r.end_reason), (UsageSource::StreamedChunks, EndReason::Incomplete));
+        assert_eq!((r.ttft_us, r.tpot_us, r.duration_us), (20 * MS, 0, 50 * MS));
+        assert!(!r.prompt_tokens_known() && r.started());
+    }
+
+    #[test]
+    fn a_responses_stream_without_its_terminal_event_is_incomplete() {
+        let s = responses_stream(&["a ", "b "], None);
+        let t0 = 1_000_000u64;
+        let mut m = responses_meter(t0);
+        let r = m.on_response_body(s.as_bytes(), true, Some(t0 + MS)).unwrap();
+        assert_eq!(
+            (r.end_reason, r.usage_source, r.completion_tokens),
+            (EndReason::Incomplete, UsageSource::StreamedChunks, 2)
+        );
+        // `[DONE]`, should a server send one, ends it too.
+        let mut m = responses_meter(t0);
+        let r = m.on_response_body(format!("{s}data: [DONE]\n\n").as_bytes(), true, Some(t0)).unwrap();
+        assert_eq!((r.end_reason, r.completion_tokens), (EndReason::Completed, 2));
+    }
+
+    #[test]
+    fn responses_incomplete_and_failed_ends() {
+        let t0 = 1_000_000u64;
+        let base = responses_stream(&["a ", "b "], None);
+        // max_output_tokens reached: OpenAI's `response.incomplete`, with its usage.
+        let incomplete = format!("{base}event: response.incomplete\ndata: {{\"type\":\"response.incomplete\",\"response\":{{\"status\":\"incomplete\",\"incomplete_details\":{{\"reason\":\"max_output_tokens\"}},\"usage\":{{\"input_tokens\":9,\"output_tokens\":2,\"total_tokens\":11}}}}}}\n\n");
+        let r = responses_meter(t0).on_response_body(incomplete.as_bytes(), true, Some(t0)).unwrap();
+        assert_eq!(
+            (r.prompt_tokens, r.completion_tokens, r.cached_tokens, r.end_reason),
+            (9, 2, 0, EndReason::Completed)
+        );
+        // Failed without a usage: ended as the protocol ends, counted from the deltas.
+        let failed = format!("{base}event: response.failed\ndata: {{\"type\":\"response.failed\",\"response\":{{\"status\":\"failed\",\"error\":{{\"code\":\"server_error\"}},\"usage\":null}}}}\n\n");
+        let r = responses_meter(t0).on_response_body(failed.as_bytes(), true, Some(t0)).unwrap();
+        assert_eq!(
+            (r.completion_tokens, r.usage_source, r.end_reason),
+            (2, UsageSource::StreamedChunks, EndReason::Completed)
+        );
+    }
+
+    #[test]
+    fn a_non_streamed_response_is_metered_from_its_usage() {
+        let t0 = 1_000_000u64;
+        let body = br#"{"id":"resp_1","object":"response","output":[{"type":"message","content":[{"type":"output_text","text":"\"usage\":{\"input_tokens\":1}"}]}],"status":"completed","usage":{"input_tokens":12,"input_tokens_details":{"cached_tokens":3},"output_tokens":6,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":18}}"#;
+        for split in 0..=body.len() {
+            let mut m = Meter::new(MAX_USAGE_BYTES);
+            m.set_api(Api::Responses);
+            m.set_stream(false);
+            m.start(t0);
+            m.on_response_headers(200, "application/json", false, t0);
+            let (a, b) = body.split_at(split);
+            m.on_response_body(a, false, Some(t0 + MS));
+            let r = m.on_response_body(b, true, Some(t0 + 2 * MS)).unwrap();
+            assert_eq!(
+                (r.prompt_tokens, r.completion_tokens, r.cached_tokens, r.usage_source),
+                (12, 6, 3, UsageSource::Upstream),
+                "split {split}"
+            );
+        }
+        // The same body read as a chat completion has no usage it knows.
+        let mut m = Meter::new(MAX_USAGE_BYTES);
+        m.start(t0);
+        m.on_response_headers(200, "application/json", false, t0);
+        let r = m.on_response_body(body, true, Some(t0)).unwrap();
+        assert_eq!((r.prompt_tokens, r.completion_tokens, r.usage_source), (0, 0, UsageSource::Upstream));
+    }
+
+    #[test]
+    fn a_chat_stream_is_not_read_as_responses_events_nor_the_reverse() {
+        let t0 = 1_000_000u64;
+        let mut m = responses_meter(t0);
+        let r = m.on_response_body(stream(true).as_bytes(), true, Some(t0)).unwrap();
+        assert_eq!(
+            (r.completion_tokens, r.usage_source, r.end_reason),
+            (0, UsageSource::StreamedChunks, EndReason::Completed)
+        );
+        let mut m = Meter::new(MAX_USAGE_BYTES);
+        m.start(t0);
+        m.on_response_headers(200, "text/event-stream", false, t0);
+        let r =
+            m.on_response_body(responses_stream(&["a"], Some((1, 1, 0))).as_bytes(), true, Some(t0)).unwrap();
+        assert_eq!((r.completion_tokens, r.end_reason), (0, EndReason::Incomplete));
+    }
+
+    #[test]
+    fn api_of_a_path() {
+        assert_eq!(Api::for_path("/v1/responses"), Api::Responses);
+        assert_eq!(Api::for_path("/v1/responses?stream=true"), Api::Responses);
+        assert_eq!(Api::for_path("/v1/responses/resp_1"), Api::ChatCompletions);
+        assert_eq!(Api::for_path("/v1/chat/completions"), Api::ChatCompletions);
+        assert_eq!(Api::for_path(""), Api::ChatCompletions);
+        assert_eq!(Api::default(), Api::ChatCompletions);
     }
 }

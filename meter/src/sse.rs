@@ -114,6 +114,237 @@ fn strip_cr(line: &[u8]) -> &[u8] {
     line.strip_suffix(b"\r").unwrap_or(line)
 }
 
+/// Longest `event:` value [`SseStream`] reports (longer ones are not reported).
+pub const MAX_EVENT_NAME_BYTES: usize = 64;
+
+/// What [`SseStream::feed`] reports, in stream order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SsePiece<'a> {
+    /// Bytes of the current event's data: a piece of a `data:` line's value (one optional space
+    /// after the colon and a `\r` before the line's `\n` removed), or the `\n` that joins a
+    /// second `data:` line to the first. The pieces of one event, concatenated, are the data
+    /// [`SseParser`] dispatches for it.
+    Data(&'a [u8]),
+    /// The value of an `event:` line, when at most [`MAX_EVENT_NAME_BYTES`].
+    EventName(&'a [u8]),
+    /// A blank line ended an event; `data` says whether it had a `data:` line (only such an event
+    /// is dispatched, as by [`SseParser`]). The reader of the pieces starts a new event after it.
+    EventEnd {
+        /// Whether the event had at least one `data:` line.
+        data: bool,
+    },
+}
+
+/// Where [`SseStream`] is in the current line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LineState {
+    /// At the start of a line.
+    Start,
+    /// After a `\r` at the start of a line.
+    StartCr,
+    /// Reading the field name (at most 5 bytes held: `event`).
+    Field,
+    /// After a `\r` in the field name.
+    FieldCr,
+    /// Just after the colon of a `data:` line (one space may follow).
+    DataColon,
+    /// In a `data:` line's value.
+    DataValue,
+    /// Just after the colon of an `event:` line.
+    NameColon,
+    /// In an `event:` line's value.
+    NameValue,
+    /// In a comment or a field the stream does not report: skipped to the end of the line.
+    Skip,
+}
+
+/// A Server-Sent Events reader that holds no event: the same format as [`SseParser`] (lines end
+/// in `\n`, a `\r` before it is removed, `data:` lines joined with `\n`, comments and other
+/// fields ignored, a blank line ends the event), but each event's data is handed on in pieces as
+/// the bytes arrive ([`SsePiece`]), so an event of any size passes in O(1) memory: at most a
+/// 5-byte field name, an [`MAX_EVENT_NAME_BYTES`] `event:` value and one held `\r`. For streams
+/// whose events may be large (the Responses API's `response.completed` carries the whole
+/// response), read by an incremental JSON reader.
+#[derive(Debug)]
+pub struct SseStream {
+    state: LineState,
+    field: Vec<u8>,
+    name: Vec<u8>,
+    name_overflow: bool,
+    has_data: bool,
+    /// A `\r` ended the last chunk inside a data value: it is content unless `\n` follows.
+    pending_cr: bool,
+}
+
+impl Default for SseStream {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SseStream {
+    /// A reader at the start of a stream.
+    pub fn new() -> Self {
+        Self {
+            state: LineState::Start,
+            field: Vec::new(),
+            name: Vec::new(),
+            name_overflow: false,
+            has_data: false,
+            pending_cr: false,
+        }
+    }
+
+    /// Feeds one chunk; calls `on` with each piece the chunk completes or carries.
+    pub fn feed(&mut self, chunk: &[u8], mut on: impl FnMut(SsePiece<'_>)) {
+        let mut rest = chunk;
+        while !rest.is_empty() {
+            rest = match self.state {
+                LineState::DataValue => self.data_bytes(rest, &mut on),
+                _ => {
+                    let (&b, tail) = match rest.split_first() {
+                        Some(x) => x,
+                        None => break,
+                    };
+                    self.byte(b, &mut on);
+                    tail
+                }
+            };
+        }
+    }
+
+    /// Bytes of a data value up to the end of its line; returns the rest of the chunk.
+    fn data_bytes<'a>(&mut self, rest: &'a [u8], on: &mut impl FnMut(SsePiece<'_>)) -> &'a [u8] {
+        if self.pending_cr {
+            self.pending_cr = false;
+            if rest.first() != Some(&b'\n') {
+                on(SsePiece::Data(b"\r"));
+            }
+        }
+        match rest.iter().position(|&b| b == b'\n') {
+            Some(pos) => {
+                let (head, tail) = rest.split_at(pos);
+                let head = strip_cr(head);
+                if !head.is_empty() {
+                    on(SsePiece::Data(head));
+                }
+                self.state = LineState::Start;
+                tail.get(1..).unwrap_or_default()
+            }
+            None => {
+                let head = match rest.strip_suffix(b"\r") {
+                    Some(head) => {
+                        self.pending_cr = true;
+                        head
+                    }
+                    None => rest,
+                };
+                if !head.is_empty() {
+                    on(SsePiece::Data(head));
+                }
+                &[]
+            }
+        }
+    }
+
+    /// One byte outside a data value.
+    fn byte(&mut self, b: u8, on: &mut impl FnMut(SsePiece<'_>)) {
+        match (self.state, b) {
+            (LineState::Start | LineState::StartCr, b'\n') => self.end_event(on),
+            (LineState::Start, b'\r') => self.state = LineState::StartCr,
+            (LineState::Start, b':') | (LineState::StartCr, _) => self.state = LineState::Skip,
+            (LineState::Start, _) => {
+                self.field.clear();
+                self.field.push(b);
+                self.state = LineState::Field;
+            }
+            (LineState::Field | LineState::FieldCr, b'\n') => {
+                // A line without a colon: the whole line (less a `\r` before the `\n`) is the
+                // field name, and its value is empty.
+                match self.field.as_slice() {
+                    b"data" => self.data_line_starts(on),
+                    b"event" => on(SsePiece::EventName(b"")),
+                    _ => {}
+                }
+                self.state = LineState::Start;
+            }
+            (LineState::Field, b'\r') => self.state = LineState::FieldCr,
+            (LineState::FieldCr, b'\r') => self.field.push(b'\r'),
+            (LineState::Field | LineState::FieldCr, b':') => {
+                if self.state == LineState::FieldCr {
+                    self.field.push(b'\r');
+                }
+                self.state = match self.field.as_slice() {
+                    b"data" => {
+                        self.data_line_starts(on);
+                        LineState::DataColon
+                    }
+                    b"event" => {
+                        self.name.clear();
+                        self.name_overflow = false;
+                        LineState::NameColon
+                    }
+                    _ => LineState::Skip,
+                };
+            }
+            (LineState::Field | LineState::FieldCr, _) => {
+                if self.state == LineState::FieldCr {
+                    self.field.push(b'\r');
+                }
+                self.field.push(b);
+                self.state = if self.field.len() > 5 { LineState::Skip } else { LineState::Field };
+            }
+            (LineState::DataColon, b' ') => self.state = LineState::DataValue,
+            (LineState::DataColon, _) => {
+                self.state = LineState::DataValue;
+                let one = [b];
+                let _ = self.data_bytes(&one, on);
+            }
+            (LineState::NameColon, b' ') => self.state = LineState::NameValue,
+            (LineState::NameColon | LineState::NameValue, b'\n') => {
+                if self.name.last() == Some(&b'\r') {
+                    self.name.pop();
+                }
+                self.report_name(on);
+                self.state = LineState::Start;
+            }
+            (LineState::NameColon | LineState::NameValue, _) => {
+                self.state = LineState::NameValue;
+                // One byte beyond the bound is kept: it may be the `\r` of the line's end.
+                if self.name.len() > MAX_EVENT_NAME_BYTES {
+                    self.name_overflow = true;
+                } else {
+                    self.name.push(b);
+                }
+            }
+            (LineState::Skip, b'\n') => self.state = LineState::Start,
+            (LineState::Skip | LineState::DataValue, _) => {}
+        }
+    }
+
+    /// A `data:` line starts: join it to the event's earlier data with `\n`.
+    fn data_line_starts(&mut self, on: &mut impl FnMut(SsePiece<'_>)) {
+        if self.has_data {
+            on(SsePiece::Data(b"\n"));
+        }
+        self.has_data = true;
+    }
+
+    fn report_name(&mut self, on: &mut impl FnMut(SsePiece<'_>)) {
+        if !self.name_overflow && self.name.len() <= MAX_EVENT_NAME_BYTES {
+            on(SsePiece::EventName(&self.name));
+        }
+        self.name.clear();
+        self.name_overflow = false;
+    }
+
+    fn end_event(&mut self, on: &mut impl FnMut(SsePiece<'_>)) {
+        on(SsePiece::EventEnd { data: self.has_data });
+        self.has_data = false;
+        self.state = LineState::Start;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -183,5 +414,73 @@ mod tests {
     #[test]
     fn incomplete_event_at_end_is_not_dispatched() {
         assert!(parse_all(&[b"data: partial\n"], 64).0.is_empty());
+    }
+
+    /// The events [`SseStream`] dispatches (data pieces joined) and the event names it reported.
+    fn stream_all(chunks: &[&[u8]]) -> (Vec<String>, Vec<String>) {
+        let mut s = SseStream::new();
+        let (mut events, mut names, mut data) = (Vec::new(), Vec::new(), Vec::new());
+        for c in chunks {
+            s.feed(c, |piece| match piece {
+                SsePiece::Data(d) => data.extend_from_slice(d),
+                SsePiece::EventName(n) => names.push(String::from_utf8(n.to_vec()).unwrap()),
+                SsePiece::EventEnd { data: had } => {
+                    if had {
+                        events.push(String::from_utf8(std::mem::take(&mut data)).unwrap());
+                    }
+                    assert!(data.is_empty(), "data without a data line");
+                }
+            });
+        }
+        (events, names)
+    }
+
+    const TYPED: &[u8] = b"event: response.created\ndata: {\"type\":\"response.created\"}\n\nevent:x\r\ndata:\r\ndata: a\rb\r\n\r\n:c\nevent\ndata\n\nid: 1\nretry: 5\nevents: no\ndatum: no\n\n";
+
+    #[test]
+    fn the_stream_reader_dispatches_what_the_parser_does_at_every_split() {
+        for body in [STREAM, TYPED] {
+            let (whole, _) = parse_all(&[body], 1024);
+            for i in 0..=body.len() {
+                for j in i..=body.len() {
+                    let (a, rest) = body.split_at(i);
+                    let (b, c) = rest.split_at(j - i);
+                    assert_eq!(stream_all(&[a, b, c]).0, whole, "split at {i}/{j}");
+                }
+            }
+        }
+        let (events, names) = stream_all(&[TYPED]);
+        assert_eq!(events, vec!["{\"type\":\"response.created\"}", "\na\rb", ""]);
+        assert_eq!(names, vec!["response.created", "x", ""]);
+        let bytes: Vec<&[u8]> = TYPED.chunks(1).collect();
+        assert_eq!(stream_all(&bytes), (events, names));
+    }
+
+    #[test]
+    fn the_stream_reader_holds_no_event() {
+        let big = format!("event: e\ndata: {}\n\ndata: ok\n\n", "x".repeat(1 << 20));
+        let mut s = SseStream::new();
+        let mut sizes = Vec::new();
+        let mut current = 0usize;
+        for c in big.as_bytes().chunks(4096) {
+            s.feed(c, |piece| match piece {
+                SsePiece::Data(d) => current += d.len(),
+                SsePiece::EventEnd { data: true } => sizes.push(std::mem::take(&mut current)),
+                _ => {}
+            });
+            assert!(s.field.capacity() <= 16 && s.name.capacity() <= 2 * MAX_EVENT_NAME_BYTES);
+        }
+        assert_eq!(sizes, vec![1 << 20, 2]);
+    }
+
+    #[test]
+    fn long_event_names_are_not_reported() {
+        let at_bound = "n".repeat(MAX_EVENT_NAME_BYTES);
+        let over = "n".repeat(MAX_EVENT_NAME_BYTES + 1);
+        let body = format!("event: {at_bound}\r\nevent: {over}\nevent: {over}\r\ndata: x\n\n");
+        for split in 0..=body.len() {
+            let (a, b) = body.as_bytes().split_at(split);
+            assert_eq!(stream_all(&[a, b]), (vec!["x".to_string()], vec![at_bound.clone()]), "split {split}");
+        }
     }
 }

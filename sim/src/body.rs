@@ -21,7 +21,7 @@ use crate::config::Pacing;
 use crate::engine::Generation;
 use crate::metrics::RequestTracker;
 use crate::queue::{Admission, QueueClosed, Slot};
-use crate::sse::{self, EventBuf, EventKind, SseEvent, SseEvents};
+use crate::sse::{self, EventBuf, EventKind, Events, SseEvent};
 use crate::tokens::FinishReason;
 
 /// One poll of a body: a frame, the end, or the error that cuts the connection.
@@ -106,7 +106,7 @@ impl fmt::Debug for Phase {
 #[derive(Debug)]
 pub struct TokenStream {
     phase: Phase,
-    events: SseEvents,
+    events: Events,
     /// The event whose time has not come yet.
     pending: Option<SseEvent>,
     pacing: Pacing,
@@ -122,7 +122,7 @@ pub struct TokenStream {
 #[derive(Debug)]
 pub struct StreamParts {
     /// The events to send.
-    pub events: SseEvents,
+    pub events: Events,
     /// Token pacing.
     pub pacing: Pacing,
     /// Metric accounting for this request.
@@ -199,7 +199,8 @@ impl TokenStream {
             self.phase = Phase::Ended;
             return None;
         };
-        // The output token the event waits for (the role chunk goes with the first token).
+        // The output token the event waits for (the role chunk goes with the first token; a
+        // Responses prelude goes at once, its trailer after the last token).
         let due = match event.kind {
             EventKind::Role => Some(0),
             EventKind::Token { index } => {
@@ -211,7 +212,7 @@ impl TokenStream {
                 }
                 Some(index)
             }
-            EventKind::Usage | EventKind::Done => None,
+            EventKind::Usage | EventKind::Done | EventKind::Prelude | EventKind::Trailer => None,
         };
         match (&mut self.phase, due) {
             (Phase::Running { started, .. }, Some(index)) => {
@@ -254,7 +255,7 @@ impl TokenStream {
                 // Frees the slot as soon as the last event is handed over.
                 self.phase = Phase::Ended;
             }
-            EventKind::Role | EventKind::Usage => {}
+            EventKind::Role | EventKind::Usage | EventKind::Prelude | EventKind::Trailer => {}
         }
         Some(Poll::Ready(Some(Ok(Frame::data(event.buf)))))
     }

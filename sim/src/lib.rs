@@ -8,6 +8,9 @@
 //!
 //! * `POST /v1/chat/completions`, `POST /v1/completions`: streamed (`"stream": true`,
 //!   `text/event-stream`) or not; see [`sse`] and [`response`].
+//! * `POST /v1/responses` (OpenAI's Responses API as vLLM serves it, stateless): streamed (typed
+//!   events ending in `response.completed` with the usage) or not (a `response` object); see
+//!   [`responses`], which names its sources.
 //! * `GET /v1/models`: the served names, OpenAI's list shape.
 //! * `GET /health`: 200 with an empty body.
 //! * `GET /metrics`: Prometheus text under vLLM's names; see [`metrics`].
@@ -25,6 +28,10 @@
 //! * completions: `tokens(prompt)` for a string prompt; for an array, the sum over its
 //!   elements, a string costing `tokens(string)`, a token id 1 and an array of ids its length
 //!   (a batch of prompts is answered as one choice).
+//! * responses: the chat formula over the messages vLLM builds: a non-empty `instructions` as a
+//!   `system` message, then `input`, a string as one `user` message or an array of items of which
+//!   the messages (a `role`; `type` absent or `"message"`) count, their `input_text`,
+//!   `output_text` and `text` parts being their text.
 //!
 //! # Output
 //!
@@ -35,7 +42,9 @@
 //! with `ignore_eos`, else `min(effective max_tokens, --output-tokens)`; `finish_reason` is
 //! `"length"` when it reached the effective `max_tokens`, else `"stop"`. A request whose
 //! `prompt + max_tokens` exceeds `--max-model-len` (or whose prompt alone fills it when
-//! `max_tokens` is absent) gets vLLM's 400.
+//! `max_tokens` is absent) gets vLLM's 400. The Responses API's `max_output_tokens` is its
+//! `max_tokens`, but capped to what the context leaves, as vLLM caps it: only a prompt that
+//! fills the context is refused there.
 //!
 //! `n` (default 1; 0 is vLLM's 400) gives that many choices, each generated as above (the same
 //! text, side by side: a non-streamed body has `choices[0..n]`, a stream one chunk per choice
@@ -99,6 +108,7 @@ pub mod prompt;
 pub mod queue;
 pub mod request;
 pub mod response;
+pub mod responses;
 pub mod server;
 pub mod sse;
 pub mod tokens;

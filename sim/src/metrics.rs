@@ -15,7 +15,7 @@
 //! | `vllm:request_success_total` | counter | finished requests by `finished_reason`: `stop`, `length`, `abort` (client gone or injected mid-stream failure) |
 //!
 //! plus the simulator's own `vllm_sim:requests_received_total` (no labels): every request
-//! received on `/v1/chat/completions` and `/v1/completions`, rejected ones included.
+//! received on `/v1/chat/completions`, `/v1/completions` and `/v1/responses`, rejected ones included.
 
 use std::fmt::{self, Write as _};
 use std::sync::atomic::{AtomicU64, Ordering};

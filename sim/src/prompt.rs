@@ -7,7 +7,10 @@
 //! * chat: each message's `role` then its `content` (a string, or the `text` of its text parts
 //!   in order; `null` and other parts render nothing), message after message, with no separator;
 //! * completions: the `prompt` string; for an array, each string's bytes, each token id as 4 bytes
-//!   (little-endian `u32`, so one id is one token) and each array of ids likewise.
+//!   (little-endian `u32`, so one id is one token) and each array of ids likewise;
+//! * responses: as chat, over the messages vLLM builds: a non-empty `instructions` as `system`,
+//!   then `input` (a string as `user`, or the message items of an array, their `input_text`,
+//!   `output_text` and `text` parts).
 //!
 //! Every full block gets a chained hash, `hash(parent hash, block bytes)` from a fixed root (as
 //! vLLM's prefix caching chains block hashes), so two prompts share block `i`'s hash exactly when
@@ -52,6 +55,30 @@ struct Part {
     kind: String,
     #[serde(default)]
     text: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ResponsesPrompt {
+    #[serde(default)]
+    instructions: Option<String>,
+    input: ResponsesInput,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum ResponsesInput {
+    Text(String),
+    Items(Vec<InputItem>),
+}
+
+#[derive(Deserialize)]
+struct InputItem {
+    #[serde(rename = "type", default)]
+    kind: Option<String>,
+    #[serde(default)]
+    role: Option<String>,
+    #[serde(default)]
+    content: Option<Content>,
 }
 
 #[derive(Deserialize)]
@@ -112,6 +139,37 @@ pub fn block_hashes(endpoint: Endpoint, body: &[u8], block_bytes: usize, max_blo
                         }
                     }
                     None => {}
+                }
+            }
+        }
+        Endpoint::Responses => {
+            let Ok(responses) = serde_json::from_slice::<ResponsesPrompt>(body) else { return Vec::new() };
+            if let Some(instructions) = responses.instructions.filter(|i| !i.is_empty()) {
+                render.push(b"system");
+                render.push(instructions.as_bytes());
+            }
+            match responses.input {
+                ResponsesInput::Text(text) => {
+                    render.push(b"user");
+                    render.push(text.as_bytes());
+                }
+                ResponsesInput::Items(items) => {
+                    for item in items {
+                        let message = matches!(item.kind.as_deref(), None | Some("message"));
+                        let Some(role) = item.role.filter(|_| message) else { continue };
+                        render.push(role.as_bytes());
+                        match item.content {
+                            Some(Content::Text(text)) => render.push(text.as_bytes()),
+                            Some(Content::Parts(parts)) => {
+                                for part in parts.iter().filter(|p| {
+                                    matches!(p.kind.as_str(), "input_text" | "output_text" | "text")
+                                }) {
+                                    render.push(part.text.as_deref().unwrap_or_default().as_bytes());
+                                }
+                            }
+                            None => {}
+                        }
+                    }
                 }
             }
         }
@@ -198,6 +256,28 @@ mod tests {
         let ids = [1u32.to_le_bytes(), 2u32.to_le_bytes()].concat();
         assert_eq!(hashes(json!([1, 2])), chain_hashes(&ids, 8));
         assert_eq!(hashes(json!([[1, 2]])), chain_hashes(&ids, 8));
+    }
+
+    #[test]
+    fn responses_render_as_the_chat_vllm_builds() {
+        let hashes = |body: serde_json::Value| {
+            block_hashes(Endpoint::Responses, &serde_json::to_vec(&body).unwrap(), 8, 100)
+        };
+        let chat_equivalent = chat(
+            json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "abcdefgh"}]),
+        );
+        assert_eq!(hashes(json!({"instructions": "Be brief.", "input": "abcdefgh"})), chat_equivalent);
+        let items = json!({"instructions": "Be brief.", "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "abcd"}, {"type": "input_image", "image_url": "u"}]},
+            {"type": "function_call_output", "call_id": "c", "output": "zzzz"},
+            {"role": "user", "content": "efgh"}]});
+        // "system" "Be brief." "user" "abcd" "user" "efgh": a different third block than "userabcdefgh".
+        assert_eq!(hashes(items), chain_hashes(b"systemBe brief.userabcduserefgh", 8));
+        assert_eq!(
+            hashes(json!({"instructions": "", "input": "abcdefgh"})),
+            chain_hashes(b"userabcdefgh", 8)
+        );
+        assert!(hashes(json!({"input": 5})).is_empty());
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! Parsing of `/v1/chat/completions` and `/v1/completions` request bodies.
+//! Parsing of `/v1/chat/completions`, `/v1/completions` and `/v1/responses` request bodies.
 //!
 //! Only the fields the simulator honours are read (`n` included: that many choices are
 //! generated); all others (sampling parameters, tools, `best_of`, ...) are accepted and ignored. Texts are never copied: the deserialisers count
@@ -20,6 +20,9 @@ pub enum Endpoint {
     Chat,
     /// `POST /v1/completions`: `prompt` in, `text_completion` objects out.
     Completions,
+    /// `POST /v1/responses`: `input` (and `instructions`) in, `response` objects or typed
+    /// events out ([`crate::responses`]).
+    Responses,
 }
 
 /// The honoured fields of one inference request.
@@ -29,7 +32,8 @@ pub struct InferenceRequest<'a> {
     pub model: Option<Cow<'a, str>>,
     /// Prompt tokens of `messages` or `prompt`, by the formula in the crate docs.
     pub prompt_tokens: u64,
-    /// Chat: `max_completion_tokens`, else `max_tokens`; completions: `max_tokens`.
+    /// Chat: `max_completion_tokens`, else `max_tokens`; completions: `max_tokens`; responses:
+    /// `max_output_tokens`.
     pub max_tokens: Option<u64>,
     /// `stream`.
     pub stream: bool,
@@ -40,8 +44,11 @@ pub struct InferenceRequest<'a> {
     /// `n`: the number of choices, each generated the same way (default 1).
     pub n: u64,
     /// Chat `logprobs: true`: `Some(top_logprobs)` (0 when absent), answered in a non-streamed
-    /// response's `choices[].logprobs` (streamed chunks carry none); always `None` for completions.
+    /// response's `choices[].logprobs` (streamed chunks carry none); always `None` for completions
+    /// and responses.
     pub logprobs: Option<u32>,
+    /// Responses: `instructions`, echoed in the response object as vLLM echoes it.
+    pub instructions: Option<Cow<'a, str>>,
 }
 
 /// Largest chat `top_logprobs` (vLLM's default `--max-logprobs`, OpenAI's limit).
@@ -88,6 +95,21 @@ struct CompletionBody<'a> {
 }
 
 #[derive(Deserialize)]
+struct ResponsesBody<'a> {
+    #[serde(default, borrow)]
+    model: Option<Cow<'a, str>>,
+    input: ResponsesInputTokens,
+    #[serde(default, borrow)]
+    instructions: Option<Cow<'a, str>>,
+    #[serde(default)]
+    max_output_tokens: Option<u64>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    ignore_eos: Option<bool>,
+}
+
+#[derive(Deserialize)]
 struct StreamOptions {
     #[serde(default)]
     include_usage: Option<bool>,
@@ -110,6 +132,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<InferenceRequest<'_>, Ap
                 ignore_eos: b.ignore_eos.unwrap_or(false),
                 n: b.n.unwrap_or(1),
                 logprobs,
+                instructions: None,
             };
             (request, b.stream_options)
         }
@@ -124,8 +147,30 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<InferenceRequest<'_>, Ap
                 ignore_eos: b.ignore_eos.unwrap_or(false),
                 n: b.n.unwrap_or(1),
                 logprobs: None,
+                instructions: None,
             };
             (request, b.stream_options)
+        }
+        Endpoint::Responses => {
+            let b: ResponsesBody<'_> = serde_json::from_slice(body).map_err(invalid)?;
+            // vLLM renders a non-empty `instructions` as a leading system message.
+            let instructions = b.instructions.filter(|i| !i.is_empty());
+            let system = instructions
+                .as_deref()
+                .map_or(0, |i| tokens::message_tokens(tokens::text_tokens("system"), tokens::text_tokens(i)));
+            let request = InferenceRequest {
+                model: b.model,
+                prompt_tokens: GENERATION_PROMPT_TOKENS.saturating_add(system).saturating_add(b.input.0),
+                max_tokens: b.max_output_tokens,
+                stream: b.stream.unwrap_or(false),
+                include_usage: false,
+                ignore_eos: b.ignore_eos.unwrap_or(false),
+                n: 1,
+                logprobs: None,
+                instructions,
+            };
+            // The Responses API has no `stream_options` of vLLM's: its streams end with their usage.
+            (request, None)
         }
     };
     if request.n == 0 {
@@ -233,6 +278,86 @@ impl<'de> Deserialize<'de> for ContentTokens {
                     }
                 }
                 Ok(ContentTokens(total))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Token count of a Responses API message item's `content`: a string, `null`, or an array of
+/// parts of which the `input_text`, `output_text` and `text` parts count (vLLM's chat parser
+/// reads those three; images, files and refusals count 0).
+struct ResponsesContentTokens(u64);
+
+impl<'de> Deserialize<'de> for ResponsesContentTokens {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = ResponsesContentTokens;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string or an array of content parts")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(ResponsesContentTokens(tokens::text_tokens(v)))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(ResponsesContentTokens(0))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut total = 0u64;
+                while let Some(part) = seq.next_element::<Part<'de>>()? {
+                    if matches!(part.kind.as_ref(), "input_text" | "output_text" | "text") {
+                        total = total.saturating_add(part.text.map_or(0, |t| t.0));
+                    }
+                }
+                Ok(ResponsesContentTokens(total))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// One Responses API input item: a message (a `role`, `type` absent or `"message"`) costs its
+/// role and content as a chat message does; other items (function calls and outputs, reasoning,
+/// item references) cost nothing here.
+#[derive(Deserialize)]
+struct InputItem<'a> {
+    #[serde(rename = "type", default, borrow)]
+    kind: Option<Cow<'a, str>>,
+    #[serde(default)]
+    role: Option<TextTokens>,
+    #[serde(default)]
+    content: Option<ResponsesContentTokens>,
+}
+
+/// Prompt tokens of a Responses API `input` (without the generation prompt): a string is one
+/// `user` message; an array, the sum of its message items.
+struct ResponsesInputTokens(u64);
+
+impl<'de> Deserialize<'de> for ResponsesInputTokens {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = ResponsesInputTokens;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string or an array of input items")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(ResponsesInputTokens(tokens::message_tokens(
+                    tokens::text_tokens("user"),
+                    tokens::text_tokens(v),
+                )))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut total = 0u64;
+                while let Some(item) = seq.next_element::<InputItem<'de>>()? {
+                    let message = matches!(item.kind.as_deref(), None | Some("message"));
+                    if let (true, Some(role)) = (message, item.role) {
+                        let content = item.content.map_or(0, |c| c.0);
+                        total = total.saturating_add(tokens::message_tokens(role.0, content));
+                    }
+                }
+                Ok(ResponsesInputTokens(total))
             }
         }
         d.deserialize_any(V)
@@ -442,5 +567,42 @@ mod tests {
         assert!(e.message.contains("missing field `prompt`"), "{}", e.message);
         let e = parse(Endpoint::Chat, b"{\"messages\": [], \"max_tokens\": -1}").unwrap_err();
         assert_eq!(e.status, http::StatusCode::BAD_REQUEST);
+    }
+
+    fn responses(body: serde_json::Value) -> Result<InferenceRequest<'static>, ApiError> {
+        let bytes: &'static [u8] = Box::leak(serde_json::to_vec(&body).unwrap().into_boxed_slice());
+        parse(Endpoint::Responses, bytes)
+    }
+
+    #[test]
+    fn responses_prompt_tokens_follow_the_chat_formula() {
+        // user: 1, "Hello world!": 3, +3 per message, +3 generation prompt.
+        let r = responses(json!({"model": "m", "input": "Hello world!"})).unwrap();
+        assert_eq!(r.prompt_tokens, 1 + 3 + 3 + 3);
+        assert_eq!((r.max_tokens, r.stream, r.include_usage, r.n), (None, false, false, 1));
+        // instructions: a system message (system: 2, "Be brief.": 3, +3).
+        let r =
+            responses(json!({"input": "Hello world!", "instructions": "Be brief.", "max_output_tokens": 7,
+            "stream": true, "ignore_eos": true}))
+            .unwrap();
+        assert_eq!(r.prompt_tokens, (2 + 3 + 3) + (1 + 3 + 3) + 3);
+        assert_eq!((r.max_tokens, r.stream, r.ignore_eos), (Some(7), true, true));
+        assert_eq!(r.instructions.as_deref(), Some("Be brief."));
+        let r = responses(json!({"input": "x", "instructions": ""})).unwrap();
+        assert_eq!((r.prompt_tokens, r.instructions), (1 + 1 + 3 + 3, None));
+        // Items: messages count, other items do not; text-like parts count.
+        let r = responses(json!({"input": [
+            {"role": "user", "content": "abcd"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "abcdefgh"},
+                {"type": "refusal", "refusal": "no"}]},
+            {"type": "function_call_output", "call_id": "c", "output": "a long tool output"},
+            {"id": "ref_1"},
+            {"role": "developer", "content": [{"type": "input_text", "text": "a"}, {"type": "input_image", "image_url": "u"}]},
+        ]}))
+        .unwrap();
+        assert_eq!(r.prompt_tokens, (1 + 1 + 3) + (3 + 2 + 3) + (3 + 1 + 3) + 3);
+        assert!(responses(json!({"model": "m"})).is_err());
+        assert!(responses(json!({"input": 5})).is_err());
+        assert!(responses(json!({"input": "x", "max_output_tokens": -1})).is_err());
     }
 }

@@ -28,7 +28,7 @@ pub fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-/// Generates response ids: `chatcmpl-` / `cmpl-` followed by 32 hex digits, as vLLM's
+/// Generates response ids: `chatcmpl-` / `cmpl-` / `resp_` followed by 32 hex digits, as vLLM's
 /// `chatcmpl-{uuid4 hex}`; unique within the process (a per-process nonce plus a counter).
 #[derive(Debug)]
 pub struct IdGen {
@@ -48,6 +48,8 @@ impl IdGen {
         let prefix = match endpoint {
             Endpoint::Chat => "chatcmpl-",
             Endpoint::Completions => "cmpl-",
+            // vLLM's `resp_{random_uuid()}`.
+            Endpoint::Responses => "resp_",
         };
         let tail = crate::fault::mix64(self.nonce.wrapping_add(n));
         format!("{prefix}{:016x}{tail:016x}", self.nonce)
@@ -65,6 +67,10 @@ pub struct ResponseMeta<'a> {
     pub created: u64,
     /// `model`: the first served model name, as vLLM answers.
     pub model: &'a str,
+    /// Responses API: the request's non-empty `instructions`, which the response object echoes.
+    pub instructions: Option<&'a str>,
+    /// Responses API: the request's `max_output_tokens`, which the response object echoes.
+    pub max_output_tokens: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -164,17 +170,21 @@ struct TextChoice<'a> {
 }
 
 /// The non-streamed body: a `chat.completion` with `choices[i].message` or a
-/// `text_completion` with `choices[i].text`, one choice per `plan.choices` (index `0..n`, the
+/// `text_completion` with `choices[i].text` (for the Responses API, the `response` object of
+/// [`crate::responses::response_body`]), one choice per `plan.choices` (index `0..n`, the
 /// same text each), `finish_reason` from the plan and `usage`
 /// `{prompt_tokens, completion_tokens, total_tokens}` (completion tokens summed over the
 /// choices, the prompt counted once, as vLLM reports them).
 /// A chat request's `logprobs` (`Some(top_logprobs)`) fills each choice's `logprobs`
 /// ([`chat_logprobs`]); `usage` comes last, as vLLM orders it.
 pub fn completion_body(meta: &ResponseMeta<'_>, plan: &OutputPlan, logprobs: Option<u32>) -> Bytes {
+    if meta.endpoint == Endpoint::Responses {
+        return crate::responses::response_body(meta, plan);
+    }
     let text = output_text(plan.completion_tokens);
     let finish_reason = plan.finish_reason.as_str();
     let json = match meta.endpoint {
-        Endpoint::Chat => serde_json::to_vec(&Completion {
+        Endpoint::Chat | Endpoint::Responses => serde_json::to_vec(&Completion {
             id: &meta.id,
             object: "chat.completion",
             created: meta.created,
@@ -263,6 +273,8 @@ mod tests {
             id: IdGen::new(1).next(endpoint),
             created: 1_700_000_000,
             model: "sim-model",
+            instructions: None,
+            max_output_tokens: None,
         }
     }
 

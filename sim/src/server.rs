@@ -28,7 +28,8 @@ use crate::prompt;
 use crate::queue::Queue;
 use crate::request::{self, Endpoint, InferenceRequest};
 use crate::response::{self, IdGen, ResponseMeta};
-use crate::sse::SseEvents;
+use crate::responses::ResponseEvents;
+use crate::sse::{Events, SseEvents};
 use crate::tokens::{self, Limits, OutputPlan};
 
 /// Largest accepted request body, in bytes.
@@ -173,10 +174,21 @@ impl AppState {
                 return Err(ApiError::model_not_found(model));
             }
         }
+        let max_tokens = match (endpoint, request.max_tokens) {
+            // vLLM's Responses API refuses only a prompt of max_model_len tokens or more and caps
+            // `max_output_tokens` to what the context leaves (`_validate_generator_input`,
+            // `ResponsesRequest.to_sampling_params`); a prompt that fills the context goes on
+            // without a cap, to be refused as such.
+            (Endpoint::Responses, Some(m)) => {
+                let left = self.limits.max_model_len.checked_sub(request.prompt_tokens).filter(|l| *l > 0);
+                left.map(|left| m.min(left))
+            }
+            (_, max_tokens) => max_tokens,
+        };
         let plan = tokens::plan_output(
             tokens::LengthRequest {
                 prompt_tokens: request.prompt_tokens,
-                max_tokens: request.max_tokens,
+                max_tokens,
                 ignore_eos: request.ignore_eos,
             },
             self.limits,
@@ -194,6 +206,7 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<
     let response = match (req.method(), req.uri().path()) {
         (&Method::POST, "/v1/chat/completions") => inference(&state, Endpoint::Chat, req).await,
         (&Method::POST, "/v1/completions") => inference(&state, Endpoint::Completions, req).await,
+        (&Method::POST, "/v1/responses") => inference(&state, Endpoint::Responses, req).await,
         (&Method::GET, "/v1/models") => with_type(StatusCode::OK, JSON, state.models_body.clone()),
         (&Method::GET, "/health") => Response::new(SimBody::Full(None)),
         (&Method::GET, "/metrics") => {
@@ -203,9 +216,15 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<
             };
             with_type(StatusCode::OK, PROMETHEUS_TEXT, Bytes::from(text))
         }
-        (_, "/v1/chat/completions" | "/v1/completions" | "/v1/models" | "/health" | "/metrics") => {
-            detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed")
-        }
+        (
+            _,
+            "/v1/chat/completions"
+            | "/v1/completions"
+            | "/v1/responses"
+            | "/v1/models"
+            | "/health"
+            | "/metrics",
+        ) => detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed"),
         _ => detail(StatusCode::NOT_FOUND, "Not Found"),
     };
     Ok(response)
@@ -229,6 +248,12 @@ async fn inference(state: &Arc<AppState>, endpoint: Endpoint, req: Request<Incom
         id: state.ids.next(endpoint),
         created: response::unix_now(),
         model: state.response_model_for(request.model.as_deref()),
+        instructions: request.instructions.as_deref(),
+        max_output_tokens: request.max_tokens.filter(|_| endpoint == Endpoint::Responses),
+    };
+    let events = |meta: &ResponseMeta<'_>, plan: &OutputPlan| match endpoint {
+        Endpoint::Responses => Events::Responses(ResponseEvents::new(meta, plan)),
+        _ => Events::Chunks(SseEvents::new(meta, plan, request.include_usage)),
     };
     let tracker = RequestTracker::new(state.metrics.clone(), arrival, plan.prompt_tokens);
     if let Some(engine) = &state.engine {
@@ -252,7 +277,7 @@ async fn inference(state: &Arc<AppState>, endpoint: Endpoint, req: Request<Incom
             let stream = TokenStream::batched(
                 generation,
                 StreamParts {
-                    events: SseEvents::new(&meta, &plan, request.include_usage),
+                    events: events(&meta, &plan),
                     pacing: state.pacing,
                     tracker,
                     finish_reason: plan.finish_reason,
@@ -269,7 +294,7 @@ async fn inference(state: &Arc<AppState>, endpoint: Endpoint, req: Request<Incom
         let stream = TokenStream::new(
             state.queue.admission(),
             StreamParts {
-                events: SseEvents::new(&meta, &plan, request.include_usage),
+                events: events(&meta, &plan),
                 pacing: state.pacing,
                 tracker,
                 finish_reason: plan.finish_reason,

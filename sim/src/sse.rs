@@ -48,8 +48,34 @@ pub enum EventKind {
     },
     /// The `include_usage` chunk: `"choices":[]` and `usage`.
     Usage,
-    /// `data: [DONE]`.
+    /// `data: [DONE]`; for the Responses API, `response.completed`: the last event.
     Done,
+    /// Responses API: an event sent as soon as the request generates (`response.created`,
+    /// `response.in_progress`), before any token.
+    Prelude,
+    /// Responses API: an event after the last token and before `response.completed`
+    /// (`response.output_text.done`, ...), sent at once.
+    Trailer,
+}
+
+/// The events of one stream: chat or completions chunks, or Responses API events.
+#[derive(Debug)]
+pub enum Events {
+    /// `chat.completion.chunk` / `text_completion` chunks and `[DONE]`.
+    Chunks(SseEvents),
+    /// Responses API events ([`crate::responses::ResponseEvents`]).
+    Responses(crate::responses::ResponseEvents),
+}
+
+impl Iterator for Events {
+    type Item = SseEvent;
+
+    fn next(&mut self) -> Option<SseEvent> {
+        match self {
+            Events::Chunks(events) => events.next(),
+            Events::Responses(events) => events.next(),
+        }
+    }
 }
 
 /// One event: its kind and its bytes.
@@ -101,7 +127,9 @@ impl SseEvents {
             buf.put_slice(b"data: {\"id\":\"");
             buf.put_slice(meta.id.as_bytes());
             buf.put_slice(match meta.endpoint {
-                Endpoint::Chat => b"\",\"object\":\"chat.completion.chunk\",\"created\":",
+                Endpoint::Chat | Endpoint::Responses => {
+                    b"\",\"object\":\"chat.completion.chunk\",\"created\":"
+                }
                 Endpoint::Completions => b"\",\"object\":\"text_completion\",\"created\":",
             });
             buf.put_slice(meta.created.to_string().as_bytes());
@@ -123,12 +151,12 @@ impl SseEvents {
         );
         let role_rest = buf.split().freeze();
         let token_rest = Bytes::from_static(match meta.endpoint {
-            Endpoint::Chat => b"\"delta\":{\"content\":\"",
+            Endpoint::Chat | Endpoint::Responses => b"\"delta\":{\"content\":\"",
             Endpoint::Completions => b"\"text\":\"",
         });
 
         let role = match meta.endpoint {
-            Endpoint::Chat => {
+            Endpoint::Chat | Endpoint::Responses => {
                 head(&mut buf);
                 tail(
                     &mut buf,
@@ -140,12 +168,12 @@ impl SseEvents {
         };
         head(&mut buf);
         buf.put_slice(match meta.endpoint {
-            Endpoint::Chat => b"{\"index\":0,\"delta\":{\"content\":\"",
+            Endpoint::Chat | Endpoint::Responses => b"{\"index\":0,\"delta\":{\"content\":\"",
             Endpoint::Completions => b"{\"index\":0,\"text\":\"",
         });
         let token_prefix = buf.split().freeze();
         let (mid_end, last_start): (&[u8], &[u8]) = match meta.endpoint {
-            Endpoint::Chat => (
+            Endpoint::Chat | Endpoint::Responses => (
                 b"\"},\"logprobs\":null,\"finish_reason\":null}]",
                 b"\"},\"logprobs\":null,\"finish_reason\":\"",
             ),
@@ -183,7 +211,7 @@ impl SseEvents {
             tokens: plan.completion_tokens,
             choices: plan.choices.max(1),
             step: match meta.endpoint {
-                Endpoint::Chat => Step::Role(0),
+                Endpoint::Chat | Endpoint::Responses => Step::Role(0),
                 Endpoint::Completions => Step::Token(0, 0),
             },
         }
@@ -268,7 +296,14 @@ mod tests {
     use serde_json::Value;
 
     fn meta(endpoint: Endpoint) -> ResponseMeta<'static> {
-        ResponseMeta { endpoint, id: "chatcmpl-abc".to_owned(), created: 17, model: "sim \"model\"" }
+        ResponseMeta {
+            endpoint,
+            id: "chatcmpl-abc".to_owned(),
+            created: 17,
+            model: "sim \"model\"",
+            instructions: None,
+            max_output_tokens: None,
+        }
     }
 
     fn plan(n: u64, finish_reason: FinishReason) -> OutputPlan {

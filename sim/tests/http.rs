@@ -722,3 +722,140 @@ async fn shutdown_fails_waiting_requests() {
     assert_eq!(bounded("waiting answered", waiting).await.unwrap(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(bounded("running answered", running).await.unwrap(), StatusCode::OK);
 }
+
+// ---- `POST /v1/responses` (issue 15, item 5): vLLM's Responses API shapes, on both engines.
+
+/// `(event name, data)` of each event of a Responses API stream, checking the framing.
+fn typed_events(body: &[u8]) -> Vec<(String, Value)> {
+    let text = std::str::from_utf8(body).unwrap();
+    assert!(text.ends_with("\n\n") && !text.contains("[DONE]"), "{text:?}");
+    text.split_terminator("\n\n")
+        .map(|e| {
+            let (name, data) = e.split_once('\n').unwrap_or_else(|| panic!("bad event {e:?}"));
+            let name = name.strip_prefix("event: ").unwrap().to_owned();
+            let data: Value = serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
+            assert_eq!(data["type"], name.as_str());
+            (name, data)
+        })
+        .collect()
+}
+
+fn responses(extra: Value) -> Value {
+    let mut body = json!({"model": "sim-model", "input": "Hello world!", "instructions": "Be brief."});
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    body
+}
+
+/// "Be brief." as a system message (2 + 3 + 3) and "Hello world!" as a user message (1 + 3 + 3),
+/// plus the generation prompt.
+const RESPONSES_PROMPT_TOKENS: u64 = 8 + 7 + 3;
+
+#[tokio::test]
+async fn responses_api_shapes_on_both_engines() {
+    for engine in [EngineKind::Fixed, EngineKind::Batched] {
+        let sim = Sim::start(SimConfig { output_tokens: 4, engine, ..SimConfig::default() }).await;
+        let (status, v) = sim.post("/v1/responses", responses(json!({}))).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        assert_eq!((v["object"].as_str(), v["status"].as_str()), (Some("response"), Some("completed")));
+        assert!(v["id"].as_str().unwrap().starts_with("resp_"));
+        assert_eq!(v["instructions"], "Be brief.");
+        assert_eq!(v["output"][0]["content"][0]["text"], "the quick brown fox ");
+        let usage = json!({"input_tokens": RESPONSES_PROMPT_TOKENS, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": 4, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": RESPONSES_PROMPT_TOKENS + 4});
+        assert_eq!(v["usage"], usage);
+
+        let (status, headers, bytes) = sim
+            .call(
+                Method::POST,
+                "/v1/responses",
+                Some(responses(json!({"stream": true, "max_output_tokens": 3}))),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(headers["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+        let events = typed_events(&bytes);
+        let names: Vec<&str> = events.iter().map(|e| e.0.as_str()).collect();
+        assert_eq!(names.first(), Some(&"response.created"));
+        assert_eq!(names.iter().filter(|n| **n == "response.output_text.delta").count(), 3);
+        let (last, completed) = events.last().unwrap();
+        assert_eq!(last, "response.completed");
+        assert_eq!(completed["response"]["usage"]["input_tokens"], RESPONSES_PROMPT_TOKENS);
+        assert_eq!(completed["response"]["usage"]["output_tokens"], 3);
+        assert_eq!(completed["response"]["max_output_tokens"], 3);
+        assert_eq!(completed["response"]["output"][0]["content"][0]["text"], "the quick brown ");
+        for (i, (_, e)) in events.iter().enumerate() {
+            assert_eq!(e["sequence_number"], i);
+        }
+        let text = sim.metrics().await;
+        assert_eq!(metric(&text, "vllm:generation_tokens_total{model_name=\"sim-model\"}"), 4.0 + 3.0);
+        assert_eq!(metric(&text, RECEIVED), 2.0);
+        sim.shutdown().await;
+    }
+}
+
+/// vLLM's rule for the Responses API: a prompt that fills the context is refused; a
+/// `max_output_tokens` beyond what the context leaves is capped, not refused.
+#[tokio::test]
+async fn responses_api_context_rule() {
+    let sim = Sim::start(SimConfig { max_model_len: 40, output_tokens: 1000, ..SimConfig::default() }).await;
+    // 18 prompt tokens: 22 left.
+    let (status, v) =
+        sim.post("/v1/responses", responses(json!({"max_output_tokens": 30, "ignore_eos": true}))).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["usage"]["output_tokens"], 40 - RESPONSES_PROMPT_TOKENS);
+    // The same on chat is refused.
+    let (status, _) =
+        sim.post("/v1/chat/completions", chat(json!({"max_tokens": 40 - CHAT_PROMPT_TOKENS + 1}))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    // The user role (1), its template (3) and the generation prompt (3) with 33 tokens of text:
+    // 40, the whole context.
+    let fill = "abcd".repeat(33);
+    let (status, v) =
+        sim.post("/v1/responses", json!({"model": "sim-model", "input": fill, "max_output_tokens": 1})).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(v["error"]["type"], "BadRequestError");
+    let (status, _) =
+        sim.post("/v1/responses", json!({"model": "sim-model", "input": "abcd".repeat(32)})).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = sim.post("/v1/responses", responses(json!({"max_output_tokens": 0}))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let (status, _) = sim.post("/v1/responses", json!({"model": "sim-model"})).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let (status, _, _) = sim.call(Method::GET, "/v1/responses", None).await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn responses_api_streams_are_cut_by_fail_after_chunks() {
+    let sim = Sim::start(SimConfig { fail_after_chunks: Some(2), ..SimConfig::default() }).await;
+    let mut client = sim.client().await;
+    let response = client.send(Method::POST, "/v1/responses", Some(responses(json!({"stream": true})))).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let mut received = Vec::new();
+    bounded("cut stream", async {
+        loop {
+            match body.frame().await {
+                Some(Ok(frame)) => received.extend_from_slice(frame.data_ref().unwrap()),
+                Some(Err(_)) => return,
+                None => panic!("stream ended cleanly"),
+            }
+        }
+    })
+    .await;
+    let events = typed_events(&received);
+    let names: Vec<&str> = events.iter().map(|e| e.0.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.delta"
+        ]
+    );
+    sim.shutdown().await;
+}
