@@ -220,6 +220,7 @@ class Stack:
         edge: dict | None = None,
         route_to_first_pool: bool | None = None,
         sidecar_tls: SidecarTls | None = None,
+        sidecar_bin: Path | None = None,
     ):
         if profile not in ("gateway", "filter", "bare"):
             raise ValueError(f"unknown profile {profile}")
@@ -233,8 +234,10 @@ class Stack:
         # mTLS between Envoy and the sidecar: the sidecar's listener gets `tls`, the ext_proc
         # cluster the transport socket of envoy/ext_proc_upstream_tls.yaml.
         self.sidecar_tls = sidecar_tls
-        # Another wasm module in the filter's place (the benchmark's no-op filter).
+        # Another wasm module in the filter's place (the benchmark's no-op filter), another sidecar
+        # binary (tests/test_images.py: the ones taken out of the OCI images' layers).
         self.wasm_path = wasm_path or WASM_PATH
+        self.sidecar_bin = sidecar_bin or SIDECAR_BIN
         unknown = set(edge or {}) - set(EDGE_DEFAULTS)
         if unknown:
             raise ValueError(f"unknown edge settings {sorted(unknown)}")
@@ -571,7 +574,7 @@ class Stack:
         if listen_port:
             config["listen"] = f"127.0.0.1:{listen_port}"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
-        proc = self._spawn("sidecar", [str(SIDECAR_BIN), "--config", str(path)], stdout_pipe=True)
+        proc = self._spawn("sidecar", [str(self.sidecar_bin), "--config", str(path)], stdout_pipe=True)
         before: list[str] = []
         addr = self._read_banner(proc, "gateway-ext-proc listening on", others=before)
         self.ext_proc_port = int(addr.rsplit(":", 1)[1])
