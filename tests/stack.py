@@ -227,6 +227,7 @@ class Stack:
         route_to_first_pool: bool | None = None,
         sidecar_tls: SidecarTls | None = None,
         otlp_port: int | None = None,
+        sidecar_bin: Path | None = None,
     ):
         if profile not in ("gateway", "filter", "bare"):
             raise ValueError(f"unknown profile {profile}")
@@ -243,8 +244,10 @@ class Stack:
         # OpenTelemetry traces to an OTLP/gRPC receiver on this loopback port: Envoy's
         # (envoy/tracing.yaml, every request sampled) and the sidecar's (`tracing`).
         self.otlp_port = otlp_port
-        # Another wasm module in the filter's place (the benchmark's no-op filter).
+        # Another wasm module in the filter's place (the benchmark's no-op filter), another sidecar
+        # binary (tests/test_images.py: the ones taken out of the OCI images' layers).
         self.wasm_path = wasm_path or WASM_PATH
+        self.sidecar_bin = sidecar_bin or SIDECAR_BIN
         unknown = set(edge or {}) - set(EDGE_DEFAULTS)
         if unknown:
             raise ValueError(f"unknown edge settings {sorted(unknown)}")
@@ -583,7 +586,7 @@ class Stack:
         if listen_port:
             config["listen"] = f"127.0.0.1:{listen_port}"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
-        proc = self._spawn("sidecar", [str(SIDECAR_BIN), "--config", str(path)], stdout_pipe=True)
+        proc = self._spawn("sidecar", [str(self.sidecar_bin), "--config", str(path)], stdout_pipe=True)
         before: list[str] = []
         addr = self._read_banner(proc, "gateway-ext-proc listening on", others=before)
         self.ext_proc_port = int(addr.rsplit(":", 1)[1])

@@ -278,11 +278,13 @@ pub struct FilterSection {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WasmModule {
-    /// `oci://registry/repository:tag` (an OCI image holding `plugin.wasm`) or an
-    /// `http://` / `https://` URL of the `.wasm` file.
+    /// `oci://registry/repository[:tag]` (the filter's image as `make images` builds it: one
+    /// layer holding `plugin.wasm`, the Wasm image specification's compat variant), without a
+    /// digest (that is `sha256`), or an `http://` / `https://` URL of the `.wasm` file.
     pub url: String,
-    /// SHA-256 of the module (64 lowercase hex): required for an HTTP URL; for an OCI image,
-    /// optional (it is then the image's digest).
+    /// SHA-256 (64 lowercase hex), required: for an OCI image its manifest digest without the
+    /// `sha256:` prefix (`make images` prints it; Istio and Envoy Gateway refuse an image whose
+    /// digest differs), for an HTTP URL the `.wasm` file's (`sha256sum gateway_filter.wasm`).
     #[serde(default)]
     pub sha256: Option<String>,
 }
@@ -986,8 +988,15 @@ fn default_namespace() -> String {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SidecarWorkload {
-    /// Container image of `gateway-ext-proc`.
+    /// The sidecar's container image, `registry/repository[:tag]` without a digest (that is
+    /// `image_sha256`): the `llm-gateway-ext-proc` image `make images` builds, or one of your own
+    /// holding the `gateway-ext-proc` binary as its entrypoint.
     pub image: String,
+    /// The image's manifest digest, 64 lowercase hex without the `sha256:` prefix (`make images`
+    /// prints it), required: the Deployment pulls `image@sha256:<image_sha256>`, never a tag
+    /// that may since have moved.
+    #[serde(default)]
+    pub image_sha256: Option<String>,
     /// Replicas (default 2).
     #[serde(default = "default_replicas")]
     pub replicas: u32,
@@ -1029,6 +1038,14 @@ pub struct TokenizersVolume {
     /// IfNotPresent}}`, Kubernetes' image volumes). Passed through; the manifests are checked
     /// against the Kubernetes schema by the tests.
     pub volume: serde_yaml_ng::Mapping,
+}
+
+impl SidecarWorkload {
+    /// The image as the Deployment pulls it: `image@sha256:<image_sha256>` (after validation,
+    /// which requires `image_sha256`).
+    pub fn pinned_image(&self) -> String {
+        format!("{}@sha256:{}", self.image, self.image_sha256.as_deref().unwrap_or_default())
+    }
 }
 
 /// A key of a Kubernetes Secret.
@@ -1377,6 +1394,59 @@ fn is_sha256_hex(s: &str) -> bool {
     s.len() == 64 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
+/// Checks a required SHA-256 field (64 lowercase hex); `missing` is the message when it is absent.
+fn check_sha256(field: &str, value: Option<&str>, missing: &str) -> Result<(), FieldError> {
+    match value {
+        None => fail(field, missing),
+        Some(h) if h.starts_with("sha256:") => {
+            fail(field, "must be 64 lowercase hex characters, without the `sha256:` prefix")
+        }
+        Some(h) if !is_sha256_hex(h) => fail(field, "must be 64 lowercase hex characters"),
+        Some(_) => Ok(()),
+    }
+}
+
+/// The reference grammar of distribution/reference (`reference.go`, `regexp.go`), which docker,
+/// containerd, Kubernetes and every OCI registry parse: `[host[:port]/]component(/component)*`
+/// with an optional `:tag`; here without the `@digest` part.
+#[allow(clippy::expect_used)] // a constant pattern, compiled by the unit test `image_references`
+fn image_reference_regex() -> regex::Regex {
+    // A host: DNS labels (any case) joined by dots, or a bracketed IPv6 address; an optional port.
+    const LABEL: &str = "(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])";
+    // A path component: lowercase alphanumerics joined by `.`, `_`, `__` or runs of `-`.
+    const COMPONENT: &str = "[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*";
+    const TAG: &str = "[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}";
+    let host = format!(r"(?:{LABEL}(?:\.{LABEL})*|\[[a-fA-F0-9:]+\])(?::[0-9]+)?");
+    regex::Regex::new(&format!("^(?:{host}/)?{COMPONENT}(?:/{COMPONENT})*(?::{TAG})?$"))
+        .expect("the image reference pattern compiles")
+}
+
+static IMAGE_REFERENCE: std::sync::LazyLock<regex::Regex> = std::sync::LazyLock::new(image_reference_regex);
+
+/// Whether `s` is an image reference without a digest (`[host[:port]/]path[:tag]`, the name at
+/// most 255 characters: distribution/reference's `NameTotalLengthMax`).
+pub fn is_image_reference(s: &str) -> bool {
+    let name = match s.rsplit_once(':') {
+        Some((name, tag)) if !tag.contains('/') => name,
+        _ => s,
+    };
+    name.len() <= 255 && IMAGE_REFERENCE.is_match(s)
+}
+
+/// Checks an image reference field: the grammar, and no digest (that has its own field).
+fn check_image_reference(field: &str, reference: &str, digest_field: &str) -> Result<(), FieldError> {
+    if reference.contains('@') {
+        return fail(field, format!("must not carry a digest (`@sha256:...`): put it in {digest_field}"));
+    }
+    if !is_image_reference(reference) {
+        return fail(
+            field,
+            "must be an image reference: registry/repository[:tag], the repository in lowercase",
+        );
+    }
+    Ok(())
+}
+
 impl GatewayConfig {
     /// Checks what no component checks: pools and their references, addresses, Kubernetes
     /// names. Component-owned rules are checked at render time by the components' parsers.
@@ -1452,21 +1522,19 @@ impl GatewayConfig {
             if !(http || oci) || module.url.contains(char::is_whitespace) {
                 return fail("filter.module.url", "must be an oci://, http:// or https:// URL");
             }
-            if oci && module.url.len() <= "oci://".len() {
-                return fail("filter.module.url", "names no image");
-            }
-            match &module.sha256 {
-                Some(h) if !is_sha256_hex(h) => {
-                    return fail("filter.module.sha256", "must be 64 lowercase hex characters")
+            if let Some(image) = module.url.strip_prefix("oci://") {
+                if image.is_empty() {
+                    return fail("filter.module.url", "names no image");
                 }
-                None if http => {
-                    return fail(
-                        "filter.module.sha256",
-                        "required for an http(s) URL (sha256sum gateway_filter.wasm)",
-                    )
-                }
-                _ => {}
+                check_image_reference("filter.module.url", image, "filter.module.sha256")?;
             }
+            let missing = if oci {
+                "required for an OCI image: its manifest digest, which `make images` prints (Istio \
+                 and Envoy Gateway check it)"
+            } else {
+                "required for an http(s) URL (sha256sum gateway_filter.wasm)"
+            };
+            check_sha256("filter.module.sha256", module.sha256.as_deref(), missing)?;
         }
         Ok(())
     }
@@ -1709,9 +1777,17 @@ impl GatewayConfig {
                     "must be a Kubernetes name (lowercase letters, digits, '-')",
                 );
             }
-            if k8s.sidecar.image.is_empty() || k8s.sidecar.image.contains(char::is_whitespace) {
-                return fail("kubernetes.sidecar.image", "must be an image reference");
-            }
+            check_image_reference(
+                "kubernetes.sidecar.image",
+                &k8s.sidecar.image,
+                "kubernetes.sidecar.image_sha256",
+            )?;
+            check_sha256(
+                "kubernetes.sidecar.image_sha256",
+                k8s.sidecar.image_sha256.as_deref(),
+                "required: the image's manifest digest, which `make images` prints (the Deployment \
+                 pulls image@sha256:...)",
+            )?;
             if k8s.sidecar.replicas == 0 {
                 return fail("kubernetes.sidecar.replicas", "must be > 0");
             }
@@ -1742,6 +1818,17 @@ impl GatewayConfig {
             }
             if k8s.sidecar.redis_tls_client_certificate && k8s.sidecar.redis_tls_secret.is_none() {
                 return fail("kubernetes.sidecar.redis_tls_client_certificate", "needs redis_tls_secret");
+            }
+            // The sidecar's image (`make images`) holds nothing but the binary: no CA
+            // certificates, so `rediss://` verifies against the Secret's ca.crt or nothing.
+            let rediss =
+                self.redis.url.iter().chain(&self.redis.cluster_urls).any(|u| u.starts_with("rediss://"));
+            if rediss && k8s.trial_redis.is_none() && k8s.sidecar.redis_tls_secret.is_none() {
+                return fail(
+                    "kubernetes.sidecar.redis_tls_secret",
+                    "required for rediss:// URLs: the sidecar's image holds no CA certificates, give \
+                     Redis's CA as this Secret's ca.crt",
+                );
             }
         }
         if let Some(istio) = &self.istio {
@@ -1817,6 +1904,38 @@ mod tests {
         assert_eq!(parse_host_port("vllm:0"), None);
         assert_eq!(parse_host_port("http://vllm:80"), None);
         assert_eq!(parse_host_port(":80"), None);
+    }
+
+    #[test]
+    fn image_references() {
+        for good in [
+            "llm-gateway-ext-proc",
+            "registry.example.com/llm-gateway-ext-proc:0.1.0",
+            "localhost:5000/team/llm-gateway-filter",
+            "Registry.Example.com:443/a/b__c/d-e--f.g:v1.2_rc-3",
+            "[::1]:5000/x:y",
+            "ghcr.io/org/repo:A_tag.with-dashes",
+        ] {
+            assert!(is_image_reference(good), "{good}");
+        }
+        for bad in [
+            "",
+            "Registry/Repo:1",                 // an uppercase repository
+            "registry.example.com/repo:",      // an empty tag
+            "registry.example.com/repo:-1",    // a tag starting with `-`
+            "registry.example.com//repo",      // an empty component
+            "registry.example.com/repo_:1",    // a trailing separator
+            "registry.example.com/re po:1",    // whitespace
+            "repo@sha256:0000",                // a digest
+            "-registry.example.com/repo",      // a host label starting with `-`
+            "oci://registry.example.com/repo", // a scheme
+        ] {
+            assert!(!is_image_reference(bad), "{bad}");
+        }
+        let long = format!("registry.example.com/{}:1", "a".repeat(240));
+        assert!(!is_image_reference(&long), "a name over 255 characters");
+        let tag = format!("r/x:{}", "t".repeat(129));
+        assert!(!is_image_reference(&tag), "a tag over 128 characters");
     }
 
     #[test]

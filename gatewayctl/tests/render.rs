@@ -13,6 +13,8 @@ use gatewayctl::render::{render, Target};
 use serde_yaml_ng::Value;
 
 const EXAMPLE: &str = "../envoy/examples/gateway.yaml";
+/// The example's placeholder digests (`filter.module.sha256`, `kubernetes.sidecar.image_sha256`).
+const ZERO_DIGEST: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
 fn files(target: Target) -> BTreeMap<String, String> {
     let loaded = Loaded::load(Path::new(EXAMPLE)).unwrap();
@@ -212,6 +214,11 @@ fn sidecar_configs_parse_and_differ_by_flavor() {
     // The pod's grace outlasts the sidecar's own (its default 10 s, then the last flush).
     assert_eq!(pod.shutdown_grace_ms, 10_000);
     assert_eq!(deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"], 20);
+    // The image pinned by its digest (kubernetes.sidecar.image_sha256), never by the tag alone.
+    assert_eq!(
+        deployment["spec"]["template"]["spec"]["containers"][0]["image"].as_str().unwrap(),
+        format!("registry.example.com/llm-gateway-ext-proc:0.1.0@sha256:{ZERO_DIGEST}")
+    );
 }
 
 #[test]
@@ -233,8 +240,9 @@ fn istio_inserts_wasm_then_ext_proc_before_the_router() {
     assert_eq!(ecds["typed_config"]["config"]["allow_on_headers_stop_iteration"], true);
     assert_eq!(
         ecds["typed_config"]["config"]["vm_config"]["code"]["remote"]["http_uri"]["uri"],
-        "oci://ghcr.io/example/llm-gateway-filter:0.1.0"
+        "oci://registry.example.com/llm-gateway-filter:0.1.0"
     );
+    assert_eq!(ecds["typed_config"]["config"]["vm_config"]["code"]["remote"]["sha256"], ZERO_DIGEST);
     let inserted: Vec<&str> =
         patches[3..].iter().map(|p| p["patch"]["value"]["name"].as_str().unwrap()).collect();
     assert_eq!(inserted, ["llm_gateway.filter", "llm_gateway.admission", "llm_gateway.guard"]);
@@ -254,6 +262,20 @@ fn istio_inserts_wasm_then_ext_proc_before_the_router() {
 }
 
 #[test]
+fn istio_wasm_plugin_pins_the_module_digest() {
+    let text = std::fs::read_to_string(EXAMPLE)
+        .unwrap()
+        .replace("  hosts: [\"*\"]\n", "  hosts: [\"*\"]\n  wasm_delivery: wasm_plugin\n");
+    assert!(text.contains("wasm_delivery: wasm_plugin"), "the example's istio section changed");
+    let loaded = Loaded::from_yaml(&text, EXAMPLE, Path::new("../envoy/examples").to_path_buf()).unwrap();
+    let rendered = render(&loaded, Target::Istio).unwrap();
+    let file = rendered.files.iter().find(|f| f.path == "istio/wasmplugin.yaml").unwrap();
+    let plugin = yaml(&file.content);
+    assert_eq!(plugin["spec"]["url"], "oci://registry.example.com/llm-gateway-filter:0.1.0");
+    assert_eq!(plugin["spec"]["sha256"], ZERO_DIGEST);
+}
+
+#[test]
 fn envoy_gateway_policy_carries_the_plugin_config() {
     let f = files(Target::EnvoyGateway);
     let policy = yaml(&f["envoy-gateway/envoyextensionpolicy.yaml"]);
@@ -261,7 +283,9 @@ fn envoy_gateway_policy_carries_the_plugin_config() {
     gateway_filter::config::Config::from_json(config.as_bytes()).unwrap();
     assert_eq!(
         policy["spec"]["wasm"][0]["code"],
-        yaml("{type: Image, image: {url: ghcr.io/example/llm-gateway-filter:0.1.0}}")
+        yaml(&format!(
+            "{{type: Image, image: {{url: registry.example.com/llm-gateway-filter:0.1.0, sha256: '{ZERO_DIGEST}'}}}}"
+        ))
     );
     assert_eq!(policy["spec"]["extProc"][1]["shadowMode"], true);
     let route = yaml(&f["envoy-gateway/httproute.yaml"]);

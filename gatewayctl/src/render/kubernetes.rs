@@ -228,7 +228,7 @@ pub fn manifests(loaded: &Loaded, target: &str) -> Result<Vec<File>, Error> {
                 .set("REPLICAS", k8s.sidecar.replicas)
                 .set("TERMINATION_GRACE_S", termination_grace_s)
                 .set("POD_ANNOTATIONS", map(annotations))
-                .set("IMAGE", k8s.sidecar.image.as_str())
+                .set("IMAGE", k8s.sidecar.pinned_image())
                 .set("PORTS", seq(container_ports))
                 .set("READINESS_PROBE", readiness)
                 .set("ENV", seq(env))
