@@ -58,6 +58,11 @@ local function settle(key, capacity, rate_per_minute, delta, now)
   local level = tonumber(state[1])
   local ts = tonumber(state[2])
   if level == nil or ts == nil then
+    -- A missing bucket reads as full: giving back to it changes nothing, and not creating it
+    -- leaves a node that came back empty to token_bucket_reconcile_v1.lua.
+    if delta > 0 then
+      return
+    end
     level = capacity
   else
     local elapsed = now - ts

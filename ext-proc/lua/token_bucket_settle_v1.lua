@@ -17,6 +17,11 @@ local state = redis.call('HMGET', KEYS[1], 't', 'ts')
 local level = tonumber(state[1])
 local ts = tonumber(state[2])
 if level == nil or ts == nil then
+  -- A missing bucket reads as full: giving back to it changes nothing, and not creating it
+  -- leaves a node that came back empty to token_bucket_reconcile_v1.lua.
+  if delta > 0 then
+    return capacity
+  end
   level = capacity
 else
   local elapsed = now - ts

@@ -4,8 +4,11 @@
 //! `open` decides from in-memory buckets ([`LocalLimiter`]), `closed` refuses (503). Every
 //! degraded decision is counted in `llm_gateway_degraded_decisions_total`. With
 //! `redis.lease_fraction`, requests are admitted from token leases taken from Redis ([`Leases`])
-//! before Redis is asked.
+//! before Redis is asked. What the local buckets admitted, and the settlements that could not
+//! reach Redis, are charged to Redis before this sidecar's next Redis call once it answers again
+//! ([`LocalLimiter::take_reconciliations`], `lua/token_bucket_reconcile_v1.lua`).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -16,7 +19,7 @@ use crate::config::{FailureMode, RedisConfig};
 use crate::lease::Leases;
 use crate::limits::{BucketSpec, TakeOutcome};
 use crate::local_limiter::LocalLimiter;
-use crate::metrics::{Metrics, Reason};
+use crate::metrics::{LeaseOutcome, Metrics, Reason};
 use crate::store::{Store, Tracking};
 
 /// Result of a take.
@@ -35,6 +38,10 @@ pub struct Limiter {
     store: Store,
     breaker: Mutex<Breaker>,
     local: Mutex<LocalLimiter>,
+    /// Set while the local buckets owe Redis (checked on every call: one atomic load).
+    owes: AtomicBool,
+    /// One reconciliation at a time.
+    reconciling: tokio::sync::Mutex<()>,
     /// `None` when `redis.lease_fraction` is 0: no lease lock on the request path.
     leases: Option<Mutex<Leases>>,
     lease_ttl: Duration,
@@ -51,6 +58,8 @@ impl Limiter {
                 Duration::from_millis(config.breaker.open_ms),
             )),
             local: Mutex::new(LocalLimiter::new(config.local_share)),
+            owes: AtomicBool::new(false),
+            reconciling: tokio::sync::Mutex::new(()),
             leases: (config.lease_fraction > 0.0).then(|| {
                 Mutex::new(Leases::new(config.lease_fraction, Duration::from_millis(config.lease_ttl_ms)))
             }),
@@ -74,6 +83,69 @@ impl Limiter {
         }
     }
 
+    /// Notes that the local buckets owe Redis `tokens` of `bucket` (negative: less).
+    fn owe(&self, bucket: &BucketSpec, tokens: i64) {
+        if let Ok(mut local) = self.local.lock() {
+            local.owe(bucket, tokens);
+        }
+        self.owes.store(true, Ordering::Release);
+    }
+
+    /// Charges Redis with what the local buckets owe it, before this call's own Redis work (so a
+    /// cluster node that came back empty gets its levels back before anything is taken from it).
+    /// False when Redis refused, so the caller need not wait for it a second time, and while
+    /// another call reconciles (it decides from the local buckets meanwhile, owing what it takes:
+    /// no request waits behind a reconciliation, nor behind one that times out).
+    async fn reconcile_first(&self) -> bool {
+        if !self.owes.load(Ordering::Acquire) {
+            return true;
+        }
+        let Ok(_one) = self.reconciling.try_lock() else { return false };
+        // `owes` stays set until the end: a call meanwhile decides locally (owing it) instead of
+        // taking from a bucket not rebuilt yet (a take would create it full).
+        let owed = match self.local.lock() {
+            Ok(mut local) => local.take_reconciliations(Instant::now()),
+            Err(_) => return true,
+        };
+        let mut ok = true;
+        for r in owed {
+            if !ok {
+                self.owe_again(r);
+                continue;
+            }
+            let started = Instant::now();
+            let result = self.store.reconcile(&r.bucket, r.debt, r.hint).await;
+            self.metrics.redis_call("reconcile", started.elapsed(), result.is_ok());
+            self.record(result.is_ok());
+            let outcome = match result {
+                Ok(level) => {
+                    tracing::info!(key = %r.bucket.key, debt = r.debt, hint = ?r.hint, level, "bucket reconciled");
+                    "applied"
+                }
+                Err(error) => {
+                    // Owed again even when it may have been applied (a reply lost to a timeout):
+                    // charged twice, the bucket under-admits once; dropped, it would over-admit.
+                    warn!(%error, key = %r.bucket.key, debt = r.debt, "reconcile failed; owed again");
+                    ok = false;
+                    self.owe_again(r);
+                    "retried"
+                }
+            };
+            self.metrics.reconciliations.get_or_create(&LeaseOutcome { outcome: outcome.to_owned() }).inc();
+        }
+        // What calls owed meanwhile is charged by the next one (against the rebuilt level).
+        let still = self.local.lock().is_ok_and(|local| local.owes());
+        self.owes.store(still, Ordering::Release);
+        ok
+    }
+
+    fn owe_again(&self, r: crate::local_limiter::Reconciliation) {
+        if let Ok(mut local) = self.local.lock() {
+            local.restore(r);
+        }
+        self.owes.store(true, Ordering::Release);
+    }
+
     /// Takes the plan's costs: from Redis, or degraded per `mode`. With `tracking`, a take that
     /// Redis decides in a round trip also records the admission's reservation as open in the
     /// ledger ([`Store::take`]); the second value says whether it did (not for an admission from
@@ -92,7 +164,11 @@ impl Limiter {
             },
             Some(Err(_)) | None => Vec::new(),
         };
-        let reason = if self.allow() {
+        let reason = if !self.allow() {
+            "breaker_open"
+        } else if !self.reconcile_first().await {
+            "redis_error"
+        } else {
             let started = Instant::now();
             let result = self.store.take(plan, &wanted, tracking).await;
             self.metrics.redis_call("take", started.elapsed(), result.is_ok());
@@ -121,13 +197,15 @@ impl Limiter {
                     "redis_error"
                 }
             }
-        } else {
-            "breaker_open"
         };
         self.metrics.degraded.get_or_create(&Reason { reason: reason.to_owned() }).inc();
         let take = match mode {
             FailureMode::Open => match self.local.lock() {
-                Ok(mut local) => Take::Local(local.take(plan, Instant::now())),
+                Ok(mut local) => {
+                    // What it admits is owed to Redis (LocalLimiter::take).
+                    self.owes.store(true, Ordering::Release);
+                    Take::Local(local.take(plan, Instant::now()))
+                }
                 Err(_) => Take::Unavailable,
             },
             FailureMode::Closed => Take::Unavailable,
@@ -138,7 +216,7 @@ impl Limiter {
     /// Records an admission that no limit applies to as open in the ledger (a take of no bucket,
     /// [`Store::take`]); whether it did. Redis unavailable: not recorded, the admission stands.
     pub async fn track(&self, tracking: &Tracking<'_>) -> bool {
-        if !self.allow() {
+        if !self.allow() || !self.reconcile_first().await {
             return false;
         }
         let started = Instant::now();
@@ -158,7 +236,7 @@ impl Limiter {
     /// when Redis cannot decide now (breaker open, error, timeout). Leases are never taken from
     /// the in-memory buckets; without Redis every request goes through the ext_proc admission.
     pub async fn take_lease(&self, plan: &[BucketSpec]) -> Option<TakeOutcome> {
-        if !self.allow() {
+        if !self.allow() || !self.reconcile_first().await {
             return None;
         }
         let started = Instant::now();
@@ -206,21 +284,37 @@ impl Limiter {
     }
 
     /// Settles a reservation: `delta` tokens back into the bucket (negative charges more), in
-    /// Redis, or in the local bucket when the reservation was taken there (`locally`) or Redis is
-    /// away (Redis's own bucket then refills by itself).
+    /// Redis. The local bucket is settled too when the reservation was taken there (`locally`),
+    /// or instead when Redis cannot be told now, and then Redis is owed the settlement.
     pub async fn settle(&self, bucket: &BucketSpec, delta: i64, locally: bool) {
-        if !locally && self.allow() {
+        if locally {
+            if let Ok(mut local) = self.local.lock() {
+                local.settle(bucket, delta, Instant::now());
+            }
+        }
+        let mut maybe_applied = false;
+        if self.allow() && self.reconcile_first().await {
             let started = Instant::now();
             let result = self.store.settle(bucket, delta).await;
             self.metrics.redis_call("settle", started.elapsed(), result.is_ok());
             self.record(result.is_ok());
             match result {
                 Ok(_) => return,
-                Err(error) => warn!(%error, key = %bucket.key, delta, "settle failed"),
+                Err(error) => {
+                    warn!(%error, key = %bucket.key, delta, "settle failed");
+                    maybe_applied = error.maybe_applied();
+                }
             }
         }
-        if let Ok(mut local) = self.local.lock() {
-            local.settle(bucket, delta, Instant::now());
+        if !locally {
+            if let Ok(mut local) = self.local.lock() {
+                local.settle(bucket, delta, Instant::now());
+            }
+        }
+        // Owed to Redis unless it may have been applied (settled twice would move the bucket
+        // twice; a settlement is small next to a local admission's whole cost).
+        if !maybe_applied {
+            self.owe(bucket, delta.saturating_neg());
         }
     }
 }

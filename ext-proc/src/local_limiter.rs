@@ -5,6 +5,13 @@
 //! sidecars and share 1 a tenant may get up to N times its limit while degraded). Each bucket
 //! starts from its level in Redis's last answer (times the share) when there was one, so an
 //! outage does not hand every tenant a fresh burst.
+//!
+//! What the local buckets admit is owed to Redis: each bucket touched while degraded keeps a debt
+//! (tokens taken, net of what settlements that could not reach Redis gave back) and the level
+//! Redis last answered, and [`LocalLimiter::take_reconciliations`] hands them over to be charged
+//! (`lua/token_bucket_reconcile_v1.lua`) when Redis answers again, so that an outage admits no more
+//! than the limits over its whole span, and a cluster node that comes back empty does not hand
+//! out a fresh burst either.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -17,10 +24,35 @@ struct Level {
     at: Instant,
 }
 
+/// One bucket's account with Redis while degraded.
+#[derive(Debug, Clone)]
+struct Debt {
+    /// The bucket as Redis keeps it (the whole limit, not this sidecar's share).
+    bucket: BucketSpec,
+    /// Tokens taken here and not yet charged to Redis (negative: more given back than taken).
+    tokens: i64,
+}
+
+/// What to charge one Redis bucket with once Redis answers again
+/// ([`crate::store::Store::reconcile`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reconciliation {
+    /// The bucket (its key, capacity and rate; `cost` unused).
+    pub bucket: BucketSpec,
+    /// Tokens to charge (negative: to give back).
+    pub debt: i64,
+    /// The level Redis last answered this sidecar plus the refill since, not capped at the
+    /// capacity (whole tokens, floored); `None` when it never answered for this bucket.
+    pub hint: Option<u64>,
+}
+
 /// Local buckets keyed like the Redis ones; bounded by the number of configured buckets.
 #[derive(Debug)]
 pub struct LocalLimiter {
     buckets: HashMap<String, Level>,
+    /// Redis's last answer per bucket (the whole level, unscaled).
+    seen: HashMap<String, Level>,
+    debts: HashMap<String, Debt>,
     share: f64,
 }
 
@@ -33,12 +65,13 @@ impl Default for LocalLimiter {
 impl LocalLimiter {
     /// An empty limiter over `share` (in (0, 1]) of each limit; a bucket never seen starts full.
     pub fn new(share: f64) -> Self {
-        Self { buckets: HashMap::new(), share }
+        Self { buckets: HashMap::new(), seen: HashMap::new(), debts: HashMap::new(), share }
     }
 
     /// Remembers the levels Redis answered with (`outcome` of `plan`), as this sidecar's share.
     pub fn observe(&mut self, plan: &[BucketSpec], outcome: &TakeOutcome, now: Instant) {
         for (b, state) in plan.iter().zip(&outcome.states) {
+            self.seen.insert(b.key.clone(), Level { tokens: state.remaining as f64, at: now });
             let level = Level { tokens: state.remaining as f64 * self.share, at: now };
             match self.buckets.get_mut(&b.key) {
                 Some(l) => *l = level,
@@ -55,8 +88,10 @@ impl LocalLimiter {
         BucketSpec { capacity: scale(b.capacity), rate_per_minute: scale(b.rate_per_minute), ..b.clone() }
     }
 
-    /// Takes each bucket's cost from every bucket, or from none, as the Redis script does.
+    /// Takes each bucket's cost from every bucket, or from none, as the Redis script does; what it
+    /// takes is owed to Redis ([`Self::take_reconciliations`]).
     pub fn take(&mut self, plan: &[BucketSpec], now: Instant) -> TakeOutcome {
+        let whole = plan;
         let plan: Vec<BucketSpec> = plan.iter().map(|b| self.scaled(b)).collect();
         let plan = plan.as_slice();
         let levels: Vec<f64> = plan.iter().map(|b| self.level(b, now)).collect();
@@ -83,10 +118,54 @@ impl LocalLimiter {
                 }
             })
             .collect();
+        for b in whole {
+            let cost = if denied.is_none() { i64::try_from(b.cost).unwrap_or(i64::MAX) } else { 0 };
+            self.owe(b, cost);
+        }
         TakeOutcome { denied, states }
     }
 
-    /// Settles a reservation locally (`delta` back; negative charges more).
+    /// Owes Redis `tokens` more of `bucket` (negative: less), to be charged when it answers again.
+    pub fn owe(&mut self, bucket: &BucketSpec, tokens: i64) {
+        match self.debts.get_mut(&bucket.key) {
+            Some(d) => d.tokens = d.tokens.saturating_add(tokens),
+            None => {
+                self.debts.insert(bucket.key.clone(), Debt { bucket: bucket.clone(), tokens });
+            }
+        }
+    }
+
+    /// Whether anything awaits reconciliation with Redis.
+    pub fn owes(&self) -> bool {
+        !self.debts.is_empty()
+    }
+
+    /// Every bucket touched while degraded, with its debt and Redis's last level refilled to
+    /// `now`; the debts are cleared (give back what could not be charged with
+    /// [`Self::restore`]).
+    pub fn take_reconciliations(&mut self, now: Instant) -> Vec<Reconciliation> {
+        let debts = std::mem::take(&mut self.debts);
+        debts
+            .into_values()
+            .map(|d| {
+                let hint = self.seen.get(&d.bucket.key).map(|l| {
+                    let elapsed_ms = now.saturating_duration_since(l.at).as_secs_f64() * 1000.0;
+                    // Not capped: the refill of the outage is what the local admissions used.
+                    let level = l.tokens + elapsed_ms * d.bucket.rate_per_minute as f64 / 60_000.0;
+                    level.max(0.0).floor() as u64
+                });
+                Reconciliation { bucket: d.bucket, debt: d.tokens, hint }
+            })
+            .collect()
+    }
+
+    /// Owes again a reconciliation that Redis did not apply.
+    pub fn restore(&mut self, r: Reconciliation) {
+        self.owe(&r.bucket, r.debt);
+    }
+
+    /// Settles a reservation locally (`delta` back; negative charges more); what Redis should
+    /// also be told is [`Self::owe`]d separately.
     pub fn settle(&mut self, bucket: &BucketSpec, delta: i64, now: Instant) {
         let bucket = &self.scaled(bucket);
         let level = (self.level(bucket, now) + delta as f64).min(bucket.capacity as f64);
@@ -152,6 +231,56 @@ mod tests {
         assert_eq!(l.take(&plan(0), t0).states[1].remaining, 550);
         l.settle(&p[1], 10_000, t0);
         assert_eq!(l.take(&plan(0), t0).states[1].remaining, 600);
+    }
+
+    #[test]
+    fn what_is_admitted_locally_is_owed_to_redis_with_its_last_level() {
+        let t0 = Instant::now();
+        let mut l = LocalLimiter::new(0.5);
+        let p = plan(100);
+        let redis = TakeOutcome {
+            denied: None,
+            states: vec![
+                BucketState { remaining: 1, reset_ms: 0, retry_after_ms: Some(0) },
+                BucketState { remaining: 300, reset_ms: 0, retry_after_ms: Some(0) },
+            ],
+        };
+        l.observe(&p, &redis, t0);
+        assert!(!l.owes(), "nothing taken locally yet");
+        let t1 = t0 + Duration::from_secs(30);
+        assert_eq!(l.take(&p, t1).denied, None, "30 s refilled half a request at half the rate");
+        // The settle of that request gave 40 of its 100 reserved tokens back while Redis was away.
+        l.owe(&p[1], -40);
+        assert!(l.owes());
+        let t2 = t0 + Duration::from_secs(60);
+        let mut r = l.take_reconciliations(t2);
+        r.sort_by(|a, b| a.bucket.key.cmp(&b.bucket.key));
+        let requests =
+            r.iter().find(|r| r.bucket.kind == limits::BucketKind::Requests).map(|r| (r.debt, r.hint));
+        let tokens = r.iter().find(|r| r.bucket.kind == limits::BucketKind::Tokens).map(|r| (r.debt, r.hint));
+        // Whole limits, not the share, and not capped: 1 + 2/min x 1 min = 3 requests,
+        // 300 + 600 tokens.
+        assert_eq!(requests, Some((1, Some(3))));
+        assert_eq!(tokens, Some((60, Some(900))));
+        assert!(!l.owes(), "handed over");
+        // Redis refused it: owed again, not lost.
+        for x in r {
+            l.restore(x);
+        }
+        assert_eq!(l.take_reconciliations(t2).iter().map(|r| r.debt).sum::<i64>(), 61);
+    }
+
+    #[test]
+    fn a_denied_local_take_is_noted_but_owes_nothing() {
+        let t0 = Instant::now();
+        let mut l = LocalLimiter::default();
+        let p = plan(100);
+        l.take(&p, t0);
+        l.take(&p, t0);
+        assert_eq!(l.take(&p, t0).denied, Some(0));
+        let r = l.take_reconciliations(t0);
+        assert_eq!(r.iter().map(|r| r.debt).sum::<i64>(), 2 + 200);
+        assert!(r.iter().all(|r| r.hint.is_none()), "Redis never answered");
     }
 
     #[test]

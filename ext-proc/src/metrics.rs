@@ -108,7 +108,8 @@ pub struct Reason {
 }
 
 /// `{outcome}` of an admission-lease call from the filter: `granted`, `given_back`, or why none was
-/// granted (`off`, `unknown_tenant`, `shedding`, `too_tight`, `over_limit`, `redis_unavailable`).
+/// granted (`off`, `unknown_tenant`, `shedding`, `too_tight`, `over_limit`, `redis_unavailable`);
+/// also of a degraded bucket's reconciliation (`applied`, `retried`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LeaseOutcome {
     /// What the call got.
@@ -210,6 +211,10 @@ pub struct Metrics {
     pub limit_decisions: Family<Decision, Counter>,
     /// `llm_gateway_degraded_decisions_total{reason}`: every decision made without Redis.
     pub degraded: Family<Reason, Counter>,
+    /// `llm_gateway_degraded_reconciliations_total{outcome}`: buckets charged to Redis with what
+    /// the local buckets admitted while it was away (`applied`; `retried`: Redis did not answer,
+    /// owed again).
+    pub reconciliations: Family<LeaseOutcome, Counter>,
     /// `llm_gateway_shed_total{pool,tier}`.
     pub shed: Family<PoolTier, Counter>,
     /// `llm_gateway_admission_leases_total{outcome}`: the filter's lease calls.
@@ -338,6 +343,7 @@ impl Metrics {
             tokens: Family::default(),
             limit_decisions: Family::default(),
             degraded: Family::default(),
+            reconciliations: Family::default(),
             shed: Family::default(),
             admission_leases: Family::default(),
             exact_counts: Family::default(),
@@ -398,6 +404,11 @@ impl Metrics {
         r.register("llm_gateway_tokens", "Prompt (input) and completion (output) tokens", m.tokens.clone());
         r.register("llm_gateway_limit_decisions", "Rate-limit decisions", m.limit_decisions.clone());
         r.register("llm_gateway_degraded_decisions", "Decisions made without Redis", m.degraded.clone());
+        r.register(
+            "llm_gateway_degraded_reconciliations",
+            "Buckets charged to Redis with what was admitted while it was away, by outcome",
+            m.reconciliations.clone(),
+        );
         r.register("llm_gateway_shed", "Requests shed (429 overloaded) by pool and tier", m.shed.clone());
         r.register(
             "llm_gateway_admission_leases",

@@ -22,6 +22,8 @@ use crate::proto;
 const TAKE_LUA: &str = include_str!("../lua/token_bucket_take_v3.lua");
 /// `lua/token_bucket_settle_v1.lua`: settle a reservation against the real usage.
 const SETTLE_LUA: &str = include_str!("../lua/token_bucket_settle_v1.lua");
+/// `lua/token_bucket_reconcile_v1.lua`: charge what was admitted while Redis could not decide.
+const RECONCILE_LUA: &str = include_str!("../lua/token_bucket_reconcile_v1.lua");
 /// `lua/ledger_v1.lua`: the ledger's writes for one request (record, charge, release,
 /// rereserve, claim), each applied once.
 const LEDGER_LUA: &str = include_str!("../lua/ledger_v1.lua");
@@ -141,6 +143,7 @@ pub struct Store {
     cluster: Option<Arc<ClusterHandle>>,
     take: Script,
     settle: Script,
+    reconcile: Script,
     ledger: Script,
     in_flight: Script,
     timeout: Duration,
@@ -197,6 +200,7 @@ impl Store {
             cluster,
             take: Script::new(TAKE_LUA),
             settle: Script::new(SETTLE_LUA),
+            reconcile: Script::new(RECONCILE_LUA),
             ledger: Script::new(LEDGER_LUA),
             in_flight: Script::new(IN_FLIGHT_LUA),
             timeout,
@@ -307,6 +311,30 @@ impl Store {
         let mut conn = self.conn();
         let mut inv = self.settle.key(&bucket.key);
         inv.arg(bucket.capacity).arg(bucket.rate_per_minute).arg(delta);
+        self.bounded(inv.invoke_async(&mut conn)).await
+    }
+
+    /// Charges a bucket with what this sidecar admitted while Redis could not decide
+    /// (`lua/token_bucket_reconcile_v1.lua`): `debt` tokens taken (negative: given back), from
+    /// the level rebuilt from `hint` (the level Redis last answered plus the refill since, not
+    /// capped) when the bucket is missing (its node came back empty), else from Redis's level
+    /// (plus what an earlier reconciliation cut at capacity, never above the hint). Returns the
+    /// level.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error (then nothing was charged, or all of it).
+    pub async fn reconcile(
+        &self,
+        bucket: &BucketSpec,
+        debt: i64,
+        hint: Option<u64>,
+    ) -> Result<i64, StoreError> {
+        let mut conn = self.conn();
+        let mut inv = self.reconcile.key(&bucket.key);
+        inv.arg(bucket.capacity)
+            .arg(bucket.rate_per_minute)
+            .arg(debt)
+            .arg(hint.map_or_else(String::new, |h| h.to_string()));
         self.bounded(inv.invoke_async(&mut conn)).await
     }
 

@@ -1,0 +1,158 @@
+//! What a sidecar admits from its in-memory buckets while Redis is away is charged to Redis when
+//! it answers again (issue 14, item 4), against a real `redis-server` that is killed and started
+//! again empty, as a Redis Cluster node that crashed comes back: the bucket's level Redis last
+//! answered is restored (an empty bucket would read as full and hand out a fresh burst) and every
+//! local admission is charged once.
+//!
+//! Needs `redis-server` on the PATH (`make setup`).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use std::net::TcpListener as StdListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use gateway_ext_proc::config::{Config, FailureMode};
+use gateway_ext_proc::limiter::{Limiter, Take};
+use gateway_ext_proc::limits::{self, BucketKind};
+use gateway_ext_proc::metrics::Metrics;
+use gateway_ext_proc::store::Store;
+
+const DEADLINE: Duration = Duration::from_secs(20);
+
+fn free_port() -> u16 {
+    StdListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A `redis-server` on `port`, killed (SIGKILL: its data is gone) when dropped.
+struct Redis(Child);
+
+impl Redis {
+    fn start(port: u16) -> Self {
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server on the PATH (make setup)");
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(start.elapsed() < DEADLINE, "redis-server did not listen on {port}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Redis(child)
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Burst 10 requests and 10,000 tokens, refilled 1 a minute (nothing hides a missed charge).
+fn config(port: u16) -> Config {
+    Config::from_yaml(&format!(
+        "listen: 127.0.0.1:0
+redis: {{url: 'redis://127.0.0.1:{port}', local_share: 1, command_timeout_ms: 200, breaker: {{failure_threshold: 1000}}}}
+tenants:
+  - {{id: acme, limits: {{requests_per_minute: 1, request_burst: 10, tokens_per_minute: 1, token_burst: 10000}}}}
+"
+    ))
+    .unwrap()
+}
+
+fn remaining(take: &Take, plan: &[limits::BucketSpec], kind: BucketKind) -> u64 {
+    let outcome = match take {
+        Take::Redis(o) | Take::Local(o) => o,
+        Take::Unavailable => panic!("open failure mode"),
+    };
+    assert_eq!(outcome.denied, None, "{outcome:?}");
+    let i = plan.iter().position(|b| b.kind == kind).unwrap();
+    outcome.states[i].remaining
+}
+
+#[tokio::test]
+async fn local_admissions_are_charged_to_a_redis_that_came_back_empty() {
+    let port = free_port();
+    let config = config(port);
+    let redis = Redis::start(port);
+    let store = Store::connect(&config.redis, "usage".into(), 1000).await.unwrap();
+    let limiter = Limiter::new(store, &config.redis, Metrics::new());
+    let tenant = config.tenant("acme").unwrap();
+    let plan = limits::plan(limiter.store().prefix(), tenant, "m", 100);
+
+    // Redis decides the first one: 9 requests and 9,900 tokens left.
+    let first = limiter.take(&plan, FailureMode::Open, None).await.0;
+    assert!(matches!(first, Take::Redis(_)), "{first:?}");
+    assert_eq!(remaining(&first, &plan, BucketKind::Requests), 9);
+
+    // Redis crashes: three admissions from the local buckets (which start at Redis's last answer).
+    drop(redis);
+    for left in [8, 7, 6] {
+        let take = limiter.take(&plan, FailureMode::Open, None).await.0;
+        assert!(matches!(take, Take::Local(_)), "{take:?}");
+        assert_eq!(remaining(&take, &plan, BucketKind::Requests), left);
+    }
+    // One of them ended while Redis was away and gave 60 of its 100 reserved tokens back.
+    let tokens_bucket = plan.iter().find(|b| b.kind == BucketKind::Tokens).unwrap().clone();
+    limiter.settle(&tokens_bucket, 60, true).await;
+
+    // Redis comes back empty. Until the sidecar's connection is back, takes stay local (and owed).
+    let _redis = Redis::start(port);
+    let mut local_after = 0;
+    let back = loop {
+        let (take, _) = limiter.take(&plan, FailureMode::Open, None).await;
+        match take {
+            Take::Redis(_) => break take,
+            Take::Local(_) => local_after += 1,
+            Take::Unavailable => panic!("open failure mode"),
+        }
+        assert!(local_after < 100, "Redis never answered again");
+    };
+    // Without the reconciliation the empty bucket would answer 9 and 9,900 (a fresh burst).
+    assert_eq!(remaining(&back, &plan, BucketKind::Requests), 9 - 3 - local_after - 1);
+    assert_eq!(remaining(&back, &plan, BucketKind::Tokens), 9_900 - 300 + 60 - 100 * local_after - 100);
+
+    // Settled once: a later take sees only its own cost.
+    let next = limiter.take(&plan, FailureMode::Open, None).await.0;
+    assert!(matches!(next, Take::Redis(_)), "{next:?}");
+    assert_eq!(remaining(&next, &plan, BucketKind::Requests), 9 - 3 - local_after - 2);
+}
+
+#[tokio::test]
+async fn a_bucket_that_survived_is_charged_the_debt_only() {
+    let port = free_port();
+    let config = config(port);
+    let _redis = Redis::start(port);
+    let store = Store::connect(&config.redis, "usage".into(), 1000).await.unwrap();
+    let tenant = config.tenant("acme").unwrap();
+    let plan = limits::plan(store.prefix(), tenant, "m", 100);
+    let requests = plan.iter().find(|b| b.kind == BucketKind::Requests).unwrap();
+    // Level 4 in Redis (other sidecars took 6); this sidecar last saw 9: Redis's level stands.
+    store.reconcile(requests, 6, None).await.unwrap();
+    assert_eq!(store.reconcile(requests, 2, Some(9)).await.unwrap(), 2);
+    // A hint below Redis's level lowers it (a node that came back empty reads full).
+    assert_eq!(store.reconcile(requests, 0, Some(1)).await.unwrap(), 1);
+    // A debt may take the level below zero: the next requests wait for it.
+    assert_eq!(store.reconcile(requests, 3, None).await.unwrap(), -2);
+    // Given back: never above the capacity.
+    assert_eq!(store.reconcile(requests, -100, None).await.unwrap(), 10);
+}
+
+#[tokio::test]
+async fn two_sidecars_rebuild_a_lost_bucket_from_the_outage_refill() {
+    let port = free_port();
+    let config = config(port);
+    let _redis = Redis::start(port);
+    let store = Store::connect(&config.redis, "usage".into(), 1000).await.unwrap();
+    let tenant = config.tenant("acme").unwrap();
+    let plan = limits::plan(store.prefix(), tenant, "m", 100);
+    let requests = plan.iter().find(|b| b.kind == BucketKind::Requests).unwrap();
+    // The bucket was at 0 when its node died; 35 requests refilled during the outage (above the
+    // capacity of 10: the local buckets admitted them as they came), 17 admitted by one sidecar
+    // and 18 by the other. One bucket over the whole span would be at 0 now.
+    assert_eq!(store.reconcile(requests, 17, Some(35)).await.unwrap(), 10, "18 left, capped at 10");
+    assert_eq!(store.reconcile(requests, 18, Some(35)).await.unwrap(), 0, "the cut 8 counted, not lost");
+    // Without the first one's excess the second would have left it at -8 (refusing 8 the limit
+    // allows); with min(capacity, hint) for a lost bucket, at -25.
+}
