@@ -482,6 +482,104 @@ impl Store {
     }
 }
 
+/// Takes or renews a usage journal's lease for `owner` (`crate::journal`).
+const JOURNAL_LEASE_LUA: &str = r"
+local holder = redis.call('GET', KEYS[1])
+if holder == false then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+elseif holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+";
+
+/// Moves a usage journal's checkpoint, only while `owner` holds the lease.
+const JOURNAL_COMMIT_LUA: &str = r"
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[2], 'dev', ARGV[2], 'ino', ARGV[3], 'offset', ARGV[4])
+return 1
+";
+
+/// Gives a usage journal's lease up, if `owner` holds it.
+const JOURNAL_RELEASE_LUA: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+";
+
+impl Store {
+    /// Takes the journal lease `key` for `owner`, or renews it when `owner` holds it, for `ttl`.
+    /// Whether `owner` holds it now.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error.
+    pub async fn journal_lease(&self, key: &str, owner: &str, ttl: Duration) -> Result<bool, StoreError> {
+        let script = Script::new(JOURNAL_LEASE_LUA);
+        let mut inv = script.prepare_invoke();
+        inv.key(key).arg(owner).arg(ttl.as_millis() as u64);
+        let mut conn = self.conn();
+        let reply: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
+        Ok(reply == 1)
+    }
+
+    /// Gives the journal lease `key` up if `owner` holds it.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error.
+    pub async fn journal_release(&self, key: &str, owner: &str) -> Result<(), StoreError> {
+        let script = Script::new(JOURNAL_RELEASE_LUA);
+        let mut inv = script.prepare_invoke();
+        inv.key(key).arg(owner);
+        let mut conn = self.conn();
+        let _: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
+        Ok(())
+    }
+
+    /// A journal's checkpoint (`None`: none yet, or unreadable).
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error.
+    pub async fn journal_checkpoint(
+        &self,
+        key: &str,
+    ) -> Result<Option<crate::journal::Checkpoint>, StoreError> {
+        let mut cmd = redis::cmd("HMGET");
+        cmd.arg(key).arg("dev").arg("ino").arg("offset");
+        let mut conn = self.conn();
+        let reply: Vec<Option<u64>> = self.bounded(cmd.query_async(&mut conn)).await?;
+        Ok(match reply.as_slice() {
+            [Some(dev), Some(ino), Some(offset)] => {
+                Some(crate::journal::Checkpoint { dev: *dev, ino: *ino, offset: *offset })
+            }
+            _ => None,
+        })
+    }
+
+    /// Writes a journal's checkpoint if `owner` holds its lease; whether it did.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error.
+    pub async fn journal_commit(
+        &self,
+        lease_key: &str,
+        checkpoint_key: &str,
+        owner: &str,
+        at: crate::journal::Checkpoint,
+    ) -> Result<bool, StoreError> {
+        let script = Script::new(JOURNAL_COMMIT_LUA);
+        let mut inv = script.prepare_invoke();
+        inv.key(lease_key).key(checkpoint_key).arg(owner).arg(at.dev).arg(at.ino).arg(at.offset);
+        let mut conn = self.conn();
+        let reply: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
+        Ok(reply == 1)
+    }
+}
+
 /// What [`Store::apply`] did with a record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Applied {
