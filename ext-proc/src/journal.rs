@@ -293,8 +293,19 @@ pub fn parse_line(line: &[u8]) -> Result<Option<HttpAccessLogEntry>, String> {
 /// record whose script landed but whose event did not gets its event).
 #[derive(Debug)]
 enum Op {
-    Record { record: Box<UsageRecord>, settlements: Vec<(limits::BucketSpec, i64)>, applied: bool },
-    Release { tenant: String, record_id: String, buckets: Vec<limits::BucketSpec> },
+    Record {
+        record: Box<UsageRecord>,
+        settlements: Vec<(limits::BucketSpec, i64)>,
+        /// The ledger script landed (only the event is left).
+        applied: bool,
+        /// An earlier attempt may have landed it (a timeout, a connection lost).
+        maybe_applied: bool,
+    },
+    Release {
+        tenant: String,
+        record_id: String,
+        buckets: Vec<limits::BucketSpec>,
+    },
 }
 
 /// How a line's application ended.
@@ -326,7 +337,7 @@ fn op_of(shared: &Shared, entry: &HttpAccessLogEntry) -> Option<Op> {
                     limits::token_buckets(shared.limiter.store().prefix(), tenant, &record.info.model);
                 ledger::settlements(buckets, record.info.reserved_tokens, record.total_tokens())
             };
-            Some(Op::Record { record: Box::new(record), settlements, applied: false })
+            Some(Op::Record { record: Box::new(record), settlements, applied: false, maybe_applied: false })
         }
         Entry::Release { tenant, model, record_id } => {
             let config = shared.config.tenant(&tenant)?;
@@ -343,10 +354,20 @@ async fn apply(store: &Store, op: &mut Op) -> Result<Done, StoreError> {
             let released = store.release(tenant, record_id, buckets).await?;
             Ok(if released { Done::Applied } else { Done::Nothing })
         }
-        Op::Record { record, settlements, applied } => {
+        Op::Record { record, settlements, applied, maybe_applied } => {
             if !*applied {
-                match store.apply(record, settlements, false).await? {
+                let result = store.apply(record, settlements, false).await;
+                if result.as_ref().is_err_and(StoreError::maybe_applied) {
+                    *maybe_applied = true;
+                }
+                match result? {
                     Applied::Applied => *applied = true,
+                    // Landed by this replica's earlier attempt, or by another delivery: the
+                    // event is appended once per record id either way.
+                    Applied::Duplicate if *maybe_applied => {
+                        let appended = store.append(record).await?;
+                        return Ok(if appended { Done::Applied } else { Done::Nothing });
+                    }
                     Applied::Duplicate | Applied::AfterCharge => return Ok(Done::Nothing),
                 }
             }

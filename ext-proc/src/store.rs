@@ -377,28 +377,31 @@ impl Store {
     }
 
     /// Appends a record's protobuf `UsageEvent` to the usage stream (fields `event`, `tenant`,
-    /// `record_id`; `XADD ... MAXLEN ~ metering.stream_maxlen`). A retry after a failure that
-    /// landed appends it twice: consumers deduplicate on `record_id`.
+    /// `record_id`; `XADD ... MAXLEN ~ metering.stream_maxlen`), once per record id: the id joins
+    /// the set of ids appended in its 10 s finish-time window ([`sent_key`], in the stream's
+    /// cluster slot, kept [`IDEMPOTENCY_RETENTION`] past the window) in the same script, so a
+    /// retry after a failure that landed, or a second party (the gRPC access log and the usage
+    /// journal) appending after an uncertain write, appends nothing more. Whether it appended.
     ///
     /// # Errors
     /// [`StoreError`] on timeout or Redis error.
-    pub async fn append(&self, record: &UsageRecord) -> Result<(), StoreError> {
-        let event = to_event(record, finished_ms(record, unix_ms())).encode_to_vec();
-        let mut xadd = redis::cmd("XADD");
-        xadd.arg(&self.stream)
-            .arg("MAXLEN")
-            .arg("~")
+    pub async fn append(&self, record: &UsageRecord) -> Result<bool, StoreError> {
+        let now_ms = unix_ms();
+        let finished = finished_ms(record, now_ms);
+        let event = to_event(record, finished).encode_to_vec();
+        let (sent, expire_at) = sent_key(&self.stream, finished / 1000, now_ms / 1000);
+        let script = Script::new(APPEND_ONCE_LUA);
+        let mut inv = script.prepare_invoke();
+        inv.key(&self.stream)
+            .key(sent)
+            .arg(&record.info.record_id)
+            .arg(expire_at)
             .arg(self.stream_maxlen)
-            .arg("*")
-            .arg("event")
             .arg(event)
-            .arg("tenant")
-            .arg(&record.info.tenant)
-            .arg("record_id")
-            .arg(&record.info.record_id);
+            .arg(&record.info.tenant);
         let mut conn = self.conn();
-        self.bounded(xadd.query_async::<redis::Value>(&mut conn)).await?;
-        Ok(())
+        let appended: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
+        Ok(appended == 1)
     }
 
     /// Gives an admission back (`lua/ledger_v1.lua`, operation `release`): if the request's
@@ -480,6 +483,31 @@ impl Store {
         let reply: Vec<Value> = self.bounded(inv.invoke_async(&mut conn)).await?;
         ledger::read_claim(&reply).map_err(StoreError::Reply)
     }
+}
+
+/// Appends a usage event once per record id (see [`Store::append`]).
+const APPEND_ONCE_LUA: &str = r"
+if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then
+  return 0
+end
+redis.call('EXPIREAT', KEYS[2], ARGV[2])
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'event', ARGV[4], 'tenant', ARGV[5], 'record_id', ARGV[1])
+return 1
+";
+
+/// The set of record ids appended to `stream` in a finish-time window, in the stream's cluster
+/// slot (the stream's own hash tag, else the stream's name as the tag), and when it expires.
+pub fn sent_key(stream: &str, finished_secs: u64, now_secs: u64) -> (String, u64) {
+    let start = finished_secs - finished_secs % IDEMPOTENCY_WINDOW_SECS;
+    let end = start.saturating_add(IDEMPOTENCY_WINDOW_SECS);
+    let expire_at = end.max(now_secs).saturating_add(IDEMPOTENCY_RETENTION.as_secs());
+    let tagged = stream.find('{').is_some_and(|open| stream[open + 1..].find('}').is_some_and(|len| len > 0));
+    let key = if tagged || stream.contains(['{', '}']) {
+        format!("{stream}:sent:{start}")
+    } else {
+        format!("{{{stream}}}:sent:{start}")
+    };
+    (key, expire_at)
 }
 
 /// Takes or renews a usage journal's lease for `owner` (`crate::journal`).
