@@ -320,7 +320,7 @@ enum Done {
 /// The ledger write of one entry, or `None` (not admitted, an unconfigured tenant, counts past
 /// what Redis holds).
 fn op_of(shared: &Shared, entry: &HttpAccessLogEntry) -> Option<Op> {
-    match access_log::entry_of(entry, || String::new()) {
+    match access_log::entry_of(entry, String::new) {
         Entry::Record(record) => {
             let mut record = *record;
             if record.info.record_id.is_empty() || !record.fits_redis() {
@@ -417,7 +417,7 @@ fn read_lines(reader: &mut Reader, most_lines: usize) -> std::io::Result<Vec<u8>
         if n == 0 {
             break;
         }
-        out.extend_from_slice(&chunk[..n]);
+        out.extend_from_slice(chunk.get(..n).unwrap_or_default());
         if out.iter().filter(|&&b| b == b'\n').count() >= most_lines || out.len() >= 16 << 20 {
             break;
         }
@@ -519,7 +519,10 @@ pub async fn run(shared: Arc<Shared>, config: JournalConfig, mut stop: watch::Re
                     match open_at(&config.path, None) {
                         Ok(fresh) => {
                             let at = fresh.at;
-                            if store.journal_commit(&lease_key, &checkpoint_key, &owner, at).await.is_ok() {
+                            if matches!(
+                                store.journal_commit(&lease_key, &checkpoint_key, &owner, at, lease).await,
+                                Ok(true)
+                            ) {
                                 reader = Some(fresh);
                             } else {
                                 reader = None;
@@ -535,7 +538,7 @@ pub async fn run(shared: Arc<Shared>, config: JournalConfig, mut stop: watch::Re
                     );
                     reader = None;
                     let at = Checkpoint { dev: now.0, ino: now.1, offset: 0 };
-                    let _ = store.journal_commit(&lease_key, &checkpoint_key, &owner, at).await;
+                    let _ = store.journal_commit(&lease_key, &checkpoint_key, &owner, at, lease).await;
                 } else {
                     shared
                         .metrics
@@ -587,24 +590,25 @@ async fn drain(
                 }
             }
         }
-        let mut done = vec![false; ops.len()];
+        let mut ops: Vec<(Op, bool)> = ops.into_iter().map(|op| (op, false)).collect();
         let mut backoff = Duration::from_millis(50);
         loop {
-            let pending: Vec<(usize, &mut Op)> =
-                ops.iter_mut().enumerate().filter(|(i, _)| !done[*i]).collect();
+            let pending: Vec<(&mut Op, &mut bool)> =
+                ops.iter_mut().filter(|(_, done)| !*done).map(|(op, done)| (op, done)).collect();
             if pending.is_empty() {
                 break;
             }
             let results =
-                join_all(pending.into_iter().map(|(i, op)| async move { (i, apply(store, op).await) })).await;
+                join_all(pending.into_iter().map(|(op, done)| async move { (done, apply(store, op).await) }))
+                    .await;
             let mut failed = 0;
-            for (i, result) in results {
+            for (done, result) in results {
                 match result {
                     Ok(Done::Applied) => {
-                        done[i] = true;
+                        *done = true;
                         shared.metrics.journal_records_applied.inc();
                     }
-                    Ok(Done::Nothing) => done[i] = true,
+                    Ok(Done::Nothing) => *done = true,
                     Err(error) => {
                         failed += 1;
                         debug!(%error, "usage journal: ledger write failed; retried");
@@ -629,7 +633,10 @@ async fn drain(
             }
         }
         let next = Checkpoint { offset: reader.at.offset + bytes.len() as u64, ..reader.at };
-        match store.journal_commit(lease_key, checkpoint_key, owner, next).await {
+        match store
+            .journal_commit(lease_key, checkpoint_key, owner, next, Duration::from_millis(config.lease_ms))
+            .await
+        {
             Ok(true) => reader.at = next,
             Ok(false) => return Err("lease lost: checkpoint not moved".into()),
             Err(error) => return Err(format!("checkpoint not written: {error}")),

@@ -523,12 +523,14 @@ end
 return 0
 ";
 
-/// Moves a usage journal's checkpoint, only while `owner` holds the lease.
+/// Moves a usage journal's checkpoint, only while `owner` holds the lease, and renews the lease
+/// (a long backlog is read batch after batch between two polls).
 const JOURNAL_COMMIT_LUA: &str = r"
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
 end
 redis.call('HSET', KEYS[2], 'dev', ARGV[2], 'ino', ARGV[3], 'offset', ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return 1
 ";
 
@@ -588,7 +590,8 @@ impl Store {
         })
     }
 
-    /// Writes a journal's checkpoint if `owner` holds its lease; whether it did.
+    /// Writes a journal's checkpoint if `owner` holds its lease, renewing the lease for `ttl`;
+    /// whether it did.
     ///
     /// # Errors
     /// [`StoreError`] on timeout or Redis error.
@@ -598,10 +601,17 @@ impl Store {
         checkpoint_key: &str,
         owner: &str,
         at: crate::journal::Checkpoint,
+        ttl: Duration,
     ) -> Result<bool, StoreError> {
         let script = Script::new(JOURNAL_COMMIT_LUA);
         let mut inv = script.prepare_invoke();
-        inv.key(lease_key).key(checkpoint_key).arg(owner).arg(at.dev).arg(at.ino).arg(at.offset);
+        inv.key(lease_key)
+            .key(checkpoint_key)
+            .arg(owner)
+            .arg(at.dev)
+            .arg(at.ino)
+            .arg(at.offset)
+            .arg(ttl.as_millis() as u64);
         let mut conn = self.conn();
         let reply: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
         Ok(reply == 1)
