@@ -228,12 +228,17 @@ class Stack:
         sidecar_tls: SidecarTls | None = None,
         otlp_port: int | None = None,
         sidecar_bin: Path | None = None,
+        journal: bool = True,
     ):
         if profile not in ("gateway", "filter", "bare"):
             raise ValueError(f"unknown profile {profile}")
         if metering not in ("access_log", "ext_proc"):
             raise ValueError(f"unknown metering {metering}")
         self.metering = metering
+        # The usage journal (envoy/access_log_journal.yaml, ext-proc/src/journal.rs): Envoy also
+        # writes each access-log entry to a file the sidecar tails from a checkpoint in Redis, so
+        # usage the gRPC access log loses (a sidecar killed) is still applied, once.
+        self.journal = journal and metering == "access_log" and profile == "gateway"
         # The filter admits from admission leases the sidecar grants (filter `admission_leases`,
         # Envoy skips the ext_proc admission for those); the sidecar grants them only with
         # `redis.lease_fraction` > 0 (sidecar_overrides).
@@ -565,7 +570,14 @@ class Stack:
                              "client_ca_file": str(t.ca)}
         if self.otlp_port:
             config["tracing"] = {"otlp_endpoint": f"http://127.0.0.1:{self.otlp_port}"}
+        if self.journal:
+            config["metering"] = {"journal": {"path": str(self.journal_path)}}
         return _merged(config, self.sidecar_overrides)
+
+    @property
+    def journal_path(self) -> Path:
+        """The usage journal Envoy writes and the sidecar tails."""
+        return self.workdir / "usage.journal"
 
     def kill_sidecar(self) -> None:
         """Kills the sidecar (SIGKILL: a crash, or its container restarted)."""
@@ -661,6 +673,9 @@ class Stack:
                 filters.append(render("filters/ext_proc_metering.yaml"))
             else:
                 hcm.setdefault("access_log", []).append(render("access_log_metering.yaml"))
+                if self.journal:
+                    hcm["access_log"].append(
+                        render("access_log_journal.yaml", {"JOURNAL_PATH": json.dumps(str(self.journal_path))}))
             filters.append(render("filters/guard.yaml"))
         filters.append({
             "name": "envoy.filters.http.router",

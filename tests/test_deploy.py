@@ -182,7 +182,8 @@ def test_rendered_bootstrap_has_the_stack_shape(tmp_path):
     config = {
         "envoy": {"listen": "127.0.0.1:0", "admin_port": 0},
         "filter": {"wasm_file": str(WASM_PATH)},
-        "sidecar": {"listen": "127.0.0.1:50051"},
+        # The stack writes the usage journal (envoy/access_log_journal.yaml) at its journal_path.
+        "sidecar": {"listen": "127.0.0.1:50051", "metering": {"journal_path": str(stack.journal_path)}},
         "redis": {"url": "redis://127.0.0.1:6379/0"},
         "tenants": [{"id": "acme", "api_keys_sha256": [sha256_hex(key)], "tier": "standard",
                      "limits": {"requests_per_minute": 60}}],

@@ -83,7 +83,7 @@ impl AccessLogService for AccessLog {
 
 /// What one access-log entry asks of the ledger.
 #[derive(Debug)]
-enum Entry {
+pub(crate) enum Entry {
     /// An admitted request's usage.
     Record(Box<UsageRecord>),
     /// A request the filter decided whose admission answer Envoy never received: its reservation,
@@ -104,7 +104,7 @@ enum Entry {
 /// ([`record_with`]); the release of the reservation of a request the filter decided (with a nonce)
 /// whose admission Envoy never received (not admitted, not a lease, and ended with status 0 or
 /// 5xx that is not the sidecar's own reply, [`ADMISSION_REPLY_DETAILS`]); else nothing.
-fn entry_of(entry: &HttpAccessLogEntry, record_id: impl FnOnce() -> String) -> Entry {
+pub(crate) fn entry_of(entry: &HttpAccessLogEntry, record_id: impl FnOnce() -> String) -> Entry {
     let Some(facts) = decided(entry) else { return Entry::Nothing };
     let facts = match record_with(entry, facts, record_id) {
         Ok(record) => return Entry::Record(Box::new(record)),

@@ -804,6 +804,10 @@ pub struct MeteringConfig {
     /// recorded as charged.
     #[serde(default)]
     pub reservations: ReservationsConfig,
+    /// The usage journal this replica tails ([`crate::journal`]; standalone: the file Envoy's
+    /// journal access log writes). Absent: none.
+    #[serde(default)]
+    pub journal: Option<crate::journal::JournalConfig>,
 }
 
 fn default_buffer_records() -> usize {
@@ -818,6 +822,7 @@ impl Default for MeteringConfig {
             max_json_body_bytes: default_max_json_body_bytes(),
             buffer_records: default_buffer_records(),
             reservations: ReservationsConfig::default(),
+            journal: None,
         }
     }
 }
@@ -1029,6 +1034,9 @@ impl Config {
         }
         if !(1..=10_000).contains(&reservations.sweep_batch) {
             return Err(invalid("metering.reservations.sweep_batch", "must be in 1..=10000"));
+        }
+        if let Some(journal) = &self.metering.journal {
+            journal.validate("metering.journal").map_err(|(field, message)| invalid(&field, message))?;
         }
         if self.redis.breaker.failure_threshold == 0 {
             return Err(invalid("redis.breaker.failure_threshold", "must be > 0"));

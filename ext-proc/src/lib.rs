@@ -31,6 +31,7 @@ pub mod context;
 pub mod epp;
 pub mod error;
 pub mod flow_control;
+pub mod journal;
 pub mod lease;
 pub mod lease_service;
 pub mod ledger;
@@ -156,6 +157,13 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
     });
     // Charges the reservations whose usage never arrived (every replica sweeps).
     let sweeper = tokio::spawn(sweeper::run(Arc::clone(&shared), stop.clone()));
+    // Replays the usage journal Envoy writes, from its checkpoint (one replica at a time).
+    let journal = shared
+        .config
+        .metering
+        .journal
+        .clone()
+        .map(|config| tokio::spawn(journal::run(Arc::clone(&shared), config, stop.clone())));
     let endpoint_pickers = epp::server::spawn_all(&shared, stop.clone())
         .await
         .map_err(|(addr, source)| RunError::Bind { addr, source })?;
@@ -200,6 +208,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
         let _ = expiry.await;
     }
     let _ = sweeper.await;
+    if let Some(journal) = journal {
+        let _ = journal.await;
+    }
     shared.limiter.give_back_all_leases().await;
     // Streams still open past the grace hold a Recorder: close the writer's queue explicitly; it
     // writes what is queued, then ends.

@@ -270,6 +270,19 @@ pub struct Metrics {
     /// `llm_gateway_reservations_open`: open reservations over the configured tenants, as this
     /// replica's last sweep counted them (requests admitted whose usage has not landed).
     pub reservations_open: Gauge,
+    /// `llm_gateway_journal_lines_total`: usage journal lines this replica read.
+    pub journal_lines: Counter,
+    /// `llm_gateway_journal_records_applied_total`: ledger writes the usage journal applied that
+    /// no other delivery had (what the gRPC access log lost).
+    pub journal_records_applied: Counter,
+    /// `llm_gateway_journal_parse_errors_total`: journal lines that are not entries, skipped.
+    pub journal_parse_errors: Counter,
+    /// `llm_gateway_journal_lag_bytes`: bytes of the journal not yet applied, at the last poll.
+    pub journal_lag_bytes: Gauge,
+    /// `llm_gateway_journal_holder`: 1 while this replica holds the journal's lease.
+    pub journal_holder: Gauge,
+    /// `llm_gateway_journal_files_total`: journal files started after a rotation.
+    pub journal_files: Counter,
     /// `llm_gateway_picker_picks_total{pool,endpoint,by}`: the endpoint picker's picks.
     pub picks: Family<PoolEndpoint, Counter>,
     /// `llm_gateway_picker_prefix_blocks_total{pool,kind}`: prompt blocks of picked requests
@@ -367,6 +380,12 @@ impl Metrics {
             records_after_charge: Counter::default(),
             reservations_released: Counter::default(),
             reservations_open: Gauge::default(),
+            journal_lines: Counter::default(),
+            journal_records_applied: Counter::default(),
+            journal_parse_errors: Counter::default(),
+            journal_lag_bytes: Gauge::default(),
+            journal_holder: Gauge::default(),
+            journal_files: Counter::default(),
             picks: Family::default(),
             pick_prefix_blocks: Family::default(),
             no_pick: Family::default(),
@@ -498,6 +517,32 @@ impl Metrics {
             "llm_gateway_reservations_open",
             "Open reservations over the configured tenants at this replica's last sweep",
             m.reservations_open.clone(),
+        );
+        r.register("llm_gateway_journal_lines", "Usage journal lines read", m.journal_lines.clone());
+        r.register(
+            "llm_gateway_journal_records_applied",
+            "Ledger writes the usage journal applied that no other delivery had",
+            m.journal_records_applied.clone(),
+        );
+        r.register(
+            "llm_gateway_journal_parse_errors",
+            "Usage journal lines that are not entries, skipped",
+            m.journal_parse_errors.clone(),
+        );
+        r.register(
+            "llm_gateway_journal_lag_bytes",
+            "Bytes of the usage journal not yet applied",
+            m.journal_lag_bytes.clone(),
+        );
+        r.register(
+            "llm_gateway_journal_holder",
+            "1 while this replica holds the usage journal's lease",
+            m.journal_holder.clone(),
+        );
+        r.register(
+            "llm_gateway_journal_files",
+            "Usage journal files started after a rotation",
+            m.journal_files.clone(),
         );
         r.register(
             "llm_gateway_picker_picks",

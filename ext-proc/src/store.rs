@@ -405,28 +405,31 @@ impl Store {
     }
 
     /// Appends a record's protobuf `UsageEvent` to the usage stream (fields `event`, `tenant`,
-    /// `record_id`; `XADD ... MAXLEN ~ metering.stream_maxlen`). A retry after a failure that
-    /// landed appends it twice: consumers deduplicate on `record_id`.
+    /// `record_id`; `XADD ... MAXLEN ~ metering.stream_maxlen`), once per record id: the id joins
+    /// the set of ids appended in its 10 s finish-time window ([`sent_key`], in the stream's
+    /// cluster slot, kept [`IDEMPOTENCY_RETENTION`] past the window) in the same script, so a
+    /// retry after a failure that landed, or a second party (the gRPC access log and the usage
+    /// journal) appending after an uncertain write, appends nothing more. Whether it appended.
     ///
     /// # Errors
     /// [`StoreError`] on timeout or Redis error.
-    pub async fn append(&self, record: &UsageRecord) -> Result<(), StoreError> {
-        let event = to_event(record, finished_ms(record, unix_ms())).encode_to_vec();
-        let mut xadd = redis::cmd("XADD");
-        xadd.arg(&self.stream)
-            .arg("MAXLEN")
-            .arg("~")
+    pub async fn append(&self, record: &UsageRecord) -> Result<bool, StoreError> {
+        let now_ms = unix_ms();
+        let finished = finished_ms(record, now_ms);
+        let event = to_event(record, finished).encode_to_vec();
+        let (sent, expire_at) = sent_key(&self.stream, finished / 1000, now_ms / 1000);
+        let script = Script::new(APPEND_ONCE_LUA);
+        let mut inv = script.prepare_invoke();
+        inv.key(&self.stream)
+            .key(sent)
+            .arg(&record.info.record_id)
+            .arg(expire_at)
             .arg(self.stream_maxlen)
-            .arg("*")
-            .arg("event")
             .arg(event)
-            .arg("tenant")
-            .arg(&record.info.tenant)
-            .arg("record_id")
-            .arg(&record.info.record_id);
+            .arg(&record.info.tenant);
         let mut conn = self.conn();
-        self.bounded(xadd.query_async::<redis::Value>(&mut conn)).await?;
-        Ok(())
+        let appended: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
+        Ok(appended == 1)
     }
 
     /// Gives an admission back (`lua/ledger_v1.lua`, operation `release`): if the request's
@@ -507,6 +510,139 @@ impl Store {
         let mut conn = self.conn();
         let reply: Vec<Value> = self.bounded(inv.invoke_async(&mut conn)).await?;
         ledger::read_claim(&reply).map_err(StoreError::Reply)
+    }
+}
+
+/// Appends a usage event once per record id (see [`Store::append`]).
+const APPEND_ONCE_LUA: &str = r"
+if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then
+  return 0
+end
+redis.call('EXPIREAT', KEYS[2], ARGV[2])
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'event', ARGV[4], 'tenant', ARGV[5], 'record_id', ARGV[1])
+return 1
+";
+
+/// The set of record ids appended to `stream` in a finish-time window, in the stream's cluster
+/// slot (the stream's own hash tag, else the stream's name as the tag), and when it expires.
+pub fn sent_key(stream: &str, finished_secs: u64, now_secs: u64) -> (String, u64) {
+    let start = finished_secs - finished_secs % IDEMPOTENCY_WINDOW_SECS;
+    let end = start.saturating_add(IDEMPOTENCY_WINDOW_SECS);
+    let expire_at = end.max(now_secs).saturating_add(IDEMPOTENCY_RETENTION.as_secs());
+    let tagged = stream.find('{').is_some_and(|open| stream[open + 1..].find('}').is_some_and(|len| len > 0));
+    let key = if tagged || stream.contains(['{', '}']) {
+        format!("{stream}:sent:{start}")
+    } else {
+        format!("{{{stream}}}:sent:{start}")
+    };
+    (key, expire_at)
+}
+
+/// Takes or renews a usage journal's lease for `owner` (`crate::journal`).
+const JOURNAL_LEASE_LUA: &str = r"
+local holder = redis.call('GET', KEYS[1])
+if holder == false then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+elseif holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+";
+
+/// Moves a usage journal's checkpoint, only while `owner` holds the lease, and renews the lease
+/// (a long backlog is read batch after batch between two polls).
+const JOURNAL_COMMIT_LUA: &str = r"
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[2], 'dev', ARGV[2], 'ino', ARGV[3], 'offset', ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return 1
+";
+
+/// Gives a usage journal's lease up, if `owner` holds it.
+const JOURNAL_RELEASE_LUA: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+";
+
+impl Store {
+    /// Takes the journal lease `key` for `owner`, or renews it when `owner` holds it, for `ttl`.
+    /// Whether `owner` holds it now.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error.
+    pub async fn journal_lease(&self, key: &str, owner: &str, ttl: Duration) -> Result<bool, StoreError> {
+        let script = Script::new(JOURNAL_LEASE_LUA);
+        let mut inv = script.prepare_invoke();
+        inv.key(key).arg(owner).arg(ttl.as_millis() as u64);
+        let mut conn = self.conn();
+        let reply: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
+        Ok(reply == 1)
+    }
+
+    /// Gives the journal lease `key` up if `owner` holds it.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error.
+    pub async fn journal_release(&self, key: &str, owner: &str) -> Result<(), StoreError> {
+        let script = Script::new(JOURNAL_RELEASE_LUA);
+        let mut inv = script.prepare_invoke();
+        inv.key(key).arg(owner);
+        let mut conn = self.conn();
+        let _: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
+        Ok(())
+    }
+
+    /// A journal's checkpoint (`None`: none yet, or unreadable).
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error.
+    pub async fn journal_checkpoint(
+        &self,
+        key: &str,
+    ) -> Result<Option<crate::journal::Checkpoint>, StoreError> {
+        let mut cmd = redis::cmd("HMGET");
+        cmd.arg(key).arg("dev").arg("ino").arg("offset");
+        let mut conn = self.conn();
+        let reply: Vec<Option<u64>> = self.bounded(cmd.query_async(&mut conn)).await?;
+        Ok(match reply.as_slice() {
+            [Some(dev), Some(ino), Some(offset)] => {
+                Some(crate::journal::Checkpoint { dev: *dev, ino: *ino, offset: *offset })
+            }
+            _ => None,
+        })
+    }
+
+    /// Writes a journal's checkpoint if `owner` holds its lease, renewing the lease for `ttl`;
+    /// whether it did.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error.
+    pub async fn journal_commit(
+        &self,
+        lease_key: &str,
+        checkpoint_key: &str,
+        owner: &str,
+        at: crate::journal::Checkpoint,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let script = Script::new(JOURNAL_COMMIT_LUA);
+        let mut inv = script.prepare_invoke();
+        inv.key(lease_key)
+            .key(checkpoint_key)
+            .arg(owner)
+            .arg(at.dev)
+            .arg(at.ino)
+            .arg(at.offset)
+            .arg(ttl.as_millis() as u64);
+        let mut conn = self.conn();
+        let reply: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
+        Ok(reply == 1)
     }
 }
 

@@ -371,6 +371,12 @@ pub struct MeteringSection {
     /// Largest non-streaming JSON response buffered to read its usage, in bytes.
     #[serde(default)]
     pub max_json_body_bytes: Option<u64>,
+    /// The usage journal (standalone target): an absolute path on the host where Envoy writes
+    /// every access-log entry as a JSON line (envoy/access_log_journal.yaml) and the sidecar
+    /// tails it (its `metering.journal.path`), so usage survives a sidecar crash. Absent: none.
+    /// The mesh targets ignore it (docs/architecture.md, "Usage that survives the sidecar").
+    #[serde(default)]
+    pub journal_path: Option<PathBuf>,
 }
 
 /// Redis.
@@ -1554,6 +1560,14 @@ impl GatewayConfig {
         if let Some(metrics) = self.sidecar.metrics_listen {
             if metrics.port() == self.sidecar.listen.port() && metrics.port() != 0 {
                 return fail("sidecar.metrics_listen", "same port as sidecar.listen");
+            }
+        }
+        if let Some(path) = self.sidecar.metering.as_ref().and_then(|m| m.journal_path.as_ref()) {
+            if !path.is_absolute() || path.to_str().is_none_or(|p| p.contains(['"', '\\', '\n', '$'])) {
+                return fail(
+                    "sidecar.metering.journal_path",
+                    "must be an absolute path without quotes, backslashes or $",
+                );
             }
         }
         if let Some(tls) = &self.sidecar.tls {

@@ -38,6 +38,8 @@ pub const FILTER_GUARD: Template = template!("envoy/filters/guard.yaml");
 pub const FILTER_METERING: Template = template!("envoy/filters/ext_proc_metering.yaml");
 /// The metering gRPC access log entry (the HTTP connection manager's `access_log`).
 pub const ACCESS_LOG_METERING: Template = template!("envoy/access_log_metering.yaml");
+/// The usage journal: a file access log entry (standalone target, `sidecar.metering.journal_path`).
+pub const ACCESS_LOG_JOURNAL: Template = template!("envoy/access_log_journal.yaml");
 /// The sidecar's cluster.
 pub const EXT_PROC_CLUSTER: Template = template!("envoy/ext_proc_cluster.yaml");
 /// mTLS to the sidecar: the transport socket of its cluster.
@@ -210,6 +212,7 @@ mod tests {
             FILTER_METERING,
             FILTER_GUARD,
             ACCESS_LOG_METERING,
+            ACCESS_LOG_JOURNAL,
             EXT_PROC_CLUSTER,
             EXT_PROC_UPSTREAM_TLS,
             POOL_CLUSTER,
@@ -222,6 +225,7 @@ mod tests {
                 .set("BUFFER_LIMIT_BYTES", 3)
                 .set("FILTER_CONFIG_JSON", "{}")
                 .set("WASM_PATH", "/x.wasm")
+                .set("JOURNAL_PATH", "/var/lib/llm-gateway/usage.journal")
                 .set("EXT_PROC_PORT", 4)
                 .set("MAX_HEAP_BYTES", 1u64 << 30)
                 .set("MAX_DOWNSTREAM_CONNECTIONS", 5)

@@ -540,3 +540,44 @@ fn flow_control_is_rendered_into_the_sidecar_config() {
             .to_string();
     assert!(err.contains("flow_control.tenant_weights.ghost: is not a tenant"), "{err}");
 }
+
+/// The example with `sidecar.metering.journal_path` set.
+fn with_journal(path: &str) -> Result<Loaded, String> {
+    let mut config = yaml(&std::fs::read_to_string(EXAMPLE).unwrap());
+    let sidecar = config["sidecar"].as_mapping_mut().unwrap();
+    let metering = sidecar
+        .entry(Value::from("metering"))
+        .or_insert_with(|| Value::Mapping(serde_yaml_ng::Mapping::new()));
+    metering.as_mapping_mut().unwrap().insert(Value::from("journal_path"), Value::from(path));
+    let text = serde_yaml_ng::to_string(&config).unwrap();
+    Loaded::from_yaml(&text, "gateway.yaml", Path::new("../envoy/examples").to_path_buf())
+        .map_err(|e| e.to_string())
+}
+
+#[test]
+fn the_usage_journal_is_rendered_for_the_standalone_envoy_and_its_sidecar() {
+    let loaded = with_journal("/var/lib/llm-gateway/usage.journal").unwrap();
+    let out: BTreeMap<String, String> =
+        render(&loaded, Target::Standalone).unwrap().files.into_iter().map(|f| (f.path, f.content)).collect();
+    let b = yaml(&out["standalone/envoy.yaml"]);
+    let hcm = &b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    assert_eq!(names(&hcm["access_log"]), ["envoy.access_loggers.http_grpc", "envoy.access_loggers.file"]);
+    let journal = &hcm["access_log"][1]["typed_config"];
+    assert_eq!(journal["path"], "/var/lib/llm-gateway/usage.journal");
+    assert_eq!(
+        journal["log_format"]["json_format"]["facts"],
+        "%FILTER_STATE(wasm.llm_gateway.request:PLAIN)%"
+    );
+    let sidecar = yaml(&out["standalone/sidecar.yaml"]);
+    assert_eq!(sidecar["metering"]["journal"]["path"], "/var/lib/llm-gateway/usage.journal");
+    let parsed = gateway_ext_proc::config::Config::from_yaml(&out["standalone/sidecar.yaml"]).unwrap();
+    assert_eq!(parsed.metering.journal.unwrap().path, Path::new("/var/lib/llm-gateway/usage.journal"));
+    // The mesh targets share no file with the gateway's Envoy: no journal there.
+    let meshes: BTreeMap<String, String> =
+        render(&loaded, Target::All).unwrap().files.into_iter().map(|f| (f.path, f.content)).collect();
+    assert!(!meshes["kubernetes/sidecar-configmap.yaml"].contains("journal"));
+    // Without it, the example renders no journal.
+    assert!(!files(Target::Standalone)["standalone/envoy.yaml"].contains("access_loggers.file"));
+    let error = with_journal("usage.journal").unwrap_err();
+    assert!(error.contains("sidecar.metering.journal_path"), "{error}");
+}

@@ -186,6 +186,11 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
     // standalone bootstrap's max_stream_duration; on the mesh targets, the bound set there).
     let record_after = c.envoy.edge.max_stream_duration_ms.saturating_add(USAGE_DELIVERY_MARGIN_MS);
     metering.push(("reservations", map([("record_after_ms", n(record_after))])));
+    if let (Flavor::Standalone, Some(path)) =
+        (flavor, c.sidecar.metering.as_ref().and_then(|m| m.journal_path.as_ref()))
+    {
+        metering.push(("journal", map([("path", s(path.display().to_string()))])));
+    }
     top.push(("metering", map(metering)));
     if let Some(grace) = c.sidecar.shutdown_grace_ms {
         top.push(("shutdown_grace_ms", n(grace)));

@@ -125,7 +125,12 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error>
     if !set(hcm, "http_filters", filters) {
         return Err(missing("http_filters"));
     }
-    if !set(hcm, "access_log", seq([template::render(template::ACCESS_LOG_METERING, &values)?])) {
+    let mut access_logs = vec![template::render(template::ACCESS_LOG_METERING, &values)?];
+    if let Some(path) = c.sidecar.metering.as_ref().and_then(|m| m.journal_path.as_ref()) {
+        let journal = values.clone().set("JOURNAL_PATH", path.display().to_string());
+        access_logs.push(template::render(template::ACCESS_LOG_JOURNAL, &journal)?);
+    }
+    if !set(hcm, "access_log", seq(access_logs)) {
         return Err(missing("access_log"));
     }
     if let Some(t) = &c.tracing {

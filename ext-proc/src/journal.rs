@@ -1,0 +1,785 @@
+//! The usage journal: the metering path that survives the sidecar (issue 14).
+//!
+//! Envoy's gRPC access log is fire-and-forget: what a sidecar received but had not written to
+//! Redis when it died, and what Envoy's small retry buffer could not hold while no sidecar
+//! listened, is lost. So the standalone bootstrap also writes every access-log entry, with the
+//! same facts the gRPC entry carries, as one JSON line to a local file
+//! (`envoy/access_log_journal.yaml`: Envoy's file access logger). The sidecar tails that file
+//! from a checkpoint kept in Redis (the file's identity, device and inode, and a byte offset),
+//! turns each complete line into the [`HttpAccessLogEntry`] the gRPC path would have received
+//! ([`parse_line`]), and applies what it asks of the ledger ([`crate::access_log`]'s reading of
+//! an entry) through the same idempotent script (`lua/ledger_v1.lua`): a record, or the release
+//! of an admission Envoy never received. The checkpoint moves only after Redis applied the
+//! batch, so a sidecar that dies mid-batch replays it from the checkpoint, and the record ids
+//! (the request's) make the replay, and every entry the gRPC path delivered too, change nothing.
+//!
+//! One replica tails a journal at a time: it holds a lease in Redis (`SET NX PX`, renewed every
+//! poll), and the checkpoint is written only by the lease's holder (one script checks both), so
+//! a replica that lost its lease (paused, cut off from Redis) cannot move it. When the holder
+//! dies, another replica on the host takes the lease once it expires and goes on from the
+//! checkpoint.
+//!
+//! Rotation: when the path names another file than the one being read (renamed away and Envoy's
+//! logs reopened), the old file is read to its end through the open handle, then the new one from
+//! offset 0; a file shorter than the offset (truncated) is read again from 0. A checkpoint naming
+//! a file the path no longer names (rotated while no sidecar tailed) starts the path's file at 0.
+//! Only complete lines are read: a partial last line waits for its newline.
+//!
+//! The gRPC access log stays the fast path (pool accounting, flow control, settlement within
+//! milliseconds); the journal, flushed by Envoy about once a second, repairs what it lost. Lines
+//! of requests that were not admitted (no facts, no reservation) are skipped.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::core::v3::Metadata;
+use envoy_types::pb::envoy::data::accesslog::v3::{
+    AccessLogCommon, HttpAccessLogEntry, HttpRequestProperties, HttpResponseProperties,
+};
+use envoy_types::pb::google::protobuf::{self as pb, value::Kind, Any, ListValue, Struct};
+use futures::future::join_all;
+use prost::Message;
+use serde::Deserialize;
+use tokio::sync::watch;
+use tracing::{debug, info, warn};
+
+use gateway_contract::{FS_REQUEST, FS_USAGE, METADATA_NAMESPACE};
+
+use crate::access_log::{self, Entry};
+use crate::ledger;
+use crate::limits;
+use crate::meter::UsageRecord;
+use crate::service::Shared;
+use crate::store::{Applied, Store, StoreError};
+
+/// `metering.journal`: the usage journal this replica tails.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct JournalConfig {
+    /// The file Envoy's journal access log writes (`envoy/access_log_journal.yaml`'s `path`),
+    /// readable by the sidecar.
+    pub path: PathBuf,
+    /// The journal's name in Redis (its lease and checkpoint keys; default: the path). Give each
+    /// Envoy's journal its own name when several Envoys share a Redis.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// How often the holder reads what was appended, in milliseconds (default 200; 10 to 60,000).
+    #[serde(default = "default_poll_interval_ms")]
+    pub poll_interval_ms: u64,
+    /// How long the lease outlives its holder's last renewal, in milliseconds: how soon another
+    /// replica takes over a dead holder's journal (default 3,000; 500 to 600,000; above 2 polls).
+    #[serde(default = "default_lease_ms")]
+    pub lease_ms: u64,
+    /// Most lines applied per Redis batch before the checkpoint moves (default 512; 1 to 100,000).
+    #[serde(default = "default_batch_lines")]
+    pub batch_lines: usize,
+}
+
+fn default_poll_interval_ms() -> u64 {
+    200
+}
+
+fn default_lease_ms() -> u64 {
+    3_000
+}
+
+fn default_batch_lines() -> usize {
+    512
+}
+
+impl JournalConfig {
+    /// Checks the settings; errors name the field (`field` is this section's path).
+    ///
+    /// # Errors
+    /// `(field, message)` of the first invalid setting.
+    pub fn validate(&self, field: &str) -> Result<(), (String, &'static str)> {
+        if self.path.as_os_str().is_empty() || !self.path.is_absolute() {
+            return Err((format!("{field}.path"), "must be an absolute path"));
+        }
+        if self.name.as_deref().is_some_and(|n| n.is_empty() || n.len() > 200) {
+            return Err((format!("{field}.name"), "must be 1 to 200 characters"));
+        }
+        if !(10..=60_000).contains(&self.poll_interval_ms) {
+            return Err((format!("{field}.poll_interval_ms"), "must be in 10..=60000"));
+        }
+        if !(500..=600_000).contains(&self.lease_ms) {
+            return Err((format!("{field}.lease_ms"), "must be in 500..=600000"));
+        }
+        if self.lease_ms <= 2 * self.poll_interval_ms {
+            return Err((format!("{field}.lease_ms"), "must be more than twice poll_interval_ms"));
+        }
+        if !(1..=100_000).contains(&self.batch_lines) {
+            return Err((format!("{field}.batch_lines"), "must be in 1..=100000"));
+        }
+        Ok(())
+    }
+
+    /// The journal's name in Redis.
+    pub fn name(&self) -> String {
+        self.name.clone().unwrap_or_else(|| self.path.display().to_string())
+    }
+}
+
+/// The Redis keys of a journal: its lease and its checkpoint (one hash tag, one cluster slot).
+pub fn keys(prefix: &str, name: &str) -> (String, String) {
+    let tag = name.replace(['{', '}'], "_");
+    (format!("{prefix}:journal-lease:{{{tag}}}"), format!("{prefix}:journal-checkpoint:{{{tag}}}"))
+}
+
+/// Where the reading stands: the file (device, inode) and the offset of the first byte not yet
+/// applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Checkpoint {
+    /// `st_dev` of the file.
+    pub dev: u64,
+    /// `st_ino` of the file.
+    pub ino: u64,
+    /// Bytes applied.
+    pub offset: u64,
+}
+
+/// The length of `buf`'s complete lines: up to and including its last newline (0: none).
+pub fn complete_len(buf: &[u8]) -> usize {
+    buf.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1)
+}
+
+/// One journal line as Envoy's `json_format` writes it (`envoy/access_log_journal.yaml`).
+/// Absent values come as `null` (or Envoy's `-`).
+#[derive(Debug, Deserialize)]
+struct Line {
+    #[serde(default)]
+    request_id: serde_json::Value,
+    #[serde(default)]
+    start: serde_json::Value,
+    #[serde(default)]
+    facts: serde_json::Value,
+    #[serde(default)]
+    usage: serde_json::Value,
+    #[serde(default)]
+    metadata: serde_json::Value,
+    #[serde(default)]
+    status: serde_json::Value,
+    #[serde(default)]
+    details: serde_json::Value,
+    #[serde(default)]
+    upstream_tx_us: serde_json::Value,
+    #[serde(default)]
+    downstream_tx_us: serde_json::Value,
+}
+
+/// A string value (`None`: null, empty or Envoy's `-`).
+fn text(v: &serde_json::Value) -> Option<String> {
+    match v {
+        serde_json::Value::String(s) if !s.is_empty() && s != "-" => Some(s.clone()),
+        serde_json::Value::Object(_) | serde_json::Value::Array(_) => Some(v.to_string()),
+        _ => None,
+    }
+}
+
+/// A non-negative integer value, as a number or a string of digits.
+fn integer(v: &serde_json::Value) -> Option<u64> {
+    match v {
+        serde_json::Value::Number(n) => {
+            n.as_u64().or_else(|| n.as_f64().filter(|f| *f >= 0.0).map(|f| f as u64))
+        }
+        serde_json::Value::String(s) => s.trim().parse().ok(),
+        _ => None,
+    }
+}
+
+/// Envoy's `%START_TIME(%s.%9f)%`: seconds and nanoseconds.
+fn start_time(v: &serde_json::Value) -> Option<pb::Timestamp> {
+    let s = text(v)?;
+    let (secs, frac) = s.split_once('.').unwrap_or((s.as_str(), ""));
+    let seconds: i64 = secs.parse().ok()?;
+    let digits: String = frac.chars().take(9).collect();
+    if !digits.chars().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    let nanos = if digits.is_empty() { 0 } else { format!("{digits:0<9}").parse().ok()? };
+    Some(pb::Timestamp { seconds, nanos })
+}
+
+fn duration_of_us(us: u64) -> pb::Duration {
+    pb::Duration {
+        seconds: i64::try_from(us / 1_000_000).unwrap_or(i64::MAX),
+        nanos: i32::try_from((us % 1_000_000) * 1000).unwrap_or(0),
+    }
+}
+
+/// A filter state logged `PLAIN` (the property's bytes as a string), as the `Any` holding a
+/// `google.protobuf.BytesValue` that the gRPC access log carries.
+fn filter_state(v: &serde_json::Value) -> Option<Any> {
+    let bytes = text(v)?.into_bytes();
+    Some(Any {
+        type_url: "type.googleapis.com/google.protobuf.BytesValue".into(),
+        value: bytes.encode_to_vec(),
+    })
+}
+
+/// A JSON value as a `google.protobuf.Value`.
+fn proto_value(v: &serde_json::Value) -> pb::Value {
+    let kind = match v {
+        serde_json::Value::Null => Kind::NullValue(0),
+        serde_json::Value::Bool(b) => Kind::BoolValue(*b),
+        serde_json::Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(0.0)),
+        serde_json::Value::String(s) => Kind::StringValue(s.clone()),
+        serde_json::Value::Array(items) => {
+            Kind::ListValue(ListValue { values: items.iter().map(proto_value).collect() })
+        }
+        serde_json::Value::Object(map) => Kind::StructValue(proto_struct(map)),
+    };
+    pb::Value { kind: Some(kind) }
+}
+
+fn proto_struct(map: &serde_json::Map<String, serde_json::Value>) -> Struct {
+    Struct { fields: map.iter().map(|(k, v)| (k.clone(), proto_value(v))).collect() }
+}
+
+/// Parses one journal line (without its newline) into the access-log entry the gRPC path would
+/// have received for the same stream. `Ok(None)`: a blank line.
+///
+/// # Errors
+/// Why the line is not a journal entry (not JSON, not an object).
+pub fn parse_line(line: &[u8]) -> Result<Option<HttpAccessLogEntry>, String> {
+    let Some(first) = line.iter().find(|b| !b.is_ascii_whitespace()) else { return Ok(None) };
+    if *first != b'{' {
+        return Err("not a JSON object".to_owned());
+    }
+    let line: Line = serde_json::from_slice(line).map_err(|e| e.to_string())?;
+    let mut states = HashMap::new();
+    if let Some(any) = filter_state(&line.facts) {
+        states.insert(FS_REQUEST.to_owned(), any);
+    }
+    if let Some(any) = filter_state(&line.usage) {
+        states.insert(FS_USAGE.to_owned(), any);
+    }
+    let metadata = match &line.metadata {
+        serde_json::Value::Object(map) => Some(Metadata {
+            filter_metadata: HashMap::from([(METADATA_NAMESPACE.to_owned(), proto_struct(map))]),
+            ..Default::default()
+        }),
+        _ => None,
+    };
+    let status = integer(&line.status).and_then(|s| u32::try_from(s).ok()).filter(|s| *s > 0);
+    Ok(Some(HttpAccessLogEntry {
+        common_properties: Some(AccessLogCommon {
+            start_time: start_time(&line.start),
+            time_to_last_upstream_tx_byte: integer(&line.upstream_tx_us).map(duration_of_us),
+            time_to_last_downstream_tx_byte: integer(&line.downstream_tx_us).map(duration_of_us),
+            metadata,
+            filter_state_objects: states,
+            ..Default::default()
+        }),
+        request: Some(HttpRequestProperties {
+            request_id: text(&line.request_id).unwrap_or_default(),
+            ..Default::default()
+        }),
+        response: Some(HttpResponseProperties {
+            response_code: status.map(|value| pb::UInt32Value { value }),
+            response_code_details: text(&line.details).unwrap_or_default(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }))
+}
+
+/// What the journal applies for one line, and how far it got (kept across retries, so that a
+/// record whose script landed but whose event did not gets its event).
+#[derive(Debug)]
+enum Op {
+    Record {
+        record: Box<UsageRecord>,
+        settlements: Vec<(limits::BucketSpec, i64)>,
+        /// The ledger script landed (only the event is left).
+        applied: bool,
+        /// An earlier attempt may have landed it (a timeout, a connection lost).
+        maybe_applied: bool,
+    },
+    Release {
+        tenant: String,
+        record_id: String,
+        buckets: Vec<limits::BucketSpec>,
+    },
+}
+
+/// How a line's application ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Done {
+    /// The journal applied what no other delivery had (the gRPC path lost it).
+    Applied,
+    /// Applied before (the gRPC path, or an earlier replay), or nothing to do.
+    Nothing,
+}
+
+/// The ledger write of one entry, or `None` (not admitted, an unconfigured tenant, counts past
+/// what Redis holds).
+fn op_of(shared: &Shared, entry: &HttpAccessLogEntry) -> Option<Op> {
+    match access_log::entry_of(entry, String::new) {
+        Entry::Record(record) => {
+            let mut record = *record;
+            if record.info.record_id.is_empty() || !record.fits_redis() {
+                return None;
+            }
+            let tenant = shared.config.tenant(&record.info.tenant)?;
+            if record.finished_at_unix_ms == 0 {
+                record.finished_at_unix_ms = unix_ms();
+            }
+            let settlements = if record.info.reserved_locally {
+                Vec::new()
+            } else {
+                let buckets =
+                    limits::token_buckets(shared.limiter.store().prefix(), tenant, &record.info.model);
+                ledger::settlements(buckets, record.info.reserved_tokens, record.total_tokens())
+            };
+            Some(Op::Record { record: Box::new(record), settlements, applied: false, maybe_applied: false })
+        }
+        Entry::Release { tenant, model, record_id } => {
+            let config = shared.config.tenant(&tenant)?;
+            let buckets = limits::plan(shared.limiter.store().prefix(), config, &model, 0);
+            Some(Op::Release { tenant: config.id.clone(), record_id, buckets })
+        }
+        Entry::Nothing => None,
+    }
+}
+
+async fn apply(store: &Store, op: &mut Op) -> Result<Done, StoreError> {
+    match op {
+        Op::Release { tenant, record_id, buckets } => {
+            let released = store.release(tenant, record_id, buckets).await?;
+            Ok(if released { Done::Applied } else { Done::Nothing })
+        }
+        Op::Record { record, settlements, applied, maybe_applied } => {
+            if !*applied {
+                let result = store.apply(record, settlements, false).await;
+                if result.as_ref().is_err_and(StoreError::maybe_applied) {
+                    *maybe_applied = true;
+                }
+                match result? {
+                    Applied::Applied => *applied = true,
+                    // Landed by this replica's earlier attempt, or by another delivery: the
+                    // event is appended once per record id either way.
+                    Applied::Duplicate if *maybe_applied => {
+                        let appended = store.append(record).await?;
+                        return Ok(if appended { Done::Applied } else { Done::Nothing });
+                    }
+                    Applied::Duplicate | Applied::AfterCharge => return Ok(Done::Nothing),
+                }
+            }
+            store.append(record).await?;
+            Ok(Done::Applied)
+        }
+    }
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// The file being read and where.
+struct Reader {
+    file: File,
+    at: Checkpoint,
+}
+
+fn identity(meta: &std::fs::Metadata) -> (u64, u64) {
+    (meta.dev(), meta.ino())
+}
+
+/// Opens the journal at `path` positioned at the checkpoint if it names that file (and the file
+/// is at least that long), else at 0.
+fn open_at(path: &Path, checkpoint: Option<Checkpoint>) -> std::io::Result<Reader> {
+    let mut file = File::open(path)?;
+    let meta = file.metadata()?;
+    let (dev, ino) = identity(&meta);
+    let offset = match checkpoint {
+        Some(c) if (c.dev, c.ino) == (dev, ino) && c.offset <= meta.len() => c.offset,
+        _ => 0,
+    };
+    file.seek(SeekFrom::Start(offset))?;
+    Ok(Reader { file, at: Checkpoint { dev, ino, offset } })
+}
+
+/// Reads up to `most_lines` complete lines from the reader's offset (without moving it).
+fn read_lines(reader: &mut Reader, most_lines: usize) -> std::io::Result<Vec<u8>> {
+    reader.file.seek(SeekFrom::Start(reader.at.offset))?;
+    let mut out = Vec::new();
+    let mut chunk = vec![0u8; 256 * 1024];
+    loop {
+        let n = reader.file.read(&mut chunk)?;
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(chunk.get(..n).unwrap_or_default());
+        if out.iter().filter(|&&b| b == b'\n').count() >= most_lines || out.len() >= 16 << 20 {
+            break;
+        }
+    }
+    // Cut at the `most_lines`-th newline, else at the last one.
+    let mut seen = 0;
+    let mut cut = 0;
+    for (i, b) in out.iter().enumerate() {
+        if *b == b'\n' {
+            seen += 1;
+            cut = i + 1;
+            if seen == most_lines {
+                break;
+            }
+        }
+    }
+    out.truncate(cut);
+    Ok(out)
+}
+
+/// Tails the journal until `stop` turns true (see the module's documentation).
+pub async fn run(shared: Arc<Shared>, config: JournalConfig, mut stop: watch::Receiver<bool>) {
+    let store = shared.limiter.store().clone();
+    let name = config.name();
+    let (lease_key, checkpoint_key) = keys(store.prefix(), &name);
+    let owner = format!("{}-{:016x}", std::process::id(), rand_u64());
+    let lease = Duration::from_millis(config.lease_ms);
+    let mut tick = tokio::time::interval(Duration::from_millis(config.poll_interval_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut holding = false;
+    let mut reader: Option<Reader> = None;
+    info!(path = %config.path.display(), %name, %owner, "usage journal: tailing when this replica holds its lease");
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.wait_for(|stopping| *stopping) => break,
+        }
+        match store.journal_lease(&lease_key, &owner, lease).await {
+            Ok(true) => {
+                if !holding {
+                    info!(%name, "usage journal: lease taken");
+                    holding = true;
+                    reader = None;
+                }
+            }
+            Ok(false) => {
+                if holding {
+                    warn!(%name, "usage journal: lease lost to another replica");
+                }
+                holding = false;
+                reader = None;
+                shared.metrics.journal_holder.set(0);
+                continue;
+            }
+            Err(error) => {
+                debug!(%error, "usage journal: lease call failed");
+                continue;
+            }
+        }
+        shared.metrics.journal_holder.set(1);
+        if reader.is_none() {
+            let checkpoint = match store.journal_checkpoint(&checkpoint_key).await {
+                Ok(c) => c,
+                Err(error) => {
+                    debug!(%error, "usage journal: checkpoint read failed");
+                    continue;
+                }
+            };
+            match open_at(&config.path, checkpoint) {
+                Ok(r) => {
+                    info!(offset = r.at.offset, ?checkpoint, "usage journal: reading");
+                    reader = Some(r);
+                }
+                Err(error) => {
+                    debug!(%error, path = %config.path.display(), "usage journal: not readable yet");
+                    continue;
+                }
+            }
+        }
+        let Some(r) = reader.as_mut() else { continue };
+        match drain(&shared, &store, &config, r, &lease_key, &checkpoint_key, &owner, &mut stop).await {
+            Ok(()) => {}
+            Err(why) => {
+                // Start again from the checkpoint Redis holds (idempotent replays).
+                warn!(%why, "usage journal: batch not committed; resuming from the checkpoint");
+                reader = None;
+                continue;
+            }
+        }
+        // Rotation or truncation: the path names another file, or this one shrank.
+        match std::fs::metadata(&config.path) {
+            Ok(meta) => {
+                let now = identity(&meta);
+                let Some(r) = reader.as_mut() else { continue };
+                if now != (r.at.dev, r.at.ino) {
+                    // The old file read to its end (drain above): the new one from 0.
+                    info!("usage journal: the path names a new file; reading it from 0");
+                    shared.metrics.journal_files.inc();
+                    match open_at(&config.path, None) {
+                        Ok(fresh) => {
+                            let at = fresh.at;
+                            if matches!(
+                                store.journal_commit(&lease_key, &checkpoint_key, &owner, at, lease).await,
+                                Ok(true)
+                            ) {
+                                reader = Some(fresh);
+                            } else {
+                                reader = None;
+                            }
+                        }
+                        Err(_) => reader = None,
+                    }
+                } else if meta.len() < r.at.offset {
+                    warn!(
+                        offset = r.at.offset,
+                        len = meta.len(),
+                        "usage journal: file truncated; reading it from 0"
+                    );
+                    reader = None;
+                    let at = Checkpoint { dev: now.0, ino: now.1, offset: 0 };
+                    let _ = store.journal_commit(&lease_key, &checkpoint_key, &owner, at, lease).await;
+                } else {
+                    shared
+                        .metrics
+                        .journal_lag_bytes
+                        .set(i64::try_from(meta.len() - r.at.offset).unwrap_or(i64::MAX));
+                }
+            }
+            Err(error) => debug!(%error, "usage journal: path not readable"),
+        }
+    }
+    if holding {
+        let _ = store.journal_release(&lease_key, &owner).await;
+    }
+}
+
+/// Applies the complete lines after the reader's offset, batch by batch, moving the checkpoint
+/// after each batch Redis applied.
+#[allow(clippy::too_many_arguments)]
+async fn drain(
+    shared: &Shared,
+    store: &Store,
+    config: &JournalConfig,
+    reader: &mut Reader,
+    lease_key: &str,
+    checkpoint_key: &str,
+    owner: &str,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<(), String> {
+    loop {
+        if *stop.borrow() {
+            return Ok(());
+        }
+        let bytes = read_lines(reader, config.batch_lines).map_err(|e| e.to_string())?;
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let mut ops = Vec::new();
+        for line in bytes.split(|&b| b == b'\n') {
+            if line.is_empty() {
+                continue;
+            }
+            shared.metrics.journal_lines.inc();
+            match parse_line(line) {
+                Ok(Some(entry)) => ops.extend(op_of(shared, &entry)),
+                Ok(None) => {}
+                Err(why) => {
+                    warn!(%why, "usage journal: unreadable line skipped");
+                    shared.metrics.journal_parse_errors.inc();
+                }
+            }
+        }
+        let mut ops: Vec<(Op, bool)> = ops.into_iter().map(|op| (op, false)).collect();
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let pending: Vec<(&mut Op, &mut bool)> =
+                ops.iter_mut().filter(|(_, done)| !*done).map(|(op, done)| (op, done)).collect();
+            if pending.is_empty() {
+                break;
+            }
+            let results =
+                join_all(pending.into_iter().map(|(op, done)| async move { (done, apply(store, op).await) }))
+                    .await;
+            let mut failed = 0;
+            for (done, result) in results {
+                match result {
+                    Ok(Done::Applied) => {
+                        *done = true;
+                        shared.metrics.journal_records_applied.inc();
+                    }
+                    Ok(Done::Nothing) => *done = true,
+                    Err(error) => {
+                        failed += 1;
+                        debug!(%error, "usage journal: ledger write failed; retried");
+                    }
+                }
+            }
+            if failed == 0 {
+                break;
+            }
+            if *stop.borrow() {
+                return Err("stopping with writes unconfirmed".into());
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+            // Keep the lease while Redis is away; losing it ends this batch uncommitted.
+            if !store
+                .journal_lease(lease_key, owner, Duration::from_millis(config.lease_ms))
+                .await
+                .unwrap_or(false)
+            {
+                return Err("lease lost while retrying".into());
+            }
+        }
+        let next = Checkpoint { offset: reader.at.offset + bytes.len() as u64, ..reader.at };
+        match store
+            .journal_commit(lease_key, checkpoint_key, owner, next, Duration::from_millis(config.lease_ms))
+            .await
+        {
+            Ok(true) => reader.at = next,
+            Ok(false) => return Err("lease lost: checkpoint not moved".into()),
+            Err(error) => return Err(format!("checkpoint not written: {error}")),
+        }
+    }
+}
+
+/// A random 64-bit value (the lease owner's token).
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LINE: &str = r#"{"v":1,"request_id":"rid-7","start":"1700000000.005000000","facts":"{\"v\":1,\"tenant\":\"acme\",\"tier\":\"standard\",\"model\":\"m\",\"pool\":\"p\",\"prompt_tokens\":12,\"max_tokens\":38,\"request_id\":\"rid-7\",\"nonce\":\"00000000000000ff\"}","usage":"{\"v\":1,\"status\":200,\"prompt_tokens\":10,\"completion_tokens\":3,\"cached_tokens\":0,\"ttft_us\":5,\"tpot_us\":1,\"duration_us\":9,\"end_reason\":\"completed\",\"usage_source\":\"upstream\"}","metadata":{"reserved_tokens":50,"admitted":true},"status":200,"details":"via_upstream","upstream_tx_us":"800","downstream_tx_us":1250000}"#;
+
+    #[test]
+    fn a_line_reads_as_the_grpc_entry_of_the_same_stream() {
+        let entry = parse_line(LINE.as_bytes()).unwrap().unwrap();
+        let Entry::Record(r) = access_log::entry_of(&entry, || panic!("named by the facts")) else {
+            panic!("a record")
+        };
+        assert_eq!(r.info.record_id, "rid-7.00000000000000ff");
+        assert_eq!((r.info.tenant.as_str(), r.info.model.as_str(), r.info.pool.as_str()), ("acme", "m", "p"));
+        assert_eq!((r.prompt_tokens, r.completion_tokens, r.info.reserved_tokens), (10, 3, 50));
+        // Dated as the gRPC path dates it: start + time to the last downstream byte.
+        assert_eq!(r.finished_at_unix_ms, 1_700_000_001_255);
+        assert_eq!(r.status, 200);
+    }
+
+    #[test]
+    fn absent_values_are_absent() {
+        let line = r#"{"request_id":"-","start":null,"facts":null,"usage":"-","metadata":null,"status":0,"details":"-","upstream_tx_us":null,"downstream_tx_us":"-"}"#;
+        let entry = parse_line(line.as_bytes()).unwrap().unwrap();
+        let common = entry.common_properties.as_ref().unwrap();
+        assert!(common.filter_state_objects.is_empty());
+        assert!(common.metadata.is_none() && common.start_time.is_none());
+        assert!(
+            common.time_to_last_upstream_tx_byte.is_none()
+                && common.time_to_last_downstream_tx_byte.is_none()
+        );
+        assert!(entry.response.as_ref().unwrap().response_code.is_none());
+        assert!(matches!(access_log::entry_of(&entry, String::new), Entry::Nothing));
+        // Not admitted (no reservation in the metadata): nothing, as on the gRPC path.
+        let refused =
+            LINE.replace(r#""metadata":{"reserved_tokens":50,"admitted":true}"#, r#""metadata":null"#);
+        let entry = parse_line(refused.as_bytes()).unwrap().unwrap();
+        assert!(matches!(access_log::entry_of(&entry, String::new), Entry::Nothing));
+    }
+
+    #[test]
+    fn an_unanswered_admission_reads_as_a_release() {
+        let line = LINE
+            .replace(r#""metadata":{"reserved_tokens":50,"admitted":true}"#, r#""metadata":null"#)
+            .replace(
+                r#""status":200,"details":"via_upstream""#,
+                r#""status":500,"details":"ext_proc_error_gRPC_error_14""#,
+            );
+        let entry = parse_line(line.as_bytes()).unwrap().unwrap();
+        assert!(matches!(
+            access_log::entry_of(&entry, String::new),
+            Entry::Release { record_id, .. } if record_id == "rid-7.00000000000000ff"
+        ));
+    }
+
+    #[test]
+    fn bad_lines_are_errors_and_blank_lines_nothing() {
+        assert!(parse_line(b"{not json").is_err());
+        assert!(parse_line(b"[1,2]").is_err());
+        assert!(parse_line(b"   ").unwrap().is_none());
+    }
+
+    #[test]
+    fn start_times_read_to_the_nanosecond() {
+        let t = |s: &str| start_time(&serde_json::Value::String(s.into())).map(|t| (t.seconds, t.nanos));
+        assert_eq!(t("1700000000.005000000"), Some((1_700_000_000, 5_000_000)));
+        assert_eq!(t("1700000000.5"), Some((1_700_000_000, 500_000_000)));
+        assert_eq!(t("1700000000"), Some((1_700_000_000, 0)));
+        assert_eq!(t("x.5"), None);
+        assert_eq!(t("1.5x"), None);
+    }
+
+    #[test]
+    fn only_complete_lines_are_read() {
+        assert_eq!(complete_len(b""), 0);
+        assert_eq!(complete_len(b"{\"a\":1}"), 0);
+        assert_eq!(complete_len(b"{}\n{\"a\""), 3);
+        assert_eq!(complete_len(b"{}\n{}\n"), 6);
+    }
+
+    #[test]
+    fn reading_stops_at_the_batch_and_at_a_partial_line() {
+        let dir = std::env::temp_dir().join(format!("journal-test-{}", rand_u64()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("j.log");
+        std::fs::write(&path, b"a\nb\nc\npartial").unwrap();
+        let mut r = open_at(&path, None).unwrap();
+        assert_eq!(read_lines(&mut r, 2).unwrap(), b"a\nb\n");
+        r.at.offset = 4;
+        assert_eq!(read_lines(&mut r, 10).unwrap(), b"c\n");
+        r.at.offset = 6;
+        assert_eq!(read_lines(&mut r, 10).unwrap(), b"");
+        // A checkpoint of this file resumes there; of another file, or past the end, from 0.
+        let at = r.at;
+        assert_eq!(open_at(&path, Some(at)).unwrap().at.offset, 6);
+        assert_eq!(open_at(&path, Some(Checkpoint { ino: at.ino + 1, ..at })).unwrap().at.offset, 0);
+        assert_eq!(open_at(&path, Some(Checkpoint { offset: 1000, ..at })).unwrap().at.offset, 0);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn config_is_validated_and_named() {
+        let ok = JournalConfig {
+            path: "/var/log/envoy/usage.journal".into(),
+            name: None,
+            poll_interval_ms: 200,
+            lease_ms: 3000,
+            batch_lines: 512,
+        };
+        assert_eq!(ok.validate("metering.journal"), Ok(()));
+        assert_eq!(ok.name(), "/var/log/envoy/usage.journal");
+        let err = |c: JournalConfig| c.validate("metering.journal").unwrap_err().0;
+        assert_eq!(err(JournalConfig { path: "rel/j".into(), ..ok.clone() }), "metering.journal.path");
+        assert_eq!(
+            err(JournalConfig { poll_interval_ms: 5, ..ok.clone() }),
+            "metering.journal.poll_interval_ms"
+        );
+        assert_eq!(err(JournalConfig { lease_ms: 400, ..ok.clone() }), "metering.journal.lease_ms");
+        assert_eq!(
+            err(JournalConfig { lease_ms: 600, poll_interval_ms: 300, ..ok.clone() }),
+            "metering.journal.lease_ms"
+        );
+        assert_eq!(err(JournalConfig { batch_lines: 0, ..ok.clone() }), "metering.journal.batch_lines");
+        assert_eq!(err(JournalConfig { name: Some(String::new()), ..ok }), "metering.journal.name");
+        let (lease, checkpoint) = keys("llmgw", "/x/{y}");
+        assert_eq!(lease, "llmgw:journal-lease:{/x/_y_}");
+        assert_eq!(checkpoint, "llmgw:journal-checkpoint:{/x/_y_}");
+    }
+}
