@@ -305,15 +305,15 @@ pub fn warning(specs: &[QuotaSpec], used: &[u64]) -> Option<String> {
 /// # Errors
 /// A message when the reply does not have that shape.
 pub fn read_reply(reply: &[i64], q: usize) -> Result<QuotaOutcome, String> {
-    if reply.len() != 1 + q {
+    let Some((&head, used)) = reply.split_first().filter(|(_, used)| used.len() == q) else {
         return Err(format!("{} quota values for {q} quotas", reply.len()));
-    }
-    let denied = match reply[0] {
+    };
+    let denied = match head {
         0 => None,
         i if i >= 1 && (i as usize) <= q => Some(i as usize - 1),
         other => return Err(format!("quota denied index {other}")),
     };
-    Ok(QuotaOutcome { denied, used: reply[1..].iter().map(|&u| u.max(0) as u64).collect() })
+    Ok(QuotaOutcome { denied, used: used.iter().map(|&u| u.max(0) as u64).collect() })
 }
 
 /// The admission's reading of its quota counters (`now_ms` on the quota clock): the warning

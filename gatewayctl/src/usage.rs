@@ -86,8 +86,9 @@ pub fn format(rows: &[UsageRow], format: Format) -> String {
             let mut total = cells(&total);
             total[0] = "total".to_owned();
             lines.push(total);
-            let widths: Vec<usize> =
-                (0..COLUMNS.len()).map(|i| lines.iter().map(|l| l[i].len()).max().unwrap_or(0)).collect();
+            let widths: Vec<usize> = (0..COLUMNS.len())
+                .map(|i| lines.iter().map(|l| l.get(i).map_or(0, String::len)).max().unwrap_or(0))
+                .collect();
             let mut out = String::new();
             for line in &lines {
                 let padded: Vec<String> = line
