@@ -106,6 +106,17 @@ pub const MD_QUEUE_WAIT_MS: &str = "queue_wait_ms";
 /// milliseconds (from [`MD_QUEUE_WAIT_MS`]).
 pub const H_QUEUE_WAIT_MS: &str = "x-gateway-queue-wait-ms";
 
+/// Metadata key (namespace [`METADATA_NAMESPACE`]) of the admission's quota warning (a string,
+/// the value of [`H_QUOTA_WARNING`]); absent while every quota of the request is under its soft
+/// limit. Envoy's route turns it into that response header.
+pub const MD_QUOTA_WARNING: &str = "quota_warning";
+/// Response header: the request's tenant (or tenant × model) has used at least the soft limit of
+/// a daily or monthly token quota. One entry per quota over its soft limit, comma-separated, each
+/// `<period>; scope=<tenant|model:NAME>; used=<tokens>; soft=<tokens>; limit=<tokens>;
+/// reset=<RFC 3339 UTC>` where `<period>` is `day` (UTC) or `month` (calendar, UTC) and `used`
+/// counts this request's reservation (docs/deploy.md, "Quotas and cost").
+pub const H_QUOTA_WARNING: &str = "x-gateway-quota-warning";
+
 /// Request header the sidecar's endpoint picker sets (a request-header mutation of its ext_proc
 /// CONTINUE): the picked vLLM endpoint as `ip:port`, or `ip:port,ip:port,...` (the pick, then
 /// fallbacks in order). The Gateway API Inference Extension's endpoint-picker protocol

@@ -86,6 +86,9 @@ async fn request(store: &Store, plan: &[BucketSpec], r: &UsageRecord, now: bool)
         tier: r.info.tier.clone(),
         request_id: r.info.request_id.clone(),
         at_ms: r.finished_at_unix_ms,
+        quota: 0,
+        qday: String::new(),
+        qmonth: String::new(),
     };
     let tracking = Tracking {
         tenant: &r.info.tenant,
@@ -182,6 +185,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 tier: r.info.tier.clone(),
                 request_id: r.info.request_id.clone(),
                 at_ms: r.finished_at_unix_ms,
+                quota: 0,
+                qday: String::new(),
+                qmonth: String::new(),
             };
             let tracking = Tracking {
                 tenant: &r.info.tenant,

@@ -14,8 +14,21 @@
 --   S  <prefix>:usage-seen:{<tenant>}:<window>    set: record ids applied in a 10 s window of
 --                                                 finish time
 --   U  <prefix>:usage:{<tenant>}:<YYYY-MM-DD>     hash: <model>:requests, :prompt_tokens,
---                                                 :completion_tokens, :cached_tokens
+--                                                 :completion_tokens, :cached_tokens,
+--                                                 :cost_nano_usd (only when not 0)
 --   B  token buckets, as token_bucket_take_v3.lua keeps them
+--   Q  quota counters, as token_bucket_take_v3.lua keeps them (<prefix>:quota:{<tenant>}:...)
+--
+-- Quotas and cost (issue 14 item 5) are appended to 'record', 'charge' and 'release' after their
+-- buckets (absent: none): for 'record' and 'charge' ARGV[9 + 3n] the record's cost in
+-- nano-dollars (added to U's <model>:cost_nano_usd), then for all three ARGV[a] = q and per
+-- counter j: period letter ('d' or 'm'), period label, model scope ('' for the tenant's quota),
+-- expire_at (unix s), with KEYS after the buckets' the q counters. A counter moves by the tokens
+-- used minus what the admission charged it (the reservation JSON's `quota`, charged in its
+-- `qday` / `qmonth` period): a record without an open reservation adds its tokens, a give-back
+-- takes the charge off. A reservation charged in another period than the counter's (the request
+-- crossed midnight) leaves both alone: the admission's period keeps the reservation as used.
+-- A counter of a model scope moves only for that model's requests.
 --
 -- ARGV[1] names the operation:
 --
@@ -85,12 +98,51 @@ local function settle_all(first, arg, n, now)
   end
 end
 
-local function add_usage(key, model, prompt, completion, cached)
+local function add_usage(key, model, prompt, completion, cached, cost)
   redis.call('HINCRBY', key, model .. ':requests', 1)
   redis.call('HINCRBY', key, model .. ':prompt_tokens', prompt)
   redis.call('HINCRBY', key, model .. ':completion_tokens', completion)
   redis.call('HINCRBY', key, model .. ':cached_tokens', cached)
+  if cost ~= nil and cost ~= '' and cost ~= '0' then
+    redis.call('HINCRBY', key, model .. ':cost_nano_usd', cost)
+  end
   redis.call('EXPIRE', key, 40 * 86400)
+end
+
+-- Moves the quota counters (KEYS[first_key..]) described from ARGV[a] on by the tokens `used`
+-- minus what the reservation `json` (nil: none) charged them; `model` is the request's model
+-- (nil: the reservation's).
+local function adjust_quotas(first_key, a, model, used, json)
+  local q = tonumber(ARGV[a] or '0') or 0
+  if q == 0 then
+    return
+  end
+  local charged, qday, qmonth = 0, nil, nil
+  if json then
+    local ok, r = pcall(cjson.decode, json)
+    if ok and type(r) == 'table' then
+      charged = tonumber(r.quota) or 0
+      qday, qmonth = r.qday, r.qmonth
+      if model == nil then model = r.model end
+    end
+  end
+  for j = 1, q do
+    local b = a + 1 + 4 * (j - 1)
+    local letter, label, scope = ARGV[b], ARGV[b + 1], ARGV[b + 2]
+    if scope == '' or scope == model then
+      local delta = used
+      if charged > 0 then
+        local at = qmonth
+        if letter == 'd' then at = qday end
+        if at == label then delta = used - charged else delta = 0 end
+      end
+      if delta ~= 0 then
+        local key = KEYS[first_key + j - 1]
+        redis.call('INCRBY', key, delta)
+        redis.call('EXPIREAT', key, ARGV[b + 3])
+      end
+    end
+  end
 end
 
 -- The `reserved` tokens of a reservation's JSON (0 if unreadable).
@@ -105,7 +157,9 @@ end
 local op = ARGV[1]
 if op == 'record' then
   local id = ARGV[2]
-  if redis.call('HDEL', KEYS[1], id) == 1 then
+  local json = redis.call('HGET', KEYS[1], id)
+  if json then
+    redis.call('HDEL', KEYS[1], id)
     redis.call('ZREM', KEYS[2], id)
     redis.call('SADD', KEYS[4], id)
   elseif redis.call('ZSCORE', KEYS[3], id) then
@@ -114,14 +168,18 @@ if op == 'record' then
     return 0
   end
   redis.call('EXPIREAT', KEYS[4], ARGV[3])
-  add_usage(KEYS[5], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
-  settle_all(6, 9, tonumber(ARGV[8]), now_us())
+  local n = tonumber(ARGV[8])
+  add_usage(KEYS[5], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[9 + 3 * n])
+  settle_all(6, 9, n, now_us())
+  adjust_quotas(6 + n, 10 + 3 * n, ARGV[4], tonumber(ARGV[5]) + tonumber(ARGV[6]), json or nil)
   return 1
 elseif op == 'charge' then
   local id = ARGV[2]
-  if redis.call('HDEL', KEYS[1], id) == 0 then
+  local json = redis.call('HGET', KEYS[1], id)
+  if not json then
     return 0
   end
+  redis.call('HDEL', KEYS[1], id)
   redis.call('ZREM', KEYS[2], id)
   local now = now_us()
   local now_ms = math.floor(now / 1000)
@@ -129,8 +187,10 @@ elseif op == 'charge' then
   redis.call('ZADD', KEYS[3], now_ms, id)
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms - keep)
   redis.call('PEXPIRE', KEYS[3], keep)
-  add_usage(KEYS[4], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
-  settle_all(5, 9, tonumber(ARGV[8]), now)
+  local n = tonumber(ARGV[8])
+  add_usage(KEYS[4], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[9 + 3 * n])
+  settle_all(5, 9, n, now)
+  adjust_quotas(5 + n, 10 + 3 * n, ARGV[4], tonumber(ARGV[5]) + tonumber(ARGV[6]), json)
   return 1
 elseif op == 'release' then
   local id = ARGV[2]
@@ -149,6 +209,8 @@ elseif op == 'release' then
     if ARGV[a] == 'tokens' then back = math.min(reserved, capacity) end
     settle(KEYS[2 + i], capacity, tonumber(ARGV[a + 2]), back, now)
   end
+  local n = tonumber(ARGV[3])
+  adjust_quotas(3 + n, 4 + 3 * n, nil, 0, json)
   return 1
 elseif op == 'rereserve' then
   local id = ARGV[2]

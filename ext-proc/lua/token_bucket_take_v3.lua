@@ -23,10 +23,23 @@
 -- ARGV[4n + 2]  record id ('' or absent: no reservation recorded), ARGV[4n + 3] its JSON,
 -- ARGV[4n + 4]  ms the reservation keys live past their last write
 --
--- Returns a flat array: { admitted (1|0), denied_bucket (1-based; 0 when admitted),
---                         then for each bucket i: remaining_i (floor, after taking when admitted),
---                         reset_ms_i (ms until full again), retry_after_ms_i (0 unless it lacks),
---                         granted_i (lease tokens taken; 0 unless admitted) }
+-- Quotas (issue 14 item 5; optional, appended so that callers without quotas are unchanged; then
+-- ARGV[4n + 2..4n + 4] and KEYS[n + 1..n + 2] are always given, with an empty record id when no
+-- reservation is recorded):
+-- ARGV[4n + 5]  number of quota counters q; KEYS[n + 2 + j] counter j (an integer of tokens,
+--               <prefix>:quota:{<tenant>}:...:<day|month>:<label>)
+-- ARGV[4n + 5 + 4(j-1) + 1..4]  hard_j, need_j, charge_j, expire_at_j (unix s)
+--   A counter refuses when counter >= hard or counter + need > hard (the admission's need is 0:
+--   a request is refused once the quota is used up; a lease's need is its tokens). Admitted,
+--   each counter grows by its charge (the admission's reservation; 0 for a lease) and expires at
+--   expire_at. Checked after the buckets: a request refused by a bucket is not refused by a quota.
+--
+-- Returns a flat array: { admitted (1|0), denied_bucket (1-based; 0 when admitted or refused by
+--                         a quota), then for each bucket i: remaining_i (floor, after taking
+--                         when admitted), reset_ms_i (ms until full again), retry_after_ms_i (0
+--                         unless it lacks), granted_i (lease tokens taken; 0 unless admitted),
+--                         and with quotas: denied_quota (1-based; 0 if none refused), then for
+--                         each counter j: its value (after the charge when admitted) }
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local n = tonumber(ARGV[1])
@@ -51,6 +64,16 @@ for i = 1, n do
   tokens[i] = level
   if admitted == 1 and level < cost[i] then
     admitted, denied = 0, i
+  end
+end
+local q = tonumber(ARGV[4 * n + 5] or '0') or 0
+local used, qdenied = {}, 0
+for j = 1, q do
+  local base = 4 * n + 5 + 4 * (j - 1)
+  used[j] = tonumber(redis.call('GET', KEYS[n + 2 + j]) or '0') or 0
+  local hard, need = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])
+  if admitted == 1 and (used[j] >= hard or used[j] + need > hard) then
+    admitted, qdenied = 0, j
   end
 end
 local out = { admitted, denied }
@@ -78,6 +101,20 @@ for i = 1, n do
   out[#out + 1] = reset_ms
   out[#out + 1] = retry_ms
   out[#out + 1] = granted
+end
+if q > 0 then
+  out[#out + 1] = qdenied
+  for j = 1, q do
+    local base = 4 * n + 5 + 4 * (j - 1)
+    if admitted == 1 then
+      local charge = tonumber(ARGV[base + 3])
+      if charge > 0 then
+        used[j] = redis.call('INCRBY', KEYS[n + 2 + j], charge)
+      end
+      redis.call('EXPIREAT', KEYS[n + 2 + j], ARGV[base + 4])
+    end
+    out[#out + 1] = used[j]
+  end
 end
 local id = ARGV[4 * n + 2]
 if admitted == 1 and id ~= nil and id ~= '' then

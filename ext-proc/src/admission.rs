@@ -83,6 +83,11 @@ pub struct Admitted {
     /// When the take recorded the reservation as open in the ledger ([`crate::ledger`]): the
     /// admission's Unix time in ms (the reservation's `at_ms`). A give-back then closes it there.
     pub tracked_at_ms: Option<u64>,
+    /// What the take charged the tenant's quota counters ([`crate::quota`]; 0: none), and the
+    /// admission's time on the quota clock (their periods).
+    pub quota: (u64, u64),
+    /// The `x-gateway-quota-warning` value, when a quota is past its soft limit.
+    pub quota_warning: Option<String>,
 }
 
 /// What settling a finished request gives back to (positive) or charges (negative) one TPM
@@ -132,6 +137,8 @@ pub fn decide(
         reserved_tokens: if has_tokens { reserve_tokens } else { 0 },
         reserved_locally: false,
         tracked_at_ms: None,
+        quota: (0, 0),
+        quota_warning: None,
     })
 }
 
@@ -149,7 +156,13 @@ mod tests {
         };
         limits::plan(
             "p",
-            &TenantConfig { id: "t".into(), limits: l, model_limits: Default::default() },
+            &TenantConfig {
+                id: "t".into(),
+                limits: l,
+                model_limits: Default::default(),
+                quota: Default::default(),
+                model_quotas: Default::default(),
+            },
             "m",
             300,
         )

@@ -125,7 +125,13 @@ mod tests {
             tokens_per_minute: tpm,
             token_burst: None,
         };
-        TenantConfig { id: "acme".into(), limits, model_limits: Default::default() }
+        TenantConfig {
+            id: "acme".into(),
+            limits,
+            model_limits: Default::default(),
+            quota: Default::default(),
+            model_quotas: Default::default(),
+        }
     }
 
     #[test]

@@ -27,6 +27,25 @@ pub enum AdmissionError {
         /// The `x-ratelimit-*` headers for all of the tenant's buckets.
         ratelimit_headers: Vec<(String, String)>,
     },
+    /// A daily or monthly token quota of the tenant (or tenant × model) is used up
+    /// ([`crate::quota`]): 429 with OpenAI's `insufficient_quota` type and code (not
+    /// `rate_limit_exceeded`: waiting a minute does not help), `Retry-After` until the period
+    /// resets.
+    #[error("{period} token quota of {limit} used up")]
+    QuotaExceeded {
+        /// `day` or `month`.
+        period: &'static str,
+        /// `tenant` or `model:<name>`.
+        scope: String,
+        /// The hard limit, tokens.
+        limit: u64,
+        /// Tokens counted in the period (used and reserved in flight).
+        used: u64,
+        /// When it resets, RFC 3339 UTC.
+        reset: String,
+        /// Seconds until it resets (`Retry-After`).
+        retry_after_secs: u64,
+    },
     /// The request carries no `x-gateway-tenant`: the wasm filter did not run before the sidecar
     /// (an Envoy configuration error).
     #[error("request reached the rate limiter without an authenticated tenant")]
@@ -106,6 +125,21 @@ impl AdmissionError {
                         "Rate limit reached on {name}: Limit {limit}, Requested {requested}. Please try again in {retry_after_secs}s."
                     ),
                     headers,
+                )
+            }
+            AdmissionError::QuotaExceeded { period, scope, limit, used, reset, retry_after_secs } => {
+                let whose = match scope.strip_prefix("model:") {
+                    Some(model) => format!("your quota for model {model}"),
+                    None => "your quota".to_owned(),
+                };
+                (
+                    429,
+                    "insufficient_quota",
+                    "insufficient_quota",
+                    format!(
+                        "You exceeded {whose}: {used} of {limit} tokens per {period} used. It resets at {reset}. Please check your plan and billing details."
+                    ),
+                    vec![("retry-after".to_owned(), retry_after_secs.to_string())],
                 )
             }
             AdmissionError::MissingTenant => (
@@ -231,6 +265,30 @@ mod tests {
         assert!(v["error"]["message"].as_str().unwrap().contains("Limit 60, Requested 1"));
         assert!(r.headers.contains(&("retry-after".into(), "2".into())));
         assert!(r.headers.contains(&("x-ratelimit-limit-requests".into(), "60".into())));
+    }
+
+    #[test]
+    fn insufficient_quota_is_openai_shaped_and_not_a_rate_limit() {
+        let e = AdmissionError::QuotaExceeded {
+            period: "day",
+            scope: "model:big".into(),
+            limit: 1000,
+            used: 1002,
+            reset: "2026-11-27T00:00:00Z".into(),
+            retry_after_secs: 3600,
+        };
+        let r = e.to_reply();
+        assert_eq!(r.status, 429);
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(v["error"]["type"], "insufficient_quota");
+        assert_eq!(v["error"]["code"], "insufficient_quota");
+        assert_eq!(v["error"]["param"], serde_json::Value::Null);
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("model big") && message.contains("1002 of 1000 tokens per day"),
+            "{message}"
+        );
+        assert_eq!(r.headers, [("retry-after".to_owned(), "3600".to_owned())]);
     }
 
     #[test]

@@ -18,6 +18,7 @@ use crate::limits;
 use crate::metrics::LeaseOutcome;
 use crate::proto::admission_leases_server::AdmissionLeases;
 use crate::proto::{LeaseGrant, LeaseRequest};
+use crate::quota::QuotaTake;
 use crate::service::Shared;
 
 /// How long a filter waits before asking again when leases are off or the tenant is unknown, in
@@ -66,7 +67,9 @@ impl AdmissionLeases for AdmissionLeaseService {
 /// asked), or why nothing was granted: `off` (`redis.lease_fraction` 0), `unknown_tenant`,
 /// `picking` (the pool's `picker` takes no leases), `shedding` (the pool is at the lowest tier's
 /// shedding level, or near saturation with flow control), `too_tight` (a lease would not
-/// cover two requests), `over_limit` (the buckets lack the lease), `redis_unavailable`.
+/// cover two requests), `over_limit` (the buckets lack the lease), `quota` (a quota counter of
+/// the tenant lacks room for the lease's tokens, or the tenant has quotas and no tokens bucket),
+/// `redis_unavailable`.
 async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'static str) {
     let config = &shared.config;
     if request.admitted > 0 {
@@ -102,13 +105,24 @@ async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'stat
     let Some(size) = admission_lease::size(&plan, fraction, request.request_tokens) else {
         return (admission_lease::refusal(ttl_ms), "too_tight");
     };
-    if size.plan.is_empty() {
+    // Quotas (crate::quota): a lease only while every counter of the tenant (and tenant × model)
+    // has room for all of the lease's tokens, and never without a tokens bucket to bound them.
+    let store = shared.limiter.store();
+    let quota_specs =
+        store.quotas().plan(store.prefix(), &tenant.id, &request.model, store.quotas().clock.now_ms());
+    if !quota_specs.is_empty() && size.tokens_unlimited {
+        return (admission_lease::refusal(ttl_ms), "quota");
+    }
+    let quota_take = QuotaTake { specs: &quota_specs, need: size.tokens, charge: 0 };
+    let quotas = (!quota_specs.is_empty()).then_some((tenant.id.as_str(), &quota_take));
+    if size.plan.is_empty() && quotas.is_none() {
         // No limit applies: nothing to take.
         let outcome = limits::TakeOutcome { denied: None, states: Vec::new() };
         return (admission_lease::grant(&size, &outcome, ttl_ms), "granted");
     }
-    match shared.limiter.take_lease(&size.plan).await {
-        Some(outcome) if outcome.denied.is_none() => {
+    match shared.limiter.take_lease(&size.plan, quotas).await {
+        Some((_, true)) => (admission_lease::refusal(ttl_ms), "quota"),
+        Some((outcome, false)) if outcome.denied.is_none() => {
             (admission_lease::grant(&size, &outcome, ttl_ms), "granted")
         }
         Some(_) => (admission_lease::refusal(ttl_ms), "over_limit"),

@@ -87,6 +87,20 @@ pub struct Reservation {
     pub request_id: String,
     /// Unix ms of the admission (the sidecar's clock): a charge is dated by it.
     pub at_ms: u64,
+    /// Tokens the admission charged the tenant's quota counters ([`crate::quota`]; 0: none):
+    /// the usage record corrects them by the tokens used minus this, a give-back takes it off.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub quota: u64,
+    /// The UTC day (`YYYY-MM-DD`) of the daily counters it charged.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub qday: String,
+    /// The month (`YYYY-MM`) of the monthly counters it charged.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub qmonth: String,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl Reservation {
@@ -102,7 +116,21 @@ impl Reservation {
             tier: facts.tier.clone(),
             request_id: facts.request_id.clone(),
             at_ms,
+            quota: 0,
+            qday: String::new(),
+            qmonth: String::new(),
         }
+    }
+
+    /// The same, having charged `tokens` to the quota counters of the periods of `quota_ms`
+    /// (the admission's time on the quota clock, [`crate::quota::Clock`]).
+    pub fn with_quota(mut self, tokens: u64, quota_ms: u64) -> Self {
+        if tokens > 0 {
+            self.quota = tokens;
+            self.qday = crate::quota::day_label(quota_ms / 1000);
+            self.qmonth = crate::quota::month_label(quota_ms / 1000);
+        }
+        self
     }
 
     /// Its JSON.

@@ -41,6 +41,7 @@ pub mod local_limiter;
 pub mod meter;
 pub mod metrics;
 pub mod pools;
+pub mod quota;
 pub mod recorder;
 pub mod scheduling;
 pub mod service;
@@ -49,6 +50,7 @@ pub use gateway_meter::sse;
 pub mod store;
 pub mod sweeper;
 pub mod telemetry;
+pub mod usage_report;
 
 /// Protobuf types of `proto/llm_gateway/v1/usage.proto` and `lease.proto` (with the lease
 /// service's server).
@@ -117,7 +119,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
             .with_counts_per_tenant(config.context.max_counts_per_tenant),
     );
     let metrics = Metrics::new();
-    let store = Store::connect(&config.redis, config.usage_stream(), config.metering.stream_maxlen).await?;
+    let store = Store::connect(&config.redis, config.usage_stream(), config.metering.stream_maxlen)
+        .await?
+        .with_quotas(quota::QuotaBook::new(&config, quota::Clock::from_env()));
     if let Some(addr) = config.metrics_listen {
         let bound = metrics::serve(addr, Arc::clone(&metrics))
             .await

@@ -20,6 +20,7 @@ use crate::lease::Leases;
 use crate::limits::{BucketSpec, TakeOutcome};
 use crate::local_limiter::LocalLimiter;
 use crate::metrics::{LeaseOutcome, Metrics, Reason};
+use crate::quota::{QuotaOutcome, QuotaTake};
 use crate::store::{Store, Tracking};
 
 /// Result of a take.
@@ -150,16 +151,23 @@ impl Limiter {
     /// Redis decides in a round trip also records the admission's reservation as open in the
     /// ledger ([`Store::take`]); the second value says whether it did (not for an admission from
     /// this sidecar's lease, nor a degraded one).
+    ///
+    /// With `quotas` (the tenant, its counters), Redis also checks and charges the tenant's quota
+    /// counters in the same call (the third value: what they said; `None` when Redis did not
+    /// decide, so no quota was checked), and this sidecar's own leases are not used: a leased
+    /// admission would bypass the counters.
     pub async fn take(
         &self,
         plan: &[BucketSpec],
         mode: FailureMode,
         tracking: Option<&Tracking<'_>>,
-    ) -> (Take, bool) {
-        let wanted = match self.leases.as_ref().map(Mutex::lock) {
+        quotas: Option<(&str, &QuotaTake<'_>)>,
+    ) -> (Take, bool, Option<QuotaOutcome>) {
+        let leases = if quotas.is_some() { None } else { self.leases.as_ref() };
+        let wanted = match leases.map(Mutex::lock) {
             Some(Ok(mut leases)) => match leases.try_take(plan, Instant::now()) {
                 // Tokens Redis granted earlier: decided by Redis, without a round trip.
-                Some(outcome) => return (Take::Redis(outcome), false),
+                Some(outcome) => return (Take::Redis(outcome), false, None),
                 None => leases.wanted(plan),
             },
             Some(Err(_)) | None => Vec::new(),
@@ -170,11 +178,11 @@ impl Limiter {
             "redis_error"
         } else {
             let started = Instant::now();
-            let result = self.store.take(plan, &wanted, tracking).await;
+            let result = self.store.take_with_quotas(plan, &wanted, tracking, quotas).await;
             self.metrics.redis_call("take", started.elapsed(), result.is_ok());
             self.record(result.is_ok());
             match result {
-                Ok((mut outcome, granted)) => {
+                Ok((mut outcome, granted, quota)) => {
                     let now = Instant::now();
                     if let Ok(mut local) = self.local.lock() {
                         local.observe(plan, &outcome, now);
@@ -189,8 +197,9 @@ impl Limiter {
                             }
                         }
                     }
-                    let tracked = tracking.is_some() && outcome.denied.is_none();
-                    return (Take::Redis(outcome), tracked);
+                    let quota_denied = quota.as_ref().is_some_and(|q| q.denied.is_some());
+                    let tracked = tracking.is_some() && outcome.denied.is_none() && !quota_denied;
+                    return (Take::Redis(outcome), tracked, quota);
                 }
                 Err(error) => {
                     warn!(%error, "rate limit take failed");
@@ -210,7 +219,7 @@ impl Limiter {
             },
             FailureMode::Closed => Take::Unavailable,
         };
-        (take, false)
+        (take, false, None)
     }
 
     /// Records an admission that no limit applies to as open in the ledger (a take of no bucket,
@@ -235,16 +244,24 @@ impl Limiter {
     /// Takes a filter's admission lease (the plan's costs are the lease), in Redis only: `None`
     /// when Redis cannot decide now (breaker open, error, timeout). Leases are never taken from
     /// the in-memory buckets; without Redis every request goes through the ext_proc admission.
-    pub async fn take_lease(&self, plan: &[BucketSpec]) -> Option<TakeOutcome> {
+    ///
+    /// With `quotas`, a lease is refused (`denied` set to its first bucket, or a plan without
+    /// buckets answered as refused) unless every quota counter has room for the lease's `need`
+    /// tokens; the counters are not charged (the leased requests' records are).
+    pub async fn take_lease(
+        &self,
+        plan: &[BucketSpec],
+        quotas: Option<(&str, &QuotaTake<'_>)>,
+    ) -> Option<(TakeOutcome, bool)> {
         if !self.allow() || !self.reconcile_first().await {
             return None;
         }
         let started = Instant::now();
-        let result = self.store.take(plan, &[], None).await;
+        let result = self.store.take_with_quotas(plan, &[], None, quotas).await;
         self.metrics.redis_call("lease", started.elapsed(), result.is_ok());
         self.record(result.is_ok());
         match result {
-            Ok((outcome, _)) => Some(outcome),
+            Ok((outcome, _, quota)) => Some((outcome, quota.is_some_and(|q| q.denied.is_some()))),
             Err(error) => {
                 warn!(%error, "admission lease take failed");
                 None

@@ -218,7 +218,13 @@ mod tests {
     }
 
     fn tenant(id: &str, l: Limits) -> TenantConfig {
-        TenantConfig { id: id.into(), limits: l, model_limits: Default::default() }
+        TenantConfig {
+            id: id.into(),
+            limits: l,
+            model_limits: Default::default(),
+            quota: Default::default(),
+            model_quotas: Default::default(),
+        }
     }
 
     fn plan(prefix: &str, id: &str, l: &Limits, reserve: u64) -> Vec<BucketSpec> {

@@ -200,7 +200,13 @@ mod tests {
         };
         limits::plan(
             "p",
-            &TenantConfig { id: "t".into(), limits: l, model_limits: Default::default() },
+            &TenantConfig {
+                id: "t".into(),
+                limits: l,
+                model_limits: Default::default(),
+                quota: Default::default(),
+                model_quotas: Default::default(),
+            },
             "m",
             reserve,
         )

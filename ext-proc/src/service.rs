@@ -52,6 +52,7 @@ use crate::metrics::{
     CountOutcome, Decision, Finished, Metrics, ModelLabel, PoolTier, TenantTokens, TokenType,
 };
 use crate::pools::{PickOutcome, Pools};
+use crate::quota::{self, QuotaTake};
 use crate::recorder::Recorder;
 use crate::scheduling::Pick;
 use crate::store::Tracking;
@@ -66,7 +67,8 @@ use gateway_contract::{
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 pub use gateway_contract::{
-    MD_ADMITTED, MD_PROMPT_TOKENS, MD_RESERVED_LOCALLY, MD_RESERVED_TOKENS, METADATA_NAMESPACE,
+    MD_ADMITTED, MD_PROMPT_TOKENS, MD_QUOTA_WARNING, MD_RESERVED_LOCALLY, MD_RESERVED_TOKENS,
+    METADATA_NAMESPACE,
 };
 /// gRPC initial-metadata key naming the role of an ext_proc filter.
 pub const ROLE_METADATA_KEY: &str = "x-gateway-ext-proc-role";
@@ -595,7 +597,9 @@ async fn rereserve(shared: &Arc<Shared>, facts: &RequestFacts, admitted: &Admitt
     let tenant = facts.tenant.as_deref().and_then(|t| shared.config.tenant(t));
     if let (Some(at_ms), Some(tenant), Some(record_id)) = (admitted.tracked_at_ms, tenant, facts.record_id())
     {
-        let reservation = Reservation::of(facts, admitted.reserved_tokens, at_ms);
+        let (quota_charge, quota_ms) = admitted.quota;
+        let reservation =
+            Reservation::of(facts, admitted.reserved_tokens, at_ms).with_quota(quota_charge, quota_ms);
         let buckets = limits::token_buckets(shared.limiter.store().prefix(), tenant, &facts.model);
         let started = Instant::now();
         let result = shared.limiter.store().rereserve(&tenant.id, &record_id, &reservation, &buckets).await;
@@ -625,6 +629,7 @@ fn outcome_label(error: &AdmissionError) -> &'static str {
         AdmissionError::RateLimited { kind: BucketKind::Requests, .. } => "rate_limited_requests",
         AdmissionError::RateLimited { kind: BucketKind::Tokens, .. } => "rate_limited_tokens",
         AdmissionError::Overloaded { .. } => "overloaded",
+        AdmissionError::QuotaExceeded { .. } => "insufficient_quota",
         AdmissionError::LimiterUnavailable => "limiter_unavailable",
         AdmissionError::TenantNotConfigured => "tenant_not_configured",
         AdmissionError::MissingTenant => "missing_tenant",
@@ -800,14 +805,21 @@ async fn admit(shared: &Shared, facts: &RequestFacts) -> Result<Admitted, Admiss
     let at_ms = unix_ms();
     let reserved = if plan.iter().any(|b| b.kind == BucketKind::Tokens) { facts.reserve_tokens() } else { 0 };
     let record_id = facts.record_id();
-    let reservation = Reservation::of(facts, reserved, at_ms);
+    // The tenant's quota counters (crate::quota), checked and charged in the same call; charged
+    // only with a tracked reservation (the record corrects what the reservation charged).
+    let store = shared.limiter.store();
+    let quota_ms = store.quotas().clock.shift_ms(at_ms);
+    let quota_specs = store.quotas().plan(store.prefix(), tenant, &facts.model, quota_ms);
+    let quota_charge =
+        if record_id.is_some() && !quota_specs.is_empty() { facts.reserve_tokens().max(1) } else { 0 };
+    let reservation = Reservation::of(facts, reserved, at_ms).with_quota(quota_charge, quota_ms);
     let tracking = record_id.as_deref().map(|record_id| Tracking {
         tenant,
         record_id,
         reservation: &reservation,
         keep: shared.reservation_keep(),
     });
-    if plan.is_empty() {
+    if plan.is_empty() && quota_specs.is_empty() {
         // No limit to take: the reservation alone is recorded (one Redis call).
         let tracked = match &tracking {
             Some(t) => shared.limiter.track(t).await,
@@ -818,12 +830,16 @@ async fn admit(shared: &Shared, facts: &RequestFacts) -> Result<Admitted, Admiss
             reserved_tokens: 0,
             reserved_locally: false,
             tracked_at_ms: tracked.then_some(at_ms),
+            quota: (0, 0),
+            quota_warning: None,
         });
     }
+    let quota_take = QuotaTake { specs: &quota_specs, need: 0, charge: quota_charge };
+    let quotas = (!quota_specs.is_empty()).then_some((tenant, &quota_take));
     let mode = config.redis.failure_mode(&facts.tier);
-    let (take, tracked) = shared
+    let (take, tracked, quota) = shared
         .limiter
-        .take(&plan, mode, tracking.as_ref())
+        .take(&plan, mode, tracking.as_ref(), quotas)
         .instrument(tracing::info_span!("rate_limit", db.system = "redis", otel.kind = "client"))
         .await;
     let (outcome, degraded) = match take {
@@ -831,11 +847,20 @@ async fn admit(shared: &Shared, facts: &RequestFacts) -> Result<Admitted, Admiss
         Take::Local(outcome) => (outcome, true),
         Take::Unavailable => return Err(AdmissionError::LimiterUnavailable),
     };
-    let decision = admission::decide(&plan, &outcome, facts.reserve_tokens()).map(|admitted| Admitted {
-        reserved_locally: degraded,
-        tracked_at_ms: tracked.then_some(at_ms),
-        ..admitted
-    });
+    let decision = admission::decide(&plan, &outcome, facts.reserve_tokens())
+        .and_then(|admitted| match &quota {
+            Some(q) => quota::decide(&quota_specs, q, quota_ms).map(|warning| Admitted {
+                quota: (if tracked { quota_charge } else { 0 }, quota_ms),
+                quota_warning: warning,
+                ..admitted
+            }),
+            None => Ok(admitted),
+        })
+        .map(|admitted| Admitted {
+            reserved_locally: degraded,
+            tracked_at_ms: tracked.then_some(at_ms),
+            ..admitted
+        });
     let labels = Decision {
         decision: if decision.is_ok() { "admit" } else { "deny" }.to_owned(),
         degraded: degraded.to_string(),
@@ -1093,6 +1118,9 @@ fn admission_metadata(admitted: &Admitted, exact_prompt_tokens: Option<u64>) -> 
     if let Some(n) = exact_prompt_tokens {
         fields.insert(MD_PROMPT_TOKENS.to_owned(), Value { kind: Some(Kind::NumberValue(n as f64)) });
     }
+    if let Some(warning) = &admitted.quota_warning {
+        fields.insert(MD_QUOTA_WARNING.to_owned(), Value { kind: Some(Kind::StringValue(warning.clone())) });
+    }
     let inner = Value { kind: Some(Kind::StructValue(Struct { fields })) };
     Struct { fields: HashMap::from([(METADATA_NAMESPACE.to_owned(), inner)]) }
 }
@@ -1298,6 +1326,8 @@ mod tests {
                 reserved_tokens: 77,
                 reserved_locally: true,
                 tracked_at_ms: None,
+                quota: (0, 0),
+                quota_warning: None,
             },
             None,
         );
@@ -1359,6 +1389,8 @@ mod tests {
                 reserved_tokens: 1,
                 reserved_locally: false,
                 tracked_at_ms: None,
+                quota: (0, 0),
+                quota_warning: None,
             },
             None,
         );

@@ -17,6 +17,7 @@ use crate::ledger::{self, CHARGED_RETENTION};
 use crate::limits::{BucketSpec, ReplyError, TakeOutcome};
 use crate::meter::{EndReason, UsageRecord, UsageSource};
 use crate::proto;
+use crate::quota::{self, QuotaBook, QuotaOutcome, QuotaSpec, QuotaTake};
 
 /// `lua/token_bucket_take_v3.lua`: take a cost from every bucket or from none, plus leases.
 const TAKE_LUA: &str = include_str!("../lua/token_bucket_take_v3.lua");
@@ -150,6 +151,7 @@ pub struct Store {
     prefix: String,
     stream: String,
     stream_maxlen: u64,
+    book: Arc<QuotaBook>,
 }
 
 impl Store {
@@ -207,7 +209,21 @@ impl Store {
             prefix: config.key_prefix.clone(),
             stream,
             stream_maxlen,
+            book: Arc::default(),
         })
+    }
+
+    /// The same store, correcting the quota counters of `book` with every record, charge and
+    /// give-back, and pricing every record with its prices ([`crate::quota`]).
+    #[must_use]
+    pub fn with_quotas(mut self, book: Arc<QuotaBook>) -> Self {
+        self.book = book;
+        self
+    }
+
+    /// The quotas and prices.
+    pub fn quotas(&self) -> &QuotaBook {
+        &self.book
     }
 
     /// The key prefix (`redis.key_prefix`).
@@ -285,22 +301,90 @@ impl Store {
         leases: &[u64],
         tracking: Option<&Tracking<'_>>,
     ) -> Result<(TakeOutcome, Vec<u64>), StoreError> {
+        let (outcome, granted, _) = self.take_with_quotas(plan, leases, tracking, None).await?;
+        Ok((outcome, granted))
+    }
+
+    /// [`Store::take`], and with `quotas` (the tenant's key in `tenant`), the quota counters in
+    /// the same call (`lua/token_bucket_take_v3.lua`'s quota section): a counter at its hard limit
+    /// refuses the take (the buckets deny first), an admitted take charges each counter.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout, Redis error or a malformed reply.
+    pub async fn take_with_quotas(
+        &self,
+        plan: &[BucketSpec],
+        leases: &[u64],
+        tracking: Option<&Tracking<'_>>,
+        quotas: Option<(&str, &QuotaTake<'_>)>,
+    ) -> Result<(TakeOutcome, Vec<u64>, Option<QuotaOutcome>), StoreError> {
         let mut inv = self.take.prepare_invoke();
         inv.arg(plan.len());
         for (i, b) in plan.iter().enumerate() {
             let lease = leases.get(i).copied().unwrap_or(0);
             inv.key(&b.key).arg(b.capacity).arg(b.rate_per_minute).arg(b.cost).arg(lease);
         }
+        let quotas = quotas.filter(|(_, q)| !q.specs.is_empty());
         if let Some(t) = tracking {
             inv.key(ledger::reservations_key(&self.prefix, t.tenant))
                 .key(ledger::due_key(&self.prefix, t.tenant))
                 .arg(t.record_id)
                 .arg(t.reservation.to_json())
                 .arg(u64::try_from(t.keep.as_millis()).unwrap_or(u64::MAX));
+        } else if let Some((tenant, _)) = quotas {
+            // The quota section follows the reservation's: its keys and arguments are given,
+            // with no record id (nothing recorded).
+            inv.key(ledger::reservations_key(&self.prefix, tenant))
+                .key(ledger::due_key(&self.prefix, tenant))
+                .arg("")
+                .arg("")
+                .arg(0);
+        }
+        if let Some((_, q)) = quotas {
+            inv.arg(q.specs.len());
+            for spec in q.specs {
+                inv.key(&spec.key).arg(spec.hard).arg(q.need).arg(q.charge).arg(spec.expire_at_secs);
+            }
         }
         let mut conn = self.conn();
         let reply: Vec<i64> = self.bounded(inv.invoke_async(&mut conn)).await?;
-        Ok(TakeOutcome::from_reply(&reply, plan.len())?)
+        let split = (2 + 4 * plan.len()).min(reply.len());
+        let (buckets, rest) = reply.split_at(split);
+        let quota = match quotas {
+            Some((_, q)) => Some(quota::read_reply(rest, q.specs.len()).map_err(ReplyError)?),
+            None if rest.is_empty() => None,
+            None => {
+                return Err(StoreError::Reply(ReplyError(format!(
+                    "{} values after the buckets",
+                    rest.len()
+                ))));
+            }
+        };
+        // A take the buckets would admit but a quota refused: the reply's header is `[0, 0]`
+        // (refused by no bucket); its bucket states are read as an admission's (nothing was
+        // taken; the caller refuses on the quota).
+        let (outcome, granted) = match (&quota, buckets) {
+            (Some(QuotaOutcome { denied: Some(_), .. }), [0, 0, states @ ..]) => {
+                let mut patched = vec![1, 0];
+                patched.extend_from_slice(states);
+                TakeOutcome::from_reply(&patched, plan.len())?
+            }
+            _ => TakeOutcome::from_reply(buckets, plan.len())?,
+        };
+        Ok((outcome, granted, quota))
+    }
+
+    /// The quota section of a ledger call: ARGV `q`, then per counter its period letter, label,
+    /// model scope and expiry; KEYS the counters.
+    fn quota_args(inv: &mut redis::ScriptInvocation<'_>, specs: &[QuotaSpec]) {
+        inv.arg(specs.len());
+        for spec in specs {
+            inv.key(&spec.key)
+                .arg(spec.period.letter())
+                .arg(&spec.label)
+                .arg(spec.model.as_deref().unwrap_or(""))
+                .arg(spec.expire_at_secs);
+        }
     }
 
     /// Settles a reservation: `delta` tokens back into the bucket (negative: charge more).
@@ -367,13 +451,15 @@ impl Store {
     ) -> Result<Applied, StoreError> {
         let now_ms = unix_ms();
         let finished_ms = finished_ms(record, now_ms);
+        // The record's day on the quota clock (the system clock outside tests).
+        let day_ms = self.book.clock.shift_ms(finished_ms);
         let info = &record.info;
         let tenant = &info.tenant;
         let mut inv = self.ledger.prepare_invoke();
         inv.key(ledger::reservations_key(&self.prefix, tenant)).key(ledger::due_key(&self.prefix, tenant));
         if charge {
             inv.key(ledger::charged_key(&self.prefix, tenant))
-                .key(usage_key(&self.prefix, tenant, finished_ms / 1000))
+                .key(usage_key(&self.prefix, tenant, day_ms / 1000))
                 .arg("charge")
                 .arg(&info.record_id)
                 .arg(CHARGED_RETENTION.as_millis() as u64);
@@ -381,7 +467,7 @@ impl Store {
             let (seen, expire_at) = seen_key(&self.prefix, tenant, finished_ms / 1000, now_ms / 1000);
             inv.key(ledger::charged_key(&self.prefix, tenant))
                 .key(seen)
-                .key(usage_key(&self.prefix, tenant, finished_ms / 1000))
+                .key(usage_key(&self.prefix, tenant, day_ms / 1000))
                 .arg("record")
                 .arg(&info.record_id)
                 .arg(expire_at);
@@ -394,6 +480,10 @@ impl Store {
         for (bucket, delta) in settlements {
             inv.key(&bucket.key).arg(bucket.capacity).arg(bucket.rate_per_minute).arg(*delta);
         }
+        // Its cost (summed in the daily hash) and its quota counters, of the periods of its end
+        // on the quota clock.
+        inv.arg(self.cost_of(record));
+        Self::quota_args(&mut inv, &self.book.plan(&self.prefix, tenant, &info.model, day_ms));
         let mut conn = self.conn();
         let reply: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
         match reply {
@@ -402,6 +492,16 @@ impl Store {
             2 => Ok(Applied::AfterCharge),
             other => Err(StoreError::Reply(ReplyError(format!("ledger_v1.lua record: {other}")))),
         }
+    }
+
+    /// A record's cost in nano-dollars at its model's price (0 without one).
+    pub fn cost_of(&self, record: &UsageRecord) -> u64 {
+        self.book.cost(
+            &record.info.model,
+            record.prompt_tokens,
+            record.cached_tokens,
+            record.completion_tokens,
+        )
     }
 
     /// Appends a record's protobuf `UsageEvent` to the usage stream (fields `event`, `tenant`,
@@ -416,7 +516,9 @@ impl Store {
     pub async fn append(&self, record: &UsageRecord) -> Result<bool, StoreError> {
         let now_ms = unix_ms();
         let finished = finished_ms(record, now_ms);
-        let event = to_event(record, finished).encode_to_vec();
+        let mut event = to_event(record, self.book.clock.shift_ms(finished));
+        event.cost_nano_usd = self.cost_of(record);
+        let event = event.encode_to_vec();
         let (sent, expire_at) = sent_key(&self.stream, finished / 1000, now_ms / 1000);
         let script = Script::new(APPEND_ONCE_LUA);
         let mut inv = script.prepare_invoke();
@@ -455,6 +557,8 @@ impl Store {
         for b in buckets {
             inv.key(&b.key).arg(b.kind.as_str()).arg(b.capacity).arg(b.rate_per_minute);
         }
+        let now_ms = self.book.clock.now_ms();
+        Self::quota_args(&mut inv, &self.book.plan_all_models(&self.prefix, tenant, now_ms));
         let mut conn = self.conn();
         let reply: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
         Ok(reply == 1)
@@ -799,22 +903,12 @@ pub fn seen_key(prefix: &str, tenant: &str, finished_secs: u64, now_secs: u64) -
 
 /// The daily usage hash of a tenant: `<prefix>:usage:{<tenant>}:<YYYY-MM-DD>` (UTC).
 pub fn usage_key(prefix: &str, tenant: &str, unix_secs: u64) -> String {
-    let (y, m, d) = civil_from_days((unix_secs / 86_400) as i64);
-    format!("{prefix}:usage:{{{tenant}}}:{y:04}-{m:02}-{d:02}")
+    usage_key_of_day(prefix, tenant, &quota::day_label(unix_secs))
 }
 
-/// Days since 1970-01-01 to (year, month, day), proleptic Gregorian (H. Hinnant's algorithm).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m, d)
+/// The daily usage hash of a tenant for a `YYYY-MM-DD` day (`gatewayctl usage` reads it).
+pub fn usage_key_of_day(prefix: &str, tenant: &str, day: &str) -> String {
+    format!("{prefix}:usage:{{{tenant}}}:{day}")
 }
 
 fn to_event(r: &UsageRecord, finished_at_unix_ms: u64) -> proto::UsageEvent {
@@ -843,6 +937,7 @@ fn to_event(r: &UsageRecord, finished_at_unix_ms: u64) -> proto::UsageEvent {
         finished_at_unix_ms,
         record_id: r.info.record_id.clone(),
         tier: r.info.tier.clone(),
+        cost_nano_usd: 0,
     }
 }
 

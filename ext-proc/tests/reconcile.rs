@@ -82,14 +82,14 @@ async fn local_admissions_are_charged_to_a_redis_that_came_back_empty() {
     let plan = limits::plan(limiter.store().prefix(), tenant, "m", 100);
 
     // Redis decides the first one: 9 requests and 9,900 tokens left.
-    let first = limiter.take(&plan, FailureMode::Open, None).await.0;
+    let first = limiter.take(&plan, FailureMode::Open, None, None).await.0;
     assert!(matches!(first, Take::Redis(_)), "{first:?}");
     assert_eq!(remaining(&first, &plan, BucketKind::Requests), 9);
 
     // Redis crashes: three admissions from the local buckets (which start at Redis's last answer).
     drop(redis);
     for left in [8, 7, 6] {
-        let take = limiter.take(&plan, FailureMode::Open, None).await.0;
+        let take = limiter.take(&plan, FailureMode::Open, None, None).await.0;
         assert!(matches!(take, Take::Local(_)), "{take:?}");
         assert_eq!(remaining(&take, &plan, BucketKind::Requests), left);
     }
@@ -101,7 +101,7 @@ async fn local_admissions_are_charged_to_a_redis_that_came_back_empty() {
     let _redis = Redis::start(port);
     let mut local_after = 0;
     let back = loop {
-        let (take, _) = limiter.take(&plan, FailureMode::Open, None).await;
+        let take = limiter.take(&plan, FailureMode::Open, None, None).await.0;
         match take {
             Take::Redis(_) => break take,
             Take::Local(_) => local_after += 1,
@@ -114,7 +114,7 @@ async fn local_admissions_are_charged_to_a_redis_that_came_back_empty() {
     assert_eq!(remaining(&back, &plan, BucketKind::Tokens), 9_900 - 300 + 60 - 100 * local_after - 100);
 
     // Settled once: a later take sees only its own cost.
-    let next = limiter.take(&plan, FailureMode::Open, None).await.0;
+    let next = limiter.take(&plan, FailureMode::Open, None, None).await.0;
     assert!(matches!(next, Take::Redis(_)), "{next:?}");
     assert_eq!(remaining(&next, &plan, BucketKind::Requests), 9 - 3 - local_after - 2);
 }

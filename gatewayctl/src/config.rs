@@ -103,6 +103,10 @@ pub struct GatewayConfig {
     pub tenants: Vec<TenantSection>,
     /// Served models: public names, aliases, LoRA adapters, pool, context window.
     pub models: Vec<ModelSection>,
+    /// Prices per model (a name of `models[]`), USD per 1M tokens in multiples of 0.001: each
+    /// usage record carries its cost (the sidecar's `prices`). A model not listed costs 0.
+    #[serde(default)]
+    pub prices: BTreeMap<String, PriceSection>,
     /// vLLM pools: endpoints, health checks, fallback order, shedding thresholds.
     pub pools: Vec<PoolSection>,
     /// Flow control: the tiers whose requests wait in a saturated pool's queue (those pools
@@ -509,7 +513,20 @@ pub struct TenantSection {
     /// Limits per model, on top of `limits`.
     #[serde(default)]
     pub model_limits: BTreeMap<String, LimitsSection>,
+    /// Token quotas per UTC day and calendar month (hard, and soft: a warning header), across
+    /// all models (absent: none).
+    #[serde(default)]
+    pub quota: QuotaSection,
+    /// Quotas per model, on top of `quota`.
+    #[serde(default)]
+    pub model_quotas: BTreeMap<String, QuotaSection>,
 }
+
+/// Daily and monthly token quotas: the sidecar's own type (its validation applies).
+pub use gateway_ext_proc::config::Quota as QuotaSection;
+
+/// A model's prices in USD per 1M tokens (input, cached input, output): the sidecar's own type.
+pub use gateway_ext_proc::config::Price as PriceSection;
 
 /// Requests-per-minute and tokens-per-minute token buckets: the sidecar's own type, so the two
 /// cannot drift.
@@ -1477,6 +1494,11 @@ impl GatewayConfig {
         let pools = self.validate_pools()?;
         self.validate_models(&pools)?;
         self.validate_tenants()?;
+        for name in self.prices.keys() {
+            if !self.models.iter().any(|m| &m.name == name) {
+                return fail("prices", format!("unknown model '{name}' (not a name in models[])"));
+            }
+        }
         self.validate_kubernetes()?;
         if let Some(t) = &self.tracing {
             if t.host_port().is_none_or(|(host, port)| host.is_empty() || port == 0 || host.contains('/')) {

@@ -20,3 +20,4 @@ pub mod keys;
 pub mod render;
 pub mod template;
 pub mod tree;
+pub mod usage;

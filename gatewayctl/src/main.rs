@@ -1,4 +1,4 @@
-//! `gatewayctl` binary: `render`, `validate`, `hash-key`.
+//! `gatewayctl` binary: `render`, `validate`, `hash-key`, `usage`.
 
 use std::io::Read as _;
 use std::path::PathBuf;
@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use gatewayctl::config::Loaded;
-use gatewayctl::{keys, render};
+use gatewayctl::{keys, render, usage};
 
 /// Renders the LLM gateway's Envoy, sidecar and Kubernetes / Istio / Envoy Gateway configuration
 /// from one gateway config, and makes API keys.
@@ -44,6 +44,32 @@ enum Command {
         #[arg(long)]
         key: bool,
     },
+    /// Reports a tenant's requests, tokens and cost per model and UTC day from the usage
+    /// ledger's daily hashes in Redis (what the sidecars recorded).
+    Usage {
+        /// The Redis to read (`redis://` or `rediss://`, the sidecars' `redis.url`; of a Redis
+        /// Cluster, the node holding the tenant's slot).
+        #[arg(long)]
+        redis_url: String,
+        /// The sidecars' `redis.key_prefix`.
+        #[arg(long, default_value = "llmgw")]
+        key_prefix: String,
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// Only this model (its public name).
+        #[arg(long)]
+        model: Option<String>,
+        /// First day, YYYY-MM-DD (UTC).
+        #[arg(long)]
+        from: String,
+        /// Last day, YYYY-MM-DD (UTC), included.
+        #[arg(long)]
+        to: String,
+        /// Output format.
+        #[arg(long, value_enum, default_value = "table")]
+        format: usage::Format,
+    },
 }
 
 fn main() -> ExitCode {
@@ -77,6 +103,18 @@ fn run(command: Command) -> Result<(), String> {
                 eprintln!("note: {note}");
             }
             println!("{}: valid ({} files would be rendered)", loaded.file, output.files.len());
+            Ok(())
+        }
+        Command::Usage { redis_url, key_prefix, tenant, model, from, to, format } => {
+            let days = gateway_ext_proc::usage_report::days(&from, &to)?;
+            let rows = gateway_ext_proc::usage_report::read(
+                &redis_url,
+                &key_prefix,
+                &tenant,
+                model.as_deref(),
+                &days,
+            )?;
+            print!("{}", usage::format(&rows, format));
             Ok(())
         }
         Command::HashKey { key: from_stdin } => {

@@ -167,9 +167,18 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
             let per_model = t.model_limits.iter().map(|(model, l)| (model.clone(), limits(l)));
             fields.push(("model_limits", map(per_model)));
         }
-        map(fields)
+        if t.quota != Default::default() {
+            fields.push(("quota", to_value(&t.quota)?));
+        }
+        if !t.model_quotas.is_empty() {
+            fields.push(("model_quotas", to_value(&t.model_quotas)?));
+        }
+        Ok(map(fields))
     });
-    top.push(("tenants", seq(tenants)));
+    top.push(("tenants", seq(tenants.collect::<Result<Vec<_>, Error>>()?)));
+    if !c.prices.is_empty() {
+        top.push(("prices", to_value(&c.prices)?));
+    }
     let mut metering = Vec::new();
     if let Some(m) = &c.sidecar.metering {
         if let Some(stream) = &m.stream {

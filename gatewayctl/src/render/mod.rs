@@ -232,7 +232,7 @@ fn inference_pools(loaded: &Loaded, target: &str, dir: &str) -> Result<Vec<File>
     Ok(files)
 }
 
-/// OpenAI's rate-limit response headers and the flow-control queue's wait, from the admission
+/// OpenAI's rate-limit response headers, the flow-control queue's wait and the quota warning, from the admission
 /// filter's dynamic metadata (an absent value adds no header).
 fn ratelimit_headers() -> Vec<(String, Value)> {
     [
@@ -245,10 +245,16 @@ fn ratelimit_headers() -> Vec<(String, Value)> {
     ]
     .into_iter()
     .map(|h| (h.to_owned(), s(format!("%DYNAMIC_METADATA(llm_gateway:{h})%"))))
-    .chain([(
-        gateway_contract::H_QUEUE_WAIT_MS.to_owned(),
-        s(format!("%DYNAMIC_METADATA(llm_gateway:{})%", gateway_contract::MD_QUEUE_WAIT_MS)),
-    )])
+    .chain([
+        (
+            gateway_contract::H_QUEUE_WAIT_MS.to_owned(),
+            s(format!("%DYNAMIC_METADATA(llm_gateway:{})%", gateway_contract::MD_QUEUE_WAIT_MS)),
+        ),
+        (
+            gateway_contract::H_QUOTA_WARNING.to_owned(),
+            s(format!("%DYNAMIC_METADATA(llm_gateway:{})%", gateway_contract::MD_QUOTA_WARNING)),
+        ),
+    ])
     .collect()
 }
 
