@@ -56,7 +56,17 @@ def received(stack) -> float:
 
 
 def nothing_buffered(stack) -> bool:
-    return metric(sidecar_metrics(stack), "llm_gateway_usage_records_buffered") == 0
+    """No record waits in the sidecar, and the usage journal (when on) has applied and
+    checkpointed every line Envoy wrote: a Redis that comes back empty lost the records applied
+    before, and a journal line not yet committed would be applied again to it."""
+    m = sidecar_metrics(stack)
+    if metric(m, "llm_gateway_usage_records_buffered") != 0:
+        return False
+    if not stack.journal:
+        return True
+    written = stack.journal_path.stat().st_size if stack.journal_path.exists() else 0
+    return written > 0 and metric(m, "llm_gateway_journal_lag_bytes") == 0 and \
+        metric(m, "llm_gateway_journal_lines_total") >= 1
 
 
 def test_open_mode_keeps_serving_and_flushes_records_once(outage_stack):

@@ -449,6 +449,10 @@ pub async fn run(shared: Arc<Shared>, config: JournalConfig, mut stop: watch::Re
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut holding = false;
     let mut reader: Option<Reader> = None;
+    // Where this replica last committed while holding the lease: a Redis that lost its data (a
+    // restart without persistence) lost the checkpoint too, and reading the journal again from 0
+    // would apply again the records whose idempotency sets went with it.
+    let mut committed: Option<Checkpoint> = None;
     info!(path = %config.path.display(), %name, %owner, "usage journal: tailing when this replica holds its lease");
     loop {
         tokio::select! {
@@ -469,6 +473,7 @@ pub async fn run(shared: Arc<Shared>, config: JournalConfig, mut stop: watch::Re
                 }
                 holding = false;
                 reader = None;
+                committed = None;
                 shared.metrics.journal_holder.set(0);
                 continue;
             }
@@ -480,6 +485,10 @@ pub async fn run(shared: Arc<Shared>, config: JournalConfig, mut stop: watch::Re
         shared.metrics.journal_holder.set(1);
         if reader.is_none() {
             let checkpoint = match store.journal_checkpoint(&checkpoint_key).await {
+                Ok(None) if committed.is_some() => {
+                    warn!(?committed, "usage journal: Redis has no checkpoint (its data was lost?); resuming where this replica committed");
+                    committed
+                }
                 Ok(c) => c,
                 Err(error) => {
                     debug!(%error, "usage journal: checkpoint read failed");
@@ -499,7 +508,7 @@ pub async fn run(shared: Arc<Shared>, config: JournalConfig, mut stop: watch::Re
         }
         let Some(r) = reader.as_mut() else { continue };
         match drain(&shared, &store, &config, r, &lease_key, &checkpoint_key, &owner, &mut stop).await {
-            Ok(()) => {}
+            Ok(()) => committed = Some(r.at),
             Err(why) => {
                 // Start again from the checkpoint Redis holds (idempotent replays).
                 warn!(%why, "usage journal: batch not committed; resuming from the checkpoint");
@@ -523,6 +532,7 @@ pub async fn run(shared: Arc<Shared>, config: JournalConfig, mut stop: watch::Re
                                 store.journal_commit(&lease_key, &checkpoint_key, &owner, at, lease).await,
                                 Ok(true)
                             ) {
+                                committed = Some(at);
                                 reader = Some(fresh);
                             } else {
                                 reader = None;
