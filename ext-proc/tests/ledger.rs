@@ -13,9 +13,10 @@
 //! Needs `redis-server` on the PATH (`make setup`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
+mod common;
+
+use common::{free_port, Redis, DEADLINE};
 use std::collections::HashMap;
-use std::net::TcpListener as StdListener;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::Metadata;
@@ -40,48 +41,11 @@ use gateway_ext_proc::proto::UsageEvent;
 use prost::Message;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const DEADLINE: Duration = Duration::from_secs(20);
 /// Tokens the facts reserve (prompt 10 + max tokens 20) and the usage reports (10 + 5).
 const RESERVED: u64 = 30;
 const USED: u64 = 15;
 /// The TPM bucket's size; it refills 1 token a minute.
 const TOKEN_BURST: u64 = 100_000;
-
-fn free_port() -> u16 {
-    StdListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// A `redis-server` on a free loopback port, killed when dropped.
-struct Redis(Child, u16);
-
-impl Redis {
-    fn start() -> Self {
-        let port = free_port();
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server on the PATH (make setup)");
-        let start = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(start.elapsed() < DEADLINE, "redis-server did not listen on {port}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Redis(child, port)
-    }
-
-    async fn conn(&self) -> redis::aio::MultiplexedConnection {
-        let client = redis::Client::open(format!("redis://127.0.0.1:{}", self.1)).unwrap();
-        client.get_multiplexed_async_connection().await.unwrap()
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// A sidecar running in this process, stopped (gracefully) when `stop` is called.
 struct Sidecar {

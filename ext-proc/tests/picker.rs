@@ -7,9 +7,11 @@
 //! picker gets no pick. Needs `redis-server` on the PATH (`make setup`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
+mod common;
+
+use common::{free_port, Redis, DEADLINE};
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener as StdListener};
-use std::process::{Child, Command, Stdio};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
@@ -25,39 +27,6 @@ use gateway_contract::{
     MD_NAMESPACE_LB, MD_NAMESPACE_SUBSET_HINT, MD_PICKED_ENDPOINT, METADATA_NAMESPACE,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-const DEADLINE: Duration = Duration::from_secs(20);
-
-fn free_port() -> u16 {
-    StdListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// A `redis-server` on a free loopback port, killed when dropped.
-struct Redis(Child, u16);
-
-impl Redis {
-    fn start() -> Self {
-        let port = free_port();
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server on the PATH (make setup)");
-        let start = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(start.elapsed() < DEADLINE, "redis-server did not listen on {port}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Redis(child, port)
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// A stand-in vLLM endpoint answering `/metrics` with `waiting` queued requests.
 async fn fake_vllm(waiting: u32) -> SocketAddr {

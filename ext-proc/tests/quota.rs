@@ -8,10 +8,11 @@
 //! Needs `redis-server` on the PATH (`make setup`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-use std::net::TcpListener as StdListener;
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use common::Redis;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use gateway_ext_proc::config::Config;
 use gateway_ext_proc::ledger::{self, Reservation};
@@ -20,32 +21,6 @@ use gateway_ext_proc::store::{Applied, Store, Tracking};
 
 const HARD: u64 = 100;
 const SOFT: u64 = 60;
-
-struct Redis(Child, u16);
-
-impl Redis {
-    fn start() -> Self {
-        let port = StdListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server on the PATH (make setup)");
-        let start = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(20), "redis-server did not listen");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Redis(child, port)
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64

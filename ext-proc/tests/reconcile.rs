@@ -7,47 +7,15 @@
 //! Needs `redis-server` on the PATH (`make setup`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-use std::net::TcpListener as StdListener;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+mod common;
+
+use common::{free_port, Redis};
 
 use gateway_ext_proc::config::{Config, FailureMode};
 use gateway_ext_proc::limiter::{Limiter, Take};
 use gateway_ext_proc::limits::{self, BucketKind};
 use gateway_ext_proc::metrics::Metrics;
 use gateway_ext_proc::store::Store;
-
-const DEADLINE: Duration = Duration::from_secs(20);
-
-fn free_port() -> u16 {
-    StdListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// A `redis-server` on `port`, killed (SIGKILL: its data is gone) when dropped.
-struct Redis(Child);
-
-impl Redis {
-    fn start(port: u16) -> Self {
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server on the PATH (make setup)");
-        let start = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(start.elapsed() < DEADLINE, "redis-server did not listen on {port}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Redis(child)
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// Burst 10 requests and 10,000 tokens, refilled 1 a minute (nothing hides a missed charge).
 fn config(port: u16) -> Config {
@@ -75,7 +43,7 @@ fn remaining(take: &Take, plan: &[limits::BucketSpec], kind: BucketKind) -> u64 
 async fn local_admissions_are_charged_to_a_redis_that_came_back_empty() {
     let port = free_port();
     let config = config(port);
-    let redis = Redis::start(port);
+    let redis = Redis::start_on(port);
     let store = Store::connect(&config.redis, "usage".into(), 1000).await.unwrap();
     let limiter = Limiter::new(store, &config.redis, Metrics::new());
     let tenant = config.tenant("acme").unwrap();
@@ -98,7 +66,7 @@ async fn local_admissions_are_charged_to_a_redis_that_came_back_empty() {
     limiter.settle(&tokens_bucket, 60, true).await;
 
     // Redis comes back empty. Until the sidecar's connection is back, takes stay local (and owed).
-    let _redis = Redis::start(port);
+    let _redis = Redis::start_on(port);
     let mut local_after = 0;
     let back = loop {
         let take = limiter.take(&plan, FailureMode::Open, None, None).await.0;
@@ -123,7 +91,7 @@ async fn local_admissions_are_charged_to_a_redis_that_came_back_empty() {
 async fn a_bucket_that_survived_is_charged_the_debt_only() {
     let port = free_port();
     let config = config(port);
-    let _redis = Redis::start(port);
+    let _redis = Redis::start_on(port);
     let store = Store::connect(&config.redis, "usage".into(), 1000).await.unwrap();
     let tenant = config.tenant("acme").unwrap();
     let plan = limits::plan(store.prefix(), tenant, "m", 100);
@@ -143,7 +111,7 @@ async fn a_bucket_that_survived_is_charged_the_debt_only() {
 async fn two_sidecars_rebuild_a_lost_bucket_from_the_outage_refill() {
     let port = free_port();
     let config = config(port);
-    let _redis = Redis::start(port);
+    let _redis = Redis::start_on(port);
     let store = Store::connect(&config.redis, "usage".into(), 1000).await.unwrap();
     let tenant = config.tenant("acme").unwrap();
     let plan = limits::plan(store.prefix(), tenant, "m", 100);
