@@ -634,10 +634,12 @@ pub fn sent_key(stream: &str, finished_secs: u64, now_secs: u64) -> (String, u64
     let end = start.saturating_add(IDEMPOTENCY_WINDOW_SECS);
     let expire_at = end.max(now_secs).saturating_add(IDEMPOTENCY_RETENTION.as_secs());
     let tagged = stream.find('{').is_some_and(|open| stream[open + 1..].find('}').is_some_and(|len| len > 0));
+    // Named after the stream (an ACL's `~prefix:*` covers both) and in its cluster slot: the
+    // stream's own hash tag, or one made of its whole name (what an untagged key hashes).
     let key = if tagged || stream.contains(['{', '}']) {
         format!("{stream}:sent:{start}")
     } else {
-        format!("{{{stream}}}:sent:{start}")
+        format!("{stream}:sent:{{{stream}}}:{start}")
     };
     (key, expire_at)
 }
@@ -944,6 +946,17 @@ fn to_event(r: &UsageRecord, finished_at_unix_ms: u64) -> proto::UsageEvent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn appended_id_sets_share_the_streams_name_and_slot() {
+        // Untagged: the stream's name as the tag (an untagged key hashes its whole name), and the
+        // stream's name first, so an ACL's `~llmgw:*` covers it.
+        assert_eq!(
+            sent_key("llmgw:usage-events", 25, 25).0,
+            "llmgw:usage-events:sent:{llmgw:usage-events}:20"
+        );
+        assert_eq!(sent_key("{usage}:events", 25, 25).0, "{usage}:events:sent:20");
+    }
 
     #[test]
     fn daily_key_is_utc_date_with_tenant_hash_tag() {
