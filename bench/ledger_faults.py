@@ -44,9 +44,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import httpx  # noqa: E402
 import redis  # noqa: E402
-import yaml  # noqa: E402
 from sidecar_checks import usage_events, usage_hash  # noqa: E402
-from stack import SIDECAR_BIN, Model, Pool, Stack, Tenant, new_api_key, upstream_metric  # noqa: E402
+from stack import Model, Pool, Stack, Tenant, new_api_key, upstream_metric  # noqa: E402
 
 TENANT = "faults"
 MODEL = "model-f"
@@ -63,13 +62,7 @@ class TwoSidecars(Stack):
     def _start_sidecar(self, listen_port: int | None = None) -> None:
         super()._start_sidecar(listen_port)
         if self.second is None:
-            path = self.workdir / "sidecar-2.yaml"
-            config = self.sidecar_config()
-            config["listen"] = "127.0.0.1:0"
-            path.write_text(yaml.safe_dump(config, sort_keys=False))
-            self.second = self._spawn("sidecar-2", [str(SIDECAR_BIN), "--config", str(path)], stdout_pipe=True)
-            addr = self._read_banner(self.second, "gateway-ext-proc listening on")
-            self.second_port = int(addr.rsplit(":", 1)[1])
+            self.second, self.second_port = self.start_second_sidecar()
 
     def envoy_config(self) -> dict:
         bootstrap = super().envoy_config()

@@ -347,6 +347,17 @@ class Stack:
         self.procs.append(proc)
         return proc
 
+    def start_second_sidecar(self) -> tuple["Proc", int]:
+        """Another sidecar with this stack's config (same Redis, same journal) on a free port:
+        the process and its port (bench/ledger_faults.py, tests/test_usage_journal.py)."""
+        path = self.workdir / "sidecar-2.yaml"
+        config = self.sidecar_config()
+        config["listen"] = "127.0.0.1:0"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        proc = self._spawn("sidecar-2", [str(self.sidecar_bin), "--config", str(path)], stdout_pipe=True)
+        addr = self._read_banner(proc, "gateway-ext-proc listening on")
+        return proc, int(addr.rsplit(":", 1)[1])
+
     def _read_banner(self, proc: Proc, prefix: str, others: list[str] | None = None) -> str:
         """Reads the `... listening on ADDR` line a process prints once bound (the lines printed
         before it are appended to `others`)."""

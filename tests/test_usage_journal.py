@@ -17,10 +17,9 @@ import signal
 
 import pytest
 import redis
-import yaml
 from helpers import chat_body, post, wait_for
 from sidecar_checks import bucket, bucket_key, metric, sidecar_metrics, usage_events, usage_hash
-from stack import SIDECAR_BIN, Model, Pool, Stack, Tenant, new_api_key
+from stack import Model, Pool, Stack, Tenant, new_api_key
 
 KEY = new_api_key()
 REQUESTS = 6
@@ -147,12 +146,7 @@ class TwoTailers(Stack):
     def _start_sidecar(self, listen_port: int | None = None) -> None:
         super()._start_sidecar(listen_port)
         if self.second is None:
-            path = self.workdir / "sidecar-2.yaml"
-            config = self.sidecar_config()
-            config["listen"] = "127.0.0.1:0"
-            path.write_text(yaml.safe_dump(config, sort_keys=False))
-            self.second = self._spawn("sidecar-2", [str(SIDECAR_BIN), "--config", str(path)], stdout_pipe=True)
-            self._read_banner(self.second, "gateway-ext-proc listening on")
+            self.second, _ = self.start_second_sidecar()
 
 
 def test_one_replica_tails_and_another_takes_over_when_it_dies(tmp_path):
