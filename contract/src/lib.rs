@@ -220,6 +220,12 @@ pub struct RequestFacts {
     /// from the lease (the sidecar settles them from the access log).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub leased_tokens: Option<u64>,
+    /// Set when the filter admitted the request from an admission lease that has an id: the
+    /// grant's `lease_id` (`proto/llm_gateway/v1/lease.proto`). The sidecar counts the request's
+    /// reservation against the lease when its usage lands, so that a lease reclaimed as orphaned
+    /// gives back only what its requests did not use.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_id: Option<String>,
     /// Set when the filter has `prefix_hashing`: the chained hashes of the prompt's leading
     /// blocks ([`encode_prefix_hashes`]), which the sidecar's endpoint picker matches against
     /// what each endpoint served recently. Absent from facts written without it.
@@ -316,6 +322,7 @@ mod tests {
             max_tokens: u64::MAX,
             context_model: None,
             leased_tokens: Some(7),
+            lease_id: Some("lease-1".into()),
             prefix_hashes: None,
             request_id: None,
             nonce: None,

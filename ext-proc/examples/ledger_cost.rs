@@ -58,6 +58,7 @@ fn record(tenant: &str, i: u64, start_ms: u64) -> UsageRecord {
             reserved_locally: false,
             tier: "standard".to_owned(),
             record_id: format!("{i:08x}-0000-4000-8000-000000000000.{:016x}", i.wrapping_mul(0x9e37_79b9)),
+            lease_id: None,
         },
         prompt_tokens: 100,
         completion_tokens: 150,
@@ -99,10 +100,10 @@ async fn request(store: &Store, plan: &[BucketSpec], r: &UsageRecord, now: bool)
     let settlement = (BucketSpec { cost: 0, ..tpm.clone() }, 300 - 250);
     if now {
         store.take(plan, &[], Some(&tracking)).await.unwrap();
-        store.apply(r, &[settlement], false).await.unwrap();
+        store.apply(r, &[settlement], false, None).await.unwrap();
     } else {
         store.take(plan, &[], None).await.unwrap();
-        store.apply(r, &[], false).await.unwrap();
+        store.apply(r, &[], false, None).await.unwrap();
         store.settle(&settlement.0, settlement.1).await.unwrap();
     }
 }

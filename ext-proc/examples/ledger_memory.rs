@@ -57,6 +57,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 reserved_locally: false,
                 tier: "standard".to_owned(),
                 record_id,
+                lease_id: None,
             },
             prompt_tokens: 100,
             completion_tokens: 200,
@@ -74,7 +75,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         };
         let store = store.clone();
         pending.push(tokio::spawn(async move {
-            store.apply(&record, &[], false).await?;
+            store.apply(&record, &[], false, None).await?;
             store.append(&record).await
         }));
         if pending.len() >= 256 {

@@ -18,6 +18,16 @@
 --                                                 :cost_nano_usd (only when not 0)
 --   B  token buckets, as token_bucket_take_v3.lua keeps them
 --   Q  quota counters, as token_bucket_take_v3.lua keeps them (<prefix>:quota:{<tenant>}:...)
+--   L  <prefix>:leases:{<tenant>}                 hash: lease id -> the admission lease's JSON
+--                                                 ({"v":1,"model","requests","tokens"}), open from
+--                                                 its grant (token_bucket_take_v3.lua records it
+--                                                 like a reservation) until given back or reclaimed
+--   LD <prefix>:leases-due:{<tenant>}             zset: lease id -> grant time (ms, Redis TIME)
+--   LU <prefix>:leases-used:{<tenant>}            hash: <lease id>:r, <lease id>:t -> requests and
+--                                                 reserved tokens of the lease's requests whose
+--                                                 usage landed while it was open
+--   LR <prefix>:leases-reclaimed:{<tenant>}       zset: lease id -> when it was reclaimed (ms), kept
+--                                                 the longest stream lifetime
 --
 -- Quotas and cost (issue 14 item 5) are appended to 'record', 'charge' and 'release' after their
 -- buckets (absent: none): for 'record' and 'charge' ARGV[9 + 3n] the record's cost in
@@ -29,6 +39,16 @@
 -- takes the charge off. A reservation charged in another period than the counter's (the request
 -- crossed midnight) leaves both alone: the admission's period keeps the reservation as used.
 -- A counter of a model scope moves only for that model's requests.
+--
+-- Admission leases (issue 14 item 4): a leased request's 'record' may carry a lease section after
+-- its quota section: ARGV[b] lease id, ARGV[b + 1] the tokens it reserved from the lease,
+-- ARGV[b + 2] ms LU lives past this write, ARGV[b + 3] m, then per bucket capacity,
+-- rate_per_minute, delta: what the request costs should its lease have been reclaimed (each
+-- requests bucket -1, each tokens bucket minus the reservation); KEYS after the quota counters: L,
+-- LU, LR, then the m buckets. Applied with the record only: while the lease is open the
+-- reservation joins its LU counts; once it was reclaimed (the reclaim gave the reservation back)
+-- the m settlements charge it again (before the record's own settlements, which a capacity
+-- would otherwise cut), so the request costs its usage, as any leased request.
 --
 -- ARGV[1] names the operation:
 --
@@ -53,6 +73,15 @@
 --   buckets). ARGV[2] record id, ARGV[3] the new JSON, ARGV[4] n, per bucket: capacity,
 --   rate_per_minute. Each bucket moves by min(before, capacity) - min(after, capacity): 1; not
 --   open: nothing moves, 0.
+-- 'lease_return': a filter gives the rest of an admission lease back. KEYS: L, LD, LU, B1..Bn.
+--   ARGV[2] lease id, ARGV[3] n, per bucket: capacity, rate_per_minute, delta (what it gives
+--   back). Applied (1) only if the lease is open; else 0 (reclaimed already: the reclaim gave back
+--   what its requests had not used).
+-- 'lease_reclaim': an open lease whose filter went away. KEYS: L, LD, LU, LR, B1..Bn. ARGV[2]
+--   lease id, ARGV[3] LR's retention (ms), ARGV[4] n, per bucket: kind ('requests' or 'tokens'),
+--   capacity, rate_per_minute. The lease is closed and joins LR; each requests bucket gets back
+--   the lease's requests less LU's, each tokens bucket its tokens less LU's (at most the
+--   capacity). Returns {1, requests back, tokens back}; {0, 0, 0} when it was not open.
 -- 'claim': the open reservations admitted more than ARGV[2] ms ago, at most ARGV[4] of them.
 --   KEYS: R, D. Each one returned is due again ARGV[3] ms later (another replica's sweep takes it
 --   should this one's charge not land). Returns {open reservations, id1, json1, id2, json2, ...}.
@@ -154,6 +183,21 @@ local function reserved_of(json)
   return 0
 end
 
+-- A record's lease section from KEYS[k] and ARGV[a] (see the header); nothing without one.
+local function lease_use(k, a, now)
+  local id = ARGV[a]
+  if id == nil or id == '' then
+    return
+  end
+  if redis.call('HEXISTS', KEYS[k], id) == 1 then
+    redis.call('HINCRBY', KEYS[k + 1], id .. ':r', 1)
+    redis.call('HINCRBY', KEYS[k + 1], id .. ':t', ARGV[a + 1])
+    redis.call('PEXPIRE', KEYS[k + 1], ARGV[a + 2])
+  elseif redis.call('ZSCORE', KEYS[k + 2], id) then
+    settle_all(k + 3, a + 4, tonumber(ARGV[a + 3]), now)
+  end
+end
+
 local op = ARGV[1]
 if op == 'record' then
   local id = ARGV[2]
@@ -169,8 +213,12 @@ if op == 'record' then
   end
   redis.call('EXPIREAT', KEYS[4], ARGV[3])
   local n = tonumber(ARGV[8])
+  local now = now_us()
   add_usage(KEYS[5], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[9 + 3 * n])
-  settle_all(6, 9, n, now_us())
+  -- The lease's charges before the settlements: a give-back after them is not cut at capacity.
+  local q = tonumber(ARGV[10 + 3 * n] or '0') or 0
+  lease_use(6 + n + q, 11 + 3 * n + 4 * q, now)
+  settle_all(6, 9, n, now)
   adjust_quotas(6 + n, 10 + 3 * n, ARGV[4], tonumber(ARGV[5]) + tonumber(ARGV[6]), json or nil)
   return 1
 elseif op == 'charge' then
@@ -227,6 +275,46 @@ elseif op == 'rereserve' then
     settle(KEYS[1 + i], capacity, tonumber(ARGV[a + 1]), math.min(before, capacity) - math.min(after, capacity), now)
   end
   return 1
+elseif op == 'lease_return' then
+  local id = ARGV[2]
+  if redis.call('HDEL', KEYS[1], id) == 0 then
+    return 0
+  end
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('HDEL', KEYS[3], id .. ':r', id .. ':t')
+  settle_all(4, 4, tonumber(ARGV[3]), now_us())
+  return 1
+elseif op == 'lease_reclaim' then
+  local id = ARGV[2]
+  local json = redis.call('HGET', KEYS[1], id)
+  if not json then
+    return { 0, 0, 0 }
+  end
+  local requests, tokens = 0, 0
+  local ok, r = pcall(cjson.decode, json)
+  if ok and type(r) == 'table' then
+    requests, tokens = tonumber(r.requests) or 0, tonumber(r.tokens) or 0
+  end
+  local used = redis.call('HMGET', KEYS[3], id .. ':r', id .. ':t')
+  local back_r = math.max(0, requests - (tonumber(used[1]) or 0))
+  local back_t = math.max(0, tokens - (tonumber(used[2]) or 0))
+  redis.call('HDEL', KEYS[1], id)
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('HDEL', KEYS[3], id .. ':r', id .. ':t')
+  local now = now_us()
+  local now_ms = math.floor(now / 1000)
+  local keep = tonumber(ARGV[3])
+  redis.call('ZADD', KEYS[4], now_ms, id)
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now_ms - keep)
+  redis.call('PEXPIRE', KEYS[4], keep)
+  for i = 1, tonumber(ARGV[4]) do
+    local a = 5 + 3 * (i - 1)
+    local capacity = tonumber(ARGV[a + 1])
+    local back = back_r
+    if ARGV[a] == 'tokens' then back = math.min(back_t, capacity) end
+    settle(KEYS[4 + i], capacity, tonumber(ARGV[a + 2]), back, now)
+  end
+  return { 1, back_r, back_t }
 elseif op == 'claim' then
   local now_ms = math.floor(now_us() / 1000)
   local age, claim, most = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])

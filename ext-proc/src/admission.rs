@@ -27,6 +27,9 @@ pub struct RequestFacts {
     /// `x-gateway-reserved-tokens`, when the filter admitted the request from an admission lease
     /// (`x-gateway-admission: lease`): the tokens it reserved from the lease.
     pub leased_tokens: Option<u64>,
+    /// The lease that admitted the request ([`gateway_contract::RequestFacts::lease_id`]; only
+    /// with `leased_tokens`).
+    pub lease_id: Option<String>,
     /// The filter's prompt-prefix hashes ([`gateway_contract::RequestFacts::prefix_hashes`],
     /// encoded), for the endpoint picker.
     pub prefix_hashes: Option<String>,
@@ -49,6 +52,7 @@ impl RequestFacts {
             request_id: facts.request_id.unwrap_or(request_id),
             tier: facts.tier,
             leased_tokens: facts.leased_tokens,
+            lease_id: facts.lease_id.filter(|_| facts.leased_tokens.is_some()),
             prefix_hashes: facts.prefix_hashes,
             nonce: facts.nonce,
         }

@@ -9,9 +9,112 @@
 //! with the lease as the cost): a tenant near its limit gets no lease, and each of its requests is
 //! decided against Redis by the ext_proc admission. A lease is granted only when it covers at
 //! least two requests of the largest reservation the filter saw.
+//!
+//! **Orphaned leases** (issue 14 item 4). A lease taken from Redis has an id and is recorded open
+//! in the same take ([`LeaseRecord`] in `<prefix>:leases:{<tenant>}`, indexed by grant time). The
+//! filter gives it back by id (`lua/ledger_v1.lua` `lease_return`, applied only while open), and
+//! each leased request's usage record counts its reservation against the open lease. A lease
+//! still open [`reclaim_after`] its grant (its VM went away, or its give-back was lost) is
+//! reclaimed by the sweeper of any replica (`lease_reclaim`): what it took, less the reservations
+//! its finished requests counted, goes back; its requests still in flight then pay their
+//! reservation again when their usage lands ([`charges_if_reclaimed`]), so each costs its usage.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
 
 use crate::limits::{self, BucketKind, BucketSpec, TakeOutcome};
 use crate::proto::{LeaseGrant, LimitState};
+
+/// [`LeaseRecord::v`] of this sidecar.
+pub const LEASE_RECORD_VERSION: u32 = 1;
+
+/// An admission lease taken from Redis, as the ledger keeps it while open (JSON).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRecord {
+    /// [`LEASE_RECORD_VERSION`].
+    pub v: u32,
+    /// The model the buckets were planned for ([`limits::plan`]).
+    pub model: String,
+    /// Requests taken from every requests bucket (0: none applies).
+    pub requests: u64,
+    /// Tokens taken from every tokens bucket (0: none applies).
+    pub tokens: u64,
+}
+
+impl LeaseRecord {
+    /// The record of a lease of `size` for `model`.
+    pub fn of(size: &LeaseSize, model: &str) -> Self {
+        Self {
+            v: LEASE_RECORD_VERSION,
+            model: model.to_owned(),
+            requests: size.requests,
+            tokens: size.tokens,
+        }
+    }
+
+    /// Its JSON.
+    pub fn to_json(&self) -> String {
+        // A struct of numbers and strings always serializes.
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Reads a lease record: `None` when unreadable or of another version.
+    pub fn from_json(json: &[u8]) -> Option<Self> {
+        let r: Self = serde_json::from_slice(json).ok()?;
+        (r.v == LEASE_RECORD_VERSION).then_some(r)
+    }
+}
+
+/// How long after its grant an open lease is reclaimed as orphaned: its TTL and half of it
+/// again. A live filter gives its lease back at its expiry (its next tick); one whose give-back
+/// arrives after the reclaim gives nothing back twice.
+pub fn reclaim_after(ttl: Duration) -> Duration {
+    ttl.saturating_add(ttl / 2)
+}
+
+/// What a leased request that reserved `reserved` tokens costs again should its lease have been
+/// reclaimed before its usage landed (the reclaim gave its reservation back): 1 from each
+/// requests bucket and `min(reserved, capacity)` from each tokens bucket of `plan`.
+pub fn charges_if_reclaimed(plan: &[BucketSpec], reserved: u64) -> Vec<(BucketSpec, i64)> {
+    plan.iter()
+        .filter_map(|b| {
+            let cost = match b.kind {
+                BucketKind::Requests => 1,
+                BucketKind::Tokens => reserved.min(b.capacity),
+            };
+            (cost > 0)
+                .then(|| (BucketSpec { cost: 0, ..b.clone() }, -i64::try_from(cost).unwrap_or(i64::MAX)))
+        })
+        .collect()
+}
+
+/// A leased request's part in its lease's books, written with its usage record
+/// (`lua/ledger_v1.lua`, the record's lease section).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseUse {
+    /// The lease ([`gateway_contract::RequestFacts::lease_id`]).
+    pub lease_id: String,
+    /// Tokens the request reserved from the lease.
+    pub reserved: u64,
+    /// What the request costs again should the lease have been reclaimed
+    /// ([`charges_if_reclaimed`]).
+    pub if_reclaimed: Vec<(BucketSpec, i64)>,
+}
+
+impl LeaseUse {
+    /// The lease part of the record of a request of `model` that reserved `reserved` tokens from
+    /// lease `lease_id` (`None`: not admitted from a lease with an id), with `plan` the request
+    /// plan's buckets ([`limits::plan`]).
+    pub fn of(lease_id: Option<&str>, plan: &[BucketSpec], reserved: u64) -> Option<Self> {
+        let lease_id = lease_id.filter(|id| !id.is_empty())?;
+        Some(Self {
+            lease_id: lease_id.to_owned(),
+            reserved,
+            if_reclaimed: charges_if_reclaimed(plan, reserved),
+        })
+    }
+}
 
 /// The size of one lease and the plan that takes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,9 +182,10 @@ pub fn give_back(
         .collect()
 }
 
-/// The grant of a lease Redis admitted (`outcome` of taking `size.plan`), admitting for `ttl_ms`.
-/// Each kind reports its tightest bucket's `x-ratelimit-*` values at the grant.
-pub fn grant(size: &LeaseSize, outcome: &TakeOutcome, ttl_ms: u64) -> LeaseGrant {
+/// The grant of a lease Redis admitted (`outcome` of taking `size.plan`), admitting for `ttl_ms`,
+/// named `lease_id` (empty: nothing was taken). Each kind reports its tightest bucket's
+/// `x-ratelimit-*` values at the grant.
+pub fn grant(size: &LeaseSize, outcome: &TakeOutcome, ttl_ms: u64, lease_id: String) -> LeaseGrant {
     let state = |kind: BucketKind| {
         size.plan
             .iter()
@@ -103,6 +207,7 @@ pub fn grant(size: &LeaseSize, outcome: &TakeOutcome, ttl_ms: u64) -> LeaseGrant
         retry_after_ms: 0,
         requests_state: state(BucketKind::Requests),
         tokens_state: state(BucketKind::Tokens),
+        lease_id,
     }
 }
 
@@ -192,11 +297,34 @@ mod tests {
                 BucketState { remaining: 990_000, reset_ms: 600, retry_after_ms: Some(0) },
             ],
         };
-        let g = grant(&s, &outcome, 1000);
+        let g = grant(&s, &outcome, 1000, "l1".into());
         assert_eq!((g.requests, g.tokens, g.ttl_ms), (60, 10_000, 1000));
         let r = g.requests_state.unwrap();
         assert_eq!((r.limit, r.remaining, r.reset.as_str()), (6000, 5900, "1s"));
         assert_eq!(g.tokens_state.unwrap().reset, "0.6s");
         assert_eq!(refusal(0).retry_after_ms, 1);
+        assert_eq!(g.lease_id, "l1");
+    }
+
+    #[test]
+    fn a_lease_record_round_trips_and_refuses_other_versions() {
+        let plan = limits::plan("p", &tenant(Some(6000), Some(1_000_000)), "m", 300);
+        let r = LeaseRecord::of(&size(&plan, 0.01, 300).unwrap(), "m");
+        assert_eq!((r.requests, r.tokens), (60, 10_000));
+        assert_eq!(LeaseRecord::from_json(r.to_json().as_bytes()), Some(r.clone()));
+        let other = LeaseRecord { v: 2, ..r };
+        assert_eq!(LeaseRecord::from_json(other.to_json().as_bytes()), None);
+        assert_eq!(LeaseRecord::from_json(b"{"), None);
+    }
+
+    #[test]
+    fn a_request_of_a_reclaimed_lease_pays_its_reservation_again_and_orphans_wait_half_a_ttl() {
+        let plan = limits::plan("p", &tenant(Some(6000), Some(1_000)), "m", 300);
+        let charges = charges_if_reclaimed(&plan, 5_000);
+        let deltas: Vec<(BucketKind, i64)> = charges.iter().map(|(b, d)| (b.kind, *d)).collect();
+        assert!(deltas.contains(&(BucketKind::Requests, -1)));
+        assert!(deltas.contains(&(BucketKind::Tokens, -1_000)), "at most the capacity: {deltas:?}");
+        assert!(charges.iter().all(|(b, _)| b.cost == 0));
+        assert_eq!(reclaim_after(Duration::from_millis(1000)), Duration::from_millis(1500));
     }
 }

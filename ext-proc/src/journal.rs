@@ -51,6 +51,7 @@ use tracing::{debug, info, warn};
 use gateway_contract::{FS_REQUEST, FS_USAGE, METADATA_NAMESPACE};
 
 use crate::access_log::{self, Entry};
+use crate::admission_lease::LeaseUse;
 use crate::ledger;
 use crate::limits;
 use crate::meter::UsageRecord;
@@ -296,6 +297,8 @@ enum Op {
     Record {
         record: Box<UsageRecord>,
         settlements: Vec<(limits::BucketSpec, i64)>,
+        /// The request's part in its admission lease's books.
+        lease: Option<LeaseUse>,
         /// The ledger script landed (only the event is left).
         applied: bool,
         /// An earlier attempt may have landed it (a timeout, a connection lost).
@@ -330,14 +333,22 @@ fn op_of(shared: &Shared, entry: &HttpAccessLogEntry) -> Option<Op> {
             if record.finished_at_unix_ms == 0 {
                 record.finished_at_unix_ms = unix_ms();
             }
+            let prefix = shared.limiter.store().prefix();
             let settlements = if record.info.reserved_locally {
                 Vec::new()
             } else {
-                let buckets =
-                    limits::token_buckets(shared.limiter.store().prefix(), tenant, &record.info.model);
+                let buckets = limits::token_buckets(prefix, tenant, &record.info.model);
                 ledger::settlements(buckets, record.info.reserved_tokens, record.total_tokens())
             };
-            Some(Op::Record { record: Box::new(record), settlements, applied: false, maybe_applied: false })
+            let plan = limits::plan(prefix, tenant, &record.info.model, 0);
+            let lease = LeaseUse::of(record.info.lease_id.as_deref(), &plan, record.info.reserved_tokens);
+            Some(Op::Record {
+                record: Box::new(record),
+                settlements,
+                lease,
+                applied: false,
+                maybe_applied: false,
+            })
         }
         Entry::Release { tenant, model, record_id } => {
             let config = shared.config.tenant(&tenant)?;
@@ -354,9 +365,9 @@ async fn apply(store: &Store, op: &mut Op) -> Result<Done, StoreError> {
             let released = store.release(tenant, record_id, buckets).await?;
             Ok(if released { Done::Applied } else { Done::Nothing })
         }
-        Op::Record { record, settlements, applied, maybe_applied } => {
+        Op::Record { record, settlements, lease, applied, maybe_applied } => {
             if !*applied {
-                let result = store.apply(record, settlements, false).await;
+                let result = store.apply(record, settlements, false, lease.as_ref()).await;
                 if result.as_ref().is_err_and(StoreError::maybe_applied) {
                     *maybe_applied = true;
                 }

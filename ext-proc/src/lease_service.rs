@@ -79,10 +79,23 @@ async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'stat
         return (admission_lease::refusal(LEASES_OFF_RETRY_MS), "unknown_tenant");
     };
     let plan = limits::plan(shared.limiter.store().prefix(), tenant, &request.model, request.request_tokens);
-    for (bucket, delta) in
-        admission_lease::give_back(&plan, request.returned_requests, request.returned_tokens)
-    {
-        shared.limiter.settle(&bucket, delta, false).await;
+    let back = admission_lease::give_back(&plan, request.returned_requests, request.returned_tokens);
+    if !request.returned_lease_id.is_empty() {
+        // Given back by id, once, and only while open: a lease the sweeper reclaimed as
+        // orphaned gave its rest back already. Should Redis fail now, the lease stays open and
+        // is reclaimed.
+        let store = shared.limiter.store();
+        let started = std::time::Instant::now();
+        let result = store.lease_return(&tenant.id, &request.returned_lease_id, &back).await;
+        shared.metrics.redis_call("lease_return", started.elapsed(), result.is_ok());
+        if let Err(error) = result {
+            debug!(%error, lease_id = %request.returned_lease_id, "lease give-back failed; left to the reclaim");
+        }
+    } else {
+        // A lease without an id (an older filter, or nothing was taken from Redis).
+        for (bucket, delta) in back {
+            shared.limiter.settle(&bucket, delta, false).await;
+        }
     }
     if !request.want {
         return (LeaseGrant::default(), "given_back");
@@ -116,14 +129,17 @@ async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'stat
     let quota_take = QuotaTake { specs: &quota_specs, need: size.tokens, charge: 0 };
     let quotas = (!quota_specs.is_empty()).then_some((tenant.id.as_str(), &quota_take));
     if size.plan.is_empty() && quotas.is_none() {
-        // No limit applies: nothing to take.
+        // No limit applies: nothing to take, nothing to give back.
         let outcome = limits::TakeOutcome { denied: None, states: Vec::new() };
-        return (admission_lease::grant(&size, &outcome, ttl_ms), "granted");
+        return (admission_lease::grant(&size, &outcome, ttl_ms, String::new()), "granted");
     }
-    match shared.limiter.take_lease(&size.plan, quotas).await {
+    let lease_id = format!("l-{}", shared.ids.next());
+    let record = admission_lease::LeaseRecord::of(&size, &request.model);
+    let quotas = quotas.map(|(_, q)| q);
+    match shared.limiter.take_lease(&tenant.id, &lease_id, &record, &size.plan, quotas).await {
         Some((_, true)) => (admission_lease::refusal(ttl_ms), "quota"),
         Some((outcome, false)) if outcome.denied.is_none() => {
-            (admission_lease::grant(&size, &outcome, ttl_ms), "granted")
+            (admission_lease::grant(&size, &outcome, ttl_ms, lease_id), "granted")
         }
         Some(_) => (admission_lease::refusal(ttl_ms), "over_limit"),
         None => (admission_lease::refusal(ttl_ms), "redis_unavailable"),

@@ -64,6 +64,30 @@ pub fn charged_key(prefix: &str, tenant: &str) -> String {
     format!("{prefix}:reservations-charged:{{{tenant}}}")
 }
 
+/// The hash of a tenant's open admission leases: `<prefix>:leases:{<tenant>}` (lease id ->
+/// [`crate::admission_lease::LeaseRecord`] JSON), written by the lease's take.
+pub fn leases_key(prefix: &str, tenant: &str) -> String {
+    format!("{prefix}:leases:{{{tenant}}}")
+}
+
+/// The index of a tenant's open admission leases by grant time (ms, Redis's clock; a claim moves
+/// it on by [`CLAIM`]): `<prefix>:leases-due:{<tenant>}`.
+pub fn lease_due_key(prefix: &str, tenant: &str) -> String {
+    format!("{prefix}:leases-due:{{{tenant}}}")
+}
+
+/// What the requests of a tenant's open leases used, by the usage records that landed:
+/// `<prefix>:leases-used:{<tenant>}` (`<lease id>:r` requests, `<lease id>:t` reserved tokens).
+pub fn lease_used_key(prefix: &str, tenant: &str) -> String {
+    format!("{prefix}:leases-used:{{{tenant}}}")
+}
+
+/// The leases reclaimed as orphaned in the longest stream lifetime:
+/// `<prefix>:leases-reclaimed:{<tenant>}` (lease id -> when, ms).
+pub fn leases_reclaimed_key(prefix: &str, tenant: &str) -> String {
+    format!("{prefix}:leases-reclaimed:{{{tenant}}}")
+}
+
 /// An open reservation, as the ledger keeps it (JSON): what a charge records should the
 /// request's usage never arrive.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -162,6 +186,7 @@ pub fn charged_record(tenant: &str, record_id: &str, r: &Reservation) -> UsageRe
         reserved_locally: false,
         tier: r.tier.clone(),
         record_id: record_id.to_owned(),
+        lease_id: None,
     };
     // Reached the upstream, ended before any response headers, not known as a stream: charged
     // its reservation.
@@ -185,21 +210,38 @@ pub fn settlements(buckets: Vec<BucketSpec>, reserved: u64, used: u64) -> Vec<(B
         .collect()
 }
 
-/// A tenant's open reservations due for a charge ([`crate::store::Store::claim`]).
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Claimed {
-    /// Open reservations of the tenant (due or not).
+/// A tenant's open reservations due for a charge ([`crate::store::Store::claim`]), or its open
+/// admission leases due for a reclaim (`T` the lease's record).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claimed<T = Reservation> {
+    /// Open reservations (leases) of the tenant (due or not).
     pub open: u64,
-    /// The due ones: record id and reservation (`None`: unreadable JSON, left to the give-back's
-    /// default).
-    pub due: Vec<(String, Option<Reservation>)>,
+    /// The due ones: record (lease) id and what it holds (`None`: unreadable JSON).
+    pub due: Vec<(String, Option<T>)>,
 }
 
-/// Reads the `claim` operation's reply: `[open, id1, json1, id2, json2, ...]`.
+impl<T> Default for Claimed<T> {
+    fn default() -> Self {
+        Self { open: 0, due: Vec::new() }
+    }
+}
+
+/// Reads the `claim` operation's reply of reservations: `[open, id1, json1, id2, json2, ...]`.
 ///
 /// # Errors
 /// [`ReplyError`] when it does not have that shape.
 pub fn read_claim(reply: &[redis::Value]) -> Result<Claimed, ReplyError> {
+    read_claim_with(reply, Reservation::from_json)
+}
+
+/// Reads the `claim` operation's reply, each JSON read by `parse`.
+///
+/// # Errors
+/// [`ReplyError`] when it does not have that shape.
+pub fn read_claim_with<T>(
+    reply: &[redis::Value],
+    parse: fn(&[u8]) -> Option<T>,
+) -> Result<Claimed<T>, ReplyError> {
     let bytes = |v: &redis::Value| match v {
         redis::Value::BulkString(b) => Some(b.clone()),
         redis::Value::SimpleString(s) => Some(s.clone().into_bytes()),
@@ -221,7 +263,7 @@ pub fn read_claim(reply: &[redis::Value]) -> Result<Claimed, ReplyError> {
             return Err(ReplyError("ledger claim: not an id and a JSON".to_owned()));
         };
         let id = String::from_utf8(id).map_err(|_| ReplyError("ledger claim: id not UTF-8".to_owned()))?;
-        due.push((id, Reservation::from_json(&json)));
+        due.push((id, parse(&json)));
     }
     Ok(Claimed { open, due })
 }

@@ -161,6 +161,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
     });
     // Charges the reservations whose usage never arrived (every replica sweeps).
     let sweeper = tokio::spawn(sweeper::run(Arc::clone(&shared), stop.clone()));
+    // Reclaims the filters' admission leases whose VM went away (every replica sweeps).
+    let lease_sweeper = leasing.then(|| tokio::spawn(sweeper::run_leases(Arc::clone(&shared), stop.clone())));
     // Replays the usage journal Envoy writes, from its checkpoint (one replica at a time).
     let journal = shared
         .config
@@ -212,6 +214,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
         let _ = expiry.await;
     }
     let _ = sweeper.await;
+    if let Some(lease_sweeper) = lease_sweeper {
+        let _ = lease_sweeper.await;
+    }
     if let Some(journal) = journal {
         let _ = journal.await;
     }

@@ -14,9 +14,11 @@ use std::time::{Duration, Instant};
 
 use tracing::warn;
 
+use crate::admission_lease::LeaseRecord;
 use crate::breaker::Breaker;
 use crate::config::{FailureMode, RedisConfig};
 use crate::lease::Leases;
+use crate::ledger;
 use crate::limits::{BucketSpec, TakeOutcome};
 use crate::local_limiter::LocalLimiter;
 use crate::metrics::{LeaseOutcome, Metrics, Reason};
@@ -248,20 +250,26 @@ impl Limiter {
     /// With `quotas`, a lease is refused (`denied` set to its first bucket, or a plan without
     /// buckets answered as refused) unless every quota counter has room for the lease's `need`
     /// tokens; the counters are not charged (the leased requests' records are).
+    ///
+    /// A lease taken is recorded open under `lease_id` (`record`), for its give-back by id or its
+    /// reclaim as orphaned ([`crate::admission_lease`]).
     pub async fn take_lease(
         &self,
+        tenant: &str,
+        lease_id: &str,
+        record: &LeaseRecord,
         plan: &[BucketSpec],
-        quotas: Option<(&str, &QuotaTake<'_>)>,
+        quotas: Option<&QuotaTake<'_>>,
     ) -> Option<(TakeOutcome, bool)> {
         if !self.allow() || !self.reconcile_first().await {
             return None;
         }
         let started = Instant::now();
-        let result = self.store.take_with_quotas(plan, &[], None, quotas).await;
+        let result = self.store.take_lease(tenant, lease_id, record, ledger::KEEP_MARGIN, plan, quotas).await;
         self.metrics.redis_call("lease", started.elapsed(), result.is_ok());
         self.record(result.is_ok());
         match result {
-            Ok((outcome, _, quota)) => Some((outcome, quota.is_some_and(|q| q.denied.is_some()))),
+            Ok((outcome, quota)) => Some((outcome, quota.is_some_and(|q| q.denied.is_some()))),
             Err(error) => {
                 warn!(%error, "admission lease take failed");
                 None

@@ -30,6 +30,10 @@ pub struct RequestInfo {
     /// reservation in the ledger: derived from the request ([`gateway_contract::record_id`] of
     /// the facts' request id and nonce), so every delivery of its usage has the same one.
     pub record_id: String,
+    /// The admission lease the filter admitted the request from, when it has an id
+    /// ([`gateway_contract::RequestFacts::lease_id`]): the record counts its reservation against
+    /// the lease (`lua/ledger_v1.lua`, the record's lease section).
+    pub lease_id: Option<String>,
 }
 
 impl RequestInfo {
@@ -51,6 +55,7 @@ impl RequestInfo {
             reserved_locally,
             tier: facts.tier,
             record_id,
+            lease_id: facts.lease_id,
         }
     }
 }

@@ -267,6 +267,9 @@ pub struct Metrics {
     /// `llm_gateway_reservations_released_total`: admissions given back before their request
     /// went upstream, their reservation closed.
     pub reservations_released: Counter,
+    /// `llm_gateway_admission_leases_reclaimed_total`: filters' admission leases reclaimed as
+    /// orphaned (not given back within their TTL: the VM went away, or its give-back was lost).
+    pub leases_reclaimed: Counter,
     /// `llm_gateway_reservations_open`: open reservations over the configured tenants, as this
     /// replica's last sweep counted them (requests admitted whose usage has not landed).
     pub reservations_open: Gauge,
@@ -379,6 +382,7 @@ impl Metrics {
             records_charged: Counter::default(),
             records_after_charge: Counter::default(),
             reservations_released: Counter::default(),
+            leases_reclaimed: Counter::default(),
             reservations_open: Gauge::default(),
             journal_lines: Counter::default(),
             journal_records_applied: Counter::default(),
@@ -512,6 +516,11 @@ impl Metrics {
             "llm_gateway_reservations_released",
             "Admissions given back before their request went upstream, their reservation closed",
             m.reservations_released.clone(),
+        );
+        r.register(
+            "llm_gateway_admission_leases_reclaimed",
+            "Admission leases reclaimed as orphaned: not given back within their TTL",
+            m.leases_reclaimed.clone(),
         );
         r.register(
             "llm_gateway_reservations_open",

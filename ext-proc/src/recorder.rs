@@ -29,6 +29,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::{error, warn};
 
+use crate::admission_lease::LeaseUse;
 use crate::limits::BucketSpec;
 use crate::meter::UsageRecord;
 use crate::metrics::Metrics;
@@ -53,6 +54,8 @@ pub enum LedgerOp {
         record: UsageRecord,
         /// Bucket and delta (tokens back; negative: charged more).
         settlements: Vec<(BucketSpec, i64)>,
+        /// The request's part in the books of the admission lease it was admitted from.
+        lease: Option<LeaseUse>,
     },
     /// A reservation recorded as charged: no usage arrived ([`crate::ledger::charged_record`]).
     Charge {
@@ -122,14 +125,14 @@ impl Recorder {
 
     /// Queues a finished request's record and its settlements (never blocks); drops, with a
     /// warning and a count, a record of a tenant the config does not list.
-    pub fn record(&self, record: UsageRecord, settlements: Vec<(BucketSpec, i64)>) {
+    pub fn record(&self, record: UsageRecord, settlements: Vec<(BucketSpec, i64)>, lease: Option<LeaseUse>) {
         if !self.tenants.contains(&record.info.tenant) {
             warn!(tenant = %record.info.tenant, request_id = %record.info.request_id,
                 "usage record of an unconfigured tenant dropped");
             self.metrics.records_unknown_tenant.inc();
             return;
         }
-        self.send(LedgerOp::Record { record, settlements });
+        self.send(LedgerOp::Record { record, settlements, lease });
     }
 
     /// Queues the charge of a reservation whose usage never arrived.
@@ -250,9 +253,9 @@ async fn writer(
 /// One attempt at a write: `Ok` when it is done (applied, or nothing to do), `Err` to retry
 /// (`pending` keeps what landed).
 async fn write(store: &Store, metrics: &Metrics, pending: &mut Pending) -> Result<(), StoreError> {
-    let (record, settlements, charge) = match &pending.op {
-        LedgerOp::Record { record, settlements } => (record, settlements, false),
-        LedgerOp::Charge { record, settlements } => (record, settlements, true),
+    let (record, settlements, charge, lease) = match &pending.op {
+        LedgerOp::Record { record, settlements, lease } => (record, settlements, false, lease.as_ref()),
+        LedgerOp::Charge { record, settlements } => (record, settlements, true, None),
         LedgerOp::Release { tenant, record_id, buckets } => {
             let started = std::time::Instant::now();
             let result = store.release(tenant, record_id, buckets).await;
@@ -265,7 +268,7 @@ async fn write(store: &Store, metrics: &Metrics, pending: &mut Pending) -> Resul
     };
     if !pending.applied {
         let started = std::time::Instant::now();
-        let result = store.apply(record, settlements, charge).await;
+        let result = store.apply(record, settlements, charge, lease).await;
         metrics.redis_call(if charge { "charge" } else { "record" }, started.elapsed(), result.is_ok());
         match result? {
             Applied::Applied => pending.applied = true,
@@ -334,11 +337,11 @@ mod tests {
             let info = crate::meter::RequestInfo { tenant: tenant.to_owned(), ..Default::default() };
             UsageRecord::new(info, gateway_meter::Usage::unseen(1, 200), true)
         };
-        recorder.record(record("mallory"), Vec::new());
-        recorder.record(record(""), Vec::new());
+        recorder.record(record("mallory"), Vec::new(), None);
+        recorder.record(record(""), Vec::new(), None);
         assert!(rx.try_recv().is_err(), "nothing queued for Redis");
         assert_eq!(metrics.records_unknown_tenant.get(), 2);
-        recorder.record(record("acme"), Vec::new());
+        recorder.record(record("acme"), Vec::new(), None);
         let queued = rx.try_recv().ok();
         assert!(
             matches!(&queued, Some(LedgerOp::Record { record, .. }) if record.info.tenant == "acme"),

@@ -39,6 +39,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, error, info, Instrument};
 
 use crate::admission::{self, Admitted, RequestFacts};
+use crate::admission_lease::LeaseUse;
 use crate::config::Config;
 use crate::config::FactsSource;
 use crate::context::{ContextChecker, ContextError, Counted};
@@ -258,6 +259,7 @@ async fn admission_stream(
         return send(tx, continue_response(&first.request, None)).await;
     }
     facts.leased_tokens = None;
+    facts.lease_id = None;
     // The endpoint-picker protocol's subset hint, sent with the request headers.
     let subset = subset_hint(first.metadata_context.as_ref());
     // The base model's tokenizer (for a LoRA adapter, the facts' model names the adapter).
@@ -987,12 +989,14 @@ pub(crate) fn finish(shared: &Arc<Shared>, record: UsageRecord) {
     if record.finished_at_unix_ms == 0 {
         record.finished_at_unix_ms = unix_ms();
     }
-    let buckets = shared
-        .config
-        .tenant(&record.info.tenant)
-        .map(|t| limits::token_buckets(shared.limiter.store().prefix(), t, &record.info.model))
-        .unwrap_or_default();
+    let prefix = shared.limiter.store().prefix();
+    let tenant = shared.config.tenant(&record.info.tenant);
+    let buckets = tenant.map(|t| limits::token_buckets(prefix, t, &record.info.model)).unwrap_or_default();
     let settlements = ledger::settlements(buckets, record.info.reserved_tokens, record.total_tokens());
+    let lease = tenant.and_then(|t| {
+        let plan = limits::plan(prefix, t, &record.info.model, 0);
+        LeaseUse::of(record.info.lease_id.as_deref(), &plan, record.info.reserved_tokens)
+    });
     if record.info.reserved_locally {
         // Taken in this sidecar's memory (Redis was away): settled there, at once.
         let local = Arc::clone(shared);
@@ -1004,10 +1008,10 @@ pub(crate) fn finish(shared: &Arc<Shared>, record: UsageRecord) {
             }
             .instrument(span.clone()),
         );
-        shared.recorder.record(record, Vec::new());
+        shared.recorder.record(record, Vec::new(), lease);
     } else {
         // Settled in Redis with the record, in one call, once per request (lua/ledger_v1.lua).
-        shared.recorder.record(record, settlements);
+        shared.recorder.record(record, settlements, lease);
     }
 }
 
@@ -1216,6 +1220,7 @@ pub(crate) fn facts_from_headers(header: impl Fn(&str) -> Option<String>) -> Req
         request_id: header(H_REQUEST_ID).unwrap_or_default(),
         tier: header(H_TIER).unwrap_or_default(),
         leased_tokens: None,
+        lease_id: None,
         prefix_hashes: None,
         nonce: header(H_REQUEST_NONCE),
     }

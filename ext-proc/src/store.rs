@@ -12,6 +12,7 @@ use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 
+use crate::admission_lease::{LeaseRecord, LeaseUse};
 use crate::config::RedisConfig;
 use crate::ledger::{self, CHARGED_RETENTION};
 use crate::limits::{BucketSpec, ReplyError, TakeOutcome};
@@ -42,6 +43,16 @@ pub struct Tracking<'a> {
     pub reservation: &'a ledger::Reservation,
     /// How long the reservation keys live past their last write.
     pub keep: Duration,
+}
+
+/// What a take records open when it admits: a reservation or an admission lease (the keys of
+/// `lua/token_bucket_take_v3.lua`'s reservation section).
+struct Opened<'a> {
+    hash: String,
+    index: String,
+    id: &'a str,
+    json: String,
+    keep: Duration,
 }
 
 /// How long after a write attempt that may have landed a retry of the same record is still
@@ -318,6 +329,25 @@ impl Store {
         tracking: Option<&Tracking<'_>>,
         quotas: Option<(&str, &QuotaTake<'_>)>,
     ) -> Result<(TakeOutcome, Vec<u64>, Option<QuotaOutcome>), StoreError> {
+        let opened = tracking.map(|t| Opened {
+            hash: ledger::reservations_key(&self.prefix, t.tenant),
+            index: ledger::due_key(&self.prefix, t.tenant),
+            id: t.record_id,
+            json: t.reservation.to_json(),
+            keep: t.keep,
+        });
+        self.take_opening(plan, leases, opened, quotas).await
+    }
+
+    /// The take of [`Store::take_with_quotas`], recording `opened` (a reservation or a lease)
+    /// when it admits.
+    async fn take_opening(
+        &self,
+        plan: &[BucketSpec],
+        leases: &[u64],
+        opened: Option<Opened<'_>>,
+        quotas: Option<(&str, &QuotaTake<'_>)>,
+    ) -> Result<(TakeOutcome, Vec<u64>, Option<QuotaOutcome>), StoreError> {
         let mut inv = self.take.prepare_invoke();
         inv.arg(plan.len());
         for (i, b) in plan.iter().enumerate() {
@@ -325,12 +355,12 @@ impl Store {
             inv.key(&b.key).arg(b.capacity).arg(b.rate_per_minute).arg(b.cost).arg(lease);
         }
         let quotas = quotas.filter(|(_, q)| !q.specs.is_empty());
-        if let Some(t) = tracking {
-            inv.key(ledger::reservations_key(&self.prefix, t.tenant))
-                .key(ledger::due_key(&self.prefix, t.tenant))
-                .arg(t.record_id)
-                .arg(t.reservation.to_json())
-                .arg(u64::try_from(t.keep.as_millis()).unwrap_or(u64::MAX));
+        if let Some(o) = opened {
+            inv.key(o.hash)
+                .key(o.index)
+                .arg(o.id)
+                .arg(o.json)
+                .arg(u64::try_from(o.keep.as_millis()).unwrap_or(u64::MAX));
         } else if let Some((tenant, _)) = quotas {
             // The quota section follows the reservation's: its keys and arguments are given,
             // with no record id (nothing recorded).
@@ -443,11 +473,16 @@ impl Store {
     /// # Errors
     /// [`StoreError`] on timeout or Redis error ([`StoreError::maybe_applied`] says whether it may
     /// have been applied anyway).
+    ///
+    /// A `record` of a request admitted from an admission lease (`lease`) counts its reservation
+    /// against the lease while the lease is open, or pays it again once the lease was reclaimed
+    /// ([`crate::admission_lease`]).
     pub async fn apply(
         &self,
         record: &UsageRecord,
         settlements: &[(BucketSpec, i64)],
         charge: bool,
+        lease: Option<&LeaseUse>,
     ) -> Result<Applied, StoreError> {
         let now_ms = unix_ms();
         let finished_ms = finished_ms(record, now_ms);
@@ -484,6 +519,18 @@ impl Store {
         // on the quota clock.
         inv.arg(self.cost_of(record));
         Self::quota_args(&mut inv, &self.book.plan(&self.prefix, tenant, &info.model, day_ms));
+        if let (Some(lease), false) = (lease, charge) {
+            inv.key(ledger::leases_key(&self.prefix, tenant))
+                .key(ledger::lease_used_key(&self.prefix, tenant))
+                .key(ledger::leases_reclaimed_key(&self.prefix, tenant))
+                .arg(&lease.lease_id)
+                .arg(lease.reserved)
+                .arg(ledger::KEEP_MARGIN.as_millis() as u64)
+                .arg(lease.if_reclaimed.len());
+            for (bucket, delta) in &lease.if_reclaimed {
+                inv.key(&bucket.key).arg(bucket.capacity).arg(bucket.rate_per_minute).arg(*delta);
+            }
+        }
         let mut conn = self.conn();
         let reply: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
         match reply {
@@ -589,6 +636,123 @@ impl Store {
         let mut conn = self.conn();
         let reply: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
         Ok(reply == 1)
+    }
+
+    /// Records an admission lease's take: [`Store::take_with_quotas`] that also records the lease
+    /// open (`record` under `lease_id` in [`ledger::leases_key`], indexed by Redis's time in
+    /// [`ledger::lease_due_key`], both kept `keep` past the write) when the take admits.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout, Redis error or a malformed reply.
+    pub async fn take_lease(
+        &self,
+        tenant: &str,
+        lease_id: &str,
+        record: &LeaseRecord,
+        keep: Duration,
+        plan: &[BucketSpec],
+        quotas: Option<&QuotaTake<'_>>,
+    ) -> Result<(TakeOutcome, Option<QuotaOutcome>), StoreError> {
+        let opened = Opened {
+            hash: ledger::leases_key(&self.prefix, tenant),
+            index: ledger::lease_due_key(&self.prefix, tenant),
+            id: lease_id,
+            json: record.to_json(),
+            keep,
+        };
+        let (outcome, _, quota) =
+            self.take_opening(plan, &[], Some(opened), quotas.map(|q| (tenant, q))).await?;
+        Ok((outcome, quota))
+    }
+
+    /// Gives an admission lease's rest back (`lua/ledger_v1.lua`, operation `lease_return`):
+    /// `settlements` move their buckets only while the lease is open, and close it. Whether it was
+    /// open (false: reclaimed already, or given back: nothing moved). Safe to retry.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error.
+    pub async fn lease_return(
+        &self,
+        tenant: &str,
+        lease_id: &str,
+        settlements: &[(BucketSpec, i64)],
+    ) -> Result<bool, StoreError> {
+        let mut inv = self.ledger.prepare_invoke();
+        inv.key(ledger::leases_key(&self.prefix, tenant))
+            .key(ledger::lease_due_key(&self.prefix, tenant))
+            .key(ledger::lease_used_key(&self.prefix, tenant))
+            .arg("lease_return")
+            .arg(lease_id)
+            .arg(settlements.len());
+        for (bucket, delta) in settlements {
+            inv.key(&bucket.key).arg(bucket.capacity).arg(bucket.rate_per_minute).arg(*delta);
+        }
+        let mut conn = self.conn();
+        let reply: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
+        Ok(reply == 1)
+    }
+
+    /// Reclaims an orphaned admission lease (`lua/ledger_v1.lua`, operation `lease_reclaim`):
+    /// closes it, remembers it reclaimed for `retention`, and gives each of `buckets` (the plan
+    /// of its tenant and model) what the lease took less what its finished requests reserved.
+    /// The requests and tokens given back; `None` when it was not open (given back, or reclaimed
+    /// by another replica).
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout, Redis error or a malformed reply.
+    pub async fn lease_reclaim(
+        &self,
+        tenant: &str,
+        lease_id: &str,
+        buckets: &[BucketSpec],
+        retention: Duration,
+    ) -> Result<Option<(u64, u64)>, StoreError> {
+        let mut inv = self.ledger.prepare_invoke();
+        inv.key(ledger::leases_key(&self.prefix, tenant))
+            .key(ledger::lease_due_key(&self.prefix, tenant))
+            .key(ledger::lease_used_key(&self.prefix, tenant))
+            .key(ledger::leases_reclaimed_key(&self.prefix, tenant))
+            .arg("lease_reclaim")
+            .arg(lease_id)
+            .arg(u64::try_from(retention.as_millis()).unwrap_or(u64::MAX))
+            .arg(buckets.len());
+        for b in buckets {
+            inv.key(&b.key).arg(b.kind.as_str()).arg(b.capacity).arg(b.rate_per_minute);
+        }
+        let mut conn = self.conn();
+        let reply: Vec<i64> = self.bounded(inv.invoke_async(&mut conn)).await?;
+        match reply.as_slice() {
+            [1, requests, tokens] => {
+                Ok(Some((u64::try_from(*requests).unwrap_or(0), u64::try_from(*tokens).unwrap_or(0))))
+            }
+            [0, ..] => Ok(None),
+            other => Err(StoreError::Reply(ReplyError(format!("ledger_v1.lua lease_reclaim: {other:?}")))),
+        }
+    }
+
+    /// A tenant's open admission leases granted more than `age` ago (Redis's clock), at most
+    /// `most`, each due again `claim` later (`lua/ledger_v1.lua`, operation `claim`, on the lease
+    /// keys); and how many are open. Unreadable records are returned as `None`.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout, Redis error or a malformed reply.
+    pub async fn claim_leases(
+        &self,
+        tenant: &str,
+        age: Duration,
+        claim: Duration,
+        most: usize,
+    ) -> Result<ledger::Claimed<LeaseRecord>, StoreError> {
+        let mut inv = self.ledger.prepare_invoke();
+        inv.key(ledger::leases_key(&self.prefix, tenant))
+            .key(ledger::lease_due_key(&self.prefix, tenant))
+            .arg("claim")
+            .arg(age.as_millis() as u64)
+            .arg(claim.as_millis() as u64)
+            .arg(most);
+        let mut conn = self.conn();
+        let reply: Vec<Value> = self.bounded(inv.invoke_async(&mut conn)).await?;
+        ledger::read_claim_with(&reply, LeaseRecord::from_json).map_err(StoreError::Reply)
     }
 
     /// A tenant's open reservations taken more than `age` ago (Redis's clock), at most `most`

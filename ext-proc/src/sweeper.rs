@@ -10,7 +10,15 @@
 //! (`lua/ledger_v1.lua`), so each is charged once whoever claims it, and a replica that dies
 //! between its claim and its charge leaves the reservation to the next sweep after [`CLAIM`].
 //!
+//! With admission leases on (`redis.lease_fraction` > 0), a second task ([`run_leases`]) reclaims
+//! the filters' orphaned leases the same way: every half `redis.lease_ttl_ms`, one Redis call per
+//! configured tenant claims its leases still open [`admission_lease::reclaim_after`] their grant,
+//! and each is reclaimed once ([`Store::lease_reclaim`]) whoever claims it, so a lease whose VM
+//! went away is back within one lease TTL of its expiry. Counted in
+//! `llm_gateway_admission_leases_reclaimed_total`.
+//!
 //! [`Store::claim`]: crate::store::Store::claim
+//! [`Store::lease_reclaim`]: crate::store::Store::lease_reclaim
 //! [`Recorder::charge`]: crate::recorder::Recorder::charge
 
 use std::sync::Arc;
@@ -20,6 +28,7 @@ use tokio::sync::watch;
 use tokio::time::MissedTickBehavior;
 use tracing::{debug, warn};
 
+use crate::admission_lease;
 use crate::ledger::{self, CLAIM};
 use crate::limits;
 use crate::service::Shared;
@@ -79,4 +88,64 @@ pub async fn sweep(shared: &Shared) -> usize {
     }
     shared.metrics.reservations_open.set(i64::try_from(open).unwrap_or(i64::MAX));
     charged
+}
+
+/// Reclaims orphaned admission leases every half `redis.lease_ttl_ms` until `stop` turns true.
+pub async fn run_leases(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    let every = Duration::from_millis((shared.config.redis.lease_ttl_ms / 2).max(1));
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.wait_for(|stopping| *stopping) => return,
+        }
+        reclaim_leases(&shared).await;
+    }
+}
+
+/// One pass over the configured tenants' open admission leases; returns how many it reclaimed.
+pub async fn reclaim_leases(shared: &Shared) -> usize {
+    let ttl = Duration::from_millis(shared.config.redis.lease_ttl_ms);
+    let age = admission_lease::reclaim_after(ttl);
+    // Their requests still in flight may end up to the longest stream lifetime later.
+    let retention = Duration::from_millis(shared.config.metering.reservations.record_after_ms);
+    let batch = shared.config.metering.reservations.sweep_batch;
+    let store = shared.limiter.store();
+    let mut reclaimed = 0;
+    for tenant in &shared.config.tenants {
+        let started = Instant::now();
+        let result = store.claim_leases(&tenant.id, age, CLAIM, batch).await;
+        shared.metrics.redis_call("lease_claim", started.elapsed(), result.is_ok());
+        let claimed = match result {
+            Ok(claimed) => claimed,
+            Err(error) => {
+                debug!(%error, tenant = %tenant.id, "lease reclaim sweep failed");
+                continue;
+            }
+        };
+        for (lease_id, record) in claimed.due {
+            let Some(record) = record else {
+                warn!(tenant = %tenant.id, %lease_id, "unreadable admission lease left open");
+                continue;
+            };
+            let buckets = limits::plan(store.prefix(), tenant, &record.model, 0);
+            let started = Instant::now();
+            let result = store.lease_reclaim(&tenant.id, &lease_id, &buckets, retention).await;
+            shared.metrics.redis_call("lease_reclaim", started.elapsed(), result.is_ok());
+            match result {
+                Ok(Some((requests, tokens))) => {
+                    warn!(tenant = %tenant.id, model = %record.model, %lease_id, requests, tokens,
+                        "admission lease not given back within its TTL (its filter VM went away): reclaimed");
+                    shared.metrics.leases_reclaimed.inc();
+                    reclaimed += 1;
+                }
+                // Given back meanwhile, or reclaimed by another replica.
+                Ok(None) => {}
+                // Due again after the claim: this or another replica retries.
+                Err(error) => debug!(%error, tenant = %tenant.id, %lease_id, "lease reclaim failed"),
+            }
+        }
+    }
+    reclaimed
 }

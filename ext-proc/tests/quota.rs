@@ -106,10 +106,10 @@ async fn counters_follow_reservations_usage_give_backs_and_charges() {
     record.completion_tokens = 3;
     record.unreported = false;
     record.finished_at_unix_ms = t;
-    assert_eq!(store.apply(&record, &[], false).await.unwrap(), Applied::Applied);
+    assert_eq!(store.apply(&record, &[], false, None).await.unwrap(), Applied::Applied);
     assert_eq!(counter(&mut conn, &day).await, 15);
     // Applied once: a second delivery changes nothing.
-    assert_eq!(store.apply(&record, &[], false).await.unwrap(), Applied::Duplicate);
+    assert_eq!(store.apply(&record, &[], false, None).await.unwrap(), Applied::Duplicate);
     assert_eq!(counter(&mut conn, &day).await, 15);
     // Its cost, exact: 12 x 1000 + 3 x 2000 nano-dollars, in the daily hash.
     let hash = gateway_ext_proc::store::usage_key("llmgw", "acme", t / 1000);
@@ -134,7 +134,7 @@ async fn counters_follow_reservations_usage_give_backs_and_charges() {
     let lost = reservation("m", 15, 15, t, 30);
     let charged = ledger::charged_record("acme", "a.3", &lost);
     let charged_tokens = charged.prompt_tokens + charged.completion_tokens;
-    assert_eq!(store.apply(&charged, &[], true).await.unwrap(), Applied::Applied);
+    assert_eq!(store.apply(&charged, &[], true, None).await.unwrap(), Applied::Applied);
     assert_eq!(counter(&mut conn, &day).await, 15 + charged_tokens as i64);
 
     // Up to the hard limit: admitted while any quota is left, refused once used up.
@@ -214,7 +214,7 @@ async fn model_quotas_concurrency_and_midnight() {
     record.unreported = false;
     let tomorrow = t + 86_400_000;
     record.finished_at_unix_ms = tomorrow;
-    assert_eq!(store.apply(&record, &[], false).await.unwrap(), Applied::Applied);
+    assert_eq!(store.apply(&record, &[], false, None).await.unwrap(), Applied::Applied);
     let next_day =
         quota::quota_key("llmgw", "acme", None, quota::Period::Day, &quota::day_label(tomorrow / 1000));
     assert_eq!(counter(&mut conn, &next_day).await, 0);
@@ -224,6 +224,6 @@ async fn model_quotas_concurrency_and_midnight() {
     // A record without an open reservation (a leased admission) adds its tokens to its day.
     let mut leased = record.clone();
     leased.info.record_id = "leased.1".into();
-    assert_eq!(store.apply(&leased, &[], false).await.unwrap(), Applied::Applied);
+    assert_eq!(store.apply(&leased, &[], false, None).await.unwrap(), Applied::Applied);
     assert_eq!(counter(&mut conn, &next_day).await, 20);
 }

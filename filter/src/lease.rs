@@ -15,8 +15,10 @@
 //! a renewal of a lease that is running low or about to expire while in use, and the give-back of
 //! an expired lease's unused part. Each call gives the previous lease's rest back (it stops
 //! admitting at once) and reports the requests admitted from it (for the pool's in-flight count).
-//! Leased tokens are gone from Redis, so leases never over-admit; a lease lost with its VM (or a
-//! failed call) under-admits by its rest until the buckets refill.
+//! Leased tokens are gone from Redis, so leases never over-admit. Each lease has an id (the
+//! grant's `lease_id`), copied into the facts of every request it admits and sent back with its
+//! give-back: a lease lost with its VM (or with a failed call) stays open in Redis, and the
+//! sidecar reclaims it half a TTL after its expiry.
 //!
 //! `x-ratelimit-remaining-*` of a leased admission is Redis's remaining at the grant plus what the
 //! lease still holds: approximate, like every leased admission.
@@ -48,6 +50,8 @@ pub struct AdmissionFacts {
 pub struct LeaseAdmission {
     /// Tokens reserved from the lease (`x-gateway-reserved-tokens`).
     pub reserved_tokens: u64,
+    /// The grant's `lease_id` (empty: the lease has none), for the request's facts.
+    pub lease_id: String,
     /// OpenAI's `x-ratelimit-*` response headers, for the kinds the tenant is limited in.
     pub response_headers: Vec<(&'static str, String)>,
 }
@@ -113,6 +117,8 @@ struct Entry {
     tier: String,
     /// A live lease is held (granted, not yet given back).
     held: bool,
+    /// The held lease's `lease_id`.
+    lease_id: String,
     expires_us: u64,
     requests: Part,
     tokens: Part,
@@ -169,7 +175,11 @@ impl Leases {
         let mut response_headers = Vec::with_capacity(6);
         entry.requests.headers(Kind::Requests, &mut response_headers);
         entry.tokens.headers(Kind::Tokens, &mut response_headers);
-        Some(LeaseAdmission { reserved_tokens: facts.reserve_tokens, response_headers })
+        Some(LeaseAdmission {
+            reserved_tokens: facts.reserve_tokens,
+            lease_id: entry.lease_id.clone(),
+            response_headers,
+        })
     }
 
     /// The lease calls to make now, each with its key: a lease for a wanted key, the renewal of a
@@ -198,6 +208,7 @@ impl Leases {
                 returned_tokens: e.tokens.take_rest(),
                 admitted: std::mem::take(&mut e.admitted),
                 want,
+                returned_lease_id: if e.held { std::mem::take(&mut e.lease_id) } else { String::new() },
             };
             e.held = false;
             e.wanted = false;
@@ -220,6 +231,7 @@ impl Leases {
             && grant.ttl_ms > 0;
         if granted {
             e.held = true;
+            e.lease_id.clone_from(&grant.lease_id);
             e.expires_us = now_us.saturating_add(grant.ttl_ms.saturating_mul(1000));
             e.requests =
                 Part::from_grant(grant.requests_unlimited, grant.requests, grant.requests_state.clone());
@@ -232,8 +244,9 @@ impl Leases {
         }
     }
 
-    /// A call for `key` failed (sidecar away, timeout): what it gave back and reported is lost
-    /// (under-admission until the buckets refill); no call for [`FAILURE_BACKOFF_US`].
+    /// A call for `key` failed (sidecar away, timeout): what it reported is lost, and what it gave
+    /// back, if the call did not land, is reclaimed by the sidecar once the lease is orphaned
+    /// (its id is open in Redis); no call for [`FAILURE_BACKOFF_US`].
     pub fn on_failure(&mut self, key: &LeaseKey, now_us: u64) {
         if let Some(e) = self.entries.get_mut(key) {
             e.calling = false;
@@ -277,6 +290,7 @@ mod tests {
             ttl_ms: 1000,
             requests_state: Some(LimitState { limit: 600, remaining: 500, reset: "10s".into() }),
             tokens_state: Some(LimitState { limit: 60_000, remaining: 50_000, reset: "10s".into() }),
+            lease_id: "lease-1".into(),
             ..Default::default()
         }
     }
@@ -318,6 +332,23 @@ mod tests {
         let (_, req) = &calls[0];
         assert_eq!((req.returned_requests, req.returned_tokens, req.admitted), (1, 50, 2));
         assert_eq!(l.try_admit(&facts(1), 60), None, "given back: no admission while the call is out");
+    }
+
+    #[test]
+    fn a_lease_id_names_each_admission_and_its_give_back_once() {
+        let mut l = holding(grant(10, 1000));
+        assert_eq!(l.try_admit(&facts(10), 1).unwrap().lease_id, "lease-1");
+        assert_eq!(l.try_admit(&facts(2_000), 2), None, "not covered: a renewal is wanted");
+        let (_, req) = l.due(3, 0).remove(0);
+        assert_eq!(req.returned_lease_id, "lease-1");
+        l.on_grant(&key(), &LeaseGrant { lease_id: "lease-2".into(), ..grant(10, 5_000) }, 4);
+        assert_eq!(l.try_admit(&facts(2_000), 5).unwrap().lease_id, "lease-2");
+        // The call fails: the lease it gave back is not given back again (the sidecar reclaims it).
+        let (_, req) = l.due(2_000_000, 0).remove(0);
+        assert_eq!(req.returned_lease_id, "lease-2");
+        l.on_failure(&key(), 2_000_000);
+        let (_, req) = l.due(3_000_001, 0).into_iter().next().unwrap_or_default();
+        assert_eq!(req.returned_lease_id, "", "nothing held: nothing named");
     }
 
     #[test]

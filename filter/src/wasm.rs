@@ -348,6 +348,7 @@ impl GatewayHttp {
                 self.leases.try_borrow_mut().ok().and_then(|mut l| l.try_admit(lease_facts, now_us()));
             if let Some(admission) = admitted {
                 facts.leased_tokens = Some(admission.reserved_tokens);
+                facts.lease_id = (!admission.lease_id.is_empty()).then_some(admission.lease_id);
                 self.lease_response_headers = Some(admission.response_headers);
             }
         }

@@ -1,0 +1,192 @@
+//! Admission leases whose filter VM went away (issue 14, item 4), against a real `redis-server`
+//! through the sidecar's store: a lease is recorded open with its take, a leased request's usage
+//! counts its reservation against the open lease, a reclaim gives back what the lease took less
+//! what its finished requests reserved, a request still in flight at the reclaim pays its
+//! reservation again when its usage lands, and a give-back and a reclaim exclude each other, so
+//! the buckets end where the requests' usage alone puts them.
+//!
+//! Needs `redis-server` on the PATH (`make setup`).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::Redis;
+
+use gateway_ext_proc::admission::RequestFacts;
+use gateway_ext_proc::admission_lease::{self, LeaseRecord, LeaseUse};
+use gateway_ext_proc::config::Config;
+use gateway_ext_proc::ledger;
+use gateway_ext_proc::limits::{self, BucketKind, BucketSpec};
+use gateway_ext_proc::meter::UsageRecord;
+use gateway_ext_proc::store::{Applied, Store};
+
+const REQUESTS: f64 = 1_000.0;
+const TOKENS: f64 = 100_000.0;
+
+/// Bursts of 1,000 requests and 100,000 tokens refilled 1 a minute (nothing hides a miscount);
+/// leases of 10 %: 100 requests and 10,000 tokens.
+async fn setup(redis: &Redis) -> (Config, Store, redis::aio::MultiplexedConnection) {
+    let config = Config::from_yaml(&format!(
+        "listen: 127.0.0.1:0
+redis: {{url: 'redis://127.0.0.1:{}', lease_fraction: 0.1}}
+tenants:
+  - {{id: acme, limits: {{requests_per_minute: 1, request_burst: 1000, tokens_per_minute: 1, token_burst: 100000}}}}
+",
+        redis.1
+    ))
+    .unwrap();
+    let store = Store::connect(&config.redis, "usage".into(), 1000).await.unwrap();
+    let conn = redis::Client::open(format!("redis://127.0.0.1:{}", redis.1))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    (config, store, conn)
+}
+
+fn plan(config: &Config, store: &Store) -> Vec<BucketSpec> {
+    limits::plan(store.prefix(), config.tenant("acme").unwrap(), "m", 0)
+}
+
+/// Takes a lease named `id`; its size.
+async fn take(config: &Config, store: &Store, id: &str) -> admission_lease::LeaseSize {
+    let size = admission_lease::size(&plan(config, store), 0.1, 100).unwrap();
+    assert_eq!((size.requests, size.tokens), (100, 10_000));
+    let record = LeaseRecord::of(&size, "m");
+    let (outcome, _) =
+        store.take_lease("acme", id, &record, Duration::from_secs(600), &size.plan, None).await.unwrap();
+    assert_eq!(outcome.denied, None);
+    size
+}
+
+/// The usage record of a request admitted from lease `lease_id` that reserved 100 tokens and
+/// used `used` (10 prompt, the rest completion), and what its write settles.
+fn leased(
+    config: &Config,
+    store: &Store,
+    id: &str,
+    lease_id: &str,
+    used: u64,
+) -> (UsageRecord, Vec<(BucketSpec, i64)>, Option<LeaseUse>) {
+    let facts = RequestFacts {
+        tenant: Some("acme".into()),
+        model: "m".into(),
+        pool: "p".into(),
+        prompt_tokens: 10,
+        max_tokens: 90,
+        request_id: id.into(),
+        tier: "standard".into(),
+        leased_tokens: Some(100),
+        lease_id: Some(lease_id.into()),
+        ..Default::default()
+    };
+    let reservation = ledger::Reservation::of(&facts, 100, 0);
+    let mut record = ledger::charged_record("acme", id, &reservation);
+    record.info.lease_id = facts.lease_id.clone();
+    record.unreported = false;
+    record.prompt_tokens = 10;
+    record.completion_tokens = used - 10;
+    record.finished_at_unix_ms = 0;
+    let buckets = limits::token_buckets(store.prefix(), config.tenant("acme").unwrap(), "m");
+    let settlements = ledger::settlements(buckets, 100, used);
+    let lease = LeaseUse::of(record.info.lease_id.as_deref(), &plan(config, store), 100);
+    (record, settlements, lease)
+}
+
+/// The (requests, tokens) buckets' levels now.
+async fn levels(config: &Config, store: &Store, conn: &mut redis::aio::MultiplexedConnection) -> (f64, f64) {
+    let mut out = (0.0, 0.0);
+    for b in plan(config, store) {
+        let t: Option<String> = redis::cmd("HGET").arg(&b.key).arg("t").query_async(conn).await.unwrap();
+        let level = t.map_or(f64::NAN, |t| t.parse().unwrap());
+        match b.kind {
+            BucketKind::Requests => out.0 = level,
+            BucketKind::Tokens => out.1 = level,
+        }
+    }
+    out
+}
+
+/// `level` is `expected` within the refill a test can see (1 a minute) and rounding.
+fn near(level: f64, expected: f64) -> bool {
+    (level - expected).abs() < 1.0
+}
+
+#[tokio::test]
+async fn a_reclaimed_lease_gives_back_what_its_requests_did_not_use() {
+    let redis = Redis::start();
+    let (config, store, mut conn) = setup(&redis).await;
+    let size = take(&config, &store, "L1").await;
+    let (r, t) = levels(&config, &store, &mut conn).await;
+    assert!(near(r, REQUESTS - 100.0) && near(t, TOKENS - 10_000.0), "{r} {t}");
+
+    // One request ends while the lease is open: settled (100 reserved, 30 used), counted.
+    let (record, settlements, lease) = leased(&config, &store, "done.1", "L1", 30);
+    assert_eq!(store.apply(&record, &settlements, false, lease.as_ref()).await.unwrap(), Applied::Applied);
+    let used: Vec<Option<u64>> = redis::cmd("HMGET")
+        .arg(ledger::lease_used_key("llmgw", "acme"))
+        .arg("L1:r")
+        .arg("L1:t")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(used, [Some(1), Some(100)]);
+
+    // Not yet due (granted just now); due with age 0.
+    let claimed = store.claim_leases("acme", Duration::from_secs(60), ledger::CLAIM, 10).await.unwrap();
+    assert_eq!((claimed.open, claimed.due.len()), (1, 0));
+    let claimed = store.claim_leases("acme", Duration::ZERO, ledger::CLAIM, 10).await.unwrap();
+    assert_eq!(claimed.due, [("L1".to_owned(), Some(LeaseRecord::of(&size, "m")))]);
+
+    // The VM went away: the reclaim gives back all but the finished request's reservation.
+    let back = store.lease_reclaim("acme", "L1", &plan(&config, &store), Duration::from_secs(600)).await;
+    assert_eq!(back.unwrap(), Some((99, 9_900)));
+    let (r, t) = levels(&config, &store, &mut conn).await;
+    assert!(near(r, REQUESTS - 1.0) && near(t, TOKENS - 30.0), "{r} {t}");
+    // Once only: by another replica, or by the filter's give-back arriving late.
+    let again = store.lease_reclaim("acme", "L1", &plan(&config, &store), Duration::from_secs(600)).await;
+    assert_eq!(again.unwrap(), None);
+    let late = admission_lease::give_back(&size.plan, 98, 9_800);
+    assert!(!store.lease_return("acme", "L1", &late).await.unwrap());
+    let (r, t) = levels(&config, &store, &mut conn).await;
+    assert!(near(r, REQUESTS - 1.0) && near(t, TOKENS - 30.0), "{r} {t}");
+
+    // A request in flight at the reclaim ends (100 reserved, 50 used): it costs its usage.
+    let (record, settlements, lease) = leased(&config, &store, "late.1", "L1", 50);
+    assert_eq!(store.apply(&record, &settlements, false, lease.as_ref()).await.unwrap(), Applied::Applied);
+    let (r, t) = levels(&config, &store, &mut conn).await;
+    assert!(near(r, REQUESTS - 2.0) && near(t, TOKENS - 80.0), "{r} {t}");
+    // Delivered twice: applied once.
+    assert_eq!(store.apply(&record, &settlements, false, lease.as_ref()).await.unwrap(), Applied::Duplicate);
+    let (r, t) = levels(&config, &store, &mut conn).await;
+    assert!(near(r, REQUESTS - 2.0) && near(t, TOKENS - 80.0), "{r} {t}");
+    let claimed = store.claim_leases("acme", Duration::ZERO, ledger::CLAIM, 10).await.unwrap();
+    assert_eq!((claimed.open, claimed.due.len()), (0, 0));
+}
+
+#[tokio::test]
+async fn a_lease_given_back_is_not_reclaimed_and_its_late_requests_settle_as_usual() {
+    let redis = Redis::start();
+    let (config, store, mut conn) = setup(&redis).await;
+    let size = take(&config, &store, "L2").await;
+    let (record, settlements, lease) = leased(&config, &store, "done.2", "L2", 40);
+    assert_eq!(store.apply(&record, &settlements, false, lease.as_ref()).await.unwrap(), Applied::Applied);
+    // The filter admitted two (one still in flight) and gives back the rest: 98 and 9,800.
+    let back = admission_lease::give_back(&size.plan, 98, 9_800);
+    assert!(store.lease_return("acme", "L2", &back).await.unwrap());
+    assert!(!store.lease_return("acme", "L2", &back).await.unwrap(), "a retry gives back nothing more");
+    let reclaim = store.lease_reclaim("acme", "L2", &plan(&config, &store), Duration::from_secs(600)).await;
+    assert_eq!(reclaim.unwrap(), None);
+    let (record, settlements, lease) = leased(&config, &store, "late.2", "L2", 60);
+    assert_eq!(store.apply(&record, &settlements, false, lease.as_ref()).await.unwrap(), Applied::Applied);
+    let (r, t) = levels(&config, &store, &mut conn).await;
+    assert!(near(r, REQUESTS - 2.0) && near(t, TOKENS - 100.0), "{r} {t}");
+    let used: i64 = redis::cmd("EXISTS")
+        .arg(ledger::lease_used_key("llmgw", "acme"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(used, 0, "a closed lease keeps no counts");
+}
