@@ -2,7 +2,7 @@
 the sidecar, redis-server and vllm-sim.
 
 The sidecar's quota clock is moved with its test-only offset file
-(`LLM_GATEWAY_TEST_CLOCK_OFFSET_FILE`, ext-proc/src/quota.rs): the day rolls over when the test
+(`LLM_GATEWAY_TEST_CLOCK_OFFSET_FILE`, ext-proc/src/admission/quota.rs): the day rolls over when the test
 writes one more day into it, without waiting for midnight. Checks that
 - requests are admitted while the day's counter is under the hard limit, carry
   `x-gateway-quota-warning` exactly when the counter with their reservation reaches the soft limit,

@@ -22,35 +22,26 @@
 //! # Ok(()) }
 //! ```
 
-pub mod access_log;
+// The tree reads like a request's path: admission (with flow control's queue), scheduling (the
+// endpoint picker, and the endpoint-picker protocol of `epp`), metering. The stages' modules are
+// re-exported at the crate root under their old names.
 pub mod admission;
-pub mod admission_lease;
-pub mod breaker;
 pub mod config;
-pub mod context;
 pub mod epp;
 pub mod error;
 pub mod flow_control;
-pub mod journal;
-pub mod lease;
-pub mod lease_service;
-pub mod ledger;
-pub mod limiter;
-pub mod limits;
-pub mod local_limiter;
-pub mod meter;
+pub mod metering;
 pub mod metrics;
 pub mod pools;
-pub mod quota;
-pub mod recorder;
 pub mod scheduling;
 pub mod service;
-pub mod shedding;
+pub use admission::{
+    admission_lease, breaker, context, lease, lease_service, limiter, limits, local_limiter, quota, shedding,
+};
 pub use gateway_meter::sse;
+pub use metering::{access_log, journal, ledger, meter, recorder, sweeper, usage_report};
 pub mod store;
-pub mod sweeper;
 pub mod telemetry;
-pub mod usage_report;
 
 /// Protobuf types of `proto/llm_gateway/v1/usage.proto` and `lease.proto` (with the lease
 /// service's server).

@@ -1,8 +1,29 @@
+//! The admission stage: whether a request goes upstream now, and what it reserves.
+//!
+//! A request's path through it (`crate::service` drives it per ext_proc stream): the exact
+//! prompt count where only it can decide the context rule ([`context`]); shedding in front of a
+//! saturated pool ([`shedding`]; flow control's queue is [`crate::flow_control`]); quotas
+//! ([`quota`]); the RPM/TPM plan and its take in Redis ([`limits`], [`limiter`], with the
+//! in-memory buckets of [`local_limiter`], the circuit breaker of [`breaker`] and the sidecar's
+//! own token leases of [`lease`]); and the filter's admission leases ([`admission_lease`], served
+//! by [`lease_service`]). This module holds the pure decisions over the limiter's outcome.
+//!
 //! Admission decisions, with no I/O: what a request reserves, and what the limiter's outcome
 //! means for it (admit with `x-ratelimit-*` values, or a 429).
 
+pub mod admission_lease;
+pub mod breaker;
+pub mod context;
+pub mod lease;
+pub mod lease_service;
+pub mod limiter;
+pub mod limits;
+pub mod local_limiter;
+pub mod quota;
+pub mod shedding;
+
 use crate::error::AdmissionError;
-use crate::limits::{self, BucketSpec, TakeOutcome};
+use limits::{BucketSpec, TakeOutcome};
 
 /// What the wasm filter told the sidecar about a request: its [`gateway_contract::RequestFacts`]
 /// (filter state), and Envoy's `x-request-id`.
