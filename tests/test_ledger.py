@@ -36,7 +36,7 @@ KILLED_KEY = new_api_key()
 # Streams in flight when Envoy is killed.
 KILLED_STREAMS = 3
 # The sidecars' longest stream lifetime in this test (the default is 65 minutes).
-RECORD_AFTER_S = 5
+RECORD_AFTER_S = 8  # long enough that a busy machine still sees the reservations open after the kill
 # The ledger keeps a window's applied ids this long past the window's end (store.rs
 # IDEMPOTENCY_RETENTION, 10 minutes) and windows are 10 s wide.
 RETENTION_S = 600
