@@ -87,8 +87,9 @@ def test_the_journal_replayed_twice_gives_one_record_each(stack):
     before = settled(stack)
     assert before == (REQUESTS, 5 * REQUESTS, REQUESTS), before
     tokens = tpm_tokens(stack)
-    # The gRPC path applied everything first: the journal applied nothing new.
-    assert metric(sidecar_metrics(stack), "llm_gateway_journal_records_applied_total") == 0
+    # Each record once, whichever delivery landed it first (the gRPC log usually, but both flush
+    # about once a second, and on a busy machine the journal can win a race).
+    assert metric(sidecar_metrics(stack), "llm_gateway_journal_records_applied_total") <= REQUESTS
     assert metric(sidecar_metrics(stack), "llm_gateway_journal_lines_total") == REQUESTS
 
     for replay in range(2):
