@@ -743,16 +743,28 @@ impl Store {
         claim: Duration,
         most: usize,
     ) -> Result<ledger::Claimed<LeaseRecord>, StoreError> {
+        let keys = [ledger::leases_key(&self.prefix, tenant), ledger::lease_due_key(&self.prefix, tenant)];
+        let reply = self.claim_from(keys, age, claim, most).await?;
+        ledger::read_claim_with(&reply, LeaseRecord::from_json).map_err(StoreError::Reply)
+    }
+
+    /// The `claim` operation of `lua/ledger_v1.lua` on a hash of open entries and its index.
+    async fn claim_from(
+        &self,
+        [hash, index]: [String; 2],
+        age: Duration,
+        claim: Duration,
+        most: usize,
+    ) -> Result<Vec<Value>, StoreError> {
         let mut inv = self.ledger.prepare_invoke();
-        inv.key(ledger::leases_key(&self.prefix, tenant))
-            .key(ledger::lease_due_key(&self.prefix, tenant))
+        inv.key(hash)
+            .key(index)
             .arg("claim")
             .arg(age.as_millis() as u64)
             .arg(claim.as_millis() as u64)
             .arg(most);
         let mut conn = self.conn();
-        let reply: Vec<Value> = self.bounded(inv.invoke_async(&mut conn)).await?;
-        ledger::read_claim_with(&reply, LeaseRecord::from_json).map_err(StoreError::Reply)
+        self.bounded(inv.invoke_async(&mut conn)).await
     }
 
     /// A tenant's open reservations taken more than `age` ago (Redis's clock), at most `most`
@@ -768,15 +780,8 @@ impl Store {
         claim: Duration,
         most: usize,
     ) -> Result<ledger::Claimed, StoreError> {
-        let mut inv = self.ledger.prepare_invoke();
-        inv.key(ledger::reservations_key(&self.prefix, tenant))
-            .key(ledger::due_key(&self.prefix, tenant))
-            .arg("claim")
-            .arg(age.as_millis() as u64)
-            .arg(claim.as_millis() as u64)
-            .arg(most);
-        let mut conn = self.conn();
-        let reply: Vec<Value> = self.bounded(inv.invoke_async(&mut conn)).await?;
+        let keys = [ledger::reservations_key(&self.prefix, tenant), ledger::due_key(&self.prefix, tenant)];
+        let reply = self.claim_from(keys, age, claim, most).await?;
         ledger::read_claim(&reply).map_err(StoreError::Reply)
     }
 }

@@ -34,8 +34,21 @@ use crate::limits;
 use crate::service::Shared;
 
 /// Sweeps every `sweep_interval_ms` until `stop` turns true.
-pub async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+pub async fn run(shared: Arc<Shared>, stop: watch::Receiver<bool>) {
     let every = Duration::from_millis(shared.config.metering.reservations.sweep_interval_ms);
+    every_until(every, stop, || async {
+        sweep(&shared).await;
+    })
+    .await;
+}
+
+/// Calls `pass` every `every` (the first at once; a late one delays the next) until `stop`
+/// turns true.
+async fn every_until<F, Fut>(every: Duration, mut stop: watch::Receiver<bool>, mut pass: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
@@ -43,7 +56,7 @@ pub async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
             _ = tick.tick() => {}
             _ = stop.wait_for(|stopping| *stopping) => return,
         }
-        sweep(&shared).await;
+        pass().await;
     }
 }
 
@@ -91,17 +104,12 @@ pub async fn sweep(shared: &Shared) -> usize {
 }
 
 /// Reclaims orphaned admission leases every half `redis.lease_ttl_ms` until `stop` turns true.
-pub async fn run_leases(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+pub async fn run_leases(shared: Arc<Shared>, stop: watch::Receiver<bool>) {
     let every = Duration::from_millis((shared.config.redis.lease_ttl_ms / 2).max(1));
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.wait_for(|stopping| *stopping) => return,
-        }
+    every_until(every, stop, || async {
         reclaim_leases(&shared).await;
-    }
+    })
+    .await;
 }
 
 /// One pass over the configured tenants' open admission leases; returns how many it reclaimed.
