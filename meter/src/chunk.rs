@@ -116,11 +116,17 @@ fn key(s: &[u8], i: usize) -> Option<(&[u8], usize)> {
     if s.get(i) != Some(&b'"') {
         return None;
     }
-    let (raw, end) = read_string(s, i)?;
-    if !raw.iter().all(|b| (0x20..0x7f).contains(b)) {
-        return None;
+    // Keys are short: a byte at a time, stopping at anything but printable ASCII.
+    let mut j = i + 1;
+    loop {
+        match *s.get(j)? {
+            b'"' => break,
+            b'\\' => return None,
+            0x20..=0x7e => j += 1,
+            _ => return None,
+        }
     }
-    Some((raw, eat(s, end, b':')?))
+    Some((s.get(i + 1..j)?, eat(s, j + 1, b':')?))
 }
 
 /// The number at `i`, as serde_json's `ignore_integer` / `ignore_decimal` / `ignore_exponent`.
