@@ -6,6 +6,11 @@
 //! ```sh
 //! cargo run --release -p gateway-filter --example phase_cost
 //! ```
+//!
+//! Built for `wasm32-wasip1` (`cargo build --release --target wasm32-wasip1 -p gateway-filter
+//! --example phase_cost`) it runs under any WASI runtime that stubs the module's proxy-wasm `env`
+//! imports (none is called) and starts `_start` (the module also exports the filter's
+//! `_initialize`): under node's V8 it gives the phases' times in a V8 closer to Envoy's.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::print_stdout)]
 
