@@ -476,6 +476,12 @@ mod reference {
     }
 
     proptest! {
+        // PROPTEST_CASES sets the cases; no failure file.
+        #![proptest_config(ProptestConfig {
+            failure_persistence: Some(Box::new(proptest::test_runner::FileFailurePersistence::Off)),
+            ..ProptestConfig::default()
+        })]
+
         #[test]
         fn visited_as_collected(
             event in event(),

@@ -492,7 +492,11 @@ mod props {
     }
 
     proptest! {
-        // PROPTEST_CASES sets the cases (default 256; `make fuzz`: many more).
+        // PROPTEST_CASES sets the cases (default 256; `make fuzz`: many more); no failure file.
+        #![proptest_config(ProptestConfig {
+            failure_persistence: Some(Box::new(proptest::test_runner::FileFailurePersistence::Off)),
+            ..ProptestConfig::default()
+        })]
 
         #[test]
         fn valid_chunks_read_as_serde_reads_them(data in chunk()) {
