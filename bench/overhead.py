@@ -12,6 +12,9 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
                           the access log (how Envoy Gateway is rendered)
     filter-noop           (diagnostic, not run by default) Envoy + a proxy-wasm filter that does
                           nothing (filter/examples/noop.rs): the floor of any proxy-wasm filter
+    filter-base           (diagnostic, not run by default) Envoy + another build of the filter, the
+                          module at $FILTER_BASE_WASM: a change to the filter measured side by side
+                          with the build it changes (copy the old module aside before rebuilding)
     gateway-leases        the gateway with leases (`redis.lease_fraction: 0.01`): the filter admits
                           from admission leases (filter `admission_leases`) without the ext_proc
                           round trip, and the sidecar's own decisions use token leases
@@ -119,9 +122,12 @@ PROFILES = {
     "gateway-ext-proc-metering": ("gateway", ()),
     "gateway-leases": ("gateway", ()),
     "filter-noop": ("filter", ()),
+    "filter-base": ("filter", ()),
 }
 # The no-op proxy-wasm filter of the `filter-noop` target (`make build` builds it).
 NOOP_WASM = TARGET / "wasm32-wasip1" / "release" / "examples" / "noop.wasm"
+# The other build of the filter of the `filter-base` target.
+BASE_WASM_ENV = "FILTER_BASE_WASM"
 SCENARIOS = ("overhead", "saturation", "sweep", "limits", "streams", "overload", "tool", "vmtime", "memory")
 # memory: Envoy worker counts compared, bare and with the filter.
 MEMORY_CONCURRENCY = (1, 2, 4)
@@ -453,6 +459,11 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
     if name == "filter-noop" and not NOOP_WASM.exists():
         raise BenchError(f"{NOOP_WASM} is missing: cargo build --release --target wasm32-wasip1 "
                          "-p gateway-filter --example noop (make build does)")
+    wasm_path = NOOP_WASM if name == "filter-noop" else None
+    if name == "filter-base":
+        if not os.environ.get(BASE_WASM_ENV) or not Path(os.environ[BASE_WASM_ENV]).exists():
+            raise BenchError(f"target filter-base: ${BASE_WASM_ENV} must name a built gateway_filter.wasm")
+        wasm_path = Path(os.environ[BASE_WASM_ENV])
     if profile == "direct":
         return Target(name, upstream.url)
     stack = BenchStack(
@@ -467,7 +478,7 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
         metering="ext_proc" if name == "gateway-ext-proc-metering" else "access_log",
         sidecar_overrides=LEASES if name == "gateway-leases" else None,
         admission_leases=name == "gateway-leases",
-        wasm_path=NOOP_WASM if name == "filter-noop" else None,
+        wasm_path=wasm_path,
         # The no-op filter names no pool: the benchmark routes its requests to the pool itself.
         route_to_first_pool=name == "filter-noop" or None,
     )

@@ -5,6 +5,8 @@
 //! The scanner assumes the input has already been accepted by `serde_json` (it validates only
 //! what it needs) and returns `None` instead of panicking on anything unexpected.
 
+use std::borrow::Cow;
+
 /// One `"key": value` member of an object.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Member {
@@ -224,31 +226,44 @@ fn skip_value(s: &[u8], i: usize) -> Option<usize> {
     }
 }
 
-fn decode_key(raw: &[u8]) -> Option<String> {
+fn decode_key(raw: &[u8]) -> Option<Cow<'_, str>> {
     if raw.contains(&b'\\') {
-        serde_json::from_slice::<String>(raw).ok()
+        serde_json::from_slice::<String>(raw).ok().map(Cow::Owned)
     } else {
         let inner = raw.get(1..raw.len().checked_sub(1)?)?;
         // A raw control character is not JSON (serde_json and Python's `json` refuse it).
         if inner.iter().any(|b| *b < 0x20) {
             return None;
         }
-        std::str::from_utf8(inner).ok().map(str::to_string)
+        std::str::from_utf8(inner).ok().map(Cow::Borrowed)
     }
 }
 
-/// Scans the top-level members of the JSON object in `s` (leading/trailing whitespace allowed).
-/// Returns `None` if `s` is not an object, or a key is not a valid JSON string. Bytes after the
-/// closing brace are not looked at ([`ObjectScan::close`] says where it is).
-pub fn scan_object(s: &[u8]) -> Option<ObjectScan> {
+/// One member as [`visit_object`] hands it over: its key (borrowed from the document unless it
+/// has escapes) and its offsets, as in [`Member`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemberRef<'a> {
+    /// The key, with JSON escapes decoded.
+    pub key: Cow<'a, str>,
+    /// Byte offset of the key's opening quote.
+    pub start: usize,
+    /// Byte offset of the first byte of the value.
+    pub value_start: usize,
+    /// Byte offset one past the last byte of the value.
+    pub value_end: usize,
+}
+
+/// [`scan_object`] without collecting: calls `on_member` with each top-level member in document
+/// order, and returns the offsets of the braces (`(open, close)`), or `None` where
+/// [`scan_object`] does (after the members before the fault were visited).
+pub fn visit_object<'a>(s: &'a [u8], mut on_member: impl FnMut(MemberRef<'a>)) -> Option<(usize, usize)> {
     let open = skip_ws(s, 0);
     if s.get(open) != Some(&b'{') {
         return None;
     }
-    let mut members = Vec::new();
     let mut i = skip_ws(s, open + 1);
     if s.get(i) == Some(&b'}') {
-        return Some(ObjectScan { open, close: i, members });
+        return Some((open, i));
     }
     loop {
         let start = i;
@@ -260,14 +275,30 @@ pub fn scan_object(s: &[u8]) -> Option<ObjectScan> {
         }
         let value_start = skip_ws(s, i + 1);
         let value_end = skip_value(s, value_start)?;
-        members.push(Member { key, start, value_start, value_end });
+        on_member(MemberRef { key, start, value_start, value_end });
         i = skip_ws(s, value_end);
         match s.get(i)? {
             b',' => i = skip_ws(s, i + 1),
-            b'}' => return Some(ObjectScan { open, close: i, members }),
+            b'}' => return Some((open, i)),
             _ => return None,
         }
     }
+}
+
+/// Scans the top-level members of the JSON object in `s` (leading/trailing whitespace allowed).
+/// Returns `None` if `s` is not an object, or a key is not a valid JSON string. Bytes after the
+/// closing brace are not looked at ([`ObjectScan::close`] says where it is).
+pub fn scan_object(s: &[u8]) -> Option<ObjectScan> {
+    let mut members = Vec::new();
+    let (open, close) = visit_object(s, |m| {
+        members.push(Member {
+            key: m.key.into_owned(),
+            start: m.start,
+            value_start: m.value_start,
+            value_end: m.value_end,
+        });
+    })?;
+    Some(ObjectScan { open, close, members })
 }
 
 /// The `(start, end)` byte ranges of the elements of the JSON array in `s`. `None` if `s` is not

@@ -14,7 +14,7 @@
 //! of it up to the next boundary. Events that are not exactly one `data:` line holding a JSON
 //! object are passed through unchanged.
 
-use crate::json_scan::scan_object;
+use crate::json_scan::visit_object;
 
 /// Default bound on a held-back partial event: 1 MiB.
 pub const DEFAULT_MAX_EVENT_BYTES: usize = 1 << 20;
@@ -177,23 +177,46 @@ fn transform_event(event: &[u8]) -> EventAction {
         Some(p) => (p, lead + 6),
         None => (after, lead + 5),
     };
-    let Some(scan) = scan_object(payload) else {
+    // The top-level members, visited without collecting them: the last `usage` and `choices`
+    // (those serde_json and Python's `json` keep), and what `ObjectScan::removal_range` needs to
+    // remove that `usage` (the end of the member before it, the start of the one after it).
+    let mut usage: Option<(usize, usize, usize, Option<usize>)> = None;
+    let mut after_usage: Option<usize> = None;
+    let mut choices: Option<(usize, usize)> = None;
+    let mut prev_end: Option<usize> = None;
+    let mut follows_usage = false;
+    let visited = visit_object(payload, |m| {
+        if std::mem::take(&mut follows_usage) {
+            after_usage = Some(m.start);
+        }
+        match m.key.as_ref() {
+            "usage" => {
+                usage = Some((m.start, m.value_start, m.value_end, prev_end));
+                after_usage = None;
+                follows_usage = true;
+            }
+            "choices" => choices = Some((m.value_start, m.value_end)),
+            _ => {}
+        }
+        prev_end = Some(m.value_end);
+    });
+    if visited.is_none() {
         return EventAction::Keep;
-    };
-    let value = |key: &str| scan.get(key).and_then(|m| payload.get(m.value_start..m.value_end));
-    let Some(usage) = value("usage") else {
-        return EventAction::Keep;
-    };
-    if usage == b"null" {
-        let Some(index) = scan.members.iter().rposition(|m| m.key == "usage") else {
-            return EventAction::Keep;
-        };
-        return match scan.removal_range(index) {
-            Some((s, e)) => EventAction::Remove { start: offset + s, end: offset + e },
-            None => EventAction::Keep,
-        };
     }
-    let empty_choices = value("choices").is_some_and(|c| {
+    let Some((usage_start, usage_value_start, usage_end, before_usage)) = usage else {
+        return EventAction::Keep;
+    };
+    if payload.get(usage_value_start..usage_end) == Some(b"null") {
+        // As `ObjectScan::removal_range`: up to the next member's key, else from the end of the
+        // previous member's value, else the member alone.
+        let (s, e) = match (after_usage, before_usage) {
+            (Some(next), _) => (usage_start, next),
+            (None, Some(prev)) => (prev, usage_end),
+            (None, None) => (usage_start, usage_end),
+        };
+        return EventAction::Remove { start: offset + s, end: offset + e };
+    }
+    let empty_choices = choices.and_then(|(a, b)| payload.get(a..b)).is_some_and(|c| {
         let inner: Vec<u8> = c.iter().copied().filter(|b| !b.is_ascii_whitespace()).collect();
         inner == b"[]"
     });
@@ -373,5 +396,103 @@ mod tests {
         let out =
             feed(&mut s, &[b"data: [DONE]\n\n\ndata: {\"choices\":[ ],\"usage\":{\"total_tokens\":1}}\n\n"]);
         assert_eq!(out, b"data: [DONE]\n\n\n");
+    }
+}
+
+/// [`transform_event`] against the reading it replaced (every member collected by
+/// [`crate::json_scan::scan_object`]), on generated events and damaged ones.
+#[cfg(test)]
+mod reference {
+    use super::{transform_event, EventAction};
+    use crate::json_scan::scan_object;
+    use proptest::prelude::*;
+
+    fn collected(event: &[u8]) -> EventAction {
+        let is_newline = |b: &u8| matches!(b, b'\n' | b'\r');
+        let lead = event.iter().take_while(|b| is_newline(b)).count();
+        let trail = event.iter().rev().take_while(|b| is_newline(b)).count();
+        let Some(line) = event.get(lead..event.len().saturating_sub(trail)) else {
+            return EventAction::Keep;
+        };
+        if line.is_empty() || line.iter().any(is_newline) {
+            return EventAction::Keep;
+        }
+        let Some(after) = line.strip_prefix(b"data:") else {
+            return EventAction::Keep;
+        };
+        let (payload, offset) = match after.strip_prefix(b" ") {
+            Some(p) => (p, lead + 6),
+            None => (after, lead + 5),
+        };
+        let Some(scan) = scan_object(payload) else {
+            return EventAction::Keep;
+        };
+        let value = |key: &str| scan.get(key).and_then(|m| payload.get(m.value_start..m.value_end));
+        let Some(usage) = value("usage") else {
+            return EventAction::Keep;
+        };
+        if usage == b"null" {
+            let Some(index) = scan.members.iter().rposition(|m| m.key == "usage") else {
+                return EventAction::Keep;
+            };
+            return match scan.removal_range(index) {
+                Some((s, e)) => EventAction::Remove { start: offset + s, end: offset + e },
+                None => EventAction::Keep,
+            };
+        }
+        let empty_choices = value("choices").is_some_and(|c| {
+            let inner: Vec<u8> = c.iter().copied().filter(|b| !b.is_ascii_whitespace()).collect();
+            inner == b"[]"
+        });
+        if empty_choices {
+            EventAction::Drop { keep_prefix: lead }
+        } else {
+            EventAction::Keep
+        }
+    }
+
+    fn member() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just(r#""usage":null"#.to_string()),
+            Just(r#""usage" : {"prompt_tokens":1}"#.to_string()),
+            Just(r#""us\u0061ge":null"#.to_string()),
+            Just(r#""choices":[]"#.to_string()),
+            Just(r#""choices": [ ]"#.to_string()),
+            Just(r#""choices":[{"delta":{"content":"a\"}"}}]"#.to_string()),
+            Just(r#""id":"x""#.to_string()),
+            Just(r#""n":12"#.to_string()),
+        ]
+    }
+
+    fn event() -> impl Strategy<Value = Vec<u8>> {
+        (prop::collection::vec(member(), 0..5), any::<bool>(), 0u8..3, any::<bool>()).prop_map(
+            |(members, space, lead, crlf)| {
+                let nl = if crlf { "\r\n" } else { "\n" };
+                let lead = nl.repeat(usize::from(lead));
+                let sp = if space { " " } else { "" };
+                format!("{lead}data:{sp}{{{}}}{nl}{nl}", members.join(",")).into_bytes()
+            },
+        )
+    }
+
+    proptest! {
+        // PROPTEST_CASES sets the cases; no failure file.
+        #![proptest_config(ProptestConfig {
+            failure_persistence: Some(Box::new(proptest::test_runner::FileFailurePersistence::Off)),
+            ..ProptestConfig::default()
+        })]
+
+        #[test]
+        fn visited_as_collected(
+            event in event(),
+            damage in prop::option::of((any::<prop::sample::Index>(), 0usize..8)),
+        ) {
+            let mut event = event;
+            if let Some((at, byte)) = damage {
+                let i = at.index(event.len());
+                event[i] = b"{}[],:\" "[byte];
+            }
+            prop_assert_eq!(transform_event(&event), collected(&event), "{}", String::from_utf8_lossy(&event));
+        }
     }
 }

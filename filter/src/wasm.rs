@@ -60,14 +60,11 @@ fn now_us() -> u64 {
 
 /// A fresh [`gateway_contract::RequestFacts::nonce`]: SipHash, under this VM's random keys (std's
 /// `RandomState`, seeded from Envoy's `random_get`; every `new()` moves its keys on, so no two
-/// draws of a VM share them), of Envoy's clock, as 16 lowercase hex digits.
-fn request_nonce() -> String {
+/// draws of a VM share them), of Envoy's clock as the request's headers phase read it
+/// (`started_us`: no host call of its own), as 16 lowercase hex digits.
+fn request_nonce(started_us: u64) -> String {
     use std::hash::BuildHasher;
-    let now_ns = hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_nanos());
-    format!("{:016x}", std::hash::RandomState::new().hash_one(now_ns))
+    format!("{:016x}", std::hash::RandomState::new().hash_one(started_us))
 }
 
 /// Sets a property (Envoy filter state `wasm.<name>`, which clients cannot write); logs a failure.
@@ -341,7 +338,7 @@ impl GatewayHttp {
         }
         let mut facts = plan.facts;
         // Names the request's usage record with its request id (gateway_contract::record_id).
-        let nonce = request_nonce();
+        let nonce = request_nonce(self.started_us);
         facts.nonce = Some(nonce.clone());
         if let (Some(lease_facts), true) = (&plan.admission, cfg.admission_leases.is_some()) {
             let admitted =
@@ -525,7 +522,9 @@ impl HttpContext for GatewayHttp {
         if self.meter.is_active() {
             let code = status.as_deref().and_then(|s| std::str::from_utf8(s).ok()?.parse().ok()).unwrap_or(0);
             let kind = content_type.as_deref().and_then(|c| std::str::from_utf8(c).ok()).unwrap_or("");
-            let usage = self.meter.on_response_headers(code, kind, end_of_stream, now_us());
+            // A clock read is a host call: only for a response that ends with its headers.
+            let now = if end_of_stream { now_us() } else { 0 };
+            let usage = self.meter.on_response_headers(code, kind, end_of_stream, now);
             self.finish_metering(usage);
         }
         if self.usage_injected && response_needs_stripping(status.as_deref(), content_type.as_deref()) {
@@ -548,7 +547,13 @@ impl HttpContext for GatewayHttp {
             }
             return Action::Continue;
         }
-        let chunk = match hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size) {
+        // An empty chunk (often the end of the stream) is not asked for: one host call less.
+        let read = if body_size == 0 {
+            Ok(None)
+        } else {
+            hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
+        };
+        let chunk = match read {
             Ok(b) => b.unwrap_or_default(),
             Err(_) => {
                 // Cannot read: stop stripping and let the stream through untouched; the meter
@@ -575,7 +580,11 @@ impl HttpContext for GatewayHttp {
     }
 
     fn on_log(&mut self) {
-        // The stream ended before its response did (client abort, upstream reset, timeout).
+        // The stream ended before its response did (client abort, upstream reset, timeout). A
+        // response already metered needs no clock read (a host call).
+        if !self.meter.is_active() {
+            return;
+        }
         let usage = self.meter.on_stream_end(now_us());
         self.finish_metering(usage);
     }

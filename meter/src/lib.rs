@@ -13,6 +13,12 @@
 //! tokens are left to the caller (the estimate or exact count it holds; see
 //! [`Usage::prompt_tokens_known`]).
 //!
+//! A chat or completions stream is split into events by memchr (no byte-at-a-time loop), and a
+//! content chunk is only counted: walked once without allocating, from where the stream's common
+//! prefix ends, by a reader that answers only when it knows serde_json's reading of it (no usage,
+//! that many choices with content); the usage chunk and anything unusual are parsed in full, so
+//! the meter's answer is the same.
+//!
 //! A response of the Responses API ([`Api::Responses`], `POST /v1/responses`) is read the same
 //! way in its own shapes: a JSON body's top-level `usage` has `input_tokens`, `output_tokens` and
 //! `input_tokens_details.cached_tokens`; a stream is typed events (`event:` / `data:`), its usage
@@ -33,6 +39,7 @@
 //! reservation instead ([`Usage::charges_reservation`] gives the rule, [`UsageSource::Reservation`]
 //! marks the record).
 
+mod chunk;
 pub mod json_usage;
 mod responses;
 pub mod sse;
@@ -296,8 +303,8 @@ struct Delta<'a> {
 enum Body {
     /// Not known yet (no response headers).
     Unknown,
-    /// `text/event-stream` of chat or completions chunks.
-    Sse(SseParser),
+    /// `text/event-stream` of chat or completions chunks, and the reader of their content.
+    Sse(SseParser, chunk::ChunkReader),
     /// Anything else: scanned for its top-level `usage` member, nothing else held.
     Json(UsageScanner<WireUsage>),
     /// `text/event-stream` of Responses API events, read as they arrive (no event held).
@@ -401,7 +408,7 @@ impl Meter {
             State::Active(a) => match &a.body {
                 Body::Json(scanner) => scanner.wants_more() || a.first_content.is_none(),
                 Body::ResponsesJson(scanner) => scanner.wants_more() || a.first_content.is_none(),
-                Body::Sse(_) | Body::ResponsesSse(_) | Body::Unknown => true,
+                Body::Sse(..) | Body::ResponsesSse(_) | Body::Unknown => true,
             },
             State::Unstarted | State::Done => false,
         }
@@ -419,7 +426,9 @@ impl Meter {
             a.status = status;
             let sse = content_type.trim_start().starts_with("text/event-stream");
             a.body = match (self.api, sse) {
-                (Api::ChatCompletions, true) => Body::Sse(SseParser::new(MAX_SSE_EVENT_BYTES)),
+                (Api::ChatCompletions, true) => {
+                    Body::Sse(SseParser::new(MAX_SSE_EVENT_BYTES), chunk::ChunkReader::default())
+                }
                 (Api::ChatCompletions, false) => Body::Json(UsageScanner::new(self.max_usage_bytes)),
                 (Api::Responses, true) => Body::ResponsesSse(Box::new(ResponsesStream {
                     sse: SseStream::new(),
@@ -454,19 +463,27 @@ impl Meter {
             } = a.as_mut();
             end = end.or(*last_content).or(Some(*started));
             match body {
-                Body::Sse(parser) => parser.feed(chunk, |data| {
+                Body::Sse(parser, reader) => parser.feed(chunk, |data| {
                     if data == b"[DONE]" {
                         *saw_done = true;
                         return;
                     }
-                    let Ok(parsed) = serde_json::from_slice::<Chunk>(data) else {
-                        return;
+                    // A content chunk is only counted (`chunk::content_choices`); the usage chunk,
+                    // and anything unusual, is read in full.
+                    let with_content = match reader.content_choices(data) {
+                        Some(n) => n,
+                        None => {
+                            let Ok(parsed) = serde_json::from_slice::<Chunk>(data) else {
+                                return;
+                            };
+                            if let Some(u) = parsed.usage {
+                                *usage = Some(u.into());
+                            }
+                            parsed.choices.0
+                        }
                     };
-                    if let Some(u) = parsed.usage {
-                        *usage = Some(u.into());
-                    }
-                    if parsed.choices.0 > 0 {
-                        *content_chunks = content_chunks.saturating_add(parsed.choices.0);
+                    if with_content > 0 {
+                        *content_chunks = content_chunks.saturating_add(with_content);
                         match now {
                             Some(t) => {
                                 first_content.get_or_insert(t);
@@ -539,7 +556,7 @@ impl Meter {
         // An SSE stream that ended cleanly but without its protocol's end (`data: [DONE]`, or a
         // Responses terminal event) was truncated upstream.
         let end_reason = match (&a.body, end_reason) {
-            (Body::Sse(_) | Body::ResponsesSse(_), EndReason::Completed)
+            (Body::Sse(..) | Body::ResponsesSse(_), EndReason::Completed)
                 if !a.saw_done && (200..300).contains(&a.status) =>
             {
                 EndReason::Incomplete
@@ -549,7 +566,7 @@ impl Meter {
         let usage = a.usage.or_else(|| match &a.body {
             Body::Json(scanner) => scanner.usage().map(Counts::from),
             Body::ResponsesJson(scanner) => scanner.usage().map(Counts::from),
-            Body::Sse(_) | Body::ResponsesSse(_) | Body::Unknown => None,
+            Body::Sse(..) | Body::ResponsesSse(_) | Body::Unknown => None,
         });
         let (prompt_tokens, completion_tokens, cached_tokens, usage_source) = match usage {
             Some(u) => (u.prompt, u.completion, u.cached, UsageSource::Upstream),

@@ -35,7 +35,7 @@ impl SseParser {
     /// Feeds one chunk; calls `on_event` with the data of every event the chunk completes.
     pub fn feed(&mut self, chunk: &[u8], mut on_event: impl FnMut(&[u8])) {
         let mut rest = chunk;
-        while let Some(pos) = rest.iter().position(|&b| b == b'\n') {
+        while let Some(pos) = memchr::memchr(b'\n', rest) {
             let (head, tail) = rest.split_at(pos);
             rest = tail.get(1..).unwrap_or_default();
             if self.discarding_line {
