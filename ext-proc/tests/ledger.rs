@@ -42,6 +42,10 @@ use prost::Message;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Tokens the facts reserve (prompt 10 + max tokens 20) and the usage reports (10 + 5).
+/// The two tests start sidecars on ports `free_port` found free a moment before: run one at a time,
+/// so that neither binds (or connects to) a port the other just found or let go.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 const RESERVED: u64 = 30;
 const USED: u64 = 15;
 /// The TPM bucket's size; it refills 1 token a minute.
@@ -271,6 +275,7 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_entries_delivered_twice_and_replayed_after_a_restart_record_once() {
+    let _one = ONE_AT_A_TIME.lock().await;
     const N: u64 = 7;
     let redis = Redis::start();
     let mut conn = redis.conn().await;
@@ -329,6 +334,7 @@ async fn the_same_entries_delivered_twice_and_replayed_after_a_restart_record_on
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reservations_whose_usage_never_arrives_are_charged_once_by_two_sweeping_sidecars() {
+    let _one = ONE_AT_A_TIME.lock().await;
     const N: u64 = 12;
     let redis = Redis::start();
     let mut conn = redis.conn().await;
