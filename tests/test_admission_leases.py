@@ -105,7 +105,9 @@ def test_a_lease_whose_vm_went_away_is_reclaimed_within_a_ttl(tmp_path_factory):
     reclaims it after 1.5 TTL, not before its expiry, and the buckets end where the requests'
     usage alone puts them (issue 14 item 4)."""
     key = new_api_key()
-    ttl_ms = 5000
+    # Long enough that a busy machine still kills Envoy before the lease's expiry (the records of
+    # the five requests must land first).
+    ttl_ms = 10_000
     tenant = Tenant("al-orphan", [key], {"requests_per_minute": 60, "request_burst": 10_000,
                                          "tokens_per_minute": 60, "token_burst": 1_000_000})
     with leased_stack(tmp_path_factory.mktemp("al-orphan"), [tenant], lease_ttl_ms=ttl_ms) as s:

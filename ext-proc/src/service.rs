@@ -993,10 +993,7 @@ pub(crate) fn finish(shared: &Arc<Shared>, record: UsageRecord) {
     let tenant = shared.config.tenant(&record.info.tenant);
     let buckets = tenant.map(|t| limits::token_buckets(prefix, t, &record.info.model)).unwrap_or_default();
     let settlements = ledger::settlements(buckets, record.info.reserved_tokens, record.total_tokens());
-    let lease = tenant.and_then(|t| {
-        let plan = limits::plan(prefix, t, &record.info.model, 0);
-        LeaseUse::of(record.info.lease_id.as_deref(), &plan, record.info.reserved_tokens)
-    });
+    let lease = tenant.and_then(|t| LeaseUse::of_record(prefix, t, &record.info));
     if record.info.reserved_locally {
         // Taken in this sidecar's memory (Redis was away): settled there, at once.
         let local = Arc::clone(shared);

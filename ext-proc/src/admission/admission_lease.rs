@@ -23,7 +23,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::config::TenantConfig;
 use crate::limits::{self, BucketKind, BucketSpec, TakeOutcome};
+use crate::meter::RequestInfo;
 use crate::proto::{LeaseGrant, LimitState};
 
 /// [`LeaseRecord::v`] of this sidecar.
@@ -113,6 +115,14 @@ impl LeaseUse {
             reserved,
             if_reclaimed: charges_if_reclaimed(plan, reserved),
         })
+    }
+
+    /// The lease part of a usage record of `tenant`: `None`, planning nothing, when the request
+    /// was not admitted from a lease with an id (most records).
+    pub fn of_record(prefix: &str, tenant: &TenantConfig, info: &RequestInfo) -> Option<Self> {
+        info.lease_id.as_ref()?;
+        let plan = limits::plan(prefix, tenant, &info.model, 0);
+        Self::of(info.lease_id.as_deref(), &plan, info.reserved_tokens)
     }
 }
 

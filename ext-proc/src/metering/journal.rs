@@ -340,8 +340,7 @@ fn op_of(shared: &Shared, entry: &HttpAccessLogEntry) -> Option<Op> {
                 let buckets = limits::token_buckets(prefix, tenant, &record.info.model);
                 ledger::settlements(buckets, record.info.reserved_tokens, record.total_tokens())
             };
-            let plan = limits::plan(prefix, tenant, &record.info.model, 0);
-            let lease = LeaseUse::of(record.info.lease_id.as_deref(), &plan, record.info.reserved_tokens);
+            let lease = LeaseUse::of_record(prefix, tenant, &record.info);
             Some(Op::Record {
                 record: Box::new(record),
                 settlements,
