@@ -16,6 +16,11 @@ Targets (each with Envoy; the gateway ones with the wasm filter, the sidecar and
 
     flow-control     the pool with `flow_control` and `max_in_flight` = the pool's slots: a request
                      that finds no room waits in the sidecar's queue (tiers, fair shares, budgets)
+    flow-control-reserve
+                     the same with `newcomer_reserve` NEWCOMER_RESERVE (fair scenario only): the queue
+                     fills the pool to 95 %; a tenant with nothing queued, first in the fair order,
+                     takes the rest at once instead of waiting for the next completion (it costs the
+                     backlogged tenants up to that share of the pool)
     threshold        today's shedding as envoy/examples/gateway.yaml sets it: `max_queue_depth: 64`
                      (a count of requests waiting in vLLM), `tier_levels: {batch: BATCH_LEVEL}`
     threshold-tuned  the same with `max_queue_depth` = budget x CAPACITY: the count whose wait is the
@@ -100,6 +105,9 @@ CAPACITY = SLOTS / SERVICE_S  # requests/s
 BUDGET_S = {"premium": 1.0, "standard": 2.0, "batch": 2.0}
 BURST_BUDGET_S = 10.0
 BATCH_LEVEL = 0.75
+# `flow_control.newcomer_reserve` of the `flow-control-reserve` target: 5 % of the room (3 of the 64
+# slots) kept back from the queue for tenants with nothing queued.
+NEWCOMER_RESERVE = 0.05
 TIMEOUT_S = 30.0
 # Arrivals per second of the memory scenario's requests (10,000 fill the queue in 20 s).
 MEMORY_RATE = 500
@@ -146,7 +154,7 @@ def scenario_loads(scenario: str, s: Settings) -> tuple[list[Load], list[Load]]:
 
 
 def sidecar_pool(target: str, burst: bool) -> dict | None:
-    if target == "flow-control":
+    if target.startswith("flow-control"):
         return {"scrape_interval_ms": 100, "max_in_flight": SLOTS, "flow_control": {"max_queued": 20_000}}
     if target == "threshold":
         return {"scrape_interval_ms": 100, "max_queue_depth": EXAMPLE_QUEUE_DEPTH}
@@ -156,11 +164,12 @@ def sidecar_pool(target: str, burst: bool) -> dict | None:
     return None
 
 
-def flow_config(burst: bool) -> dict:
+def flow_config(burst: bool, reserve: float = 0.0) -> dict:
     budgets = {**BUDGET_S, **({"batch": BURST_BUDGET_S} if burst else {})}
     return {"tiers": [{"name": t, "max_queue_wait_ms": int(1000 * b),
                        **({"max_load": BATCH_LEVEL} if t == "batch" and not burst else {})}
-                      for t, b in budgets.items()]}
+                      for t, b in budgets.items()],
+            **({"newcomer_reserve": reserve} if reserve else {})}
 
 
 def start(workdir: Path, target: str, keys: dict[str, str], tiers: dict[str, str], burst: bool,
@@ -171,8 +180,8 @@ def start(workdir: Path, target: str, keys: dict[str, str], tiers: dict[str, str
     tenants = [Tenant(t, [keys[t]], {"requests_per_minute": 10_000_000, "tokens_per_minute": 10_000_000_000},
                       tier=tiers[t]) for t in keys]
     overrides: dict = {"metrics_listen": "127.0.0.1:0"}
-    if target == "flow-control":
-        overrides["flow_control"] = flow_config(burst)
+    if target.startswith("flow-control"):
+        overrides["flow_control"] = flow_config(burst, NEWCOMER_RESERVE if target == "flow-control-reserve" else 0.0)
     elif target.startswith("threshold") and not burst:
         overrides["shedding"] = {"tier_levels": {"batch": BATCH_LEVEL}}
     stack = Stack(workdir, [pool], [Model(MODEL, POOL)], tenants, envoy_concurrency=1,
@@ -375,7 +384,7 @@ def memory_run(s: Settings, raw: Path) -> dict:
 
 
 SCENARIO_TARGETS = {
-    "fair": ["flow-control", "threshold", "threshold-tuned", "direct", "unloaded"],
+    "fair": ["flow-control", "flow-control-reserve", "threshold", "threshold-tuned", "direct", "unloaded"],
     "tiers": ["flow-control", "threshold", "threshold-tuned", "direct", "unloaded"],
     "burst": ["flow-control", "threshold", "threshold-tuned", "direct"],
 }
@@ -433,10 +442,11 @@ def summarize(scenario: str, runs: dict[str, list[dict]], s: Settings) -> dict:
         for name, fig in t["tenants"].items():
             if name in base and base[name].get("ttft_p99_ms") and fig.get("ttft_p99_ms"):
                 fig["ttft_p99_vs_unloaded"] = fig["ttft_p99_ms"] / base[name]["ttft_p99_ms"]
-    fc = out.get("flow-control", {}).get("goodput_per_s")
-    for target in ("threshold", "threshold-tuned", "direct"):
-        if target in out and out[target].get("goodput_per_s"):
-            out["flow-control"][f"goodput_vs_{target}"] = fc / out[target]["goodput_per_s"] if fc else None
+    for flow in ("flow-control", "flow-control-reserve"):
+        fc = out.get(flow, {}).get("goodput_per_s")
+        for target in ("threshold", "threshold-tuned", "direct"):
+            if fc and target in out and out[target].get("goodput_per_s"):
+                out[flow][f"goodput_vs_{target}"] = fc / out[target]["goodput_per_s"]
     return out
 
 
@@ -474,6 +484,15 @@ def section(summary: dict) -> str:
                      f"{BUDGET_S['standard']:g} s + unloaded TTFT p99): {fmt(f.get('goodput_per_s'), 1)}, "
                      f"{ratio(f.get('goodput_vs_threshold'))} threshold, {ratio(f.get('goodput_vs_threshold-tuned'))} "
                      f"threshold-tuned, {ratio(f.get('goodput_vs_direct'))} direct.")
+    if fair.get("flow-control-reserve"):
+        f = fair["flow-control-reserve"]
+        light = f["tenants"].get("light", {})
+        lines.append(f"- fair, `flow-control-reserve` (`newcomer_reserve: {NEWCOMER_RESERVE:g}`): the light tenant's TTFT p99 "
+                     f"{ratio(light.get('ttft_p99_vs_unloaded'))} unloaded (without the reserve "
+                     f"{ratio(fair.get('flow-control', {}).get('tenants', {}).get('light', {}).get('ttft_p99_vs_unloaded'))}); "
+                     f"Jain {fmt(f.get('jain_fair_share'), 3)}; heavy ÷ the capacity left {ratio(f.get('heavy_vs_left'))}; "
+                     f"goodput {fmt(f.get('goodput_per_s'), 1)}/s, {ratio(f.get('goodput_vs_threshold'))} threshold, "
+                     f"{ratio(f.get('goodput_vs_threshold-tuned'))} threshold-tuned, {ratio(f.get('goodput_vs_direct'))} direct.")
     tiers = s.get("tiers", {})
     if tiers.get("flow-control"):
         p = tiers["flow-control"]["tenants"].get("premium", {})
@@ -544,16 +563,25 @@ def write_chart(summary: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global NEWCOMER_RESERVE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small smoke run; docs untouched")
     parser.add_argument("--scenarios", default="fair,tiers,burst,memory")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--no-docs", action="store_true", help="leave docs/ alone")
+    parser.add_argument("--targets", default=None,
+                        help="comma-separated subset of each scenario's targets (implies --no-docs)")
+    parser.add_argument("--newcomer-reserve", type=float, default=None,
+                        help=f"newcomer_reserve of flow-control-reserve (default {NEWCOMER_RESERVE}; implies --no-docs)")
     parser.add_argument("--results", type=Path, default=None)
     parser.add_argument("--reuse", type=Path, default=None,
                         help="a previous run's results directory: its scenarios not in --scenarios are kept")
     args = parser.parse_args(argv)
     s = QUICK if args.quick else FULL
+    if args.targets or args.newcomer_reserve is not None:
+        args.no_docs = True
+    if args.newcomer_reserve is not None:
+        NEWCOMER_RESERVE = args.newcomer_reserve
     if args.rounds:
         s = Settings(**{**s.__dict__, "rounds": args.rounds})
     scenarios = [x for x in args.scenarios.split(",") if x]
@@ -570,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     for scenario in scenarios:
         if scenario == "memory":
             continue
-        targets = SCENARIO_TARGETS[scenario]
+        targets = [t for t in SCENARIO_TARGETS[scenario] if not args.targets or t in args.targets.split(",")]
         runs: dict[str, list[dict]] = {t: [] for t in targets}
         for r in range(s.rounds):
             order = targets[r % len(targets):] + targets[: r % len(targets)]

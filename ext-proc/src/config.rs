@@ -331,6 +331,15 @@ pub struct FlowControlConfig {
     /// 1000; the tenant must be in `tenants`.
     #[serde(default)]
     pub tenant_weights: BTreeMap<String, f64>,
+    /// The share of each tier's room (0 to 0.5, default 0) that requests let in from the queue
+    /// leave free, for a new request whose tenant has nothing queued in its tier and whom the
+    /// fair order puts first ([`crate::flow_control::queue::FlowQueue::pass_newcomer`]): it is
+    /// let in at once instead of waiting for the pool's next completion (trunk reservation, as
+    /// telephone exchanges keep circuits back). The price: backlogged tenants fill the pool only
+    /// to `1 - newcomer_reserve` of each tier's `max_load`, so a saturated pool serves up to that
+    /// share less while no newcomer uses it.
+    #[serde(default)]
+    pub newcomer_reserve: f64,
 }
 
 fn default_output_token_weight() -> f64 {
@@ -1391,6 +1400,9 @@ impl FlowControlConfig {
         if !(0.0..=100.0).contains(&self.output_token_weight) {
             return Err(invalid("flow_control.output_token_weight", "must be in 0..=100"));
         }
+        if !(0.0..=0.5).contains(&self.newcomer_reserve) {
+            return Err(invalid("flow_control.newcomer_reserve", "must be in 0..=0.5"));
+        }
         for (tenant, weight) in &self.tenant_weights {
             let field = format!("flow_control.tenant_weights.{tenant}");
             if !(*weight > 0.0 && *weight <= 1000.0) {
@@ -1903,6 +1915,10 @@ mod tests {
             (
                 format!("{BASE}{tenants}flow_control: {{tiers: [{{name: a, max_queue_wait_ms: 1}}], output_token_weight: -1}}\n"),
                 "flow_control.output_token_weight: must be in 0..=100",
+            ),
+            (
+                format!("{BASE}{tenants}flow_control: {{tiers: [{{name: a, max_queue_wait_ms: 1}}], newcomer_reserve: 0.6}}\n"),
+                "flow_control.newcomer_reserve: must be in 0..=0.5",
             ),
             (format!("{BASE}{tenants}flow_control: {{tiers: [{{name: a, max_wait: 1}}]}}\n"), "unknown field `max_wait`"),
             (

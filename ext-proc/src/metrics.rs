@@ -305,7 +305,8 @@ pub struct Metrics {
     /// `llm_gateway_queue_wait_seconds{pool,tier,tenant}`: how long dispatched requests waited.
     pub queue_wait: Family<QueueWait, Histogram>,
     /// `llm_gateway_queue_dequeues_total{pool,tier,reason}`: requests leaving a queue (or
-    /// refused before entering it), by reason.
+    /// refused before entering it), by reason; `reserve`: let past a non-empty queue into the
+    /// newcomer reserve (`flow_control.newcomer_reserve`).
     pub queue_dequeues: Family<QueueDequeue, Counter>,
 }
 

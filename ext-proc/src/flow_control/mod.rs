@@ -4,8 +4,11 @@
 //! the least attained service ([`fairness`]). Each tier has a budget in time
 //! (`flow_control.tiers[].max_queue_wait_ms`): a request whose predicted wait is already over it
 //! is answered 429 `overloaded` with a `Retry-After` at once; one still queued when it runs out
-//! gets the same 429. The queue's order and bounds are pure ([`queue`]); this module keeps one
-//! queue per flow-controlled pool in [`Pools`], wakes waiting streams, and counts.
+//! gets the same 429. With `flow_control.newcomer_reserve`, queued requests fill the pool only to
+//! that share below each tier's level, and a new request the fair order puts first, whose tenant
+//! has nothing else queued, takes the rest at once ([`queue::FlowQueue::pass_newcomer`]). The
+//! queue's order and bounds are pure ([`queue`]); this module keeps one queue per flow-controlled
+//! pool in [`Pools`], wakes waiting streams, and counts.
 //!
 //! A waiting stream holds a [`Waiter`]: dropping it (Envoy closed the ext_proc stream because the
 //! client went away) takes the request out of the queue at once, or, when it had just been
@@ -57,6 +60,9 @@ pub(crate) struct PoolFlow {
     tiers: Vec<String>,
     /// Each tier's `max_load` (the share of the room it may fill).
     levels: Vec<f64>,
+    /// `flow_control.newcomer_reserve`: the share of each tier's level that dispatches from the
+    /// queue leave free for newcomers.
+    reserve: f64,
 }
 
 impl PoolFlow {
@@ -72,6 +78,7 @@ impl PoolFlow {
             drain: Mutex::new(room::DrainMeter::default()),
             tiers,
             levels,
+            reserve: flow.newcomer_reserve,
         }
     }
 
@@ -81,6 +88,12 @@ impl PoolFlow {
 
     fn level(&self, tier: usize) -> f64 {
         self.levels.get(tier).copied().unwrap_or(1.0)
+    }
+
+    /// The level up to which a tier's queued requests are let in: its `max_load` less the
+    /// newcomer reserve.
+    fn queue_level(&self, tier: usize) -> f64 {
+        self.level(tier) * (1.0 - self.reserve)
     }
 
     /// Requests per second the pool drains while saturated (None until measured).
@@ -230,6 +243,14 @@ impl Pools {
             self.admitted(pool);
             return Entered::Now;
         }
+        // Queued requests leave the newcomer reserve free: a request that the fair order puts
+        // first, whose tenant has nothing queued, takes it now.
+        if flow.reserve > 0.0 && p.has_room(flow.level(tier)) && q.pass_newcomer(tier, tenant, prompt_tokens)
+        {
+            self.admitted(pool);
+            self.count_dequeue(pool, flow.tier_name(tier), "reserve");
+            return Entered::Now;
+        }
         if flow.closed.load(Ordering::Relaxed) {
             return Entered::Refused(Refusal::ShuttingDown, 1);
         }
@@ -286,9 +307,11 @@ impl Pools {
         q: &mut FlowQueue<oneshot::Sender<Release>>,
     ) {
         let now = Instant::now();
-        while let Some(tier) = q.next_tier() {
-            // Levels fall with the tiers (validated): no lower tier has room either.
-            if !p.has_room(flow.level(tier)) {
+        while let Some((tier, reserve)) = q.peek() {
+            // Without room for the next request nothing goes: a higher tier's queued request
+            // holds back every lower tier's.
+            let level = if reserve { flow.level(tier) } else { flow.queue_level(tier) };
+            if !p.has_room(level) {
                 break;
             }
             let Some(entry) = q.pop() else { break };
@@ -435,6 +458,10 @@ mod tests {
     }
 
     fn pools_with(max_in_flight: u64, max_queued: usize, batch_load: f64) -> Arc<Pools> {
+        pools_reserving(max_in_flight, max_queued, batch_load, 0.0)
+    }
+
+    fn pools_reserving(max_in_flight: u64, max_queued: usize, batch_load: f64, reserve: f64) -> Arc<Pools> {
         let pool = PoolConfig {
             name: "p".into(),
             endpoints: vec![],
@@ -451,6 +478,7 @@ mod tests {
             tiers: vec![tier("premium", 1.0), tier("batch", batch_load)],
             output_token_weight: 2.0,
             tenant_weights: BTreeMap::new(),
+            newcomer_reserve: reserve,
         };
         Pools::new(&[pool], Some(&flow), Metrics::new(), None)
     }
@@ -501,6 +529,46 @@ mod tests {
         p.finished("p");
         assert!(batch.await.unwrap().is_ok(), "under half again: batch goes");
         assert_eq!(in_flight(&p), 2);
+    }
+
+    #[tokio::test]
+    async fn the_newcomer_reserve_lets_a_light_tenant_past_a_backlogged_one() {
+        // 8 slots, a quarter reserved: the queue fills the pool to 6. With nothing queued every
+        // tenant is a newcomer: heavy fills all 8.
+        let p = pools_reserving(8, 100, 1.0, 0.25);
+        for _ in 0..8 {
+            assert!(matches!(p.enter("p", 0, "heavy", 10, LONG), Entered::Now));
+        }
+        let heavy: Vec<_> = (0..4).map(|_| queued(p.enter("p", 0, "heavy", 10, LONG))).collect();
+        let heavy: Vec<_> = heavy.into_iter().map(|w| tokio::spawn(w.wait())).collect();
+        // Three ends: the pool is at 5, below the queue's 6: one of heavy's goes.
+        for _ in 0..3 {
+            p.finished("p");
+        }
+        assert_eq!(in_flight(&p), 6);
+        // Light, with nothing queued and the least counter, takes the reserve at once, twice.
+        assert!(matches!(p.enter("p", 0, "light", 10, LONG), Entered::Now));
+        assert_eq!(in_flight(&p), 7);
+        assert!(matches!(p.enter("p", 0, "other", 10, LONG), Entered::Now));
+        assert_eq!(in_flight(&p), 8);
+        // The pool is full: light's next two wait now, and the next ends are theirs (fair order,
+        // and fewer queued than heavy: the reserve is theirs).
+        let light = tokio::spawn(queued(p.enter("p", 0, "light2", 10, LONG)).wait());
+        let light_again = tokio::spawn(queued(p.enter("p", 0, "light2", 10, LONG)).wait());
+        // Heavy's answers were long: light2 stays behind it in the fair order for both.
+        p.charge_output("p", "heavy", 100);
+        p.finished("p");
+        assert!(light.await.unwrap().is_ok());
+        assert_eq!(in_flight(&p), 8);
+        p.finished("p");
+        assert!(light_again.await.unwrap().is_ok());
+        assert_eq!(in_flight(&p), 8);
+        p.finished("p");
+        p.finished("p");
+        assert_eq!(in_flight(&p), 6, "the reserve is kept free: heavy waits");
+        assert_eq!(heavy.iter().filter(|h| h.is_finished()).count(), 1);
+        p.finished("p");
+        assert_eq!(in_flight(&p), 6, "below the queue's level: one of heavy's goes");
     }
 
     #[tokio::test]

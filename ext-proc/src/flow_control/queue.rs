@@ -186,20 +186,33 @@ impl<T> FlowQueue<T> {
         Ok((id, evicted))
     }
 
-    /// The tier [`FlowQueue::pop`] would take from: the highest with requests.
-    pub fn next_tier(&self) -> Option<usize> {
-        self.tiers.iter().position(|t| t.len > 0)
-    }
-
     /// Takes the request to dispatch next: from the highest tier with requests, the oldest
     /// request of the backlogged tenant with the least counter (ties, as when a tenant was just
     /// lifted to the least counter: the one with fewer requests queued, then the oldest head),
     /// and charges its prompt tokens to that tenant.
     pub fn pop(&mut self) -> Option<Entry<T>> {
+        let (tier, tenant, _) = self.head()?;
+        let tenant = tenant.to_owned();
+        let entry = self.take(tier, &tenant, None)?;
+        self.fairness.charge_prompt(&entry.tenant, entry.prompt_tokens);
+        Some(entry)
+    }
+
+    /// What [`FlowQueue::pop`] would take: its tier, and whether it may use the newcomer reserve:
+    /// its tenant has only it queued (it would have used the reserve on arrival), or fewer
+    /// requests queued than another tenant of its tier (the reserve is kept from the most
+    /// backlogged tenants, not from one under its share that arrived in a burst).
+    pub fn peek(&self) -> Option<(usize, bool)> {
+        let (tier, _, len) = self.head()?;
+        let most = self.tiers.get(tier).and_then(|t| t.tenants.values().map(BTreeMap::len).max());
+        Some((tier, len == 1 || most.is_some_and(|most| len < most)))
+    }
+
+    /// The next request's tier, tenant and the tenant's queued count.
+    fn head(&self) -> Option<(usize, &str, usize)> {
         let tier = self.tiers.iter().position(|t| t.len > 0)?;
         let t = self.tiers.get(tier)?;
-        let tenant = t
-            .tenants
+        t.tenants
             .iter()
             .filter_map(|(name, q)| q.keys().next().map(|id| (name, q.len(), *id)))
             .min_by(|(a, a_len, a_id), (b, b_len, b_id)| {
@@ -209,10 +222,31 @@ impl<T> FlowQueue<T> {
                     .then(a_len.cmp(b_len))
                     .then(a_id.cmp(b_id))
             })
-            .map(|(name, _, _)| name.clone())?;
-        let entry = self.take(tier, &tenant, None)?;
-        self.fairness.charge_prompt(&entry.tenant, entry.prompt_tokens);
-        Some(entry)
+            .map(|(name, len, _)| (tier, name.as_str(), len))
+    }
+
+    /// Lets a new request of `tenant` in `tier` past the queue when the fair order would dispatch
+    /// it next anyway: nothing is queued in a higher tier, nothing of its tenant in its tier, and
+    /// its counter, once lifted as [`FlowQueue::push`] lifts a newly backlogged tenant's, is the
+    /// least of the tier's (a tie goes to it, as in [`FlowQueue::pop`]: it has fewer queued).
+    /// Then its tenant is charged its prompt tokens, as a dispatch from the queue is, and the
+    /// answer is true; otherwise nothing changes. The caller decides whether the pool has room
+    /// for it (`flow_control.newcomer_reserve`).
+    pub fn pass_newcomer(&mut self, tier: usize, tenant: &str, prompt_tokens: u64) -> bool {
+        if self.tiers.iter().take(tier).any(|t| t.len > 0) {
+            return false;
+        }
+        let Some(t) = self.tiers.get(tier) else { return false };
+        if t.tenants.contains_key(tenant) {
+            return false;
+        }
+        let least = t.tenants.keys().map(|o| self.fairness.counter(o)).reduce(f64::min);
+        if least.is_some_and(|least| self.fairness.counter(tenant) > least) {
+            return false;
+        }
+        self.fairness.backlogged(tenant, t.tenants.keys().map(String::as_str));
+        self.fairness.charge_prompt(tenant, prompt_tokens);
+        true
     }
 
     /// Removes a queued request (its stream went away or its wait ran out); None when it is no
@@ -400,6 +434,29 @@ mod tests {
         assert_eq!(q.ahead(1, "heavy"), 21);
         assert_eq!(q.ahead(2, "batch"), 21);
         assert_eq!(q.ahead(0, "p2"), 1);
+    }
+
+    #[test]
+    fn a_newcomer_passes_the_queue_only_where_the_fair_order_puts_it_first() {
+        let now = Instant::now();
+        let mut q = queue(100);
+        for _ in 0..5 {
+            q.push(1, "heavy", 100, now, "h").unwrap();
+        }
+        assert_eq!(q.pop().map(|e| e.item), Some("h"));
+        // Light has nothing queued and the least counter: it passes, lifted to heavy's and
+        // charged its prompt.
+        assert!(q.pass_newcomer(1, "light", 50));
+        assert_eq!(q.fairness().counter("light"), q.fairness().counter("heavy") + 50.0);
+        assert_eq!(q.len(), 4, "nothing queued or taken");
+        // Heavy has requests queued: its new one waits its turn.
+        assert!(!q.pass_newcomer(1, "heavy", 100));
+        // Light, now ahead of heavy's counter, would not be first: it queues.
+        assert!(!q.pass_newcomer(1, "light", 50));
+        // A lower tier never passes a higher tier's queue; a higher tier with nothing queued does.
+        assert!(!q.pass_newcomer(2, "batch", 1));
+        assert!(q.pass_newcomer(0, "premium", 1));
+        assert_eq!(q.len(), 4);
     }
 
     #[test]
