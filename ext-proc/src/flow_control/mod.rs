@@ -19,6 +19,7 @@ pub mod fairness;
 pub mod queue;
 pub mod room;
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -56,6 +57,9 @@ pub(crate) struct PoolFlow {
     queued: AtomicUsize,
     /// The pool's drain rate while saturated ([`room::DrainMeter`]).
     drain: Mutex<room::DrainMeter>,
+    /// Each tenant's dispatches per second while it had requests queued: its share of the
+    /// pool when backlogged (tenants are the configured ones: bounded).
+    tenant_drain: Mutex<HashMap<String, room::DrainMeter>>,
     /// Tier names, highest first (metric labels).
     tiers: Vec<String>,
     /// Each tier's `max_load` (the share of the room it may fill).
@@ -76,6 +80,7 @@ impl PoolFlow {
             closed: AtomicBool::new(false),
             queued: AtomicUsize::new(0),
             drain: Mutex::new(room::DrainMeter::default()),
+            tenant_drain: Mutex::new(HashMap::new()),
             tiers,
             levels,
             reserve: flow.newcomer_reserve,
@@ -99,6 +104,22 @@ impl PoolFlow {
     /// Requests per second the pool drains while saturated (None until measured).
     pub(crate) fn drain_rate(&self) -> Option<f64> {
         self.drain.lock().ok().and_then(|d| d.rate())
+    }
+
+    /// A tenant's request was dispatched from the queue at `now`; `backlogged`: the tenant still
+    /// has requests queued.
+    fn tenant_dispatched(&self, tenant: &str, now: Instant, backlogged: bool) {
+        if let Ok(mut d) = self.tenant_drain.lock() {
+            match d.get_mut(tenant) {
+                Some(m) => m.finished(now, backlogged),
+                None => d.entry(tenant.to_owned()).or_default().finished(now, backlogged),
+            }
+        }
+    }
+
+    /// The tenant's dispatches per second while backlogged (None until measured).
+    fn tenant_rate(&self, tenant: &str) -> Option<f64> {
+        self.tenant_drain.lock().ok().and_then(|d| d.get(tenant).and_then(room::DrainMeter::rate))
     }
 
     /// A request of the pool ended (before the queue is pumped).
@@ -208,13 +229,14 @@ impl Pools {
             return None;
         }
         let ahead = q.ahead(tier, tenant);
-        let wait = room::predicted_wait(ahead, drain)?;
+        let own = q.queued_of(tier, tenant);
+        let wait = room::predicted_wait_of(ahead, drain, own, flow.tenant_rate(tenant))?;
         if wait <= budget {
             return None;
         }
         drop(q);
         self.count_dequeue(pool, flow.tier_name(tier), Refusal::PredictedWait.label());
-        Some(room::retry_after_secs(ahead, drain, budget))
+        Some(room::retry_after_wait(wait, budget))
     }
 
     /// Admits a request of `tier` and `tenant` to `pool` now when the pool has room and nothing
@@ -307,14 +329,20 @@ impl Pools {
         q: &mut FlowQueue<oneshot::Sender<Release>>,
     ) {
         let now = Instant::now();
-        while let Some((tier, reserve)) = q.peek() {
-            // Without room for the next request nothing goes: a higher tier's queued request
-            // holds back every lower tier's.
-            let level = if reserve { flow.level(tier) } else { flow.queue_level(tier) };
-            if !p.has_room(level) {
-                break;
-            }
-            let Some(entry) = q.pop() else { break };
+        while let Some((tier, newcomer)) = q.peek() {
+            // Requests of backlogged tenants fill the pool up to the tier's level less the
+            // newcomer reserve; a newcomer's request up to the level, around a head held back
+            // by the reserve. Without room nothing goes: a higher tier's queued request holds
+            // back every lower tier's.
+            let entry = if p.has_room(flow.queue_level(tier)) || (newcomer && p.has_room(flow.level(tier))) {
+                q.pop()
+            } else if flow.reserve > 0.0 && p.has_room(flow.level(tier)) {
+                q.pop_newcomer()
+            } else {
+                None
+            };
+            let Some(entry) = entry else { break };
+            flow.tenant_dispatched(&entry.tenant, now, q.queued_of(entry.tier, &entry.tenant) > 0);
             let waited = now.saturating_duration_since(entry.enqueued);
             self.admitted(name);
             let tier = flow.tier_name(entry.tier).to_owned();
@@ -551,24 +579,29 @@ mod tests {
         assert_eq!(in_flight(&p), 7);
         assert!(matches!(p.enter("p", 0, "other", 10, LONG), Entered::Now));
         assert_eq!(in_flight(&p), 8);
-        // The pool is full: light's next two wait now, and the next ends are theirs (fair order,
-        // and fewer queued than heavy: the reserve is theirs).
+        // The pool is full: light2's two requests wait. The first is a newcomer's (light2 had
+        // nothing queued); the second came while it was queued.
         let light = tokio::spawn(queued(p.enter("p", 0, "light2", 10, LONG)).wait());
         let light_again = tokio::spawn(queued(p.enter("p", 0, "light2", 10, LONG)).wait());
-        // Heavy's answers were long: light2 stays behind it in the fair order for both.
+        // Heavy's answers were long: light2 is ahead of it in the fair order.
         p.charge_output("p", "heavy", 100);
+        // An end: the newcomer's request takes the reserve.
         p.finished("p");
         assert!(light.await.unwrap().is_ok());
         assert_eq!(in_flight(&p), 8);
-        p.finished("p");
-        assert!(light_again.await.unwrap().is_ok());
-        assert_eq!(in_flight(&p), 8);
+        // The second is held below the reserve, as heavy's are: two ends leave the pool at 6.
         p.finished("p");
         p.finished("p");
-        assert_eq!(in_flight(&p), 6, "the reserve is kept free: heavy waits");
+        assert_eq!(in_flight(&p), 6, "the reserve is kept free");
+        assert!(!light_again.is_finished());
+        p.finished("p");
+        assert!(light_again.await.unwrap().is_ok(), "below the queue's level, in the fair order");
+        assert_eq!(in_flight(&p), 6);
         assert_eq!(heavy.iter().filter(|h| h.is_finished()).count(), 1);
         p.finished("p");
-        assert_eq!(in_flight(&p), 6, "below the queue's level: one of heavy's goes");
+        assert_eq!(in_flight(&p), 6, "then heavy's");
+        tokio::task::yield_now().await;
+        assert_eq!(heavy.iter().filter(|h| h.is_finished()).count(), 2);
     }
 
     #[tokio::test]

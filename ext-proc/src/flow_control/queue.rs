@@ -55,6 +55,9 @@ pub struct Entry<T> {
     pub enqueued: Instant,
     /// Its prompt tokens (charged to the tenant's counter when it is dispatched).
     pub prompt_tokens: u64,
+    /// Its tenant had nothing queued in its tier when it arrived: it may use the newcomer
+    /// reserve (`flow_control.newcomer_reserve`).
+    pub newcomer: bool,
     /// What the caller keeps with it (the waiting stream's channel).
     pub item: T,
 }
@@ -111,6 +114,11 @@ impl<T> FlowQueue<T> {
     /// Requests queued in each tier, highest first.
     pub fn tier_lens(&self) -> impl Iterator<Item = usize> + '_ {
         self.tiers.iter().map(|t| t.len)
+    }
+
+    /// Requests of `tenant` queued in `tier`.
+    pub fn queued_of(&self, tier: usize, tenant: &str) -> usize {
+        self.tiers.get(tier).and_then(|t| t.tenants.get(tenant)).map_or(0, BTreeMap::len)
     }
 
     /// The tenants' counters (for tests and metrics).
@@ -172,13 +180,15 @@ impl<T> FlowQueue<T> {
         let id = self.next_id;
         self.next_id += 1;
         let Some(t) = self.tiers.get_mut(tier) else { return Err((Refusal::Full, item)) };
-        if !t.tenants.contains_key(tenant) {
+        let newcomer = !t.tenants.contains_key(tenant);
+        if newcomer {
             // The tenant becomes backlogged: its counter is lifted to the least counter of the
             // tier's backlogged tenants (or the last one served), so that idle time is no credit.
             let backlogged = t.tenants.keys().map(String::as_str);
             self.fairness.backlogged(tenant, backlogged);
         }
-        let entry = Entry { id, tier, tenant: tenant.to_owned(), enqueued: now, prompt_tokens, item };
+        let entry =
+            Entry { id, tier, tenant: tenant.to_owned(), enqueued: now, prompt_tokens, newcomer, item };
         t.tenants.entry(tenant.to_owned()).or_default().insert(id, entry);
         t.len += 1;
         self.len += 1;
@@ -191,29 +201,46 @@ impl<T> FlowQueue<T> {
     /// lifted to the least counter: the one with fewer requests queued, then the oldest head),
     /// and charges its prompt tokens to that tenant.
     pub fn pop(&mut self) -> Option<Entry<T>> {
-        let (tier, tenant, _) = self.head()?;
+        let (tier, tenant) = self.head(|_| true)?;
         let tenant = tenant.to_owned();
         let entry = self.take(tier, &tenant, None)?;
         self.fairness.charge_prompt(&entry.tenant, entry.prompt_tokens);
         Some(entry)
     }
 
-    /// What [`FlowQueue::pop`] would take: its tier, and whether it may use the newcomer reserve:
-    /// its tenant has only it queued (it would have used the reserve on arrival), or fewer
-    /// requests queued than another tenant of its tier (the reserve is kept from the most
-    /// backlogged tenants, not from one under its share that arrived in a burst).
+    /// What [`FlowQueue::pop`] would take: its tier, and whether it is a newcomer's (it may use
+    /// the newcomer reserve).
     pub fn peek(&self) -> Option<(usize, bool)> {
-        let (tier, _, len) = self.head()?;
-        let most = self.tiers.get(tier).and_then(|t| t.tenants.values().map(BTreeMap::len).max());
-        Some((tier, len == 1 || most.is_some_and(|most| len < most)))
+        let (tier, tenant) = self.head(|_| true)?;
+        let newcomer = self
+            .tiers
+            .get(tier)
+            .and_then(|t| t.tenants.get(tenant))
+            .and_then(|q| q.values().next())
+            .is_some_and(|e| e.newcomer);
+        Some((tier, newcomer))
     }
 
-    /// The next request's tier, tenant and the tenant's queued count.
-    fn head(&self) -> Option<(usize, &str, usize)> {
+    /// Takes the next newcomer's request of the highest tier with requests, in the fair order
+    /// among the tenants whose oldest request is a newcomer's: the head itself may be held back
+    /// by the newcomer reserve while they may use it. Charges its prompt tokens. None without
+    /// one.
+    pub fn pop_newcomer(&mut self) -> Option<Entry<T>> {
+        let (tier, tenant) = self.head(|q| q.values().next().is_some_and(|e| e.newcomer))?;
+        let tenant = tenant.to_owned();
+        let entry = self.take(tier, &tenant, None)?;
+        self.fairness.charge_prompt(&entry.tenant, entry.prompt_tokens);
+        Some(entry)
+    }
+
+    /// The next request's tier and tenant, among the highest tier's tenants whose queue passes
+    /// `eligible`: the least counter, then fewer queued, then the oldest head.
+    fn head(&self, eligible: impl Fn(&BTreeMap<u64, Entry<T>>) -> bool) -> Option<(usize, &str)> {
         let tier = self.tiers.iter().position(|t| t.len > 0)?;
         let t = self.tiers.get(tier)?;
         t.tenants
             .iter()
+            .filter(|(_, q)| eligible(q))
             .filter_map(|(name, q)| q.keys().next().map(|id| (name, q.len(), *id)))
             .min_by(|(a, a_len, a_id), (b, b_len, b_id)| {
                 self.fairness
@@ -222,26 +249,21 @@ impl<T> FlowQueue<T> {
                     .then(a_len.cmp(b_len))
                     .then(a_id.cmp(b_id))
             })
-            .map(|(name, len, _)| (tier, name.as_str(), len))
+            .map(|(name, _, _)| (tier, name.as_str()))
     }
 
-    /// Lets a new request of `tenant` in `tier` past the queue when the fair order would dispatch
-    /// it next anyway: nothing is queued in a higher tier, nothing of its tenant in its tier, and
-    /// its counter, once lifted as [`FlowQueue::push`] lifts a newly backlogged tenant's, is the
-    /// least of the tier's (a tie goes to it, as in [`FlowQueue::pop`]: it has fewer queued).
-    /// Then its tenant is charged its prompt tokens, as a dispatch from the queue is, and the
-    /// answer is true; otherwise nothing changes. The caller decides whether the pool has room
-    /// for it (`flow_control.newcomer_reserve`).
+    /// Lets a new request of `tenant` in `tier` past the queue into the newcomer reserve: when
+    /// nothing is queued in a higher tier and nothing of its tenant in its tier (a tenant not
+    /// backlogged; the backlogged ones are held below the reserve, so the room it takes is room
+    /// they could not use). Its counter is lifted as [`FlowQueue::push`] lifts a newly backlogged
+    /// tenant's and charged its prompt tokens, as a dispatch from the queue is; the answer is
+    /// true. Otherwise nothing changes. The caller decides whether the pool has room for it.
     pub fn pass_newcomer(&mut self, tier: usize, tenant: &str, prompt_tokens: u64) -> bool {
         if self.tiers.iter().take(tier).any(|t| t.len > 0) {
             return false;
         }
         let Some(t) = self.tiers.get(tier) else { return false };
         if t.tenants.contains_key(tenant) {
-            return false;
-        }
-        let least = t.tenants.keys().map(|o| self.fairness.counter(o)).reduce(f64::min);
-        if least.is_some_and(|least| self.fairness.counter(tenant) > least) {
             return false;
         }
         self.fairness.backlogged(tenant, t.tenants.keys().map(String::as_str));
@@ -437,26 +459,31 @@ mod tests {
     }
 
     #[test]
-    fn a_newcomer_passes_the_queue_only_where_the_fair_order_puts_it_first() {
+    fn newcomers_pass_the_queue_and_backlogged_tenants_do_not() {
         let now = Instant::now();
         let mut q = queue(100);
         for _ in 0..5 {
             q.push(1, "heavy", 100, now, "h").unwrap();
         }
         assert_eq!(q.pop().map(|e| e.item), Some("h"));
-        // Light has nothing queued and the least counter: it passes, lifted to heavy's and
-        // charged its prompt.
+        // Light has nothing queued: it passes, lifted to heavy's counter and charged its prompt.
         assert!(q.pass_newcomer(1, "light", 50));
         assert_eq!(q.fairness().counter("light"), q.fairness().counter("heavy") + 50.0);
         assert_eq!(q.len(), 4, "nothing queued or taken");
         // Heavy has requests queued: its new one waits its turn.
         assert!(!q.pass_newcomer(1, "heavy", 100));
-        // Light, now ahead of heavy's counter, would not be first: it queues.
-        assert!(!q.pass_newcomer(1, "light", 50));
         // A lower tier never passes a higher tier's queue; a higher tier with nothing queued does.
         assert!(!q.pass_newcomer(2, "batch", 1));
         assert!(q.pass_newcomer(0, "premium", 1));
         assert_eq!(q.len(), 4);
+        // Light queues now, ahead of heavy's counter: heavy is the head, light the newcomer
+        // that may go around it.
+        q.push(1, "light", 50, now, "l").unwrap();
+        q.push(1, "light", 50, now, "l2").unwrap();
+        assert_eq!(q.peek(), Some((1, false)));
+        assert_eq!(q.pop_newcomer().map(|e| e.item), Some("l"));
+        assert!(q.pop_newcomer().is_none(), "light's second came while its first was queued");
+        assert_eq!(q.len(), 5);
     }
 
     #[test]

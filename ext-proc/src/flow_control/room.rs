@@ -68,11 +68,36 @@ pub fn predicted_wait(ahead: usize, drain_per_s: Option<f64>) -> Option<Duration
     Some(Duration::from_secs_f64(((ahead + 1) as f64 / rate).min(86_400.0)))
 }
 
+/// The expected wait of a new request of a tenant with `own` requests queued, `ahead` of it in
+/// the fair order ([`crate::flow_control::queue::FlowQueue::ahead`]): the longer of `ahead` at
+/// the pool's drain rate and, for a tenant already backlogged, its own queue at the rate it was
+/// served while backlogged (`tenant_per_s`): a backlogged tenant gets its share, not the pool's
+/// rate, as tenants under their share keep going ahead of it. None while neither is known.
+pub fn predicted_wait_of(
+    ahead: usize,
+    drain_per_s: Option<f64>,
+    own: usize,
+    tenant_per_s: Option<f64>,
+) -> Option<Duration> {
+    let by_pool = predicted_wait(ahead, drain_per_s);
+    let by_tenant = if own > 0 { predicted_wait(own, tenant_per_s) } else { None };
+    match (by_pool, by_tenant) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 /// `Retry-After` in whole seconds (1..=30) for a request refused by the queue: the time until the
 /// requests now ahead of it have drained to what its tier's `budget` can wait for; 1 while the
 /// drain rate is unknown.
 pub fn retry_after_secs(ahead: usize, drain_per_s: Option<f64>, budget: Duration) -> u64 {
     let Some(wait) = predicted_wait(ahead, drain_per_s) else { return 1 };
+    retry_after_wait(wait, budget)
+}
+
+/// `Retry-After` in whole seconds (1..=30) for a request predicted to wait `wait` against its
+/// tier's `budget`: the time until the wait would fit.
+pub fn retry_after_wait(wait: Duration, budget: Duration) -> u64 {
     (wait.saturating_sub(budget).as_secs_f64().ceil() as u64).clamp(1, 30)
 }
 
@@ -170,6 +195,21 @@ mod tests {
         let kv = |v| PoolSignals { kv_cache_usage: Some(v), ..Default::default() };
         assert!(!has_room(&p, &kv(0.95), SinceScrape::default(), 1.0));
         assert!(has_room(&p, &kv(0.5), SinceScrape::default(), 1.0));
+    }
+
+    #[test]
+    fn a_backlogged_tenant_waits_at_its_own_rate() {
+        let s = Duration::from_secs;
+        // 40 queued ahead at 50/s: 0.82 s by the pool. But the tenant is served 10/s while
+        // backlogged, and 40 of its own are queued: 4.1 s.
+        assert_eq!(predicted_wait_of(40, Some(50.0), 40, Some(10.0)), Some(Duration::from_millis(4100)));
+        // Not backlogged, or its rate unknown: the pool's estimate.
+        assert_eq!(predicted_wait_of(49, Some(50.0), 0, Some(10.0)), Some(s(1)));
+        assert_eq!(predicted_wait_of(49, Some(50.0), 3, None), Some(s(1)));
+        // The tenant's own rate alone, before the pool's is measured.
+        assert_eq!(predicted_wait_of(9, None, 9, Some(10.0)), Some(s(1)));
+        assert_eq!(predicted_wait_of(9, None, 0, None), None);
+        assert_eq!(retry_after_wait(Duration::from_millis(4100), s(2)), 3);
     }
 
     #[test]
