@@ -124,3 +124,39 @@ async fn two_sidecars_rebuild_a_lost_bucket_from_the_outage_refill() {
     // Without the first one's excess the second would have left it at -8 (refusing 8 the limit
     // allows); with min(capacity, hint) for a lost bucket, at -25.
 }
+
+/// A partial outage: sidecar A's Redis calls time out now and then while sidecar B keeps taking
+/// from the same bucket in Redis. A's debt is charged against what B left; nothing A saw earlier
+/// (its hint) nor what an earlier reconciliation cut at capacity may refill the bucket.
+#[tokio::test]
+async fn a_partial_outage_charges_the_debt_against_what_the_other_sidecar_left() {
+    let port = free_port();
+    let config = config(port);
+    let _redis = Redis::start_on(port);
+    let store = Store::connect(&config.redis, "usage".into(), 1000).await.unwrap();
+    let tenant = config.tenant("acme").unwrap();
+    let plan = limits::plan(store.prefix(), tenant, "m", 100);
+    let requests = plan.iter().find(|b| b.kind == BucketKind::Requests).unwrap();
+    let level = |o: &limits::TakeOutcome| {
+        o.states[plan.iter().position(|b| b.kind == BucketKind::Requests).unwrap()].remaining
+    };
+
+    // Earlier, B came back from a timeout after the bucket had sat idle long enough to expire: its
+    // hint (9 seen 5 minutes ago, + 5 refilled) rebuilt it, 3 above the capacity cut.
+    assert_eq!(store.reconcile(requests, 1, Some(14)).await.unwrap(), 10);
+    // A takes from Redis (its hint: 9), then its calls time out: it admits 4 from its local bucket.
+    let (a, _) = store.take(&plan, &[], None).await.unwrap();
+    assert_eq!(level(&a), 9);
+    let a_debt = 4;
+    // Meanwhile B drains the bucket from Redis.
+    for left in (0..9).rev() {
+        let (b, _) = store.take(&plan, &[], None).await.unwrap();
+        assert_eq!((b.denied, level(&b)), (None, left));
+    }
+    assert_eq!(store.take(&plan, &[], None).await.unwrap().0.denied, Some(0), "B is refused");
+    // A answers again: its 4 are owed on top of what B took (0 - 4), however its hint or the cut
+    // 3 read.
+    assert_eq!(store.reconcile(requests, a_debt, Some(9)).await.unwrap(), -4);
+    // Charged once: B's next take waits for them.
+    assert_eq!(store.take(&plan, &[], None).await.unwrap().0.denied, Some(0));
+}
