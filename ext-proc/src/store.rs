@@ -16,6 +16,7 @@ use crate::admission_lease::{LeaseRecord, LeaseUse};
 use crate::config::RedisConfig;
 use crate::ledger::{self, CHARGED_RETENTION};
 use crate::limits::{BucketSpec, ReplyError, TakeOutcome};
+use crate::local_limiter::Hint;
 use crate::meter::{EndReason, UsageRecord, UsageSource};
 use crate::proto;
 use crate::quota::{self, QuotaBook, QuotaOutcome, QuotaSpec, QuotaTake};
@@ -429,11 +430,11 @@ impl Store {
     }
 
     /// Charges a bucket with what this sidecar admitted while Redis could not decide
-    /// (`lua/token_bucket_reconcile_v1.lua`): `debt` tokens taken (negative: given back), from
-    /// the level rebuilt from `hint` (the level Redis last answered plus the refill since, not
-    /// capped) when the bucket is missing (its node came back empty), else from Redis's level
-    /// (plus what an earlier reconciliation cut at capacity, never above the hint). Returns the
-    /// level.
+    /// (`lua/token_bucket_reconcile_v1.lua`): `debt` tokens taken (negative: given back) from
+    /// Redis's level now, credited only with refill Redis dropped at its capacity since `hint`'s
+    /// answer (what Redis last answered this sidecar; other sidecars may have taken since, so it
+    /// only lowers the result). A bucket that is missing (its node came back empty) is rebuilt
+    /// from the hint. Returns the level.
     ///
     /// # Errors
     /// [`StoreError`] on timeout or Redis error (then nothing was charged, or all of it).
@@ -441,14 +442,15 @@ impl Store {
         &self,
         bucket: &BucketSpec,
         debt: i64,
-        hint: Option<u64>,
+        hint: Option<Hint>,
     ) -> Result<i64, StoreError> {
         let mut conn = self.conn();
         let mut inv = self.reconcile.key(&bucket.key);
         inv.arg(bucket.capacity)
             .arg(bucket.rate_per_minute)
             .arg(debt)
-            .arg(hint.map_or_else(String::new, |h| h.to_string()));
+            .arg(hint.map_or_else(String::new, |h| h.level.to_string()))
+            .arg(hint.map_or_else(String::new, |h| h.age_ms.to_string()));
         self.bounded(inv.invoke_async(&mut conn)).await
     }
 

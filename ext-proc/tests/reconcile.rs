@@ -14,6 +14,7 @@ use common::{free_port, Redis};
 use gateway_ext_proc::config::{Config, FailureMode};
 use gateway_ext_proc::limiter::{Limiter, Take};
 use gateway_ext_proc::limits::{self, BucketKind};
+use gateway_ext_proc::local_limiter::Hint;
 use gateway_ext_proc::metrics::Metrics;
 use gateway_ext_proc::store::Store;
 
@@ -27,6 +28,11 @@ tenants:
 "
     ))
     .unwrap()
+}
+
+/// A sidecar's hint: `level` answered (plus the refill since) `age_ms` ago.
+fn hint(level: u64, age_ms: u64) -> Option<Hint> {
+    Some(Hint { level, age_ms })
 }
 
 fn remaining(take: &Take, plan: &[limits::BucketSpec], kind: BucketKind) -> u64 {
@@ -98,9 +104,9 @@ async fn a_bucket_that_survived_is_charged_the_debt_only() {
     let requests = plan.iter().find(|b| b.kind == BucketKind::Requests).unwrap();
     // Level 4 in Redis (other sidecars took 6); this sidecar last saw 9: Redis's level stands.
     store.reconcile(requests, 6, None).await.unwrap();
-    assert_eq!(store.reconcile(requests, 2, Some(9)).await.unwrap(), 2);
+    assert_eq!(store.reconcile(requests, 2, hint(9, 0)).await.unwrap(), 2);
     // A hint below Redis's level lowers it (a node that came back empty reads full).
-    assert_eq!(store.reconcile(requests, 0, Some(1)).await.unwrap(), 1);
+    assert_eq!(store.reconcile(requests, 0, hint(1, 0)).await.unwrap(), 1);
     // A debt may take the level below zero: the next requests wait for it.
     assert_eq!(store.reconcile(requests, 3, None).await.unwrap(), -2);
     // Given back: never above the capacity.
@@ -119,8 +125,91 @@ async fn two_sidecars_rebuild_a_lost_bucket_from_the_outage_refill() {
     // The bucket was at 0 when its node died; 35 requests refilled during the outage (above the
     // capacity of 10: the local buckets admitted them as they came), 17 admitted by one sidecar
     // and 18 by the other. One bucket over the whole span would be at 0 now.
-    assert_eq!(store.reconcile(requests, 17, Some(35)).await.unwrap(), 10, "18 left, capped at 10");
-    assert_eq!(store.reconcile(requests, 18, Some(35)).await.unwrap(), 0, "the cut 8 counted, not lost");
+    // Both last heard from Redis before the outage (35 minutes at 1 a minute).
+    let outage_ms = 35 * 60_000;
+    assert_eq!(
+        store.reconcile(requests, 17, hint(35, outage_ms)).await.unwrap(),
+        10,
+        "18 left, capped at 10"
+    );
+    assert_eq!(
+        store.reconcile(requests, 18, hint(35, outage_ms)).await.unwrap(),
+        0,
+        "the cut 8 counted, not lost"
+    );
     // Without the first one's excess the second would have left it at -8 (refusing 8 the limit
     // allows); with min(capacity, hint) for a lost bucket, at -25.
+}
+
+/// A partial outage: sidecar A's Redis calls time out now and then while sidecar B keeps taking
+/// from the same bucket in Redis. A's debt is charged against what B left; nothing A saw earlier
+/// (its hint) nor what an earlier reconciliation cut at capacity may refill the bucket.
+#[tokio::test]
+async fn a_partial_outage_charges_the_debt_against_what_the_other_sidecar_left() {
+    let port = free_port();
+    let config = config(port);
+    let _redis = Redis::start_on(port);
+    let store = Store::connect(&config.redis, "usage".into(), 1000).await.unwrap();
+    let tenant = config.tenant("acme").unwrap();
+    let plan = limits::plan(store.prefix(), tenant, "m", 100);
+    let requests = plan.iter().find(|b| b.kind == BucketKind::Requests).unwrap();
+    let level = |o: &limits::TakeOutcome| {
+        o.states[plan.iter().position(|b| b.kind == BucketKind::Requests).unwrap()].remaining
+    };
+
+    // Earlier, B came back from a timeout after the bucket had sat idle long enough to expire: its
+    // hint (9 seen 5 minutes ago, + 5 refilled) rebuilt it, 3 above the capacity cut.
+    assert_eq!(store.reconcile(requests, 1, hint(14, 5 * 60_000)).await.unwrap(), 10);
+    // A takes from Redis (its hint: 9), then its calls time out: it admits 4 from its local bucket.
+    let (a, _) = store.take(&plan, &[], None).await.unwrap();
+    let a_seen = std::time::Instant::now();
+    assert_eq!(level(&a), 9);
+    let a_debt = 4;
+    // Meanwhile B drains the bucket from Redis.
+    for left in (0..9).rev() {
+        let (b, _) = store.take(&plan, &[], None).await.unwrap();
+        assert_eq!((b.denied, level(&b)), (None, left));
+    }
+    assert_eq!(store.take(&plan, &[], None).await.unwrap().0.denied, Some(0), "B is refused");
+    // A answers again: its 4 are owed on top of what B took (0 - 4), however its hint or the cut
+    // 3 read.
+    let a_hint = hint(9, a_seen.elapsed().as_millis() as u64);
+    assert_eq!(store.reconcile(requests, a_debt, a_hint).await.unwrap(), -4);
+    // Charged once: B's next take waits for them.
+    assert_eq!(store.take(&plan, &[], None).await.unwrap().0.denied, Some(0));
+}
+
+/// Every sidecar local through one outage while the bucket survived (Redis was out of reach, not
+/// lost): the refill Redis dropped at its capacity meanwhile is what the local buckets used, so it
+/// is credited against their debts, the first sidecar's unused part to the second.
+#[tokio::test]
+async fn two_sidecars_cut_off_from_a_surviving_bucket_are_credited_the_refill_it_dropped() {
+    let port = free_port();
+    let config = config(port);
+    let redis = Redis::start_on(port);
+    let store = Store::connect(&config.redis, "usage".into(), 1000).await.unwrap();
+    let tenant = config.tenant("acme").unwrap();
+    let plan = limits::plan(store.prefix(), tenant, "m", 100);
+    let requests = plan.iter().find(|b| b.kind == BucketKind::Requests).unwrap();
+    // The bucket was written at 0 41 minutes ago; both sidecars last heard 1 (the refill of the
+    // first minute) 40 minutes ago, then admitted 17 and 18 locally. One bucket over the whole
+    // span: 1 + 40 - 35 = 6.
+    let mut conn = redis.conn().await;
+    let (s, us): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await.unwrap();
+    let written = s * 1_000_000 + us - 41 * 60_000_000;
+    let _: () = redis::cmd("HSET")
+        .arg(&requests.key)
+        .arg("t")
+        .arg("0")
+        .arg("ts")
+        .arg(written.to_string())
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let away_ms = 40 * 60_000;
+    assert_eq!(store.reconcile(requests, 17, hint(41, away_ms)).await.unwrap(), 10, "14 left over");
+    // A third sidecar, answered after that reconciliation, had a timeout meanwhile: none of that
+    // refill is its to use (its 2 are charged in full), and it stays for the second one.
+    assert_eq!(store.reconcile(requests, 2, hint(10, 0)).await.unwrap(), 8);
+    assert_eq!(store.reconcile(requests, 18, hint(41, away_ms)).await.unwrap(), 4, "1 + 40 - 17 - 2 - 18");
 }

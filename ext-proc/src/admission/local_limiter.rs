@@ -41,9 +41,19 @@ pub struct Reconciliation {
     pub bucket: BucketSpec,
     /// Tokens to charge (negative: to give back).
     pub debt: i64,
-    /// The level Redis last answered this sidecar plus the refill since, not capped at the
-    /// capacity (whole tokens, floored); `None` when it never answered for this bucket.
-    pub hint: Option<u64>,
+    /// What Redis last answered this sidecar for this bucket; `None` when it never answered.
+    pub hint: Option<Hint>,
+}
+
+/// A bucket's level as Redis last answered a sidecar ([`Reconciliation::hint`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hint {
+    /// That level plus the refill since, not capped at the capacity (whole tokens, floored).
+    pub level: u64,
+    /// Milliseconds since that answer: only refill Redis dropped at its capacity since (while
+    /// this sidecar was away) may be credited against the debt; other sidecars may have taken
+    /// from Redis since, so the level is an upper bound, never a level to restore.
+    pub age_ms: u64,
 }
 
 /// Local buckets keyed like the Redis ones; bounded by the number of configured buckets.
@@ -152,7 +162,7 @@ impl LocalLimiter {
                     let elapsed_ms = now.saturating_duration_since(l.at).as_secs_f64() * 1000.0;
                     // Not capped: the refill of the outage is what the local admissions used.
                     let level = l.tokens + elapsed_ms * d.bucket.rate_per_minute as f64 / 60_000.0;
-                    level.max(0.0).floor() as u64
+                    Hint { level: level.max(0.0).floor() as u64, age_ms: elapsed_ms.floor() as u64 }
                 });
                 Reconciliation { bucket: d.bucket, debt: d.tokens, hint }
             })
@@ -265,9 +275,9 @@ mod tests {
             r.iter().find(|r| r.bucket.kind == limits::BucketKind::Requests).map(|r| (r.debt, r.hint));
         let tokens = r.iter().find(|r| r.bucket.kind == limits::BucketKind::Tokens).map(|r| (r.debt, r.hint));
         // Whole limits, not the share, and not capped: 1 + 2/min x 1 min = 3 requests,
-        // 300 + 600 tokens.
-        assert_eq!(requests, Some((1, Some(3))));
-        assert_eq!(tokens, Some((60, Some(900))));
+        // 300 + 600 tokens; answered 60 s ago.
+        assert_eq!(requests, Some((1, Some(Hint { level: 3, age_ms: 60_000 }))));
+        assert_eq!(tokens, Some((60, Some(Hint { level: 900, age_ms: 60_000 }))));
         assert!(!l.owes(), "handed over");
         // Redis refused it: owed again, not lost.
         for x in r {
