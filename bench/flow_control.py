@@ -32,6 +32,9 @@ Scenarios (`--scenarios`):
 
     fair     two tenants of one tier, the heavy one offering 10x the light one's rate, together
              3x CAPACITY (Poisson, DURATION_S); the light tenant alone is the unloaded baseline
+    small    fair on a pool of REPLICAS x SMALL_NUM_SEQS slots (the issue's CPU vLLM): the same count
+             threshold (`max_queue_depth: 64`) is then several budgets of work; the goodput
+             comparison where the example's threshold does not happen to fit the pool
     tiers    premium (0.2x CAPACITY) and batch (2.8x) under the same 3x overload; premium alone
              is the unloaded baseline
     burst    4x CAPACITY for 2 s, batch tier (budget BURST_BUDGET_S), nothing else
@@ -43,7 +46,7 @@ unloaded TTFT p99), Jain's index over the tenants' served tokens each divided by
 share (the light tenant's demand, the rest of the capacity for the heavy one), 429s, timeouts,
 the longest queue wait (the gateway's `x-gateway-queue-wait-ms`).
 
-    .venv/bin/python bench/flow_control.py                  # all scenarios, 3 rounds (~25 min)
+    .venv/bin/python bench/flow_control.py                  # all scenarios, 3 rounds (~35 min)
     .venv/bin/python bench/flow_control.py --quick          # smoke run; docs untouched
     .venv/bin/python bench/flow_control.py --scenarios fair --rounds 1 --no-docs
 
@@ -98,8 +101,25 @@ ITL_MS = 15
 OUTPUT_MIN, OUTPUT_MAX = 32, 96
 INPUT_TOKENS = 64
 SLOTS = REPLICAS * MAX_NUM_SEQS
+# The `small` scenario's pool: the issue's CPU vLLM (8 sequences at once) per replica, where the
+# example's `max_queue_depth: 64` is several seconds of work, not one budget.
+SMALL_NUM_SEQS = 8
 SERVICE_S = (TTFT_MS + ((OUTPUT_MIN + OUTPUT_MAX) / 2 - 1) * ITL_MS) / 1000
 CAPACITY = SLOTS / SERVICE_S  # requests/s
+
+
+def num_seqs(scenario: str) -> int:
+    """`--max-num-seqs` of each replica in `scenario`."""
+    return SMALL_NUM_SEQS if scenario == "small" else MAX_NUM_SEQS
+
+
+def slots(scenario: str) -> int:
+    return REPLICAS * num_seqs(scenario)
+
+
+def capacity(scenario: str) -> float:
+    """Nominal requests/s of the pool in `scenario`."""
+    return slots(scenario) / SERVICE_S
 
 # The tiers' budgets (flow_control.tiers[].max_queue_wait_ms) and batch's share of the room.
 BUDGET_S = {"premium": 1.0, "standard": 2.0, "batch": 2.0}
@@ -142,9 +162,10 @@ class Load:
 def scenario_loads(scenario: str, s: Settings) -> tuple[list[Load], list[Load]]:
     """(the loaded run's clients, the unloaded baseline's)."""
     d = s.duration_s
-    if scenario == "fair":
-        light = Load("light", "standard", 3 * CAPACITY / 11, d)
-        return [Load("heavy", "standard", 30 * CAPACITY / 11, d), light], [light]
+    if scenario in ("fair", "small"):
+        cap = capacity(scenario)
+        light = Load("light", "standard", 3 * cap / 11, d)
+        return [Load("heavy", "standard", 30 * cap / 11, d), light], [light]
     if scenario == "tiers":
         premium = Load("premium", "premium", 0.2 * CAPACITY, d)
         return [premium, Load("batch", "batch", 2.8 * CAPACITY, d)], [premium]
@@ -153,14 +174,15 @@ def scenario_loads(scenario: str, s: Settings) -> tuple[list[Load], list[Load]]:
     raise ValueError(scenario)
 
 
-def sidecar_pool(target: str, burst: bool) -> dict | None:
+def sidecar_pool(target: str, scenario: str) -> dict | None:
+    burst = scenario == "burst"
     if target.startswith("flow-control"):
-        return {"scrape_interval_ms": 100, "max_in_flight": SLOTS, "flow_control": {"max_queued": 20_000}}
+        return {"scrape_interval_ms": 100, "max_in_flight": slots(scenario), "flow_control": {"max_queued": 20_000}}
     if target == "threshold":
         return {"scrape_interval_ms": 100, "max_queue_depth": EXAMPLE_QUEUE_DEPTH}
     if target == "threshold-tuned":
         budget = BURST_BUDGET_S if burst else BUDGET_S["standard"]
-        return {"scrape_interval_ms": 100, "max_queue_depth": math.ceil(budget * CAPACITY)}
+        return {"scrape_interval_ms": 100, "max_queue_depth": math.ceil(budget * capacity(scenario))}
     return None
 
 
@@ -172,11 +194,12 @@ def flow_config(burst: bool, reserve: float = 0.0) -> dict:
             **({"newcomer_reserve": reserve} if reserve else {})}
 
 
-def start(workdir: Path, target: str, keys: dict[str, str], tiers: dict[str, str], burst: bool,
+def start(workdir: Path, target: str, keys: dict[str, str], tiers: dict[str, str], scenario: str,
           exits: contextlib.ExitStack, replicas_args: list[str] | None = None) -> Stack:
-    sim = ["--max-num-seqs", str(MAX_NUM_SEQS), "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS),
+    burst = scenario == "burst"
+    sim = ["--max-num-seqs", str(num_seqs(scenario)), "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS),
            *(replicas_args or [])]
-    pool = Pool(POOL, [MODEL], sim, replicas=REPLICAS, shedding=sidecar_pool(target, burst))
+    pool = Pool(POOL, [MODEL], sim, replicas=REPLICAS, shedding=sidecar_pool(target, scenario))
     tenants = [Tenant(t, [keys[t]], {"requests_per_minute": 10_000_000, "tokens_per_minute": 10_000_000_000},
                       tier=tiers[t]) for t in keys]
     overrides: dict = {"metrics_listen": "127.0.0.1:0"}
@@ -307,7 +330,7 @@ def one_run(scenario: str, target: str, s: Settings, raw: Path, round_no: int) -
     work.mkdir(parents=True, exist_ok=True)
     clients = baseline if target == "unloaded" else loads
     with contextlib.ExitStack() as exits:
-        stack = start(work, "flow-control" if target == "unloaded" else target, keys, tiers, burst, exits)
+        stack = start(work, "flow-control" if target == "unloaded" else target, keys, tiers, scenario, exits)
         records = run_clients(stack, keys, clients, work)
     by_tenant = {load.tenant: tenant_figures(records[load.tenant], load) for load in clients}
     first = clients[0]
@@ -387,6 +410,7 @@ SCENARIO_TARGETS = {
     "fair": ["flow-control", "flow-control-reserve", "threshold", "threshold-tuned", "direct", "unloaded"],
     "tiers": ["flow-control", "threshold", "threshold-tuned", "direct", "unloaded"],
     "burst": ["flow-control", "threshold", "threshold-tuned", "direct"],
+    "small": ["flow-control", "threshold", "threshold-tuned", "direct", "unloaded"],
 }
 
 
@@ -429,14 +453,14 @@ def summarize(scenario: str, runs: dict[str, list[dict]], s: Settings) -> dict:
         t["command"] = rows[0]["command"] if rows else None
         out[target] = t
     # The pool's capacity as measured: what it served through bare Envoy, saturated, in this run.
-    capacity = out.get("direct", {}).get("served_per_s") or CAPACITY
+    cap = out.get("direct", {}).get("served_per_s") or capacity(scenario)
     for target, t in out.items():
         tenants = t["tenants"]
-        if scenario == "fair" and target != "unloaded" and len(tenants) == 2:
-            shares = fair_shares({n: f["offered_per_s"] for n, f in tenants.items()}, capacity)
+        if scenario in ("fair", "small") and target != "unloaded" and len(tenants) == 2:
+            shares = fair_shares({n: f["offered_per_s"] for n, f in tenants.items()}, cap)
             t["jain_fair_share"] = jain([tenants[n]["served_per_s"] / shares[n] for n in tenants])
-            t["heavy_vs_left"] = tenants["heavy"]["served_per_s"] / (capacity - tenants["light"]["offered_per_s"])
-            t["capacity_measured"] = capacity
+            t["heavy_vs_left"] = tenants["heavy"]["served_per_s"] / (cap - tenants["light"]["offered_per_s"])
+            t["capacity_measured"] = cap
     base = out.get("unloaded", {}).get("tenants", {})
     for target, t in out.items():
         for name, fig in t["tenants"].items():
@@ -454,7 +478,8 @@ def section(summary: dict) -> str:
     s = summary["summary"]
     rows = []
     what = {"fair": "two tenants, heavy 10× light, 3× capacity", "tiers": "premium 0.2× + batch 2.8× capacity",
-            "burst": "4× capacity for 2 s (batch)"}
+            "burst": "4× capacity for 2 s (batch)",
+            "small": f"as fair, on {REPLICAS} × {SMALL_NUM_SEQS} slots"}
     for scenario, targets in s.items():
         if scenario == "memory":
             continue
@@ -500,6 +525,16 @@ def section(summary: dict) -> str:
                      f"control, {ratio(tiers.get('threshold', {}).get('tenants', {}).get('premium', {}).get('ttft_p99_vs_unloaded'))} "
                      f"with threshold shedding, {ratio(tiers.get('threshold-tuned', {}).get('tenants', {}).get('premium', {}).get('ttft_p99_vs_unloaded'))} "
                      f"threshold-tuned, {ratio(tiers.get('direct', {}).get('tenants', {}).get('premium', {}).get('ttft_p99_vs_unloaded'))} direct.")
+    small = s.get("small", {})
+    if small.get("flow-control"):
+        f = small["flow-control"]
+        light = f["tenants"].get("light", {})
+        lines.append(f"- small ({REPLICAS} × {SMALL_NUM_SEQS} slots, capacity {capacity('small'):.0f}/s nominal, where the example's "
+                     f"`max_queue_depth: {EXAMPLE_QUEUE_DEPTH}` is about {EXAMPLE_QUEUE_DEPTH / capacity('small'):.1f} s of work): goodput "
+                     f"{fmt(f.get('goodput_per_s'), 1)}/s with flow control, {ratio(f.get('goodput_vs_threshold'))} threshold, "
+                     f"{ratio(f.get('goodput_vs_threshold-tuned'))} threshold-tuned, {ratio(f.get('goodput_vs_direct'))} direct; "
+                     f"the light tenant's TTFT p99 {ratio(light.get('ttft_p99_vs_unloaded'))} unloaded; Jain "
+                     f"{fmt(f.get('jain_fair_share'), 3)}.")
     burst = s.get("burst", {})
     if burst.get("flow-control"):
         def within(t: str) -> str:
@@ -566,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     global NEWCOMER_RESERVE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small smoke run; docs untouched")
-    parser.add_argument("--scenarios", default="fair,tiers,burst,memory")
+    parser.add_argument("--scenarios", default="fair,small,tiers,burst,memory")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--no-docs", action="store_true", help="leave docs/ alone")
     parser.add_argument("--targets", default=None,
@@ -617,13 +652,13 @@ def main(argv: list[str] | None = None) -> int:
     reused: dict[str, str] = {}
     if args.reuse:
         previous = json.loads((args.reuse / "summary.json").read_text())
-        for sc in ["fair", "tiers", "burst", "memory"]:
+        for sc in ["fair", "small", "tiers", "burst", "memory"]:
             if sc not in summary_by and sc in previous["summary"]:
                 summary_by[sc] = previous["summary"][sc]
                 reused[sc] = previous.get("reused", {}).get(sc, previous["finished_at"])
                 if sc in previous.get("results", {}):
                     results[sc] = previous["results"][sc]
-        summary_by = {sc: summary_by[sc] for sc in ["fair", "tiers", "burst", "memory"] if sc in summary_by}
+        summary_by = {sc: summary_by[sc] for sc in ["fair", "small", "tiers", "burst", "memory"] if sc in summary_by}
     summary = {"finished_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                "wall_s": time.monotonic() - started, "settings": s.__dict__, "summary": summary_by, "reused": reused,
                "results": results}

@@ -34,10 +34,11 @@ FLOW = {"tiers": [{"name": "premium", "max_queue_wait_ms": 30000},
                   {"name": "brief", "max_queue_wait_ms": 1000}]}
 
 
-def flow_stack(workdir, **sidecar):
+def flow_stack(workdir, max_in_flight: int = 1, **sidecar):
     pools = [Pool("pool_fc", ["sim/fc"],
                   ["--max-num-seqs", "4", "--ttft-ms", "20", "--itl-ms", "20", "--output-tokens", "3"],
-                  shedding={"max_in_flight": 1, "scrape_interval_ms": 100, "flow_control": {"max_queued": 32}})]
+                  shedding={"max_in_flight": max_in_flight, "scrape_interval_ms": 100,
+                            "flow_control": {"max_queued": 32}})]
     models = [Model("fc", "pool_fc", served_model_name="sim/fc")]
     tenants = [Tenant(t, [KEYS[t]], {"requests_per_minute": 100000,
                                      **({"tokens_per_minute": TPM} if t == "fc-tpm" else {})}, tier=tier)
@@ -66,12 +67,13 @@ def received(stack) -> float:
 
 
 @contextlib.contextmanager
-def holding(stack):
-    """Keeps the pool's one slot with a long stream until the block ends (the stream closed)."""
+def holding(stack, tenant: str = "fc-holder", idle: bool = True):
+    """Keeps one of the pool's slots with a long stream until the block ends (the stream closed)."""
     # The previous test's requests have all ended (their access-log entries reached the sidecar).
-    assert wait_for(lambda: in_flight(stack) == 0 and queued(stack) == 0, timeout=10), sidecar_metrics(stack)
+    if idle:
+        assert wait_for(lambda: in_flight(stack) == 0 and queued(stack) == 0, timeout=10), sidecar_metrics(stack)
     client, response = open_stream(stack.base_url, chat_body("fc", "hold", stream=True, max_tokens=2000,
-                                                             ignore_eos=True), auth(KEYS["fc-holder"]))
+                                                             ignore_eos=True), auth(KEYS[tenant]))
     try:
         assert response.status_code == 200, response.read()
         assert "x-gateway-queue-wait-ms" not in response.headers, "it did not wait"
@@ -195,3 +197,33 @@ def test_sigterm_answers_every_queued_request(tmp_path):
             # Answered at once, long before the grace period (30 s) would end the streams.
             assert max(s.done for s in sent) - started < 10
             assert sidecar.alive(), "still serving the held stream"
+
+
+def test_the_newcomer_reserve_lets_a_light_tenant_in_past_a_backlogged_one(tmp_path):
+    # Two slots, half of them kept back from the queue: queued requests of a backlogged tenant
+    # go only while nothing else is in flight.
+    flow = {**FLOW, "newcomer_reserve": 0.5}
+    with flow_stack(tmp_path, max_in_flight=2, flow_control=flow) as stack:
+        with holding(stack):
+            with holding(stack, "fc-heavy", idle=False):
+                assert wait_for(lambda: in_flight(stack) == 2, timeout=10), sidecar_metrics(stack)
+                heavy = []
+                for n in (1, 2):
+                    heavy.append(Sent(stack, "fc-heavy"))
+                    assert wait_for(lambda: queued(stack) == n, timeout=10), sidecar_metrics(stack)
+            # Heavy's long stream closed: its first queued request (heavy had none queued when it
+            # came) goes; the second is held below the reserve while the holder runs.
+            first = heavy[0].result()
+            assert first.status_code == 200 and "x-gateway-queue-wait-ms" in first.headers, first.headers
+            assert wait_for(lambda: in_flight(stack) == 1, timeout=10), sidecar_metrics(stack)
+            assert queued(stack) == 1 and heavy[1].done is None, sidecar_metrics(stack)
+            # Light, with nothing queued, takes the reserve at once.
+            light = post(stack, "/v1/chat/completions", chat_body("fc", max_tokens=3), key=KEYS["fc-light"])
+            assert light.status_code == 200, light.text
+            assert "x-gateway-queue-wait-ms" not in light.headers, "it did not wait"
+            assert queued(stack) == 1 and heavy[1].done is None, "heavy's is still held"
+            text = sidecar_metrics(stack)
+            assert metric(text, "llm_gateway_queue_dequeues_total", pool="pool_fc", reason="reserve") == 1, text
+        # The holder closed: heavy's second goes.
+        second = heavy[1].result()
+        assert second.status_code == 200 and int(second.headers["x-gateway-queue-wait-ms"]) > 0, second.headers
