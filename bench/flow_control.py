@@ -474,6 +474,12 @@ def summarize(scenario: str, runs: dict[str, list[dict]], s: Settings) -> dict:
     return out
 
 
+def goodput_ratios(f: dict) -> str:
+    """A flow-control target's goodput against the others, as the section words it."""
+    return (f"{ratio(f.get('goodput_vs_threshold'))} threshold, {ratio(f.get('goodput_vs_threshold-tuned'))} "
+            f"threshold-tuned, {ratio(f.get('goodput_vs_direct'))} direct")
+
+
 def section(summary: dict) -> str:
     s = summary["summary"]
     rows = []
@@ -507,8 +513,7 @@ def section(summary: dict) -> str:
                      f"capacity the light one leaves (capacity measured by `direct`: {fmt(f.get('capacity_measured'), 1)}/s): "
                      f"{ratio(f.get('heavy_vs_left'))}; goodput (requests/s within "
                      f"{BUDGET_S['standard']:g} s + unloaded TTFT p99): {fmt(f.get('goodput_per_s'), 1)}, "
-                     f"{ratio(f.get('goodput_vs_threshold'))} threshold, {ratio(f.get('goodput_vs_threshold-tuned'))} "
-                     f"threshold-tuned, {ratio(f.get('goodput_vs_direct'))} direct.")
+                     f"{goodput_ratios(f)}.")
     if fair.get("flow-control-reserve"):
         f = fair["flow-control-reserve"]
         light = f["tenants"].get("light", {})
@@ -516,8 +521,7 @@ def section(summary: dict) -> str:
                      f"{ratio(light.get('ttft_p99_vs_unloaded'))} unloaded (without the reserve "
                      f"{ratio(fair.get('flow-control', {}).get('tenants', {}).get('light', {}).get('ttft_p99_vs_unloaded'))}); "
                      f"Jain {fmt(f.get('jain_fair_share'), 3)}; heavy ÷ the capacity left {ratio(f.get('heavy_vs_left'))}; "
-                     f"goodput {fmt(f.get('goodput_per_s'), 1)}/s, {ratio(f.get('goodput_vs_threshold'))} threshold, "
-                     f"{ratio(f.get('goodput_vs_threshold-tuned'))} threshold-tuned, {ratio(f.get('goodput_vs_direct'))} direct.")
+                     f"goodput {fmt(f.get('goodput_per_s'), 1)}/s, {goodput_ratios(f)}.")
     tiers = s.get("tiers", {})
     if tiers.get("flow-control"):
         p = tiers["flow-control"]["tenants"].get("premium", {})
@@ -531,8 +535,7 @@ def section(summary: dict) -> str:
         light = f["tenants"].get("light", {})
         lines.append(f"- small ({REPLICAS} × {SMALL_NUM_SEQS} slots, capacity {capacity('small'):.0f}/s nominal, where the example's "
                      f"`max_queue_depth: {EXAMPLE_QUEUE_DEPTH}` is about {EXAMPLE_QUEUE_DEPTH / capacity('small'):.1f} s of work): goodput "
-                     f"{fmt(f.get('goodput_per_s'), 1)}/s with flow control, {ratio(f.get('goodput_vs_threshold'))} threshold, "
-                     f"{ratio(f.get('goodput_vs_threshold-tuned'))} threshold-tuned, {ratio(f.get('goodput_vs_direct'))} direct; "
+                     f"{fmt(f.get('goodput_per_s'), 1)}/s with flow control, {goodput_ratios(f)}; "
                      f"the light tenant's TTFT p99 {ratio(light.get('ttft_p99_vs_unloaded'))} unloaded; Jain "
                      f"{fmt(f.get('jain_fair_share'), 3)}.")
     burst = s.get("burst", {})

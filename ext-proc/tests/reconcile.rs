@@ -35,6 +35,20 @@ fn hint(level: u64, age_ms: u64) -> Option<Hint> {
     Some(Hint { level, age_ms })
 }
 
+/// A redis-server on a free port, a store on it, and acme's buckets for model `m`.
+async fn store_on_redis() -> (Redis, Store, Vec<limits::BucketSpec>) {
+    let port = free_port();
+    let config = config(port);
+    let redis = Redis::start_on(port);
+    let store = Store::connect(&config.redis, "usage".into(), 1000).await.unwrap();
+    let plan = limits::plan(store.prefix(), config.tenant("acme").unwrap(), "m", 100);
+    (redis, store, plan)
+}
+
+fn requests_bucket(plan: &[limits::BucketSpec]) -> &limits::BucketSpec {
+    plan.iter().find(|b| b.kind == BucketKind::Requests).unwrap()
+}
+
 fn remaining(take: &Take, plan: &[limits::BucketSpec], kind: BucketKind) -> u64 {
     let outcome = match take {
         Take::Redis(o) | Take::Local(o) => o,
@@ -95,13 +109,8 @@ async fn local_admissions_are_charged_to_a_redis_that_came_back_empty() {
 
 #[tokio::test]
 async fn a_bucket_that_survived_is_charged_the_debt_only() {
-    let port = free_port();
-    let config = config(port);
-    let _redis = Redis::start_on(port);
-    let store = Store::connect(&config.redis, "usage".into(), 1000).await.unwrap();
-    let tenant = config.tenant("acme").unwrap();
-    let plan = limits::plan(store.prefix(), tenant, "m", 100);
-    let requests = plan.iter().find(|b| b.kind == BucketKind::Requests).unwrap();
+    let (_redis, store, plan) = store_on_redis().await;
+    let requests = requests_bucket(&plan);
     // Level 4 in Redis (other sidecars took 6); this sidecar last saw 9: Redis's level stands.
     store.reconcile(requests, 6, None).await.unwrap();
     assert_eq!(store.reconcile(requests, 2, hint(9, 0)).await.unwrap(), 2);
@@ -115,13 +124,8 @@ async fn a_bucket_that_survived_is_charged_the_debt_only() {
 
 #[tokio::test]
 async fn two_sidecars_rebuild_a_lost_bucket_from_the_outage_refill() {
-    let port = free_port();
-    let config = config(port);
-    let _redis = Redis::start_on(port);
-    let store = Store::connect(&config.redis, "usage".into(), 1000).await.unwrap();
-    let tenant = config.tenant("acme").unwrap();
-    let plan = limits::plan(store.prefix(), tenant, "m", 100);
-    let requests = plan.iter().find(|b| b.kind == BucketKind::Requests).unwrap();
+    let (_redis, store, plan) = store_on_redis().await;
+    let requests = requests_bucket(&plan);
     // The bucket was at 0 when its node died; 35 requests refilled during the outage (above the
     // capacity of 10: the local buckets admitted them as they came), 17 admitted by one sidecar
     // and 18 by the other. One bucket over the whole span would be at 0 now.
@@ -146,13 +150,8 @@ async fn two_sidecars_rebuild_a_lost_bucket_from_the_outage_refill() {
 /// (its hint) nor what an earlier reconciliation cut at capacity may refill the bucket.
 #[tokio::test]
 async fn a_partial_outage_charges_the_debt_against_what_the_other_sidecar_left() {
-    let port = free_port();
-    let config = config(port);
-    let _redis = Redis::start_on(port);
-    let store = Store::connect(&config.redis, "usage".into(), 1000).await.unwrap();
-    let tenant = config.tenant("acme").unwrap();
-    let plan = limits::plan(store.prefix(), tenant, "m", 100);
-    let requests = plan.iter().find(|b| b.kind == BucketKind::Requests).unwrap();
+    let (_redis, store, plan) = store_on_redis().await;
+    let requests = requests_bucket(&plan);
     let level = |o: &limits::TakeOutcome| {
         o.states[plan.iter().position(|b| b.kind == BucketKind::Requests).unwrap()].remaining
     };
@@ -184,13 +183,8 @@ async fn a_partial_outage_charges_the_debt_against_what_the_other_sidecar_left()
 /// is credited against their debts, the first sidecar's unused part to the second.
 #[tokio::test]
 async fn two_sidecars_cut_off_from_a_surviving_bucket_are_credited_the_refill_it_dropped() {
-    let port = free_port();
-    let config = config(port);
-    let redis = Redis::start_on(port);
-    let store = Store::connect(&config.redis, "usage".into(), 1000).await.unwrap();
-    let tenant = config.tenant("acme").unwrap();
-    let plan = limits::plan(store.prefix(), tenant, "m", 100);
-    let requests = plan.iter().find(|b| b.kind == BucketKind::Requests).unwrap();
+    let (redis, store, plan) = store_on_redis().await;
+    let requests = requests_bucket(&plan);
     // The bucket was written at 0 41 minutes ago; both sidecars last heard 1 (the refill of the
     // first minute) 40 minutes ago, then admitted 17 and 18 locally. One bucket over the whole
     // span: 1 + 40 - 35 = 6.
