@@ -331,10 +331,10 @@ pub struct FlowControlConfig {
     /// 1000; the tenant must be in `tenants`.
     #[serde(default)]
     pub tenant_weights: BTreeMap<String, f64>,
-    /// The share of each tier's room (0 to 0.5, default 0) that requests let in from the queue
-    /// leave free, for a new request whose tenant has nothing queued in its tier and whom the
-    /// fair order puts first ([`crate::flow_control::queue::FlowQueue::pass_newcomer`]): it is
-    /// let in at once instead of waiting for the pool's next completion (trunk reservation, as
+    /// The share of each tier's room (0 to 0.5, default 0) that requests of backlogged tenants
+    /// leave free, for a request whose tenant had nothing queued in its tier when it came
+    /// ([`crate::flow_control::queue::FlowQueue::pass_newcomer`], `pop_newcomer`): it is let in
+    /// at once instead of waiting for the pool's next completion (trunk reservation, as
     /// telephone exchanges keep circuits back). The price: backlogged tenants fill the pool only
     /// to `1 - newcomer_reserve` of each tier's `max_load`, so a saturated pool serves up to that
     /// share less while no newcomer uses it.

@@ -5,8 +5,9 @@
 //! (`flow_control.tiers[].max_queue_wait_ms`): a request whose predicted wait is already over it
 //! is answered 429 `overloaded` with a `Retry-After` at once; one still queued when it runs out
 //! gets the same 429. With `flow_control.newcomer_reserve`, queued requests fill the pool only to
-//! that share below each tier's level, and a new request the fair order puts first, whose tenant
-//! has nothing else queued, takes the rest at once ([`queue::FlowQueue::pass_newcomer`]). The
+//! that share below each tier's level; a request whose tenant had nothing queued in its tier when
+//! it came takes the rest, at once ([`queue::FlowQueue::pass_newcomer`]) or around a head the
+//! reserve holds back ([`queue::FlowQueue::pop_newcomer`]). The
 //! queue's order and bounds are pure ([`queue`]); this module keeps one queue per flow-controlled
 //! pool in [`Pools`], wakes waiting streams, and counts.
 //!
@@ -265,8 +266,8 @@ impl Pools {
             self.admitted(pool);
             return Entered::Now;
         }
-        // Queued requests leave the newcomer reserve free: a request that the fair order puts
-        // first, whose tenant has nothing queued, takes it now.
+        // Queued requests leave the newcomer reserve free: a request whose tenant has nothing
+        // queued in its tier (not backlogged) takes it now.
         if flow.reserve > 0.0 && p.has_room(flow.level(tier)) && q.pass_newcomer(tier, tenant, prompt_tokens)
         {
             self.admitted(pool);
