@@ -174,6 +174,14 @@ local function adjust_quotas(first_key, a, model, used, json)
   end
 end
 
+-- Remembers `id` in the sorted set `key` (score: now in ms) for `keep` ms, forgetting older ids.
+local function remember(key, id, now, keep)
+  local now_ms = math.floor(now / 1000)
+  redis.call('ZADD', key, now_ms, id)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now_ms - keep)
+  redis.call('PEXPIRE', key, keep)
+end
+
 -- The `reserved` tokens of a reservation's JSON (0 if unreadable).
 local function reserved_of(json)
   local ok, r = pcall(cjson.decode, json)
@@ -230,11 +238,7 @@ elseif op == 'charge' then
   redis.call('HDEL', KEYS[1], id)
   redis.call('ZREM', KEYS[2], id)
   local now = now_us()
-  local now_ms = math.floor(now / 1000)
-  local keep = tonumber(ARGV[3])
-  redis.call('ZADD', KEYS[3], now_ms, id)
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms - keep)
-  redis.call('PEXPIRE', KEYS[3], keep)
+  remember(KEYS[3], id, now, tonumber(ARGV[3]))
   local n = tonumber(ARGV[8])
   add_usage(KEYS[4], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[9 + 3 * n])
   settle_all(5, 9, n, now)
@@ -302,11 +306,7 @@ elseif op == 'lease_reclaim' then
   redis.call('ZREM', KEYS[2], id)
   redis.call('HDEL', KEYS[3], id .. ':r', id .. ':t')
   local now = now_us()
-  local now_ms = math.floor(now / 1000)
-  local keep = tonumber(ARGV[3])
-  redis.call('ZADD', KEYS[4], now_ms, id)
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now_ms - keep)
-  redis.call('PEXPIRE', KEYS[4], keep)
+  remember(KEYS[4], id, now, tonumber(ARGV[3]))
   for i = 1, tonumber(ARGV[4]) do
     local a = 5 + 3 * (i - 1)
     local capacity = tonumber(ARGV[a + 1])
