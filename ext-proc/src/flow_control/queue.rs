@@ -201,24 +201,13 @@ impl<T> FlowQueue<T> {
     /// lifted to the least counter: the one with fewer requests queued, then the oldest head),
     /// and charges its prompt tokens to that tenant.
     pub fn pop(&mut self) -> Option<Entry<T>> {
-        let (tier, tenant) = self.head(|_| true)?;
-        let tenant = tenant.to_owned();
-        let entry = self.take(tier, &tenant, None)?;
-        self.fairness.charge_prompt(&entry.tenant, entry.prompt_tokens);
-        Some(entry)
+        self.pop_where(|_| true)
     }
 
     /// What [`FlowQueue::pop`] would take: its tier, and whether it is a newcomer's (it may use
     /// the newcomer reserve).
     pub fn peek(&self) -> Option<(usize, bool)> {
-        let (tier, tenant) = self.head(|_| true)?;
-        let newcomer = self
-            .tiers
-            .get(tier)
-            .and_then(|t| t.tenants.get(tenant))
-            .and_then(|q| q.values().next())
-            .is_some_and(|e| e.newcomer);
-        Some((tier, newcomer))
+        self.head(|_| true).map(|(tier, _, head)| (tier, head.newcomer))
     }
 
     /// Takes the next newcomer's request of the highest tier with requests, in the fair order
@@ -226,30 +215,36 @@ impl<T> FlowQueue<T> {
     /// by the newcomer reserve while they may use it. Charges its prompt tokens. None without
     /// one.
     pub fn pop_newcomer(&mut self) -> Option<Entry<T>> {
-        let (tier, tenant) = self.head(|q| q.values().next().is_some_and(|e| e.newcomer))?;
+        self.pop_where(|head| head.newcomer)
+    }
+
+    /// Takes the oldest request of the tenant [`FlowQueue::head`] picks among those whose oldest
+    /// request passes `eligible`, and charges its prompt tokens to that tenant.
+    fn pop_where(&mut self, eligible: impl Fn(&Entry<T>) -> bool) -> Option<Entry<T>> {
+        let (tier, tenant, _) = self.head(eligible)?;
         let tenant = tenant.to_owned();
         let entry = self.take(tier, &tenant, None)?;
         self.fairness.charge_prompt(&entry.tenant, entry.prompt_tokens);
         Some(entry)
     }
 
-    /// The next request's tier and tenant, among the highest tier's tenants whose queue passes
-    /// `eligible`: the least counter, then fewer queued, then the oldest head.
-    fn head(&self, eligible: impl Fn(&BTreeMap<u64, Entry<T>>) -> bool) -> Option<(usize, &str)> {
+    /// The next request's tier, tenant and the request itself, among the highest tier's tenants
+    /// whose oldest request passes `eligible`: the least counter, then fewer queued, then the
+    /// oldest head.
+    fn head(&self, eligible: impl Fn(&Entry<T>) -> bool) -> Option<(usize, &str, &Entry<T>)> {
         let tier = self.tiers.iter().position(|t| t.len > 0)?;
         let t = self.tiers.get(tier)?;
         t.tenants
             .iter()
-            .filter(|(_, q)| eligible(q))
-            .filter_map(|(name, q)| q.keys().next().map(|id| (name, q.len(), *id)))
-            .min_by(|(a, a_len, a_id), (b, b_len, b_id)| {
+            .filter_map(|(name, q)| q.values().next().filter(|e| eligible(e)).map(|e| (name, q.len(), e)))
+            .min_by(|(a, a_len, a_head), (b, b_len, b_head)| {
                 self.fairness
                     .counter(a)
                     .total_cmp(&self.fairness.counter(b))
                     .then(a_len.cmp(b_len))
-                    .then(a_id.cmp(b_id))
+                    .then(a_head.id.cmp(&b_head.id))
             })
-            .map(|(name, _, _)| (tier, name.as_str()))
+            .map(|(name, _, head)| (tier, name.as_str(), head))
     }
 
     /// Lets a new request of `tenant` in `tier` past the queue into the newcomer reserve: when
