@@ -167,12 +167,17 @@ class Load:
     # Stop sending this many seconds into a run: at saturation every target then runs for the same
     # time (and meets the same machine noise) however fast it is; `num_prompts` is only a ceiling.
     duration_s: float | None = None
+    # False: bodies without `stream_options` (the OpenAI SDKs' default): the filter injects
+    # `include_usage` and strips the usage from the stream it returns.
+    include_usage: bool = True
 
     def args(self) -> list[str]:
         """gateway-bench flags of this workload."""
         args = ["--max-concurrency", str(self.concurrency), "--num-prompts", str(self.num_prompts),
                 "--warmup", str(self.warmup), "--input-len", str(self.input_len),
                 "--output-len", str(self.output_len)]
+        if not self.include_usage:
+            args += ["--include-usage", "false"]
         return args + (["--duration-s", f"{self.duration_s:g}"] if self.duration_s else [])
 
 
@@ -982,6 +987,7 @@ def run_suite(args: argparse.Namespace, plan: Plan, results: Path, argv: list[st
         "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": display_command_line(sys.argv[1:] if argv is None else argv),
         "quick": args.quick,
+        "client_usage": args.client_usage,
         "model": MODEL,
         "note": args.note,
         "targets": args.targets,
@@ -1242,6 +1248,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--results", type=Path, help="results folder (default target/bench-results/<UTC stamp>)")
     parser.add_argument("--write-docs", action=argparse.BooleanOptionalAction, default=None,
                         help="write docs/benchmarks.md and its charts (default: yes, except with --quick)")
+    parser.add_argument("--client-usage", action=argparse.BooleanOptionalAction, default=True,
+                        help="clients ask for stream_options.include_usage (default); --no-client-usage: "
+                             "they do not, so the filter injects it and strips the usage from the stream "
+                             "(implies --no-write-docs)")
     parser.add_argument("--envoy-concurrency", type=int, default=2, help="Envoy worker threads (default 2)")
     parser.add_argument("--note", default="", help="a note printed at the top of the results page")
     parser.add_argument("--render-only", type=Path, metavar="RESULTS",
@@ -1257,7 +1267,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if s not in SCENARIOS:
             parser.error(f"unknown scenario {s!r} (known: {', '.join(SCENARIOS)})")
     if args.write_docs is None and not args.render_only:
-        args.write_docs = not args.quick
+        args.write_docs = not args.quick and args.client_usage
     return args
 
 
@@ -1292,6 +1302,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = QUICK if args.quick else FULL
     if args.rounds:
         plan = dataclasses.replace(plan, rounds=args.rounds)
+    if not args.client_usage:
+        plan = dataclasses.replace(plan, **{f.name: dataclasses.replace(v, include_usage=False)
+                                            for f in dataclasses.fields(plan)
+                                            if isinstance(v := getattr(plan, f.name), Load)})
     for path in BIN.values():
         if not path.exists():
             print(f"missing {path}: run `make build`", file=sys.stderr)

@@ -86,6 +86,11 @@ pub struct Cli {
     /// false for datasets.
     #[arg(long)]
     pub ignore_eos: Option<bool>,
+    /// Ask for `stream_options.include_usage` (`--include-usage false`: bodies without
+    /// `stream_options`, as the OpenAI SDKs send by default; output tokens are then counted from
+    /// the content events).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub include_usage: bool,
 
     /// Write the full JSON report here.
     #[arg(long)]
@@ -173,6 +178,7 @@ impl Cli {
             model: self.model.clone(),
             api_key: self.api_key.clone(),
             workload,
+            include_usage: self.include_usage,
             num_prompts: self.num_prompts,
             warmup: self.warmup,
             seed: self.seed,

@@ -142,6 +142,9 @@ pub struct BenchConfig {
     pub api_key: Option<String>,
     /// Prompt source.
     pub workload: WorkloadSpec,
+    /// Whether request bodies ask for `stream_options.include_usage` (output tokens then come from
+    /// the usage chunk; else from the content events).
+    pub include_usage: bool,
     /// Measured requests per point.
     pub num_prompts: u64,
     /// Unmeasured warmup requests before each point.

@@ -196,7 +196,7 @@ pub async fn run_point(cfg: &PointConfig) -> Result<PointResult, BenchError> {
 pub async fn run_sweep(cfg: &BenchConfig, progress: bool) -> Result<SweepReport, BenchError> {
     cfg.validate()?;
     let target = Target::parse(&cfg.base_url)?;
-    let workload = Workload::load(&cfg.workload, cfg.endpoint, &cfg.model)?;
+    let workload = Workload::load(&cfg.workload, cfg.endpoint, &cfg.model, cfg.include_usage)?;
     let points = cfg.points();
     let total = points.len();
     let mut results = Vec::with_capacity(total);

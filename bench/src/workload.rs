@@ -99,6 +99,8 @@ pub struct Workload {
     spec: WorkloadSpec,
     endpoint: Endpoint,
     model: String,
+    /// Whether bodies ask for `stream_options.include_usage`.
+    include_usage: bool,
     /// Dataset entries, pre-serialized.
     dataset: Vec<PreparedRequest>,
 }
@@ -330,15 +332,30 @@ const VOCAB: &[&str] = &[
 ];
 
 impl Workload {
-    /// Loads the workload (reads and validates the dataset file if any).
-    pub fn load(spec: &WorkloadSpec, endpoint: Endpoint, model: &str) -> Result<Self, BenchError> {
-        let mut w = Self { spec: spec.clone(), endpoint, model: model.to_string(), dataset: Vec::new() };
+    /// Loads the workload (reads and validates the dataset file if any); `include_usage`: the
+    /// bodies ask for `stream_options.include_usage` (else tokens are counted from the stream's
+    /// content events, as a client that did not ask must).
+    pub fn load(
+        spec: &WorkloadSpec,
+        endpoint: Endpoint,
+        model: &str,
+        include_usage: bool,
+    ) -> Result<Self, BenchError> {
+        let mut w = Self {
+            spec: spec.clone(),
+            endpoint,
+            model: model.to_string(),
+            include_usage,
+            dataset: Vec::new(),
+        };
         if let WorkloadSpec::Dataset { path, output_len, ignore_eos, .. } = spec {
             let entries = read_dataset(path)?;
             for (i, e) in entries.into_iter().enumerate() {
                 let max_tokens = output_len.or(e.max_tokens).unwrap_or(DEFAULT_OUTPUT_LEN);
                 let body = match &e.prompt {
-                    Prompt::Text(text) => build_body(endpoint, model, text, max_tokens, *ignore_eos)?,
+                    Prompt::Text(text) => {
+                        build_body(endpoint, model, text, max_tokens, *ignore_eos, include_usage)?
+                    }
                     Prompt::Messages(messages) => {
                         if endpoint != Endpoint::Chat {
                             return Err(BenchError::Dataset {
@@ -349,7 +366,7 @@ impl Workload {
                                 ),
                             });
                         }
-                        build_chat_body(model, messages, max_tokens, *ignore_eos)?
+                        build_chat_body(model, messages, max_tokens, *ignore_eos, include_usage)?
                     }
                 };
                 w.dataset.push(PreparedRequest { body, prompt_words: e.prompt.words(), max_tokens });
@@ -374,7 +391,14 @@ impl Workload {
                 let mut prompt = String::new();
                 for _ in 0..n {
                     random_prompt(&mut rng, *input_len, &mut prompt);
-                    let body = build_body(self.endpoint, &self.model, &prompt, *output_len, *ignore_eos)?;
+                    let body = build_body(
+                        self.endpoint,
+                        &self.model,
+                        &prompt,
+                        *output_len,
+                        *ignore_eos,
+                        self.include_usage,
+                    )?;
                     out.push(PreparedRequest {
                         body,
                         prompt_words: u64::from(*input_len),
@@ -426,18 +450,21 @@ struct Body<'a> {
     prompt: Option<&'a str>,
     max_tokens: u32,
     stream: bool,
-    stream_options: StreamOptions,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream_options: Option<StreamOptions>,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     ignore_eos: bool,
 }
 
-/// Serializes a streaming request body for `endpoint`.
+/// Serializes a streaming request body for `endpoint` (`include_usage`: with
+/// `stream_options.include_usage: true`).
 pub fn build_body(
     endpoint: Endpoint,
     model: &str,
     prompt: &str,
     max_tokens: u32,
     ignore_eos: bool,
+    include_usage: bool,
 ) -> Result<Bytes, BenchError> {
     let (messages, prompt) = match endpoint {
         Endpoint::Chat => (Some(vec![Message { role: "user", content: prompt }]), None),
@@ -449,18 +476,20 @@ pub fn build_body(
         prompt,
         max_tokens,
         stream: true,
-        stream_options: StreamOptions { include_usage: true },
+        stream_options: include_usage.then_some(StreamOptions { include_usage: true }),
         ignore_eos,
     };
     Ok(Bytes::from(serde_json::to_vec(&body)?))
 }
 
-/// Serializes a streaming chat request body with the whole `messages` list.
+/// Serializes a streaming chat request body with the whole `messages` list (`include_usage` as in
+/// [`build_body`]).
 pub fn build_chat_body(
     model: &str,
     messages: &[ChatMessage],
     max_tokens: u32,
     ignore_eos: bool,
+    include_usage: bool,
 ) -> Result<Bytes, BenchError> {
     let body = Body {
         model,
@@ -468,7 +497,7 @@ pub fn build_chat_body(
         prompt: None,
         max_tokens,
         stream: true,
-        stream_options: StreamOptions { include_usage: true },
+        stream_options: include_usage.then_some(StreamOptions { include_usage: true }),
         ignore_eos,
     };
     Ok(Bytes::from(serde_json::to_vec(&body)?))
@@ -592,6 +621,7 @@ mod tests {
             &WorkloadSpec::Random { input_len: 32, output_len: 16, ignore_eos: true },
             Endpoint::Chat,
             "m",
+            true,
         )
         .unwrap();
         let reqs = w.requests_for_point(5, 1).unwrap();
@@ -612,11 +642,13 @@ mod tests {
 
     #[test]
     fn completions_body_shape() {
-        let b = build_body(Endpoint::Completions, "m", "hi there", 7, false).unwrap();
+        let b = build_body(Endpoint::Completions, "m", "hi there", 7, false, false).unwrap();
         let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
         assert_eq!(v["prompt"], "hi there");
         assert!(v.get("messages").is_none());
         assert!(v.get("ignore_eos").is_none());
+        // Not asked for: no `stream_options` at all, as the OpenAI SDKs send by default.
+        assert!(v.get("stream_options").is_none());
         assert_eq!(v["max_tokens"], 7);
     }
 
@@ -653,7 +685,7 @@ mod tests {
             ignore_eos: false,
             order: DatasetOrder::Shuffled,
         };
-        let w = Workload::load(&spec, Endpoint::Completions, "m").unwrap();
+        let w = Workload::load(&spec, Endpoint::Completions, "m", true).unwrap();
         assert_eq!(w.dataset_len(), 2);
         let reqs = w.requests_for_point(5, 0).unwrap();
         assert_eq!(reqs.len(), 5);
@@ -678,7 +710,7 @@ mod tests {
             ignore_eos: false,
             order: DatasetOrder::InOrder,
         };
-        let w = Workload::load(&spec, Endpoint::Chat, "m").unwrap();
+        let w = Workload::load(&spec, Endpoint::Chat, "m", true).unwrap();
         let reqs = w.requests_for_point(7, 3).unwrap();
         let firsts: Vec<serde_json::Value> =
             reqs.iter().map(|r| serde_json::from_slice::<serde_json::Value>(&r.body).unwrap()).collect();
@@ -692,7 +724,7 @@ mod tests {
         assert_eq!(firsts[3]["messages"], firsts[0]["messages"]);
         assert_eq!(reqs[1].prompt_words, 5);
         // A chat entry cannot go to /v1/completions.
-        let err = Workload::load(&spec, Endpoint::Completions, "m").unwrap_err();
+        let err = Workload::load(&spec, Endpoint::Completions, "m", true).unwrap_err();
         assert!(err.to_string().contains("entry 1"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

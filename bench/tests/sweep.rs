@@ -357,7 +357,7 @@ fn concurrency_sweep_writes_consistent_json_csv_and_svg() {
 
 fn point_config(port: u16, endpoint: Endpoint, n: u64, load: LoadSpec) -> PointConfig {
     let spec = WorkloadSpec::Random { input_len: 8, output_len: 6, ignore_eos: true };
-    let w = Workload::load(&spec, endpoint, "test").unwrap();
+    let w = Workload::load(&spec, endpoint, "test", true).unwrap();
     PointConfig {
         target: Target::parse(&format!("http://127.0.0.1:{port}")).unwrap(),
         endpoint,
@@ -431,7 +431,8 @@ fn generator_throughput_single_thread() {
     let n = 50_000;
     let mut cfg = point_config(port, Endpoint::Chat, n, load(Some(64), None));
     let spec = WorkloadSpec::Random { input_len: 16, output_len: 16, ignore_eos: true };
-    cfg.requests = Workload::load(&spec, Endpoint::Chat, "test").unwrap().requests_for_point(n, 1).unwrap();
+    cfg.requests =
+        Workload::load(&spec, Endpoint::Chat, "test", true).unwrap().requests_for_point(n, 1).unwrap();
     cfg.warmup = 1000;
     let r = rt.block_on(run_point(&cfg)).unwrap();
     println!(

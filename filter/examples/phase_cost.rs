@@ -126,6 +126,26 @@ fn main() {
     time("meter, 16-token stream in 1 chunk", 20_000, || meter_run(&asked, 1));
     time("meter, 16-token stream in 18 chunks", 20_000, || meter_run(&asked, 18));
     time("stripper, 16-token stream in 1 chunk", 20_000, || UsageStripper::default().push(&asked, true));
+    let started_meter = || {
+        let mut m = Meter::new(gateway_meter::MAX_USAGE_BYTES);
+        m.set_stream(true);
+        m.start(1);
+        m.on_response_headers(200, "text/event-stream", false, 2);
+        m
+    };
+    time("meter then stripper (two passes), 1 chunk", 20_000, || {
+        let mut m = started_meter();
+        let usage = m.on_response_body(&asked, true, Some(3));
+        (usage, UsageStripper::default().push(&asked, true))
+    });
+    time("meter and stripper in one pass, 1 chunk", 20_000, || {
+        let mut m = started_meter();
+        let out = UsageStripper::default().push_read(&asked, true, |event| {
+            let _ = m.on_response_body(event, false, Some(3));
+            m.take_event_usage()
+        });
+        (m.on_response_body(&[], true, Some(3)), out)
+    });
     let usage = meter_run(&asked, 1);
     time("usage to JSON", 20_000, || serde_json::to_vec(&usage).unwrap());
     event_costs();

@@ -14,6 +14,8 @@
 //! of it up to the next boundary. Events that are not exactly one `data:` line holding a JSON
 //! object are passed through unchanged.
 
+use gateway_meter::ChunkUsage;
+
 use crate::json_scan::visit_object;
 
 /// Default bound on a held-back partial event: 1 MiB.
@@ -78,6 +80,22 @@ impl UsageStripper {
 
     /// Processes one chunk. At `end_of_stream`, anything held back is released unchanged.
     pub fn push(&mut self, chunk: &[u8], end_of_stream: bool) -> ChunkOutput {
+        self.push_read(chunk, end_of_stream, |_| None)
+    }
+
+    /// [`UsageStripper::push`] in one pass with the meter: every byte the stripper releases goes
+    /// to `read` once, in stream order (a complete event whole, and what passes through unchanged:
+    /// an oversized event, and at `end_of_stream` what was held back). For a complete event,
+    /// `read` may answer with its data's length and its usage member as the meter's content walk
+    /// found it ([`gateway_meter::Meter::take_event_usage`], after feeding it the event): an event
+    /// that is one `data:` line whose value has that length is then stripped from that answer,
+    /// without walking it again. The output is the same as [`UsageStripper::push`]'s.
+    pub fn push_read(
+        &mut self,
+        chunk: &[u8],
+        end_of_stream: bool,
+        mut read: impl FnMut(&[u8]) -> Option<(usize, ChunkUsage)>,
+    ) -> ChunkOutput {
         let mut out = Vec::with_capacity(chunk.len() + self.pending.len());
         let mut start = 0usize;
         let mut i = 0usize;
@@ -97,27 +115,36 @@ impl UsageStripper {
             let part = chunk.get(start..i).unwrap_or_default();
             start = i;
             if self.passthrough {
+                read(part);
                 out.extend_from_slice(part);
                 self.passthrough = false;
             } else if self.pending.is_empty() {
-                emit_event(part, &mut out);
+                let usage = read(part);
+                emit_event(part, usage, &mut out);
             } else {
                 let mut event = std::mem::take(&mut self.pending);
                 event.extend_from_slice(part);
-                emit_event(&event, &mut out);
+                let usage = read(&event);
+                emit_event(&event, usage, &mut out);
+                // The buffer is kept for the next partial event.
+                event.clear();
+                self.pending = event;
             }
         }
         let rest = chunk.get(start..).unwrap_or_default();
         if self.passthrough {
+            read(rest);
             out.extend_from_slice(rest);
         } else {
             self.pending.extend_from_slice(rest);
             if self.pending.len() > self.max_event_bytes {
+                read(&self.pending);
                 out.append(&mut self.pending);
                 self.passthrough = true;
             }
         }
-        if end_of_stream {
+        if end_of_stream && !self.pending.is_empty() {
+            read(&self.pending);
             out.append(&mut self.pending);
         }
         if out == chunk {
@@ -129,9 +156,9 @@ impl UsageStripper {
 }
 
 /// Appends the transformed `event` (one complete event including its terminating blank line)
-/// to `out`.
-fn emit_event(event: &[u8], out: &mut Vec<u8>) {
-    match transform_event(event) {
+/// to `out`; `usage`: the meter's reading of it, as in [`UsageStripper::push_read`].
+fn emit_event(event: &[u8], usage: Option<(usize, ChunkUsage)>, out: &mut Vec<u8>) {
+    match transform_event(event, usage) {
         EventAction::Keep => out.extend_from_slice(event),
         EventAction::Drop { keep_prefix } => {
             out.extend_from_slice(event.get(..keep_prefix).unwrap_or_default())
@@ -161,13 +188,29 @@ fn is_newline(b: &u8) -> bool {
     matches!(b, b'\n' | b'\r')
 }
 
-fn transform_event(event: &[u8]) -> EventAction {
+/// The removal of a `"usage":null` member, as `ObjectScan::removal_range`: up to the next
+/// member's key, else from the end of the previous member's value, else the member alone.
+fn remove_null_usage(
+    offset: usize,
+    (start, end): (usize, usize),
+    after: Option<usize>,
+    before: Option<usize>,
+) -> EventAction {
+    let (s, e) = match (after, before) {
+        (Some(next), _) => (start, next),
+        (None, Some(prev)) => (prev, end),
+        (None, None) => (start, end),
+    };
+    EventAction::Remove { start: offset + s, end: offset + e }
+}
+
+fn transform_event(event: &[u8], usage_read: Option<(usize, ChunkUsage)>) -> EventAction {
     let lead = event.iter().take_while(|b| is_newline(b)).count();
     let trail = event.iter().rev().take_while(|b| is_newline(b)).count();
     let Some(line) = event.get(lead..event.len().saturating_sub(trail)) else {
         return EventAction::Keep;
     };
-    if line.is_empty() || line.iter().any(is_newline) {
+    if line.is_empty() || memchr::memchr2(b'\n', b'\r', line).is_some() {
         return EventAction::Keep;
     }
     let Some(after) = line.strip_prefix(b"data:") else {
@@ -177,6 +220,16 @@ fn transform_event(event: &[u8]) -> EventAction {
         Some(p) => (p, lead + 6),
         None => (after, lead + 5),
     };
+    // The meter read this event's data (the same bytes: one `data:` line of this length): its
+    // usage member needs no second walk. Where it read it, serde_json reads the data as an
+    // object with no usage numbers, so `visit_object` below finds the same members.
+    match usage_read {
+        Some((len, ChunkUsage::Absent)) if len == payload.len() => return EventAction::Keep,
+        Some((len, ChunkUsage::Null { start, value_end, prev_end, next_start })) if len == payload.len() => {
+            return remove_null_usage(offset, (start, value_end), next_start, prev_end);
+        }
+        _ => {}
+    }
     // The top-level members, visited without collecting them: the last `usage` and `choices`
     // (those serde_json and Python's `json` keep), and what `ObjectScan::removal_range` needs to
     // remove that `usage` (the end of the member before it, the start of the one after it).
@@ -207,14 +260,7 @@ fn transform_event(event: &[u8]) -> EventAction {
         return EventAction::Keep;
     };
     if payload.get(usage_value_start..usage_end) == Some(b"null") {
-        // As `ObjectScan::removal_range`: up to the next member's key, else from the end of the
-        // previous member's value, else the member alone.
-        let (s, e) = match (after_usage, before_usage) {
-            (Some(next), _) => (usage_start, next),
-            (None, Some(prev)) => (prev, usage_end),
-            (None, None) => (usage_start, usage_end),
-        };
-        return EventAction::Remove { start: offset + s, end: offset + e };
+        return remove_null_usage(offset, (usage_start, usage_end), after_usage, before_usage);
     }
     let empty_choices = choices.and_then(|(a, b)| payload.get(a..b)).is_some_and(|c| {
         let inner: Vec<u8> = c.iter().copied().filter(|b| !b.is_ascii_whitespace()).collect();
@@ -391,6 +437,29 @@ mod tests {
     }
 
     #[test]
+    fn a_vllm_stream_is_stripped_from_the_meters_reading() {
+        for sep in ["\n\n", "\r\n\r\n"] {
+            let (upstream, client) = streams(sep);
+            let mut meter = gateway_meter::Meter::new(gateway_meter::MAX_USAGE_BYTES);
+            meter.set_stream(true);
+            meter.start(1);
+            meter.on_response_headers(200, "text/event-stream", false, 1);
+            let (mut s, mut answered) = (UsageStripper::default(), 0);
+            let out = s.push_read(upstream.as_bytes(), true, |event| {
+                meter.on_response_body(event, false, Some(2));
+                let usage = meter.take_event_usage();
+                answered += usize::from(usage.is_some());
+                usage
+            });
+            assert_eq!(out, ChunkOutput::Replace(client.into_bytes()));
+            // Two content chunks; the one with escapes in its content, the usage chunk and
+            // `[DONE]` the meter leaves to serde_json, and the stripper walks them itself.
+            assert_eq!(answered, 2);
+            assert!(meter.on_response_body(&[], true, Some(3)).is_some_and(|u| u.completion_tokens == 3));
+        }
+    }
+
+    #[test]
     fn leading_blank_line_is_kept_when_dropping() {
         let mut s = UsageStripper::default();
         let out =
@@ -403,7 +472,7 @@ mod tests {
 /// [`crate::json_scan::scan_object`]), on generated events and damaged ones.
 #[cfg(test)]
 mod reference {
-    use super::{transform_event, EventAction};
+    use super::{transform_event, ChunkOutput, EventAction, UsageStripper};
     use crate::json_scan::scan_object;
     use proptest::prelude::*;
 
@@ -454,6 +523,7 @@ mod reference {
     fn member() -> impl Strategy<Value = String> {
         prop_oneof![
             Just(r#""usage":null"#.to_string()),
+            Just(r#" "usage" : null "#.to_string()),
             Just(r#""usage" : {"prompt_tokens":1}"#.to_string()),
             Just(r#""us\u0061ge":null"#.to_string()),
             Just(r#""choices":[]"#.to_string()),
@@ -492,7 +562,60 @@ mod reference {
                 let i = at.index(event.len());
                 event[i] = b"{}[],:\" "[byte];
             }
-            prop_assert_eq!(transform_event(&event), collected(&event), "{}", String::from_utf8_lossy(&event));
+            prop_assert_eq!(transform_event(&event, None), collected(&event), "{}", String::from_utf8_lossy(&event));
+        }
+
+        /// The one pass with the meter strips a stream as the stripper alone does, at any split.
+        #[test]
+        fn stripped_in_one_pass_with_the_meter_as_alone(
+            events in prop::collection::vec(prop_oneof![
+                4 => event(),
+                1 => Just(b"data: [DONE]\n\n".to_vec()),
+                1 => Just(b": comment\ndata: {\"usage\":null}\n\n".to_vec()),
+                1 => Just(b"data: {\"a\":1}\r\r\n\n".to_vec()),
+            ], 1..8),
+            damage in prop::option::of((any::<prop::sample::Index>(), 0usize..8)),
+            cuts in prop::collection::vec(any::<prop::sample::Index>(), 0..4),
+            max_event_bytes in prop_oneof![Just(1usize << 20), 8usize..64],
+        ) {
+            let mut stream = events.concat();
+            if let Some((at, byte)) = damage {
+                let i = at.index(stream.len());
+                stream[i] = b"{}[],:\" \n"[byte];
+            }
+            let mut cuts: Vec<usize> = cuts.iter().map(|c| c.index(stream.len() + 1)).collect();
+            cuts.sort_unstable();
+            let chunks: Vec<&[u8]> = std::iter::once(0)
+                .chain(cuts.iter().copied())
+                .zip(cuts.iter().copied().chain(std::iter::once(stream.len())))
+                .map(|(a, b)| &stream[a..b])
+                .collect();
+            let (mut alone, mut metered) =
+                (UsageStripper::new(max_event_bytes), UsageStripper::new(max_event_bytes));
+            let mut meter = gateway_meter::Meter::new(gateway_meter::MAX_USAGE_BYTES);
+            meter.set_stream(true);
+            meter.start(1);
+            meter.on_response_headers(200, "text/event-stream", false, 1);
+            let (mut a, mut b, mut fed) = (Vec::new(), Vec::new(), Vec::new());
+            for (i, chunk) in chunks.iter().enumerate() {
+                let last = i + 1 == chunks.len();
+                match alone.push(chunk, last) {
+                    ChunkOutput::Unchanged => a.extend_from_slice(chunk),
+                    ChunkOutput::Replace(r) => a.extend_from_slice(&r),
+                }
+                let read = metered.push_read(chunk, last, |bytes| {
+                    fed.extend_from_slice(bytes);
+                    meter.on_response_body(bytes, false, Some(2));
+                    meter.take_event_usage()
+                });
+                match read {
+                    ChunkOutput::Unchanged => b.extend_from_slice(chunk),
+                    ChunkOutput::Replace(r) => b.extend_from_slice(&r),
+                }
+            }
+            prop_assert_eq!(&a, &b, "{}", String::from_utf8_lossy(&stream));
+            // The meter was given every byte, once and in order.
+            prop_assert_eq!(&fed, &stream);
         }
     }
 }

@@ -275,7 +275,7 @@ fn choice(s: &[u8], i: usize) -> Option<(bool, usize)> {
 /// Longest stream prefix [`ChunkReader`] keeps.
 const MAX_PREFIX_BYTES: usize = 512;
 
-/// Reads the chunks of one stream with [`ChunkReader::content_choices`]. The chunks of a vLLM
+/// Reads the chunks of one stream with [`ChunkReader::content_and_usage`]. The chunks of a vLLM
 /// stream begin with the same bytes (`{"id":"chatcmpl-…","object":"chat.completion.chunk",
 /// "created":…,"model":"…",` and the `"choices"` key): the reader keeps that prefix of the last
 /// chunk it walked whole, and a chunk that begins with it is walked from there on. Exact: the walk
@@ -290,16 +290,18 @@ pub(crate) struct ChunkReader {
 impl ChunkReader {
     /// The choices with content of a chunk that carries no usage, when serde_json would read it
     /// so; `None` leaves the chunk to serde_json (see the module's documentation).
-    pub(crate) fn content_choices(&mut self, data: &[u8]) -> Option<u64> {
+    /// Also where the chunk's top-level `usage` member is (`None`: a `null` one whose member
+    /// before it lies in the kept prefix, not walked).
+    pub(crate) fn content_and_usage(&mut self, data: &[u8]) -> Option<(u64, Option<ChunkUsage>)> {
         if !self.prefix.is_empty() && data.starts_with(&self.prefix) {
-            return members(data, self.prefix.len(), &mut None);
+            return members(data, self.prefix.len(), true, &mut None);
         }
         let mut choices_at = None;
         let j = eat(data, 0, b'{')?;
         let read = if s_at(data, j) == Some(b'}') {
-            (ws(data, ws(data, j) + 1) == data.len()).then_some(0)
+            (ws(data, ws(data, j) + 1) == data.len()).then_some((0, Some(ChunkUsage::Absent)))
         } else {
-            members(data, j, &mut choices_at)
+            members(data, j, false, &mut choices_at)
         };
         self.prefix.clear();
         if let Some(at) = choices_at.filter(|at| *at <= MAX_PREFIX_BYTES) {
@@ -309,14 +311,51 @@ impl ChunkReader {
     }
 }
 
-/// The choices with content of a chunk without usage (see [`ChunkReader::content_choices`]), from
-/// `j`, the start of a member of the top-level object (after its `{` or a `,`) before which no
-/// `choices` or `usage` member came. `choices_at`, when given, is set to where the `"choices"`
-/// member starts if no `usage` member came before it.
-fn members(data: &[u8], mut j: usize, choices_at: &mut Option<usize>) -> Option<u64> {
+/// The top-level `usage` member of a content chunk the walk read (a chunk with usage numbers is
+/// never one): what a caller that rewrites the chunk needs to remove a `"usage":null` member
+/// without walking the chunk again (the wasm filter's usage stripper, which removes it as
+/// `gateway_filter::json_scan::ObjectScan::removal_range` does). Offsets are into the event's
+/// data (the `data:` line's value).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkUsage {
+    /// No top-level `usage` member.
+    Absent,
+    /// One top-level `"usage": null` member.
+    Null {
+        /// Offset of the member key's opening quote.
+        start: usize,
+        /// Offset one past `null`.
+        value_end: usize,
+        /// Offset one past the value of the member before it, if any.
+        prev_end: Option<usize>,
+        /// Offset of the next member key's opening quote, if any.
+        next_start: Option<usize>,
+    },
+}
+
+/// The choices with content of a chunk without usage (see [`ChunkReader::content_and_usage`]), and
+/// its [`ChunkUsage`], from `j`, the start of a member of the top-level object (after its `{` or a
+/// `,`) before which no `choices` or `usage` member came; `after_prefix`: members before `j` were
+/// not walked (the usage's is then `None` where the member before it is one of them).
+/// `choices_at`, when given, is set to where the `"choices"` member starts if no `usage` member
+/// came before it.
+fn members(
+    data: &[u8],
+    mut j: usize,
+    after_prefix: bool,
+    choices_at: &mut Option<usize>,
+) -> Option<(u64, Option<ChunkUsage>)> {
     let (mut seen_choices, mut seen_usage, mut with_content) = (false, false, 0u64);
+    // The `null` usage member's start, value end and the end of the member before it; the start
+    // of the member after it.
+    let mut usage: Option<(usize, usize, Option<usize>)> = None;
+    let mut next_start: Option<usize> = None;
+    let mut prev_end: Option<usize> = None;
     loop {
         let member_at = j;
+        if usage.is_some() && next_start.is_none() {
+            next_start = Some(ws(data, j));
+        }
         let (name, value) = key(data, j)?;
         let end = match name {
             b"choices" => {
@@ -351,14 +390,29 @@ fn members(data: &[u8], mut j: usize, choices_at: &mut Option<usize>) -> Option<
                 if data.get(v..v + 4) != Some(b"null") {
                     return None;
                 }
+                usage = Some((ws(data, member_at), v + 4, prev_end));
                 v + 4
             }
             _ => skip_value(data, value, 1)?,
         };
+        prev_end = Some(end);
         j = ws(data, end);
         match *data.get(j)? {
             b',' => j += 1,
-            b'}' => return (ws(data, j + 1) == data.len()).then_some(with_content),
+            b'}' => {
+                if ws(data, j + 1) != data.len() {
+                    return None;
+                }
+                let usage = match usage {
+                    None => Some(ChunkUsage::Absent),
+                    // The member before it was in the prefix, not walked.
+                    Some((_, _, None)) if after_prefix && next_start.is_none() => None,
+                    Some((start, value_end, prev_end)) => {
+                        Some(ChunkUsage::Null { start, value_end, prev_end, next_start })
+                    }
+                };
+                return Some((with_content, usage));
+            }
             _ => return None,
         }
     }
@@ -367,7 +421,7 @@ fn members(data: &[u8], mut j: usize, choices_at: &mut Option<usize>) -> Option<
 /// The choices with content of one chunk read alone (tests).
 #[cfg(test)]
 fn content_choices(data: &[u8]) -> Option<u64> {
-    ChunkReader::default().content_choices(data)
+    ChunkReader::default().content_and_usage(data).map(|(n, _)| n)
 }
 
 /// The byte at `i` after whitespace.
@@ -549,8 +603,14 @@ mod props {
                     let i = at.index(data.len());
                     data[i] = BYTES[usize::from(byte) % BYTES.len()];
                 }
-                prop_assert_eq!(reader.content_choices(&data), content_choices(&data),
+                let kept = reader.content_and_usage(&data);
+                let alone = super::ChunkReader::default().content_and_usage(&data);
+                prop_assert_eq!(kept.map(|(n, _)| n), content_choices(&data),
                     "{}", String::from_utf8_lossy(&data));
+                // Where the usage member is, if the prefix lets the reader say, is as read alone.
+                if let (Some((_, Some(u))), Some((_, v))) = (kept, alone) {
+                    prop_assert_eq!(Some(u), v, "{}", String::from_utf8_lossy(&data));
+                }
             }
         }
     }

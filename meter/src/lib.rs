@@ -54,6 +54,7 @@ use crate::json_usage::UsageScanner;
 use crate::responses::{EventReader, ResponsesUsage};
 use crate::sse::{SseParser, SsePiece, SseStream};
 
+pub use crate::chunk::ChunkUsage;
 pub use crate::json_usage::MAX_USAGE_BYTES;
 
 /// Largest single SSE event the meter holds while parsing, in bytes.
@@ -333,6 +334,17 @@ struct Active {
     /// time is then the end of a completed stream, and unknown for an incomplete one.
     last_content_untimed: bool,
     saw_done: bool,
+    /// The events of a chat or completions stream read since [`Meter::take_event_usage`].
+    events: EventsRead,
+}
+
+/// What [`Meter::take_event_usage`] answers from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EventsRead {
+    None,
+    /// One event: its data's length, and its usage member if the content walk read it.
+    One(usize, Option<ChunkUsage>),
+    Several,
 }
 
 /// The metering state of one HTTP response. Feed it events in order; it returns the usage once.
@@ -385,6 +397,7 @@ impl Meter {
                 last_content: None,
                 last_content_untimed: false,
                 saw_done: false,
+                events: EventsRead::None,
             }));
         }
     }
@@ -459,19 +472,25 @@ impl Meter {
                 last_content,
                 last_content_untimed,
                 saw_done,
+                events,
                 ..
             } = a.as_mut();
             end = end.or(*last_content).or(Some(*started));
             match body {
                 Body::Sse(parser, reader) => parser.feed(chunk, |data| {
+                    let walked = (data != b"[DONE]").then(|| reader.content_and_usage(data)).flatten();
+                    *events = match events {
+                        EventsRead::None => EventsRead::One(data.len(), walked.and_then(|(_, u)| u)),
+                        EventsRead::One(..) | EventsRead::Several => EventsRead::Several,
+                    };
                     if data == b"[DONE]" {
                         *saw_done = true;
                         return;
                     }
-                    // A content chunk is only counted (`chunk::content_choices`); the usage chunk,
+                    // A content chunk is only counted (`chunk::ChunkReader::content_and_usage`); the usage chunk,
                     // and anything unusual, is read in full.
-                    let with_content = match reader.content_choices(data) {
-                        Some(n) => n,
+                    let with_content = match walked {
+                        Some((n, _)) => n,
                         None => {
                             let Ok(parsed) = serde_json::from_slice::<Chunk>(data) else {
                                 return;
@@ -539,6 +558,20 @@ impl Meter {
             self.finish(EndReason::Completed, end.unwrap_or(0))
         } else {
             None
+        }
+    }
+
+    /// The usage member of the one event of a chat or completions stream that the calls to
+    /// [`Meter::on_response_body`] since the last call to this one dispatched: the length of the
+    /// event's data and its [`ChunkUsage`], where the meter's content walk read it (a content
+    /// chunk as serde_json reads it; `None` for any other event, for none or several, and for any
+    /// other body). A caller that feeds the meter one whole event at a time (the wasm filter's
+    /// usage stripper) strips that event from it without walking it again.
+    pub fn take_event_usage(&mut self) -> Option<(usize, ChunkUsage)> {
+        let State::Active(a) = &mut self.state else { return None };
+        match std::mem::replace(&mut a.events, EventsRead::None) {
+            EventsRead::One(len, Some(usage)) => Some((len, usage)),
+            EventsRead::One(_, None) | EventsRead::None | EventsRead::Several => None,
         }
     }
 
