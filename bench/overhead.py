@@ -15,6 +15,8 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
     filter-base           (diagnostic, not run by default) Envoy + another build of the filter, the
                           module at $FILTER_BASE_WASM: a change to the filter measured side by side
                           with the build it changes (copy the old module aside before rebuilding)
+    dynmod-noop           (diagnostic, not run by default) Envoy + a native dynamic-module filter
+                          that does nothing (bench/dynmod-noop): the floor of a native filter
     gateway-leases        the gateway with leases (`redis.lease_fraction: 0.01`): the filter admits
                           from admission leases (filter `admission_leases`) without the ext_proc
                           round trip, and the sidecar's own decisions use token leases
@@ -123,9 +125,13 @@ PROFILES = {
     "gateway-leases": ("gateway", ()),
     "filter-noop": ("filter", ()),
     "filter-base": ("filter", ()),
+    "dynmod-noop": ("filter", ()),
 }
 # The no-op proxy-wasm filter of the `filter-noop` target (`make build` builds it).
 NOOP_WASM = TARGET / "wasm32-wasip1" / "release" / "examples" / "noop.wasm"
+# The no-op dynamic module of the `dynmod-noop` target (`make build` builds it), found by Envoy
+# through $ENVOY_DYNAMIC_MODULES_SEARCH_PATH.
+NOOP_DYNMOD = TARGET / "release" / "libdynmod_noop.so"
 # The other build of the filter of the `filter-base` target.
 BASE_WASM_ENV = "FILTER_BASE_WASM"
 SCENARIOS = ("overhead", "saturation", "sweep", "limits", "streams", "overload", "tool", "vmtime", "memory")
@@ -425,10 +431,13 @@ class BenchStack(Stack):
     targets (PROFILES).
     """
 
-    def __init__(self, *args, sidecar_extra: dict | None = None, drop_filters: tuple[str, ...] = (), **kwargs):
+    def __init__(self, *args, sidecar_extra: dict | None = None, drop_filters: tuple[str, ...] = (),
+                 native_module: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.sidecar_extra = sidecar_extra or {}
         self.drop_filters = drop_filters
+        # A dynamic module (its name) in place of the wasm filter.
+        self.native_module = native_module
 
     def sidecar_config(self) -> dict:
         """The stack's sidecar config with the extra keys merged in."""
@@ -439,6 +448,13 @@ class BenchStack(Stack):
         config = super().envoy_config()
         chain = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         chain["http_filters"] = [f for f in chain["http_filters"] if f["name"] not in self.drop_filters]
+        if self.native_module:
+            chain["http_filters"] = [
+                {"name": "dynamic_module", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+                    "dynamic_module_config": {"name": self.native_module}, "filter_name": "noop"}}
+                if f["typed_config"]["@type"].endswith("wasm.v3.Wasm") else f
+                for f in chain["http_filters"]]
         if "access_log" in chain:
             chain["access_log"] = [a for a in chain["access_log"] if a["name"] not in self.drop_filters]
         return config
@@ -465,6 +481,11 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
         raise BenchError(f"{NOOP_WASM} is missing: cargo build --release --target wasm32-wasip1 "
                          "-p gateway-filter --example noop (make build does)")
     wasm_path = NOOP_WASM if name == "filter-noop" else None
+    if name == "dynmod-noop":
+        if not NOOP_DYNMOD.exists():
+            raise BenchError(f"{NOOP_DYNMOD} is missing: cargo build --release -p gateway-dynmod-noop "
+                             "(make build does)")
+        os.environ["ENVOY_DYNAMIC_MODULES_SEARCH_PATH"] = str(NOOP_DYNMOD.parent)
     if name == "filter-base":
         if not os.environ.get(BASE_WASM_ENV) or not Path(os.environ[BASE_WASM_ENV]).exists():
             raise BenchError(f"target filter-base: ${BASE_WASM_ENV} must name a built gateway_filter.wasm")
@@ -484,8 +505,9 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
         sidecar_overrides=LEASES if name == "gateway-leases" else None,
         admission_leases=name == "gateway-leases",
         wasm_path=wasm_path,
-        # The no-op filter names no pool: the benchmark routes its requests to the pool itself.
-        route_to_first_pool=name == "filter-noop" or None,
+        # The no-op filters name no pool: the benchmark routes its requests to the pool itself.
+        route_to_first_pool=name in ("filter-noop", "dynmod-noop") or None,
+        native_module="dynmod_noop" if name == "dynmod-noop" else None,
     )
     exits.enter_context(stack)
     assert stack.envoy is not None and stack.base_url is not None
