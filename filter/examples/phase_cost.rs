@@ -42,6 +42,12 @@ fn time<T>(label: &str, iters: u32, mut f: impl FnMut() -> T) {
 /// A vLLM chat stream of `tokens` content chunks, `usage_null`: every chunk has `"usage":null`
 /// (the stream asked for its usage), and the usage chunk.
 fn stream(tokens: usize, usage_null: bool) -> Vec<u8> {
+    stream_of(tokens, usage_null, false)
+}
+
+/// [`stream`], `escapes`: every fourth token ends in a JSON escape (a newline or a quote, as
+/// model output often does).
+fn stream_of(tokens: usize, usage_null: bool, escapes: bool) -> Vec<u8> {
     let null = if usage_null { r#","usage":null"# } else { "" };
     let head = r#"data: {"id":"chatcmpl-0123456789abcdef","object":"chat.completion.chunk","created":1700000000,"model":"sim-model","choices":["#;
     let mut s = format!(
@@ -49,8 +55,13 @@ fn stream(tokens: usize, usage_null: bool) -> Vec<u8> {
     );
     for i in 0..tokens {
         let finish = if i + 1 == tokens { r#""length","stop_reason":null"# } else { "null" };
+        let end = match (escapes, i % 8) {
+            (true, 0) => r"\n",
+            (true, 4) => r#"\""#,
+            _ => " ",
+        };
         s.push_str(&format!(
-            "{head}{{\"index\":0,\"delta\":{{\"content\":\"word{i} \"}},\"logprobs\":null,\"finish_reason\":{finish}}}]{null}}}\n\n"
+            "{head}{{\"index\":0,\"delta\":{{\"content\":\"word{i}{end}\"}},\"logprobs\":null,\"finish_reason\":{finish}}}]{null}}}\n\n"
         ));
     }
     s.push_str(&format!(
@@ -138,14 +149,17 @@ fn main() {
         let usage = m.on_response_body(&asked, true, Some(3));
         (usage, UsageStripper::default().push(&asked, true))
     });
-    time("meter and stripper in one pass, 1 chunk", 20_000, || {
+    let one_pass = |body: &[u8]| {
         let mut m = started_meter();
-        let out = UsageStripper::default().push_read(&asked, true, |event| {
+        let out = UsageStripper::default().push_read(body, true, |event| {
             let _ = m.on_response_body(event, false, Some(3));
             m.take_event_usage()
         });
         (m.on_response_body(&[], true, Some(3)), out)
-    });
+    };
+    time("meter and stripper in one pass, 1 chunk", 20_000, || one_pass(&asked));
+    let escaped = stream_of(16, true, true);
+    time("  the same, a newline or quote in 1 token of 4", 20_000, || one_pass(&escaped));
     let usage = meter_run(&asked, 1);
     time("usage to JSON", 20_000, || serde_json::to_vec(&usage).unwrap());
     event_costs();

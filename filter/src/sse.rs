@@ -452,9 +452,9 @@ mod tests {
                 usage
             });
             assert_eq!(out, ChunkOutput::Replace(client.into_bytes()));
-            // Two content chunks; the one with escapes in its content, the usage chunk and
+            // The three content chunks (escapes in one's content too); the usage chunk and
             // `[DONE]` the meter leaves to serde_json, and the stripper walks them itself.
-            assert_eq!(answered, 2);
+            assert_eq!(answered, 3);
             assert!(meter.on_response_body(&[], true, Some(3)).is_some_and(|u| u.completion_tokens == 3));
         }
     }

@@ -4,9 +4,11 @@
 //! [`content_choices`] walks the chunk's JSON once, without allocating, and answers only when it
 //! knows what `serde_json::from_slice::<Chunk>` (the meter's full reading, `crate::Chunk`) would
 //! return: `Ok` with no `usage` (absent or `null`) and that many choices with content. Everything
-//! else (the usage chunk, escapes in a key or in a string it reads, a value of an unexpected type,
-//! a duplicate `choices` or `usage`, nesting deeper than [`MAX_DEPTH`], invalid JSON, an array at
-//! the top) it leaves to that full reading, so the meter's answer is the same either way. The
+//! else (the usage chunk, escapes in a key, a text it reads that serde_json would fail to decode,
+//! a value of an unexpected type, a duplicate `choices` or `usage`, nesting deeper than
+//! [`MAX_DEPTH`], invalid JSON, an array at the top) it leaves to that full reading, so the
+//! meter's answer is the same either way. A text with escapes (a newline, a quote: common in
+//! model output) is read: serde_json's decoding is checked, not done. The
 //! members it skips are checked as serde_json checks the values it ignores (`IgnoredAny`): JSON
 //! syntax, no control character in a string, valid escapes, no UTF-8 check.
 
@@ -82,10 +84,21 @@ fn skip_string(s: &[u8], i: usize) -> Option<usize> {
     }
 }
 
-/// The string at `i` read as serde_json borrows a `&str`: its raw bytes (no escape in them) and
-/// the offset past it. `None` where serde_json would decode an escape or fail (a control
-/// character, invalid UTF-8).
-fn read_string(s: &[u8], i: usize) -> Option<(&[u8], usize)> {
+/// Four hex digits at `i` as a UTF-16 code unit.
+fn hex4(s: &[u8], i: usize) -> Option<u16> {
+    let digits = std::str::from_utf8(s.get(i..i + 4)?).ok()?;
+    if !digits.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    u16::from_str_radix(digits, 16).ok()
+}
+
+/// The string at `i` read as serde_json decodes it into a `Cow<str>`: whether it is non-empty,
+/// and the offset past it. `None` where serde_json fails: a control character, an invalid escape,
+/// a surrogate escape that is not a leading one followed at once by a trailing one, invalid
+/// UTF-8. Every escape decodes to at least one character, so the string is empty only when no
+/// byte lies between its quotes.
+fn read_text(s: &[u8], i: usize) -> Option<(bool, usize)> {
     let start = i + 1;
     let mut j = start;
     let mut ascii = true;
@@ -95,18 +108,38 @@ fn read_string(s: &[u8], i: usize) -> Option<(&[u8], usize)> {
         }
         match *s.get(j)? {
             b'"' => break,
-            b'\\' | 0..=0x1f => return None,
+            b'\\' => {
+                j += match *s.get(j + 1)? {
+                    b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => 2,
+                    b'u' => match hex4(s, j + 2)? {
+                        0xD800..=0xDBFF => {
+                            // A leading surrogate: a trailing one must follow (serde_json's
+                            // `parse_unicode_escape` when it decodes).
+                            if s.get(j + 6..j + 8) != Some(b"\\u") {
+                                return None;
+                            }
+                            if !(0xDC00..=0xDFFF).contains(&hex4(s, j + 8)?) {
+                                return None;
+                            }
+                            12
+                        }
+                        0xDC00..=0xDFFF => return None,
+                        _ => 6,
+                    },
+                    _ => return None,
+                };
+            }
+            0..=0x1f => return None,
             b => {
                 ascii &= b < 0x80;
                 j += 1;
             }
         }
     }
-    let raw = s.get(start..j)?;
     if !ascii {
-        std::str::from_utf8(raw).ok()?;
+        std::str::from_utf8(s.get(start..j)?).ok()?;
     }
-    Some((raw, j + 1))
+    Some((j > start, j + 1))
 }
 
 /// A key at `i` (after whitespace) as a field name: its raw bytes, printable ASCII without escapes
@@ -232,7 +265,7 @@ fn optional_text(s: &[u8], i: usize) -> Option<(bool, usize)> {
     let i = ws(s, i);
     match s.get(i)? {
         b'n' => s.get(i..i + 4).filter(|w| *w == b"null").map(|_| (false, i + 4)),
-        b'"' => read_string(s, i).map(|(raw, end)| (!raw.is_empty(), end)),
+        b'"' => read_text(s, i),
         _ => None,
     }
 }
@@ -442,6 +475,10 @@ mod tests {
         let text = br#" { "choices" : [ {"text":"a"}, {"text":""}, {"delta":null,"text":null}, {"delta":{"reasoning_content":"r"}} ] } "#;
         assert_eq!(content_choices(text), Some(2));
         assert_eq!(content_choices(b"{}"), Some(0));
+        // Escapes in a text are read (checked as serde_json decodes them).
+        let escaped =
+            br#"{"choices":[{"delta":{"content":"a\"b\n"}},{"text":"\ud83d\ude00"},{"text":"\u0000"}]}"#;
+        assert_eq!(content_choices(escaped), Some(3));
         let long = "word \\u00e9 caf\\u00e9 ".repeat(9);
         let c = format!(r#"{{"id":"{long}","choices":[{{"text":"{}"}}]}}"#, "caf\u{e9} ".repeat(9));
         assert_eq!(content_choices(c.as_bytes()), Some(1));
@@ -467,7 +504,11 @@ mod tests {
     fn leaves_the_rest_to_serde() {
         for c in [
             &br#"{"choices":[],"usage":{"prompt_tokens":1}}"#[..],
-            br#"{"choices":[{"delta":{"content":"a\"b"}}]}"#,
+            br#"{"choices":[{"delta":{"content":"\ud800"}}]}"#,
+            br#"{"choices":[{"delta":{"content":"\udc00"}}]}"#,
+            br#"{"choices":[{"delta":{"content":"\ud800\u0041"}}]}"#,
+            br#"{"choices":[{"delta":{"content":"a\qb"}}]}"#,
+            br#"{"choices":[{"text":"\u00g0"}]}"#,
             br#"{"choices":null}"#,
             br#"{"choices":[],"choices":[]}"#,
             br#"{"choices":[{"delta":{"content":1}}]}"#,
@@ -504,8 +545,30 @@ mod props {
             Just(json!("")),
             "\\PC{0,12}".prop_map(Value::from),
             Just(json!("a\"b\\c\n\u{e9}\u{1F642}")),
+            (0..RAW_ESCAPES.len()).prop_map(|k| json!(format!("@E{k}@"))),
             Just(json!(7)),
         ]
+    }
+
+    /// Escapes serde_json never writes, put in place of `@E<k>@` after serialization: a surrogate
+    /// pair, lone and unpaired surrogates, `\u` of a BMP character, the short escapes.
+    const RAW_ESCAPES: [&str; 8] = [
+        r"\ud83d\ude00",
+        r"\ud800",
+        r"\udc00x",
+        r"\u00e9x",
+        r"\ud800\u0041",
+        r"\ud800\ud800",
+        r"\ud800ABdc00",
+        r"\n\t\/\b\f\r",
+    ];
+
+    fn with_raw_escapes(json: Vec<u8>) -> Vec<u8> {
+        let mut text = String::from_utf8(json).unwrap_or_default();
+        for (k, raw) in RAW_ESCAPES.iter().enumerate() {
+            text = text.replace(&format!("@E{k}@"), raw);
+        }
+        text.into_bytes()
     }
 
     fn choice() -> impl Strategy<Value = Value> {
@@ -537,11 +600,11 @@ mod props {
                 2 => c["usage"] = json!({"prompt_tokens": 3, "completion_tokens": 4}),
                 _ => c["usage"] = json!("x"),
             }
-            if pretty {
+            with_raw_escapes(if pretty {
                 serde_json::to_vec_pretty(&c).unwrap_or_default()
             } else {
                 serde_json::to_vec(&c).unwrap_or_default()
-            }
+            })
         })
     }
 
