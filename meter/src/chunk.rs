@@ -8,7 +8,9 @@
 //! a value of an unexpected type, a duplicate `choices` or `usage`, nesting deeper than
 //! [`MAX_DEPTH`], invalid JSON, an array at the top) it leaves to that full reading, so the
 //! meter's answer is the same either way. A text with escapes (a newline, a quote: common in
-//! model output) is read: serde_json's decoding is checked, not done. The
+//! model output) is read: serde_json's decoding is checked, not done. A chunk that differs from
+//! the last one read only in its one text (the next token) is read from that text alone
+//! ([`ChunkReader`]'s template). The
 //! members it skips are checked as serde_json checks the values it ignores (`IgnoredAny`): JSON
 //! syntax, no control character in a string, valid escapes, no UTF-8 check.
 
@@ -259,29 +261,42 @@ fn object(s: &[u8], i: usize, mut on_member: impl FnMut(&[u8], usize) -> Option<
     }
 }
 
+/// The text strings a walk read (not the `null` texts): how many, and the span of the last (its
+/// opening quote, and one past its closing quote).
+#[derive(Debug, Default, Clone, Copy)]
+struct Texts {
+    count: u32,
+    last: (usize, usize),
+}
+
 /// An `Option<Cow<str>>` member at `i`: whether it is a non-empty string (`null`: no), and the
-/// offset past it.
-fn optional_text(s: &[u8], i: usize) -> Option<(bool, usize)> {
+/// offset past it. A string is recorded in `texts`.
+fn optional_text(s: &[u8], i: usize, texts: &mut Texts) -> Option<(bool, usize)> {
     let i = ws(s, i);
     match s.get(i)? {
         b'n' => s.get(i..i + 4).filter(|w| *w == b"null").map(|_| (false, i + 4)),
-        b'"' => read_text(s, i),
+        b'"' => {
+            let (nonempty, end) = read_text(s, i)?;
+            texts.count = texts.count.saturating_add(1);
+            texts.last = (i, end);
+            Some((nonempty, end))
+        }
         _ => None,
     }
 }
 
 /// Reads one member of `crate::Choice`'s or `crate::Delta`'s text fields at most once.
-fn text_once(seen: &mut bool, any: &mut bool, s: &[u8], value: usize) -> Option<usize> {
+fn text_once(seen: &mut bool, any: &mut bool, s: &[u8], value: usize, texts: &mut Texts) -> Option<usize> {
     if std::mem::replace(seen, true) {
         return None;
     }
-    let (nonempty, end) = optional_text(s, value)?;
+    let (nonempty, end) = optional_text(s, value, texts)?;
     *any |= nonempty;
     Some(end)
 }
 
 /// A choice (`crate::Choice`) at `i`: whether it has content, and the offset past it.
-fn choice(s: &[u8], i: usize) -> Option<(bool, usize)> {
+fn choice(s: &[u8], i: usize, texts: &mut Texts) -> Option<(bool, usize)> {
     let (mut seen_delta, mut seen_text, mut any) = (false, false, false);
     let end = object(s, i, |name, value| match name {
         b"delta" => {
@@ -294,19 +309,64 @@ fn choice(s: &[u8], i: usize) -> Option<(bool, usize)> {
             }
             let (mut seen_content, mut seen_reasoning) = (false, false);
             object(s, v, |name, value| match name {
-                b"content" => text_once(&mut seen_content, &mut any, s, value),
-                b"reasoning_content" => text_once(&mut seen_reasoning, &mut any, s, value),
+                b"content" => text_once(&mut seen_content, &mut any, s, value, texts),
+                b"reasoning_content" => text_once(&mut seen_reasoning, &mut any, s, value, texts),
                 _ => skip_value(s, value, 4),
             })
         }
-        b"text" => text_once(&mut seen_text, &mut any, s, value),
+        b"text" => text_once(&mut seen_text, &mut any, s, value, texts),
         _ => skip_value(s, value, 3),
     })?;
     Some((any, end))
 }
 
-/// Longest stream prefix [`ChunkReader`] keeps.
+/// Longest stream prefix [`ChunkReader`] keeps, and longest head and tail of its template.
 const MAX_PREFIX_BYTES: usize = 512;
+
+/// A chunk walked with exactly one text string in it, kept as a template for the next: a chunk
+/// with the same bytes before that string's opening quote (`head`) and from its closing quote on
+/// (`tail`), and a valid text between them, walks as it did (the walk's state after a string does
+/// not depend on what the string holds), but for whether that one choice has content and for the
+/// offsets after the string, shifted by the length the string gained or lost.
+#[derive(Debug)]
+struct Template {
+    /// The chunk up to and including the string's opening quote.
+    head: Vec<u8>,
+    /// The chunk from the string's closing quote on.
+    tail: Vec<u8>,
+    /// The chunk's length, and the offset one past its string.
+    len: usize,
+    string_end: usize,
+    /// Its usage member, as the walk found it.
+    usage: Option<ChunkUsage>,
+}
+
+impl Template {
+    /// A chunk's reading from the template, where the chunk fits it.
+    fn read(&self, data: &[u8]) -> Option<(u64, Option<ChunkUsage>)> {
+        let tail_at = data.len().checked_sub(self.tail.len())?;
+        if tail_at < self.head.len() || !data.starts_with(&self.head) || !data.ends_with(&self.tail) {
+            return None;
+        }
+        // The string must end at the tail's closing quote, as the walk would read it.
+        let (nonempty, end) = read_text(data, self.head.len().checked_sub(1)?)?;
+        if end != tail_at + 1 {
+            return None;
+        }
+        let shift =
+            |at: usize| if at >= self.string_end { (at + data.len()).saturating_sub(self.len) } else { at };
+        let usage = match self.usage {
+            Some(ChunkUsage::Null { start, value_end, prev_end, next_start }) => Some(ChunkUsage::Null {
+                start: shift(start),
+                value_end: shift(value_end),
+                prev_end: prev_end.map(shift),
+                next_start: next_start.map(shift),
+            }),
+            other => other,
+        };
+        Some((u64::from(nonempty), usage))
+    }
+}
 
 /// Reads the chunks of one stream with [`ChunkReader::content_and_usage`]. The chunks of a vLLM
 /// stream begin with the same bytes (`{"id":"chatcmpl-…","object":"chat.completion.chunk",
@@ -314,10 +374,16 @@ const MAX_PREFIX_BYTES: usize = 512;
 /// chunk it walked whole, and a chunk that begins with it is walked from there on. Exact: the walk
 /// up to the `"choices"` key reads no byte past it, and carries nothing past it but where it is (no
 /// `choices` or `usage` seen yet, no content counted).
+///
+/// Then most content chunks differ from the one before only in their one text string (the
+/// token): the reader keeps the last chunk it read with exactly one as a [`Template`], and a chunk
+/// that fits it is read by checking that string alone.
 #[derive(Debug, Default)]
 pub(crate) struct ChunkReader {
     /// The bytes before the `"choices"` key of the last chunk walked whole (empty: none).
     prefix: Vec<u8>,
+    /// The last chunk read with exactly one text string.
+    template: Option<Template>,
 }
 
 impl ChunkReader {
@@ -326,21 +392,56 @@ impl ChunkReader {
     /// Also where the chunk's top-level `usage` member is (`None`: a `null` one whose member
     /// before it lies in the kept prefix, not walked).
     pub(crate) fn content_and_usage(&mut self, data: &[u8]) -> Option<(u64, Option<ChunkUsage>)> {
-        if !self.prefix.is_empty() && data.starts_with(&self.prefix) {
-            return members(data, self.prefix.len(), true, &mut None);
+        if let Some(read) = self.template.as_ref().and_then(|t| t.read(data)) {
+            return Some(read);
         }
-        let mut choices_at = None;
-        let j = eat(data, 0, b'{')?;
-        let read = if s_at(data, j) == Some(b'}') {
-            (ws(data, ws(data, j) + 1) == data.len()).then_some((0, Some(ChunkUsage::Absent)))
+        let mut texts = Texts::default();
+        let read = if !self.prefix.is_empty() && data.starts_with(&self.prefix) {
+            members(data, self.prefix.len(), true, &mut None, &mut texts)
         } else {
-            members(data, j, false, &mut choices_at)
+            let mut choices_at = None;
+            let j = eat(data, 0, b'{')?;
+            let read = if s_at(data, j) == Some(b'}') {
+                (ws(data, ws(data, j) + 1) == data.len()).then_some((0, Some(ChunkUsage::Absent)))
+            } else {
+                members(data, j, false, &mut choices_at, &mut texts)
+            };
+            self.prefix.clear();
+            if let Some(at) = choices_at.filter(|at| *at <= MAX_PREFIX_BYTES) {
+                self.prefix.extend_from_slice(data.get(..at).unwrap_or_default());
+            }
+            read
         };
-        self.prefix.clear();
-        if let Some(at) = choices_at.filter(|at| *at <= MAX_PREFIX_BYTES) {
-            self.prefix.extend_from_slice(data.get(..at).unwrap_or_default());
+        if let (Some((_, usage)), 1) = (read, texts.count) {
+            self.keep_template(data, texts.last, usage);
         }
         read
+    }
+
+    /// Keeps `data`, read with one text string at `(open, end)`, as the template.
+    fn keep_template(&mut self, data: &[u8], (open, end): (usize, usize), usage: Option<ChunkUsage>) {
+        let (Some(head), Some(tail)) = (data.get(..open + 1), end.checked_sub(1).and_then(|c| data.get(c..)))
+        else {
+            return;
+        };
+        if head.len() > MAX_PREFIX_BYTES || tail.len() > MAX_PREFIX_BYTES {
+            self.template = None;
+            return;
+        }
+        let template = self.template.get_or_insert_with(|| Template {
+            head: Vec::new(),
+            tail: Vec::new(),
+            len: 0,
+            string_end: 0,
+            usage: None,
+        });
+        template.head.clear();
+        template.head.extend_from_slice(head);
+        template.tail.clear();
+        template.tail.extend_from_slice(tail);
+        template.len = data.len();
+        template.string_end = end;
+        template.usage = usage;
     }
 }
 
@@ -377,6 +478,7 @@ fn members(
     mut j: usize,
     after_prefix: bool,
     choices_at: &mut Option<usize>,
+    texts: &mut Texts,
 ) -> Option<(u64, Option<ChunkUsage>)> {
     let (mut seen_choices, mut seen_usage, mut with_content) = (false, false, 0u64);
     // The `null` usage member's start, value end and the end of the member before it; the start
@@ -403,7 +505,7 @@ fn members(
                     ws(data, j) + 1
                 } else {
                     loop {
-                        let (any, end) = choice(data, j)?;
+                        let (any, end) = choice(data, j, texts)?;
                         with_content = with_content.saturating_add(u64::from(any));
                         j = ws(data, end);
                         match *data.get(j)? {
@@ -551,8 +653,9 @@ mod props {
     }
 
     /// Escapes serde_json never writes, put in place of `@E<k>@` after serialization: a surrogate
-    /// pair, lone and unpaired surrogates, `\u` of a BMP character, the short escapes.
-    const RAW_ESCAPES: [&str; 8] = [
+    /// pair, lone and unpaired surrogates, `\u` of a BMP character, the short escapes, and a bare
+    /// quote.
+    const RAW_ESCAPES: [&str; 9] = [
         r"\ud83d\ude00",
         r"\ud800",
         r"\udc00x",
@@ -561,6 +664,8 @@ mod props {
         r"\ud800\ud800",
         r"\ud800ABdc00",
         r"\n\t\/\b\f\r",
+        // Not an escape: a quote that ends the string early (the chunk is not JSON).
+        r#"q"q"#,
     ];
 
     fn with_raw_escapes(json: Vec<u8>) -> Vec<u8> {
@@ -658,23 +763,76 @@ mod props {
             chunks in prop::collection::vec(
                 (chunk(), any::<prop::sample::Index>(), any::<u8>(), any::<bool>()), 1..8),
         ) {
-            let mut reader = super::ChunkReader::default();
-            for (data, at, byte, damage) in chunks {
-                let mut data = data;
-                if damage && !data.is_empty() {
-                    const BYTES: &[u8] = b"{}[]\",: 0n\\";
-                    let i = at.index(data.len());
-                    data[i] = BYTES[usize::from(byte) % BYTES.len()];
-                }
-                let kept = reader.content_and_usage(&data);
-                let alone = super::ChunkReader::default().content_and_usage(&data);
-                prop_assert_eq!(kept.map(|(n, _)| n), content_choices(&data),
-                    "{}", String::from_utf8_lossy(&data));
-                // Where the usage member is, if the prefix lets the reader say, is as read alone.
-                if let (Some((_, Some(u))), Some((_, v))) = (kept, alone) {
-                    prop_assert_eq!(Some(u), v, "{}", String::from_utf8_lossy(&data));
-                }
+            read_as_alone(chunks)?;
+        }
+
+        /// The same on streams whose chunks differ in one text only, as a model's tokens do (the
+        /// reader's template), some damaged anywhere.
+        #[test]
+        fn a_stream_of_tokens_reads_each_chunk_as_alone(
+            chunks in one_skeleton().prop_flat_map(|chunks| {
+                let n = chunks.len();
+                (Just(chunks), prop::collection::vec(
+                    (any::<prop::sample::Index>(), any::<u8>(), prop::bool::weighted(0.2)), n))
+            }),
+        ) {
+            let (chunks, damage) = chunks;
+            read_as_alone(chunks.into_iter().zip(damage).map(|(c, (at, byte, d))| (c, at, byte, d)).collect())?;
+        }
+    }
+
+    /// Chunks of one skeleton (choices, usage, layout) whose first choice's content differs.
+    fn one_skeleton() -> impl Strategy<Value = Vec<Vec<u8>>> {
+        (prop::collection::vec(choice(), 1..3), 0u8..3, any::<bool>(), prop::collection::vec(text(), 1..8))
+            .prop_map(|(choices, usage, pretty, texts)| {
+                texts
+                    .into_iter()
+                    .map(|t| {
+                        let mut choices = choices.clone();
+                        if let Some(first) = choices.first_mut() {
+                            first["delta"] = json!({"content": t});
+                        }
+                        let mut c = json!({"id": "chatcmpl-0123456789", "object": "chat.completion.chunk",
+                            "created": 1_700_000_000u64, "model": "sim-model", "choices": choices});
+                        match usage {
+                            0 => {}
+                            1 => c["usage"] = Value::Null,
+                            _ => c["usage"] = json!({"prompt_tokens": 3}),
+                        }
+                        with_raw_escapes(if pretty {
+                            serde_json::to_vec_pretty(&c).unwrap_or_default()
+                        } else {
+                            serde_json::to_vec(&c).unwrap_or_default()
+                        })
+                    })
+                    .collect()
+            })
+    }
+
+    /// Feeds `chunks` (each damaged at one byte where asked) to one reader: each reading is the
+    /// chunk's reading alone, and serde_json's.
+    fn read_as_alone(chunks: Vec<(Vec<u8>, prop::sample::Index, u8, bool)>) -> Result<(), TestCaseError> {
+        let mut reader = super::ChunkReader::default();
+        for (data, at, byte, damage) in chunks {
+            let mut data = data;
+            if damage && !data.is_empty() {
+                const BYTES: &[u8] = b"{}[]\",: 0n\\";
+                let i = at.index(data.len());
+                data[i] = BYTES[usize::from(byte) % BYTES.len()];
+            }
+            let kept = reader.content_and_usage(&data);
+            let alone = super::ChunkReader::default().content_and_usage(&data);
+            prop_assert_eq!(
+                kept.map(|(n, _)| n),
+                content_choices(&data),
+                "{}",
+                String::from_utf8_lossy(&data)
+            );
+            // Where the usage member is, if the prefix lets the reader say, is as read alone.
+            if let (Some((_, Some(u))), Some((_, v))) = (kept, alone) {
+                prop_assert_eq!(Some(u), v, "{}", String::from_utf8_lossy(&data));
             }
         }
+        Ok(())
     }
 }
