@@ -15,6 +15,9 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
     filter-base           (diagnostic, not run by default) Envoy + another build of the filter, the
                           module at $FILTER_BASE_WASM: a change to the filter measured side by side
                           with the build it changes (copy the old module aside before rebuilding)
+    gateway-base          (diagnostic, not run by default) the gateway with another build of the
+                          sidecar, the binary at $SIDECAR_BASE_BIN: a change to the sidecar measured
+                          side by side with the build it changes
     dynmod-noop           (diagnostic, not run by default) Envoy + a native dynamic-module filter
                           that does nothing (bench/dynmod-noop): the floor of a native filter
     gateway-leases        the gateway with leases (`redis.lease_fraction: 0.01`): the filter admits
@@ -126,6 +129,7 @@ PROFILES = {
     "filter-noop": ("filter", ()),
     "filter-base": ("filter", ()),
     "dynmod-noop": ("filter", ()),
+    "gateway-base": ("gateway", ()),
 }
 # The no-op proxy-wasm filter of the `filter-noop` target (`make build` builds it).
 NOOP_WASM = TARGET / "wasm32-wasip1" / "release" / "examples" / "noop.wasm"
@@ -134,6 +138,8 @@ NOOP_WASM = TARGET / "wasm32-wasip1" / "release" / "examples" / "noop.wasm"
 NOOP_DYNMOD = TARGET / "release" / "libdynmod_noop.so"
 # The other build of the filter of the `filter-base` target.
 BASE_WASM_ENV = "FILTER_BASE_WASM"
+# The other build of the sidecar of the `gateway-base` target.
+BASE_SIDECAR_ENV = "SIDECAR_BASE_BIN"
 SCENARIOS = ("overhead", "saturation", "sweep", "limits", "streams", "overload", "tool", "vmtime", "memory")
 # memory: Envoy worker counts compared, bare and with the filter.
 MEMORY_CONCURRENCY = (1, 2, 4)
@@ -490,6 +496,11 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
         if not os.environ.get(BASE_WASM_ENV) or not Path(os.environ[BASE_WASM_ENV]).exists():
             raise BenchError(f"target filter-base: ${BASE_WASM_ENV} must name a built gateway_filter.wasm")
         wasm_path = Path(os.environ[BASE_WASM_ENV])
+    sidecar_bin = None
+    if name == "gateway-base":
+        if not os.environ.get(BASE_SIDECAR_ENV) or not Path(os.environ[BASE_SIDECAR_ENV]).exists():
+            raise BenchError(f"target gateway-base: ${BASE_SIDECAR_ENV} must name a built gateway-ext-proc")
+        sidecar_bin = Path(os.environ[BASE_SIDECAR_ENV])
     if profile == "direct":
         return Target(name, upstream.url)
     stack = BenchStack(
@@ -508,6 +519,7 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
         # The no-op filters name no pool: the benchmark routes its requests to the pool itself.
         route_to_first_pool=name in ("filter-noop", "dynmod-noop") or None,
         native_module="dynmod_noop" if name == "dynmod-noop" else None,
+        sidecar_bin=sidecar_bin,
     )
     exits.enter_context(stack)
     assert stack.envoy is not None and stack.base_url is not None

@@ -23,6 +23,7 @@ TARGET_TEXT = {
     "gateway-leases": "the gateway with leases (`redis.lease_fraction: 0.01` and the filter's `admission_leases`): the filter admits most requests from admission leases without the ext_proc round trip (Envoy's matcher skips it), and the sidecar's own decisions use token leases",
     "filter-noop": "diagnostic: Envoy + a proxy-wasm filter that does nothing (`filter/examples/noop.rs`): the floor any proxy-wasm filter costs in Envoy's V8 runtime",
     "filter-base": "diagnostic: Envoy + another build of the filter (`$FILTER_BASE_WASM`): a change to the filter measured side by side with the build it changes",
+    "gateway-base": "diagnostic: the gateway with another build of the sidecar (`$SIDECAR_BASE_BIN`): a change to the sidecar measured side by side with the build it changes",
     "dynmod-noop": "diagnostic: Envoy + a native dynamic-module filter that does nothing (`bench/dynmod-noop`): the floor of a native filter",
     "gateway-ext-proc-metering": "diagnostic: the gateway metered by an observability-mode ext_proc filter (every chunk to the sidecar) instead of the access log",
 }
