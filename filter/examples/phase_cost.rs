@@ -120,11 +120,15 @@ fn main() {
 
     let asked = stream(16, true);
     println!("response stream {} bytes", asked.len());
-    let meter_run = |body: &[u8], pieces: usize| {
+    let started_meter = || {
         let mut m = Meter::new(gateway_meter::MAX_USAGE_BYTES);
         m.set_stream(true);
         m.start(1);
         m.on_response_headers(200, "text/event-stream", false, 2);
+        m
+    };
+    let meter_run = |body: &[u8], pieces: usize| {
+        let mut m = started_meter();
         let step = body.len().div_ceil(pieces);
         let mut out = None;
         let chunks: Vec<&[u8]> = body.chunks(step).collect();
@@ -137,13 +141,6 @@ fn main() {
     time("meter, 16-token stream in 1 chunk", 20_000, || meter_run(&asked, 1));
     time("meter, 16-token stream in 18 chunks", 20_000, || meter_run(&asked, 18));
     time("stripper, 16-token stream in 1 chunk", 20_000, || UsageStripper::default().push(&asked, true));
-    let started_meter = || {
-        let mut m = Meter::new(gateway_meter::MAX_USAGE_BYTES);
-        m.set_stream(true);
-        m.start(1);
-        m.on_response_headers(200, "text/event-stream", false, 2);
-        m
-    };
     time("meter then stripper (two passes), 1 chunk", 20_000, || {
         let mut m = started_meter();
         let usage = m.on_response_body(&asked, true, Some(3));

@@ -440,10 +440,7 @@ mod tests {
     fn a_vllm_stream_is_stripped_from_the_meters_reading() {
         for sep in ["\n\n", "\r\n\r\n"] {
             let (upstream, client) = streams(sep);
-            let mut meter = gateway_meter::Meter::new(gateway_meter::MAX_USAGE_BYTES);
-            meter.set_stream(true);
-            meter.start(1);
-            meter.on_response_headers(200, "text/event-stream", false, 1);
+            let mut meter = streaming_meter();
             let (mut s, mut answered) = (UsageStripper::default(), 0);
             let out = s.push_read(upstream.as_bytes(), true, |event| {
                 meter.on_response_body(event, false, Some(2));
@@ -468,11 +465,22 @@ mod tests {
     }
 }
 
+/// A meter of a chat stream whose response headers arrived: what the wasm filter feeds the
+/// stripper's events to (tests).
+#[cfg(test)]
+fn streaming_meter() -> gateway_meter::Meter {
+    let mut meter = gateway_meter::Meter::new(gateway_meter::MAX_USAGE_BYTES);
+    meter.set_stream(true);
+    meter.start(1);
+    meter.on_response_headers(200, "text/event-stream", false, 1);
+    meter
+}
+
 /// [`transform_event`] against the reading it replaced (every member collected by
 /// [`crate::json_scan::scan_object`]), on generated events and damaged ones.
 #[cfg(test)]
 mod reference {
-    use super::{transform_event, ChunkOutput, EventAction, UsageStripper};
+    use super::{streaming_meter, transform_event, ChunkOutput, EventAction, UsageStripper};
     use crate::json_scan::scan_object;
     use proptest::prelude::*;
 
@@ -592,10 +600,7 @@ mod reference {
                 .collect();
             let (mut alone, mut metered) =
                 (UsageStripper::new(max_event_bytes), UsageStripper::new(max_event_bytes));
-            let mut meter = gateway_meter::Meter::new(gateway_meter::MAX_USAGE_BYTES);
-            meter.set_stream(true);
-            meter.start(1);
-            meter.on_response_headers(200, "text/event-stream", false, 1);
+            let mut meter = streaming_meter();
             let (mut a, mut b, mut fed) = (Vec::new(), Vec::new(), Vec::new());
             for (i, chunk) in chunks.iter().enumerate() {
                 let last = i + 1 == chunks.len();

@@ -1,18 +1,18 @@
 //! The fast reading of a chat or completions stream chunk: the content events that make up almost
 //! all of a stream only need their content counted, not parsed into values.
 //!
-//! [`content_choices`] walks the chunk's JSON once, without allocating, and answers only when it
-//! knows what `serde_json::from_slice::<Chunk>` (the meter's full reading, `crate::Chunk`) would
-//! return: `Ok` with no `usage` (absent or `null`) and that many choices with content. Everything
-//! else (the usage chunk, escapes in a key, a text it reads that serde_json would fail to decode,
-//! a value of an unexpected type, a duplicate `choices` or `usage`, nesting deeper than
-//! [`MAX_DEPTH`], invalid JSON, an array at the top) it leaves to that full reading, so the
-//! meter's answer is the same either way. A text with escapes (a newline, a quote: common in
-//! model output) is read: serde_json's decoding is checked, not done. A chunk that differs from
-//! the last one read only in its one text (the next token) is read from that text alone
-//! ([`ChunkReader`]'s template). The
-//! members it skips are checked as serde_json checks the values it ignores (`IgnoredAny`): JSON
-//! syntax, no control character in a string, valid escapes, no UTF-8 check.
+//! [`ChunkReader::content_and_usage`] walks the chunk's JSON once, without allocating, and answers
+//! only when it knows what `serde_json::from_slice::<Chunk>` (the meter's full reading,
+//! `crate::Chunk`) would return: `Ok` with no `usage` (absent or `null`) and that many choices with
+//! content. Everything else (the usage chunk, escapes in a key, a text it reads that serde_json
+//! would fail to decode, a value of an unexpected type, a duplicate `choices` or `usage`, nesting
+//! deeper than [`MAX_DEPTH`], invalid JSON, an array at the top) it leaves to that full reading, so
+//! the meter's answer is the same either way. A text with escapes (a newline, a quote: common in
+//! model output) is read: serde_json's decoding is checked, not done. The members it skips are
+//! checked as serde_json checks the values it ignores (`IgnoredAny`): JSON syntax, no control
+//! character in a string, valid escapes, no UTF-8 check. A chunk that differs from the last one
+//! read only in its one text (the next token) is read from that text alone ([`ChunkReader`]'s
+//! template).
 
 /// Deepest nesting the walk follows; a deeper chunk is read by serde_json (whose limit, 128 for
 /// the values it builds, is never reached below this).
@@ -334,8 +334,9 @@ struct Template {
     head: Vec<u8>,
     /// The chunk from the string's closing quote on.
     tail: Vec<u8>,
-    /// The chunk's length, and the offset one past its string.
+    /// The chunk's length.
     len: usize,
+    /// The offset one past its string.
     string_end: usize,
     /// Its usage member, as the walk found it.
     usage: Option<ChunkUsage>,

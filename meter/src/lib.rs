@@ -487,8 +487,8 @@ impl Meter {
                         *saw_done = true;
                         return;
                     }
-                    // A content chunk is only counted (`chunk::ChunkReader::content_and_usage`); the usage chunk,
-                    // and anything unusual, is read in full.
+                    // A content chunk is only counted (`chunk::ChunkReader::content_and_usage`);
+                    // the usage chunk, and anything unusual, is read in full.
                     let with_content = match walked {
                         Some((n, _)) => n,
                         None => {

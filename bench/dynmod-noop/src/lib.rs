@@ -12,8 +12,6 @@
 //! 1.40.0 accepts `1.40.0` with a warning that it is deprecated, which does not change the cost
 //! measured.
 
-#![allow(unsafe_code, missing_docs)]
-
 use std::ffi::c_void;
 
 /// The ABI version this module declares (NUL-terminated).
