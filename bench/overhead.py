@@ -20,11 +20,10 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
                           side by side with the build it changes
     dynmod-noop           (diagnostic, not run by default) Envoy + a native dynamic-module filter
                           that does nothing (bench/dynmod-noop): the floor of a native filter
-    dynmod-filter         (diagnostic, not run by default) Envoy + the gateway filter's decisions as
-                          a native dynamic module (bench/dynmod-filter, a prototype without
-                          leases) with the filter's configuration: compare with `filter`, over
-                          `dynmod-noop` and `filter-noop` respectively
-    gateway-dynmod        (diagnostic, not run by default) the gateway with that module in the wasm
+    filter-native         (diagnostic, not run by default) Envoy + the filter as a native dynamic
+                          module (filter-native/) with the filter's configuration: compare with
+                          `filter`, over `dynmod-noop` and `filter-noop` respectively
+    gateway-native        (diagnostic, not run by default) the gateway with that module in the wasm
                           filter's place
     gateway-leases        the gateway with leases (`redis.lease_fraction: 0.01`): the filter admits
                           from admission leases (filter `admission_leases`) without the ext_proc
@@ -90,7 +89,7 @@ import stack as stack_module  # noqa: E402
 from results_page import (FLOW_BEGIN, FLOW_END, fmt, kept_section, overhead_tables, picker_section, ratio, render_page, signed, targets_table,
                           write_charts)  # noqa: E402
 from stack import (  # noqa: E402
-    FILTER_DYNMOD,
+    FILTER_NATIVE,
     TARGET,
     Model,
     Pool,
@@ -136,8 +135,8 @@ PROFILES = {
     "filter-noop": ("filter", ()),
     "filter-base": ("filter", ()),
     "dynmod-noop": ("filter", ()),
-    "dynmod-filter": ("filter", ()),
-    "gateway-dynmod": ("gateway", ()),
+    "filter-native": ("filter", ()),
+    "gateway-native": ("gateway", ()),
     "gateway-base": ("gateway", ()),
 }
 # The no-op proxy-wasm filter of the `filter-noop` target (`make build` builds it).
@@ -145,9 +144,8 @@ NOOP_WASM = TARGET / "wasm32-wasip1" / "release" / "examples" / "noop.wasm"
 # The no-op dynamic module of the `dynmod-noop` target (`make build` builds it), found by Envoy
 # through $ENVOY_DYNAMIC_MODULES_SEARCH_PATH.
 NOOP_DYNMOD = TARGET / "release" / "libdynmod_noop.so"
-# Target name -> the dynamic module that replaces its wasm filter (`make build` builds both; the
-# `dynmod-filter` one is tests/stack.py's FILTER_DYNMOD).
-NATIVE_MODULES = {"dynmod-noop": NOOP_DYNMOD, "dynmod-filter": FILTER_DYNMOD, "gateway-dynmod": FILTER_DYNMOD}
+# Target name -> the dynamic module that replaces its wasm filter (`make build` builds both).
+NATIVE_MODULES = {"dynmod-noop": NOOP_DYNMOD, "filter-native": FILTER_NATIVE, "gateway-native": FILTER_NATIVE}
 # The other build of the filter of the `filter-base` target.
 BASE_WASM_ENV = "FILTER_BASE_WASM"
 # The other build of the sidecar of the `gateway-base` target.
@@ -491,8 +489,7 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
     wasm_path = NOOP_WASM if name == "filter-noop" else None
     native_module = NATIVE_MODULES.get(name)
     if native_module and not native_module.exists():
-        crate = "gateway-" + native_module.stem.removeprefix("lib").replace("_", "-")
-        raise BenchError(f"{native_module} is missing: cargo build --release -p {crate} (make build does)")
+        raise BenchError(f"{native_module} is missing: make build builds it")
     if name == "filter-base":
         if not os.environ.get(BASE_WASM_ENV) or not Path(os.environ[BASE_WASM_ENV]).exists():
             raise BenchError(f"target filter-base: ${BASE_WASM_ENV} must name a built gateway_filter.wasm")

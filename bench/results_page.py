@@ -25,8 +25,8 @@ TARGET_TEXT = {
     "filter-base": "diagnostic: Envoy + another build of the filter (`$FILTER_BASE_WASM`): a change to the filter measured side by side with the build it changes",
     "gateway-base": "diagnostic: the gateway with another build of the sidecar (`$SIDECAR_BASE_BIN`): a change to the sidecar measured side by side with the build it changes",
     "dynmod-noop": "diagnostic: Envoy + a native dynamic-module filter that does nothing (`bench/dynmod-noop`): the floor of a native filter",
-    "dynmod-filter": "diagnostic: Envoy + the gateway filter's decisions as a native dynamic module (`bench/dynmod-filter`, a prototype without leases)",
-    "gateway-dynmod": "diagnostic: the gateway with the filter as a native dynamic module (`bench/dynmod-filter`) in the wasm filter's place",
+    "filter-native": "diagnostic: Envoy + the filter as a native dynamic module (`filter-native/`, the same decisions behind Envoy's C ABI)",
+    "gateway-native": "diagnostic: the gateway with the filter as a native dynamic module (`filter-native/`) in the wasm filter's place",
     "gateway-ext-proc-metering": "diagnostic: the gateway metered by an observability-mode ext_proc filter (every chunk to the sidecar) instead of the access log",
 }
 

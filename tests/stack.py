@@ -43,9 +43,9 @@ TARGET = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
 SIM_BIN = Path(os.environ.get("VLLM_SIM_BIN", TARGET / "release" / "vllm-sim"))
 SIDECAR_BIN = Path(os.environ.get("EXT_PROC_BIN", TARGET / "release" / "gateway-ext-proc"))
 WASM_PATH = Path(os.environ.get("FILTER_WASM", TARGET / "wasm32-wasip1" / "release" / "gateway_filter.wasm"))
-# The gateway filter as an Envoy dynamic module (bench/dynmod-filter, issue 18's item 3 prototype),
-# which `native_module` puts in the wasm filter's place.
-FILTER_DYNMOD = TARGET / "release" / "libdynmod_filter.so"
+# The gateway filter as an Envoy dynamic module (filter-native/), which `native_module` puts in the
+# wasm filter's place.
+FILTER_NATIVE = Path(os.environ.get("FILTER_NATIVE", TARGET / "release" / "libgateway_filter_native.so"))
 
 START_DEADLINE_S = 30.0
 
@@ -340,7 +340,7 @@ class Stack:
             proc.stop()
         self.procs.clear()
 
-    def _spawn(self, name: str, argv: list[str], stdout_pipe: bool = False, env: dict | None = None) -> Proc:
+    def _spawn(self, name: str, argv: list[str], stdout_pipe: bool = False) -> Proc:
         log = self.workdir / f"{name}.log"
         popen = subprocess.Popen(
             argv,
@@ -348,7 +348,6 @@ class Stack:
             stderr=open(log, "ab"),  # noqa: SIM115
             stdin=subprocess.DEVNULL,
             cwd=self.workdir,
-            env={**os.environ, **env} if env else None,
         )
         proc = Proc(name, popen, log)
         self.procs.append(proc)
@@ -678,8 +677,12 @@ class Stack:
         hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         filters = []
         if self.profile in ("gateway", "filter"):
-            wasm = render("filters/wasm.yaml")
-            filters.append(self._native_filter(wasm) if self.native_module else wasm)
+            if self.native_module:
+                # The same filter as a dynamic module, with the same configuration.
+                filters.append(render("filters/native.yaml",
+                                      {"NATIVE_MODULE_PATH": json.dumps(str(self.native_module))}))
+            else:
+                filters.append(render("filters/wasm.yaml"))
         if self.profile == "gateway":
             admission = render("filters/ext_proc_admission.yaml")
             if "admission_leases" in self.filter_config():
@@ -788,16 +791,6 @@ class Stack:
         self.filter_config_override = filter_config
         self._write_lds(self.envoy_config()["static_resources"]["listeners"])
 
-    def _native_filter(self, wasm: dict) -> dict:
-        """The dynamic-module filter that replaces the wasm filter `wasm`, with its plugin
-        configuration (a StringValue, which Envoy hands the module as the string's bytes)."""
-        assert self.native_module is not None
-        name = self.native_module.stem.removeprefix("lib")
-        return {"name": "llm_gateway.filter", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
-            "dynamic_module_config": {"name": name}, "filter_name": name,
-            "filter_config": wasm["typed_config"]["config"]["configuration"]}}
-
     def _start_envoy(self) -> None:
         config_path = self.workdir / "envoy.json"
         bootstrap = self.envoy_config()
@@ -812,8 +805,6 @@ class Stack:
             [envoy_binary(), "-c", str(config_path), "--disable-hot-restart",
              "--concurrency", str(self.envoy_concurrency), "--admin-address-path", str(admin_path),
              "--log-level", os.environ.get("ENVOY_LOG_LEVEL", "info"), *self.envoy_args],
-            # Envoy finds a dynamic module by name in this directory.
-            env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(self.native_module.parent)} if self.native_module else None,
         )
         self.envoy = proc
         deadline = time.monotonic() + START_DEADLINE_S

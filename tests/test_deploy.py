@@ -31,6 +31,7 @@ import yaml
 
 from helpers import assert_openai_error, auth, chat_body, post, sse_events
 from stack import (
+    FILTER_NATIVE,
     ROOT,
     SIDECAR_BIN,
     START_DEADLINE_S,
@@ -154,6 +155,8 @@ def bootstrap_variant(name: str) -> dict:
         return config
     if name == "tracing":
         return example(**MANIFEST_VARIANTS["tracing"])
+    if name == "native-module":
+        return example(**{"filter.wasm_file": None, "filter.native_module": str(FILTER_NATIVE)})
     if name == "redis-cluster-and-dns-sidecar":
         return example(**{"redis.url": None,
                           "redis.cluster_urls": ["redis://10.0.0.21:7000", "redis://10.0.0.22:7000"],
@@ -161,7 +164,8 @@ def bootstrap_variant(name: str) -> dict:
     raise ValueError(name)
 
 
-@pytest.mark.parametrize("variant", ["example", "no-fallback", "redis-cluster-and-dns-sidecar", "tracing"])
+@pytest.mark.parametrize("variant", ["example", "no-fallback", "redis-cluster-and-dns-sidecar", "tracing",
+                                     "native-module"])
 def test_rendered_bootstrap_passes_envoy_validate(tmp_path, variant):
     files = render(tmp_path, bootstrap_variant(variant), "standalone")
     assert set(files) == {"standalone/envoy.yaml", "standalone/filter.json", "standalone/sidecar.yaml"}
@@ -640,11 +644,13 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def rendered_stack(tmp_path_factory):
+@pytest.fixture(scope="module", params=["wasm_file", "native_module"])
+def rendered_stack(request, tmp_path_factory):
     """The gateway started from gatewayctl's output: the Stack starts redis-server and the
     simulator pools, then takes the sidecar config and the Envoy bootstrap that gatewayctl
-    rendered from a gateway config holding those addresses."""
+    rendered from a gateway config holding those addresses. Once with the wasm filter
+    (`filter.wasm_file`), once with the same filter as a dynamic module (`filter.native_module`)."""
+    filter_section = {request.param: str(WASM_PATH if request.param == "wasm_file" else FILTER_NATIVE)}
     workdir = tmp_path_factory.mktemp("rendered")
     key = new_api_key()
     dead = f"http://127.0.0.1:{_closed_port()}"
@@ -664,7 +670,7 @@ def rendered_stack(tmp_path_factory):
         hostport = lambda url: url.removeprefix("http://")  # noqa: E731
         return {
             "envoy": {"listen": "127.0.0.1:0", "admin_port": 0},
-            "filter": {"wasm_file": str(WASM_PATH)},
+            "filter": filter_section,
             "sidecar": {"listen": f"127.0.0.1:{sidecar_port}"},
             "redis": {"url": f"redis://127.0.0.1:{stack.redis_port}/0", "failure_mode": "open"},
             "tenants": [{"id": "acme", "api_keys_sha256": [sha256_hex(key)],

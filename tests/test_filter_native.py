@@ -1,5 +1,4 @@
-"""The gateway filter as an Envoy dynamic module (bench/dynmod-filter, issue 18's item 3 prototype)
-in the wasm filter's place, in the full gateway: real envoy + the native module + ext_proc sidecar
+"""The gateway filter as an Envoy dynamic module (filter-native/) in the wasm filter's place, in the full gateway: real envoy + the native module + ext_proc sidecar
 + redis-server + upstreams.
 
 The module runs the wasm filter's own decisions (gateway-filter, gateway-meter) behind Envoy's C
@@ -18,7 +17,7 @@ import pytest
 import redis
 
 from helpers import auth, chat_body, envoy_stats, post, sse_events, wait_for
-from stack import FILTER_DYNMOD, Model, Pool, Stack, Tenant, new_api_key, upstream_metric
+from stack import FILTER_NATIVE, Model, Pool, Stack, Tenant, new_api_key, upstream_metric
 
 KEYS = {name: new_api_key() for name in ("acme", "tiny", "restricted")}
 
@@ -33,15 +32,15 @@ def gateway(workdir, native: bool) -> Stack:
                Tenant("tiny", [KEYS["tiny"]], {"requests_per_minute": 2}),
                Tenant("restricted", [KEYS["restricted"]], {"requests_per_minute": 1000}, models=["beta"])]
     return Stack(workdir, pools, models, tenants, filter_extra={"max_body_bytes": 65536},
-                 native_module=FILTER_DYNMOD if native else None)
+                 native_module=FILTER_NATIVE if native else None)
 
 
 @pytest.fixture(scope="module")
 def stacks(tmp_path_factory):
     """The wasm gateway and the native one, with the same configuration."""
-    if not FILTER_DYNMOD.exists():
-        pytest.fail(f"{FILTER_DYNMOD} is missing: `make build` builds it (cargo build --release -p "
-                    "gateway-dynmod-filter)")
+    if not FILTER_NATIVE.exists():
+        pytest.fail(f"{FILTER_NATIVE} is missing: `make build` builds it (cargo build --release -p "
+                    "gateway-filter-native)")
     with gateway(tmp_path_factory.mktemp("wasm"), native=False) as wasm, \
             gateway(tmp_path_factory.mktemp("native"), native=True) as native:
         yield {"wasm": wasm, "native": native}
