@@ -30,7 +30,7 @@ from sidecar_checks import (
     usage_events,
     usage_hash,
 )
-from stack import Model, Pool, Stack, Tenant, new_api_key, upstream_metric
+from stack import FILTER_NATIVE, Model, Pool, Stack, Tenant, new_api_key, upstream_metric
 
 BIG = 1_000_000
 TENANTS = ["sf-cut", "sf-truncate", "sf-disconnect", "sf-stall", "sf-stall-abort", "sf-malformed"]
@@ -40,8 +40,10 @@ PROMPT = "one two three four five six seven eight"
 ECHO_CHUNKS = 11
 
 
-@pytest.fixture(scope="module")
-def faults_stack(tmp_path_factory):
+@pytest.fixture(scope="module", params=["wasm", "native"])
+def faults_stack(request, tmp_path_factory):
+    """The gateway with the wasm filter, then with the same filter as a dynamic module
+    (filter-native/, whose usage record on a fault comes from its stream-complete hook)."""
     pools = [
         # Drops the connection after 3 content chunks of every stream.
         Pool("pool_cut", ["sim/cut"], ["--ttft-ms", "10", "--itl-ms", "20", "--output-tokens", "10",
@@ -56,7 +58,8 @@ def faults_stack(tmp_path_factory):
         Model("plain", "pool_plain", served_model_name="sim/plain"),
     ]
     tenants = [Tenant(t, [KEYS[t]], {"tokens_per_minute": 1, "token_burst": BIG}) for t in TENANTS]
-    with Stack(tmp_path_factory.mktemp("faults"), pools, models, tenants) as s:
+    native = FILTER_NATIVE if request.param == "native" else None
+    with Stack(tmp_path_factory.mktemp("faults"), pools, models, tenants, native_module=native) as s:
         s.redis = redis.Redis(port=s.redis_port)
         yield s
 
