@@ -8,7 +8,9 @@ gRPC round trip. They are still metered (access log) and their reservations sett
 over-admit and are given back, a tenant whose limit is too tight for a lease is decided request by
 request, and a pool near shedding gets no leases.
 
-Envoy runs one worker here, so that one VM holds the leases and the counts are exact.
+Envoy runs one worker here, so that one VM holds the leases and the counts are exact. Every test
+runs twice: with the wasm filter, and with the same filter as an Envoy dynamic module
+(filter-native/, whose leases are one table per configuration, driven from Envoy's main thread).
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from __future__ import annotations
 import contextlib
 import time
 
+import pytest
 import redis
 
 from helpers import assert_openai_error, auth, chat_body, envoy_counter, post, wait_for
 from sidecar_checks import bucket, bucket_key, metric, open_stream, sidecar_metrics, usage_hash
-from stack import Model, Pool, Stack, Tenant, new_api_key, upstream_metric
+from stack import FILTER_NATIVE, Model, Pool, Stack, Tenant, new_api_key, upstream_metric
+
+pytestmark = pytest.mark.parametrize("native", [False, True], ids=["wasm", "native"])
 
 EXT_PROC_STREAMS = "http.gateway.ext_proc.streams_started"
 
@@ -29,15 +34,17 @@ def leases(stack, outcome: str) -> float:
     return metric(sidecar_metrics(stack), "llm_gateway_admission_leases_total", outcome=outcome)
 
 
-def leased_stack(tmp, tenants, lease_ttl_ms: int, pools=None, models=None, extra: dict | None = None) -> Stack:
+def leased_stack(tmp, tenants, lease_ttl_ms: int, pools=None, models=None, extra: dict | None = None,
+                 native: bool = False) -> Stack:
     overrides = {"redis": {"lease_fraction": 0.01, "lease_ttl_ms": lease_ttl_ms}, "metrics_listen": "127.0.0.1:0"}
     overrides.update(extra or {})
     return Stack(tmp, pools or [Pool("pool_l", ["sim/l"], ["--output-tokens", "2"])],
                  models or [Model("l", "pool_l", served_model_name="sim/l")], tenants,
-                 sidecar_overrides=overrides, admission_leases=True, envoy_concurrency=1)
+                 sidecar_overrides=overrides, admission_leases=True, envoy_concurrency=1,
+                 native_module=FILTER_NATIVE if native else None)
 
 
-def test_leased_requests_skip_the_ext_proc_admission_and_are_metered(tmp_path_factory):
+def test_leased_requests_skip_the_ext_proc_admission_and_are_metered(tmp_path_factory, native):
     """The first request goes through the ext_proc admission and makes the filter ask for a lease;
     the next ones are admitted from the lease (no ext_proc stream), carry the lease's
     `x-ratelimit-*` headers, and each is recorded once."""
@@ -46,7 +53,7 @@ def test_leased_requests_skip_the_ext_proc_admission_and_are_metered(tmp_path_fa
     # tokens, held 30 s (no renewal during the test).
     tenant = Tenant("al-skip", [key], {"requests_per_minute": 600, "request_burst": 10_000,
                                        "tokens_per_minute": 600, "token_burst": 1_000_000})
-    with leased_stack(tmp_path_factory.mktemp("al-skip"), [tenant], lease_ttl_ms=30_000) as s:
+    with leased_stack(tmp_path_factory.mktemp("al-skip"), [tenant], lease_ttl_ms=30_000, native=native) as s:
         first = post(s, "/v1/chat/completions", chat_body("l", max_tokens=10), key=key)
         assert first.status_code == 200, first.text
         assert envoy_counter(s, EXT_PROC_STREAMS) == 1
@@ -70,14 +77,14 @@ def test_leased_requests_skip_the_ext_proc_admission_and_are_metered(tmp_path_fa
         assert metric(sidecar_metrics(s), "llm_gateway_requests_total", tenant="al-skip", outcome="admitted") == 1
 
 
-def test_leases_are_given_back_and_only_the_usage_is_charged(tmp_path_factory):
+def test_leases_are_given_back_and_only_the_usage_is_charged(tmp_path_factory, native):
     """Once the requests stop, the lease's rest goes back to Redis and each leased reservation is
     settled to the request's real usage: the buckets end where the requests alone put them."""
     key = new_api_key()
     # Refill of one request and one token per second: small next to what the test measures.
     tenant = Tenant("al-back", [key], {"requests_per_minute": 60, "request_burst": 10_000,
                                        "tokens_per_minute": 60, "token_burst": 1_000_000})
-    with leased_stack(tmp_path_factory.mktemp("al-back"), [tenant], lease_ttl_ms=1000) as s:
+    with leased_stack(tmp_path_factory.mktemp("al-back"), [tenant], lease_ttl_ms=1000, native=native) as s:
         client = redis.Redis(port=s.redis_port)
         started = time.monotonic()
         for _ in range(12):
@@ -100,7 +107,7 @@ def test_leases_are_given_back_and_only_the_usage_is_charged(tmp_path_factory):
         assert leases(s, "given_back") >= 1
 
 
-def test_a_lease_whose_vm_went_away_is_reclaimed_within_a_ttl(tmp_path_factory):
+def test_a_lease_whose_vm_went_away_is_reclaimed_within_a_ttl(tmp_path_factory, native):
     """Envoy is killed holding a lease (its VM gone, the lease never given back): a sidecar sweep
     reclaims it after 1.5 TTL, not before its expiry, and the buckets end where the requests'
     usage alone puts them (issue 14 item 4)."""
@@ -110,7 +117,7 @@ def test_a_lease_whose_vm_went_away_is_reclaimed_within_a_ttl(tmp_path_factory):
     ttl_ms = 10_000
     tenant = Tenant("al-orphan", [key], {"requests_per_minute": 60, "request_burst": 10_000,
                                          "tokens_per_minute": 60, "token_burst": 1_000_000})
-    with leased_stack(tmp_path_factory.mktemp("al-orphan"), [tenant], lease_ttl_ms=ttl_ms) as s:
+    with leased_stack(tmp_path_factory.mktemp("al-orphan"), [tenant], lease_ttl_ms=ttl_ms, native=native) as s:
         client = redis.Redis(port=s.redis_port)
         first = post(s, "/v1/chat/completions", chat_body("l", max_tokens=50), key=key)
         assert first.status_code == 200, first.text
@@ -147,12 +154,12 @@ def test_a_lease_whose_vm_went_away_is_reclaimed_within_a_ttl(tmp_path_factory):
         assert client.zcard("llmgw:leases-reclaimed:{al-orphan}") == 1
 
 
-def test_a_tight_limit_gets_no_lease_and_stays_exact(tmp_path_factory):
+def test_a_tight_limit_gets_no_lease_and_stays_exact(tmp_path_factory, native):
     """5 requests per minute: 1 % is no lease, so every request is decided by the ext_proc
     admission and the sixth is refused, also when the client claims a leased admission."""
     key = new_api_key()
     tenant = Tenant("al-tight", [key], {"requests_per_minute": 5})
-    with leased_stack(tmp_path_factory.mktemp("al-tight"), [tenant], lease_ttl_ms=1000) as s:
+    with leased_stack(tmp_path_factory.mktemp("al-tight"), [tenant], lease_ttl_ms=1000, native=native) as s:
         for i in range(5):
             r = post(s, "/v1/chat/completions", chat_body("l", max_tokens=2), key=key)
             assert r.status_code == 200, (i, r.text)
@@ -166,7 +173,7 @@ def test_a_tight_limit_gets_no_lease_and_stays_exact(tmp_path_factory):
         assert leases(s, "granted") == 0
 
 
-def test_a_pool_near_shedding_gets_no_lease(tmp_path_factory):
+def test_a_pool_near_shedding_gets_no_lease(tmp_path_factory, native):
     """While the pool's queue is at the lowest tier's shedding level, no lease is granted for it:
     a batch request goes to the ext_proc admission and is shed, and stays shed."""
     keys = {"al-filler": new_api_key(), "al-batch": new_api_key()}
@@ -178,7 +185,7 @@ def test_a_pool_near_shedding_gets_no_lease(tmp_path_factory):
     models = [Model("shed", "pool_shed", served_model_name="sim/shed")]
     extra = {"shedding": {"tier_levels": {"batch": 0.5}}}
     with leased_stack(tmp_path_factory.mktemp("al-shed"), tenants, lease_ttl_ms=1000, pools=pools,
-                      models=models, extra=extra) as s:
+                      models=models, extra=extra, native=native) as s:
         sim = s.pool("pool_shed").urls[0]
         body = chat_body("shed", "hold the queue", stream=True, max_tokens=50)
         with contextlib.ExitStack() as held:

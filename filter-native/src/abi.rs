@@ -47,7 +47,7 @@ impl ModuleBuffer {
 /// `envoy_dynamic_module_type_envoy_http_header`.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct EnvoyHttpHeader {
+pub struct EnvoyHttpHeader {
     key_ptr: *const u8,
     key_length: usize,
     value_ptr: *const u8,
@@ -139,6 +139,151 @@ extern "C" {
         value: ModuleBuffer,
     ) -> bool;
     fn envoy_dynamic_module_callback_http_clear_route_cache(filter: *mut c_void);
+    fn envoy_dynamic_module_callback_http_filter_config_scheduler_new(config: *mut c_void) -> *mut c_void;
+    fn envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
+        scheduler: *mut c_void,
+        event_id: u64,
+    );
+    fn envoy_dynamic_module_callback_http_filter_config_scheduler_delete(scheduler: *mut c_void);
+    fn envoy_dynamic_module_callback_http_filter_config_http_callout(
+        config: *mut c_void,
+        callout_id_out: *mut u64,
+        cluster: ModuleBuffer,
+        headers: *const ModuleHttpHeader,
+        headers_size: usize,
+        body: ModuleBuffer,
+        timeout_ms: u64,
+    ) -> u32;
+}
+
+/// `envoy_dynamic_module_type_http_callout_init_result_Success`.
+const CALLOUT_INIT_SUCCESS: u32 = 0;
+/// `envoy_dynamic_module_type_http_callout_result_Success`.
+pub const CALLOUT_SUCCESS: u32 = 0;
+
+/// A filter configuration's `filter_config_envoy_ptr` (what `config_new` received), valid until
+/// Envoy destroys that configuration; used on Envoy's main thread only.
+#[derive(Clone, Copy)]
+pub struct Config(*mut c_void);
+
+// SAFETY: only an address, kept to be used on Envoy's main thread (the config-level hooks).
+unsafe impl Send for Config {}
+// SAFETY: as above; nothing reads through it off that thread.
+unsafe impl Sync for Config {}
+
+impl Config {
+    /// Wraps the pointer `config_new` received.
+    pub fn new(ptr: *mut c_void) -> Self {
+        Self(ptr)
+    }
+
+    /// A scheduler of config-level events on Envoy's main thread
+    /// (`on_http_filter_config_scheduled`). Not from within `config_new`: Envoy's scheduler holds
+    /// a weak reference to the configuration, which exists only once `config_new` returned.
+    pub fn scheduler(self) -> Scheduler {
+        // SAFETY: a live configuration pointer.
+        Scheduler(unsafe { envoy_dynamic_module_callback_http_filter_config_scheduler_new(self.0) })
+    }
+
+    /// Starts an HTTP callout to `cluster` (Envoy's async client); its answer comes to
+    /// `on_http_filter_config_http_callout_done` with the returned id. `None`: not started.
+    pub fn http_callout(
+        self,
+        cluster: &str,
+        headers: &[(&str, &[u8])],
+        body: &[u8],
+        timeout_ms: u64,
+    ) -> Option<u64> {
+        let headers: Vec<ModuleHttpHeader> = headers
+            .iter()
+            .map(|(k, v)| ModuleHttpHeader {
+                key_ptr: k.as_ptr(),
+                key_length: k.len(),
+                value_ptr: v.as_ptr(),
+                value_length: v.len(),
+            })
+            .collect();
+        let mut id = 0u64;
+        // SAFETY: a live configuration pointer, on the main thread; every buffer lives across
+        // the call (Envoy copies them).
+        let result = unsafe {
+            envoy_dynamic_module_callback_http_filter_config_http_callout(
+                self.0,
+                &mut id,
+                ModuleBuffer::of(cluster.as_bytes()),
+                headers.as_ptr(),
+                headers.len(),
+                ModuleBuffer::of(body),
+                timeout_ms,
+            )
+        };
+        (result == CALLOUT_INIT_SUCCESS).then_some(id)
+    }
+}
+
+/// A config-level scheduler: [`Scheduler::commit`] may be called from any thread, and Envoy runs
+/// the event on its main thread. Deleted when dropped.
+pub struct Scheduler(*mut c_void);
+
+// SAFETY: Envoy's scheduler is made to be committed to from other threads (abi.h).
+unsafe impl Send for Scheduler {}
+// SAFETY: as above.
+unsafe impl Sync for Scheduler {}
+
+impl Scheduler {
+    /// Posts event `event_id` to Envoy's main thread (a no-op once the configuration is gone).
+    pub fn commit(&self, event_id: u64) {
+        // SAFETY: a scheduler `scheduler_new` made, not yet deleted (Drop).
+        unsafe { envoy_dynamic_module_callback_http_filter_config_scheduler_commit(self.0, event_id) }
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        // SAFETY: made by scheduler_new, deleted once.
+        unsafe { envoy_dynamic_module_callback_http_filter_config_scheduler_delete(self.0) }
+    }
+}
+
+/// A callout's response as the `callout_done` hook received it: headers and body, copied.
+pub struct CalloutResponse {
+    /// The response headers (`:status`, `grpc-status` of a trailers-only answer, ...).
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// The body, its chunks joined.
+    pub body: Vec<u8>,
+}
+
+impl CalloutResponse {
+    /// Copies what Envoy passed to the hook.
+    ///
+    /// # Safety
+    /// `headers` and `chunks` are null or valid for their sizes (Envoy's, during the hook).
+    pub unsafe fn copy(
+        headers: *const EnvoyHttpHeader,
+        headers_size: usize,
+        chunks: *const EnvoyBuffer,
+        chunks_size: usize,
+    ) -> Self {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let headers =
+                if headers.is_null() { &[][..] } else { std::slice::from_raw_parts(headers, headers_size) };
+            let chunks =
+                if chunks.is_null() { &[][..] } else { std::slice::from_raw_parts(chunks, chunks_size) };
+            Self {
+                headers: headers
+                    .iter()
+                    .map(|h| {
+                        (
+                            String::from_utf8_lossy(bytes(h.key_ptr, h.key_length)).into_owned(),
+                            bytes(h.value_ptr, h.value_length).to_vec(),
+                        )
+                    })
+                    .collect(),
+                body: chunks.iter().flat_map(|c| bytes(c.ptr, c.length).iter().copied()).collect(),
+            }
+        }
+    }
 }
 
 /// One stream's `filter_envoy_ptr`, valid for the event hook it was passed to.

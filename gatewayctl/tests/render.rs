@@ -615,3 +615,28 @@ fn a_native_module_takes_the_wasm_filters_place_with_the_same_configuration() {
     // The mesh targets still load the wasm module.
     assert!(f["istio/envoyfilter.yaml"].contains("envoy.wasm.runtime.v8"));
 }
+
+#[test]
+fn a_native_module_admits_from_leases_as_the_wasm_filter_does() {
+    let text = std::fs::read_to_string(EXAMPLE)
+        .unwrap()
+        .replace(
+            "wasm_file: /etc/llm-gateway/gateway_filter.wasm",
+            "native_module: /opt/libgateway_filter_native.so",
+        )
+        .replace("filter:\n", "filter:\n  admission_leases: true\n")
+        .replace("redis:\n", "redis:\n  lease_fraction: 0.01\n");
+    let loaded = Loaded::from_yaml(&text, EXAMPLE, Path::new("../envoy/examples").to_path_buf()).unwrap();
+    let f: BTreeMap<String, String> =
+        render(&loaded, Target::Standalone).unwrap().files.into_iter().map(|f| (f.path, f.content)).collect();
+    let b = yaml(&f["standalone/envoy.yaml"]);
+    let hcm = &b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    let native = &hcm["http_filters"][0]["typed_config"];
+    let embedded: serde_json::Value =
+        serde_json::from_str(native["filter_config"]["value"].as_str().unwrap()).unwrap();
+    assert_eq!(embedded["admission_leases"]["cluster"], "llm_gateway_ext_proc");
+    assert_eq!(
+        hcm["http_filters"][1]["typed_config"]["@type"],
+        "type.googleapis.com/envoy.extensions.common.matching.v3.ExtensionWithMatcher"
+    );
+}
