@@ -25,6 +25,7 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
                           `filter`, over `dynmod-noop` and `filter-noop` respectively
     gateway-native        (diagnostic, not run by default) the gateway with that module in the wasm
                           filter's place
+    gateway-native-leases (diagnostic, not run by default) gateway-leases with that module
     gateway-leases        the gateway with leases (`redis.lease_fraction: 0.01`): the filter admits
                           from admission leases (filter `admission_leases`) without the ext_proc
                           round trip, and the sidecar's own decisions use token leases
@@ -137,6 +138,7 @@ PROFILES = {
     "dynmod-noop": ("filter", ()),
     "filter-native": ("filter", ()),
     "gateway-native": ("gateway", ()),
+    "gateway-native-leases": ("gateway", ()),
     "gateway-base": ("gateway", ()),
 }
 # The no-op proxy-wasm filter of the `filter-noop` target (`make build` builds it).
@@ -145,7 +147,10 @@ NOOP_WASM = TARGET / "wasm32-wasip1" / "release" / "examples" / "noop.wasm"
 # through $ENVOY_DYNAMIC_MODULES_SEARCH_PATH.
 NOOP_DYNMOD = TARGET / "release" / "libdynmod_noop.so"
 # Target name -> the dynamic module that replaces its wasm filter (`make build` builds both).
-NATIVE_MODULES = {"dynmod-noop": NOOP_DYNMOD, "filter-native": FILTER_NATIVE, "gateway-native": FILTER_NATIVE}
+NATIVE_MODULES = {"dynmod-noop": NOOP_DYNMOD, "filter-native": FILTER_NATIVE, "gateway-native": FILTER_NATIVE,
+                  "gateway-native-leases": FILTER_NATIVE}
+# The targets with admission leases (LEASES and the filter's `admission_leases`).
+LEASED_TARGETS = ("gateway-leases", "gateway-native-leases")
 # The other build of the filter of the `filter-base` target.
 BASE_WASM_ENV = "FILTER_BASE_WASM"
 # The other build of the sidecar of the `gateway-base` target.
@@ -511,8 +516,8 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
         sidecar_extra=sidecar_extra,
         drop_filters=drop,
         metering="ext_proc" if name == "gateway-ext-proc-metering" else "access_log",
-        sidecar_overrides=LEASES if name == "gateway-leases" else None,
-        admission_leases=name == "gateway-leases",
+        sidecar_overrides=LEASES if name in LEASED_TARGETS else None,
+        admission_leases=name in LEASED_TARGETS,
         wasm_path=wasm_path,
         # The no-op filters name no pool: the benchmark routes its requests to the pool itself.
         route_to_first_pool=name in ("filter-noop", "dynmod-noop") or None,
