@@ -11,13 +11,15 @@ connection errors and the Envoy log on failure.
 from __future__ import annotations
 
 import datetime
+import json
+import subprocess
 
 import httpx
 import pytest
 import redis
 
 from helpers import auth, chat_body, envoy_stats, post, sse_events, wait_for
-from stack import FILTER_NATIVE, Model, Pool, Stack, Tenant, new_api_key, upstream_metric
+from stack import FILTER_NATIVE, Model, Pool, Stack, Tenant, envoy_binary, new_api_key, upstream_metric
 
 KEYS = {name: new_api_key() for name in ("acme", "tiny", "restricted")}
 
@@ -124,3 +126,17 @@ def test_the_module_meters_exactly_and_strips_the_usage_it_asked_for(stacks):
     recorded = wait_for(lambda: (h := usage_hash(stack, "acme")) and h.get("beta:requests") == 3 and h)
     assert recorded, (usage_hash(stack, "acme"), envoy_stats(stack, "access_log"), stack.envoy.log_tail())
     assert {k: recorded.get(k) for k in expected} == expected
+
+
+def test_an_invalid_configuration_is_refused_at_load_naming_the_field(tmp_path):
+    """Envoy does not start with a configuration the module refuses, and its log names the field
+    (as the wasm filter's does): the module answers `config_new` with null."""
+    stack = gateway(tmp_path, native=True)
+    stack.filter_config_override = {**stack.filter_config(), "tenants": [{"id": "acme", "tierx": "gold"}]}
+    bootstrap = tmp_path / "envoy.json"
+    bootstrap.write_text(json.dumps(stack.envoy_config()))
+    result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(bootstrap), "--log-level", "warn"],
+                            capture_output=True, text=True, timeout=60, check=False)
+    log = result.stdout + result.stderr
+    assert result.returncode != 0, log
+    assert "gateway-filter-native: invalid filter configuration: tenants[0].tierx: unknown field `tierx`" in log, log

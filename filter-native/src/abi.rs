@@ -139,6 +139,7 @@ extern "C" {
         value: ModuleBuffer,
     ) -> bool;
     fn envoy_dynamic_module_callback_http_clear_route_cache(filter: *mut c_void);
+    fn envoy_dynamic_module_callback_log(level: u32, message: ModuleBuffer);
     fn envoy_dynamic_module_callback_http_filter_config_scheduler_new(config: *mut c_void) -> *mut c_void;
     fn envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
         scheduler: *mut c_void,
@@ -154,6 +155,15 @@ extern "C" {
         body: ModuleBuffer,
         timeout_ms: u64,
     ) -> u32;
+}
+
+/// `envoy_dynamic_module_type_log_level_Warn`.
+const LOG_WARN: u32 = 3;
+
+/// Logs `message` at warn level in Envoy's `dynamic_modules` logger (any thread).
+pub fn log_warn(message: &str) {
+    // SAFETY: the buffer lives across the call; Envoy copies it.
+    unsafe { envoy_dynamic_module_callback_log(LOG_WARN, ModuleBuffer::of(message.as_bytes())) }
 }
 
 /// `envoy_dynamic_module_type_http_callout_init_result_Success`.

@@ -239,5 +239,12 @@ mod tests {
         compressed[0] = 1;
         assert_eq!(decode_grant(&answer(&[(":status", b"200")], compressed)), None);
         assert_eq!(decode_grant(&answer(&[(":status", b"200")], Vec::new())), None);
+        // A whole frame that is no LeaseGrant (a field of the wrong wire type): logged, failed.
+        assert_eq!(decode_grant(&answer(&[(":status", b"200")], grpc_frame(&[0x0a, 0x05]))), None);
     }
+
+    /// The one Envoy callback these tests reach (an unreadable grant is logged): Envoy is not
+    /// there to provide it.
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_log(_level: u32, _message: crate::abi::ModuleBuffer) {}
 }

@@ -99,7 +99,7 @@ fn request_nonce(started_us: u64) -> String {
 }
 
 fn log_warn(message: &str) {
-    eprintln!("gateway-filter-native: {message}");
+    abi::log_warn(&format!("gateway-filter-native: {message}"));
 }
 
 /// One of a tenant's upload slots, given back when dropped.
