@@ -204,15 +204,7 @@ impl Config {
         body: &[u8],
         timeout_ms: u64,
     ) -> Option<u64> {
-        let headers: Vec<ModuleHttpHeader> = headers
-            .iter()
-            .map(|(k, v)| ModuleHttpHeader {
-                key_ptr: k.as_ptr(),
-                key_length: k.len(),
-                value_ptr: v.as_ptr(),
-                value_length: v.len(),
-            })
-            .collect();
+        let headers = module_headers(headers);
         let mut id = 0u64;
         // SAFETY: a live configuration pointer, on the main thread; every buffer lives across
         // the call (Envoy copies them).
@@ -414,15 +406,7 @@ impl Filter {
 
     /// Sends a local reply (Envoy's `sendLocalReply`) with `details` as its response code details.
     pub fn send_response(self, status: u32, headers: &[(&str, &str)], body: &[u8], details: &str) {
-        let headers: Vec<ModuleHttpHeader> = headers
-            .iter()
-            .map(|(k, v)| ModuleHttpHeader {
-                key_ptr: k.as_ptr(),
-                key_length: k.len(),
-                value_ptr: v.as_ptr(),
-                value_length: v.len(),
-            })
-            .collect();
+        let headers = module_headers(headers);
         // SAFETY: a valid filter pointer; every buffer lives across the call.
         unsafe {
             envoy_dynamic_module_callback_http_send_response(
@@ -453,6 +437,19 @@ impl Filter {
         // SAFETY: a valid filter pointer.
         unsafe { envoy_dynamic_module_callback_http_clear_route_cache(self.0) }
     }
+}
+
+/// `headers` as abi.h's `module_http_header` array, borrowing their bytes.
+fn module_headers<V: AsRef<[u8]>>(headers: &[(&str, V)]) -> Vec<ModuleHttpHeader> {
+    headers
+        .iter()
+        .map(|(k, v)| ModuleHttpHeader {
+            key_ptr: k.as_ptr(),
+            key_length: k.len(),
+            value_ptr: v.as_ref().as_ptr(),
+            value_length: v.as_ref().len(),
+        })
+        .collect()
 }
 
 /// Envoy's bytes at `ptr` (empty for null).

@@ -54,7 +54,7 @@ use gateway_filter::pipeline::{
     check_body_size, on_request_body_owned, on_request_headers, response_needs_stripping, HeadersDecision,
     PendingRequest,
 };
-use gateway_filter::sse::{ChunkOutput, UsageStripper};
+use gateway_filter::sse::{meter_chunk, ChunkOutput, UsageStripper};
 use gateway_filter::uploads::UploadSlots;
 use gateway_meter::{Meter, Usage};
 use leases::{LeaseDriver, TICK_EVENT};
@@ -353,25 +353,9 @@ impl Stream {
             }
         };
         let body_size = chunk.len();
-        let metered = self.meter.is_active();
-        let now = (metered && (end_of_stream || self.meter.needs_clock())).then(now_us);
-        let Some(stripper) = self.stripper.as_mut() else {
-            let usage = self.meter.on_response_body(chunk, end_of_stream, now);
-            publish_usage(envoy, usage);
-            return BODY_CONTINUE;
-        };
-        let meter = &mut self.meter;
-        let output = stripper.push_read(chunk, end_of_stream, |bytes| {
-            if !metered {
-                return None;
-            }
-            let _ = meter.on_response_body(bytes, false, now);
-            meter.take_event_usage()
-        });
-        if metered && end_of_stream {
-            let usage = self.meter.on_response_body(&[], true, now);
-            publish_usage(envoy, usage);
-        }
+        let now = (self.meter.is_active() && (end_of_stream || self.meter.needs_clock())).then(now_us);
+        let (output, usage) = meter_chunk(&mut self.meter, self.stripper.as_mut(), chunk, end_of_stream, now);
+        publish_usage(envoy, usage);
         if let ChunkOutput::Replace(out) = output {
             if !envoy.replace_body(BodyType::ReceivedResponse, body_size, &out) {
                 log_warn("cannot rewrite a response chunk");

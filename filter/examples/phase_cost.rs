@@ -148,11 +148,7 @@ fn main() {
     });
     let one_pass = |body: &[u8]| {
         let mut m = started_meter();
-        let out = UsageStripper::default().push_read(body, true, |event| {
-            let _ = m.on_response_body(event, false, Some(3));
-            m.take_event_usage()
-        });
-        (m.on_response_body(&[], true, Some(3)), out)
+        gateway_filter::sse::meter_chunk(&mut m, Some(&mut UsageStripper::default()), body, true, Some(3))
     };
     time("meter and stripper in one pass, 1 chunk", 20_000, || one_pass(&asked));
     let escaped = stream_of(16, true, true);

@@ -14,7 +14,7 @@
 //! of it up to the next boundary. Events that are not exactly one `data:` line holding a JSON
 //! object are passed through unchanged.
 
-use gateway_meter::ChunkUsage;
+use gateway_meter::{ChunkUsage, Meter, Usage};
 
 use crate::json_scan::visit_object;
 
@@ -59,6 +59,36 @@ pub struct UsageStripper {
     boundary: Boundary,
     passthrough: bool,
     max_event_bytes: usize,
+}
+
+/// One response chunk through the meter and, when the response is stripped, the stripper, in one
+/// pass (what both adapters, `filter/src/wasm.rs` and `filter-native/`, do with a chunk): the
+/// chunk's output (always [`ChunkOutput::Unchanged`] without a stripper) and the usage the meter
+/// finished with, at `end_of_stream` (to publish once). `now` is the clock for the meter (its
+/// `needs_clock`), microseconds since the Unix epoch.
+pub fn meter_chunk(
+    meter: &mut Meter,
+    stripper: Option<&mut UsageStripper>,
+    chunk: &[u8],
+    end_of_stream: bool,
+    now: Option<u64>,
+) -> (ChunkOutput, Option<Usage>) {
+    let Some(stripper) = stripper else {
+        return (ChunkOutput::Unchanged, meter.on_response_body(chunk, end_of_stream, now));
+    };
+    let metered = meter.is_active();
+    // One pass: the stripper hands the meter each whole event it releases and strips the event
+    // from the meter's reading of it (`UsageStripper::push_read`).
+    let output = stripper.push_read(chunk, end_of_stream, |bytes| {
+        if !metered {
+            return None;
+        }
+        // Not the last bytes: no usage comes back before `end_of_stream`, below.
+        let _ = meter.on_response_body(bytes, false, now);
+        meter.take_event_usage()
+    });
+    let usage = if metered && end_of_stream { meter.on_response_body(&[], true, now) } else { None };
+    (output, usage)
 }
 
 impl Default for UsageStripper {
@@ -454,6 +484,30 @@ mod tests {
             assert_eq!(answered, 3);
             assert!(meter.on_response_body(&[], true, Some(3)).is_some_and(|u| u.completion_tokens == 3));
         }
+    }
+
+    #[test]
+    fn meter_chunk_strips_and_meters_in_one_pass_and_only_meters_without_a_stripper() {
+        let (upstream, client) = streams("\n\n");
+        let (half, rest) = upstream.as_bytes().split_at(upstream.len() / 2);
+        let mut meter = streaming_meter();
+        let mut stripper = UsageStripper::default();
+        let mut out = Vec::new();
+        for (chunk, last) in [(half, false), (rest, true)] {
+            let (output, usage) = meter_chunk(&mut meter, Some(&mut stripper), chunk, last, Some(2));
+            match output {
+                ChunkOutput::Unchanged => out.extend_from_slice(chunk),
+                ChunkOutput::Replace(r) => out.extend_from_slice(&r),
+            }
+            // The usage comes once, with the last chunk.
+            assert_eq!(usage.as_ref().map(|u| u.completion_tokens), last.then_some(3));
+        }
+        assert_eq!(out, client.into_bytes());
+        // Without a stripper the chunk goes on unchanged and the meter still reads it.
+        let mut meter = streaming_meter();
+        let (output, usage) = meter_chunk(&mut meter, None, upstream.as_bytes(), true, Some(2));
+        assert_eq!(output, ChunkOutput::Unchanged);
+        assert_eq!(usage.map(|u| u.completion_tokens), Some(3));
     }
 
     #[test]

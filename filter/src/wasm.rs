@@ -38,7 +38,7 @@ use crate::pipeline::{
     on_request_body_owned, on_request_headers, response_needs_stripping, HeadersDecision, PendingRequest,
 };
 use crate::proto::LeaseGrant;
-use crate::sse::{ChunkOutput, UsageStripper};
+use crate::sse::{meter_chunk, ChunkOutput, UsageStripper};
 use crate::uploads::UploadSlots;
 use gateway_meter::{Meter, Usage};
 
@@ -563,28 +563,10 @@ impl HttpContext for GatewayHttp {
             }
         };
         // A clock read is a host call: only for TTFT (until the first content) and the end.
-        let metered = self.meter.is_active();
-        let now = (metered && (end_of_stream || self.meter.needs_clock())).then(now_us);
-        let Some(stripper) = self.stripper.as_mut() else {
-            let usage = self.meter.on_response_body(&chunk, end_of_stream, now);
-            self.finish_metering(usage);
-            return Action::Continue;
-        };
-        // One pass: the stripper hands the meter each whole event it releases and strips the
-        // event from the meter's reading of it (`UsageStripper::push_read`).
-        let meter = &mut self.meter;
-        let output = stripper.push_read(&chunk, end_of_stream, |bytes| {
-            if !metered {
-                return None;
-            }
-            // Not the last bytes: no usage comes back before `end_of_stream`, below.
-            let _ = meter.on_response_body(bytes, false, now);
-            meter.take_event_usage()
-        });
-        if metered && end_of_stream {
-            let usage = self.meter.on_response_body(&[], true, now);
-            self.finish_metering(usage);
-        }
+        let now = (self.meter.is_active() && (end_of_stream || self.meter.needs_clock())).then(now_us);
+        let (output, usage) =
+            meter_chunk(&mut self.meter, self.stripper.as_mut(), &chunk, end_of_stream, now);
+        self.finish_metering(usage);
         if let ChunkOutput::Replace(out) = output {
             if let Err(status) = hostcalls::set_buffer(BufferType::HttpResponseBody, 0, body_size, &out) {
                 log(LogLevel::Warn, &format!("gateway-filter: set response body failed: {status:?}"));
