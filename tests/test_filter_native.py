@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import socket
 import subprocess
 
 import httpx
@@ -140,3 +141,37 @@ def test_an_invalid_configuration_is_refused_at_load_naming_the_field(tmp_path):
     log = result.stdout + result.stderr
     assert result.returncode != 0, log
     assert "gateway-filter-native: invalid filter configuration: tenants[0].tierx: unknown field `tierx`" in log, log
+
+
+def test_a_tenant_holds_at_most_its_upload_slots_per_worker(tmp_path):
+    """max_uploads_per_tenant (2, one Envoy worker): with two bodies of a tenant still arriving,
+    its next request is answered 429 with Retry-After, another tenant is served, and a slot comes
+    back when a slow body's connection goes away (the module's per-thread table, per
+    configuration)."""
+    key, other = new_api_key(), new_api_key()
+    tenants = [Tenant("slow", [key]), Tenant("other", [other])]
+    with Stack(tmp_path, [Pool("pool_u", ["sim/u"], ["--output-tokens", "2"])], [Model("u", "pool_u", served_model_name="sim/u")],
+               tenants, profile="filter", envoy_concurrency=1, filter_extra={"max_uploads_per_tenant": 2},
+               native_module=FILTER_NATIVE) as s:
+        port = int(s.base_url.rsplit(":", 1)[1])
+        slow = []
+        for _ in range(2):
+            conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+            conn.sendall(("POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer " + key +
+                          "\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n{\"model\": \"u\", ").encode())
+            slow.append(conn)
+        try:
+            def refused():
+                r = post(s, "/v1/chat/completions", chat_body("u"), key=key)
+                return r if r.status_code == 429 else None
+            r = wait_for(refused, timeout=30)
+            assert r is not None, s.envoy.log_tail()
+            assert r.headers.get("retry-after") == "1", r.headers
+            assert r.json()["error"]["code"] == "rate_limit_exceeded", r.text
+            assert post(s, "/v1/chat/completions", chat_body("u"), key=other).status_code == 200
+        finally:
+            slow[0].close()
+        assert wait_for(lambda: post(s, "/v1/chat/completions", chat_body("u"), key=key).status_code == 200,
+                        timeout=30)
+        for conn in slow[1:]:
+            conn.close()

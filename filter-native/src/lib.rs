@@ -26,7 +26,7 @@
 //! - The clock is the process's (`SystemTime`), not a host call; the request nonce's random
 //!   keys are std's, seeded by the OS (the wasm module's by Envoy's `random_get`).
 //! - Envoy runs a stream's hooks on its worker thread, so the upload slots are per worker
-//!   thread (`thread_local!`), as the wasm module's are per worker VM.
+//!   thread and configuration (`thread_local!`), as the wasm module's are per worker VM.
 //! - Response chunks are read in place from Envoy's buffer (no copy into a VM), unless Envoy
 //!   holds the chunk in several slices.
 //!
@@ -43,6 +43,7 @@ mod abi;
 mod leases;
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -80,8 +81,10 @@ const TRAILERS_STOP_ITERATION: u32 = 1;
 const REPLY_DETAILS: &str = "llm_gateway_filter";
 
 thread_local! {
-    /// Request bodies in progress per tenant on this worker thread.
-    static UPLOADS: RefCell<UploadSlots> = RefCell::new(UploadSlots::default());
+    /// Request bodies in progress per tenant on this worker thread, per configuration (by its
+    /// address: tenants are indices into it, and an old and a new configuration live side by
+    /// side while Envoy drains a listener), as the wasm module's are per worker VM.
+    static UPLOADS: RefCell<HashMap<usize, UploadSlots>> = RefCell::new(HashMap::new());
 }
 
 /// Microseconds since the Unix epoch (0 if the clock is before it).
@@ -104,14 +107,33 @@ fn log_warn(message: &str) {
 
 /// One of a tenant's upload slots, given back when dropped.
 struct UploadSlot {
+    /// The configuration's key in [`UPLOADS`].
+    config: usize,
     tenant: usize,
+}
+
+impl UploadSlot {
+    /// Takes one of `tenant`'s slots of configuration `config` on this thread, if it has fewer
+    /// than `limit` in progress. A table that cannot be reached (never expected) admits.
+    fn try_acquire(config: usize, tenant: usize, limit: u32) -> Option<Self> {
+        let acquired = UPLOADS
+            .try_with(|tables| {
+                tables
+                    .try_borrow_mut()
+                    .map_or(true, |mut t| t.entry(config).or_default().try_acquire(tenant, limit))
+            })
+            .unwrap_or(true);
+        acquired.then_some(Self { config, tenant })
+    }
 }
 
 impl Drop for UploadSlot {
     fn drop(&mut self) {
-        let _ = UPLOADS.try_with(|slots| {
-            if let Ok(mut slots) = slots.try_borrow_mut() {
-                slots.release(self.tenant);
+        let _ = UPLOADS.try_with(|tables| {
+            if let Ok(mut tables) = tables.try_borrow_mut() {
+                if let Some(slots) = tables.get_mut(&self.config) {
+                    slots.release(self.tenant);
+                }
             }
         });
     }
@@ -186,16 +208,12 @@ impl Stream {
             }
             HeadersDecision::AwaitBody(pending) => {
                 let limit = cfg.max_uploads_per_tenant;
-                let acquired = UPLOADS
-                    .try_with(|s| {
-                        s.try_borrow_mut().map_or(true, |mut s| s.try_acquire(pending.tenant, limit))
-                    })
-                    .unwrap_or(true);
-                if !acquired {
+                let config = Arc::as_ptr(&self.config) as usize;
+                let Some(slot) = UploadSlot::try_acquire(config, pending.tenant, limit) else {
                     send_reply(envoy, &GatewayError::TooManyUploads { limit }.to_reply());
                     return HEADERS_STOP_ITERATION;
-                }
-                self.upload = Some(UploadSlot { tenant: pending.tenant });
+                };
+                self.upload = Some(slot);
                 self.pending = Some(pending);
                 HEADERS_STOP_ITERATION
             }
