@@ -54,7 +54,7 @@ test-unit: ## Host unit tests of every crate
 test-integration: ## Integration tests (tests/): real envoy, redis-server, sidecar and upstreams on ephemeral ports
 	$(PY) -m pytest tests -v -rs
 
-bench: setup build ## Benchmarks (~65 min): gateway overhead vs bare Envoy, saturation, sidecar, overload, endpoint picking (bench/picker.py), flow control (bench/flow_control.py); rewrites docs/benchmarks.md (BENCH_ARGS=--quick: smoke run)
+bench: setup build ## Benchmarks (~70 min): gateway overhead vs bare Envoy (wasm and native filters), saturation, sidecar, overload, endpoint picking (bench/picker.py), flow control (bench/flow_control.py); rewrites docs/benchmarks.md (BENCH_ARGS=--quick: smoke run)
 	$(PY) bench/overhead.py $(BENCH_ARGS)
 	$(PY) bench/picker.py $(BENCH_ARGS)
 	$(PY) bench/flow_control.py $(BENCH_ARGS)

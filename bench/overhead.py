@@ -10,7 +10,7 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
     gateway-no-metering   (diagnostic) the gateway without its metering access log: admission only
     gateway-ext-proc-metering   (diagnostic) the gateway metered by the ext_proc filter instead of
                           the access log (how Envoy Gateway is rendered)
-    filter-noop           (diagnostic, not run by default) Envoy + a proxy-wasm filter that does
+    filter-noop           (diagnostic) Envoy + a proxy-wasm filter that does
                           nothing (filter/examples/noop.rs): the floor of any proxy-wasm filter
     filter-base           (diagnostic, not run by default) Envoy + another build of the filter, the
                           module at $FILTER_BASE_WASM: a change to the filter measured side by side
@@ -18,14 +18,14 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
     gateway-base          (diagnostic, not run by default) the gateway with another build of the
                           sidecar, the binary at $SIDECAR_BASE_BIN: a change to the sidecar measured
                           side by side with the build it changes
-    dynmod-noop           (diagnostic, not run by default) Envoy + a native dynamic-module filter
+    dynmod-noop           (diagnostic) Envoy + a native dynamic-module filter
                           that does nothing (bench/dynmod-noop): the floor of a native filter
-    filter-native         (diagnostic, not run by default) Envoy + the filter as a native dynamic
-                          module (filter-native/) with the filter's configuration: compare with
-                          `filter`, over `dynmod-noop` and `filter-noop` respectively
+    filter-native         (diagnostic) Envoy + the filter as a native dynamic module
+                          (filter-native/) with the filter's configuration: its own cost is its CPU
+                          over `dynmod-noop`'s, as `filter`'s is over `filter-noop`'s
     gateway-native        (diagnostic, not run by default) the gateway with that module in the wasm
                           filter's place
-    gateway-native-leases (diagnostic, not run by default) gateway-leases with that module
+    gateway-native-leases gateway-leases with that module
     gateway-leases        the gateway with leases (`redis.lease_fraction: 0.01`): the filter admits
                           from admission leases (filter `admission_leases`) without the ext_proc
                           round trip, and the sidecar's own decisions use token leases
@@ -118,7 +118,7 @@ RESULTS_DIR = TARGET / "bench-results"
 MODEL = "sim-model"
 POOL = "pool_sim"
 TARGETS = ("direct", "bare", "filter", "gateway", "gateway-leases", "gateway-no-metering",
-           "gateway-ext-proc-metering")
+           "gateway-ext-proc-metering", "filter-noop", "dynmod-noop", "filter-native", "gateway-native-leases")
 # The leases of the `gateway-leases` target (with the filter's `admission_leases`).
 LEASES = {"redis": {"lease_fraction": 0.01}}
 # Target name -> (tests/stack.py profile, Envoy HTTP filters and access loggers removed from it).
@@ -612,6 +612,17 @@ def summarize(rows: list[dict]) -> dict:
         out[key] = sum(r[key] for r in rows)
     out["errors"] = {k: sum(r["errors"][k] for r in rows) for k in rows[0]["errors"]} if rows else {}
     return out
+
+
+def own_cpu_us(rows: dict[str, list[dict]], target: str, base: str) -> float | None:
+    """Median over rounds of `target`'s Envoy CPU per request minus `base`'s, in µs (None when
+    either did not run)."""
+    if target not in rows or base not in rows:
+        return None
+    diffs = [(a["cpu_s_per_1k"]["envoy"] - b["cpu_s_per_1k"]["envoy"]) * 1000.0
+             for a, b in zip(rows[target], rows[base], strict=True)
+             if "envoy" in a["cpu_s_per_1k"] and "envoy" in b["cpu_s_per_1k"]]
+    return statistics.median(diffs) if diffs else None
 
 
 def paired(rows: dict[str, list[dict]], base: str) -> dict:
@@ -1188,6 +1199,26 @@ def check_targets(summary: dict) -> list[dict]:
             f"{ratio(r_stream, 3)}; {ratio(r_sat, 3)}", "≥ 0.6×",
             verdict(None if r_sat is None else r_sat >= 0.6),
             "judged at saturation" if r_sat is not None else "")
+    # Issue 18: each filter's own Envoy CPU per request over the no-op filter of its kind, the
+    # native filter's throughput, and the gateway with the native filter and leases.
+    for label, name, base in (("wasm filter over the no-op wasm filter", "filter", "filter-noop"),
+                              ("native filter over the no-op native filter", "filter-native", "dynmod-noop")):
+        own = own_cpu_us(sat_rows, name, base)
+        add(f"Filter's own Envoy CPU per request at saturation ({label})", signed(own, " µs"), "≤ 35 µs",
+            verdict(None if own is None else own <= 35.0))
+    r = (vs_sat.get("filter-native") or {}).get("throughput_ratio", {}).get("median")
+    add(f"Native filter vs bare Envoy: throughput on the same small request ({c_sat})", ratio(r, 3), "≥ 0.8×",
+        verdict(None if r is None else r >= 0.8))
+    nl, nl_sat = vs_over.get("gateway-native-leases"), vs_sat.get("gateway-native-leases")
+    if nl:
+        p50, p99, itl = (nl[k]["median"] for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p99_ms"))
+        add(f"Gateway with the native filter and leases vs bare Envoy: added TTFT p50 / p99, ITL p99 ({c_over})",
+            f"{signed(p50, ' ms')} / {signed(p99, ' ms')}, {signed(itl, ' ms')}", "≤ 0.5 / 1.0 ms, ≤ 0.2 ms",
+            verdict(None if None in (p50, p99, itl) else p50 <= 0.5 and p99 <= 1.0 and itl <= 0.2))
+    r = nl_sat["throughput_ratio"]["median"] if nl_sat else None
+    if nl or nl_sat:
+        add(f"Gateway with the native filter and leases vs bare Envoy: throughput at saturation ({c_sat})",
+            ratio(r, 3), "≥ 0.6×", verdict(None if r is None else r >= 0.6))
     if fl or fl_sat:
         parts = []
         if fl:
