@@ -143,8 +143,8 @@ PROFILES = {
 }
 # The no-op proxy-wasm filter of the `filter-noop` target (`make build` builds it).
 NOOP_WASM = TARGET / "wasm32-wasip1" / "release" / "examples" / "noop.wasm"
-# The no-op dynamic module of the `dynmod-noop` target (`make build` builds it), found by Envoy
-# through $ENVOY_DYNAMIC_MODULES_SEARCH_PATH.
+# The no-op dynamic module of the `dynmod-noop` target (`make build` builds it), loaded from its
+# file (envoy/filters/native.yaml).
 NOOP_DYNMOD = TARGET / "release" / "libdynmod_noop.so"
 # Target name -> the dynamic module that replaces its wasm filter (`make build` builds both).
 NATIVE_MODULES = {"dynmod-noop": NOOP_DYNMOD, "filter-native": FILTER_NATIVE, "gateway-native": FILTER_NATIVE,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 import urllib.request
 
@@ -72,3 +73,20 @@ def envoy_counter(stack, name: str) -> int:
     """One Envoy stat (admin /stats, exact name), 0 when absent."""
     text = envoy_stats(stack, f"^{name}$").strip()
     return int(text.rsplit(": ", 1)[1]) if text else 0
+
+
+def connect(stack) -> socket.socket:
+    """A raw TCP connection to the stack's listener."""
+    port = int(stack.base_url.rsplit(":", 1)[1])
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def start_slow_body(stack, key: str, model: str) -> socket.socket:
+    """A chat request whose headers are complete and whose body (100,000 bytes declared) has only
+    begun: it holds one of the tenant's upload slots until the connection closes."""
+    conn = connect(stack)
+    conn.sendall((
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer " + key +
+        "\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n{\"model\": \"" + model + "\", "
+    ).encode())
+    return conn

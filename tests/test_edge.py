@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from helpers import auth, chat_body, post, wait_for
+from helpers import auth, chat_body, connect, post, start_slow_body, wait_for
 from stack import Model, Pool, Stack, Tenant, new_api_key
 
 KEY, OTHER_KEY = new_api_key(), new_api_key()
@@ -38,11 +38,6 @@ def edge_stack(tmp_path_factory):
     with Stack(tmp_path_factory.mktemp("edge"), pools, models, tenants, envoy_concurrency=1, edge=edge,
                filter_extra={"max_uploads_per_tenant": MAX_UPLOADS}) as s:
         yield s
-
-
-def connect(s: Stack) -> socket.socket:
-    port = int(s.base_url.rsplit(":", 1)[1])
-    return socket.create_connection(("127.0.0.1", port), timeout=10)
 
 
 def read_until_closed(conn: socket.socket, timeout: float = 10) -> tuple[bytes, float]:
@@ -153,22 +148,12 @@ def test_connections_past_the_global_limit_are_closed(edge_stack):
                     timeout=30)
 
 
-def start_slow_body(s: Stack, key: str) -> socket.socket:
-    """A request whose headers are complete and whose body has only begun."""
-    conn = connect(s)
-    conn.sendall((
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer " + key +
-        "\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n{\"model\": \"e\", "
-    ).encode())
-    return conn
-
-
 def test_one_key_cannot_hold_more_than_its_upload_slots(edge_stack):
     """The filter's max_uploads_per_tenant (2 here, one Envoy worker): with two slow bodies of a
     tenant in progress its next request is answered 429 at once, with Retry-After; another tenant
     is not affected; once a slow body's connection goes away the tenant is served again."""
     s = edge_stack
-    slow = [start_slow_body(s, KEY) for _ in range(MAX_UPLOADS)]
+    slow = [start_slow_body(s, KEY, "e") for _ in range(MAX_UPLOADS)]
     try:
         # The slots are taken when Envoy has run the filter on each one's headers.
         def refused():

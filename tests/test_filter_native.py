@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import socket
 import subprocess
 
 import httpx
 import pytest
 import redis
 
-from helpers import auth, chat_body, envoy_stats, post, sse_events, wait_for
+from helpers import auth, chat_body, envoy_stats, post, sse_events, start_slow_body, wait_for
 from stack import FILTER_NATIVE, Model, Pool, Stack, Tenant, envoy_binary, new_api_key, upstream_metric
 
 KEYS = {name: new_api_key() for name in ("acme", "tiny", "restricted")}
@@ -153,13 +152,7 @@ def test_a_tenant_holds_at_most_its_upload_slots_per_worker(tmp_path):
     with Stack(tmp_path, [Pool("pool_u", ["sim/u"], ["--output-tokens", "2"])], [Model("u", "pool_u", served_model_name="sim/u")],
                tenants, profile="filter", envoy_concurrency=1, filter_extra={"max_uploads_per_tenant": 2},
                native_module=FILTER_NATIVE) as s:
-        port = int(s.base_url.rsplit(":", 1)[1])
-        slow = []
-        for _ in range(2):
-            conn = socket.create_connection(("127.0.0.1", port), timeout=10)
-            conn.sendall(("POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer " + key +
-                          "\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n{\"model\": \"u\", ").encode())
-            slow.append(conn)
+        slow = [start_slow_body(s, key, "u") for _ in range(2)]
         try:
             def refused():
                 r = post(s, "/v1/chat/completions", chat_body("u"), key=key)

@@ -52,8 +52,8 @@ use gateway_contract::{ADMISSION_LEASE, FS_ADMISSION, FS_REQUEST, FS_USAGE, H_RE
 use gateway_filter::config::Config;
 use gateway_filter::error::{GatewayError, LocalReply};
 use gateway_filter::pipeline::{
-    check_body_size, on_request_body_owned, on_request_headers, response_needs_stripping, HeadersDecision,
-    PendingRequest,
+    check_body_size, on_request_body_owned, on_request_headers, request_nonce, response_needs_stripping,
+    HeadersDecision, PendingRequest,
 };
 use gateway_filter::sse::{meter_chunk, ChunkOutput, UsageStripper};
 use gateway_filter::uploads::UploadSlots;
@@ -92,13 +92,6 @@ fn now_us() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
-}
-
-/// A fresh [`gateway_contract::RequestFacts::nonce`], as `filter/src/wasm.rs`'s
-/// `request_nonce` makes it: 16 lowercase hex digits.
-fn request_nonce(started_us: u64) -> String {
-    use std::hash::BuildHasher;
-    format!("{:016x}", std::hash::RandomState::new().hash_one(started_us))
 }
 
 fn log_warn(message: &str) {
@@ -201,7 +194,7 @@ impl Stream {
                 HEADERS_STOP_ITERATION
             }
             HeadersDecision::AwaitBody(pending) if end_of_stream => {
-                match self.finish_request(envoy, &cfg, &pending, Vec::new(), None) {
+                match self.finish_request(envoy, &pending, Vec::new(), None) {
                     true => HEADERS_CONTINUE,
                     false => HEADERS_STOP_ITERATION,
                 }
@@ -235,7 +228,7 @@ impl Stream {
         if !end_of_stream {
             return BODY_STOP_AND_BUFFER;
         }
-        match self.take_body_and_finish(envoy) {
+        match self.take_body_and_finish(envoy, buffered) {
             true => BODY_CONTINUE,
             false => BODY_STOP_NO_BUFFER,
         }
@@ -245,24 +238,20 @@ impl Stream {
         if self.pending.is_none() {
             return TRAILERS_CONTINUE;
         }
-        match self.take_body_and_finish(envoy) {
+        match self.take_body_and_finish(envoy, envoy.body_size(BodyType::BufferedRequest)) {
             true => TRAILERS_CONTINUE,
             false => TRAILERS_STOP_ITERATION,
         }
     }
 
-    /// Reads the whole body (buffered, or the one received chunk) and finishes the request.
-    fn take_body_and_finish(&mut self, envoy: Filter) -> bool {
+    /// Reads the whole body (buffered, when `buffered` bytes are, else the one received chunk)
+    /// and finishes the request.
+    fn take_body_and_finish(&mut self, envoy: Filter, buffered: usize) -> bool {
         self.upload = None;
         let Some(pending) = self.pending.take() else { return true };
-        let kind = if envoy.body_size(BodyType::BufferedRequest) > 0 {
-            BodyType::BufferedRequest
-        } else {
-            BodyType::ReceivedRequest
-        };
+        let kind = if buffered > 0 { BodyType::BufferedRequest } else { BodyType::ReceivedRequest };
         let body = envoy.body_chunks(kind).concat();
-        let cfg = Arc::clone(&self.config);
-        self.finish_request(envoy, &cfg, &pending, body, Some(kind))
+        self.finish_request(envoy, &pending, body, Some(kind))
     }
 
     /// The body phase on the complete body, then the plan applied (`wasm.rs`'s
@@ -270,17 +259,17 @@ impl Stream {
     fn finish_request(
         &mut self,
         envoy: Filter,
-        cfg: &Config,
         pending: &PendingRequest,
         body: Vec<u8>,
         body_kind: Option<BodyType>,
     ) -> bool {
+        let cfg = Arc::clone(&self.config);
         let body_len = body.len();
         let fail = |what: &'static str| {
             send_reply(envoy, &GatewayError::Internal { what }.to_reply());
             false
         };
-        let plan = match on_request_body_owned(cfg, pending, body) {
+        let plan = match on_request_body_owned(&cfg, pending, body) {
             Ok(plan) => plan,
             Err(e) => {
                 send_reply(envoy, &e.to_reply());

@@ -164,6 +164,16 @@ struct ModelObject<'a> {
     owned_by: &'static str,
 }
 
+/// A fresh [`gateway_contract::RequestFacts::nonce`]: SipHash, under std's random keys
+/// (`RandomState`: in the wasm module seeded from Envoy's `random_get`, natively by the OS; every
+/// `new()` moves its keys on, so no two draws share them), of the clock as the request's headers
+/// phase read it (`started_us`, microseconds since the Unix epoch: no clock read of its own), as
+/// 16 lowercase hex digits. Both adapters (`wasm.rs`, `filter-native`) name requests with it.
+pub fn request_nonce(started_us: u64) -> String {
+    use std::hash::BuildHasher;
+    format!("{:016x}", std::hash::RandomState::new().hash_one(started_us))
+}
+
 /// Enforces `max_body_bytes` on a declared or buffered body size in bytes.
 ///
 /// # Errors

@@ -35,7 +35,8 @@ use crate::config::Config;
 use crate::error::{GatewayError, LocalReply};
 use crate::lease::{LeaseKey, Leases};
 use crate::pipeline::{
-    on_request_body_owned, on_request_headers, response_needs_stripping, HeadersDecision, PendingRequest,
+    on_request_body_owned, on_request_headers, request_nonce, response_needs_stripping, HeadersDecision,
+    PendingRequest,
 };
 use crate::proto::LeaseGrant;
 use crate::sse::{meter_chunk, ChunkOutput, UsageStripper};
@@ -56,15 +57,6 @@ fn now_us() -> u64 {
         .ok()
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
-}
-
-/// A fresh [`gateway_contract::RequestFacts::nonce`]: SipHash, under this VM's random keys (std's
-/// `RandomState`, seeded from Envoy's `random_get`; every `new()` moves its keys on, so no two
-/// draws of a VM share them), of Envoy's clock as the request's headers phase read it
-/// (`started_us`: no host call of its own), as 16 lowercase hex digits.
-fn request_nonce(started_us: u64) -> String {
-    use std::hash::BuildHasher;
-    format!("{:016x}", std::hash::RandomState::new().hash_one(started_us))
 }
 
 /// Sets a property (Envoy filter state `wasm.<name>`, which clients cannot write); logs a failure.
