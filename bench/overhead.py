@@ -18,6 +18,8 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
     gateway-base          (diagnostic, not run by default) the gateway with another build of the
                           sidecar, the binary at $SIDECAR_BASE_BIN: a change to the sidecar measured
                           side by side with the build it changes
+    gateway-native-leases-base   (diagnostic, not run by default) gateway-native-leases with that
+                          other build of the sidecar
     dynmod-noop           (diagnostic) Envoy + a native dynamic-module filter
                           that does nothing (bench/dynmod-noop): the floor of a native filter
     filter-native         (diagnostic) Envoy + the filter as a native dynamic module
@@ -140,6 +142,7 @@ PROFILES = {
     "gateway-native": ("gateway", ()),
     "gateway-native-leases": ("gateway", ()),
     "gateway-base": ("gateway", ()),
+    "gateway-native-leases-base": ("gateway", ()),
 }
 # The no-op proxy-wasm filter of the `filter-noop` target (`make build` builds it).
 NOOP_WASM = TARGET / "wasm32-wasip1" / "release" / "examples" / "noop.wasm"
@@ -148,9 +151,9 @@ NOOP_WASM = TARGET / "wasm32-wasip1" / "release" / "examples" / "noop.wasm"
 NOOP_DYNMOD = TARGET / "release" / "libdynmod_noop.so"
 # Target name -> the dynamic module that replaces its wasm filter (`make build` builds both).
 NATIVE_MODULES = {"dynmod-noop": NOOP_DYNMOD, "filter-native": FILTER_NATIVE, "gateway-native": FILTER_NATIVE,
-                  "gateway-native-leases": FILTER_NATIVE}
+                  "gateway-native-leases": FILTER_NATIVE, "gateway-native-leases-base": FILTER_NATIVE}
 # The targets with admission leases (LEASES and the filter's `admission_leases`).
-LEASED_TARGETS = ("gateway-leases", "gateway-native-leases")
+LEASED_TARGETS = ("gateway-leases", "gateway-native-leases", "gateway-native-leases-base")
 # The other build of the filter of the `filter-base` target.
 BASE_WASM_ENV = "FILTER_BASE_WASM"
 # The other build of the sidecar of the `gateway-base` target.
@@ -500,9 +503,9 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
             raise BenchError(f"target filter-base: ${BASE_WASM_ENV} must name a built gateway_filter.wasm")
         wasm_path = Path(os.environ[BASE_WASM_ENV])
     sidecar_bin = None
-    if name == "gateway-base":
+    if name in ("gateway-base", "gateway-native-leases-base"):
         if not os.environ.get(BASE_SIDECAR_ENV) or not Path(os.environ[BASE_SIDECAR_ENV]).exists():
-            raise BenchError(f"target gateway-base: ${BASE_SIDECAR_ENV} must name a built gateway-ext-proc")
+            raise BenchError(f"target {name}: ${BASE_SIDECAR_ENV} must name a built gateway-ext-proc")
         sidecar_bin = Path(os.environ[BASE_SIDECAR_ENV])
     if profile == "direct":
         return Target(name, upstream.url)

@@ -28,6 +28,7 @@ TARGET_TEXT = {
     "filter-native": "diagnostic: Envoy + the filter as a native dynamic module (`filter-native/`, the same decisions behind Envoy's C ABI)",
     "gateway-native": "diagnostic: the gateway with the filter as a native dynamic module (`filter-native/`) in the wasm filter's place",
     "gateway-native-leases": "diagnostic: the gateway with leases (as `gateway-leases`) and the filter as a native dynamic module",
+    "gateway-native-leases-base": "diagnostic: `gateway-native-leases` with another build of the sidecar (`$SIDECAR_BASE_BIN`)",
     "gateway-ext-proc-metering": "diagnostic: the gateway metered by an observability-mode ext_proc filter (every chunk to the sidecar) instead of the access log",
 }
 

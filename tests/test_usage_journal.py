@@ -89,8 +89,11 @@ def test_the_journal_replayed_twice_gives_one_record_each(stack):
     tokens = tpm_tokens(stack)
     # Each record once, whichever delivery landed it first (the gRPC log usually, but both flush
     # about once a second, and on a busy machine the journal can win a race).
-    assert metric(sidecar_metrics(stack), "llm_gateway_journal_records_applied_total") <= REQUESTS
-    assert metric(sidecar_metrics(stack), "llm_gateway_journal_lines_total") == REQUESTS
+    text = sidecar_metrics(stack)
+    assert metric(text, "llm_gateway_journal_lines_total") == REQUESTS
+    # A line the gRPC path landed is not written again; one it had not (yet) goes to Redis.
+    assert metric(text, "llm_gateway_journal_records_applied_total") \
+        + metric(text, "llm_gateway_journal_lines_landed_total") <= REQUESTS, text
 
     for replay in range(2):
         # The checkpoint wiped and the sidecar restarted: it reads the whole journal again.
@@ -102,6 +105,8 @@ def test_the_journal_replayed_twice_gives_one_record_each(stack):
         assert metric(text, "llm_gateway_journal_lines_total") == REQUESTS, text
         assert metric(text, "llm_gateway_journal_records_applied_total") == 0, text
         assert metric(text, "llm_gateway_journal_parse_errors_total") == 0, text
+        # A restarted replica saw nothing land: every line went to Redis, which had them all.
+        assert metric(text, "llm_gateway_journal_lines_landed_total") == 0, text
         assert settled(stack) == before, (replay, settled(stack), before)
         assert abs(tpm_tokens(stack) - tokens) < 2, (tpm_tokens(stack), tokens)
 

@@ -85,6 +85,17 @@
 -- 'claim': the open reservations admitted more than ARGV[2] ms ago, at most ARGV[4] of them.
 --   KEYS: R, D. Each one returned is due again ARGV[3] ms later (another replica's sweep takes it
 --   should this one's charge not land). Returns {open reservations, id1, json1, id2, json2, ...}.
+-- 'batch': several 'record', 'charge' and 'release' operations of one tenant (one cluster slot) in
+--   one call, so their writes cost Redis one script call instead of one each. ARGV[2] m, then per
+--   operation j: its key count kj, its argument count aj, and its aj arguments (ARGV of the
+--   operation alone, its name first); KEYS: the operations' keys, k1 of the first, then k2 ...
+--   Each runs as it would alone, in order; returns {r1, ..., rm}, each the operation's own reply,
+--   or -1 where it raised an error (its writes up to the error stay, as for an operation alone:
+--   the caller retries it as a write that may have landed).
+
+-- The current operation's keys and arguments (set by run).
+local K, A = KEYS, ARGV
+
 local function now_us()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -119,11 +130,11 @@ local function settle(key, capacity, rate_per_minute, delta, now)
   redis.call('PEXPIRE', key, keep_ms)
 end
 
--- Buckets from KEYS[first], settlements (capacity, rate, delta) from ARGV[arg].
+-- Buckets from K[first], settlements (capacity, rate, delta) from A[arg].
 local function settle_all(first, arg, n, now)
   for i = 1, n do
     local a = arg + 3 * (i - 1)
-    settle(KEYS[first + i - 1], tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), now)
+    settle(K[first + i - 1], tonumber(A[a]), tonumber(A[a + 1]), tonumber(A[a + 2]), now)
   end
 end
 
@@ -138,11 +149,11 @@ local function add_usage(key, model, prompt, completion, cached, cost)
   redis.call('EXPIRE', key, 40 * 86400)
 end
 
--- Moves the quota counters (KEYS[first_key..]) described from ARGV[a] on by the tokens `used`
+-- Moves the quota counters (K[first_key..]) described from A[a] on by the tokens `used`
 -- minus what the reservation `json` (nil: none) charged them; `model` is the request's model
 -- (nil: the reservation's).
 local function adjust_quotas(first_key, a, model, used, json)
-  local q = tonumber(ARGV[a] or '0') or 0
+  local q = tonumber(A[a] or '0') or 0
   if q == 0 then
     return
   end
@@ -157,7 +168,7 @@ local function adjust_quotas(first_key, a, model, used, json)
   end
   for j = 1, q do
     local b = a + 1 + 4 * (j - 1)
-    local letter, label, scope = ARGV[b], ARGV[b + 1], ARGV[b + 2]
+    local letter, label, scope = A[b], A[b + 1], A[b + 2]
     if scope == '' or scope == model then
       local delta = used
       if charged > 0 then
@@ -166,9 +177,9 @@ local function adjust_quotas(first_key, a, model, used, json)
         if at == label then delta = used - charged else delta = 0 end
       end
       if delta ~= 0 then
-        local key = KEYS[first_key + j - 1]
+        local key = K[first_key + j - 1]
         redis.call('INCRBY', key, delta)
-        redis.call('EXPIREAT', key, ARGV[b + 3])
+        redis.call('EXPIREAT', key, A[b + 3])
       end
     end
   end
@@ -191,145 +202,174 @@ local function reserved_of(json)
   return 0
 end
 
--- A record's lease section from KEYS[k] and ARGV[a] (see the header); nothing without one.
+-- A record's lease section from K[k] and A[a] (see the header); nothing without one.
 local function lease_use(k, a, now)
-  local id = ARGV[a]
+  local id = A[a]
   if id == nil or id == '' then
     return
   end
-  if redis.call('HEXISTS', KEYS[k], id) == 1 then
-    redis.call('HINCRBY', KEYS[k + 1], id .. ':r', 1)
-    redis.call('HINCRBY', KEYS[k + 1], id .. ':t', ARGV[a + 1])
-    redis.call('PEXPIRE', KEYS[k + 1], ARGV[a + 2])
-  elseif redis.call('ZSCORE', KEYS[k + 2], id) then
-    settle_all(k + 3, a + 4, tonumber(ARGV[a + 3]), now)
+  if redis.call('HEXISTS', K[k], id) == 1 then
+    redis.call('HINCRBY', K[k + 1], id .. ':r', 1)
+    redis.call('HINCRBY', K[k + 1], id .. ':t', A[a + 1])
+    redis.call('PEXPIRE', K[k + 1], A[a + 2])
+  elseif redis.call('ZSCORE', K[k + 2], id) then
+    settle_all(k + 3, a + 4, tonumber(A[a + 3]), now)
   end
 end
 
-local op = ARGV[1]
-if op == 'record' then
-  local id = ARGV[2]
-  local json = redis.call('HGET', KEYS[1], id)
-  if json then
-    redis.call('HDEL', KEYS[1], id)
-    redis.call('ZREM', KEYS[2], id)
-    redis.call('SADD', KEYS[4], id)
-  elseif redis.call('ZSCORE', KEYS[3], id) then
-    return 2
-  elseif redis.call('SADD', KEYS[4], id) == 0 then
-    return 0
-  end
-  redis.call('EXPIREAT', KEYS[4], ARGV[3])
-  local n = tonumber(ARGV[8])
-  local now = now_us()
-  add_usage(KEYS[5], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[9 + 3 * n])
-  -- The lease's charges before the settlements: a give-back after them is not cut at capacity.
-  local q = tonumber(ARGV[10 + 3 * n] or '0') or 0
-  lease_use(6 + n + q, 11 + 3 * n + 4 * q, now)
-  settle_all(6, 9, n, now)
-  adjust_quotas(6 + n, 10 + 3 * n, ARGV[4], tonumber(ARGV[5]) + tonumber(ARGV[6]), json or nil)
-  return 1
-elseif op == 'charge' then
-  local id = ARGV[2]
-  local json = redis.call('HGET', KEYS[1], id)
-  if not json then
-    return 0
-  end
-  redis.call('HDEL', KEYS[1], id)
-  redis.call('ZREM', KEYS[2], id)
-  local now = now_us()
-  remember(KEYS[3], id, now, tonumber(ARGV[3]))
-  local n = tonumber(ARGV[8])
-  add_usage(KEYS[4], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[9 + 3 * n])
-  settle_all(5, 9, n, now)
-  adjust_quotas(5 + n, 10 + 3 * n, ARGV[4], tonumber(ARGV[5]) + tonumber(ARGV[6]), json)
-  return 1
-elseif op == 'release' then
-  local id = ARGV[2]
-  local json = redis.call('HGET', KEYS[1], id)
-  if not json then
-    return 0
-  end
-  redis.call('HDEL', KEYS[1], id)
-  redis.call('ZREM', KEYS[2], id)
-  local reserved = reserved_of(json)
-  local now = now_us()
-  for i = 1, tonumber(ARGV[3]) do
-    local a = 4 + 3 * (i - 1)
-    local capacity = tonumber(ARGV[a + 1])
-    local back = 1
-    if ARGV[a] == 'tokens' then back = math.min(reserved, capacity) end
-    settle(KEYS[2 + i], capacity, tonumber(ARGV[a + 2]), back, now)
-  end
-  local n = tonumber(ARGV[3])
-  adjust_quotas(3 + n, 4 + 3 * n, nil, 0, json)
-  return 1
-elseif op == 'rereserve' then
-  local id = ARGV[2]
-  local json = redis.call('HGET', KEYS[1], id)
-  if not json then
-    return 0
-  end
-  local before, after = reserved_of(json), reserved_of(ARGV[3])
-  redis.call('HSET', KEYS[1], id, ARGV[3])
-  local now = now_us()
-  for i = 1, tonumber(ARGV[4]) do
-    local a = 5 + 2 * (i - 1)
-    local capacity = tonumber(ARGV[a])
-    settle(KEYS[1 + i], capacity, tonumber(ARGV[a + 1]), math.min(before, capacity) - math.min(after, capacity), now)
-  end
-  return 1
-elseif op == 'lease_return' then
-  local id = ARGV[2]
-  if redis.call('HDEL', KEYS[1], id) == 0 then
-    return 0
-  end
-  redis.call('ZREM', KEYS[2], id)
-  redis.call('HDEL', KEYS[3], id .. ':r', id .. ':t')
-  settle_all(4, 4, tonumber(ARGV[3]), now_us())
-  return 1
-elseif op == 'lease_reclaim' then
-  local id = ARGV[2]
-  local json = redis.call('HGET', KEYS[1], id)
-  if not json then
-    return { 0, 0, 0 }
-  end
-  local requests, tokens = 0, 0
-  local ok, r = pcall(cjson.decode, json)
-  if ok and type(r) == 'table' then
-    requests, tokens = tonumber(r.requests) or 0, tonumber(r.tokens) or 0
-  end
-  local used = redis.call('HMGET', KEYS[3], id .. ':r', id .. ':t')
-  local back_r = math.max(0, requests - (tonumber(used[1]) or 0))
-  local back_t = math.max(0, tokens - (tonumber(used[2]) or 0))
-  redis.call('HDEL', KEYS[1], id)
-  redis.call('ZREM', KEYS[2], id)
-  redis.call('HDEL', KEYS[3], id .. ':r', id .. ':t')
-  local now = now_us()
-  remember(KEYS[4], id, now, tonumber(ARGV[3]))
-  for i = 1, tonumber(ARGV[4]) do
-    local a = 5 + 3 * (i - 1)
-    local capacity = tonumber(ARGV[a + 1])
-    local back = back_r
-    if ARGV[a] == 'tokens' then back = math.min(back_t, capacity) end
-    settle(KEYS[4 + i], capacity, tonumber(ARGV[a + 2]), back, now)
-  end
-  return { 1, back_r, back_t }
-elseif op == 'claim' then
-  local now_ms = math.floor(now_us() / 1000)
-  local age, claim, most = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-  local due = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_ms - age, 'LIMIT', 0, most)
-  local out = { redis.call('ZCARD', KEYS[2]) }
-  for _, id in ipairs(due) do
-    local json = redis.call('HGET', KEYS[1], id)
+-- One operation on the keys K and arguments A (KEYS and ARGV, or one sub-call of a 'batch').
+local function run(keys, args)
+  K, A = keys, args
+  local op = A[1]
+  if op == 'record' then
+    local id = A[2]
+    local json = redis.call('HGET', K[1], id)
     if json then
-      redis.call('ZADD', KEYS[2], now_ms - age + claim, id)
-      out[#out + 1] = id
-      out[#out + 1] = json
+      redis.call('HDEL', K[1], id)
+      redis.call('ZREM', K[2], id)
+      redis.call('SADD', K[4], id)
+    elseif redis.call('ZSCORE', K[3], id) then
+      return 2
+    elseif redis.call('SADD', K[4], id) == 0 then
+      return 0
+    end
+    redis.call('EXPIREAT', K[4], A[3])
+    local n = tonumber(A[8])
+    local now = now_us()
+    add_usage(K[5], A[4], A[5], A[6], A[7], A[9 + 3 * n])
+    -- The lease's charges before the settlements: a give-back after them is not cut at capacity.
+    local q = tonumber(A[10 + 3 * n] or '0') or 0
+    lease_use(6 + n + q, 11 + 3 * n + 4 * q, now)
+    settle_all(6, 9, n, now)
+    adjust_quotas(6 + n, 10 + 3 * n, A[4], tonumber(A[5]) + tonumber(A[6]), json or nil)
+    return 1
+  elseif op == 'charge' then
+    local id = A[2]
+    local json = redis.call('HGET', K[1], id)
+    if not json then
+      return 0
+    end
+    redis.call('HDEL', K[1], id)
+    redis.call('ZREM', K[2], id)
+    local now = now_us()
+    remember(K[3], id, now, tonumber(A[3]))
+    local n = tonumber(A[8])
+    add_usage(K[4], A[4], A[5], A[6], A[7], A[9 + 3 * n])
+    settle_all(5, 9, n, now)
+    adjust_quotas(5 + n, 10 + 3 * n, A[4], tonumber(A[5]) + tonumber(A[6]), json)
+    return 1
+  elseif op == 'release' then
+    local id = A[2]
+    local json = redis.call('HGET', K[1], id)
+    if not json then
+      return 0
+    end
+    redis.call('HDEL', K[1], id)
+    redis.call('ZREM', K[2], id)
+    local reserved = reserved_of(json)
+    local now = now_us()
+    for i = 1, tonumber(A[3]) do
+      local a = 4 + 3 * (i - 1)
+      local capacity = tonumber(A[a + 1])
+      local back = 1
+      if A[a] == 'tokens' then back = math.min(reserved, capacity) end
+      settle(K[2 + i], capacity, tonumber(A[a + 2]), back, now)
+    end
+    local n = tonumber(A[3])
+    adjust_quotas(3 + n, 4 + 3 * n, nil, 0, json)
+    return 1
+  elseif op == 'rereserve' then
+    local id = A[2]
+    local json = redis.call('HGET', K[1], id)
+    if not json then
+      return 0
+    end
+    local before, after = reserved_of(json), reserved_of(A[3])
+    redis.call('HSET', K[1], id, A[3])
+    local now = now_us()
+    for i = 1, tonumber(A[4]) do
+      local a = 5 + 2 * (i - 1)
+      local capacity = tonumber(A[a])
+      settle(K[1 + i], capacity, tonumber(A[a + 1]), math.min(before, capacity) - math.min(after, capacity), now)
+    end
+    return 1
+  elseif op == 'lease_return' then
+    local id = A[2]
+    if redis.call('HDEL', K[1], id) == 0 then
+      return 0
+    end
+    redis.call('ZREM', K[2], id)
+    redis.call('HDEL', K[3], id .. ':r', id .. ':t')
+    settle_all(4, 4, tonumber(A[3]), now_us())
+    return 1
+  elseif op == 'lease_reclaim' then
+    local id = A[2]
+    local json = redis.call('HGET', K[1], id)
+    if not json then
+      return { 0, 0, 0 }
+    end
+    local requests, tokens = 0, 0
+    local ok, r = pcall(cjson.decode, json)
+    if ok and type(r) == 'table' then
+      requests, tokens = tonumber(r.requests) or 0, tonumber(r.tokens) or 0
+    end
+    local used = redis.call('HMGET', K[3], id .. ':r', id .. ':t')
+    local back_r = math.max(0, requests - (tonumber(used[1]) or 0))
+    local back_t = math.max(0, tokens - (tonumber(used[2]) or 0))
+    redis.call('HDEL', K[1], id)
+    redis.call('ZREM', K[2], id)
+    redis.call('HDEL', K[3], id .. ':r', id .. ':t')
+    local now = now_us()
+    remember(K[4], id, now, tonumber(A[3]))
+    for i = 1, tonumber(A[4]) do
+      local a = 5 + 3 * (i - 1)
+      local capacity = tonumber(A[a + 1])
+      local back = back_r
+      if A[a] == 'tokens' then back = math.min(back_t, capacity) end
+      settle(K[4 + i], capacity, tonumber(A[a + 2]), back, now)
+    end
+    return { 1, back_r, back_t }
+  elseif op == 'claim' then
+    local now_ms = math.floor(now_us() / 1000)
+    local age, claim, most = tonumber(A[2]), tonumber(A[3]), tonumber(A[4])
+    local due = redis.call('ZRANGEBYSCORE', K[2], '-inf', now_ms - age, 'LIMIT', 0, most)
+    local out = { redis.call('ZCARD', K[2]) }
+    for _, id in ipairs(due) do
+      local json = redis.call('HGET', K[1], id)
+      if json then
+        redis.call('ZADD', K[2], now_ms - age + claim, id)
+        out[#out + 1] = id
+        out[#out + 1] = json
+      else
+        redis.call('ZREM', K[2], id)
+      end
+    end
+    return out
+  end
+  return redis.error_reply('ledger_v1.lua: unknown operation ' .. tostring(op))
+end
+
+if ARGV[1] == 'batch' then
+  local out = {}
+  local k, a = 1, 3
+  for _ = 1, tonumber(ARGV[2]) do
+    local nk, na = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+    local keys, args = {}, {}
+    for i = 1, nk do keys[i] = KEYS[k + i - 1] end
+    for i = 1, na do args[i] = ARGV[a + 1 + i] end
+    k, a = k + nk, a + 2 + na
+    local op = args[1]
+    if op ~= 'record' and op ~= 'charge' and op ~= 'release' then
+      return redis.error_reply('ledger_v1.lua: batch of ' .. tostring(op))
+    end
+    local ok, result = pcall(run, keys, args)
+    if ok and type(result) == 'number' then
+      out[#out + 1] = result
     else
-      redis.call('ZREM', KEYS[2], id)
+      out[#out + 1] = -1
     end
   end
   return out
 end
-return redis.error_reply('ledger_v1.lua: unknown operation ' .. tostring(op))
+return run(KEYS, ARGV)
+

@@ -39,7 +39,7 @@ pub use admission::{
     admission_lease, breaker, context, lease, lease_service, limiter, limits, local_limiter, quota, shedding,
 };
 pub use gateway_meter::sse;
-pub use metering::{access_log, journal, ledger, meter, recorder, sweeper, usage_report};
+pub use metering::{access_log, journal, landed, ledger, meter, recorder, sweeper, usage_report};
 pub mod store;
 pub mod telemetry;
 

@@ -278,6 +278,9 @@ pub struct Metrics {
     /// `llm_gateway_journal_records_applied_total`: ledger writes the usage journal applied that
     /// no other delivery had (what the gRPC access log lost).
     pub journal_records_applied: Counter,
+    /// `llm_gateway_journal_lines_landed_total`: journal lines not written to Redis because this
+    /// replica's gRPC access-log path saw their write land ([`crate::landed`]).
+    pub journal_lines_landed: Counter,
     /// `llm_gateway_journal_parse_errors_total`: journal lines that are not entries, skipped.
     pub journal_parse_errors: Counter,
     /// `llm_gateway_journal_lag_bytes`: bytes of the journal not yet applied, at the last poll.
@@ -387,6 +390,7 @@ impl Metrics {
             reservations_open: Gauge::default(),
             journal_lines: Counter::default(),
             journal_records_applied: Counter::default(),
+            journal_lines_landed: Counter::default(),
             journal_parse_errors: Counter::default(),
             journal_lag_bytes: Gauge::default(),
             journal_holder: Gauge::default(),
@@ -533,6 +537,11 @@ impl Metrics {
             "llm_gateway_journal_records_applied",
             "Ledger writes the usage journal applied that no other delivery had",
             m.journal_records_applied.clone(),
+        );
+        r.register(
+            "llm_gateway_journal_lines_landed",
+            "Usage journal lines skipped: their write landed through this replica's gRPC access log",
+            m.journal_lines_landed.clone(),
         );
         r.register(
             "llm_gateway_journal_parse_errors",

@@ -159,6 +159,8 @@ pub struct Store {
     reconcile: Script,
     ledger: Script,
     in_flight: Script,
+    /// The usage stream's append-once script (its SHA-1 computed once, not per record).
+    append_once: Script,
     timeout: Duration,
     prefix: String,
     stream: String,
@@ -217,6 +219,7 @@ impl Store {
             reconcile: Script::new(RECONCILE_LUA),
             ledger: Script::new(LEDGER_LUA),
             in_flight: Script::new(IN_FLIGHT_LUA),
+            append_once: Script::new(APPEND_ONCE_LUA),
             timeout,
             prefix: config.key_prefix.clone(),
             stream,
@@ -407,10 +410,10 @@ impl Store {
 
     /// The quota section of a ledger call: ARGV `q`, then per counter its period letter, label,
     /// model scope and expiry; KEYS the counters.
-    fn quota_args(inv: &mut redis::ScriptInvocation<'_>, specs: &[QuotaSpec]) {
-        inv.arg(specs.len());
+    fn quota_args(call: &mut Call, specs: &[QuotaSpec]) {
+        call.arg(specs.len());
         for spec in specs {
-            inv.key(&spec.key)
+            call.key(&spec.key)
                 .arg(spec.period.letter())
                 .arg(&spec.label)
                 .arg(spec.model.as_deref().unwrap_or(""))
@@ -486,43 +489,57 @@ impl Store {
         charge: bool,
         lease: Option<&LeaseUse>,
     ) -> Result<Applied, StoreError> {
+        let call = self.record_call(record, settlements, charge, lease);
+        let mut conn = self.conn();
+        let reply: i64 = self.bounded(call.invocation(&self.ledger).invoke_async(&mut conn)).await?;
+        Applied::of_reply(reply)
+    }
+
+    /// The keys and arguments of [`Store::apply`]'s script call.
+    fn record_call(
+        &self,
+        record: &UsageRecord,
+        settlements: &[(BucketSpec, i64)],
+        charge: bool,
+        lease: Option<&LeaseUse>,
+    ) -> Call {
         let now_ms = unix_ms();
         let finished_ms = finished_ms(record, now_ms);
         // The record's day on the quota clock (the system clock outside tests).
         let day_ms = self.book.clock.shift_ms(finished_ms);
         let info = &record.info;
         let tenant = &info.tenant;
-        let mut inv = self.ledger.prepare_invoke();
-        inv.key(ledger::reservations_key(&self.prefix, tenant)).key(ledger::due_key(&self.prefix, tenant));
+        let mut call = Call::default();
+        call.key(ledger::reservations_key(&self.prefix, tenant)).key(ledger::due_key(&self.prefix, tenant));
         if charge {
-            inv.key(ledger::charged_key(&self.prefix, tenant))
+            call.key(ledger::charged_key(&self.prefix, tenant))
                 .key(usage_key(&self.prefix, tenant, day_ms / 1000))
                 .arg("charge")
                 .arg(&info.record_id)
                 .arg(CHARGED_RETENTION.as_millis() as u64);
         } else {
             let (seen, expire_at) = seen_key(&self.prefix, tenant, finished_ms / 1000, now_ms / 1000);
-            inv.key(ledger::charged_key(&self.prefix, tenant))
+            call.key(ledger::charged_key(&self.prefix, tenant))
                 .key(seen)
                 .key(usage_key(&self.prefix, tenant, day_ms / 1000))
                 .arg("record")
                 .arg(&info.record_id)
                 .arg(expire_at);
         }
-        inv.arg(&info.model)
+        call.arg(&info.model)
             .arg(record.prompt_tokens)
             .arg(record.completion_tokens)
             .arg(record.cached_tokens)
             .arg(settlements.len());
         for (bucket, delta) in settlements {
-            inv.key(&bucket.key).arg(bucket.capacity).arg(bucket.rate_per_minute).arg(*delta);
+            call.key(&bucket.key).arg(bucket.capacity).arg(bucket.rate_per_minute).arg(*delta);
         }
         // Its cost (summed in the daily hash) and its quota counters, of the periods of its end
         // on the quota clock.
-        inv.arg(self.cost_of(record));
-        Self::quota_args(&mut inv, &self.book.plan(&self.prefix, tenant, &info.model, day_ms));
+        call.arg(self.cost_of(record));
+        Self::quota_args(&mut call, &self.book.plan(&self.prefix, tenant, &info.model, day_ms));
         if let (Some(lease), false) = (lease, charge) {
-            inv.key(ledger::leases_key(&self.prefix, tenant))
+            call.key(ledger::leases_key(&self.prefix, tenant))
                 .key(ledger::lease_used_key(&self.prefix, tenant))
                 .key(ledger::leases_reclaimed_key(&self.prefix, tenant))
                 .arg(&lease.lease_id)
@@ -530,17 +547,65 @@ impl Store {
                 .arg(ledger::KEEP_MARGIN.as_millis() as u64)
                 .arg(lease.if_reclaimed.len());
             for (bucket, delta) in &lease.if_reclaimed {
-                inv.key(&bucket.key).arg(bucket.capacity).arg(bucket.rate_per_minute).arg(*delta);
+                call.key(&bucket.key).arg(bucket.capacity).arg(bucket.rate_per_minute).arg(*delta);
             }
         }
-        let mut conn = self.conn();
-        let reply: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
-        match reply {
-            1 => Ok(Applied::Applied),
-            0 => Ok(Applied::Duplicate),
-            2 => Ok(Applied::AfterCharge),
-            other => Err(StoreError::Reply(ReplyError(format!("ledger_v1.lua record: {other}")))),
+        call
+    }
+
+    /// Several ledger writes of one tenant in one script call (`lua/ledger_v1.lua`, operation
+    /// `batch`): each applied as [`Store::apply`] or [`Store::release`] would apply it alone, in
+    /// order. One reply per write, in order: [`LedgerReply::Record`] for a record or a charge,
+    /// [`LedgerReply::Released`] for a release, [`LedgerReply::Failed`] for a write that raised an
+    /// error in the script (its writes up to the error stay: retry it as one that may have
+    /// landed).
+    ///
+    /// Every write must be of the same tenant (their keys share its cluster slot); an empty batch
+    /// is no call.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error for the whole call
+    /// ([`StoreError::maybe_applied`] says whether any of it may have landed).
+    pub async fn ledger_batch(&self, writes: &[LedgerWrite<'_>]) -> Result<Vec<LedgerReply>, StoreError> {
+        if writes.is_empty() {
+            return Ok(Vec::new());
         }
+        let mut batch = Call::default();
+        batch.arg("batch").arg(writes.len());
+        for write in writes {
+            let call = match write {
+                LedgerWrite::Record { record, settlements, charge, lease } => {
+                    self.record_call(record, settlements, *charge, *lease)
+                }
+                LedgerWrite::Release { tenant, record_id, buckets } => {
+                    self.release_call(tenant, record_id, buckets)
+                }
+            };
+            batch.arg(call.keys.len()).arg(call.args.len());
+            batch.keys.extend(call.keys);
+            batch.args.extend(call.args);
+        }
+        let mut conn = self.conn();
+        let replies: Vec<i64> = self.bounded(batch.invocation(&self.ledger).invoke_async(&mut conn)).await?;
+        if replies.len() != writes.len() {
+            return Err(StoreError::Reply(ReplyError(format!(
+                "ledger_v1.lua batch: {} replies to {} writes",
+                replies.len(),
+                writes.len()
+            ))));
+        }
+        Ok(writes
+            .iter()
+            .zip(replies)
+            .map(|(write, reply)| match (write, reply) {
+                (_, -1) => LedgerReply::Failed,
+                (LedgerWrite::Release { .. }, reply) => LedgerReply::Released(reply == 1),
+                (LedgerWrite::Record { .. }, reply) => match Applied::of_reply(reply) {
+                    Ok(applied) => LedgerReply::Record(applied),
+                    Err(_) => LedgerReply::Failed,
+                },
+            })
+            .collect())
     }
 
     /// A record's cost in nano-dollars at its model's price (0 without one).
@@ -563,24 +628,44 @@ impl Store {
     /// # Errors
     /// [`StoreError`] on timeout or Redis error.
     pub async fn append(&self, record: &UsageRecord) -> Result<bool, StoreError> {
+        let appended = self.append_batch(&[record]).await?;
+        Ok(appended.first().copied().unwrap_or(false))
+    }
+
+    /// [`Store::append`] of several records in one script call (they all go to the one stream,
+    /// in its cluster slot). Whether each appended, in order; an empty batch is no call.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error (a retry appends each record once still).
+    pub async fn append_batch(&self, records: &[&UsageRecord]) -> Result<Vec<bool>, StoreError> {
+        if records.is_empty() {
+            return Ok(Vec::new());
+        }
         let now_ms = unix_ms();
-        let finished = finished_ms(record, now_ms);
-        let mut event = to_event(record, self.book.clock.shift_ms(finished));
-        event.cost_nano_usd = self.cost_of(record);
-        let event = event.encode_to_vec();
-        let (sent, expire_at) = sent_key(&self.stream, finished / 1000, now_ms / 1000);
-        let script = Script::new(APPEND_ONCE_LUA);
-        let mut inv = script.prepare_invoke();
-        inv.key(&self.stream)
-            .key(sent)
-            .arg(&record.info.record_id)
-            .arg(expire_at)
-            .arg(self.stream_maxlen)
-            .arg(event)
-            .arg(&record.info.tenant);
+        let mut call = Call::default();
+        call.key(&self.stream).arg(self.stream_maxlen);
+        for record in records {
+            let finished = finished_ms(record, now_ms);
+            let mut event = to_event(record, self.book.clock.shift_ms(finished));
+            event.cost_nano_usd = self.cost_of(record);
+            let (sent, expire_at) = sent_key(&self.stream, finished / 1000, now_ms / 1000);
+            call.key(sent)
+                .arg(&record.info.record_id)
+                .arg(expire_at)
+                .arg(event.encode_to_vec())
+                .arg(&record.info.tenant);
+        }
         let mut conn = self.conn();
-        let appended: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
-        Ok(appended == 1)
+        let appended: Vec<i64> =
+            self.bounded(call.invocation(&self.append_once).invoke_async(&mut conn)).await?;
+        if appended.len() != records.len() {
+            return Err(StoreError::Reply(ReplyError(format!(
+                "usage stream append: {} replies to {} records",
+                appended.len(),
+                records.len()
+            ))));
+        }
+        Ok(appended.into_iter().map(|a| a == 1).collect())
     }
 
     /// Gives an admission back (`lua/ledger_v1.lua`, operation `release`): if the request's
@@ -597,20 +682,26 @@ impl Store {
         record_id: &str,
         buckets: &[BucketSpec],
     ) -> Result<bool, StoreError> {
-        let mut inv = self.ledger.prepare_invoke();
-        inv.key(ledger::reservations_key(&self.prefix, tenant))
+        let call = self.release_call(tenant, record_id, buckets);
+        let mut conn = self.conn();
+        let reply: i64 = self.bounded(call.invocation(&self.ledger).invoke_async(&mut conn)).await?;
+        Ok(reply == 1)
+    }
+
+    /// The keys and arguments of [`Store::release`]'s script call.
+    fn release_call(&self, tenant: &str, record_id: &str, buckets: &[BucketSpec]) -> Call {
+        let mut call = Call::default();
+        call.key(ledger::reservations_key(&self.prefix, tenant))
             .key(ledger::due_key(&self.prefix, tenant))
             .arg("release")
             .arg(record_id)
             .arg(buckets.len());
         for b in buckets {
-            inv.key(&b.key).arg(b.kind.as_str()).arg(b.capacity).arg(b.rate_per_minute);
+            call.key(&b.key).arg(b.kind.as_str()).arg(b.capacity).arg(b.rate_per_minute);
         }
         let now_ms = self.book.clock.now_ms();
-        Self::quota_args(&mut inv, &self.book.plan_all_models(&self.prefix, tenant, now_ms));
-        let mut conn = self.conn();
-        let reply: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
-        Ok(reply == 1)
+        Self::quota_args(&mut call, &self.book.plan_all_models(&self.prefix, tenant, now_ms));
+        call
     }
 
     /// Moves an open reservation to `reservation` (`lua/ledger_v1.lua`, operation `rereserve`:
@@ -788,14 +879,23 @@ impl Store {
     }
 }
 
-/// Appends a usage event once per record id (see [`Store::append`]).
+/// Appends usage events once per record id (see [`Store::append`], [`Store::append_batch`]):
+/// KEYS[1] the stream, KEYS[1 + j] record j's sent-set; ARGV[1] the stream's MAXLEN, then per
+/// record j from ARGV[2 + 4(j - 1)]: record id, the sent-set's expiry (unix s), event, tenant.
+/// Returns {1 appended, or 0: appended before} per record.
 const APPEND_ONCE_LUA: &str = r"
-if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then
-  return 0
+local out = {}
+for j = 1, #KEYS - 1 do
+  local a = 2 + 4 * (j - 1)
+  if redis.call('SADD', KEYS[1 + j], ARGV[a]) == 0 then
+    out[j] = 0
+  else
+    redis.call('EXPIREAT', KEYS[1 + j], ARGV[a + 1])
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'event', ARGV[a + 2], 'tenant', ARGV[a + 3], 'record_id', ARGV[a])
+    out[j] = 1
+  end
 end
-redis.call('EXPIREAT', KEYS[2], ARGV[2])
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'event', ARGV[4], 'tenant', ARGV[5], 'record_id', ARGV[1])
-return 1
+return out
 ";
 
 /// The set of record ids appended to `stream` in a finish-time window, in the stream's cluster
@@ -934,6 +1034,85 @@ pub enum Applied {
     /// Nothing: the request's reservation was charged before its usage arrived (the ledger
     /// billed the reservation).
     AfterCharge,
+}
+
+impl Applied {
+    /// The meaning of `lua/ledger_v1.lua`'s reply to a `record` or a `charge`.
+    fn of_reply(reply: i64) -> Result<Self, StoreError> {
+        match reply {
+            1 => Ok(Applied::Applied),
+            0 => Ok(Applied::Duplicate),
+            2 => Ok(Applied::AfterCharge),
+            other => Err(StoreError::Reply(ReplyError(format!("ledger_v1.lua record: {other}")))),
+        }
+    }
+}
+
+/// One write of a [`Store::ledger_batch`].
+#[derive(Debug, Clone, Copy)]
+pub enum LedgerWrite<'a> {
+    /// A record or a charge, as [`Store::apply`] takes it.
+    Record {
+        /// The record.
+        record: &'a UsageRecord,
+        /// Bucket and delta.
+        settlements: &'a [(BucketSpec, i64)],
+        /// A charge (the sweeper's), not a record.
+        charge: bool,
+        /// The request's part in its admission lease's books.
+        lease: Option<&'a LeaseUse>,
+    },
+    /// A give-back, as [`Store::release`] takes it.
+    Release {
+        /// The tenant.
+        tenant: &'a str,
+        /// The request's record id.
+        record_id: &'a str,
+        /// The request's buckets.
+        buckets: &'a [BucketSpec],
+    },
+}
+
+/// What one write of a [`Store::ledger_batch`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LedgerReply {
+    /// A record's or a charge's outcome.
+    Record(Applied),
+    /// A release's: whether the reservation was open (closed now).
+    Released(bool),
+    /// The write raised an error in the script; it may have landed in part.
+    Failed,
+}
+
+/// One `lua/ledger_v1.lua` (or append) call's keys and arguments, built before the invocation so
+/// several of them can travel as one `batch`.
+#[derive(Debug, Default)]
+struct Call {
+    keys: Vec<Vec<u8>>,
+    args: Vec<Vec<u8>>,
+}
+
+impl Call {
+    fn key<T: redis::ToRedisArgs>(&mut self, key: T) -> &mut Self {
+        self.keys.extend(key.to_redis_args());
+        self
+    }
+
+    fn arg<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+        self.args.extend(arg.to_redis_args());
+        self
+    }
+
+    fn invocation<'a>(&self, script: &'a Script) -> redis::ScriptInvocation<'a> {
+        let mut inv = script.prepare_invoke();
+        for key in &self.keys {
+            inv.key(key);
+        }
+        for arg in &self.args {
+            inv.arg(arg);
+        }
+        inv
+    }
 }
 
 /// Unix milliseconds now.

@@ -26,7 +26,8 @@
 //! Only complete lines are read: a partial last line waits for its newline.
 //!
 //! The gRPC access log stays the fast path (pool accounting, flow control, settlement within
-//! milliseconds); the journal, flushed by Envoy about once a second, repairs what it lost. Lines
+//! milliseconds); the journal, flushed by Envoy about once a second, repairs what it lost. A line
+//! whose write this replica's recorder saw land is not written again ([`crate::landed`]). Lines
 //! of requests that were not admitted (no facts, no reservation) are skipped.
 
 use std::collections::HashMap;
@@ -309,6 +310,15 @@ enum Op {
         record_id: String,
         buckets: Vec<limits::BucketSpec>,
     },
+}
+
+impl Op {
+    fn record_id(&self) -> &str {
+        match self {
+            Op::Record { record, .. } => &record.info.record_id,
+            Op::Release { record_id, .. } => record_id,
+        }
+    }
 }
 
 /// How a line's application ended.
@@ -602,7 +612,14 @@ async fn drain(
             }
             shared.metrics.journal_lines.inc();
             match parse_line(line) {
-                Ok(Some(entry)) => ops.extend(op_of(shared, &entry)),
+                Ok(Some(entry)) => match op_of(shared, &entry) {
+                    // Landed through this replica's gRPC access log: Redis would answer "done".
+                    Some(op) if shared.recorder.landed(op.record_id()) => {
+                        shared.metrics.journal_lines_landed.inc();
+                    }
+                    Some(op) => ops.push(op),
+                    None => {}
+                },
                 Ok(None) => {}
                 Err(why) => {
                     warn!(%why, "usage journal: unreadable line skipped");

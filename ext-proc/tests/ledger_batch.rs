@@ -1,0 +1,165 @@
+//! The ledger's batched writes in a real `redis-server` (`Store::ledger_batch`,
+//! `Store::append_batch`: one script call for several writes of a tenant, one for several stream
+//! events): a batch leaves the books exactly where the same writes one call each leave them, each
+//! write keeps its own idempotency, a write that fails in the script fails alone, and the stream
+//! gets each event once.
+//!
+//! Needs `redis-server` on the PATH (`make setup`).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use common::Redis;
+use gateway_ext_proc::config::Config;
+use gateway_ext_proc::ledger;
+use gateway_ext_proc::limits;
+use gateway_ext_proc::meter::{RequestInfo, UsageRecord};
+use gateway_ext_proc::quota::{Clock, QuotaBook};
+use gateway_ext_proc::store::{self, Applied, LedgerReply, LedgerWrite, Store};
+
+const STREAM: &str = "llmgw:usage-events";
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
+}
+
+async fn setup(redis: &Redis) -> (Config, Store) {
+    let yaml = format!(
+        "listen: 127.0.0.1:0
+redis: {{url: 'redis://127.0.0.1:{}'}}
+tenants:
+  - {{id: one, limits: {{tokens_per_minute: 1, token_burst: 100000}}}}
+  - {{id: batched, limits: {{tokens_per_minute: 1, token_burst: 100000}}}}
+prices:
+  m: {{input: 1, output: 2}}
+",
+        redis.1
+    );
+    let config = Config::from_yaml(&yaml).unwrap();
+    let store = Store::connect(&config.redis, STREAM.to_owned(), 1000)
+        .await
+        .unwrap()
+        .with_quotas(QuotaBook::new(&config, Clock::default()));
+    (config, store)
+}
+
+/// Request `i` of `tenant`: 10 + i prompt tokens, 5 completion tokens, 10 reserved (so each
+/// settlement charges the TPM bucket more, and creates it).
+fn record(tenant: &str, i: u64, at_ms: u64) -> UsageRecord {
+    let info = RequestInfo {
+        tenant: tenant.to_owned(),
+        model: "m".to_owned(),
+        request_id: format!("req-{i}"),
+        record_id: format!("{tenant}-{i}"),
+        reserved_tokens: 10,
+        ..Default::default()
+    };
+    let mut r = UsageRecord::new(info, gateway_meter::Usage::unseen(1, 200), true);
+    r.prompt_tokens = 10 + i;
+    r.completion_tokens = 5;
+    r.cached_tokens = 0;
+    r.finished_at_unix_ms = at_ms;
+    r
+}
+
+async fn usage(
+    conn: &mut redis::aio::MultiplexedConnection,
+    tenant: &str,
+    at_ms: u64,
+) -> HashMap<String, i64> {
+    redis::cmd("HGETALL")
+        .arg(store::usage_key("llmgw", tenant, at_ms / 1000))
+        .query_async(conn)
+        .await
+        .unwrap()
+}
+
+async fn bucket_level(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> f64 {
+    let level: Option<String> = redis::cmd("HGET").arg(key).arg("t").query_async(conn).await.unwrap();
+    level.unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_writes_what_one_call_each_writes_and_each_write_once() {
+    let redis = Redis::start();
+    let (config, store) = setup(&redis).await;
+    let mut conn = redis.conn().await;
+    let at = now_ms();
+    let tenant_of = |id: &str| config.tenant(id).unwrap();
+    let settle = |tenant: &str, r: &UsageRecord| {
+        let buckets = limits::token_buckets("llmgw", tenant_of(tenant), "m");
+        ledger::settlements(buckets, r.info.reserved_tokens, r.total_tokens())
+    };
+
+    // Four records of `one`, a call each; the same four of `batched` in one call.
+    let ones: Vec<UsageRecord> = (0..4).map(|i| record("one", i, at)).collect();
+    for r in &ones {
+        assert_eq!(store.apply(r, &settle("one", r), false, None).await.unwrap(), Applied::Applied);
+    }
+    let batched: Vec<UsageRecord> = (0..4).map(|i| record("batched", i, at)).collect();
+    let settlements: Vec<_> = batched.iter().map(|r| settle("batched", r)).collect();
+    let writes: Vec<LedgerWrite<'_>> = batched
+        .iter()
+        .zip(&settlements)
+        .map(|(record, settlements)| LedgerWrite::Record { record, settlements, charge: false, lease: None })
+        .collect();
+    let replies = store.ledger_batch(&writes).await.unwrap();
+    assert_eq!(replies, vec![LedgerReply::Record(Applied::Applied); 4]);
+
+    // The same books: daily counts and cost, and the TPM bucket (it refills 1 token a minute, so
+    // a missing or doubled settlement shows).
+    let (u1, u2) = (usage(&mut conn, "one", at).await, usage(&mut conn, "batched", at).await);
+    assert_eq!(u1.get("m:requests"), Some(&4));
+    assert_eq!(u1.get("m:prompt_tokens"), Some(&(10 + 11 + 12 + 13)));
+    assert_eq!(u1, u2, "a batch leaves the usage hash where one call each leaves it");
+    let key = |t: &str| limits::token_buckets("llmgw", tenant_of(t), "m")[0].key.clone();
+    let (l1, l2) =
+        (bucket_level(&mut conn, &key("one")).await, bucket_level(&mut conn, &key("batched")).await);
+    assert!((l1 - l2).abs() < 1.0, "bucket levels: one call each {l1}, batched {l2}");
+    // Four settlements, each charging 5 + i more than the 10 reserved.
+    assert!((l2 - (100_000.0 - 26.0)).abs() < 1.0, "batched bucket level {l2}");
+
+    // Each write is applied once: the batch again is all duplicates, nothing moves.
+    let replies = store.ledger_batch(&writes).await.unwrap();
+    assert_eq!(replies, vec![LedgerReply::Record(Applied::Duplicate); 4]);
+    assert_eq!(usage(&mut conn, "batched", at).await, u2);
+
+    // A write that fails in the script fails alone: a fifth record whose idempotency set is not
+    // a set (WRONGTYPE), between two good ones, and a release of a reservation never opened.
+    let (bad, _) = store::seen_key("llmgw", "batched", at / 1000 + 3600, at / 1000);
+    let bad_record = record("batched", 5, at + 3_600_000);
+    let _: () = redis::cmd("SET").arg(&bad).arg("not a set").query_async(&mut conn).await.unwrap();
+    let good: Vec<UsageRecord> = [6, 7].iter().map(|&i| record("batched", i, at)).collect();
+    let buckets = limits::plan("llmgw", tenant_of("batched"), "m", 0);
+    let writes = vec![
+        LedgerWrite::Record { record: &good[0], settlements: &[], charge: false, lease: None },
+        LedgerWrite::Record { record: &bad_record, settlements: &[], charge: false, lease: None },
+        LedgerWrite::Release { tenant: "batched", record_id: "never-admitted", buckets: &buckets },
+        LedgerWrite::Record { record: &good[1], settlements: &[], charge: false, lease: None },
+    ];
+    let replies = store.ledger_batch(&writes).await.unwrap();
+    assert_eq!(
+        replies,
+        vec![
+            LedgerReply::Record(Applied::Applied),
+            LedgerReply::Failed,
+            LedgerReply::Released(false),
+            LedgerReply::Record(Applied::Applied),
+        ]
+    );
+    assert_eq!(usage(&mut conn, "batched", at).await.get("m:requests"), Some(&6));
+
+    // The stream: one event per record, however often the batch is appended.
+    let all: Vec<&UsageRecord> = batched.iter().chain(&good).collect();
+    assert_eq!(store.append_batch(&all).await.unwrap(), vec![true; 6]);
+    assert_eq!(store.append_batch(&all).await.unwrap(), vec![false; 6]);
+    assert!(!store.append(&good[0]).await.unwrap());
+    assert!(store.append(&ones[0]).await.unwrap());
+    let len: u64 = redis::cmd("XLEN").arg(STREAM).query_async(&mut conn).await.unwrap();
+    assert_eq!(len, 7);
+    assert!(store.ledger_batch(&[]).await.unwrap().is_empty());
+    assert!(store.append_batch(&[]).await.unwrap().is_empty());
+}
