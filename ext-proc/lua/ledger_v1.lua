@@ -217,16 +217,25 @@ local function lease_use(k, a, now)
   end
 end
 
+-- Closes the open reservation `id` (R = K[1], its due entry in D = K[2]): its JSON, or nil when
+-- it was not open.
+local function close_reservation(id)
+  local json = redis.call('HGET', K[1], id)
+  if json then
+    redis.call('HDEL', K[1], id)
+    redis.call('ZREM', K[2], id)
+  end
+  return json
+end
+
 -- One operation on the keys K and arguments A (KEYS and ARGV, or one sub-call of a 'batch').
 local function run(keys, args)
   K, A = keys, args
   local op = A[1]
   if op == 'record' then
     local id = A[2]
-    local json = redis.call('HGET', K[1], id)
+    local json = close_reservation(id)
     if json then
-      redis.call('HDEL', K[1], id)
-      redis.call('ZREM', K[2], id)
       redis.call('SADD', K[4], id)
     elseif redis.call('ZSCORE', K[3], id) then
       return 2
@@ -245,12 +254,10 @@ local function run(keys, args)
     return 1
   elseif op == 'charge' then
     local id = A[2]
-    local json = redis.call('HGET', K[1], id)
+    local json = close_reservation(id)
     if not json then
       return 0
     end
-    redis.call('HDEL', K[1], id)
-    redis.call('ZREM', K[2], id)
     local now = now_us()
     remember(K[3], id, now, tonumber(A[3]))
     local n = tonumber(A[8])
@@ -260,12 +267,10 @@ local function run(keys, args)
     return 1
   elseif op == 'release' then
     local id = A[2]
-    local json = redis.call('HGET', K[1], id)
+    local json = close_reservation(id)
     if not json then
       return 0
     end
-    redis.call('HDEL', K[1], id)
-    redis.call('ZREM', K[2], id)
     local reserved = reserved_of(json)
     local now = now_us()
     for i = 1, tonumber(A[3]) do

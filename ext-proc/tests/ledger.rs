@@ -301,13 +301,26 @@ async fn the_same_entries_delivered_twice_and_replayed_after_a_restart_record_on
         sidecar.metric("llm_gateway_usage_records_duplicate_total").await == N as f64
     })
     .await;
+    assert_eq!(events(&mut conn, "acme").await.len() as u64, N, "a duplicate appends no second event");
     sidecar.stop().await;
+    // As if the delivery that wrote the ledger had gone away before its events reached the
+    // stream (killed between its two Redis calls): the stream and its appended-id sets are gone.
+    let keys: Vec<String> =
+        redis::cmd("KEYS").arg("llmgw:usage-events*").query_async(&mut conn).await.unwrap();
+    assert!(!keys.is_empty());
+    let _: () = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await.unwrap();
 
-    // And replayed to a sidecar started afresh.
+    // And replayed to a sidecar started afresh: duplicates in the ledger, whose events it
+    // appends again, once each.
     let restarted = Sidecar::start(&redis, 60_000).await;
     deliver(restarted.listen, &entries).await;
     eventually("the replay seen as duplicates", || async {
         restarted.metric("llm_gateway_usage_records_duplicate_total").await == N as f64
+    })
+    .await;
+    eventually("the missing events appended", || async {
+        let mut conn = redis.conn().await;
+        events(&mut conn, "acme").await.len() as u64 == N
     })
     .await;
     assert_eq!(restarted.metric("llm_gateway_usage_records_written_total").await, 0.0);

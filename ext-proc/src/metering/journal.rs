@@ -302,8 +302,6 @@ enum Op {
         lease: Option<LeaseUse>,
         /// The ledger script landed (only the event is left).
         applied: bool,
-        /// An earlier attempt may have landed it (a timeout, a connection lost).
-        maybe_applied: bool,
     },
     Release {
         tenant: String,
@@ -351,13 +349,7 @@ fn op_of(shared: &Shared, entry: &HttpAccessLogEntry) -> Option<Op> {
                 ledger::settlements(buckets, record.info.reserved_tokens, record.total_tokens())
             };
             let lease = LeaseUse::of_record(prefix, tenant, &record.info);
-            Some(Op::Record {
-                record: Box::new(record),
-                settlements,
-                lease,
-                applied: false,
-                maybe_applied: false,
-            })
+            Some(Op::Record { record: Box::new(record), settlements, lease, applied: false })
         }
         Entry::Release { tenant, model, record_id } => {
             let config = shared.config.tenant(&tenant)?;
@@ -374,21 +366,18 @@ async fn apply(store: &Store, op: &mut Op) -> Result<Done, StoreError> {
             let released = store.release(tenant, record_id, buckets).await?;
             Ok(if released { Done::Applied } else { Done::Nothing })
         }
-        Op::Record { record, settlements, lease, applied, maybe_applied } => {
+        Op::Record { record, settlements, lease, applied } => {
             if !*applied {
-                let result = store.apply(record, settlements, false, lease.as_ref()).await;
-                if result.as_ref().is_err_and(StoreError::maybe_applied) {
-                    *maybe_applied = true;
-                }
-                match result? {
+                match store.apply(record, settlements, false, lease.as_ref()).await? {
                     Applied::Applied => *applied = true,
-                    // Landed by this replica's earlier attempt, or by another delivery: the
-                    // event is appended once per record id either way.
-                    Applied::Duplicate if *maybe_applied => {
+                    // Landed by this replica's earlier attempt, or by another delivery, which may
+                    // have gone away before appending its event: the event is appended once per
+                    // record id, so it is asked for again.
+                    Applied::Duplicate => {
                         let appended = store.append(record).await?;
                         return Ok(if appended { Done::Applied } else { Done::Nothing });
                     }
-                    Applied::Duplicate | Applied::AfterCharge => return Ok(Done::Nothing),
+                    Applied::AfterCharge => return Ok(Done::Nothing),
                 }
             }
             store.append(record).await?;

@@ -108,6 +108,8 @@ struct Pending {
     op: LedgerOp,
     maybe_applied_at: Option<Instant>,
     applied: bool,
+    /// The ledger had the record from another delivery: only its event is asked for again.
+    duplicate: bool,
 }
 
 /// Whether a record is given up rather than retried: an attempt that may have landed is older
@@ -297,7 +299,8 @@ impl Outcome {
 ///    (a tenant's keys share one cluster slot), for every release and every record or charge whose
 ///    script has not landed yet;
 /// 2. the usage stream: one append call per [`APPEND_BATCH`] records or charges whose ledger
-///    write landed now or before.
+///    write landed now or before, and records the ledger had from another delivery (whose event
+///    that delivery may not have appended).
 ///
 /// One outcome per write, in order. Measured on the leased gateway at saturation, each script call
 /// costs Redis about 10 µs before its first command (`INFO commandstats`: 16.7 µs per `EVALSHA`,
@@ -341,12 +344,7 @@ async fn write_batch(store: &Store, metrics: &Metrics, batch: &mut [Pending]) ->
                 }
             })
             .collect();
-        async move {
-            let started = std::time::Instant::now();
-            let result = store.ledger_batch(&writes).await;
-            metrics.redis_call("ledger", started.elapsed(), result.is_ok());
-            result
-        }
+        async move { timed(metrics, "ledger", store.ledger_batch(&writes)).await }
     });
     let results = join_all(calls).await;
     for (members, result) in chunks.iter().zip(results) {
@@ -375,12 +373,7 @@ async fn write_batch(store: &Store, metrics: &Metrics, batch: &mut [Pending]) ->
                 _ => None,
             })
             .collect();
-        async move {
-            let started = std::time::Instant::now();
-            let result = store.append_batch(&records).await;
-            metrics.redis_call("append", started.elapsed(), result.is_ok());
-            result
-        }
+        async move { timed(metrics, "append", store.append_batch(&records)).await }
     });
     let results = join_all(calls).await;
     for (members, result) in chunks.iter().zip(results) {
@@ -390,7 +383,7 @@ async fn write_batch(store: &Store, metrics: &Metrics, batch: &mut [Pending]) ->
                 Ok(_) => {
                     if matches!(pending.op, LedgerOp::Charge { .. }) {
                         metrics.records_charged.inc();
-                    } else {
+                    } else if !pending.duplicate {
                         metrics.records_written.inc();
                     }
                     Outcome::Done
@@ -400,6 +393,19 @@ async fn write_batch(store: &Store, metrics: &Metrics, batch: &mut [Pending]) ->
         }
     }
     outcomes.into_iter().map(|o| o.unwrap_or(Outcome::Done)).collect()
+}
+
+/// A Redis call, its latency and failure counted under `op`
+/// (`llm_gateway_redis_command_duration_seconds{op}`, `llm_gateway_redis_errors_total{op}`).
+async fn timed<T>(
+    metrics: &Metrics,
+    op: &str,
+    call: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    let started = std::time::Instant::now();
+    let result = call.await;
+    metrics.redis_call(op, started.elapsed(), result.is_ok());
+    result
 }
 
 /// What a write's ledger reply leaves to do: `None` when its event is still to be appended (the
@@ -426,12 +432,17 @@ fn ledger_outcome(metrics: &Metrics, pending: &mut Pending, reply: LedgerReply) 
             pending.applied = true;
             None
         }
-        LedgerReply::Record(Applied::Duplicate) => {
-            if !charge {
-                metrics.records_duplicate.inc();
-            }
-            Some(Outcome::Done)
+        // Applied by another delivery (a second sink, the usage journal, another replica), which
+        // may have gone away between its ledger write and its event: the event is asked for again
+        // (appended once per record id, so never twice).
+        LedgerReply::Record(Applied::Duplicate) if !charge => {
+            metrics.records_duplicate.inc();
+            pending.applied = true;
+            pending.duplicate = true;
+            None
         }
+        // A charge of a reservation no longer open: nothing of it is written.
+        LedgerReply::Record(Applied::Duplicate) => Some(Outcome::Done),
         LedgerReply::Record(Applied::AfterCharge) => {
             if let LedgerOp::Record { record, .. } = &pending.op {
                 warn!(record = ?record, "usage arrived after its reservation was charged: not applied");
@@ -449,7 +460,7 @@ fn push(buffer: &mut VecDeque<Pending>, op: LedgerOp, capacity: usize, metrics: 
             metrics.records_dropped.inc();
         }
     }
-    buffer.push_back(Pending { op, maybe_applied_at: None, applied: false });
+    buffer.push_back(Pending { op, maybe_applied_at: None, applied: false, duplicate: false });
     metrics.records_buffered.set(i64::try_from(buffer.len()).unwrap_or(i64::MAX));
 }
 
