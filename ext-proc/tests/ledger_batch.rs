@@ -152,6 +152,29 @@ async fn a_batch_writes_what_one_call_each_writes_and_each_write_once() {
     );
     assert_eq!(usage(&mut conn, "batched", at).await.get("m:requests"), Some(&6));
 
+    // A write whose summed writes fail at the end of the call fails alone too: a record of a
+    // day whose usage hash is not a hash (WRONGTYPE), between two good ones of today's.
+    let yesterday = at - 86_400_000;
+    let _: () = redis::cmd("SET")
+        .arg(store::usage_key("llmgw", "batched", yesterday / 1000))
+        .arg("not a hash")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let around: Vec<UsageRecord> = [8, 9].iter().map(|&i| record("batched", i, at)).collect();
+    let old = record("batched", 10, yesterday);
+    let writes = vec![
+        LedgerWrite::Record { record: &around[0], settlements: &[], charge: false, lease: None },
+        LedgerWrite::Record { record: &old, settlements: &[], charge: false, lease: None },
+        LedgerWrite::Record { record: &around[1], settlements: &[], charge: false, lease: None },
+    ];
+    let replies = store.ledger_batch(&writes).await.unwrap();
+    assert_eq!(
+        replies,
+        vec![LedgerReply::Record(Applied::Applied), LedgerReply::Failed, LedgerReply::Record(Applied::Applied)]
+    );
+    assert_eq!(usage(&mut conn, "batched", at).await.get("m:requests"), Some(&8));
+
     // The stream: one event per record, however often the batch is appended.
     let all: Vec<&UsageRecord> = batched.iter().chain(&good).collect();
     assert_eq!(store.append_batch(&all).await.unwrap(), vec![true; 6]);

@@ -20,7 +20,7 @@ use gateway_ext_proc::config::Config;
 use gateway_ext_proc::ledger;
 use gateway_ext_proc::limits::{self, BucketKind, BucketSpec};
 use gateway_ext_proc::meter::UsageRecord;
-use gateway_ext_proc::store::{Applied, Store};
+use gateway_ext_proc::store::{Applied, LedgerReply, LedgerWrite, Store};
 
 const REQUESTS: f64 = 1_000.0;
 const TOKENS: f64 = 100_000.0;
@@ -189,4 +189,68 @@ async fn a_lease_given_back_is_not_reclaimed_and_its_late_requests_settle_as_usu
         .await
         .unwrap();
     assert_eq!(used, 0, "a closed lease keeps no counts");
+}
+
+#[tokio::test]
+async fn leased_records_in_one_batch_count_and_settle_as_one_call_each() {
+    let redis = Redis::start();
+    let (config, store, mut conn) = setup(&redis).await;
+    take(&config, &store, "L3").await;
+    take(&config, &store, "L4").await;
+    // L4's VM went away before any of its requests ended: all it took goes back.
+    let back = store.lease_reclaim("acme", "L4", &plan(&config, &store), Duration::from_secs(600)).await;
+    assert_eq!(back.unwrap(), Some((100, 10_000)));
+    let (r, t) = levels(&config, &store, &mut conn).await;
+    assert!(near(r, REQUESTS - 100.0) && near(t, TOKENS - 10_000.0), "{r} {t}");
+
+    // One batch: three requests of the open L3 and two of the reclaimed L4 (each 100 reserved),
+    // interleaved, one of them twice.
+    let writes: Vec<_> = [("b.1", "L3", 30), ("b.2", "L4", 50), ("b.3", "L3", 40), ("b.4", "L4", 60), ("b.5", "L3", 20)]
+        .iter()
+        .map(|&(id, lease, used)| leased(&config, &store, id, lease, used))
+        .collect();
+    let mut batch: Vec<LedgerWrite<'_>> = writes
+        .iter()
+        .map(|(record, settlements, lease)| LedgerWrite::Record {
+            record,
+            settlements,
+            charge: false,
+            lease: lease.as_ref(),
+        })
+        .collect();
+    batch.push(LedgerWrite::Record {
+        record: &writes[0].0,
+        settlements: &writes[0].1,
+        charge: false,
+        lease: writes[0].2.as_ref(),
+    });
+    let replies = store.ledger_batch(&batch).await.unwrap();
+    let mut expected = vec![LedgerReply::Record(Applied::Applied); 5];
+    expected.push(LedgerReply::Record(Applied::Duplicate));
+    assert_eq!(replies, expected);
+
+    // L3 counts its three requests and their reservations, as three calls would.
+    let used: Vec<Option<u64>> = redis::cmd("HMGET")
+        .arg(ledger::lease_used_key("llmgw", "acme"))
+        .arg("L3:r")
+        .arg("L3:t")
+        .arg("L4:r")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(used, [Some(3), Some(300), None]);
+    // L3's requests gave back what they did not use (70 + 60 + 80) to the tokens bucket; L4's
+    // paid their request and reservation again and then their usage (50 + 60).
+    let (r, t) = levels(&config, &store, &mut conn).await;
+    assert!(near(r, REQUESTS - 100.0 - 2.0), "{r}");
+    assert!(near(t, TOKENS - 10_000.0 + 210.0 - 110.0), "{t}");
+    // (A record finished at 0 is dated when it is written.)
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let day: std::collections::HashMap<String, i64> = redis::cmd("HGETALL")
+        .arg(gateway_ext_proc::store::usage_key("llmgw", "acme", now))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(day.get("m:requests"), Some(&5));
+    assert_eq!(day.get("m:completion_tokens"), Some(&(20 + 40 + 30 + 50 + 10)));
 }
