@@ -171,7 +171,11 @@ async fn a_batch_writes_what_one_call_each_writes_and_each_write_once() {
     let replies = store.ledger_batch(&writes).await.unwrap();
     assert_eq!(
         replies,
-        vec![LedgerReply::Record(Applied::Applied), LedgerReply::Failed, LedgerReply::Record(Applied::Applied)]
+        vec![
+            LedgerReply::Record(Applied::Applied),
+            LedgerReply::Failed,
+            LedgerReply::Record(Applied::Applied)
+        ]
     );
     assert_eq!(usage(&mut conn, "batched", at).await.get("m:requests"), Some(&8));
 

@@ -205,10 +205,11 @@ async fn leased_records_in_one_batch_count_and_settle_as_one_call_each() {
 
     // One batch: three requests of the open L3 and two of the reclaimed L4 (each 100 reserved),
     // interleaved, one of them twice.
-    let writes: Vec<_> = [("b.1", "L3", 30), ("b.2", "L4", 50), ("b.3", "L3", 40), ("b.4", "L4", 60), ("b.5", "L3", 20)]
-        .iter()
-        .map(|&(id, lease, used)| leased(&config, &store, id, lease, used))
-        .collect();
+    let writes: Vec<_> =
+        [("b.1", "L3", 30), ("b.2", "L4", 50), ("b.3", "L3", 40), ("b.4", "L4", 60), ("b.5", "L3", 20)]
+            .iter()
+            .map(|&(id, lease, used)| leased(&config, &store, id, lease, used))
+            .collect();
     let mut batch: Vec<LedgerWrite<'_>> = writes
         .iter()
         .map(|(record, settlements, lease)| LedgerWrite::Record {

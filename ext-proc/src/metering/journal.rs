@@ -30,6 +30,7 @@
 //! whose write this replica's recorder saw land is not written again ([`crate::landed`]). Lines
 //! of requests that were not admitted (no facts, no reservation) are skipped.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
@@ -289,6 +290,39 @@ pub fn parse_line(line: &[u8]) -> Result<Option<HttpAccessLogEntry>, String> {
         }),
         ..Default::default()
     }))
+}
+
+/// The ids a line's record id is made of, read without building its access-log entry.
+#[derive(Deserialize)]
+struct LineIds<'a> {
+    #[serde(default, borrow)]
+    request_id: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    facts: Option<Cow<'a, str>>,
+}
+
+/// The facts' part of [`LineIds`] ([`gateway_contract::RequestFacts`]' fields of the same names).
+#[derive(Deserialize)]
+struct FactIds<'a> {
+    #[serde(default, borrow)]
+    request_id: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    nonce: Option<Cow<'a, str>>,
+}
+
+/// The record id a line's record or release has ([`gateway_contract::record_id`] of the facts'
+/// request id, else the line's, and the facts' nonce, as [`parse_line`] and
+/// [`access_log::entry_of`] name it), read from the line's `request_id` and `facts` alone: the
+/// journal skips a line whose write landed without building its entry. `None` where the line
+/// has no such id (facts absent, not a string, or without a valid nonce): the line is read in
+/// full.
+pub fn line_record_id(line: &[u8]) -> Option<String> {
+    let ids: LineIds<'_> = serde_json::from_slice(line).ok()?;
+    let facts = ids.facts?;
+    let facts: FactIds<'_> = serde_json::from_str(&facts).ok()?;
+    let from_line = ids.request_id.filter(|id| !id.is_empty() && id != "-");
+    let request_id = facts.request_id.or(from_line).unwrap_or_default();
+    gateway_contract::record_id(&request_id, facts.nonce.as_deref()?)
 }
 
 /// What the journal applies for one line, and how far it got (kept across retries, so that a
@@ -600,6 +634,11 @@ async fn drain(
                 continue;
             }
             shared.metrics.journal_lines.inc();
+            // Landed through this replica's gRPC access log: Redis would answer "done".
+            if line_record_id(line).is_some_and(|id| shared.recorder.landed(&id)) {
+                shared.metrics.journal_lines_landed.inc();
+                continue;
+            }
             match parse_line(line) {
                 Ok(Some(entry)) => match op_of(shared, &entry) {
                     // Landed through this replica's gRPC access log: Redis would answer "done".
@@ -698,6 +737,41 @@ mod tests {
         // Dated as the gRPC path dates it: start + time to the last downstream byte.
         assert_eq!(r.finished_at_unix_ms, 1_700_000_001_255);
         assert_eq!(r.status, 200);
+    }
+
+    #[test]
+    fn a_lines_record_id_reads_from_its_ids_alone_as_its_entry_names_it() {
+        let named = |line: &str| match access_log::entry_of(
+            &parse_line(line.as_bytes()).unwrap().unwrap(),
+            String::new,
+        ) {
+            Entry::Record(r) => Some(r.info.record_id),
+            Entry::Release { record_id, .. } => Some(record_id),
+            Entry::Nothing => None,
+        };
+        assert_eq!(line_record_id(LINE.as_bytes()).as_deref(), Some("rid-7.00000000000000ff"));
+        assert_eq!(line_record_id(LINE.as_bytes()), named(LINE));
+        // The facts without a request id: the line's, as the entry takes it.
+        let line = LINE.replace(r#"\"request_id\":\"rid-7\","#, "").replace(r#""rid-7""#, r#""rid-8""#);
+        assert_eq!(line_record_id(line.as_bytes()).as_deref(), Some("rid-8.00000000000000ff"));
+        assert_eq!(line_record_id(line.as_bytes()), named(&line));
+        // Neither: `-`, as the entry names it.
+        let none = line.replace(r#""request_id":"rid-8","#, "");
+        assert_eq!(line_record_id(none.as_bytes()).as_deref(), Some("-.00000000000000ff"));
+        assert_eq!(line_record_id(none.as_bytes()), named(&none));
+        // An unanswered admission's release has the same id.
+        let release = LINE
+            .replace(r#","metadata":{"reserved_tokens":50,"admitted":true},"status":200"#, r#","status":0"#);
+        assert!(matches!(
+            access_log::entry_of(&parse_line(release.as_bytes()).unwrap().unwrap(), String::new),
+            Entry::Release { .. }
+        ));
+        assert_eq!(line_record_id(release.as_bytes()), named(&release));
+        // No id without a valid nonce, facts, or JSON: such a line is read in full.
+        assert_eq!(line_record_id(LINE.replace("00000000000000ff", "ff").as_bytes()), None);
+        assert_eq!(line_record_id(br#"{"request_id":"rid-7"}"#), None);
+        assert_eq!(line_record_id(br#"{"facts":{"nonce":"00000000000000ff"}}"#), None);
+        assert_eq!(line_record_id(b"not json"), None);
     }
 
     #[test]
