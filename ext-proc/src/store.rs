@@ -882,15 +882,19 @@ impl Store {
 /// Appends usage events once per record id (see [`Store::append`], [`Store::append_batch`]):
 /// KEYS[1] the stream, KEYS[1 + j] record j's sent-set; ARGV[1] the stream's MAXLEN, then per
 /// record j from ARGV[2 + 4(j - 1)]: record id, the sent-set's expiry (unix s), event, tenant.
-/// Returns {1 appended, or 0: appended before} per record.
+/// Returns {1 appended, or 0: appended before} per record. A sent-set's expiry is set once per
+/// call for each value asked (a batch's records mostly share one set and one expiry).
 const APPEND_ONCE_LUA: &str = r"
-local out = {}
+local out, expiry = {}, {}
 for j = 1, #KEYS - 1 do
   local a = 2 + 4 * (j - 1)
   if redis.call('SADD', KEYS[1 + j], ARGV[a]) == 0 then
     out[j] = 0
   else
-    redis.call('EXPIREAT', KEYS[1 + j], ARGV[a + 1])
+    if expiry[KEYS[1 + j]] ~= ARGV[a + 1] then
+      redis.call('EXPIREAT', KEYS[1 + j], ARGV[a + 1])
+      expiry[KEYS[1 + j]] = ARGV[a + 1]
+    end
     redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'event', ARGV[a + 2], 'tenant', ARGV[a + 3], 'record_id', ARGV[a])
     out[j] = 1
   end

@@ -187,6 +187,10 @@ async fn a_batch_writes_what_one_call_each_writes_and_each_write_once() {
     assert!(store.append(&ones[0]).await.unwrap());
     let len: u64 = redis::cmd("XLEN").arg(STREAM).query_async(&mut conn).await.unwrap();
     assert_eq!(len, 7);
+    // The batch's sent-set expires (set once per call for the batch's shared expiry).
+    let (sent, _) = store::sent_key(STREAM, at / 1000, at / 1000);
+    let ttl: i64 = redis::cmd("TTL").arg(&sent).query_async(&mut conn).await.unwrap();
+    assert!(ttl > 0, "{sent}: TTL {ttl}");
     assert!(store.ledger_batch(&[]).await.unwrap().is_empty());
     assert!(store.append_batch(&[]).await.unwrap().is_empty());
 }
