@@ -65,6 +65,11 @@ fn record(tenant: &str, i: u64, at_ms: u64) -> UsageRecord {
     r
 }
 
+/// A record's write with no settlements and no lease.
+fn plain(record: &UsageRecord) -> LedgerWrite<'_> {
+    LedgerWrite::Record { record, settlements: &[], charge: false, lease: None }
+}
+
 async fn usage(
     conn: &mut redis::aio::MultiplexedConnection,
     tenant: &str,
@@ -135,10 +140,10 @@ async fn a_batch_writes_what_one_call_each_writes_and_each_write_once() {
     let good: Vec<UsageRecord> = [6, 7].iter().map(|&i| record("batched", i, at)).collect();
     let buckets = limits::plan("llmgw", tenant_of("batched"), "m", 0);
     let writes = vec![
-        LedgerWrite::Record { record: &good[0], settlements: &[], charge: false, lease: None },
-        LedgerWrite::Record { record: &bad_record, settlements: &[], charge: false, lease: None },
+        plain(&good[0]),
+        plain(&bad_record),
         LedgerWrite::Release { tenant: "batched", record_id: "never-admitted", buckets: &buckets },
-        LedgerWrite::Record { record: &good[1], settlements: &[], charge: false, lease: None },
+        plain(&good[1]),
     ];
     let replies = store.ledger_batch(&writes).await.unwrap();
     assert_eq!(
@@ -163,11 +168,7 @@ async fn a_batch_writes_what_one_call_each_writes_and_each_write_once() {
         .unwrap();
     let around: Vec<UsageRecord> = [8, 9].iter().map(|&i| record("batched", i, at)).collect();
     let old = record("batched", 10, yesterday);
-    let writes = vec![
-        LedgerWrite::Record { record: &around[0], settlements: &[], charge: false, lease: None },
-        LedgerWrite::Record { record: &old, settlements: &[], charge: false, lease: None },
-        LedgerWrite::Record { record: &around[1], settlements: &[], charge: false, lease: None },
-    ];
+    let writes = vec![plain(&around[0]), plain(&old), plain(&around[1])];
     let replies = store.ledger_batch(&writes).await.unwrap();
     assert_eq!(
         replies,

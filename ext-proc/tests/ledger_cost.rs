@@ -19,7 +19,7 @@ use gateway_ext_proc::admission_lease::{self, LeaseRecord, LeaseUse};
 use gateway_ext_proc::config::Config;
 use gateway_ext_proc::ledger;
 use gateway_ext_proc::limits;
-use gateway_ext_proc::store::{Applied, LedgerReply, LedgerWrite, Store};
+use gateway_ext_proc::store::{Applied, LedgerReply, Store};
 
 fn env(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -78,15 +78,7 @@ tenants:
                 (record, settlements, lease)
             })
             .collect();
-        let batch: Vec<LedgerWrite<'_>> = writes
-            .iter()
-            .map(|(record, settlements, lease)| LedgerWrite::Record {
-                record,
-                settlements,
-                charge: false,
-                lease: lease.as_ref(),
-            })
-            .collect();
+        let batch = common::record_writes(&writes);
         let replies = store.ledger_batch(&batch).await.unwrap();
         assert!(replies.iter().all(|r| *r == LedgerReply::Record(Applied::Applied)), "{replies:?}");
     }

@@ -20,7 +20,7 @@ use gateway_ext_proc::config::Config;
 use gateway_ext_proc::ledger;
 use gateway_ext_proc::limits::{self, BucketKind, BucketSpec};
 use gateway_ext_proc::meter::UsageRecord;
-use gateway_ext_proc::store::{Applied, LedgerReply, LedgerWrite, Store};
+use gateway_ext_proc::store::{Applied, LedgerReply, Store};
 
 const REQUESTS: f64 = 1_000.0;
 const TOKENS: f64 = 100_000.0;
@@ -210,21 +210,8 @@ async fn leased_records_in_one_batch_count_and_settle_as_one_call_each() {
             .iter()
             .map(|&(id, lease, used)| leased(&config, &store, id, lease, used))
             .collect();
-    let mut batch: Vec<LedgerWrite<'_>> = writes
-        .iter()
-        .map(|(record, settlements, lease)| LedgerWrite::Record {
-            record,
-            settlements,
-            charge: false,
-            lease: lease.as_ref(),
-        })
-        .collect();
-    batch.push(LedgerWrite::Record {
-        record: &writes[0].0,
-        settlements: &writes[0].1,
-        charge: false,
-        lease: writes[0].2.as_ref(),
-    });
+    let mut batch = common::record_writes(&writes);
+    batch.extend(common::record_writes(&writes[..1]));
     let replies = store.ledger_batch(&batch).await.unwrap();
     let mut expected = vec![LedgerReply::Record(Applied::Applied); 5];
     expected.push(LedgerReply::Record(Applied::Duplicate));

@@ -52,3 +52,23 @@ impl Drop for Redis {
         let _ = self.0.wait();
     }
 }
+
+/// A leased (or plain) usage record with its settlements and its lease part, as a test builds it.
+pub type RecordWrite = (
+    gateway_ext_proc::meter::UsageRecord,
+    Vec<(gateway_ext_proc::limits::BucketSpec, i64)>,
+    Option<gateway_ext_proc::admission_lease::LeaseUse>,
+);
+
+/// The ledger writes (records, not charges) of `writes`, in order.
+pub fn record_writes(writes: &[RecordWrite]) -> Vec<gateway_ext_proc::store::LedgerWrite<'_>> {
+    writes
+        .iter()
+        .map(|(record, settlements, lease)| gateway_ext_proc::store::LedgerWrite::Record {
+            record,
+            settlements,
+            charge: false,
+            lease: lease.as_ref(),
+        })
+        .collect()
+}
