@@ -306,7 +306,8 @@ impl Outcome {
 /// commandstats`): before, three `EVALSHA` per record at 19.3 µs each inside Redis; batched, about
 /// 14 writes per ledger call. The script sums a call's increments and expiries per key and settles
 /// its buckets in memory, so a leased record in a batch of 14 costs Redis about 18–21 µs against
-/// 26 µs with one `redis.call` per write (`tests/ledger_cost.rs`, the same probe on both scripts).
+/// 26 µs when each write issued its own commands (`tests/ledger_cost.rs`, the same probe on both
+/// scripts).
 async fn write_batch(store: &Store, metrics: &Metrics, batch: &mut [Pending]) -> Vec<Outcome> {
     let mut outcomes: Vec<Option<Outcome>> = vec![None; batch.len()];
     // 1. The ledger, by tenant.
