@@ -111,50 +111,77 @@ def test_leases_are_given_back_and_only_the_usage_is_charged(tmp_path_factory, n
 
 
 def test_a_lease_whose_vm_went_away_is_reclaimed_within_a_ttl(tmp_path_factory, native):
-    """Envoy is killed holding a lease (its VM gone, the lease never given back): a sidecar sweep
-    reclaims it after 1.5 TTL, not before its expiry, and the buckets end where the requests'
-    usage alone puts them (issue 14 item 4)."""
+    """Envoy is killed holding a lease (its VM gone, the lease never given back) while a leased
+    stream is in flight: a sidecar sweep reclaims the lease after 1.5 TTL, not before its expiry,
+    and the buckets end where the finished requests' usage puts them, plus the reservation of the
+    stream that never finished, which the filter had reported (issue 14 item 4, issue 18)."""
     key = new_api_key()
     # Long enough that a busy machine still kills Envoy before the lease's expiry (the records of
     # the five requests must land first).
     ttl_ms = 10_000
-    tenant = Tenant("al-orphan", [key], {"requests_per_minute": 60, "request_burst": 10_000,
-                                         "tokens_per_minute": 60, "token_burst": 1_000_000})
-    with leased_stack(tmp_path_factory.mktemp("al-orphan"), [tenant], lease_ttl_ms=ttl_ms, native=native) as s:
-        client = redis.Redis(port=s.redis_port)
-        first = post(s, "/v1/chat/completions", chat_body("l", max_tokens=50), key=key)
+    # Refilled 1 a minute, so that the one request and the tokens the killed stream keeps charged
+    # stand out of the refill.
+    tenant = Tenant("al-orphan", [key], {"requests_per_minute": 1, "request_burst": 10_000,
+                                         "tokens_per_minute": 1, "token_burst": 1_000_000})
+    # 100 ms between tokens: the short requests (2 tokens) end at once, the stream (50) runs 5 s.
+    pools = [Pool("pool_l", ["sim/l"], ["--output-tokens", "60", "--itl-ms", "100"])]
+    with leased_stack(tmp_path_factory.mktemp("al-orphan"), [tenant], lease_ttl_ms=ttl_ms, pools=pools,
+                      native=native) as s:
+        client = redis.Redis(port=s.redis_port, decode_responses=True)
+        first = post(s, "/v1/chat/completions", chat_body("l", max_tokens=2), key=key)
         assert first.status_code == 200, first.text
         assert wait_for(lambda: leases(s, "granted") == 1, timeout=10), sidecar_metrics(s)
         granted_at = time.monotonic()
         for _ in range(4):
-            r = post(s, "/v1/chat/completions", chat_body("l", max_tokens=50), key=key)
+            r = post(s, "/v1/chat/completions", chat_body("l", max_tokens=2), key=key)
             assert r.status_code == 200, r.text
         assert envoy_counter(s, EXT_PROC_STREAMS) == 1, "the four were leased"
         assert wait_for(lambda: usage_hash(client, "al-orphan").get("l:requests") == 5, timeout=10)
         usage = usage_hash(client, "al-orphan")
         used = usage["l:prompt_tokens"] + usage["l:completion_tokens"]
-        # The VM holds the lease (100 requests, 10,000 tokens) and goes away with Envoy.
-        s.envoy.popen.kill()
-        s.envoy.popen.wait(timeout=5)
+        [lease_id] = client.hkeys("llmgw:leases:{al-orphan}")
+        lease_used = "llmgw:leases-used:{al-orphan}"
+        # The filter reports its four admissions on its next tick.
+        assert wait_for(lambda: client.hget(lease_used, f"{lease_id}:a") == "4", timeout=5), \
+            client.hgetall(lease_used)
+        reserved_4 = int(client.hget(lease_used, f"{lease_id}:at"))
+        stream_client, stream = open_stream(s.base_url, chat_body("l", max_tokens=50, stream=True), auth(key))
+        try:
+            assert stream.status_code == 200
+            assert envoy_counter(s, EXT_PROC_STREAMS) == 1, "the stream was leased"
+            assert wait_for(lambda: client.hget(lease_used, f"{lease_id}:a") == "5", timeout=5), \
+                client.hgetall(lease_used)
+            stream_reserved = int(client.hget(lease_used, f"{lease_id}:at")) - reserved_4
+            assert stream_reserved >= 50, stream_reserved
+            # The VM holds the lease (100 requests, 10,000 tokens) and goes away with Envoy,
+            # the stream with it: its usage never arrives.
+            s.envoy.popen.kill()
+            s.envoy.popen.wait(timeout=5)
+        finally:
+            stream.close()
+            stream_client.close()
         killed_at = time.monotonic()
         assert killed_at - granted_at < ttl_ms / 1000, "killed before the lease's expiry"
         rpm_key, tpm_key = bucket_key("al-orphan", "rpm"), bucket_key("al-orphan", "tpm")
         held = bucket(client, rpm_key)
         assert held is not None and held[0] <= 10_000 - 100, held
+        charged = (6, used + stream_reserved)
 
         def back() -> bool:
             rpm, tpm = bucket(client, rpm_key), bucket(client, tpm_key)
-            slack = time.monotonic() - granted_at + 2  # refill since the grant, and rounding
-            return rpm is not None and tpm is not None and 10_000 - 5 - 1 <= rpm[0] <= 10_000 - 5 + slack \
-                and 1_000_000 - used - 1 <= tpm[0] <= 1_000_000 - used + slack
+            slack = (time.monotonic() - granted_at) / 60 + 1  # refill since the grant, and rounding
+            return rpm is not None and tpm is not None \
+                and 10_000 - charged[0] - 1 <= rpm[0] <= 10_000 - charged[0] + slack \
+                and 1_000_000 - charged[1] - 1 <= tpm[0] <= 1_000_000 - charged[1] + slack
 
         # Reclaimed 1.5 TTL after the grant by a sweep every half TTL: by 2 TTL (plus the calls).
         assert wait_for(back, timeout=2 * ttl_ms / 1000 + 5), (bucket(client, rpm_key), bucket(client, tpm_key),
-                                                               used, sidecar_metrics(s))
+                                                               charged, sidecar_metrics(s))
         assert time.monotonic() - granted_at >= 1.5 * ttl_ms / 1000 - 0.5, "not reclaimed before 1.5 TTL"
         assert metric(sidecar_metrics(s), "llm_gateway_admission_leases_reclaimed_total") == 1
         assert client.hlen("llmgw:leases:{al-orphan}") == 0
         assert client.zcard("llmgw:leases-reclaimed:{al-orphan}") == 1
+        assert leases(s, "reported") >= 2, sidecar_metrics(s)
 
 
 def test_a_tight_limit_gets_no_lease_and_stays_exact(tmp_path_factory, native):

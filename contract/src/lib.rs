@@ -226,6 +226,14 @@ pub struct RequestFacts {
     /// gives back only what its requests did not use.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_id: Option<String>,
+    /// Set with [`RequestFacts::lease_id`]: the request's number among the lease's admissions
+    /// (1, 2, ... from its grant). The filter reports how many it admitted from a lease it holds
+    /// on its lease calls (`report_admitted`); should the lease be reclaimed, a request numbered
+    /// within the last report kept its reservation charged and does not pay it again, and one
+    /// numbered after it does. Absent from facts written before it (such a request counts as
+    /// one the filter did not report).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_seq: Option<u64>,
     /// Set when the filter has `prefix_hashing`: the chained hashes of the prompt's leading
     /// blocks ([`encode_prefix_hashes`]), which the sidecar's endpoint picker matches against
     /// what each endpoint served recently. Absent from facts written without it.
@@ -323,6 +331,7 @@ mod tests {
             context_model: None,
             leased_tokens: Some(7),
             lease_id: Some("lease-1".into()),
+            lease_seq: Some(3),
             prefix_hashes: None,
             request_id: None,
             nonce: None,

@@ -59,6 +59,7 @@ fn record(tenant: &str, i: u64, start_ms: u64) -> UsageRecord {
             tier: "standard".to_owned(),
             record_id: format!("{i:08x}-0000-4000-8000-000000000000.{:016x}", i.wrapping_mul(0x9e37_79b9)),
             lease_id: None,
+            lease_seq: None,
         },
         prompt_tokens: 100,
         completion_tokens: 150,

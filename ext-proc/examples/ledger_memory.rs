@@ -58,6 +58,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 tier: "standard".to_owned(),
                 record_id,
                 lease_id: None,
+                lease_seq: None,
             },
             prompt_tokens: 100,
             completion_tokens: 200,

@@ -23,9 +23,19 @@
 --                                                 its grant (token_bucket_take_v3.lua records it
 --                                                 like a reservation) until given back or reclaimed
 --   LD <prefix>:leases-due:{<tenant>}             zset: lease id -> grant time (ms, Redis TIME)
---   LU <prefix>:leases-used:{<tenant>}            hash: <lease id>:r, <lease id>:t -> requests and
---                                                 reserved tokens of the lease's requests whose
---                                                 usage landed while it was open
+--   LU <prefix>:leases-used:{<tenant>}            hash, per open lease:
+--                                                 <lease id>:a, <lease id>:at -> the requests the
+--                                                 filter reported admitted from it (numbered 1 to
+--                                                 a: the facts' lease_seq) and the tokens they
+--                                                 reserved ('lease_report');
+--                                                 <lease id>:#<seq> -> the tokens reserved by a
+--                                                 request numbered past the report when its usage
+--                                                 landed (dropped once a report covers it);
+--                                                 <lease id>:r, <lease id>:t -> requests and
+--                                                 reserved tokens of its requests without a
+--                                                 number (an older filter) whose usage landed.
+--                                                 A reclaimed lease keeps its <lease id>:a while
+--                                                 it is in LR
 --   LR <prefix>:leases-reclaimed:{<tenant>}       zset: lease id -> when it was reclaimed (ms), kept
 --                                                 the longest stream lifetime
 --
@@ -44,11 +54,16 @@
 -- its quota section: ARGV[b] lease id, ARGV[b + 1] the tokens it reserved from the lease,
 -- ARGV[b + 2] ms LU lives past this write, ARGV[b + 3] m, then per bucket capacity,
 -- rate_per_minute, delta: what the request costs should its lease have been reclaimed (each
--- requests bucket -1, each tokens bucket minus the reservation); KEYS after the quota counters: L,
--- LU, LR, then the m buckets. Applied with the record only: while the lease is open the
--- reservation joins its LU counts; once it was reclaimed (the reclaim gave the reservation back)
--- the m settlements charge it again (before the record's own settlements, which a capacity
--- would otherwise cut), so the request costs its usage, as any leased request.
+-- requests bucket -1, each tokens bucket minus the reservation), then ARGV[b + 4 + 3m] the
+-- request's number among the lease's admissions ('' when the filter did not number it); KEYS
+-- after the quota counters: L, LU, LR, then the m buckets. Applied with the record only. While
+-- the lease is open, a request numbered within the filter's last report changes nothing there
+-- (the report counts it); one numbered past it is kept in LU under its number until a report
+-- covers it; one without a number joins LU's counts. Once the lease was reclaimed, a request the
+-- reclaim did not count (numbered past the last report, or without a number: the reclaim gave
+-- its reservation back) is charged it again by the m settlements (before the record's own
+-- settlements, which a capacity would otherwise cut), so that it costs its usage, as any leased
+-- request; a request the reclaim counted (within the report) settles as under an open lease.
 --
 -- ARGV[1] names the operation:
 --
@@ -73,15 +88,23 @@
 --   buckets). ARGV[2] record id, ARGV[3] the new JSON, ARGV[4] n, per bucket: capacity,
 --   rate_per_minute. Each bucket moves by min(before, capacity) - min(after, capacity): 1; not
 --   open: nothing moves, 0.
+-- 'lease_report': a filter reports the admissions of a lease it holds. KEYS: L, LU. ARGV[2] lease
+--   id, ARGV[3] the requests admitted from it (numbered 1 to ARGV[3]), ARGV[4] the tokens they
+--   reserved, ARGV[5] ms LU lives past this write. Only while the lease is open (else 0), and
+--   only a report past the recorded one: it replaces LU's <id>:a and <id>:at, and drops the
+--   <id>:#<seq> entries it covers. 1.
 -- 'lease_return': a filter gives the rest of an admission lease back. KEYS: L, LD, LU, B1..Bn.
 --   ARGV[2] lease id, ARGV[3] n, per bucket: capacity, rate_per_minute, delta (what it gives
 --   back). Applied (1) only if the lease is open; else 0 (reclaimed already: the reclaim gave back
---   what its requests had not used).
+--   what its requests had not used). The lease's LU entries go.
 -- 'lease_reclaim': an open lease whose filter went away. KEYS: L, LD, LU, LR, B1..Bn. ARGV[2]
 --   lease id, ARGV[3] LR's retention (ms), ARGV[4] n, per bucket: kind ('requests' or 'tokens'),
---   capacity, rate_per_minute. The lease is closed and joins LR; each requests bucket gets back
---   the lease's requests less LU's, each tokens bucket its tokens less LU's (at most the
---   capacity). Returns {1, requests back, tokens back}; {0, 0, 0} when it was not open.
+--   capacity, rate_per_minute. The lease is closed and joins LR; its requests counted are the
+--   reported ones, those numbered past the report whose usage landed, and those without a number
+--   whose usage landed: each requests bucket gets back the lease's requests less those, each
+--   tokens bucket its tokens less what those reserved (at most the capacity). LU keeps the
+--   lease's <id>:a (the late records' test) as long as LR keeps the lease. Returns {1, requests
+--   back, tokens back}; {0, 0, 0} when it was not open.
 -- 'claim': the open reservations admitted more than ARGV[2] ms ago, at most ARGV[4] of them.
 --   KEYS: R, D. Each one returned is due again ARGV[3] ms later (another replica's sweep takes it
 --   should this one's charge not land). Returns {open reservations, id1, json1, id2, json2, ...}.
@@ -322,18 +345,60 @@ local function lease_open(key, id)
   return OPEN[at]
 end
 
+-- The admissions of lease `id` the filter reported (LU = `key`'s <id>:a, 0 if none), asked once
+-- per call (a batch holds no reports).
+local REPORTED = {}
+local function lease_reported(key, id)
+  local at = key .. ' ' .. id
+  if REPORTED[at] == nil then
+    REPORTED[at] = tonumber(redis.call('HGET', key, id .. ':a')) or 0
+  end
+  return REPORTED[at]
+end
+
+-- LU (`key`)'s <id>:#<seq> entries of lease `id`: a list of {field, seq, tokens}.
+local function numbered(key, id)
+  local prefix = id .. ':#'
+  local out = {}
+  local all = redis.call('HGETALL', key)
+  for i = 1, #all, 2 do
+    local field = all[i]
+    if string.sub(field, 1, #prefix) == prefix then
+      out[#out + 1] = { field, tonumber(string.sub(field, #prefix + 1)) or 0, tonumber(all[i + 1]) or 0 }
+    end
+  end
+  return out
+end
+
+-- HDEL of `fields` from `key`, in chunks (Lua's unpack has a stack limit).
+local function hdel_all(key, fields)
+  for i = 1, #fields, 512 do
+    redis.call('HDEL', key, unpack(fields, i, math.min(i + 511, #fields)))
+  end
+end
+
 -- A record's lease section from K[k] and A[a] (see the header); nothing without one.
 local function lease_use(k, a, now)
   local id = A[a]
   if id == nil or id == '' then
     return
   end
+  local m = tonumber(A[a + 3])
+  local seq = tonumber(A[a + 4 + 3 * m] or '')
   if lease_open(K[k], id) then
-    hincrby(K[k + 1], id .. ':r', 1)
-    hincrby(K[k + 1], id .. ':t', A[a + 1])
+    if seq == nil then
+      hincrby(K[k + 1], id .. ':r', 1)
+      hincrby(K[k + 1], id .. ':t', A[a + 1])
+    elseif seq > lease_reported(K[k + 1], id) then
+      redis.call('HSET', K[k + 1], id .. ':#' .. int(seq), A[a + 1])
+    else
+      return
+    end
     expire(K[k + 1], 'PEXPIRE', A[a + 2])
   elseif redis.call('ZSCORE', K[k + 2], id) then
-    settle_all(k + 3, a + 4, tonumber(A[a + 3]), now)
+    if seq == nil or seq > lease_reported(K[k + 1], id) then
+      settle_all(k + 3, a + 4, m, now)
+    end
   end
 end
 
@@ -418,13 +483,37 @@ local function run(keys, args)
       settle(K[1 + i], capacity, tonumber(A[a + 1]), math.min(before, capacity) - math.min(after, capacity), now)
     end
     return 1
+  elseif op == 'lease_report' then
+    local id, admitted = A[2], tonumber(A[3])
+    if redis.call('HEXISTS', K[1], id) == 0 then
+      return 0
+    end
+    local before = tonumber(redis.call('HGET', K[2], id .. ':a')) or 0
+    if admitted <= before then
+      return 1
+    end
+    redis.call('HSET', K[2], id .. ':a', A[3], id .. ':at', A[4])
+    -- The entries the report now covers: named one by one when fewer than LU holds, else found.
+    local covered = {}
+    if admitted - before <= redis.call('HLEN', K[2]) then
+      for s = before + 1, admitted do covered[#covered + 1] = id .. ':#' .. int(s) end
+    else
+      for _, e in ipairs(numbered(K[2], id)) do
+        if e[2] <= admitted then covered[#covered + 1] = e[1] end
+      end
+    end
+    hdel_all(K[2], covered)
+    redis.call('PEXPIRE', K[2], A[5])
+    return 1
   elseif op == 'lease_return' then
     local id = A[2]
     if redis.call('HDEL', K[1], id) == 0 then
       return 0
     end
     redis.call('ZREM', K[2], id)
-    redis.call('HDEL', K[3], id .. ':r', id .. ':t')
+    local gone = { id .. ':r', id .. ':t', id .. ':a', id .. ':at' }
+    for _, e in ipairs(numbered(K[3], id)) do gone[#gone + 1] = e[1] end
+    hdel_all(K[3], gone)
     settle_all(4, 4, tonumber(A[3]), now_us())
     return 1
   elseif op == 'lease_reclaim' then
@@ -438,14 +527,30 @@ local function run(keys, args)
     if ok and type(r) == 'table' then
       requests, tokens = tonumber(r.requests) or 0, tonumber(r.tokens) or 0
     end
-    local used = redis.call('HMGET', K[3], id .. ':r', id .. ':t')
-    local back_r = math.max(0, requests - (tonumber(used[1]) or 0))
-    local back_t = math.max(0, tokens - (tonumber(used[2]) or 0))
+    local used = redis.call('HMGET', K[3], id .. ':r', id .. ':t', id .. ':a', id .. ':at')
+    local used_r = (tonumber(used[1]) or 0) + (tonumber(used[3]) or 0)
+    local used_t = (tonumber(used[2]) or 0) + (tonumber(used[4]) or 0)
+    local gone = { id .. ':r', id .. ':t', id .. ':at' }
+    for _, e in ipairs(numbered(K[3], id)) do
+      used_r, used_t = used_r + 1, used_t + e[3]
+      gone[#gone + 1] = e[1]
+    end
+    local back_r = math.max(0, requests - used_r)
+    local back_t = math.max(0, tokens - used_t)
     redis.call('HDEL', K[1], id)
     redis.call('ZREM', K[2], id)
-    redis.call('HDEL', K[3], id .. ':r', id .. ':t')
+    hdel_all(K[3], gone)
     local now = now_us()
-    remember(K[4], id, now, tonumber(A[3]))
+    local keep = tonumber(A[3])
+    -- Leases LR forgets now take their <id>:a along; LU lives at least as long as LR keeps this one.
+    local forgotten = redis.call('ZRANGEBYSCORE', K[4], '-inf', math.floor(now / 1000) - keep)
+    local stale = {}
+    for _, old in ipairs(forgotten) do stale[#stale + 1] = old .. ':a' end
+    hdel_all(K[3], stale)
+    if redis.call('HEXISTS', K[3], id .. ':a') == 1 and redis.call('PTTL', K[3]) < keep then
+      redis.call('PEXPIRE', K[3], keep)
+    end
+    remember(K[4], id, now, keep)
     for i = 1, tonumber(A[4]) do
       local a = 5 + 3 * (i - 1)
       local capacity = tonumber(A[a + 1])

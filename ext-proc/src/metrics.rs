@@ -108,8 +108,9 @@ pub struct Reason {
 }
 
 /// `{outcome}` of an admission-lease call from the filter: `granted`, `given_back`, or why none was
-/// granted (`off`, `unknown_tenant`, `shedding`, `too_tight`, `over_limit`, `redis_unavailable`);
-/// also of a degraded bucket's reconciliation (`applied`, `retried`).
+/// granted (`off`, `unknown_tenant`, `picking`, `shedding`, `too_tight`, `over_limit`, `quota`,
+/// `redis_unavailable`); of a report on a held lease (`reported`, `report_closed`,
+/// `report_failed`); also of a degraded bucket's reconciliation (`applied`, `retried`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LeaseOutcome {
     /// What the call got.

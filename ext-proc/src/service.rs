@@ -260,6 +260,7 @@ async fn admission_stream(
     }
     facts.leased_tokens = None;
     facts.lease_id = None;
+    facts.lease_seq = None;
     // The endpoint-picker protocol's subset hint, sent with the request headers.
     let subset = subset_hint(first.metadata_context.as_ref());
     // The base model's tokenizer (for a LoRA adapter, the facts' model names the adapter).
@@ -1221,6 +1222,7 @@ pub(crate) fn facts_from_headers(header: impl Fn(&str) -> Option<String>) -> Req
         tier: header(H_TIER).unwrap_or_default(),
         leased_tokens: None,
         lease_id: None,
+        lease_seq: None,
         prefix_hashes: None,
         nonce: header(H_REQUEST_NONCE),
     }

@@ -549,6 +549,10 @@ impl Store {
             for (bucket, delta) in &lease.if_reclaimed {
                 call.key(&bucket.key).arg(bucket.capacity).arg(bucket.rate_per_minute).arg(*delta);
             }
+            match lease.seq {
+                Some(seq) => call.arg(seq),
+                None => call.arg(""),
+            };
         }
         call
     }
@@ -785,9 +789,39 @@ impl Store {
         Ok(reply == 1)
     }
 
+    /// Records a filter's report on an admission lease it holds (`lua/ledger_v1.lua`, operation
+    /// `lease_report`): `admitted` requests numbered 1 to `admitted` were admitted from it, and
+    /// reserved `reserved` tokens together (both cumulative since the grant;
+    /// `proto/llm_gateway/v1/lease.proto`, `report_*`). A reclaim of the lease then keeps those
+    /// reservations charged. Whether the lease was open (false: given back or reclaimed; nothing
+    /// is written). A report older than the one recorded changes nothing. Safe to retry.
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error.
+    pub async fn lease_report(
+        &self,
+        tenant: &str,
+        lease_id: &str,
+        admitted: u64,
+        reserved: u64,
+    ) -> Result<bool, StoreError> {
+        let mut inv = self.ledger.prepare_invoke();
+        inv.key(ledger::leases_key(&self.prefix, tenant))
+            .key(ledger::lease_used_key(&self.prefix, tenant))
+            .arg("lease_report")
+            .arg(lease_id)
+            .arg(admitted)
+            .arg(reserved)
+            .arg(u64::try_from(ledger::KEEP_MARGIN.as_millis()).unwrap_or(u64::MAX));
+        let mut conn = self.conn();
+        let reply: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
+        Ok(reply == 1)
+    }
+
     /// Reclaims an orphaned admission lease (`lua/ledger_v1.lua`, operation `lease_reclaim`):
     /// closes it, remembers it reclaimed for `retention`, and gives each of `buckets` (the plan
-    /// of its tenant and model) what the lease took less what its finished requests reserved.
+    /// of its tenant and model) what the lease took less what its requests reserved: those the
+    /// filter reported ([`Store::lease_report`]) and those whose usage landed.
     /// The requests and tokens given back; `None` when it was not open (given back, or reclaimed
     /// by another replica).
     ///

@@ -74,7 +74,7 @@ tenants:
                 (record.prompt_tokens, record.completion_tokens, record.finished_at_unix_ms) = (10, 20, 0);
                 let settlements =
                     ledger::settlements(limits::token_buckets(store.prefix(), tenant, "m"), 100, 30);
-                let lease = LeaseUse::of(Some("L"), &plan, 100);
+                let lease = LeaseUse::of(Some("L"), None, &plan, 100);
                 (record, settlements, lease)
             })
             .collect();

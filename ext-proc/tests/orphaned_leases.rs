@@ -1,9 +1,10 @@
 //! Admission leases whose filter VM went away (issue 14, item 4), against a real `redis-server`
 //! through the sidecar's store: a lease is recorded open with its take, a leased request's usage
 //! counts its reservation against the open lease, a reclaim gives back what the lease took less
-//! what its finished requests reserved, a request still in flight at the reclaim pays its
-//! reservation again when its usage lands, and a give-back and a reclaim exclude each other, so
-//! the buckets end where the requests' usage alone puts them.
+//! what its reported and its finished requests reserved, a request the filter reported keeps its
+//! reservation charged through a reclaim, one it did not report and still in flight at the
+//! reclaim pays its reservation again when its usage lands, and a give-back and a reclaim exclude
+//! each other, so the buckets end where the requests' usage alone puts them.
 //!
 //! Needs `redis-server` on the PATH (`make setup`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
@@ -62,13 +63,26 @@ async fn take(config: &Config, store: &Store, id: &str) -> admission_lease::Leas
 }
 
 /// The usage record of a request admitted from lease `lease_id` that reserved 100 tokens and
-/// used `used` (10 prompt, the rest completion), and what its write settles.
+/// used `used` (10 prompt, the rest completion), and what its write settles; not numbered (as
+/// from a filter that does not report).
 fn leased(
     config: &Config,
     store: &Store,
     id: &str,
     lease_id: &str,
     used: u64,
+) -> (UsageRecord, Vec<(BucketSpec, i64)>, Option<LeaseUse>) {
+    numbered(config, store, id, lease_id, used, None)
+}
+
+/// [`leased`], the request numbered `seq` among the lease's admissions.
+fn numbered(
+    config: &Config,
+    store: &Store,
+    id: &str,
+    lease_id: &str,
+    used: u64,
+    seq: Option<u64>,
 ) -> (UsageRecord, Vec<(BucketSpec, i64)>, Option<LeaseUse>) {
     let facts = RequestFacts {
         tenant: Some("acme".into()),
@@ -80,18 +94,20 @@ fn leased(
         tier: "standard".into(),
         leased_tokens: Some(100),
         lease_id: Some(lease_id.into()),
+        lease_seq: seq,
         ..Default::default()
     };
     let reservation = ledger::Reservation::of(&facts, 100, 0);
     let mut record = ledger::charged_record("acme", id, &reservation);
     record.info.lease_id = facts.lease_id.clone();
+    record.info.lease_seq = seq;
     record.unreported = false;
     record.prompt_tokens = 10;
     record.completion_tokens = used - 10;
     record.finished_at_unix_ms = 0;
     let buckets = limits::token_buckets(store.prefix(), config.tenant("acme").unwrap(), "m");
     let settlements = ledger::settlements(buckets, 100, used);
-    let lease = LeaseUse::of(record.info.lease_id.as_deref(), &plan(config, store), 100);
+    let lease = LeaseUse::of(record.info.lease_id.as_deref(), seq, &plan(config, store), 100);
     (record, settlements, lease)
 }
 
@@ -241,4 +257,97 @@ async fn leased_records_in_one_batch_count_and_settle_as_one_call_each() {
         .unwrap();
     assert_eq!(day.get("m:requests"), Some(&5));
     assert_eq!(day.get("m:completion_tokens"), Some(&(20 + 40 + 30 + 50 + 10)));
+}
+
+/// LU's entries (field -> value).
+async fn lease_used(
+    conn: &mut redis::aio::MultiplexedConnection,
+) -> std::collections::BTreeMap<String, String> {
+    redis::cmd("HGETALL").arg(ledger::lease_used_key("llmgw", "acme")).query_async(conn).await.unwrap()
+}
+
+fn entries(pairs: &[(&str, &str)]) -> std::collections::BTreeMap<String, String> {
+    pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+}
+
+#[tokio::test]
+async fn a_reclaim_keeps_what_the_filter_reported_charged_and_its_late_usage_pays_only_once() {
+    let redis = Redis::start();
+    let (config, store, mut conn) = setup(&redis).await;
+    take(&config, &store, "L5").await;
+    let apply = |id: &'static str, used: u64, seq: u64| {
+        let (record, settlements, lease) = numbered(&config, &store, id, "L5", used, Some(seq));
+        let store = &store;
+        async move { store.apply(&record, &settlements, false, lease.as_ref()).await.unwrap() }
+    };
+    // Request 1 ends (30 used) before the filter reports it: kept under its number.
+    assert_eq!(apply("n.1", 30, 1).await, Applied::Applied);
+    assert_eq!(lease_used(&mut conn).await, entries(&[("L5:#1", "100")]));
+    // The filter reports requests 1 to 3 (300 tokens reserved): the report covers request 1.
+    assert!(store.lease_report("acme", "L5", 3, 300).await.unwrap());
+    assert_eq!(lease_used(&mut conn).await, entries(&[("L5:a", "3"), ("L5:at", "300")]));
+    // Request 2 ends (40 used): reported, nothing to keep. Request 4 ends (20 used): past it.
+    assert_eq!(apply("n.2", 40, 2).await, Applied::Applied);
+    assert_eq!(apply("n.4", 20, 4).await, Applied::Applied);
+    assert_eq!(lease_used(&mut conn).await, entries(&[("L5:a", "3"), ("L5:at", "300"), ("L5:#4", "100")]));
+    // A report older than the recorded one changes nothing.
+    assert!(store.lease_report("acme", "L5", 2, 200).await.unwrap());
+    assert_eq!(lease_used(&mut conn).await.get("L5:a").map(String::as_str), Some("3"));
+
+    // Envoy is killed: request 3 (reported) and request 5 (not reported) are in flight. The
+    // reclaim counts requests 1 to 3 and request 4: 4 requests and 400 tokens stay charged.
+    let back = store.lease_reclaim("acme", "L5", &plan(&config, &store), Duration::from_secs(600)).await;
+    assert_eq!(back.unwrap(), Some((96, 9_600)));
+    let (r, t) = levels(&config, &store, &mut conn).await;
+    // 30 + 40 + 20 used, request 3's 100 still reserved.
+    assert!(near(r, REQUESTS - 4.0) && near(t, TOKENS - 190.0), "{r} {t}");
+    assert_eq!(lease_used(&mut conn).await, entries(&[("L5:a", "3")]), "kept for the late records");
+    assert!(!store.lease_report("acme", "L5", 5, 500).await.unwrap(), "no report after the reclaim");
+
+    // Request 3's usage arrives (50 used): it settles against the reservation the reclaim kept.
+    assert_eq!(apply("n.3", 50, 3).await, Applied::Applied);
+    let (r, t) = levels(&config, &store, &mut conn).await;
+    assert!(near(r, REQUESTS - 4.0) && near(t, TOKENS - 140.0), "{r} {t}");
+    // Request 5's (10 used): the reclaim gave its reservation back, so it pays it again.
+    assert_eq!(apply("n.5", 10, 5).await, Applied::Applied);
+    let (r, t) = levels(&config, &store, &mut conn).await;
+    assert!(near(r, REQUESTS - 5.0) && near(t, TOKENS - 150.0), "{r} {t}");
+    // Each once.
+    assert_eq!(apply("n.3", 50, 3).await, Applied::Duplicate);
+    assert_eq!(apply("n.5", 10, 5).await, Applied::Duplicate);
+    let (r, t) = levels(&config, &store, &mut conn).await;
+    assert!(near(r, REQUESTS - 5.0) && near(t, TOKENS - 150.0), "{r} {t}");
+}
+
+#[tokio::test]
+async fn reports_drop_the_entries_they_cover_and_a_give_back_drops_the_rest() {
+    let redis = Redis::start();
+    let (config, store, mut conn) = setup(&redis).await;
+    let size = take(&config, &store, "L6").await;
+    take(&config, &store, "L7").await;
+    let apply = |id: &'static str, lease: &'static str, seq: Option<u64>| {
+        let (record, settlements, lease) = numbered(&config, &store, id, lease, 50, seq);
+        let store = &store;
+        async move { store.apply(&record, &settlements, false, lease.as_ref()).await.unwrap() }
+    };
+    assert_eq!(apply("o.1", "L7", None).await, Applied::Applied);
+    assert_eq!(apply("o.2", "L6", Some(1)).await, Applied::Applied);
+    assert_eq!(apply("o.3", "L6", Some(2)).await, Applied::Applied);
+    let l7 = [("L7:r", "1"), ("L7:t", "100")];
+    let with_l7 = |more: &[(&'static str, &'static str)]| entries(&[&l7[..], more].concat());
+    assert_eq!(lease_used(&mut conn).await, with_l7(&[("L6:#1", "100"), ("L6:#2", "100")]));
+    // Fewer covered than LU holds: named one by one.
+    assert!(store.lease_report("acme", "L6", 2, 200).await.unwrap());
+    assert_eq!(lease_used(&mut conn).await, with_l7(&[("L6:a", "2"), ("L6:at", "200")]));
+    // More covered than LU holds: found among LU's entries.
+    assert_eq!(apply("o.4", "L6", Some(11)).await, Applied::Applied);
+    assert_eq!(apply("o.5", "L6", Some(31)).await, Applied::Applied);
+    assert!(store.lease_report("acme", "L6", 20, 2_000).await.unwrap());
+    assert_eq!(lease_used(&mut conn).await, with_l7(&[("L6:a", "20"), ("L6:at", "2000"), ("L6:#31", "100")]));
+    // The filter gives L6 back: all of its entries go, L7's stay.
+    let back = admission_lease::give_back(&size.plan, 60, 6_000);
+    assert!(store.lease_return("acme", "L6", &back).await.unwrap());
+    assert_eq!(lease_used(&mut conn).await, with_l7(&[]));
+    assert!(!store.lease_report("acme", "L6", 40, 4_000).await.unwrap(), "given back: no report");
+    assert_eq!(lease_used(&mut conn).await, with_l7(&[]));
 }

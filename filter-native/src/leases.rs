@@ -27,7 +27,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use gateway_filter::config::AdmissionLeases;
-use gateway_filter::lease::{AdmissionFacts, LeaseAdmission, LeaseKey, Leases};
+use gateway_filter::lease::{AdmissionFacts, LeaseAdmission, LeaseCall, Leases};
 use gateway_filter::proto::LeaseGrant;
 use prost::Message;
 
@@ -51,7 +51,7 @@ pub struct LeaseDriver {
 /// Calls in flight, by callout id (main thread only; a mutex because the driver is shared).
 #[derive(Default)]
 struct Calls {
-    in_flight: HashMap<u64, LeaseKey>,
+    in_flight: HashMap<u64, LeaseCall>,
     /// Answers that arrived before `http_callout` returned their id: Envoy may fail a callout
     /// inline (no healthy host), calling the done hook from inside the call.
     early: HashMap<u64, Option<LeaseGrant>>,
@@ -114,7 +114,7 @@ impl LeaseDriver {
     }
 
     /// A tick, on Envoy's main thread: sends the calls the table asks for (renewals,
-    /// give-backs, new leases), as the wasm module's `lease_calls`.
+    /// give-backs, new leases, reports), as the wasm module's `lease_calls`.
     pub fn tick(&self) {
         let now = now_us();
         // Renew a lease in use that would expire before the tick after next.
@@ -171,7 +171,7 @@ impl LeaseDriver {
         }
     }
 
-    fn apply(&self, key: &LeaseKey, outcome: Option<LeaseGrant>) {
+    fn apply(&self, key: &LeaseCall, outcome: Option<LeaseGrant>) {
         let now = now_us();
         let Ok(mut table) = self.table.lock() else { return };
         match outcome {

@@ -287,6 +287,7 @@ impl Stream {
         if let (Some(lease_facts), Some(leases)) = (&plan.admission, &self.leases) {
             if let Some(admission) = leases.try_admit(lease_facts, now_us()) {
                 facts.leased_tokens = Some(admission.reserved_tokens);
+                facts.lease_seq = (!admission.lease_id.is_empty()).then_some(admission.lease_seq);
                 facts.lease_id = (!admission.lease_id.is_empty()).then_some(admission.lease_id);
                 self.lease_response_headers = Some(admission.response_headers);
             }

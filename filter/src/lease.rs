@@ -20,6 +20,13 @@
 //! give-back: a lease lost with its VM (or with a failed call) stays open in Redis, and the
 //! sidecar reclaims it half a TTL after its expiry.
 //!
+//! A held lease numbers its admissions (1, 2, ...: the facts' `lease_seq`), and each tick in
+//! which it admitted any sends a report ([`LeaseCall::report`]: the count and the tokens they
+//! reserved, cumulative; the lease keeps admitting meanwhile). A reclaim keeps the reported
+//! requests' reservations charged, so that a request in flight when Envoy was killed is charged
+//! as an exact admission whose usage never arrives; only the admissions of the last tick before
+//! the kill (at most `refresh_ms` of them, unreported) are not.
+//!
 //! `x-ratelimit-remaining-*` of a leased admission is Redis's remaining at the grant plus what the
 //! lease still holds: approximate, like every leased admission.
 
@@ -52,6 +59,8 @@ pub struct LeaseAdmission {
     pub reserved_tokens: u64,
     /// The grant's `lease_id` (empty: the lease has none), for the request's facts.
     pub lease_id: String,
+    /// The request's number among the lease's admissions, from 1 (the facts' `lease_seq`).
+    pub lease_seq: u64,
     /// OpenAI's `x-ratelimit-*` response headers, for the kinds the tenant is limited in.
     pub response_headers: Vec<(&'static str, String)>,
 }
@@ -106,6 +115,34 @@ impl Part {
     }
 }
 
+impl Entry {
+    /// A report on the held lease, when it is live, has an id and admitted since the last
+    /// acknowledged report, and no report is in flight or backing off.
+    fn report(&mut self, key: &LeaseKey, now_us: u64) -> Option<(LeaseCall, LeaseRequest)> {
+        let due = self.held
+            && now_us < self.expires_us
+            && !self.lease_id.is_empty()
+            && self.seq > self.reported
+            && self.reporting.is_none()
+            && now_us >= self.report_not_before_us;
+        if !due {
+            return None;
+        }
+        self.reporting = Some((self.lease_id.clone(), self.seq));
+        let request = LeaseRequest {
+            tenant: key.0.clone(),
+            model: key.1.clone(),
+            pool: key.2.clone(),
+            tier: self.tier.clone(),
+            report_lease_id: self.lease_id.clone(),
+            report_admitted: self.seq,
+            report_reserved_tokens: self.reserved,
+            ..Default::default()
+        };
+        Some((LeaseCall { key: key.clone(), report: true }, request))
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 enum Kind {
     Requests,
@@ -124,6 +161,16 @@ struct Entry {
     tokens: Part,
     /// Requests admitted from the lease since the last call.
     admitted: u64,
+    /// Requests admitted from the held lease since its grant (the last one's `lease_seq`), and
+    /// the tokens they reserved.
+    seq: u64,
+    reserved: u64,
+    /// The `seq` the sidecar acknowledged in a report on the held lease.
+    reported: u64,
+    /// A report in flight: the lease and the `seq` it reports.
+    reporting: Option<(String, u64)>,
+    /// No report before this time (a failed report's back-off).
+    report_not_before_us: u64,
     /// Largest reservation asked of this key since the last call.
     max_request_tokens: u64,
     /// A request found no lease (or the lease runs low): ask for one.
@@ -136,6 +183,16 @@ struct Entry {
 
 /// The key of a lease: (tenant, model, pool).
 pub type LeaseKey = (String, String, String);
+
+/// One call [`Leases::due`] asks for, handed back with its answer.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct LeaseCall {
+    /// The lease's key.
+    pub key: LeaseKey,
+    /// A report on a held lease (its `report_*` fields) rather than a call that gives it back
+    /// and asks for the next one.
+    pub report: bool,
+}
 
 /// The leases of one filter VM.
 #[derive(Debug, Default)]
@@ -169,6 +226,8 @@ impl Leases {
             *left -= facts.reserve_tokens;
         }
         entry.admitted += 1;
+        entry.seq += 1;
+        entry.reserved = entry.reserved.saturating_add(facts.reserve_tokens);
         if entry.requests.low() || entry.tokens.low() {
             entry.wanted = true;
         }
@@ -178,23 +237,34 @@ impl Leases {
         Some(LeaseAdmission {
             reserved_tokens: facts.reserve_tokens,
             lease_id: entry.lease_id.clone(),
+            lease_seq: entry.seq,
             response_headers,
         })
     }
 
-    /// The lease calls to make now, each with its key: a lease for a wanted key, the renewal of a
-    /// lease in use that expires within `horizon_us`, the give-back of an expired lease (and of
-    /// what the previous lease left, in every call). The keys' leases stop admitting until the
-    /// answer ([`Leases::on_grant`] / [`Leases::on_failure`]).
-    pub fn due(&mut self, now_us: u64, horizon_us: u64) -> Vec<(LeaseKey, LeaseRequest)> {
+    /// The lease calls to make now: a lease for a wanted key, the renewal of a lease in use that
+    /// expires within `horizon_us`, the give-back of an expired lease (and of what the previous
+    /// lease left, in every call), each of which stops the key's lease admitting until the answer
+    /// ([`Leases::on_grant`] / [`Leases::on_failure`]); and a report on each other live lease with
+    /// an id that admitted since its last acknowledged report, which does not.
+    pub fn due(&mut self, now_us: u64, horizon_us: u64) -> Vec<(LeaseCall, LeaseRequest)> {
         let mut calls = Vec::new();
         for (key, e) in &mut self.entries {
-            if e.calling || now_us < e.not_before_us {
+            if e.calling {
+                continue;
+            }
+            if now_us < e.not_before_us {
+                if let Some(report) = e.report(key, now_us) {
+                    calls.push(report);
+                }
                 continue;
             }
             let expired = e.held && now_us >= e.expires_us;
             let renew = e.held && e.admitted > 0 && e.expires_us <= now_us.saturating_add(horizon_us);
             if !(e.wanted || expired || renew) {
+                if let Some(report) = e.report(key, now_us) {
+                    calls.push(report);
+                }
                 continue;
             }
             let want = e.wanted || renew;
@@ -209,6 +279,7 @@ impl Leases {
                 admitted: std::mem::take(&mut e.admitted),
                 want,
                 returned_lease_id: if e.held { std::mem::take(&mut e.lease_id) } else { String::new() },
+                ..Default::default()
             };
             e.held = false;
             e.wanted = false;
@@ -216,15 +287,25 @@ impl Leases {
             if want {
                 e.max_request_tokens = 0;
             }
-            calls.push((key.clone(), request));
+            calls.push((LeaseCall { key: key.clone(), report: false }, request));
         }
         calls
     }
 
-    /// The sidecar's answer to a call for `key`: a new lease, or none (then no call before its
-    /// `retry_after_ms`). An idle key that holds nothing and need not wait is forgotten.
-    pub fn on_grant(&mut self, key: &LeaseKey, grant: &LeaseGrant, now_us: u64) {
+    /// The sidecar's answer to `call`: to a report, its acknowledgement (`grant` is empty); to a
+    /// lease call, a new lease, or none (then no call before its `retry_after_ms`). An idle key
+    /// that holds nothing and need not wait is forgotten.
+    pub fn on_grant(&mut self, call: &LeaseCall, grant: &LeaseGrant, now_us: u64) {
+        let key = &call.key;
         let Some(e) = self.entries.get_mut(key) else { return };
+        if call.report {
+            if let Some((lease_id, seq)) = e.reporting.take() {
+                if lease_id == e.lease_id {
+                    e.reported = e.reported.max(seq);
+                }
+            }
+            return;
+        }
         e.calling = false;
         let granted = (grant.requests_unlimited || grant.requests > 0)
             && (grant.tokens_unlimited || grant.tokens > 0)
@@ -236,6 +317,7 @@ impl Leases {
             e.requests =
                 Part::from_grant(grant.requests_unlimited, grant.requests, grant.requests_state.clone());
             e.tokens = Part::from_grant(grant.tokens_unlimited, grant.tokens, grant.tokens_state.clone());
+            (e.seq, e.reserved, e.reported) = (0, 0, 0);
         } else {
             e.not_before_us = now_us.saturating_add(grant.retry_after_ms.saturating_mul(1000));
             if !e.wanted && e.admitted == 0 && grant.retry_after_ms == 0 {
@@ -244,13 +326,20 @@ impl Leases {
         }
     }
 
-    /// A call for `key` failed (sidecar away, timeout): what it reported is lost, and what it gave
-    /// back, if the call did not land, is reclaimed by the sidecar once the lease is orphaned
-    /// (its id is open in Redis); no call for [`FAILURE_BACKOFF_US`].
-    pub fn on_failure(&mut self, key: &LeaseKey, now_us: u64) {
-        if let Some(e) = self.entries.get_mut(key) {
-            e.calling = false;
-            e.not_before_us = now_us.saturating_add(FAILURE_BACKOFF_US);
+    /// `call` failed (sidecar away, timeout). A lease call: what it reported is lost, and what it
+    /// gave back, if the call did not land, is reclaimed by the sidecar once the lease is
+    /// orphaned (its id is open in Redis); no call for [`FAILURE_BACKOFF_US`]. A report: the
+    /// next one, after [`FAILURE_BACKOFF_US`], reports its admissions again (reports are
+    /// cumulative).
+    pub fn on_failure(&mut self, call: &LeaseCall, now_us: u64) {
+        if let Some(e) = self.entries.get_mut(&call.key) {
+            if call.report {
+                e.reporting = None;
+                e.report_not_before_us = now_us.saturating_add(FAILURE_BACKOFF_US);
+            } else {
+                e.calling = false;
+                e.not_before_us = now_us.saturating_add(FAILURE_BACKOFF_US);
+            }
         }
     }
 
@@ -283,6 +372,14 @@ mod tests {
         ("acme".into(), "qwen".into(), "pool_a".into())
     }
 
+    fn call() -> LeaseCall {
+        LeaseCall { key: key(), report: false }
+    }
+
+    fn report_of(key: LeaseKey) -> LeaseCall {
+        LeaseCall { key, report: true }
+    }
+
     fn grant(requests: u64, tokens: u64) -> LeaseGrant {
         LeaseGrant {
             requests,
@@ -300,7 +397,7 @@ mod tests {
         let mut l = Leases::new();
         assert_eq!(l.try_admit(&facts(10), 0), None);
         assert_eq!(l.due(0, 0).len(), 1);
-        l.on_grant(&key(), &grant, 0);
+        l.on_grant(&call(), &grant, 0);
         l
     }
 
@@ -315,11 +412,11 @@ mod tests {
         let calls = l.due(0, 0);
         assert_eq!(calls.len(), 1);
         let (k, req) = &calls[0];
-        assert_eq!(k, &key());
+        assert_eq!(k, &call());
         assert!(req.want);
         assert_eq!((req.request_tokens, req.returned_requests, req.returned_tokens), (100, 0, 0));
         assert!(l.due(0, 0).is_empty(), "one call at a time");
-        l.on_grant(&key(), &grant(3, 250), 10);
+        l.on_grant(&call(), &grant(3, 250), 10);
         let a = l.try_admit(&facts(100), 20).unwrap();
         assert_eq!(a.reserved_tokens, 100);
         assert_eq!(header(&a, "x-ratelimit-remaining-requests"), Some("502"));
@@ -341,12 +438,12 @@ mod tests {
         assert_eq!(l.try_admit(&facts(2_000), 2), None, "not covered: a renewal is wanted");
         let (_, req) = l.due(3, 0).remove(0);
         assert_eq!(req.returned_lease_id, "lease-1");
-        l.on_grant(&key(), &LeaseGrant { lease_id: "lease-2".into(), ..grant(10, 5_000) }, 4);
+        l.on_grant(&call(), &LeaseGrant { lease_id: "lease-2".into(), ..grant(10, 5_000) }, 4);
         assert_eq!(l.try_admit(&facts(2_000), 5).unwrap().lease_id, "lease-2");
         // The call fails: the lease it gave back is not given back again (the sidecar reclaims it).
         let (_, req) = l.due(2_000_000, 0).remove(0);
         assert_eq!(req.returned_lease_id, "lease-2");
-        l.on_failure(&key(), 2_000_000);
+        l.on_failure(&call(), 2_000_000);
         let (_, req) = l.due(3_000_001, 0).into_iter().next().unwrap_or_default();
         assert_eq!(req.returned_lease_id, "", "nothing held: nothing named");
     }
@@ -368,7 +465,7 @@ mod tests {
         let (_, req) = l.due(1_000_000, 0).remove(0);
         assert!(!req.want);
         assert_eq!((req.returned_requests, req.returned_tokens), (10, 1000));
-        l.on_grant(&key(), &LeaseGrant::default(), 1_000_100);
+        l.on_grant(&call(), &LeaseGrant::default(), 1_000_100);
         assert!(l.is_empty());
     }
 
@@ -376,11 +473,13 @@ mod tests {
     fn a_lease_in_use_is_renewed_before_it_expires_or_runs_low() {
         let mut l = holding(grant(100, 10_000));
         assert!(l.try_admit(&facts(10), 100).is_some());
-        assert!(l.due(700_000, 200_000).is_empty(), "300 ms left, more than the horizon");
+        let calls = l.due(700_000, 200_000);
+        assert_eq!(calls.len(), 1);
+        assert!(calls[0].0.report, "300 ms left, more than the horizon: only its report");
         let calls = l.due(800_000, 200_000);
         assert_eq!(calls.len(), 1, "expires within the horizon while in use");
         assert!(calls[0].1.want);
-        l.on_grant(&key(), &grant(4, 10_000), 800_100);
+        l.on_grant(&call(), &grant(4, 10_000), 800_100);
         assert!(l.try_admit(&facts(10), 800_200).is_some());
         assert!(l.try_admit(&facts(10), 800_300).is_some());
         assert!(l.try_admit(&facts(10), 800_400).is_some(), "1 of 4 left: low");
@@ -393,7 +492,7 @@ mod tests {
         assert_eq!(l.try_admit(&facts(10), 1), None);
         assert!(l.due(4_999_999, 0).is_empty(), "refused: wait retry_after_ms");
         assert_eq!(l.due(5_000_000, 0).len(), 1);
-        l.on_failure(&key(), 5_000_000);
+        l.on_failure(&call(), 5_000_000);
         l.try_admit(&facts(10), 5_000_001);
         assert!(l.due(5_999_999, 0).is_empty(), "failed: back off");
         assert_eq!(l.due(6_000_000, 0).len(), 1);
@@ -405,7 +504,7 @@ mod tests {
         l.try_admit(&facts(10), 0);
         l.due(0, 0);
         let g = LeaseGrant { tokens_unlimited: true, tokens_state: None, ..grant(2, 0) };
-        l.on_grant(&key(), &g, 0);
+        l.on_grant(&call(), &g, 0);
         let a = l.try_admit(&facts(1_000_000), 1).unwrap();
         assert_eq!(header(&a, "x-ratelimit-remaining-tokens"), None);
         assert_eq!(header(&a, "x-ratelimit-remaining-requests"), Some("501"));
@@ -419,5 +518,79 @@ mod tests {
         let other = AdmissionFacts { pool: "pool_b".into(), ..facts(10) };
         assert_eq!(l.try_admit(&other, 1), None);
         assert_eq!(l.len(), 2);
+    }
+
+    #[test]
+    fn a_held_lease_reports_its_admissions_each_tick_and_keeps_admitting() {
+        let mut l = holding(grant(100, 10_000));
+        assert!(l.due(1, 0).is_empty(), "nothing admitted: nothing to report");
+        assert_eq!(l.try_admit(&facts(10), 2).unwrap().lease_seq, 1);
+        assert_eq!(l.try_admit(&facts(30), 3).unwrap().lease_seq, 2);
+        let mut calls = l.due(4, 0);
+        assert_eq!(calls.len(), 1);
+        let (c, req) = calls.remove(0);
+        assert_eq!(c, report_of(key()));
+        assert_eq!(
+            (req.report_lease_id.as_str(), req.report_admitted, req.report_reserved_tokens, req.want),
+            ("lease-1", 2, 40, false)
+        );
+        assert_eq!((req.returned_lease_id.as_str(), req.returned_requests, req.returned_tokens), ("", 0, 0));
+        assert_eq!(req.admitted, 0, "the in-flight count goes with the lease calls");
+        // The lease admits while its report is out; one report at a time.
+        assert_eq!(l.try_admit(&facts(5), 5).unwrap().lease_seq, 3);
+        assert!(l.due(6, 0).is_empty());
+        l.on_grant(&c, &LeaseGrant::default(), 7);
+        let (_, req) = l.due(8, 0).remove(0);
+        assert_eq!((req.report_admitted, req.report_reserved_tokens), (3, 45), "cumulative");
+        l.on_grant(&report_of(key()), &LeaseGrant::default(), 9);
+        assert!(l.due(10, 0).is_empty(), "all acknowledged");
+        assert!(l.try_admit(&facts(5), 11).is_some(), "an acknowledgement leaves the lease as it was");
+    }
+
+    #[test]
+    fn a_failed_report_backs_off_and_reports_again() {
+        let mut l = holding(LeaseGrant { ttl_ms: 60_000, ..grant(100, 10_000) });
+        l.try_admit(&facts(10), 1);
+        let (c, _) = l.due(2, 0).remove(0);
+        l.on_failure(&c, 2);
+        assert!(l.try_admit(&facts(10), 3).is_some(), "a report's failure stops nothing");
+        assert!(l.due(FAILURE_BACKOFF_US + 1, 0).is_empty(), "backing off");
+        let (c, req) = l.due(FAILURE_BACKOFF_US + 2, 0).remove(0);
+        assert!(c.report);
+        assert_eq!((req.report_admitted, req.report_reserved_tokens), (2, 20));
+    }
+
+    #[test]
+    fn a_new_lease_numbers_its_admissions_from_one_and_a_late_acknowledgement_is_ignored() {
+        let mut l = holding(grant(4, 10_000));
+        l.try_admit(&facts(10), 1);
+        let (report, _) = l.due(2, 0).remove(0);
+        // Runs low: the renewal gives the lease back while the report is out.
+        l.try_admit(&facts(10), 3);
+        l.try_admit(&facts(10), 4);
+        let (renewal, req) = l.due(5, 0).remove(0);
+        assert!(!renewal.report && req.want);
+        l.on_grant(&renewal, &LeaseGrant { lease_id: "lease-2".into(), ..grant(4, 10_000) }, 6);
+        let a = l.try_admit(&facts(7), 7).unwrap();
+        assert_eq!((a.lease_id.as_str(), a.lease_seq), ("lease-2", 1));
+        l.on_grant(&report, &LeaseGrant::default(), 8);
+        let (c, req) = l.due(9, 0).remove(0);
+        assert!(c.report);
+        assert_eq!(
+            (req.report_lease_id.as_str(), req.report_admitted, req.report_reserved_tokens),
+            ("lease-2", 1, 7)
+        );
+    }
+
+    #[test]
+    fn leases_without_an_id_or_expired_are_not_reported() {
+        let mut l = holding(LeaseGrant { lease_id: String::new(), ..grant(100, 10_000) });
+        l.try_admit(&facts(10), 1);
+        assert!(l.due(2, 0).is_empty(), "no id: nothing in Redis to report on");
+        let mut l = holding(grant(100, 10_000));
+        l.try_admit(&facts(10), 1);
+        let calls = l.due(1_000_000, 0);
+        assert_eq!(calls.len(), 1);
+        assert!(!calls[0].0.report, "expired: given back, not reported");
     }
 }

@@ -346,6 +346,7 @@ fn finish_plan(
         context_model: exact_check.then(|| route.model.name.clone()),
         leased_tokens: None,
         lease_id: None,
+        lease_seq: None,
         prefix_hashes: None,
         // Envoy's id of the request as this filter saw it; the nonce is drawn by the adapter.
         request_id: pending.request_id.as_deref().map(|id| String::from_utf8_lossy(id).into_owned()),

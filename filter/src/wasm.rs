@@ -33,7 +33,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
 use crate::config::Config;
 use crate::error::{GatewayError, LocalReply};
-use crate::lease::{LeaseKey, Leases};
+use crate::lease::{LeaseCall, Leases};
 use crate::pipeline::{
     on_request_body_owned, on_request_headers, request_nonce, response_needs_stripping, HeadersDecision,
     PendingRequest,
@@ -109,8 +109,8 @@ struct GatewayRoot {
     config: Option<Rc<Config>>,
     /// This VM's admission leases, shared with its HTTP contexts.
     leases: Rc<RefCell<Leases>>,
-    /// Lease calls in flight: gRPC call token -> lease key.
-    calls: HashMap<u32, LeaseKey>,
+    /// Lease calls in flight: gRPC call token -> the call.
+    calls: HashMap<u32, LeaseCall>,
     /// Request bodies in progress per tenant in this VM, shared with its HTTP contexts.
     uploads: Rc<RefCell<UploadSlots>>,
 }
@@ -155,7 +155,7 @@ impl Context for GatewayRoot {
 }
 
 impl GatewayRoot {
-    /// Sends the lease calls the table asks for (renewals, give-backs, new leases).
+    /// Sends the lease calls the table asks for (renewals, give-backs, new leases, reports).
     fn lease_calls(&mut self) {
         let Some(settings) = self.config.as_ref().and_then(|c| c.admission_leases.clone()) else { return };
         let now = now_us();
@@ -337,6 +337,7 @@ impl GatewayHttp {
                 self.leases.try_borrow_mut().ok().and_then(|mut l| l.try_admit(lease_facts, now_us()));
             if let Some(admission) = admitted {
                 facts.leased_tokens = Some(admission.reserved_tokens);
+                facts.lease_seq = (!admission.lease_id.is_empty()).then_some(admission.lease_seq);
                 facts.lease_id = (!admission.lease_id.is_empty()).then_some(admission.lease_id);
                 self.lease_response_headers = Some(admission.response_headers);
             }

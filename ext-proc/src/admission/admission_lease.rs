@@ -99,20 +99,27 @@ pub struct LeaseUse {
     pub lease_id: String,
     /// Tokens the request reserved from the lease.
     pub reserved: u64,
-    /// What the request costs again should the lease have been reclaimed
-    /// ([`charges_if_reclaimed`]).
+    /// The request's number among the lease's admissions
+    /// ([`gateway_contract::RequestFacts::lease_seq`]; `None` from a filter that does not number
+    /// them). Numbered within the filter's last report on the lease, its reservation stays
+    /// charged at a reclaim; numbered after it (or not numbered), a reclaim gives it back and
+    /// the request pays it again ([`LeaseUse::if_reclaimed`]).
+    pub seq: Option<u64>,
+    /// What the request costs again should the lease have been reclaimed before the filter
+    /// reported it ([`charges_if_reclaimed`]).
     pub if_reclaimed: Vec<(BucketSpec, i64)>,
 }
 
 impl LeaseUse {
     /// The lease part of the record of a request of `model` that reserved `reserved` tokens from
-    /// lease `lease_id` (`None`: not admitted from a lease with an id), with `plan` the request
-    /// plan's buckets ([`limits::plan`]).
-    pub fn of(lease_id: Option<&str>, plan: &[BucketSpec], reserved: u64) -> Option<Self> {
+    /// lease `lease_id` (`None`: not admitted from a lease with an id) as its admission number
+    /// `seq`, with `plan` the request plan's buckets ([`limits::plan`]).
+    pub fn of(lease_id: Option<&str>, seq: Option<u64>, plan: &[BucketSpec], reserved: u64) -> Option<Self> {
         let lease_id = lease_id.filter(|id| !id.is_empty())?;
         Some(Self {
             lease_id: lease_id.to_owned(),
             reserved,
+            seq,
             if_reclaimed: charges_if_reclaimed(plan, reserved),
         })
     }
@@ -122,7 +129,7 @@ impl LeaseUse {
     pub fn of_record(prefix: &str, tenant: &TenantConfig, info: &RequestInfo) -> Option<Self> {
         info.lease_id.as_ref()?;
         let plan = limits::plan(prefix, tenant, &info.model, 0);
-        Self::of(info.lease_id.as_deref(), &plan, info.reserved_tokens)
+        Self::of(info.lease_id.as_deref(), info.lease_seq, &plan, info.reserved_tokens)
     }
 }
 

@@ -2,7 +2,8 @@
 //! `proto/llm_gateway/v1/lease.proto`), called by the wasm filter's root context on each Envoy
 //! worker. Each call gives the previous lease's rest back to the buckets, counts the requests
 //! admitted from it toward the pool's in-flight count, and, when asked, takes a new lease from
-//! Redis ([`crate::admission_lease`] sizes it). No lease while `redis.lease_fraction` is 0, while
+//! Redis ([`crate::admission_lease`] sizes it); or, a report (`report_lease_id`), records how many
+//! requests a lease the filter still holds admitted, which a reclaim keeps charged. No lease while `redis.lease_fraction` is 0, while
 //! Redis cannot decide, while the pool's load is at the lowest tier's shedding level, or, for a
 //! flow-controlled pool, while its queue holds requests or its load is at `leases_below_load`:
 //! the filter's requests then go through the ext_proc admission, which sheds (or queues) and
@@ -24,6 +25,10 @@ use crate::service::Shared;
 /// How long a filter waits before asking again when leases are off or the tenant is unknown, in
 /// milliseconds.
 const LEASES_OFF_RETRY_MS: u64 = 60_000;
+
+/// The outcome of a report Redis did not record: answered `UNAVAILABLE`, so that the filter sends
+/// it again.
+const REPORT_FAILED: &str = "report_failed";
 
 /// The lease service.
 pub struct AdmissionLeaseService {
@@ -59,12 +64,18 @@ impl AdmissionLeases for AdmissionLeaseService {
             outcome,
             "admission lease"
         );
+        if outcome == REPORT_FAILED {
+            // The filter keeps the report and sends it again.
+            return Err(Status::unavailable("the lease report was not recorded"));
+        }
         Ok(Response::new(grant))
     }
 }
 
 /// Serves one call; returns the grant and its metric outcome: `granted`, `given_back` (nothing
-/// asked), or why nothing was granted: `off` (`redis.lease_fraction` 0), `unknown_tenant`,
+/// asked), `reported` and `report_closed` (a report on a lease open in Redis, or on one given back
+/// or reclaimed already: nothing recorded), `report_failed` (Redis did not answer: the filter
+/// reports again), or why nothing was granted: `off` (`redis.lease_fraction` 0), `unknown_tenant`,
 /// `picking` (the pool's `picker` takes no leases), `shedding` (the pool is at the lowest tier's
 /// shedding level, or near saturation with flow control), `too_tight` (a lease would not
 /// cover two requests), `over_limit` (the buckets lack the lease), `quota` (a quota counter of
@@ -78,6 +89,9 @@ async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'stat
     let Some(tenant) = config.tenant(&request.tenant) else {
         return (admission_lease::refusal(LEASES_OFF_RETRY_MS), "unknown_tenant");
     };
+    if !request.report_lease_id.is_empty() {
+        return (LeaseGrant::default(), report(shared, &tenant.id, request).await);
+    }
     let plan = limits::plan(shared.limiter.store().prefix(), tenant, &request.model, request.request_tokens);
     let back = admission_lease::give_back(&plan, request.returned_requests, request.returned_tokens);
     if !request.returned_lease_id.is_empty() {
@@ -143,5 +157,29 @@ async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'stat
         }
         Some(_) => (admission_lease::refusal(ttl_ms), "over_limit"),
         None => (admission_lease::refusal(ttl_ms), "redis_unavailable"),
+    }
+}
+
+/// Records a report on a lease the filter holds ([`crate::store::Store::lease_report`]); its
+/// metric outcome.
+async fn report(shared: &Shared, tenant: &str, request: &LeaseRequest) -> &'static str {
+    let store = shared.limiter.store();
+    let started = std::time::Instant::now();
+    let result = store
+        .lease_report(
+            tenant,
+            &request.report_lease_id,
+            request.report_admitted,
+            request.report_reserved_tokens,
+        )
+        .await;
+    shared.metrics.redis_call("lease_report", started.elapsed(), result.is_ok());
+    match result {
+        Ok(true) => "reported",
+        Ok(false) => "report_closed",
+        Err(error) => {
+            debug!(%error, lease_id = %request.report_lease_id, "lease report failed; the filter reports again");
+            REPORT_FAILED
+        }
     }
 }

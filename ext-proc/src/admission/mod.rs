@@ -51,6 +51,9 @@ pub struct RequestFacts {
     /// The lease that admitted the request ([`gateway_contract::RequestFacts::lease_id`]; only
     /// with `leased_tokens`).
     pub lease_id: Option<String>,
+    /// The request's number among its lease's admissions
+    /// ([`gateway_contract::RequestFacts::lease_seq`]; only with `lease_id`).
+    pub lease_seq: Option<u64>,
     /// The filter's prompt-prefix hashes ([`gateway_contract::RequestFacts::prefix_hashes`],
     /// encoded), for the endpoint picker.
     pub prefix_hashes: Option<String>,
@@ -73,6 +76,7 @@ impl RequestFacts {
             request_id: facts.request_id.unwrap_or(request_id),
             tier: facts.tier,
             leased_tokens: facts.leased_tokens,
+            lease_seq: facts.lease_seq.filter(|_| facts.leased_tokens.is_some() && facts.lease_id.is_some()),
             lease_id: facts.lease_id.filter(|_| facts.leased_tokens.is_some()),
             prefix_hashes: facts.prefix_hashes,
             nonce: facts.nonce,

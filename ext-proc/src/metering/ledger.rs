@@ -187,6 +187,7 @@ pub fn charged_record(tenant: &str, record_id: &str, r: &Reservation) -> UsageRe
         tier: r.tier.clone(),
         record_id: record_id.to_owned(),
         lease_id: None,
+        lease_seq: None,
     };
     // Reached the upstream, ended before any response headers, not known as a stream: charged
     // its reservation.

@@ -34,6 +34,10 @@ pub struct RequestInfo {
     /// ([`gateway_contract::RequestFacts::lease_id`]): the record counts its reservation against
     /// the lease (`lua/ledger_v1.lua`, the record's lease section).
     pub lease_id: Option<String>,
+    /// The request's number among the lease's admissions
+    /// ([`gateway_contract::RequestFacts::lease_seq`]): whether a reclaim of the lease kept its
+    /// reservation charged.
+    pub lease_seq: Option<u64>,
 }
 
 impl RequestInfo {
@@ -56,6 +60,7 @@ impl RequestInfo {
             tier: facts.tier,
             record_id,
             lease_id: facts.lease_id,
+            lease_seq: facts.lease_seq,
         }
     }
 }
