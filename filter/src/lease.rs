@@ -14,7 +14,8 @@
 //! The root context's tick calls [`Leases::due`] for the calls to make: a lease for a wanted key,
 //! a renewal of a lease that is running low or about to expire while in use, and the give-back of
 //! an expired lease's unused part. Each call gives the previous lease's rest back (it stops
-//! admitting at once) and reports the requests admitted from it (for the pool's in-flight count).
+//! admitting at once) and reports the requests admitted since the last call (for the pool's
+//! in-flight count).
 //! Leased tokens are gone from Redis, so leases never over-admit. Each lease has an id (the
 //! grant's `lease_id`), copied into the facts of every request it admits and sent back with its
 //! give-back: a lease lost with its VM (or with a failed call) stays open in Redis, and the
@@ -22,10 +23,13 @@
 //!
 //! A held lease numbers its admissions (1, 2, ...: the facts' `lease_seq`), and each tick in
 //! which it admitted any sends a report ([`LeaseCall::report`]: the count and the tokens they
-//! reserved, cumulative; the lease keeps admitting meanwhile). A reclaim keeps the reported
-//! requests' reservations charged, so that a request in flight when Envoy was killed is charged
-//! as an exact admission whose usage never arrives; only the admissions of the last tick before
-//! the kill (at most `refresh_ms` of them, unreported) are not.
+//! reserved, cumulative; the lease keeps admitting meanwhile), which also carries the requests
+//! admitted since the last call, so that the pool's in-flight count lags a leased tenant by one
+//! tick, not one lease. A reclaim keeps the reported requests' reservations charged (in the
+//! buckets), so that a request in flight when Envoy was killed stays charged as an exact
+//! admission whose usage never arrives is; only the admissions of the last tick before the kill
+//! (at most `refresh_ms` of them, unreported) are not. The report is not an acknowledgement of
+//! the in-flight count: a failed report loses it, as a failed lease call does.
 //!
 //! `x-ratelimit-remaining-*` of a leased admission is Redis's remaining at the grant plus what the
 //! lease still holds: approximate, like every leased admission.
@@ -137,6 +141,7 @@ impl Entry {
             report_lease_id: self.lease_id.clone(),
             report_admitted: self.seq,
             report_reserved_tokens: self.reserved,
+            admitted: std::mem::take(&mut self.admitted),
             ..Default::default()
         };
         Some((LeaseCall { key: key.clone(), report: true }, request))
@@ -159,8 +164,11 @@ struct Entry {
     expires_us: u64,
     requests: Part,
     tokens: Part,
-    /// Requests admitted from the lease since the last call.
+    /// Requests admitted from the lease since the last call (a report included), for the pool's
+    /// in-flight count.
     admitted: u64,
+    /// The lease admitted since the last lease call (reports aside): renew it before it expires.
+    in_use: bool,
     /// Requests admitted from the held lease since its grant (the last one's `lease_seq`), and
     /// the tokens they reserved.
     seq: u64,
@@ -226,6 +234,7 @@ impl Leases {
             *left -= facts.reserve_tokens;
         }
         entry.admitted += 1;
+        entry.in_use = true;
         entry.seq += 1;
         entry.reserved = entry.reserved.saturating_add(facts.reserve_tokens);
         if entry.requests.low() || entry.tokens.low() {
@@ -260,7 +269,7 @@ impl Leases {
                 continue;
             }
             let expired = e.held && now_us >= e.expires_us;
-            let renew = e.held && e.admitted > 0 && e.expires_us <= now_us.saturating_add(horizon_us);
+            let renew = e.held && e.in_use && e.expires_us <= now_us.saturating_add(horizon_us);
             if !(e.wanted || expired || renew) {
                 if let Some(report) = e.report(key, now_us) {
                     calls.push(report);
@@ -283,6 +292,7 @@ impl Leases {
             };
             e.held = false;
             e.wanted = false;
+            e.in_use = false;
             e.calling = true;
             if want {
                 e.max_request_tokens = 0;
@@ -476,6 +486,7 @@ mod tests {
         let calls = l.due(700_000, 200_000);
         assert_eq!(calls.len(), 1);
         assert!(calls[0].0.report, "300 ms left, more than the horizon: only its report");
+        l.on_grant(&calls[0].0, &LeaseGrant::default(), 700_100);
         let calls = l.due(800_000, 200_000);
         assert_eq!(calls.len(), 1, "expires within the horizon while in use");
         assert!(calls[0].1.want);
@@ -535,13 +546,14 @@ mod tests {
             ("lease-1", 2, 40, false)
         );
         assert_eq!((req.returned_lease_id.as_str(), req.returned_requests, req.returned_tokens), ("", 0, 0));
-        assert_eq!(req.admitted, 0, "the in-flight count goes with the lease calls");
+        assert_eq!(req.admitted, 2, "the pool's in-flight count goes with every call");
         // The lease admits while its report is out; one report at a time.
         assert_eq!(l.try_admit(&facts(5), 5).unwrap().lease_seq, 3);
         assert!(l.due(6, 0).is_empty());
         l.on_grant(&c, &LeaseGrant::default(), 7);
         let (_, req) = l.due(8, 0).remove(0);
         assert_eq!((req.report_admitted, req.report_reserved_tokens), (3, 45), "cumulative");
+        assert_eq!(req.admitted, 1, "admitted since the last call");
         l.on_grant(&report_of(key()), &LeaseGrant::default(), 9);
         assert!(l.due(10, 0).is_empty(), "all acknowledged");
         assert!(l.try_admit(&facts(5), 11).is_some(), "an acknowledgement leaves the lease as it was");
