@@ -184,6 +184,41 @@ def test_a_lease_whose_vm_went_away_is_reclaimed_within_a_ttl(tmp_path_factory, 
         assert leases(s, "reported") >= 2, sidecar_metrics(s)
 
 
+def test_leased_streams_join_the_pools_in_flight_count_within_a_tick(tmp_path_factory, native):
+    """The filter's report on its next tick carries the requests admitted from its lease, so the
+    pool's in-flight count (what shedding and flow control read) counts leased streams within a
+    tick, not at the lease's renewal (30 s here), and their ends take them off again."""
+    key = new_api_key()
+    tenant = Tenant("al-inflight", [key], {"requests_per_minute": 600, "request_burst": 10_000,
+                                           "tokens_per_minute": 600, "token_burst": 1_000_000})
+    # A pool the sidecar tracks (shedding far away), scraped every 100 ms.
+    pools = [Pool("pool_l", ["sim/l"], ["--output-tokens", "60", "--itl-ms", "100"],
+                  shedding={"max_queue_depth": 1000, "scrape_interval_ms": 100})]
+    with leased_stack(tmp_path_factory.mktemp("al-inflight"), [tenant], lease_ttl_ms=30_000, pools=pools,
+                      native=native) as s:
+        def in_flight() -> float:
+            return metric(sidecar_metrics(s), "llm_gateway_in_flight_requests", pool="pool_l")
+
+        first = post(s, "/v1/chat/completions", chat_body("l", max_tokens=2), key=key)
+        assert first.status_code == 200, first.text
+        assert wait_for(lambda: leases(s, "granted") == 1, timeout=10), sidecar_metrics(s)
+        assert wait_for(lambda: in_flight() == 0, timeout=5), in_flight()
+        streams = []
+        try:
+            for _ in range(3):
+                streams.append(open_stream(s.base_url, chat_body("l", max_tokens=50, stream=True), auth(key)))
+                assert streams[-1][1].status_code == 200
+            assert envoy_counter(s, EXT_PROC_STREAMS) == 1, "the three were leased"
+            # Three 5 s streams: counted long before they end, and long before the lease renews.
+            assert wait_for(lambda: in_flight() == 3, timeout=3), (in_flight(), sidecar_metrics(s))
+            assert leases(s, "granted") == 1, "no lease call since the grant: the report carried them"
+        finally:
+            for client, response in streams:
+                response.close()
+                client.close()
+        assert wait_for(lambda: in_flight() == 0, timeout=10), in_flight()
+
+
 def test_a_tight_limit_gets_no_lease_and_stays_exact(tmp_path_factory, native):
     """5 requests per minute: 1 % is no lease, so every request is decided by the ext_proc
     admission and the sixth is refused, also when the client claims a leased admission."""
