@@ -93,6 +93,8 @@ pub struct Shared {
     /// Exact prompt-token counting for the context check (models with a tokenizer).
     pub context: Arc<ContextChecker>,
     pub(crate) ids: RecordIds,
+    /// The lease reports this replica saw Redis record: their records skip the lease section.
+    pub(crate) reported_leases: crate::admission_lease::ReportedLeases,
     /// gRPC streams open now (ext_proc and access log): a shutdown serves on while there are.
     open_streams: AtomicUsize,
 }
@@ -124,6 +126,7 @@ impl Shared {
             metrics,
             context,
             ids: RecordIds::new(),
+            reported_leases: crate::admission_lease::ReportedLeases::new(),
             open_streams: AtomicUsize::new(0),
         }
     }
@@ -997,7 +1000,7 @@ pub(crate) fn finish(shared: &Arc<Shared>, record: UsageRecord) {
     let tenant = shared.config.tenant(&record.info.tenant);
     let buckets = tenant.map(|t| limits::token_buckets(prefix, t, &record.info.model)).unwrap_or_default();
     let settlements = ledger::settlements(buckets, record.info.reserved_tokens, record.total_tokens());
-    let lease = tenant.and_then(|t| LeaseUse::of_record(prefix, t, &record.info));
+    let lease = tenant.and_then(|t| LeaseUse::of_record(prefix, t, &record.info, &shared.reported_leases));
     if record.info.reserved_locally {
         // Taken in this sidecar's memory (Redis was away): settled there, at once.
         let local = Arc::clone(shared);

@@ -4,7 +4,11 @@
 //! write landed, and prints the microseconds per record. Run it with
 //! `BATCH=14 cargo test --release -p gateway-ext-proc --test ledger_cost -- --ignored --nocapture`
 //! (`BATCH`: writes per call, default 14, about what the recorder sends at saturation; `ROUNDS`:
-//! calls, default 300).
+//! calls, default 300; `LEASE`: the records' lease section: `unnumbered` (the default: as from a
+//! filter that does not number its admissions), `past` (numbered past the lease's last report:
+//! each is kept under its number), `covered` (numbered within a report Redis recorded, the section
+//! sent all the same), `none` (no section: what the sidecar sends for a record within a report it
+//! saw recorded, `admission_lease::ReportedLeases`)).
 //!
 //! Needs `redis-server` on the PATH (`make setup`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
@@ -50,6 +54,11 @@ tenants:
     assert_eq!(outcome.denied, None);
 
     let (per_call, calls) = (env("BATCH", 14), env("ROUNDS", 300));
+    let mode = std::env::var("LEASE").unwrap_or_else(|_| "unnumbered".into());
+    assert!(["unnumbered", "past", "covered", "none"].contains(&mode.as_str()), "LEASE={mode}");
+    if mode == "covered" || mode == "none" {
+        assert!(store.lease_report("acme", "L", u64::from(u32::MAX), 0).await.unwrap());
+    }
     let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut conn).await.unwrap();
     for call in 0..calls {
         let writes: Vec<_> = (0..per_call)
@@ -70,11 +79,13 @@ tenants:
                     &ledger::Reservation::of(&facts, 100, 0),
                 );
                 record.info.lease_id = facts.lease_id.clone();
+                let seq = (mode != "unnumbered").then_some((call * per_call + i + 1) as u64);
+                record.info.lease_seq = seq;
                 record.unreported = false;
                 (record.prompt_tokens, record.completion_tokens, record.finished_at_unix_ms) = (10, 20, 0);
                 let settlements =
                     ledger::settlements(limits::token_buckets(store.prefix(), tenant, "m"), 100, 30);
-                let lease = LeaseUse::of(Some("L"), None, &plan, 100);
+                let lease = (mode != "none").then(|| LeaseUse::of(Some("L"), seq, &plan, 100)).flatten();
                 (record, settlements, lease)
             })
             .collect();
@@ -84,7 +95,7 @@ tenants:
     }
     let records = (per_call * calls) as f64;
     let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap();
-    println!("{calls} calls of {per_call} leased records; inside Redis, per record:");
+    println!("{calls} calls of {per_call} leased records (lease section: {mode}); inside Redis, per record:");
     for line in info.lines().filter(|l| l.starts_with("cmdstat_")) {
         let field = |name: &str| -> f64 {
             line.split(&format!("{name}=")).nth(1).and_then(|v| v.split(',').next()).unwrap().parse().unwrap()

@@ -13,13 +13,21 @@
 //! **Orphaned leases** (issue 14 item 4). A lease taken from Redis has an id and is recorded open
 //! in the same take ([`LeaseRecord`] in `<prefix>:leases:{<tenant>}`, indexed by grant time). The
 //! filter gives it back by id (`lua/ledger_v1.lua` `lease_return`, applied only while open), and
-//! each leased request's usage record counts its reservation against the open lease. A lease
-//! still open [`reclaim_after`] its grant (its VM went away, or its give-back was lost) is
+//! reports on each tick how many requests it admitted from a lease it holds (`lease_report`). A
+//! lease still open [`reclaim_after`] its grant (its VM went away, or its give-back was lost) is
 //! reclaimed by the sweeper of any replica (`lease_reclaim`): what it took, less the reservations
-//! its finished requests counted, goes back; its requests still in flight then pay their
-//! reservation again when their usage lands ([`charges_if_reclaimed`]), so each costs its usage.
+//! of its reported requests and of its finished ones, goes back; its requests admitted after the
+//! last report and still in flight then pay their reservation again when their usage lands
+//! ([`charges_if_reclaimed`]), so each costs its usage.
+//!
+//! A usage record numbered within a report Redis recorded needs no lease section at all
+//! ([`ReportedLeases`]): whatever becomes of the lease, the report already counts the request.
 
+use std::num::NonZeroUsize;
+use std::sync::Mutex;
 use std::time::Duration;
+
+use lru::LruCache;
 
 use serde::{Deserialize, Serialize};
 
@@ -125,11 +133,71 @@ impl LeaseUse {
     }
 
     /// The lease part of a usage record of `tenant`: `None`, planning nothing, when the request
-    /// was not admitted from a lease with an id (most records).
-    pub fn of_record(prefix: &str, tenant: &TenantConfig, info: &RequestInfo) -> Option<Self> {
-        info.lease_id.as_ref()?;
+    /// was not admitted from a lease with an id (most records), or when `reported` knows that
+    /// Redis recorded a report numbering it.
+    pub fn of_record(
+        prefix: &str,
+        tenant: &TenantConfig,
+        info: &RequestInfo,
+        reported: &ReportedLeases,
+    ) -> Option<Self> {
+        let lease_id = info.lease_id.as_deref()?;
+        if info.lease_seq.is_some_and(|seq| reported.covers(lease_id, seq)) {
+            return None;
+        }
         let plan = limits::plan(prefix, tenant, &info.model, 0);
         Self::of(info.lease_id.as_deref(), info.lease_seq, &plan, info.reserved_tokens)
+    }
+}
+
+/// The reports on admission leases that Redis recorded, as this replica made them (lease id ->
+/// the requests reported admitted: [`crate::store::Store::lease_report`] answered true), the
+/// least recently reported forgotten past a bound.
+///
+/// Redis keeps a lease's reported count only growing, and a record numbered within it changes
+/// nothing in the lease's books, whatever becomes of the lease: while it is open the report
+/// counts the request, a reclaim keeps its reservation charged (its usage settles against it),
+/// and a given-back lease has no books. Such a record is written without its lease section
+/// (`lua/ledger_v1.lua`), three keys and `5 + 3 × buckets` arguments fewer; a record this replica
+/// cannot place (reported through another replica, or forgotten) carries it, to the same effect.
+pub struct ReportedLeases {
+    inner: Mutex<LruCache<String, u64>>,
+}
+
+impl ReportedLeases {
+    /// Leases remembered at most: a few per Envoy worker and tenant are open at once.
+    pub const CAPACITY: usize = 16_384;
+
+    /// An empty table of at most [`ReportedLeases::CAPACITY`] leases.
+    pub fn new() -> Self {
+        let capacity = NonZeroUsize::new(Self::CAPACITY).unwrap_or(NonZeroUsize::MIN);
+        Self { inner: Mutex::new(LruCache::new(capacity)) }
+    }
+
+    /// Redis recorded a report of `admitted` requests on `lease_id`.
+    pub fn recorded(&self, lease_id: &str, admitted: u64) {
+        let Ok(mut inner) = self.inner.lock() else { return };
+        match inner.get_mut(lease_id) {
+            Some(known) => *known = (*known).max(admitted),
+            None => {
+                inner.put(lease_id.to_owned(), admitted);
+            }
+        }
+    }
+
+    /// Whether a report Redis recorded numbers request `seq` of `lease_id`.
+    pub fn covers(&self, lease_id: &str, seq: u64) -> bool {
+        self.inner
+            .lock()
+            .ok()
+            .and_then(|mut inner| inner.get(lease_id).copied())
+            .is_some_and(|known| seq <= known)
+    }
+}
+
+impl Default for ReportedLeases {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
@@ -343,5 +411,37 @@ mod tests {
         assert!(deltas.contains(&(BucketKind::Tokens, -1_000)), "at most the capacity: {deltas:?}");
         assert!(charges.iter().all(|(b, _)| b.cost == 0));
         assert_eq!(reclaim_after(Duration::from_millis(1000)), Duration::from_millis(1500));
+    }
+
+    #[test]
+    fn a_record_within_a_recorded_report_has_no_lease_section() {
+        let t = tenant(Some(6000), Some(1_000_000));
+        let reported = ReportedLeases::new();
+        let info = |seq: Option<u64>| RequestInfo {
+            tenant: "acme".into(),
+            model: "m".into(),
+            reserved_tokens: 100,
+            lease_id: Some("L".into()),
+            lease_seq: seq,
+            ..Default::default()
+        };
+        let section = |seq| LeaseUse::of_record("llmgw", &t, &info(seq), &reported);
+        assert_eq!(
+            section(Some(3)).map(|l| (l.seq, l.if_reclaimed.len())),
+            Some((Some(3), 2)),
+            "nothing known"
+        );
+        reported.recorded("L", 3);
+        reported.recorded("L", 2);
+        reported.recorded("other", 9);
+        assert_eq!(
+            section(Some(3)),
+            None,
+            "3 is within the report of 3 (an older report of 2 lowers nothing)"
+        );
+        assert_eq!(section(Some(4)).and_then(|l| l.seq), Some(4), "past it");
+        assert_eq!(section(None).map(|l| l.seq), Some(None), "not numbered: always sent");
+        let no_lease = RequestInfo { lease_id: None, ..info(Some(1)) };
+        assert_eq!(LeaseUse::of_record("llmgw", &t, &no_lease, &reported), None);
     }
 }

@@ -175,7 +175,10 @@ async fn report(shared: &Shared, tenant: &str, request: &LeaseRequest) -> &'stat
         .await;
     shared.metrics.redis_call("lease_report", started.elapsed(), result.is_ok());
     match result {
-        Ok(true) => "reported",
+        Ok(true) => {
+            shared.reported_leases.recorded(&request.report_lease_id, request.report_admitted);
+            "reported"
+        }
         Ok(false) => "report_closed",
         Err(error) => {
             debug!(%error, lease_id = %request.report_lease_id, "lease report failed; the filter reports again");

@@ -382,7 +382,7 @@ fn op_of(shared: &Shared, entry: &HttpAccessLogEntry) -> Option<Op> {
                 let buckets = limits::token_buckets(prefix, tenant, &record.info.model);
                 ledger::settlements(buckets, record.info.reserved_tokens, record.total_tokens())
             };
-            let lease = LeaseUse::of_record(prefix, tenant, &record.info);
+            let lease = LeaseUse::of_record(prefix, tenant, &record.info, &shared.reported_leases);
             Some(Op::Record { record: Box::new(record), settlements, lease, applied: false })
         }
         Entry::Release { tenant, model, record_id } => {
