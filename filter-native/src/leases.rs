@@ -171,12 +171,12 @@ impl LeaseDriver {
         }
     }
 
-    fn apply(&self, key: &LeaseCall, outcome: Option<LeaseGrant>) {
+    fn apply(&self, call: &LeaseCall, outcome: Option<LeaseGrant>) {
         let now = now_us();
         let Ok(mut table) = self.table.lock() else { return };
         match outcome {
-            Some(grant) => table.on_grant(key, &grant, now),
-            None => table.on_failure(key, now),
+            Some(grant) => table.on_grant(call, &grant, now),
+            None => table.on_failure(call, now),
         }
     }
 }

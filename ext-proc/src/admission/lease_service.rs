@@ -1,13 +1,14 @@
 //! The tonic adapter of the admission-lease service (`llm_gateway.v1.AdmissionLeases`,
-//! `proto/llm_gateway/v1/lease.proto`), called by the wasm filter's root context on each Envoy
-//! worker. Each call gives the previous lease's rest back to the buckets, counts the requests
-//! admitted from it toward the pool's in-flight count, and, when asked, takes a new lease from
-//! Redis ([`crate::admission_lease`] sizes it); or, a report (`report_lease_id`), records how many
-//! requests a lease the filter still holds admitted, which a reclaim keeps charged. No lease while `redis.lease_fraction` is 0, while
-//! Redis cannot decide, while the pool's load is at the lowest tier's shedding level, or, for a
-//! flow-controlled pool, while its queue holds requests or its load is at `leases_below_load`:
-//! the filter's requests then go through the ext_proc admission, which sheds (or queues) and
-//! limits them one by one.
+//! `proto/llm_gateway/v1/lease.proto`), called by the filter on each Envoy worker (the wasm
+//! module's root context, or the native module's ticks). Each call gives the previous lease's rest
+//! back to the buckets, counts the requests admitted from it toward the pool's in-flight count,
+//! and, when asked, takes a new lease from Redis ([`crate::admission_lease`] sizes it). A report
+//! (`report_lease_id`) instead records how many requests a lease the filter still holds admitted,
+//! which a reclaim keeps charged, and counts those admitted since the last call toward the
+//! in-flight count. No lease while `redis.lease_fraction` is 0, while Redis cannot decide, while
+//! the pool's load is at the lowest tier's shedding level, or, for a flow-controlled pool, while
+//! its queue holds requests or its load is at `leases_below_load`: the filter's requests then go
+//! through the ext_proc admission, which sheds (or queues) and limits them one by one.
 
 use std::sync::Arc;
 
