@@ -26,9 +26,9 @@
 //! reserved, cumulative; the lease keeps admitting meanwhile), which also carries the requests
 //! admitted since the last call, so that the pool's in-flight count lags a leased tenant by one
 //! tick, not one lease. A reclaim keeps the reported requests' reservations charged (in the
-//! buckets), so that a request in flight when Envoy was killed stays charged as an exact
-//! admission whose usage never arrives is; only the admissions of the last tick before the kill
-//! (at most `refresh_ms` of them, unreported) are not. The report is not an acknowledgement of
+//! buckets), so that a request in flight when Envoy was killed stays charged, as an exact
+//! admission whose usage never arrives does; only the admissions of the last tick before the
+//! kill (at most `refresh_ms` of them, unreported) are not. The report is not an acknowledgement of
 //! the in-flight count: a failed report loses it, as a failed lease call does.
 //!
 //! `x-ratelimit-remaining-*` of a leased admission is Redis's remaining at the grant plus what the
