@@ -97,8 +97,13 @@ fn standalone_bootstrap_has_the_edge_settings_of_the_config() {
     assert_eq!(parsed.metering.reservations.record_after_ms, 3_900_000);
 }
 
+/// A directory of its own for each call: the tests run in parallel threads of one process, and
+/// each writes its `gateway.yaml` (one shared directory let a test read another's half-written
+/// file: "the file is empty").
 fn tempdir() -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("gatewayctl-render-{}", std::process::id()));
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("gatewayctl-render-{}-{n}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }

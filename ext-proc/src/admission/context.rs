@@ -310,7 +310,11 @@ mod tests {
     /// and the body handling are under test, not the vocabulary (tests/test_token_counts.py
     /// checks the counts against the reference implementations).
     fn checker(max_model_len: u64) -> ContextChecker {
-        let dir = std::env::temp_dir().join(format!("ctx-test-{}-{max_model_len}", std::process::id()));
+        // A directory per call: tests in parallel threads would otherwise rewrite one another's
+        // template while it is read.
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("ctx-test-{}-{max_model_len}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let template = dir.join("t.jinja");
         std::fs::write(
