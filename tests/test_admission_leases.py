@@ -117,14 +117,15 @@ def test_a_lease_whose_vm_went_away_is_reclaimed_within_a_ttl(tmp_path_factory, 
     stream that never finished, which the filter had reported (issue 14 item 4, issue 18)."""
     key = new_api_key()
     # Long enough that a busy machine still kills Envoy before the lease's expiry (the records of
-    # the five requests must land first).
-    ttl_ms = 10_000
+    # the five requests and two reports must land first).
+    ttl_ms = 20_000
     # Refilled 1 a minute, so that the one request and the tokens the killed stream keeps charged
     # stand out of the refill.
     tenant = Tenant("al-orphan", [key], {"requests_per_minute": 1, "request_burst": 10_000,
                                          "tokens_per_minute": 1, "token_burst": 1_000_000})
-    # 100 ms between tokens: the short requests (2 tokens) end at once, the stream (50) runs 5 s.
-    pools = [Pool("pool_l", ["sim/l"], ["--output-tokens", "60", "--itl-ms", "100"])]
+    # 200 ms between tokens: the short requests (2 tokens) end at once, the stream (50) runs 10 s,
+    # still in flight when Envoy is killed on a busy machine.
+    pools = [Pool("pool_l", ["sim/l"], ["--output-tokens", "60", "--itl-ms", "200"])]
     with leased_stack(tmp_path_factory.mktemp("al-orphan"), [tenant], lease_ttl_ms=ttl_ms, pools=pools,
                       native=native) as s:
         client = redis.Redis(port=s.redis_port, decode_responses=True)
@@ -142,14 +143,14 @@ def test_a_lease_whose_vm_went_away_is_reclaimed_within_a_ttl(tmp_path_factory, 
         [lease_id] = client.hkeys("llmgw:leases:{al-orphan}")
         lease_used = "llmgw:leases-used:{al-orphan}"
         # The filter reports its four admissions on its next tick.
-        assert wait_for(lambda: client.hget(lease_used, f"{lease_id}:a") == "4", timeout=5), \
+        assert wait_for(lambda: client.hget(lease_used, f"{lease_id}:a") == "4", timeout=15), \
             client.hgetall(lease_used)
         reserved_4 = int(client.hget(lease_used, f"{lease_id}:at"))
         stream_client, stream = open_stream(s.base_url, chat_body("l", max_tokens=50, stream=True), auth(key))
         try:
             assert stream.status_code == 200
             assert envoy_counter(s, EXT_PROC_STREAMS) == 1, "the stream was leased"
-            assert wait_for(lambda: client.hget(lease_used, f"{lease_id}:a") == "5", timeout=5), \
+            assert wait_for(lambda: client.hget(lease_used, f"{lease_id}:a") == "5", timeout=8), \
                 client.hgetall(lease_used)
             stream_reserved = int(client.hget(lease_used, f"{lease_id}:at")) - reserved_4
             assert stream_reserved >= 50, stream_reserved
@@ -191,8 +192,8 @@ def test_leased_streams_join_the_pools_in_flight_count_within_a_tick(tmp_path_fa
     key = new_api_key()
     tenant = Tenant("al-inflight", [key], {"requests_per_minute": 600, "request_burst": 10_000,
                                            "tokens_per_minute": 600, "token_burst": 1_000_000})
-    # A pool the sidecar tracks (shedding far away), scraped every 100 ms.
-    pools = [Pool("pool_l", ["sim/l"], ["--output-tokens", "60", "--itl-ms", "100"],
+    # A pool the sidecar tracks (shedding far away), scraped every 100 ms; 400 ms between tokens.
+    pools = [Pool("pool_l", ["sim/l"], ["--output-tokens", "60", "--itl-ms", "400"],
                   shedding={"max_queue_depth": 1000, "scrape_interval_ms": 100})]
     with leased_stack(tmp_path_factory.mktemp("al-inflight"), [tenant], lease_ttl_ms=30_000, pools=pools,
                       native=native) as s:
@@ -209,8 +210,8 @@ def test_leased_streams_join_the_pools_in_flight_count_within_a_tick(tmp_path_fa
                 streams.append(open_stream(s.base_url, chat_body("l", max_tokens=50, stream=True), auth(key)))
                 assert streams[-1][1].status_code == 200
             assert envoy_counter(s, EXT_PROC_STREAMS) == 1, "the three were leased"
-            # Three 5 s streams: counted long before they end, and long before the lease renews.
-            assert wait_for(lambda: in_flight() == 3, timeout=3), (in_flight(), sidecar_metrics(s))
+            # Three 20 s streams: counted before they end, and before the lease renews (30 s).
+            assert wait_for(lambda: in_flight() == 3, timeout=15), (in_flight(), sidecar_metrics(s))
             assert leases(s, "granted") == 1, "no lease call since the grant: the report carried them"
         finally:
             for client, response in streams:
