@@ -17,6 +17,8 @@ import urllib.request
 
 import httpx
 
+from helpers import wait_for
+
 STREAM = "llmgw:usage-events"
 
 # llm_gateway.v1.UsageEvent (proto/llm_gateway/v1/usage.proto): field number -> (name, kind).
@@ -83,6 +85,17 @@ def usage_events(client, tenant: str) -> list[dict]:
             assert event["record_id"] == _s(fields["record_id"]), (event, fields)
             events.append(event)
     return events
+
+
+def landed_events(client, tenant: str, count: int, timeout: float = 15, **fields) -> list[dict]:
+    """The tenant's usage events (those whose fields equal `fields`) once at least `count` are
+    in the stream, else what is there after `timeout` s. The event is appended by a call after
+    the record's ledger write, so a usage hash that counts a record does not yet mean that its
+    event is in the stream; callers assert the exact count on what this returns."""
+    def matching() -> list[dict]:
+        return [e for e in usage_events(client, tenant) if all(e.get(k) == v for k, v in fields.items())]
+    wait_for(lambda: len(matching()) >= count, timeout=timeout)
+    return matching()
 
 
 def bucket(client, key: str) -> tuple[float, int] | None:

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from helpers import assert_openai_error, auth, chat_body, post, sse_events, wait_for
-from sidecar_checks import SOURCE_UPSTREAM, bucket, bucket_key, usage_events, usage_hash
+from sidecar_checks import SOURCE_UPSTREAM, bucket, bucket_key, landed_events, usage_hash
 from stack import Model, Pool, Stack, Tenant, new_api_key, upstream_metric
 
 BIG = 1_000_000
@@ -73,7 +73,7 @@ def test_n_choices_reserve_n_times_and_settle_to_the_usage(n_stack):
     assert wait_for(lambda: usage_hash(stack.redis, "n-three").get("nmodel:requests") == 1)
     h = usage_hash(stack.redis, "n-three")
     assert h["nmodel:completion_tokens"] == 3 * OUTPUT_TOKENS, h
-    [event] = usage_events(stack.redis, "n-three")
+    [event] = landed_events(stack.redis, "n-three", 1)
     assert (event["reserved_tokens"], event["usage_source"]) == (prompt_estimate + 60, SOURCE_UPSTREAM), event
 
 
@@ -93,7 +93,7 @@ def test_streamed_n_choices_are_metered_whole(n_stack):
     assert len(chunks) == 3 * OUTPUT_TOKENS
     assert not any(e.get("usage") for e in events[:-1]), "the injected usage chunk is stripped"
     assert wait_for(lambda: usage_hash(stack.redis, "n-stream").get("nmodel:requests") == 1)
-    [event] = usage_events(stack.redis, "n-stream")
+    [event] = landed_events(stack.redis, "n-stream", 1)
     assert event["completion_tokens"] == 3 * OUTPUT_TOKENS, event
     assert event["usage_source"] == SOURCE_UPSTREAM, event
     # The filter's estimate of "user" + "stream three" (16 bytes) is 4 tokens; 3 choices of 10.

@@ -23,7 +23,7 @@ import redis
 import yaml
 
 from helpers import auth, chat_body, envoy_counter, post, wait_for
-from sidecar_checks import (END_COMPLETED, END_UNREPORTED, SOURCE_RESERVATION, SOURCE_UPSTREAM, metric,
+from sidecar_checks import (END_COMPLETED, END_UNREPORTED, SOURCE_RESERVATION, SOURCE_UPSTREAM, landed_events, metric,
                             usage_events, usage_hash)
 from stack import SIDECAR_BIN, Model, Pool, Stack, Tenant, new_api_key
 
@@ -254,7 +254,7 @@ def test_envoy_killed_mid_stream_leaves_one_reservation_record_per_lost_request(
     assert client.zcard("llmgw:reservations-due:{killed-tenant}") == 0
     h = usage_hash(client, "killed-tenant")
     assert h.get("killed:requests") == 1 + KILLED_STREAMS, h
-    events = usage_events(raw, "killed-tenant")
+    events = landed_events(raw, "killed-tenant", 1 + KILLED_STREAMS)
     lost = [e for e in events if e["end_reason"] == END_UNREPORTED]
     assert len(events) == 1 + KILLED_STREAMS and len(lost) == KILLED_STREAMS, events
     assert len({e["record_id"] for e in lost}) == KILLED_STREAMS, lost

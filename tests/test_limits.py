@@ -28,6 +28,7 @@ from sidecar_checks import (
     bucket,
     bucket_key,
     content_chunks,
+    landed_events,
     parse_reset,
     usage_events,
     usage_hash,
@@ -123,7 +124,7 @@ def test_rpm_429_headers_and_body(limits_stack):
     assert before_state[0] < 0.1
     # Two records, none for the 429.
     assert wait_for(lambda: usage_hash(stack.redis, "lim-rpm").get("fast:requests") == 2)
-    assert len(usage_events(stack.redis, "lim-rpm")) == 2
+    assert len(landed_events(stack.redis, "lim-rpm", 2)) == 2
 
 
 # ------------------------------------------------------------------ TPM
@@ -236,7 +237,7 @@ def test_reservation_settles_to_actual_usage(limits_stack):
     h = usage_hash(stack.redis, "rec-end")
     assert h["fast:prompt_tokens"] == usage1["prompt_tokens"] + usage2["prompt_tokens"]
     assert h["fast:completion_tokens"] == usage1["completion_tokens"] + usage2["completion_tokens"]
-    events = usage_events(stack.redis, "rec-end")
+    events = landed_events(stack.redis, "rec-end", 2)
     assert len(events) == 2 and len({e["record_id"] for e in events}) == 2
     first = next(e for e in events if e["reserved_tokens"] == reserved1)
     assert (first["completion_tokens"], first["prompt_tokens"]) == (usage1["completion_tokens"], usage1["prompt_tokens"])
@@ -296,7 +297,7 @@ def test_client_abort_records_what_the_upstream_streamed(limits_stack):
     assert 3 <= generated < 30, generated
     h = usage_hash(stack.redis, "rec-abort")
     assert h["abortable:completion_tokens"] == generated, (h, generated)
-    [event] = usage_events(stack.redis, "rec-abort")
+    [event] = landed_events(stack.redis, "rec-abort", 1)
     assert (event["status"], event["end_reason"], event["usage_source"]) == \
         (200, END_INCOMPLETE, SOURCE_STREAMED_CHUNKS), event
     assert event["completion_tokens"] == generated
@@ -314,7 +315,7 @@ def test_client_abort_records_what_the_upstream_streamed(limits_stack):
     assert chat(stack, "rec-abort", "fast", max_tokens=2).status_code == 200
     assert wait_for(lambda: usage_hash(stack.redis, "rec-abort").get("fast:requests") == 1)
     assert usage_hash(stack.redis, "rec-abort")["abortable:requests"] == 1
-    assert len(usage_events(stack.redis, "rec-abort")) == 2
+    assert len(landed_events(stack.redis, "rec-abort", 2)) == 2
 
 
 def test_each_token_bucket_is_settled_against_its_own_reservation(limits_stack):
@@ -335,7 +336,7 @@ def test_each_token_bucket_is_settled_against_its_own_reservation(limits_stack):
         assert state, (key, bucket(stack.redis, key))
         assert capacity - used - 0.01 <= state[0] <= capacity - used + 0.5, (key, state, capacity - used)
     assert wait_for(lambda: usage_hash(stack.redis, "rec-both").get("fast:requests") == 1)
-    [event] = usage_events(stack.redis, "rec-both")
+    [event] = landed_events(stack.redis, "rec-both", 1)
     assert event["reserved_tokens"] == reserved, event
 
 

@@ -16,7 +16,7 @@ import pytest
 from helpers import assert_openai_error, auth, chat_body, post, sse_events, wait_for
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
-from sidecar_checks import bucket, bucket_key, usage_events, usage_hash
+from sidecar_checks import bucket, bucket_key, landed_events, usage_hash
 from stack import Model, Pool, Stack, Tenant, new_api_key
 
 BIG = 1_000_000
@@ -80,8 +80,8 @@ def test_limits_and_usage_through_a_redis_cluster(cluster_stack):
     assert wait_for(lambda: usage_hash(rc, TPM_TENANT).get("cl:requests") == 1), usage_hash(rc, TPM_TENANT)
     h = usage_hash(rc, TPM_TENANT)
     assert (h["cl:prompt_tokens"], h["cl:completion_tokens"]) == (usage["prompt_tokens"], usage["completion_tokens"])
-    assert len(usage_events(rc, RPM_TENANT)) == 2
-    [event] = usage_events(rc, TPM_TENANT)
+    assert len(landed_events(rc, RPM_TENANT, 2)) == 2
+    [event] = landed_events(rc, TPM_TENANT, 1)
     assert event["completion_tokens"] == usage["completion_tokens"]
     # Settled through the cluster: capacity less the usage.
     used = usage["total_tokens"]

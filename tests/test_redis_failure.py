@@ -64,6 +64,8 @@ def nothing_buffered(stack) -> bool:
         return False
     if not stack.journal:
         return True
+    if metric(m, "llm_gateway_responses_total") == 0:
+        return True  # nothing answered yet: the journal has no line to wait for
     written = stack.journal_path.stat().st_size if stack.journal_path.exists() else 0
     return written > 0 and metric(m, "llm_gateway_journal_lag_bytes") == 0 and \
         metric(m, "llm_gateway_journal_lines_total") >= 1
@@ -131,6 +133,8 @@ def test_open_mode_keeps_serving_and_flushes_records_once(outage_stack):
     assert flushed, (usage_hash(c, "fo-open"), usage_hash(c, "fo-tiny"))
     h = usage_hash(c, "fo-open")
     assert (h["fo:prompt_tokens"], h["fo:completion_tokens"]) == (seen["prompt_tokens"], seen["completion_tokens"])
+    # A record's usage event is appended by a call after its ledger write: wait for it too.
+    assert wait_for(lambda: len(usage_events(c, "fo-open")) >= 4 and len(usage_events(c, "fo-tiny")) >= 2)
     events = usage_events(c, "fo-open")
     assert len(events) == 4 and len({e["record_id"] for e in events}) == 4, events
     assert len(usage_events(c, "fo-tiny")) == 2
@@ -141,12 +145,14 @@ def test_open_mode_keeps_serving_and_flushes_records_once(outage_stack):
     assert metric(after, "llm_gateway_usage_records_dropped_total") == 0
 
     # Redis decides again once the breaker lets a probe through.
+    # (The flushed records' settlement may create the bucket before any decision does, so
+    # wait on the decision counter itself, then look at the bucket.)
     def redis_decides():
         assert chat(stack, "fo-open").status_code == 200
-        return bucket(c, bucket_key("fo-open", "rpm"))
+        return metric(sidecar_metrics(stack), "llm_gateway_limit_decisions_total", degraded="false") > \
+            metric(during, "llm_gateway_limit_decisions_total", degraded="false")
     assert wait_for(redis_decides, timeout=10, interval=0.1)
-    assert metric(sidecar_metrics(stack), "llm_gateway_limit_decisions_total", degraded="false") > \
-        metric(during, "llm_gateway_limit_decisions_total", degraded="false")
+    assert bucket(c, bucket_key("fo-open", "rpm"))
     assert wait_for(lambda: usage_hash(c, "fo-tiny").get("fo:requests") == 2 and nothing_buffered(stack))
     assert len(usage_events(c, "fo-tiny")) == 2, "a record was written twice"
 
@@ -196,6 +202,7 @@ def test_closed_mode_refuses_with_503_until_redis_returns(outage_stack):
     # Metered: the 200 is recorded, none of the 503s (the neighbour's record was buffered).
     assert wait_for(lambda: usage_hash(c, "fo-closed").get("fo:requests") == 1 and
                     usage_hash(c, "fo-neighbour").get("fo:requests") == 1 and nothing_buffered(stack))
+    assert wait_for(lambda: usage_events(c, "fo-closed"))
     assert len(usage_events(c, "fo-closed")) == 1
 
 
@@ -213,6 +220,7 @@ def test_a_buffered_record_keeps_its_end_time(outage_stack):
         stack.restart_redis()
     c = client(stack)
     assert wait_for(lambda: usage_hash(c, "fo-clock").get("fo:requests") == 1, timeout=15)
+    assert wait_for(lambda: usage_events(c, "fo-clock"))
     [event] = usage_events(c, "fo-clock")
     # The request ended before the client had its answer, and before Redis came back.
     assert event["finished_at_unix_ms"] <= answered_ms, (event["finished_at_unix_ms"], answered_ms, restarted_ms)

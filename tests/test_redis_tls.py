@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from helpers import assert_openai_error, chat_body, post, wait_for
-from sidecar_checks import usage_events, usage_hash
+from sidecar_checks import landed_events, usage_hash
 from stack import SIDECAR_BIN, Model, Pool, Stack, StackError, Tenant, free_port, new_api_key, redis_binary
 from tls_certs import make_ca
 
@@ -134,7 +134,7 @@ def test_limits_and_usage_over_tls_with_the_minimal_acl(tls_stack):
     assert_openai_error(chat(stack, "rt-tiny"), 429, "rate_limit_exceeded")
     assert wait_for(lambda: usage_hash(stack.admin, "rt-a").get("rt:requests") == 3, timeout=30), (
         usage_hash(stack.admin, "rt-a"), stack.logs())
-    assert len(usage_events(stack.admin, "rt-a")) == 3
+    assert len(landed_events(stack.admin, "rt-a", 3)) == 3
     # The bucket keys the sidecar wrote are the llmgw:* ones the ACL allows, and nothing was denied.
     assert stack.admin.keys("llmgw:rl:{rt-tiny}*"), stack.admin.keys("*")
     assert stack.admin.acl_log() == [], stack.admin.acl_log()

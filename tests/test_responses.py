@@ -32,6 +32,7 @@ from sidecar_checks import (
     SOURCE_UPSTREAM,
     bucket,
     bucket_key,
+    landed_events,
     usage_events,
     usage_hash,
 )
@@ -134,10 +135,12 @@ def stream(stack, tenant: str, payload: dict):
 
 def settled(stack, tenant: str) -> None:
     """The tenant's TPM bucket holds capacity minus what its records charged (refill: 1/min)."""
-    used = sum(e["prompt_tokens"] + e["completion_tokens"] for e in usage_events(stack.redis, tenant))
     key = bucket_key(tenant, "tpm")
-    assert wait_for(lambda: (b := bucket(stack.redis, key)) and BIG - used - 0.01 <= b[0] <= BIG - used + 2), \
-        (bucket(stack.redis, key), BIG - used)
+
+    def used() -> int:  # polled too: a record's event is appended after its ledger write
+        return sum(e["prompt_tokens"] + e["completion_tokens"] for e in usage_events(stack.redis, tenant))
+    assert wait_for(lambda: (b := bucket(stack.redis, key)) and BIG - used() - 0.01 <= b[0] <= BIG - used() + 2), \
+        (bucket(stack.redis, key), BIG - used())
 
 
 def once(stack, tenant: str, model: str, records: int) -> list[dict]:
@@ -151,7 +154,7 @@ def once(stack, tenant: str, model: str, records: int) -> list[dict]:
         assert wait_for(lambda: usage_hash(stack.redis, tenant).get(f"{later}:requests"))
     h = usage_hash(stack.redis, tenant)
     assert h[f"{model}:requests"] == records, h
-    events = [e for e in usage_events(stack.redis, tenant) if e["model"] == model]
+    events = landed_events(stack.redis, tenant, records, model=model)
     assert len(events) == records, events
     assert h[f"{model}:prompt_tokens"] == sum(e["prompt_tokens"] for e in events), (h, events)
     assert h[f"{model}:completion_tokens"] == sum(e["completion_tokens"] for e in events), (h, events)

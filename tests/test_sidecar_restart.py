@@ -29,7 +29,7 @@ import httpx
 import pytest
 import redis
 from helpers import auth, chat_body, envoy_counter, envoy_stats, post, wait_for
-from sidecar_checks import usage_events
+from sidecar_checks import landed_events
 from stack import Model, Pool, Stack, Tenant, new_api_key
 
 KEY = new_api_key()
@@ -123,7 +123,7 @@ def test_many_requests_ending_while_the_sidecar_is_away_are_metered_once_it_is_b
     (key,) = client.scan_iter("llmgw:usage:{restart}:*")
     # Each once: 2 + 2 tokens of the two short requests and 30 of each stream, no more.
     assert int(client.hget(key, "model-r:completion_tokens")) == 2 + 2 + 30 * MANY_STREAMS
-    events = usage_events(redis.Redis(port=stack.redis_port), "restart")
+    events = landed_events(redis.Redis(port=stack.redis_port), "restart", 2 + MANY_STREAMS)
     ids = [e["record_id"] for e in events]
     assert len(ids) == len(set(ids)) == 2 + MANY_STREAMS, ids
 

@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from helpers import assert_openai_error, chat_body, post, wait_for
-from sidecar_checks import metric, sidecar_metrics, usage_events, usage_hash
+from sidecar_checks import landed_events, metric, sidecar_metrics, usage_hash
 from stack import Model, Pool, SidecarTls, Stack, Tenant, new_api_key
 from tls_certs import make_ca
 
@@ -78,7 +78,7 @@ def test_requests_are_admitted_limited_and_metered_over_mtls(mtls_stack):
     # Usage records arrive through the gRPC access log over mTLS.
     assert wait_for(lambda: usage_hash(client, "mt-a").get("mt:requests") == 3, timeout=30), (
         usage_hash(client, "mt-a"), stack.logs())
-    events = usage_events(client, "mt-a")
+    events = landed_events(client, "mt-a", 3)
     assert len(events) == 3 and all(e["completion_tokens"] == 5 for e in events), events
     assert usage_hash(client, "mt-tiny").get("mt:requests") == 2
     # The filter's lease calls (dispatch_grpc_call on the same cluster) are granted over mTLS.

@@ -27,6 +27,7 @@ from sidecar_checks import (
     bucket,
     bucket_key,
     content_chunks,
+    landed_events,
     usage_events,
     usage_hash,
 )
@@ -112,7 +113,7 @@ def the_record(stack, tenant: str, model: str) -> dict:
     assert wait_for(lambda: usage_hash(stack.redis, tenant).get("plain:requests") == 1)
     h = usage_hash(stack.redis, tenant)
     assert h[f"{model}:requests"] == 1, h
-    events = [e for e in usage_events(stack.redis, tenant) if e["model"] == model]
+    events = landed_events(stack.redis, tenant, 1, model=model)
     assert len(events) == 1, events
     [event] = events
     assert (h[f"{model}:prompt_tokens"], h[f"{model}:completion_tokens"]) == \
@@ -123,10 +124,12 @@ def the_record(stack, tenant: str, model: str) -> dict:
 
 def assert_settled(stack, tenant: str) -> None:
     """The tenant's TPM bucket holds capacity minus what its records charged (refill: 1/min)."""
-    used = sum(e["prompt_tokens"] + e["completion_tokens"] for e in usage_events(stack.redis, tenant))
     key = bucket_key(tenant, "tpm")
-    assert wait_for(lambda: (b := bucket(stack.redis, key)) and BIG - used - 0.01 <= b[0] <= BIG - used + 2), \
-        (bucket(stack.redis, key), BIG - used)
+
+    def used() -> int:  # polled too: a record's event is appended after its ledger write
+        return sum(e["prompt_tokens"] + e["completion_tokens"] for e in usage_events(stack.redis, tenant))
+    assert wait_for(lambda: (b := bucket(stack.redis, key)) and BIG - used() - 0.01 <= b[0] <= BIG - used() + 2), \
+        (bucket(stack.redis, key), BIG - used())
 
 
 def estimate_only(event: dict) -> None:
