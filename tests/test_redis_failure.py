@@ -145,8 +145,8 @@ def test_open_mode_keeps_serving_and_flushes_records_once(outage_stack):
     assert metric(after, "llm_gateway_usage_records_dropped_total") == 0
 
     # Redis decides again once the breaker lets a probe through.
-    # (The flushed records' settlement may create the bucket before any decision does, so
-    # wait on the decision counter itself, then look at the bucket.)
+    # The outage's reconciliation (token_bucket_reconcile_v1.lua) may create the bucket before
+    # any decision does: wait on the decision counter itself, then look at the bucket.
     def redis_decides():
         assert chat(stack, "fo-open").status_code == 200
         return metric(sidecar_metrics(stack), "llm_gateway_limit_decisions_total", degraded="false") > \
