@@ -28,6 +28,12 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
     gateway-native        (diagnostic, not run by default) the gateway with that module in the wasm
                           filter's place
     gateway-native-leases gateway-leases with that module
+    gateway-native-leases-<ablation>   (diagnostics, not run by default) gateway-native-leases
+                          with one piece taken out or changed (ABLATIONS), to attribute its Envoy
+                          CPU per request: -journal (adds the usage journal), -no-grpc-log,
+                          -no-guard, -no-admission,
+                          -matcher-skip (the ext_proc admission wrapped in the matcher directly,
+                          as before the composite filter)
     gateway-leases        the gateway with leases (`redis.lease_fraction: 0.01`): the filter admits
                           from admission leases (filter `admission_leases`) without the ext_proc
                           round trip, and the sidecar's own decisions use token leases
@@ -144,6 +150,24 @@ PROFILES = {
     "gateway-base": ("gateway", ()),
     "gateway-native-leases-base": ("gateway", ()),
 }
+# Diagnostic variants of `gateway-native-leases`, each with one piece of its Envoy configuration
+# taken out (HTTP filters and access loggers by name), added or changed: what each piece costs per
+# leased request is the CPU against gateway-native-leases's in the same run (docs/deploy.md,
+# "Where the leased gateway's CPU goes"). The bench's tenants have limits far above its load, so
+# without the admission or the guard every request still reaches the upstream.
+ABLATIONS = {
+    # The usage journal (`sidecar.metering.journal_path`, off in the default rendering): Envoy's
+    # file access log, which the sidecar tails, beside the gRPC one.
+    "gateway-native-leases-journal": (),
+    "gateway-native-leases-no-grpc-log": ("envoy.access_loggers.http_grpc",),
+    "gateway-native-leases-no-guard": ("llm_gateway.guard",),
+    "gateway-native-leases-no-admission": ("llm_gateway.guard", "llm_gateway.admission"),
+    # Not a removal: the ext_proc admission wrapped in the lease matcher itself (SkipFilter on it),
+    # as rendered before envoy/filters/admission_lease_matcher.yaml put it inside a composite
+    # filter; Envoy then makes and destroys an ext_proc filter for every leased request.
+    "gateway-native-leases-matcher-skip": (),
+}
+PROFILES.update({name: ("gateway", drop) for name, drop in ABLATIONS.items()})
 # The no-op proxy-wasm filter of the `filter-noop` target (`make build` builds it).
 NOOP_WASM = TARGET / "wasm32-wasip1" / "release" / "examples" / "noop.wasm"
 # The no-op dynamic module of the `dynmod-noop` target (`make build` builds it), loaded from its
@@ -151,9 +175,10 @@ NOOP_WASM = TARGET / "wasm32-wasip1" / "release" / "examples" / "noop.wasm"
 NOOP_DYNMOD = TARGET / "release" / "libdynmod_noop.so"
 # Target name -> the dynamic module that replaces its wasm filter (`make build` builds both).
 NATIVE_MODULES = {"dynmod-noop": NOOP_DYNMOD, "filter-native": FILTER_NATIVE, "gateway-native": FILTER_NATIVE,
-                  "gateway-native-leases": FILTER_NATIVE, "gateway-native-leases-base": FILTER_NATIVE}
+                  "gateway-native-leases": FILTER_NATIVE, "gateway-native-leases-base": FILTER_NATIVE,
+                  **{name: FILTER_NATIVE for name in ABLATIONS}}
 # The targets with admission leases (LEASES and the filter's `admission_leases`).
-LEASED_TARGETS = ("gateway-leases", "gateway-native-leases", "gateway-native-leases-base")
+LEASED_TARGETS = ("gateway-leases", "gateway-native-leases", "gateway-native-leases-base", *ABLATIONS)
 # The other build of the filter of the `filter-base` target.
 BASE_WASM_ENV = "FILTER_BASE_WASM"
 # The other build of the sidecar of the `gateway-base` target.
@@ -455,10 +480,12 @@ class BenchStack(Stack):
     targets (PROFILES).
     """
 
-    def __init__(self, *args, sidecar_extra: dict | None = None, drop_filters: tuple[str, ...] = (), **kwargs):
+    def __init__(self, *args, sidecar_extra: dict | None = None, drop_filters: tuple[str, ...] = (),
+                 matcher_skip: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.sidecar_extra = sidecar_extra or {}
         self.drop_filters = drop_filters
+        self.matcher_skip = matcher_skip
 
     def sidecar_config(self) -> dict:
         """The stack's sidecar config with the extra keys merged in."""
@@ -471,6 +498,12 @@ class BenchStack(Stack):
         chain["http_filters"] = [f for f in chain["http_filters"] if f["name"] not in self.drop_filters]
         if "access_log" in chain:
             chain["access_log"] = [a for a in chain["access_log"] if a["name"] not in self.drop_filters]
+        if self.matcher_skip:
+            for f in chain["http_filters"]:
+                if f["name"] == "llm_gateway.admission":
+                    wrapper = f["typed_config"]
+                    no_match = wrapper["xds_matcher"].pop("on_no_match")
+                    wrapper["extension_config"] = no_match["action"]["typed_config"]["typed_config"]
         return config
 
 
@@ -526,6 +559,10 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
         route_to_first_pool=name in ("filter-noop", "dynmod-noop") or None,
         native_module=native_module,
         sidecar_bin=sidecar_bin,
+        matcher_skip=name == "gateway-native-leases-matcher-skip",
+        # As gatewayctl renders by default: no usage journal (tests/stack.py turns it on for the
+        # tests), except in the diagnostic that measures it.
+        journal=name == "gateway-native-leases-journal",
     )
     exits.enter_context(stack)
     assert stack.envoy is not None and stack.base_url is not None

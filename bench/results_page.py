@@ -30,6 +30,11 @@ TARGET_TEXT = {
     "gateway-native-leases": "diagnostic: the gateway with leases (as `gateway-leases`) and the filter as a native dynamic module",
     "gateway-native-leases-base": "diagnostic: `gateway-native-leases` with another build of the sidecar (`$SIDECAR_BASE_BIN`)",
     "gateway-ext-proc-metering": "diagnostic: the gateway metered by an observability-mode ext_proc filter (every chunk to the sidecar) instead of the access log",
+    "gateway-native-leases-journal": "diagnostic: `gateway-native-leases` with the usage journal (`sidecar.metering.journal_path`: Envoy's file access log, tailed by the sidecar), which the default rendering has not",
+    "gateway-native-leases-no-grpc-log": "diagnostic: `gateway-native-leases` without the metering gRPC access log (no usage delivered: what the delivery costs)",
+    "gateway-native-leases-no-guard": "diagnostic: `gateway-native-leases` without the RBAC guard",
+    "gateway-native-leases-no-admission": "diagnostic: `gateway-native-leases` without the ext_proc admission and the guard",
+    "gateway-native-leases-matcher-skip": "diagnostic: `gateway-native-leases` with the ext_proc admission wrapped in the lease matcher directly (no composite filter)",
 }
 
 

@@ -28,6 +28,9 @@ from stack import FILTER_NATIVE, Model, Pool, Stack, Tenant, new_api_key, upstre
 pytestmark = pytest.mark.parametrize("native", [False, True], ids=["wasm", "native"])
 
 EXT_PROC_STREAMS = "http.gateway.ext_proc.streams_started"
+# The composite filter that makes the ext_proc admission for requests not admitted from a lease.
+DELEGATED = "http.gateway.composite.filter_delegation_success"
+DELEGATION_ERRORS = "http.gateway.composite.filter_delegation_error"
 
 
 def leases(stack, outcome: str) -> float:
@@ -67,8 +70,10 @@ def test_leased_requests_skip_the_ext_proc_admission_and_are_metered(tmp_path_fa
             seen.append(int(r.headers["x-ratelimit-remaining-requests"]))
             assert 0 < seen[-1] <= 10_000
             assert r.headers["x-ratelimit-reset-requests"].endswith("s")
-        # No request after the first reached the sidecar's admission.
+        # No request after the first reached the sidecar's admission, nor had an ext_proc filter
+        # made for it (the composite filter makes one only when the lease matcher does not skip).
         assert envoy_counter(s, EXT_PROC_STREAMS) == 1, s.envoy_log()
+        assert (envoy_counter(s, DELEGATED), envoy_counter(s, DELEGATION_ERRORS)) == (1, 0)
         # The remaining count went down one by one while the lease admitted. (Not compared with
         # the first request's: the lease's take can land in Redis before that request's own, and
         # a leased count includes what the lease has not used yet.)
@@ -236,6 +241,8 @@ def test_a_tight_limit_gets_no_lease_and_stays_exact(tmp_path_factory, native):
         r = post(s, "/v1/chat/completions", chat_body("l", max_tokens=2), key=key, headers=spoofed)
         assert_openai_error(r, 429, code="rate_limit_exceeded")
         assert envoy_counter(s, EXT_PROC_STREAMS) == 6
+        # Each ran the ext_proc admission made by the composite filter for it.
+        assert (envoy_counter(s, DELEGATED), envoy_counter(s, DELEGATION_ERRORS)) == (6, 0)
         assert leases(s, "granted") == 0
 
 

@@ -350,21 +350,35 @@ fn admission_leases_wrap_the_admission_filter_and_name_the_sidecar_cluster() {
         matcher["@type"],
         "type.googleapis.com/envoy.extensions.common.matching.v3.ExtensionWithMatcher"
     );
+    // The ext_proc admission runs inside a composite filter, made only when the matcher picks it:
+    // on no match (no lease), never for a leased request.
     assert_eq!(
-        matcher["extension_config"]["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"],
-        "llm_gateway_ext_proc"
+        matcher["extension_config"]["typed_config"]["@type"],
+        "type.googleapis.com/envoy.extensions.filters.http.composite.v3.Composite"
     );
-    assert!(matcher["xds_matcher"]["matcher_tree"]["exact_match_map"]["map"]["lease"].is_mapping());
+    let execute = &matcher["xds_matcher"]["on_no_match"]["action"]["typed_config"];
+    assert_eq!(
+        execute["@type"],
+        "type.googleapis.com/envoy.extensions.filters.http.composite.v3.ExecuteFilterAction"
+    );
+    let ext_proc = &execute["typed_config"]["typed_config"];
+    assert_eq!(ext_proc["grpc_service"]["envoy_grpc"]["cluster_name"], "llm_gateway_ext_proc");
+    let skip = &matcher["xds_matcher"]["matcher_tree"]["exact_match_map"]["map"]["lease"]["action"];
+    assert_eq!(
+        skip["typed_config"]["@type"],
+        "type.googleapis.com/envoy.extensions.filters.common.matcher.action.v3.SkipFilter"
+    );
     // The skip is decided by the filter's state, which clients cannot write, not by a header.
     let input = &matcher["xds_matcher"]["matcher_tree"]["input"]["typed_config"];
     assert_eq!(input["key"], "wasm.llm_gateway.admission");
     // The admission reads the filter's decision from its state.
-    let attributes = &matcher["extension_config"]["typed_config"]["request_attributes"];
+    let attributes = &ext_proc["request_attributes"];
     assert_eq!(attributes, &yaml(r#"["filter_state['wasm.llm_gateway.request']"]"#));
     // Istio: the same wrapper, and the filter asks the sidecar's Istio cluster.
     let istio = leased(Target::Istio);
     let envoyfilter = &istio["istio/envoyfilter.yaml"];
     assert!(envoyfilter.contains("ExtensionWithMatcher"), "{envoyfilter}");
+    assert!(envoyfilter.contains("ExecuteFilterAction"), "{envoyfilter}");
     let wasm_config = r#"\"admission_leases\":{\"cluster\":\"outbound|50051||llm-gateway-ext-proc.llm-gateway.svc.cluster.local\"}"#;
     assert!(envoyfilter.contains(wasm_config), "{envoyfilter}");
     // Off by default: the example renders no wrapper.
