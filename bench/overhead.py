@@ -33,7 +33,8 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
                           CPU per request: -journal (adds the usage journal), -no-grpc-log,
                           -no-guard, -no-admission,
                           -matcher-skip (the ext_proc admission wrapped in the matcher directly,
-                          as before the composite filter)
+                          as before the composite filter), -log-16k and -log-256k (the metering
+                          gRPC access log's buffer_size_bytes, 64 KiB as rendered)
     gateway-leases        the gateway with leases (`redis.lease_fraction: 0.01`): the filter admits
                           from admission leases (filter `admission_leases`) without the ext_proc
                           round trip, and the sidecar's own decisions use token leases
@@ -150,24 +151,44 @@ PROFILES = {
     "gateway-base": ("gateway", ()),
     "gateway-native-leases-base": ("gateway", ()),
 }
+def _matcher_skip(hcm: dict) -> None:
+    """The ext_proc admission wrapped in the lease matcher itself (SkipFilter on it), as rendered
+    before envoy/filters/admission_lease_matcher.yaml put it inside a composite filter: Envoy then
+    makes and destroys an ext_proc filter for every leased request."""
+    for f in hcm["http_filters"]:
+        if f["name"] == "llm_gateway.admission":
+            wrapper = f["typed_config"]
+            no_match = wrapper["xds_matcher"].pop("on_no_match")
+            wrapper["extension_config"] = no_match["action"]["typed_config"]["typed_config"]
+
+
+def _log_buffer(size: int) -> Callable[[dict], None]:
+    """The metering gRPC access log's `buffer_size_bytes` set to `size`."""
+    def change(hcm: dict) -> None:
+        for log in hcm.get("access_log", []):
+            if log["name"] == "envoy.access_loggers.http_grpc":
+                log["typed_config"]["common_config"]["buffer_size_bytes"] = size
+    return change
+
+
 # Diagnostic variants of `gateway-native-leases`, each with one piece of its Envoy configuration
 # taken out (HTTP filters and access loggers by name), added or changed: what each piece costs per
 # leased request is the CPU against gateway-native-leases's in the same run (docs/deploy.md,
 # "Where the leased gateway's CPU goes"). The bench's tenants have limits far above its load, so
 # without the admission or the guard every request still reaches the upstream.
-ABLATIONS = {
+ABLATIONS: dict[str, tuple[tuple[str, ...], Callable[[dict], None] | None]] = {
     # The usage journal (`sidecar.metering.journal_path`, off in the default rendering): Envoy's
     # file access log, which the sidecar tails, beside the gRPC one.
-    "gateway-native-leases-journal": (),
-    "gateway-native-leases-no-grpc-log": ("envoy.access_loggers.http_grpc",),
-    "gateway-native-leases-no-guard": ("llm_gateway.guard",),
-    "gateway-native-leases-no-admission": ("llm_gateway.guard", "llm_gateway.admission"),
-    # Not a removal: the ext_proc admission wrapped in the lease matcher itself (SkipFilter on it),
-    # as rendered before envoy/filters/admission_lease_matcher.yaml put it inside a composite
-    # filter; Envoy then makes and destroys an ext_proc filter for every leased request.
-    "gateway-native-leases-matcher-skip": (),
+    "gateway-native-leases-journal": ((), None),
+    "gateway-native-leases-no-grpc-log": (("envoy.access_loggers.http_grpc",), None),
+    "gateway-native-leases-no-guard": (("llm_gateway.guard",), None),
+    "gateway-native-leases-no-admission": (("llm_gateway.guard", "llm_gateway.admission"), None),
+    "gateway-native-leases-matcher-skip": ((), _matcher_skip),
+    # The access log's batch as rendered before (16 KiB) and larger (envoy/access_log_metering.yaml).
+    "gateway-native-leases-log-16k": ((), _log_buffer(16384)),
+    "gateway-native-leases-log-256k": ((), _log_buffer(262144)),
 }
-PROFILES.update({name: ("gateway", drop) for name, drop in ABLATIONS.items()})
+PROFILES.update({name: ("gateway", drop) for name, (drop, _) in ABLATIONS.items()})
 # The no-op proxy-wasm filter of the `filter-noop` target (`make build` builds it).
 NOOP_WASM = TARGET / "wasm32-wasip1" / "release" / "examples" / "noop.wasm"
 # The no-op dynamic module of the `dynmod-noop` target (`make build` builds it), loaded from its
@@ -481,11 +502,11 @@ class BenchStack(Stack):
     """
 
     def __init__(self, *args, sidecar_extra: dict | None = None, drop_filters: tuple[str, ...] = (),
-                 matcher_skip: bool = False, **kwargs):
+                 change: Callable[[dict], None] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.sidecar_extra = sidecar_extra or {}
         self.drop_filters = drop_filters
-        self.matcher_skip = matcher_skip
+        self.change = change
 
     def sidecar_config(self) -> dict:
         """The stack's sidecar config with the extra keys merged in."""
@@ -498,12 +519,8 @@ class BenchStack(Stack):
         chain["http_filters"] = [f for f in chain["http_filters"] if f["name"] not in self.drop_filters]
         if "access_log" in chain:
             chain["access_log"] = [a for a in chain["access_log"] if a["name"] not in self.drop_filters]
-        if self.matcher_skip:
-            for f in chain["http_filters"]:
-                if f["name"] == "llm_gateway.admission":
-                    wrapper = f["typed_config"]
-                    no_match = wrapper["xds_matcher"].pop("on_no_match")
-                    wrapper["extension_config"] = no_match["action"]["typed_config"]["typed_config"]
+        if self.change:
+            self.change(chain)
         return config
 
 
@@ -559,7 +576,7 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
         route_to_first_pool=name in ("filter-noop", "dynmod-noop") or None,
         native_module=native_module,
         sidecar_bin=sidecar_bin,
-        matcher_skip=name == "gateway-native-leases-matcher-skip",
+        change=ABLATIONS.get(name, ((), None))[1],
         # As gatewayctl renders by default: no usage journal (tests/stack.py turns it on for the
         # tests), except in the diagnostic that measures it.
         journal=name == "gateway-native-leases-journal",

@@ -34,6 +34,8 @@ TARGET_TEXT = {
     "gateway-native-leases-no-grpc-log": "diagnostic: `gateway-native-leases` without the metering gRPC access log (no usage delivered: what the delivery costs)",
     "gateway-native-leases-no-guard": "diagnostic: `gateway-native-leases` without the RBAC guard",
     "gateway-native-leases-no-admission": "diagnostic: `gateway-native-leases` without the ext_proc admission and the guard",
+    "gateway-native-leases-log-16k": "diagnostic: `gateway-native-leases` with the metering gRPC access log's `buffer_size_bytes` at 16 KiB (as rendered before; 64 KiB now)",
+    "gateway-native-leases-log-256k": "diagnostic: `gateway-native-leases` with the metering gRPC access log's `buffer_size_bytes` at 256 KiB",
     "gateway-native-leases-matcher-skip": "diagnostic: `gateway-native-leases` with the ext_proc admission wrapped in the lease matcher directly (no composite filter)",
 }
 
