@@ -12,6 +12,9 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
                           the access log (how Envoy Gateway is rendered)
     filter-noop           (diagnostic) Envoy + a proxy-wasm filter that does
                           nothing (filter/examples/noop.rs): the floor of any proxy-wasm filter
+    filter-native-base    (diagnostic, not run by default) filter-native with another build of the
+                          native module, the one at $FILTER_NATIVE_BASE_SO (a change to the native
+                          filter side by side with the build it changes)
     filter-base           (diagnostic, not run by default) Envoy + another build of the filter, the
                           module at $FILTER_BASE_WASM: a change to the filter measured side by side
                           with the build it changes (copy the old module aside before rebuilding)
@@ -144,6 +147,7 @@ PROFILES = {
     "gateway-leases": ("gateway", ()),
     "filter-noop": ("filter", ()),
     "filter-base": ("filter", ()),
+    "filter-native-base": ("filter", ()),
     "dynmod-noop": ("filter", ()),
     "filter-native": ("filter", ()),
     "gateway-native": ("gateway", ()),
@@ -202,6 +206,8 @@ NATIVE_MODULES = {"dynmod-noop": NOOP_DYNMOD, "filter-native": FILTER_NATIVE, "g
 LEASED_TARGETS = ("gateway-leases", "gateway-native-leases", "gateway-native-leases-base", *ABLATIONS)
 # The other build of the filter of the `filter-base` target.
 BASE_WASM_ENV = "FILTER_BASE_WASM"
+# The other build of the native module of the `filter-native-base` target.
+BASE_NATIVE_ENV = "FILTER_NATIVE_BASE_SO"
 # The other build of the sidecar of the `gateway-base` target.
 BASE_SIDECAR_ENV = "SIDECAR_BASE_BIN"
 SCENARIOS = ("overhead", "saturation", "sweep", "limits", "streams", "overload", "tool", "vmtime", "memory")
@@ -546,6 +552,11 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
                          "-p gateway-filter --example noop (make build does)")
     wasm_path = NOOP_WASM if name == "filter-noop" else None
     native_module = NATIVE_MODULES.get(name)
+    if name == "filter-native-base":
+        if not os.environ.get(BASE_NATIVE_ENV) or not Path(os.environ[BASE_NATIVE_ENV]).exists():
+            raise BenchError(f"target filter-native-base: ${BASE_NATIVE_ENV} must name a built "
+                             "libgateway_filter_native.so")
+        native_module = Path(os.environ[BASE_NATIVE_ENV])
     if native_module and not native_module.exists():
         raise BenchError(f"{native_module} is missing: make build builds it")
     if name == "filter-base":

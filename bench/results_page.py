@@ -25,6 +25,7 @@ TARGET_TEXT = {
     "filter-base": "diagnostic: Envoy + another build of the filter (`$FILTER_BASE_WASM`): a change to the filter measured side by side with the build it changes",
     "gateway-base": "diagnostic: the gateway with another build of the sidecar (`$SIDECAR_BASE_BIN`): a change to the sidecar measured side by side with the build it changes",
     "dynmod-noop": "diagnostic: Envoy + a native dynamic-module filter that does nothing (`bench/dynmod-noop`): the floor of a native filter",
+    "filter-native-base": "diagnostic: `filter-native` with another build of the native module (`$FILTER_NATIVE_BASE_SO`): a change to the native filter measured side by side with the build it changes",
     "filter-native": "diagnostic: Envoy + the filter as a native dynamic module (`filter-native/`, the same decisions behind Envoy's C ABI)",
     "gateway-native": "diagnostic: the gateway with the filter as a native dynamic module (`filter-native/`) in the wasm filter's place",
     "gateway-native-leases": "diagnostic: the gateway with leases (as `gateway-leases`) and the filter as a native dynamic module",
