@@ -155,6 +155,8 @@ PROFILES = {
     "gateway-base": ("gateway", ()),
     "gateway-native-leases-base": ("gateway", ()),
 }
+
+
 def _matcher_skip(hcm: dict) -> None:
     """The ext_proc admission wrapped in the lease matcher itself (SkipFilter on it), as rendered
     before envoy/filters/admission_lease_matcher.yaml put it inside a composite filter: Envoy then
@@ -193,6 +195,7 @@ ABLATIONS: dict[str, tuple[tuple[str, ...], Callable[[dict], None] | None]] = {
     "gateway-native-leases-log-256k": ((), _log_buffer(262144)),
 }
 PROFILES.update({name: ("gateway", drop) for name, (drop, _) in ABLATIONS.items()})
+
 # The no-op proxy-wasm filter of the `filter-noop` target (`make build` builds it).
 NOOP_WASM = TARGET / "wasm32-wasip1" / "release" / "examples" / "noop.wasm"
 # The no-op dynamic module of the `dynmod-noop` target (`make build` builds it), loaded from its
