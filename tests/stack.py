@@ -808,9 +808,13 @@ class Stack:
         )
         self.envoy = proc
         deadline = time.monotonic() + START_DEADLINE_S
-        while time.monotonic() < deadline and proc.alive() and not admin_path.exists():
+        # Envoy creates the file, then writes the address into it: wait for the address, not the
+        # file (reading between the two gave "envoy did not start (exit None)" with Envoy up).
+        def admin_address() -> str:
+            return admin_path.read_text().strip() if admin_path.exists() else ""
+        while time.monotonic() < deadline and proc.alive() and not admin_address():
             time.sleep(0.05)
-        if not admin_path.exists() or not admin_path.read_text().strip():
+        if not admin_address():
             raise StackError(f"envoy did not start (exit {proc.popen.poll()}):\n{proc.log_tail()}")
         self.admin_url = "http://" + admin_path.read_text().strip()
         self._wait_http(proc, self.admin_url + "/ready", expect=b"LIVE")
