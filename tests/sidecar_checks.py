@@ -98,6 +98,17 @@ def landed_events(client, tenant: str, count: int, timeout: float = 15, **fields
     return matching()
 
 
+def assert_tpm_settled(client, tenant: str, capacity: int) -> None:
+    """The tenant's TPM bucket (refill 1/min in the callers' configs) holds `capacity` minus what
+    its records charged, polled: a record's event is appended after its ledger write."""
+    key = bucket_key(tenant, "tpm")
+
+    def used() -> int:
+        return sum(e["prompt_tokens"] + e["completion_tokens"] for e in usage_events(client, tenant))
+    assert wait_for(lambda: (b := bucket(client, key)) and capacity - used() - 0.01 <= b[0] <= capacity - used() + 2), \
+        (bucket(client, key), capacity - used())
+
+
 def bucket(client, key: str) -> tuple[float, int] | None:
     """(tokens, updated-at in microseconds) of a token bucket, None when it does not exist."""
     t, ts = client.hmget(key, "t", "ts")

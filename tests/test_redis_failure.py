@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from helpers import assert_openai_error, auth, chat_body, post, sse_events, wait_for
-from sidecar_checks import bucket, bucket_key, metric, sidecar_metrics, usage_events, usage_hash
+from sidecar_checks import bucket, bucket_key, landed_events, metric, sidecar_metrics, usage_events, usage_hash
 from stack import Model, Pool, Stack, Tenant, new_api_key, upstream_metric
 
 TENANTS = {
@@ -134,10 +134,9 @@ def test_open_mode_keeps_serving_and_flushes_records_once(outage_stack):
     h = usage_hash(c, "fo-open")
     assert (h["fo:prompt_tokens"], h["fo:completion_tokens"]) == (seen["prompt_tokens"], seen["completion_tokens"])
     # A record's usage event is appended by a call after its ledger write: wait for it too.
-    assert wait_for(lambda: len(usage_events(c, "fo-open")) >= 4 and len(usage_events(c, "fo-tiny")) >= 2)
-    events = usage_events(c, "fo-open")
+    events = landed_events(c, "fo-open", 4)
     assert len(events) == 4 and len({e["record_id"] for e in events}) == 4, events
-    assert len(usage_events(c, "fo-tiny")) == 2
+    assert len(landed_events(c, "fo-tiny", 2)) == 2
     assert wait_for(lambda: nothing_buffered(stack))
     after = sidecar_metrics(stack)
     assert metric(after, "llm_gateway_usage_records_written_total") - \
@@ -202,8 +201,7 @@ def test_closed_mode_refuses_with_503_until_redis_returns(outage_stack):
     # Metered: the 200 is recorded, none of the 503s (the neighbour's record was buffered).
     assert wait_for(lambda: usage_hash(c, "fo-closed").get("fo:requests") == 1 and
                     usage_hash(c, "fo-neighbour").get("fo:requests") == 1 and nothing_buffered(stack))
-    assert wait_for(lambda: usage_events(c, "fo-closed"))
-    assert len(usage_events(c, "fo-closed")) == 1
+    assert len(landed_events(c, "fo-closed", 1)) == 1
 
 
 def test_a_buffered_record_keeps_its_end_time(outage_stack):
@@ -220,7 +218,6 @@ def test_a_buffered_record_keeps_its_end_time(outage_stack):
         stack.restart_redis()
     c = client(stack)
     assert wait_for(lambda: usage_hash(c, "fo-clock").get("fo:requests") == 1, timeout=15)
-    assert wait_for(lambda: usage_events(c, "fo-clock"))
-    [event] = usage_events(c, "fo-clock")
+    [event] = landed_events(c, "fo-clock", 1)
     # The request ended before the client had its answer, and before Redis came back.
     assert event["finished_at_unix_ms"] <= answered_ms, (event["finished_at_unix_ms"], answered_ms, restarted_ms)

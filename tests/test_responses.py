@@ -30,10 +30,8 @@ from sidecar_checks import (
     END_INCOMPLETE,
     SOURCE_STREAMED_CHUNKS,
     SOURCE_UPSTREAM,
-    bucket,
-    bucket_key,
+    assert_tpm_settled,
     landed_events,
-    usage_events,
     usage_hash,
 )
 from stack import Model, Pool, Stack, Tenant, new_api_key, upstream_metric
@@ -135,12 +133,7 @@ def stream(stack, tenant: str, payload: dict):
 
 def settled(stack, tenant: str) -> None:
     """The tenant's TPM bucket holds capacity minus what its records charged (refill: 1/min)."""
-    key = bucket_key(tenant, "tpm")
-
-    def used() -> int:  # polled too: a record's event is appended after its ledger write
-        return sum(e["prompt_tokens"] + e["completion_tokens"] for e in usage_events(stack.redis, tenant))
-    assert wait_for(lambda: (b := bucket(stack.redis, key)) and BIG - used() - 0.01 <= b[0] <= BIG - used() + 2), \
-        (bucket(stack.redis, key), BIG - used())
+    assert_tpm_settled(stack.redis, tenant, BIG)
 
 
 def once(stack, tenant: str, model: str, records: int) -> list[dict]:

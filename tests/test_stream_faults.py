@@ -24,11 +24,9 @@ from sidecar_checks import (
     END_INCOMPLETE,
     SOURCE_STREAMED_CHUNKS,
     SOURCE_UPSTREAM,
-    bucket,
-    bucket_key,
+    assert_tpm_settled,
     content_chunks,
     landed_events,
-    usage_events,
     usage_hash,
 )
 from stack import FILTER_NATIVE, Model, Pool, Stack, Tenant, new_api_key, upstream_metric
@@ -124,12 +122,7 @@ def the_record(stack, tenant: str, model: str) -> dict:
 
 def assert_settled(stack, tenant: str) -> None:
     """The tenant's TPM bucket holds capacity minus what its records charged (refill: 1/min)."""
-    key = bucket_key(tenant, "tpm")
-
-    def used() -> int:  # polled too: a record's event is appended after its ledger write
-        return sum(e["prompt_tokens"] + e["completion_tokens"] for e in usage_events(stack.redis, tenant))
-    assert wait_for(lambda: (b := bucket(stack.redis, key)) and BIG - used() - 0.01 <= b[0] <= BIG - used() + 2), \
-        (bucket(stack.redis, key), BIG - used())
+    assert_tpm_settled(stack.redis, tenant, BIG)
 
 
 def estimate_only(event: dict) -> None:
