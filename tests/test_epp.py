@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from helpers import chat_body, wait_for
-from stack import Model, Pool, Stack, Tenant, free_port, upstream_metric
+from stack import Model, Pool, Stack, StackError, Tenant, free_port, upstream_metric
 
 KEY = "sk-epp-test-key-0123456789abcdefghijklmnopqrstuvwxyz"
 POOL = "pool_epp"
@@ -94,8 +94,22 @@ def epp(tmp_path_factory):
                 shedding={"scrape_interval_ms": 100})
     models = [Model("epp", POOL, served_model_name="sim/epp")]
     tenants = [Tenant("epp", [KEY], {"requests_per_minute": 1_000_000})]
-    with _EppStack(tmp_path_factory.mktemp("epp"), [pool], models, tenants) as s:
-        yield s
+    # The picker's port is chosen free, then bound by the sidecar; on this shared machine another
+    # process can take it in between ("Address already in use"): a new stack on a new port, at
+    # most three times.
+    for attempt in range(3):
+        stack = _EppStack(tmp_path_factory.mktemp("epp"), [pool], models, tenants)
+        try:
+            stack.__enter__()
+        except StackError as e:
+            if "Address already in use" not in str(e) or attempt == 2:
+                raise
+            continue
+        break
+    try:
+        yield stack
+    finally:
+        stack.close()
 
 
 def counts(stack) -> list[float]:
