@@ -22,7 +22,8 @@ import pytest
 import redis
 
 from helpers import assert_openai_error, auth, chat_body, envoy_counter, post, wait_for
-from sidecar_checks import bucket, bucket_key, metric, open_stream, sidecar_metrics, usage_hash
+from sidecar_checks import (END_UNREPORTED, SOURCE_RESERVATION, bucket, bucket_key, landed_events, metric,
+                            open_stream, sidecar_metrics, usage_events, usage_hash)
 from stack import FILTER_NATIVE, Model, Pool, Stack, Tenant, new_api_key, upstream_metric
 
 pytestmark = pytest.mark.parametrize("native", [False, True], ids=["wasm", "native"])
@@ -119,7 +120,9 @@ def test_a_lease_whose_vm_went_away_is_reclaimed_within_a_ttl(tmp_path_factory, 
     """Envoy is killed holding a lease (its VM gone, the lease never given back) while a leased
     stream is in flight: a sidecar sweep reclaims the lease after 1.5 TTL, not before its expiry,
     and the buckets end where the finished requests' usage puts them, plus the reservation of the
-    stream that never finished, which the filter had reported (issue 14 item 4, issue 18)."""
+    stream that never finished, which the filter had reported (issue 14 item 4, issue 18). The
+    longest stream lifetime after the reclaim, that reservation is charged as usage too: the usage
+    hash, one usage event, the metric; the buckets do not move again."""
     key = new_api_key()
     # Long enough that a busy machine still kills Envoy before the lease's expiry (the records of
     # the five requests and two reports must land first).
@@ -131,8 +134,12 @@ def test_a_lease_whose_vm_went_away_is_reclaimed_within_a_ttl(tmp_path_factory, 
     # 200 ms between tokens: the short requests (2 tokens) end at once, the stream (50) runs 10 s,
     # still in flight when Envoy is killed on a busy machine.
     pools = [Pool("pool_l", ["sim/l"], ["--output-tokens", "60", "--itl-ms", "200"])]
+    # The longest stream lifetime, after which the reclaimed lease's unfinished reported stream is
+    # charged: 5 s (the first request, admitted exactly, ends long before).
+    record_after_ms = 5_000
+    extra = {"metering": {"reservations": {"record_after_ms": record_after_ms, "sweep_interval_ms": 200}}}
     with leased_stack(tmp_path_factory.mktemp("al-orphan"), [tenant], lease_ttl_ms=ttl_ms, pools=pools,
-                      native=native) as s:
+                      native=native, extra=extra) as s:
         client = redis.Redis(port=s.redis_port, decode_responses=True)
         first = post(s, "/v1/chat/completions", chat_body("l", max_tokens=2), key=key)
         assert first.status_code == 200, first.text
@@ -151,6 +158,7 @@ def test_a_lease_whose_vm_went_away_is_reclaimed_within_a_ttl(tmp_path_factory, 
         assert wait_for(lambda: client.hget(lease_used, f"{lease_id}:a") == "4", timeout=15), \
             client.hgetall(lease_used)
         reserved_4 = int(client.hget(lease_used, f"{lease_id}:at"))
+        prompt_4 = int(client.hget(lease_used, f"{lease_id}:ap"))
         stream_client, stream = open_stream(s.base_url, chat_body("l", max_tokens=50, stream=True), auth(key))
         try:
             assert stream.status_code == 200
@@ -158,7 +166,9 @@ def test_a_lease_whose_vm_went_away_is_reclaimed_within_a_ttl(tmp_path_factory, 
             assert wait_for(lambda: client.hget(lease_used, f"{lease_id}:a") == "5", timeout=8), \
                 client.hgetall(lease_used)
             stream_reserved = int(client.hget(lease_used, f"{lease_id}:at")) - reserved_4
+            stream_prompt = int(client.hget(lease_used, f"{lease_id}:ap")) - prompt_4
             assert stream_reserved >= 50, stream_reserved
+            assert 0 < stream_prompt == stream_reserved - 50, (stream_prompt, stream_reserved)
             # The VM holds the lease (100 requests, 10,000 tokens) and goes away with Envoy,
             # the stream with it: its usage never arrives.
             s.envoy.popen.kill()
@@ -186,8 +196,29 @@ def test_a_lease_whose_vm_went_away_is_reclaimed_within_a_ttl(tmp_path_factory, 
         assert time.monotonic() - granted_at >= 1.5 * ttl_ms / 1000 - 0.5, "not reclaimed before 1.5 TTL"
         assert metric(sidecar_metrics(s), "llm_gateway_admission_leases_reclaimed_total") == 1
         assert client.hlen("llmgw:leases:{al-orphan}") == 0
-        assert client.zcard("llmgw:leases-reclaimed:{al-orphan}") == 1
+        reclaimed, charged_set = "llmgw:leases-reclaimed:{al-orphan}", "llmgw:leases-charged:{al-orphan}"
+        assert client.zcard(reclaimed) + client.zcard(charged_set) == 1
         assert leases(s, "reported") >= 2, sidecar_metrics(s)
+
+        # The stream's usage never arrives: record_after_ms after the reclaim (and within the next
+        # sweep, every half TTL), its reservation is charged as usage: its prompt estimate as prompt
+        # tokens, its max_tokens as completion tokens.
+        assert wait_for(lambda: usage_hash(client, "al-orphan").get("l:requests") == 6,
+                        timeout=record_after_ms / 1000 + ttl_ms / 2000 + 15), \
+            (usage_hash(client, "al-orphan"), sidecar_metrics(s))
+        after = usage_hash(client, "al-orphan")
+        assert after["l:prompt_tokens"] == usage["l:prompt_tokens"] + stream_prompt
+        assert after["l:completion_tokens"] == usage["l:completion_tokens"] + 50
+        raw = redis.Redis(port=s.redis_port)
+        [event] = landed_events(raw, "al-orphan", 1, record_id=f"lease.{lease_id}")
+        assert (event["requests"], event["prompt_tokens"], event["completion_tokens"], event["reserved_tokens"],
+                event["end_reason"], event["usage_source"], event["model"]) == \
+            (1, stream_prompt, 50, stream_reserved, END_UNREPORTED, SOURCE_RESERVATION, "l")
+        assert metric(sidecar_metrics(s), "llm_gateway_admission_lease_requests_charged_total") == 1
+        assert (client.zcard(reclaimed), client.zcard(charged_set)) == (0, 1)
+        assert client.hgetall(lease_used) == {f"{lease_id}:a": "5"}, "kept for a late record"
+        assert back(), "the charge moves no bucket"
+        assert len(usage_events(raw, "al-orphan")) == 6, "five records and the lease's charge"
 
 
 def test_leased_streams_join_the_pools_in_flight_count_within_a_tick(tmp_path_factory, native):

@@ -24,20 +24,29 @@
 --                                                 like a reservation) until given back or reclaimed
 --   LD <prefix>:leases-due:{<tenant>}             zset: lease id -> grant time (ms, Redis TIME)
 --   LU <prefix>:leases-used:{<tenant>}            hash, per open lease:
---                                                 <lease id>:a, <lease id>:at -> the requests the
---                                                 filter reported admitted from it (numbered 1 to
---                                                 a: the facts' lease_seq) and the tokens they
---                                                 reserved ('lease_report');
---                                                 <lease id>:#<seq> -> the tokens reserved by a
+--                                                 <lease id>:a, <lease id>:at, <lease id>:ap ->
+--                                                 the requests the filter reported admitted from
+--                                                 it (numbered 1 to a: the facts' lease_seq), the
+--                                                 tokens they reserved and the prompt estimates
+--                                                 within those ('lease_report');
+--                                                 <lease id>:l, <lease id>:lt, <lease id>:lp ->
+--                                                 the same three of the reported requests whose
+--                                                 usage landed;
+--                                                 <lease id>:#<seq> -> '<reserved>:<prompt>' of a
 --                                                 request numbered past the report when its usage
---                                                 landed (dropped once a report covers it);
+--                                                 landed (moved into :l, :lt, :lp once a report
+--                                                 covers it);
 --                                                 <lease id>:r, <lease id>:t -> requests and
 --                                                 reserved tokens of its requests without a
 --                                                 number (an older filter) whose usage landed.
---                                                 A reclaimed lease keeps its <lease id>:a while
---                                                 it is in LR
---   LR <prefix>:leases-reclaimed:{<tenant>}       zset: lease id -> when it was reclaimed (ms), kept
---                                                 the longest stream lifetime
+--                                                 A reclaimed lease keeps <lease id>:a, :at, :ap,
+--                                                 :l, :lt, :lp and :m (its model) while it is in
+--                                                 LR, and <lease id>:a while it is in LC
+--   LR <prefix>:leases-reclaimed:{<tenant>}       zset: lease id -> when it was reclaimed (ms); a
+--                                                 lease leaves it with its 'lease_charge'
+--   LC <prefix>:leases-charged:{<tenant>}         zset: lease id -> when 'lease_charge' charged
+--                                                 its reported requests whose usage never landed
+--                                                 (ms), kept ARGV's retention
 --
 -- Quotas and cost (issue 14 item 5) are appended to 'record', 'charge' and 'release' after their
 -- buckets (absent: none): for 'record' and 'charge' ARGV[9 + 3n] the record's cost in
@@ -55,15 +64,19 @@
 -- ARGV[b + 2] ms LU lives past this write, ARGV[b + 3] m, then per bucket capacity,
 -- rate_per_minute, delta: what the request costs should its lease have been reclaimed (each
 -- requests bucket -1, each tokens bucket minus the reservation), then ARGV[b + 4 + 3m] the
--- request's number among the lease's admissions ('' when the filter did not number it); KEYS
--- after the quota counters: L, LU, LR, then the m buckets. Applied with the record only. While
--- the lease is open, a request numbered within the filter's last report changes nothing there
--- (the report counts it); one numbered past it is kept in LU under its number until a report
--- covers it; one without a number joins LU's counts. Once the lease was reclaimed, a request the
--- reclaim did not count (numbered past the last report, or without a number: the reclaim gave
--- its reservation back) is charged it again by the m settlements (before the record's own
--- settlements, which a capacity would otherwise cut), so that it costs its usage, as any leased
--- request; a request the reclaim counted (within the report) settles as under an open lease.
+-- request's number among the lease's admissions ('' when the filter did not number it), and
+-- ARGV[b + 5 + 3m] the prompt estimate within its reservation ('' or absent: 0); KEYS after the
+-- quota counters: L, LU, LR, LC, then the m buckets (m may be 0 for a request the caller knows a
+-- report numbers). Applied with the record only. A request numbered within the filter's last
+-- report joins LU's landed counts (:l, :lt, :lp) while its lease is open or reclaimed (in LR),
+-- so that the lease's charge leaves it out; once that charge has charged it (the lease in LC),
+-- the record is not applied (returns 2, as a record of a charged reservation). While the lease is
+-- open, a request numbered past the report is kept in LU under its number until a report covers
+-- it, and one without a number joins LU's :r and :t. Once the lease was reclaimed (in LR or LC),
+-- a request the reclaim did not count (numbered past the last report, or without a number: the
+-- reclaim gave its reservation back) is charged it again by the m settlements (before the
+-- record's own settlements, which a capacity would otherwise cut), so that it costs its usage,
+-- as any leased request.
 --
 -- ARGV[1] names the operation:
 --
@@ -90,21 +103,35 @@
 --   open: nothing moves, 0.
 -- 'lease_report': a filter reports the admissions of a lease it holds. KEYS: L, LU. ARGV[2] lease
 --   id, ARGV[3] the requests admitted from it (numbered 1 to ARGV[3]), ARGV[4] the tokens they
---   reserved, ARGV[5] ms LU lives past this write. Only while the lease is open (else 0), and
---   only a report past the recorded one: it replaces LU's <id>:a and <id>:at, and drops the
---   <id>:#<seq> entries it covers. 1.
+--   reserved, ARGV[5] ms LU lives past this write, ARGV[6] the prompt estimates within ARGV[4]
+--   (absent: 0). Only while the lease is open (else 0), and only a report past the recorded one:
+--   it replaces LU's <id>:a, <id>:at and <id>:ap, and moves the <id>:#<seq> entries it covers
+--   into the landed counts. 1.
 -- 'lease_return': a filter gives the rest of an admission lease back. KEYS: L, LD, LU, B1..Bn.
 --   ARGV[2] lease id, ARGV[3] n, per bucket: capacity, rate_per_minute, delta (what it gives
 --   back). Applied (1) only if the lease is open; else 0 (reclaimed already: the reclaim gave back
 --   what its requests had not used). The lease's LU entries go.
 -- 'lease_reclaim': an open lease whose filter went away. KEYS: L, LD, LU, LR, B1..Bn. ARGV[2]
---   lease id, ARGV[3] LR's retention (ms), ARGV[4] n, per bucket: kind ('requests' or 'tokens'),
---   capacity, rate_per_minute. The lease is closed and joins LR; its requests counted are the
---   reported ones, those numbered past the report whose usage landed, and those without a number
---   whose usage landed: each requests bucket gets back the lease's requests less those, each
---   tokens bucket its tokens less what those reserved (at most the capacity). LU keeps the
---   lease's <id>:a (the late records' test) as long as LR keeps the lease. Returns {1, requests
---   back, tokens back}; {0, 0, 0} when it was not open.
+--   lease id, ARGV[3] the longest stream lifetime (ms), ARGV[4] n, per bucket: kind ('requests'
+--   or 'tokens'), capacity, rate_per_minute. The lease is closed and joins LR; its requests
+--   counted are the reported ones, those numbered past the report whose usage landed, and those
+--   without a number whose usage landed: each requests bucket gets back the lease's requests
+--   less those, each tokens bucket its tokens less what those reserved (at most the capacity).
+--   LU keeps the lease's report, landed counts and model for its 'lease_charge' (LR and LU live
+--   at least twice ARGV[3] past the reclaim). Returns {1, requests back, tokens back}; {0, 0, 0}
+--   when it was not open.
+-- 'lease_charges_due': the leases reclaimed more than ARGV[2] ms ago (the longest stream
+--   lifetime: their requests' usage can no longer arrive), at most ARGV[3]. KEYS: LR, LU.
+--   Returns {id1, model1, id2, model2, ...}.
+-- 'lease_charge': a reclaimed lease's reported requests whose usage never landed, charged their
+--   reservations as usage, once. KEYS: LR, LU, LC, U (the usage hash of the charge's day),
+--   Q1..Qq. ARGV[2] lease id, ARGV[3] LC's retention (ms), ARGV[4], ARGV[5] the model's prices in
+--   nano-dollars per prompt and per completion token, ARGV[6] q and the quota counters as for
+--   'record'. Only while the lease is in LR: it leaves LR for LC; U's <model> (LU's <id>:m) gains
+--   the requests reported and not landed (a - l) as requests, their prompt estimates (ap - lp) as
+--   prompt tokens, the rest of their reservations (at - lt) as completion tokens, and their cost;
+--   each quota counter of the model gains their reservations. LU keeps <id>:a while LC keeps the
+--   lease. Returns {1, requests, tokens, prompt tokens} charged; {0, 0, 0, 0} when not in LR.
 -- 'claim': the open reservations admitted more than ARGV[2] ms ago, at most ARGV[4] of them.
 --   KEYS: R, D. Each one returned is due again ARGV[3] ms later (another replica's sweep takes it
 --   should this one's charge not land). Returns {open reservations, id1, json1, id2, json2, ...}.
@@ -271,8 +298,8 @@ local function settle_all(first, arg, n, now)
   end
 end
 
-local function add_usage(key, model, prompt, completion, cached, cost)
-  hincrby(key, model .. ':requests', 1)
+local function add_usage(key, model, prompt, completion, cached, cost, requests)
+  hincrby(key, model .. ':requests', requests or 1)
   hincrby(key, model .. ':prompt_tokens', prompt)
   hincrby(key, model .. ':completion_tokens', completion)
   hincrby(key, model .. ':cached_tokens', cached)
@@ -356,7 +383,17 @@ local function lease_reported(key, id)
   return REPORTED[at]
 end
 
--- LU (`key`)'s <id>:#<seq> entries of lease `id`: a list of {field, seq, tokens}.
+-- An <id>:#<seq> entry's value: its reserved tokens and the prompt estimate within them
+-- ('<reserved>:<prompt>', or '<reserved>' as an older sidecar wrote it).
+local function reserved_prompt(value)
+  local r, p = string.match(value or '', '^(%d+):(%d+)$')
+  if r ~= nil then
+    return tonumber(r), tonumber(p)
+  end
+  return tonumber(value) or 0, 0
+end
+
+-- LU (`key`)'s <id>:#<seq> entries of lease `id`: a list of {field, seq, tokens, prompt}.
 local function numbered(key, id)
   local prefix = id .. ':#'
   local out = {}
@@ -364,7 +401,8 @@ local function numbered(key, id)
   for i = 1, #all, 2 do
     local field = all[i]
     if string.sub(field, 1, #prefix) == prefix then
-      out[#out + 1] = { field, tonumber(string.sub(field, #prefix + 1)) or 0, tonumber(all[i + 1]) or 0 }
+      local tokens, prompt = reserved_prompt(all[i + 1])
+      out[#out + 1] = { field, tonumber(string.sub(field, #prefix + 1)) or 0, tokens, prompt }
     end
   end
   return out
@@ -385,21 +423,45 @@ local function lease_use(k, a, now)
   end
   local m = tonumber(A[a + 3])
   local seq = tonumber(A[a + 4 + 3 * m] or '')
+  local prompt = tonumber(A[a + 5 + 3 * m] or '') or 0
   if lease_open(K[k], id) then
     if seq == nil then
       hincrby(K[k + 1], id .. ':r', 1)
       hincrby(K[k + 1], id .. ':t', A[a + 1])
     elseif seq > lease_reported(K[k + 1], id) then
-      redis.call('HSET', K[k + 1], id .. ':#' .. int(seq), A[a + 1])
+      redis.call('HSET', K[k + 1], id .. ':#' .. int(seq), A[a + 1] .. ':' .. int(prompt))
     else
-      return
+      hincrby(K[k + 1], id .. ':l', 1)
+      hincrby(K[k + 1], id .. ':lt', A[a + 1])
+      hincrby(K[k + 1], id .. ':lp', prompt)
     end
     expire(K[k + 1], 'PEXPIRE', A[a + 2])
-  elseif redis.call('ZSCORE', K[k + 2], id) then
+  elseif redis.call('ZSCORE', K[k + 2], id) or redis.call('ZSCORE', K[k + 3], id) then
     if seq == nil or seq > lease_reported(K[k + 1], id) then
-      settle_all(k + 3, a + 4, m, now)
+      settle_all(k + 4, a + 4, m, now)
+    else
+      -- Reclaimed, not yet charged (lease_charged said so): its charge leaves this one out.
+      hincrby(K[k + 1], id .. ':l', 1)
+      hincrby(K[k + 1], id .. ':lt', A[a + 1])
+      hincrby(K[k + 1], id .. ':lp', prompt)
     end
   end
+end
+
+-- Whether a record's lease section (K[k], A[a]) names a request its lease's charge charged: the
+-- lease was charged (in LC) and the request is numbered within the last report (the charge
+-- charged every reported request whose usage had not landed).
+local function lease_charged(k, a)
+  local id = A[a]
+  if id == nil or id == '' then
+    return false
+  end
+  local m = tonumber(A[a + 3])
+  local seq = tonumber(A[a + 4 + 3 * m] or '')
+  if seq == nil or lease_open(K[k], id) then
+    return false
+  end
+  return redis.call('ZSCORE', K[k + 3], id) and seq <= lease_reported(K[k + 1], id)
 end
 
 -- Closes the open reservation `id` (R = K[1], its due entry in D = K[2]): its JSON, or nil when
@@ -419,21 +481,22 @@ local function run(keys, args)
   local op = A[1]
   if op == 'record' then
     local id = A[2]
+    local n = tonumber(A[8])
+    local q = tonumber(A[10 + 3 * n] or '0') or 0
+    local lease_k, lease_a = 6 + n + q, 11 + 3 * n + 4 * q
     local json = close_reservation(id)
     if json then
       redis.call('SADD', K[4], id)
-    elseif redis.call('ZSCORE', K[3], id) then
+    elseif redis.call('ZSCORE', K[3], id) or lease_charged(lease_k, lease_a) then
       return 2
     elseif redis.call('SADD', K[4], id) == 0 then
       return 0
     end
     expire(K[4], 'EXPIREAT', A[3])
-    local n = tonumber(A[8])
     local now = now_us()
     add_usage(K[5], A[4], A[5], A[6], A[7], A[9 + 3 * n])
     -- The lease's charges before the settlements: a give-back after them is not cut at capacity.
-    local q = tonumber(A[10 + 3 * n] or '0') or 0
-    lease_use(6 + n + q, 11 + 3 * n + 4 * q, now)
+    lease_use(lease_k, lease_a, now)
     settle_all(6, 9, n, now)
     adjust_quotas(6 + n, 10 + 3 * n, A[4], tonumber(A[5]) + tonumber(A[6]), json or nil)
     return 1
@@ -492,17 +555,37 @@ local function run(keys, args)
     if admitted <= before then
       return 1
     end
-    redis.call('HSET', K[2], id .. ':a', A[3], id .. ':at', A[4])
-    -- The entries the report now covers: named one by one when fewer than LU holds, else found.
-    local covered = {}
+    redis.call('HSET', K[2], id .. ':a', A[3], id .. ':at', A[4], id .. ':ap', A[6] or '0')
+    -- The entries the report now covers, landed: named one by one when fewer than LU holds, else
+    -- found. They join the landed counts.
+    local covered, l, lt, lp = {}, 0, 0, 0
     if admitted - before <= redis.call('HLEN', K[2]) then
-      for s = before + 1, admitted do covered[#covered + 1] = id .. ':#' .. int(s) end
+      local names = {}
+      for s = before + 1, admitted do names[#names + 1] = id .. ':#' .. int(s) end
+      for i = 1, #names, 512 do
+        local values = redis.call('HMGET', K[2], unpack(names, i, math.min(i + 511, #names)))
+        for j = 1, #values do
+          if values[j] then
+            local tokens, prompt = reserved_prompt(values[j])
+            covered[#covered + 1] = names[i + j - 1]
+            l, lt, lp = l + 1, lt + tokens, lp + prompt
+          end
+        end
+      end
     else
       for _, e in ipairs(numbered(K[2], id)) do
-        if e[2] <= admitted then covered[#covered + 1] = e[1] end
+        if e[2] <= admitted then
+          covered[#covered + 1] = e[1]
+          l, lt, lp = l + 1, lt + e[3], lp + e[4]
+        end
       end
     end
     hdel_all(K[2], covered)
+    if l > 0 then
+      redis.call('HINCRBY', K[2], id .. ':l', l)
+      redis.call('HINCRBY', K[2], id .. ':lt', lt)
+      redis.call('HINCRBY', K[2], id .. ':lp', lp)
+    end
     redis.call('PEXPIRE', K[2], A[5])
     return 1
   elseif op == 'lease_return' then
@@ -511,7 +594,7 @@ local function run(keys, args)
       return 0
     end
     redis.call('ZREM', K[2], id)
-    local gone = { id .. ':r', id .. ':t', id .. ':a', id .. ':at' }
+    local gone = { id .. ':r', id .. ':t', id .. ':a', id .. ':at', id .. ':ap', id .. ':l', id .. ':lt', id .. ':lp' }
     for _, e in ipairs(numbered(K[3], id)) do gone[#gone + 1] = e[1] end
     hdel_all(K[3], gone)
     settle_all(4, 4, tonumber(A[3]), now_us())
@@ -522,15 +605,16 @@ local function run(keys, args)
     if not json then
       return { 0, 0, 0 }
     end
-    local requests, tokens = 0, 0
+    local requests, tokens, model = 0, 0, ''
     local ok, r = pcall(cjson.decode, json)
     if ok and type(r) == 'table' then
       requests, tokens = tonumber(r.requests) or 0, tonumber(r.tokens) or 0
+      if type(r.model) == 'string' then model = r.model end
     end
     local used = redis.call('HMGET', K[3], id .. ':r', id .. ':t', id .. ':a', id .. ':at')
     local used_r = (tonumber(used[1]) or 0) + (tonumber(used[3]) or 0)
     local used_t = (tonumber(used[2]) or 0) + (tonumber(used[4]) or 0)
-    local gone = { id .. ':r', id .. ':t', id .. ':at' }
+    local gone = { id .. ':r', id .. ':t' }
     for _, e in ipairs(numbered(K[3], id)) do
       used_r, used_t = used_r + 1, used_t + e[3]
       gone[#gone + 1] = e[1]
@@ -541,16 +625,16 @@ local function run(keys, args)
     redis.call('ZREM', K[2], id)
     hdel_all(K[3], gone)
     local now = now_us()
-    local keep = tonumber(A[3])
-    -- Leases LR forgets now take their <id>:a along; LU lives at least as long as LR keeps this one.
-    local forgotten = redis.call('ZRANGEBYSCORE', K[4], '-inf', math.floor(now / 1000) - keep)
-    local stale = {}
-    for _, old in ipairs(forgotten) do stale[#stale + 1] = old .. ':a' end
-    hdel_all(K[3], stale)
-    if redis.call('HEXISTS', K[3], id .. ':a') == 1 and redis.call('PTTL', K[3]) < keep then
+    -- Its charge comes the longest stream lifetime later: LR and LU outlive that by as much again.
+    local keep = 2 * tonumber(A[3])
+    redis.call('HSET', K[3], id .. ':m', model)
+    if redis.call('PTTL', K[3]) < keep then
       redis.call('PEXPIRE', K[3], keep)
     end
-    remember(K[4], id, now, keep)
+    redis.call('ZADD', K[4], math.floor(now / 1000), id)
+    if redis.call('PTTL', K[4]) < keep then
+      redis.call('PEXPIRE', K[4], keep)
+    end
     for i = 1, tonumber(A[4]) do
       local a = 5 + 3 * (i - 1)
       local capacity = tonumber(A[a + 1])
@@ -559,6 +643,50 @@ local function run(keys, args)
       settle(K[4 + i], capacity, tonumber(A[a + 2]), back, now)
     end
     return { 1, back_r, back_t }
+  elseif op == 'lease_charges_due' then
+    local now_ms = math.floor(now_us() / 1000)
+    local due = redis.call('ZRANGEBYSCORE', K[1], '-inf', now_ms - tonumber(A[2]), 'LIMIT', 0, tonumber(A[3]))
+    local out = {}
+    for _, id in ipairs(due) do
+      out[#out + 1] = id
+      out[#out + 1] = redis.call('HGET', K[2], id .. ':m') or ''
+    end
+    return out
+  elseif op == 'lease_charge' then
+    local id = A[2]
+    if redis.call('ZREM', K[1], id) == 0 then
+      return { 0, 0, 0, 0 }
+    end
+    local f = { ':a', ':at', ':ap', ':l', ':lt', ':lp', ':m' }
+    local names = {}
+    for i, suffix in ipairs(f) do names[i] = id .. suffix end
+    local got = redis.call('HMGET', K[2], unpack(names))
+    local v = {}
+    for i = 1, 6 do v[i] = tonumber(got[i]) or 0 end
+    local model = got[7] or ''
+    local charged_r = math.max(0, v[1] - v[4])
+    local charged_t, charged_p = 0, 0
+    if charged_r > 0 then
+      charged_t = math.max(0, v[2] - v[5])
+      charged_p = math.min(charged_t, math.max(0, v[3] - v[6]))
+      local completion = charged_t - charged_p
+      local cost = charged_p * (tonumber(A[4]) or 0) + completion * (tonumber(A[5]) or 0)
+      add_usage(K[4], model, charged_p, completion, 0, int(cost), charged_r)
+      adjust_quotas(5, 6, model, charged_t, nil)
+    end
+    hdel_all(K[2], { names[2], names[3], names[4], names[5], names[6], names[7] })
+    -- Leases LC forgets now take their <id>:a along; LU lives at least as long as LC keeps this one.
+    local now = now_us()
+    local keep = tonumber(A[3])
+    local forgotten = redis.call('ZRANGEBYSCORE', K[3], '-inf', math.floor(now / 1000) - keep)
+    local stale = {}
+    for _, old in ipairs(forgotten) do stale[#stale + 1] = old .. ':a' end
+    hdel_all(K[2], stale)
+    if v[1] > 0 and redis.call('PTTL', K[2]) < keep then
+      redis.call('PEXPIRE', K[2], keep)
+    end
+    remember(K[3], id, now, keep)
+    return { 1, charged_r, charged_t, charged_p }
   elseif op == 'claim' then
     local now_ms = math.floor(now_us() / 1000)
     local age, claim, most = tonumber(A[2]), tonumber(A[3]), tonumber(A[4])

@@ -271,6 +271,10 @@ pub struct Metrics {
     /// `llm_gateway_admission_leases_reclaimed_total`: filters' admission leases reclaimed as
     /// orphaned (not given back within their TTL: the VM went away, or its give-back was lost).
     pub leases_reclaimed: Counter,
+    /// `llm_gateway_admission_lease_requests_charged_total`: requests a filter reported admitted
+    /// from a lease later reclaimed, whose usage never arrived, charged their reservations as
+    /// usage (the longest stream lifetime after the reclaim).
+    pub leases_charged_requests: Counter,
     /// `llm_gateway_reservations_open`: open reservations over the configured tenants, as this
     /// replica's last sweep counted them (requests admitted whose usage has not landed).
     pub reservations_open: Gauge,
@@ -388,6 +392,7 @@ impl Metrics {
             records_after_charge: Counter::default(),
             reservations_released: Counter::default(),
             leases_reclaimed: Counter::default(),
+            leases_charged_requests: Counter::default(),
             reservations_open: Gauge::default(),
             journal_lines: Counter::default(),
             journal_records_applied: Counter::default(),
@@ -527,6 +532,11 @@ impl Metrics {
             "llm_gateway_admission_leases_reclaimed",
             "Admission leases reclaimed as orphaned: not given back within their TTL",
             m.leases_reclaimed.clone(),
+        );
+        r.register(
+            "llm_gateway_admission_lease_requests_charged",
+            "Reported leased requests of reclaimed leases whose usage never arrived, charged their reservations",
+            m.leases_charged_requests.clone(),
         );
         r.register(
             "llm_gateway_reservations_open",

@@ -542,6 +542,7 @@ impl Store {
             call.key(ledger::leases_key(&self.prefix, tenant))
                 .key(ledger::lease_used_key(&self.prefix, tenant))
                 .key(ledger::leases_reclaimed_key(&self.prefix, tenant))
+                .key(ledger::leases_charged_key(&self.prefix, tenant))
                 .arg(&lease.lease_id)
                 .arg(lease.reserved)
                 .arg(ledger::KEEP_MARGIN.as_millis() as u64)
@@ -553,6 +554,7 @@ impl Store {
                 Some(seq) => call.arg(seq),
                 None => call.arg(""),
             };
+            call.arg(lease.prompt);
         }
         call
     }
@@ -670,6 +672,58 @@ impl Store {
             ))));
         }
         Ok(appended.into_iter().map(|a| a == 1).collect())
+    }
+
+    /// Appends the usage event of a reclaimed admission lease's charge ([`Store::lease_charge`]),
+    /// once per lease as [`Store::append`] appends a
+    /// record's: `record_id` `lease.<lease_id>`, `requests` the charged requests, their prompt
+    /// estimates as prompt tokens and the rest as completion tokens, END_REASON_UNREPORTED,
+    /// USAGE_SOURCE_RESERVATION, dated now (`proto/llm_gateway/v1/usage.proto`). Whether it
+    /// appended (false: appended before, or nothing was charged).
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout or Redis error.
+    pub async fn append_lease_charge(
+        &self,
+        tenant: &str,
+        lease_id: &str,
+        model: &str,
+        charge: &LeaseCharge,
+    ) -> Result<bool, StoreError> {
+        if charge.requests == 0 {
+            return Ok(false);
+        }
+        let now_ms = unix_ms();
+        let record_id = format!("lease.{lease_id}");
+        let prompt_tokens = charge.prompt_tokens.min(charge.tokens);
+        let completion_tokens = charge.tokens - prompt_tokens;
+        let event = proto::UsageEvent {
+            tenant: tenant.to_owned(),
+            model: model.to_owned(),
+            prompt_tokens,
+            completion_tokens,
+            end_reason: proto::EndReason::Unreported as i32,
+            usage_source: proto::UsageSource::Reservation as i32,
+            reserved_tokens: charge.tokens,
+            finished_at_unix_ms: self.book.clock.shift_ms(now_ms),
+            record_id: record_id.clone(),
+            cost_nano_usd: self.book.cost(model, prompt_tokens, 0, completion_tokens),
+            requests: charge.requests,
+            ..Default::default()
+        };
+        let mut call = Call::default();
+        let (sent, expire_at) = sent_key(&self.stream, now_ms / 1000, now_ms / 1000);
+        call.key(&self.stream)
+            .arg(self.stream_maxlen)
+            .key(sent)
+            .arg(&record_id)
+            .arg(expire_at)
+            .arg(event.encode_to_vec())
+            .arg(tenant);
+        let mut conn = self.conn();
+        let appended: Vec<i64> =
+            self.bounded(call.invocation(&self.append_once).invoke_async(&mut conn)).await?;
+        Ok(appended.first() == Some(&1))
     }
 
     /// Gives an admission back (`lua/ledger_v1.lua`, operation `release`): if the request's
@@ -791,10 +845,11 @@ impl Store {
 
     /// Records a filter's report on an admission lease it holds (`lua/ledger_v1.lua`, operation
     /// `lease_report`): `admitted` requests numbered 1 to `admitted` were admitted from it, and
-    /// reserved `reserved` tokens together (both cumulative since the grant;
-    /// `proto/llm_gateway/v1/lease.proto`, `report_*`). A reclaim of the lease then keeps those
-    /// reservations charged. Whether the lease was open (false: given back or reclaimed; nothing
-    /// is written). A report older than the one recorded changes nothing. Safe to retry.
+    /// reserved `reserved` tokens together, `prompt` of them prompt estimates (all cumulative since
+    /// the grant; `proto/llm_gateway/v1/lease.proto`, `report_*`). A reclaim of the lease then
+    /// keeps those reservations charged, and charges those whose usage has not landed as usage
+    /// ([`Store::lease_reclaim`]). Whether the lease was open (false: given back or reclaimed;
+    /// nothing is written). A report older than the one recorded changes nothing. Safe to retry.
     ///
     /// # Errors
     /// [`StoreError`] on timeout or Redis error.
@@ -804,6 +859,7 @@ impl Store {
         lease_id: &str,
         admitted: u64,
         reserved: u64,
+        prompt: u64,
     ) -> Result<bool, StoreError> {
         let mut inv = self.ledger.prepare_invoke();
         inv.key(ledger::leases_key(&self.prefix, tenant))
@@ -812,7 +868,8 @@ impl Store {
             .arg(lease_id)
             .arg(admitted)
             .arg(reserved)
-            .arg(u64::try_from(ledger::KEEP_MARGIN.as_millis()).unwrap_or(u64::MAX));
+            .arg(u64::try_from(ledger::KEEP_MARGIN.as_millis()).unwrap_or(u64::MAX))
+            .arg(prompt.min(reserved));
         let mut conn = self.conn();
         let reply: i64 = self.bounded(inv.invoke_async(&mut conn)).await?;
         Ok(reply == 1)
@@ -821,7 +878,9 @@ impl Store {
     /// Reclaims an orphaned admission lease (`lua/ledger_v1.lua`, operation `lease_reclaim`):
     /// closes it, remembers it reclaimed for `retention`, and gives each of `buckets` (the plan
     /// of its tenant and model) what the lease took less what its requests reserved: those the
-    /// filter reported ([`Store::lease_report`]) and those whose usage landed.
+    /// filter reported ([`Store::lease_report`]) and those whose usage landed. `retention` is the
+    /// longest stream lifetime: the lease's reported requests whose usage has not landed by then
+    /// are charged as usage ([`Store::lease_charge`]).
     /// The requests and tokens given back; `None` when it was not open (given back, or reclaimed
     /// by another replica).
     ///
@@ -854,6 +913,77 @@ impl Store {
             }
             [0, ..] => Ok(None),
             other => Err(StoreError::Reply(ReplyError(format!("ledger_v1.lua lease_reclaim: {other:?}")))),
+        }
+    }
+
+    /// The leases of `tenant` reclaimed more than `age` ago (the longest stream lifetime), at most
+    /// `most` (`lua/ledger_v1.lua`, operation `lease_charges_due`): (lease id, model) each, for
+    /// [`Store::lease_charge`].
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout, Redis error or a malformed reply.
+    pub async fn lease_charges_due(
+        &self,
+        tenant: &str,
+        age: Duration,
+        most: usize,
+    ) -> Result<Vec<(String, String)>, StoreError> {
+        let mut inv = self.ledger.prepare_invoke();
+        inv.key(ledger::leases_reclaimed_key(&self.prefix, tenant))
+            .key(ledger::lease_used_key(&self.prefix, tenant))
+            .arg("lease_charges_due")
+            .arg(u64::try_from(age.as_millis()).unwrap_or(u64::MAX))
+            .arg(most);
+        let mut conn = self.conn();
+        let reply: Vec<String> = self.bounded(inv.invoke_async(&mut conn)).await?;
+        let mut out = Vec::with_capacity(reply.len() / 2);
+        let mut items = reply.into_iter();
+        while let (Some(id), Some(model)) = (items.next(), items.next()) {
+            out.push((id, model));
+        }
+        Ok(out)
+    }
+
+    /// Charges a reclaimed lease's reported requests whose usage never landed their reservations
+    /// as usage (`lua/ledger_v1.lua`, operation `lease_charge`), once: the tenant's usage hash of
+    /// today (on the quota clock) gains them under `model` (their prompt estimates as prompt
+    /// tokens, the rest of their reservations as completion tokens, their cost at the model's
+    /// prices), and so do the quota counters of the tenant and model; their usage, should it
+    /// still arrive, is not applied ([`Applied::AfterCharge`]), for [`CHARGED_RETENTION`]. What it
+    /// charged; `None` when the lease was not waiting for its charge (charged by another replica).
+    ///
+    /// # Errors
+    /// [`StoreError`] on timeout, Redis error or a malformed reply.
+    pub async fn lease_charge(
+        &self,
+        tenant: &str,
+        lease_id: &str,
+        model: &str,
+    ) -> Result<Option<LeaseCharge>, StoreError> {
+        let day_ms = self.book.clock.shift_ms(unix_ms());
+        let mut call = Call::default();
+        call.key(ledger::leases_reclaimed_key(&self.prefix, tenant))
+            .key(ledger::lease_used_key(&self.prefix, tenant))
+            .key(ledger::leases_charged_key(&self.prefix, tenant))
+            .key(usage_key(&self.prefix, tenant, day_ms / 1000))
+            .arg("lease_charge")
+            .arg(lease_id)
+            .arg(u64::try_from(CHARGED_RETENTION.as_millis()).unwrap_or(u64::MAX))
+            // Prices per token: the cost of one prompt token and of one completion token.
+            .arg(self.book.cost(model, 1, 0, 0))
+            .arg(self.book.cost(model, 0, 0, 1));
+        Self::quota_args(&mut call, &self.book.plan(&self.prefix, tenant, model, day_ms));
+        let mut conn = self.conn();
+        let reply: Vec<i64> = self.bounded(call.invocation(&self.ledger).invoke_async(&mut conn)).await?;
+        let n = |v: i64| u64::try_from(v).unwrap_or(0);
+        match reply.as_slice() {
+            [1, requests, tokens, prompt] => Ok(Some(LeaseCharge {
+                requests: n(*requests),
+                tokens: n(*tokens),
+                prompt_tokens: n(*prompt),
+            })),
+            [0, ..] => Ok(None),
+            other => Err(StoreError::Reply(ReplyError(format!("ledger_v1.lua lease_charge: {other:?}")))),
         }
     }
 
@@ -1084,6 +1214,19 @@ impl Applied {
             other => Err(StoreError::Reply(ReplyError(format!("ledger_v1.lua record: {other}")))),
         }
     }
+}
+
+/// What [`Store::lease_charge`] charged as usage for a reclaimed admission lease: its reported
+/// requests whose usage never landed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LeaseCharge {
+    /// The requests.
+    pub requests: u64,
+    /// Their reservations' tokens (prompt estimates plus max tokens).
+    pub tokens: u64,
+    /// The prompt estimates within `tokens` (charged as prompt tokens; the rest as completion
+    /// tokens).
+    pub prompt_tokens: u64,
 }
 
 /// One write of a [`Store::ledger_batch`].
@@ -1328,6 +1471,7 @@ fn to_event(r: &UsageRecord, finished_at_unix_ms: u64) -> proto::UsageEvent {
         record_id: r.info.record_id.clone(),
         tier: r.info.tier.clone(),
         cost_nano_usd: 0,
+        requests: 0,
     }
 }
 

@@ -57,7 +57,7 @@ tenants:
     let mode = std::env::var("LEASE").unwrap_or_else(|_| "unnumbered".into());
     assert!(["unnumbered", "past", "covered", "none"].contains(&mode.as_str()), "LEASE={mode}");
     if mode == "covered" || mode == "none" {
-        assert!(store.lease_report("acme", "L", u64::from(u32::MAX), 0).await.unwrap());
+        assert!(store.lease_report("acme", "L", u64::from(u32::MAX), 0, 0).await.unwrap());
     }
     let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut conn).await.unwrap();
     for call in 0..calls {
@@ -85,7 +85,7 @@ tenants:
                 (record.prompt_tokens, record.completion_tokens, record.finished_at_unix_ms) = (10, 20, 0);
                 let settlements =
                     ledger::settlements(limits::token_buckets(store.prefix(), tenant, "m"), 100, 30);
-                let lease = (mode != "none").then(|| LeaseUse::of(Some("L"), seq, &plan, 100)).flatten();
+                let lease = (mode != "none").then(|| LeaseUse::of(Some("L"), seq, &plan, 100, 10)).flatten();
                 (record, settlements, lease)
             })
             .collect();

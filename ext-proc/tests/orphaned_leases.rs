@@ -3,8 +3,10 @@
 //! counts its reservation against the open lease, a reclaim gives back what the lease took less
 //! what its reported and its finished requests reserved, a request the filter reported keeps its
 //! reservation charged through a reclaim, one it did not report and still in flight at the
-//! reclaim pays its reservation again when its usage lands, and a give-back and a reclaim exclude
-//! each other, so the buckets end where the requests' usage alone puts them.
+//! reclaim pays its reservation again when its usage lands, one it reported whose usage never
+//! lands is charged its reservation as usage (hash, quota, cost, one event) once the longest
+//! stream lifetime has passed, and a give-back and a reclaim exclude each other, so the buckets
+//! end where the requests' usage alone puts them.
 //!
 //! Needs `redis-server` on the PATH (`make setup`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
@@ -21,7 +23,10 @@ use gateway_ext_proc::config::Config;
 use gateway_ext_proc::ledger;
 use gateway_ext_proc::limits::{self, BucketKind, BucketSpec};
 use gateway_ext_proc::meter::UsageRecord;
-use gateway_ext_proc::store::{Applied, LedgerReply, Store};
+use gateway_ext_proc::proto::{EndReason, UsageEvent};
+use gateway_ext_proc::quota::{self, Clock, QuotaBook};
+use gateway_ext_proc::store::{Applied, LeaseCharge, LedgerReply, Store};
+use prost::Message;
 
 const REQUESTS: f64 = 1_000.0;
 const TOKENS: f64 = 100_000.0;
@@ -33,12 +38,19 @@ async fn setup(redis: &Redis) -> (Config, Store, redis::aio::MultiplexedConnecti
         "listen: 127.0.0.1:0
 redis: {{url: 'redis://127.0.0.1:{}', lease_fraction: 0.1}}
 tenants:
-  - {{id: acme, limits: {{requests_per_minute: 1, request_burst: 1000, tokens_per_minute: 1, token_burst: 100000}}}}
+  - id: acme
+    limits: {{requests_per_minute: 1, request_burst: 1000, tokens_per_minute: 1, token_burst: 100000}}
+    quota: {{tokens_per_day: 100000000}}
+prices:
+  m: {{input: 1, output: 2}}
 ",
         redis.1
     ))
     .unwrap();
-    let store = Store::connect(&config.redis, "usage".into(), 1000).await.unwrap();
+    let store = Store::connect(&config.redis, "usage".into(), 1000)
+        .await
+        .unwrap()
+        .with_quotas(QuotaBook::new(&config, Clock::default()));
     let conn = redis::Client::open(format!("redis://127.0.0.1:{}", redis.1))
         .unwrap()
         .get_multiplexed_async_connection()
@@ -107,7 +119,7 @@ fn numbered(
     record.finished_at_unix_ms = 0;
     let buckets = limits::token_buckets(store.prefix(), config.tenant("acme").unwrap(), "m");
     let settlements = ledger::settlements(buckets, 100, used);
-    let lease = LeaseUse::of(record.info.lease_id.as_deref(), seq, &plan(config, store), 100);
+    let lease = LeaseUse::of(record.info.lease_id.as_deref(), seq, &plan(config, store), 100, 10);
     (record, settlements, lease)
 }
 
@@ -271,7 +283,7 @@ fn entries(pairs: &[(&str, &str)]) -> std::collections::BTreeMap<String, String>
 }
 
 #[tokio::test]
-async fn a_reclaim_keeps_what_the_filter_reported_charged_and_its_late_usage_pays_only_once() {
+async fn a_reclaim_keeps_what_the_filter_reported_charged_and_charges_what_never_landed_once() {
     let redis = Redis::start();
     let (config, store, mut conn) = setup(&redis).await;
     take(&config, &store, "L5").await;
@@ -280,43 +292,109 @@ async fn a_reclaim_keeps_what_the_filter_reported_charged_and_its_late_usage_pay
         let store = &store;
         async move { store.apply(&record, &settlements, false, lease.as_ref()).await.unwrap() }
     };
-    // Request 1 ends (30 used) before the filter reports it: kept under its number.
+    // Request 1 ends (30 used) before the filter reports it: kept under its number (reserved 100,
+    // 10 of them its prompt estimate).
     assert_eq!(apply("n.1", 30, 1).await, Applied::Applied);
-    assert_eq!(lease_used(&mut conn).await, entries(&[("L5:#1", "100")]));
-    // The filter reports requests 1 to 3 (300 tokens reserved): the report covers request 1.
-    assert!(store.lease_report("acme", "L5", 3, 300).await.unwrap());
-    assert_eq!(lease_used(&mut conn).await, entries(&[("L5:a", "3"), ("L5:at", "300")]));
-    // Request 2 ends (40 used): reported, nothing to keep. Request 4 ends (20 used): past it.
-    assert_eq!(apply("n.2", 40, 2).await, Applied::Applied);
+    assert_eq!(lease_used(&mut conn).await, entries(&[("L5:#1", "100:10")]));
+    // The filter reports requests 1 to 3 (300 tokens reserved, 30 of prompt): the report covers
+    // request 1, which joins the landed counts.
+    assert!(store.lease_report("acme", "L5", 3, 300, 3 * 10).await.unwrap());
+    let report = [("L5:a", "3"), ("L5:at", "300"), ("L5:ap", "30")];
+    let landed_1 = [("L5:l", "1"), ("L5:lt", "100"), ("L5:lp", "10")];
+    assert_eq!(lease_used(&mut conn).await, entries(&[&report[..], &landed_1[..]].concat()));
+    // Request 4 ends (20 used): past the report, kept under its number.
     assert_eq!(apply("n.4", 20, 4).await, Applied::Applied);
-    assert_eq!(lease_used(&mut conn).await, entries(&[("L5:a", "3"), ("L5:at", "300"), ("L5:#4", "100")]));
+    assert_eq!(lease_used(&mut conn).await.get("L5:#4").map(String::as_str), Some("100:10"));
     // A report older than the recorded one changes nothing.
-    assert!(store.lease_report("acme", "L5", 2, 200).await.unwrap());
+    assert!(store.lease_report("acme", "L5", 2, 200, 2 * 10).await.unwrap());
     assert_eq!(lease_used(&mut conn).await.get("L5:a").map(String::as_str), Some("3"));
 
-    // Envoy is killed: request 3 (reported) and request 5 (not reported) are in flight. The
-    // reclaim counts requests 1 to 3 and request 4: 4 requests and 400 tokens stay charged.
+    // Envoy is killed: requests 2 and 3 (reported) and request 5 (not reported) are in flight.
+    // The reclaim counts requests 1 to 3 and request 4: 4 requests and 400 tokens stay charged.
     let back = store.lease_reclaim("acme", "L5", &plan(&config, &store), Duration::from_secs(600)).await;
     assert_eq!(back.unwrap(), Some((96, 9_600)));
     let (r, t) = levels(&config, &store, &mut conn).await;
-    // 30 + 40 + 20 used, request 3's 100 still reserved.
-    assert!(near(r, REQUESTS - 4.0) && near(t, TOKENS - 190.0), "{r} {t}");
-    assert_eq!(lease_used(&mut conn).await, entries(&[("L5:a", "3")]), "kept for the late records");
-    assert!(!store.lease_report("acme", "L5", 5, 500).await.unwrap(), "no report after the reclaim");
+    // 30 + 20 used, requests 2 and 3's 100 each still reserved.
+    assert!(near(r, REQUESTS - 4.0) && near(t, TOKENS - 250.0), "{r} {t}");
+    let model = [("L5:m", "m")];
+    assert_eq!(
+        lease_used(&mut conn).await,
+        entries(&[&report[..], &landed_1[..], &model[..]].concat()),
+        "kept for the late records and the charge"
+    );
+    assert!(!store.lease_report("acme", "L5", 5, 500, 5 * 10).await.unwrap(), "no report after the reclaim");
 
-    // Request 3's usage arrives (50 used): it settles against the reservation the reclaim kept.
-    assert_eq!(apply("n.3", 50, 3).await, Applied::Applied);
+    // Request 2's usage arrives (40 used): it settles against the reservation the reclaim kept,
+    // and joins the landed counts, so the charge leaves it out.
+    assert_eq!(apply("n.2", 40, 2).await, Applied::Applied);
     let (r, t) = levels(&config, &store, &mut conn).await;
-    assert!(near(r, REQUESTS - 4.0) && near(t, TOKENS - 140.0), "{r} {t}");
+    assert!(near(r, REQUESTS - 4.0) && near(t, TOKENS - 190.0), "{r} {t}");
+    assert_eq!(lease_used(&mut conn).await.get("L5:lt").map(String::as_str), Some("200"));
     // Request 5's (10 used): the reclaim gave its reservation back, so it pays it again.
     assert_eq!(apply("n.5", 10, 5).await, Applied::Applied);
     let (r, t) = levels(&config, &store, &mut conn).await;
-    assert!(near(r, REQUESTS - 5.0) && near(t, TOKENS - 150.0), "{r} {t}");
+    assert!(near(r, REQUESTS - 5.0) && near(t, TOKENS - 200.0), "{r} {t}");
+
+    // The longest stream lifetime after the reclaim (here: at once), request 3's usage has not
+    // arrived: its reservation is charged as usage, once whoever asks.
+    assert_eq!(store.lease_charges_due("acme", Duration::from_secs(600), 10).await.unwrap(), []);
+    let due = store.lease_charges_due("acme", Duration::ZERO, 10).await.unwrap();
+    assert_eq!(due, [("L5".to_owned(), "m".to_owned())]);
+    let charge = store.lease_charge("acme", "L5", "m").await.unwrap();
+    let expected = LeaseCharge { requests: 1, tokens: 100, prompt_tokens: 10 };
+    assert_eq!(charge, Some(expected));
+    assert_eq!(store.lease_charge("acme", "L5", "m").await.unwrap(), None, "charged once");
+    assert_eq!(store.lease_charges_due("acme", Duration::ZERO, 10).await.unwrap(), []);
+    assert_eq!(lease_used(&mut conn).await, entries(&[("L5:a", "3")]), "kept for the late records");
+    // The usage hash: four records (prompt 10 each; completion 20 + 10 + 30 + 0) and the charge
+    // (prompt 10, completion 90), priced 1 and 2 USD per 1M tokens (1,000 and 2,000 nano-dollars
+    // each); the day's quota counter: 100 used and 100 charged.
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let day: std::collections::HashMap<String, i64> = redis::cmd("HGETALL")
+        .arg(gateway_ext_proc::store::usage_key("llmgw", "acme", now))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let get = |f: &str| day.get(f).copied();
+    assert_eq!(
+        (get("m:requests"), get("m:prompt_tokens"), get("m:completion_tokens")),
+        (Some(5), Some(50), Some(150))
+    );
+    assert_eq!(get("m:cost_nano_usd"), Some(50 * 1_000 + 150 * 2_000));
+    let quota_key = quota::quota_key("llmgw", "acme", None, quota::Period::Day, &quota::day_label(now));
+    let used: Option<i64> = redis::cmd("GET").arg(&quota_key).query_async(&mut conn).await.unwrap();
+    assert_eq!(used, Some(200));
+    // Its usage event, once: one event for the lease's charged requests.
+    assert!(store.append_lease_charge("acme", "L5", "m", &expected).await.unwrap());
+    assert!(!store.append_lease_charge("acme", "L5", "m", &expected).await.unwrap());
+    let events: Vec<(String, std::collections::HashMap<String, Vec<u8>>)> =
+        redis::cmd("XRANGE").arg("usage").arg("-").arg("+").query_async(&mut conn).await.unwrap();
+    assert_eq!(events.len(), 1);
+    let event = UsageEvent::decode(events[0].1["event"].as_slice()).unwrap();
+    assert_eq!(
+        (event.record_id.as_str(), event.requests, event.prompt_tokens, event.completion_tokens),
+        ("lease.L5", 1, 10, 90)
+    );
+    assert_eq!(event.end_reason, EndReason::Unreported as i32);
+    assert_eq!(event.cost_nano_usd, 10 * 1_000 + 90 * 2_000);
+
+    // Request 3's usage arrives after all (50 used): its reservation was charged, it is not
+    // applied; nothing moves.
+    assert_eq!(apply("n.3", 50, 3).await, Applied::AfterCharge);
+    let (r, t) = levels(&config, &store, &mut conn).await;
+    assert!(near(r, REQUESTS - 5.0) && near(t, TOKENS - 200.0), "{r} {t}");
     // Each once.
-    assert_eq!(apply("n.3", 50, 3).await, Applied::Duplicate);
+    assert_eq!(apply("n.2", 40, 2).await, Applied::AfterCharge);
     assert_eq!(apply("n.5", 10, 5).await, Applied::Duplicate);
     let (r, t) = levels(&config, &store, &mut conn).await;
-    assert!(near(r, REQUESTS - 5.0) && near(t, TOKENS - 150.0), "{r} {t}");
+    assert!(near(r, REQUESTS - 5.0) && near(t, TOKENS - 200.0), "{r} {t}");
+    let requests: Option<i64> = redis::cmd("HGET")
+        .arg(gateway_ext_proc::store::usage_key("llmgw", "acme", now))
+        .arg("m:requests")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(requests, Some(5));
 }
 
 #[tokio::test]
@@ -335,19 +413,32 @@ async fn reports_drop_the_entries_they_cover_and_a_give_back_drops_the_rest() {
     assert_eq!(apply("o.3", "L6", Some(2)).await, Applied::Applied);
     let l7 = [("L7:r", "1"), ("L7:t", "100")];
     let with_l7 = |more: &[(&'static str, &'static str)]| entries(&[&l7[..], more].concat());
-    assert_eq!(lease_used(&mut conn).await, with_l7(&[("L6:#1", "100"), ("L6:#2", "100")]));
-    // Fewer covered than LU holds: named one by one.
-    assert!(store.lease_report("acme", "L6", 2, 200).await.unwrap());
-    assert_eq!(lease_used(&mut conn).await, with_l7(&[("L6:a", "2"), ("L6:at", "200")]));
+    assert_eq!(lease_used(&mut conn).await, with_l7(&[("L6:#1", "100:10"), ("L6:#2", "100:10")]));
+    // Fewer covered than LU holds: named one by one, and counted landed.
+    assert!(store.lease_report("acme", "L6", 2, 200, 2 * 10).await.unwrap());
+    let report_2 = [("L6:a", "2"), ("L6:at", "200"), ("L6:ap", "20")];
+    let landed_2 = [("L6:l", "2"), ("L6:lt", "200"), ("L6:lp", "20")];
+    assert_eq!(lease_used(&mut conn).await, with_l7(&[&report_2[..], &landed_2[..]].concat()));
     // More covered than LU holds: found among LU's entries.
     assert_eq!(apply("o.4", "L6", Some(11)).await, Applied::Applied);
     assert_eq!(apply("o.5", "L6", Some(31)).await, Applied::Applied);
-    assert!(store.lease_report("acme", "L6", 20, 2_000).await.unwrap());
-    assert_eq!(lease_used(&mut conn).await, with_l7(&[("L6:a", "20"), ("L6:at", "2000"), ("L6:#31", "100")]));
+    assert!(store.lease_report("acme", "L6", 20, 2_000, 20 * 10).await.unwrap());
+    assert_eq!(
+        lease_used(&mut conn).await,
+        with_l7(&[
+            ("L6:a", "20"),
+            ("L6:at", "2000"),
+            ("L6:ap", "200"),
+            ("L6:l", "3"),
+            ("L6:lt", "300"),
+            ("L6:lp", "30"),
+            ("L6:#31", "100:10")
+        ])
+    );
     // The filter gives L6 back: all of its entries go, L7's stay.
     let back = admission_lease::give_back(&size.plan, 60, 6_000);
     assert!(store.lease_return("acme", "L6", &back).await.unwrap());
     assert_eq!(lease_used(&mut conn).await, with_l7(&[]));
-    assert!(!store.lease_report("acme", "L6", 40, 4_000).await.unwrap(), "given back: no report");
+    assert!(!store.lease_report("acme", "L6", 40, 4_000, 40 * 10).await.unwrap(), "given back: no report");
     assert_eq!(lease_used(&mut conn).await, with_l7(&[]));
 }

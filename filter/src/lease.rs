@@ -54,6 +54,9 @@ pub struct AdmissionFacts {
     pub pool: String,
     /// Tokens the sidecar would reserve: prompt estimate + effective max tokens.
     pub reserve_tokens: u64,
+    /// The prompt estimate within `reserve_tokens` (`x-gateway-prompt-tokens`): a reclaimed
+    /// lease charges the reported requests whose usage never arrived this much as prompt tokens.
+    pub prompt_tokens: u64,
 }
 
 /// A request admitted from a lease.
@@ -141,6 +144,7 @@ impl Entry {
             report_lease_id: self.lease_id.clone(),
             report_admitted: self.seq,
             report_reserved_tokens: self.reserved,
+            report_prompt_tokens: self.prompt,
             admitted: std::mem::take(&mut self.admitted),
             ..Default::default()
         };
@@ -170,9 +174,10 @@ struct Entry {
     /// The lease admitted since the last lease call (reports aside): renew it before it expires.
     in_use: bool,
     /// Requests admitted from the held lease since its grant (the last one's `lease_seq`), and
-    /// the tokens they reserved.
+    /// the tokens they reserved, and the prompt estimates within those.
     seq: u64,
     reserved: u64,
+    prompt: u64,
     /// The `seq` the sidecar acknowledged in a report on the held lease.
     reported: u64,
     /// A report in flight: the lease and the `seq` it reports.
@@ -237,6 +242,7 @@ impl Leases {
         entry.in_use = true;
         entry.seq += 1;
         entry.reserved = entry.reserved.saturating_add(facts.reserve_tokens);
+        entry.prompt = entry.prompt.saturating_add(facts.prompt_tokens.min(facts.reserve_tokens));
         if entry.requests.low() || entry.tokens.low() {
             entry.wanted = true;
         }
@@ -327,7 +333,7 @@ impl Leases {
             e.requests =
                 Part::from_grant(grant.requests_unlimited, grant.requests, grant.requests_state.clone());
             e.tokens = Part::from_grant(grant.tokens_unlimited, grant.tokens, grant.tokens_state.clone());
-            (e.seq, e.reserved, e.reported) = (0, 0, 0);
+            (e.seq, e.reserved, e.prompt, e.reported) = (0, 0, 0, 0);
         } else {
             e.not_before_us = now_us.saturating_add(grant.retry_after_ms.saturating_mul(1000));
             if !e.wanted && e.admitted == 0 && grant.retry_after_ms == 0 {
@@ -375,6 +381,7 @@ mod tests {
             model: "qwen".into(),
             pool: "pool_a".into(),
             reserve_tokens: tokens,
+            prompt_tokens: tokens / 2,
         }
     }
 
@@ -542,8 +549,14 @@ mod tests {
         let (c, req) = calls.remove(0);
         assert_eq!(c, report_of(key()));
         assert_eq!(
-            (req.report_lease_id.as_str(), req.report_admitted, req.report_reserved_tokens, req.want),
-            ("lease-1", 2, 40, false)
+            (
+                req.report_lease_id.as_str(),
+                req.report_admitted,
+                req.report_reserved_tokens,
+                req.report_prompt_tokens,
+                req.want
+            ),
+            ("lease-1", 2, 40, 20, false)
         );
         assert_eq!((req.returned_lease_id.as_str(), req.returned_requests, req.returned_tokens), ("", 0, 0));
         assert_eq!(req.admitted, 2, "the pool's in-flight count goes with every call");
@@ -552,7 +565,11 @@ mod tests {
         assert!(l.due(6, 0).is_empty());
         l.on_grant(&c, &LeaseGrant::default(), 7);
         let (_, req) = l.due(8, 0).remove(0);
-        assert_eq!((req.report_admitted, req.report_reserved_tokens), (3, 45), "cumulative");
+        assert_eq!(
+            (req.report_admitted, req.report_reserved_tokens, req.report_prompt_tokens),
+            (3, 45, 22),
+            "cumulative"
+        );
         assert_eq!(req.admitted, 1, "admitted since the last call");
         l.on_grant(&report_of(key()), &LeaseGrant::default(), 9);
         assert!(l.due(10, 0).is_empty(), "all acknowledged");

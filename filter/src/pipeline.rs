@@ -358,6 +358,7 @@ fn finish_plan(
         model: facts.model.clone(),
         pool: facts.pool.clone(),
         reserve_tokens: facts.reserve_tokens(),
+        prompt_tokens: facts.prompt_tokens,
     });
     Ok((
         ForwardPlan {

@@ -20,8 +20,11 @@
 //! last report and still in flight then pay their reservation again when their usage lands
 //! ([`charges_if_reclaimed`]), so each costs its usage.
 //!
-//! A usage record numbered within a report Redis recorded needs no lease section at all
-//! ([`ReportedLeases`]): whatever becomes of the lease, the report already counts the request.
+//! A reported request whose usage has not landed when its lease is reclaimed is charged its
+//! reservation as usage by the reclaim (the usage hash, the quota counters and one usage event
+//! for the lease), as an exact admission's unreported reservation is charged; its usage, should
+//! it land later, is not applied. A usage record numbered within a report Redis recorded needs
+//! no reclaim charges in its lease section ([`ReportedLeases`]): the report counts the request.
 
 use std::num::NonZeroUsize;
 use std::sync::Mutex;
@@ -107,6 +110,8 @@ pub struct LeaseUse {
     pub lease_id: String,
     /// Tokens the request reserved from the lease.
     pub reserved: u64,
+    /// The prompt estimate within `reserved` (the facts' `prompt_tokens`).
+    pub prompt: u64,
     /// The request's number among the lease's admissions
     /// ([`gateway_contract::RequestFacts::lease_seq`]; `None` from a filter that does not number
     /// them). Numbered within the filter's last report on the lease, its reservation stays
@@ -114,27 +119,35 @@ pub struct LeaseUse {
     /// the request pays it again ([`LeaseUse::if_reclaimed`]).
     pub seq: Option<u64>,
     /// What the request costs again should the lease have been reclaimed before the filter
-    /// reported it ([`charges_if_reclaimed`]).
+    /// reported it ([`charges_if_reclaimed`]); empty when a report Redis recorded numbers it.
     pub if_reclaimed: Vec<(BucketSpec, i64)>,
 }
 
 impl LeaseUse {
-    /// The lease part of the record of a request of `model` that reserved `reserved` tokens from
-    /// lease `lease_id` (`None`: not admitted from a lease with an id) as its admission number
-    /// `seq`, with `plan` the request plan's buckets ([`limits::plan`]).
-    pub fn of(lease_id: Option<&str>, seq: Option<u64>, plan: &[BucketSpec], reserved: u64) -> Option<Self> {
+    /// The lease part of the record of a request of `model` that reserved `reserved` tokens
+    /// (`prompt` of them its prompt estimate) from lease `lease_id` (`None`: not admitted from a
+    /// lease with an id) as its admission number `seq`, with `plan` the request plan's buckets
+    /// ([`limits::plan`]).
+    pub fn of(
+        lease_id: Option<&str>,
+        seq: Option<u64>,
+        plan: &[BucketSpec],
+        reserved: u64,
+        prompt: u64,
+    ) -> Option<Self> {
         let lease_id = lease_id.filter(|id| !id.is_empty())?;
         Some(Self {
             lease_id: lease_id.to_owned(),
             reserved,
+            prompt: prompt.min(reserved),
             seq,
             if_reclaimed: charges_if_reclaimed(plan, reserved),
         })
     }
 
-    /// The lease part of a usage record of `tenant`: `None`, planning nothing, when the request
-    /// was not admitted from a lease with an id (most records), or when `reported` knows that
-    /// Redis recorded a report numbering it.
+    /// The lease part of a usage record of `tenant`: `None` when the request was not admitted
+    /// from a lease with an id (most records); without reclaim charges, planning nothing, when
+    /// `reported` knows that Redis recorded a report numbering it.
     pub fn of_record(
         prefix: &str,
         tenant: &TenantConfig,
@@ -143,10 +156,16 @@ impl LeaseUse {
     ) -> Option<Self> {
         let lease_id = info.lease_id.as_deref()?;
         if info.lease_seq.is_some_and(|seq| reported.covers(lease_id, seq)) {
-            return None;
+            return Self::of(
+                Some(lease_id),
+                info.lease_seq,
+                &[],
+                info.reserved_tokens,
+                info.prompt_tokens_estimate,
+            );
         }
         let plan = limits::plan(prefix, tenant, &info.model, 0);
-        Self::of(info.lease_id.as_deref(), info.lease_seq, &plan, info.reserved_tokens)
+        Self::of(Some(lease_id), info.lease_seq, &plan, info.reserved_tokens, info.prompt_tokens_estimate)
     }
 }
 
@@ -154,12 +173,13 @@ impl LeaseUse {
 /// the requests reported admitted: [`crate::store::Store::lease_report`] answered true), the
 /// least recently reported forgotten past a bound.
 ///
-/// Redis keeps a lease's reported count only growing, and a record numbered within it changes
-/// nothing in the lease's books, whatever becomes of the lease: while it is open the report
-/// counts the request, a reclaim keeps its reservation charged (its usage settles against it),
-/// and a given-back lease has no books. Such a record is written without its lease section
-/// (`lua/ledger_v1.lua`), three keys and `5 + 3 × buckets` arguments fewer; a record this replica
-/// cannot place (reported through another replica, or forgotten) carries it, to the same effect.
+/// Redis keeps a lease's reported count only growing, and a record numbered within it is never
+/// charged again for its lease, whatever becomes of the lease: while it is open the report
+/// counts the request (the record joins the lease's landed counts), a reclaim charged it (the
+/// record is not applied), and a given-back lease has no books. Such a record's lease section
+/// (`lua/ledger_v1.lua`) carries no reclaim charges, `3 × buckets` arguments and as many keys
+/// fewer; a record this replica cannot place (reported through another replica, or forgotten)
+/// carries them, to the same effect.
 pub struct ReportedLeases {
     inner: Mutex<LruCache<String, u64>>,
 }
@@ -414,13 +434,14 @@ mod tests {
     }
 
     #[test]
-    fn a_record_within_a_recorded_report_has_no_lease_section() {
+    fn a_record_within_a_recorded_report_has_no_reclaim_charges() {
         let t = tenant(Some(6000), Some(1_000_000));
         let reported = ReportedLeases::new();
         let info = |seq: Option<u64>| RequestInfo {
             tenant: "acme".into(),
             model: "m".into(),
             reserved_tokens: 100,
+            prompt_tokens_estimate: 30,
             lease_id: Some("L".into()),
             lease_seq: seq,
             ..Default::default()
@@ -435,8 +456,8 @@ mod tests {
         reported.recorded("L", 2);
         reported.recorded("other", 9);
         assert_eq!(
-            section(Some(3)),
-            None,
+            section(Some(3)).map(|l| (l.seq, l.reserved, l.prompt, l.if_reclaimed.len())),
+            Some((Some(3), 100, 30, 0)),
             "3 is within the report of 3 (an older report of 2 lowers nothing)"
         );
         assert_eq!(section(Some(4)).and_then(|l| l.seq), Some(4), "past it");

@@ -172,6 +172,7 @@ async fn report(shared: &Shared, tenant: &str, request: &LeaseRequest) -> &'stat
             &request.report_lease_id,
             request.report_admitted,
             request.report_reserved_tokens,
+            request.report_prompt_tokens,
         )
         .await;
     shared.metrics.redis_call("lease_report", started.elapsed(), result.is_ok());

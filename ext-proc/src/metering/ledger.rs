@@ -82,10 +82,17 @@ pub fn lease_used_key(prefix: &str, tenant: &str) -> String {
     format!("{prefix}:leases-used:{{{tenant}}}")
 }
 
-/// The leases reclaimed as orphaned in the longest stream lifetime:
+/// The leases reclaimed as orphaned and not yet charged (`lua/ledger_v1.lua` `lease_charge`):
 /// `<prefix>:leases-reclaimed:{<tenant>}` (lease id -> when, ms).
 pub fn leases_reclaimed_key(prefix: &str, tenant: &str) -> String {
     format!("{prefix}:leases-reclaimed:{{{tenant}}}")
+}
+
+/// The reclaimed leases whose reported requests without usage were charged, kept
+/// [`CHARGED_RETENTION`]: `<prefix>:leases-charged:{<tenant>}` (lease id -> when,
+/// ms).
+pub fn leases_charged_key(prefix: &str, tenant: &str) -> String {
+    format!("{prefix}:leases-charged:{{{tenant}}}")
 }
 
 /// An open reservation, as the ledger keeps it (JSON): what a charge records should the

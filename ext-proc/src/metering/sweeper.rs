@@ -32,6 +32,7 @@ use crate::admission_lease;
 use crate::ledger::{self, CLAIM};
 use crate::limits;
 use crate::service::Shared;
+use crate::store::LeaseCharge;
 
 /// Sweeps every `sweep_interval_ms` until `stop` turns true.
 pub async fn run(shared: Arc<Shared>, stop: watch::Receiver<bool>) {
@@ -154,6 +155,67 @@ pub async fn reclaim_leases(shared: &Shared) -> usize {
                 Err(error) => debug!(%error, tenant = %tenant.id, %lease_id, "lease reclaim failed"),
             }
         }
+        charge_leases(shared, &tenant.id, retention, batch).await;
     }
     reclaimed
+}
+
+/// Charges the tenant's leases reclaimed more than `retention` (the longest stream lifetime)
+/// ago: their reported requests whose usage never landed are charged their reservations as usage
+/// ([`crate::store::Store::lease_charge`], once whoever charges), and each charge gets its usage
+/// event ([`crate::store::Store::append_lease_charge`]); at most `most` per pass.
+async fn charge_leases(shared: &Shared, tenant: &str, retention: Duration, most: usize) {
+    let store = shared.limiter.store();
+    let started = Instant::now();
+    let due = store.lease_charges_due(tenant, retention, most).await;
+    shared.metrics.redis_call("lease_charges_due", started.elapsed(), due.is_ok());
+    let due = match due {
+        Ok(due) => due,
+        Err(error) => {
+            debug!(%error, tenant, "lease charge sweep failed");
+            return;
+        }
+    };
+    for (lease_id, model) in due {
+        let started = Instant::now();
+        let result = store.lease_charge(tenant, &lease_id, &model).await;
+        shared.metrics.redis_call("lease_charge", started.elapsed(), result.is_ok());
+        match result {
+            Ok(Some(charge)) if charge.requests > 0 => {
+                warn!(tenant, %model, %lease_id, requests = charge.requests, tokens = charge.tokens,
+                    "reclaimed admission lease: reported requests whose usage never arrived charged their reservations");
+                shared.metrics.leases_charged_requests.inc_by(charge.requests);
+                append_lease_charge(shared, tenant, &lease_id, &model, &charge).await;
+            }
+            // Every reported request's usage landed; or charged by another replica.
+            Ok(_) => {}
+            // Still in the reclaimed set: the next pass, here or on another replica, retries.
+            Err(error) => debug!(%error, tenant, %lease_id, "lease charge failed"),
+        }
+    }
+}
+
+/// The usage event of a reclaimed lease's charge ([`crate::store::Store::append_lease_charge`]),
+/// tried up to three times: the charge itself has landed, so a failure here loses the event only
+/// (logged), never the books.
+async fn append_lease_charge(
+    shared: &Shared,
+    tenant: &str,
+    lease_id: &str,
+    model: &str,
+    charge: &LeaseCharge,
+) {
+    let store = shared.limiter.store();
+    for attempt in 1..=3u32 {
+        let started = Instant::now();
+        let result = store.append_lease_charge(tenant, lease_id, model, charge).await;
+        shared.metrics.redis_call("usage_append", started.elapsed(), result.is_ok());
+        match result {
+            Ok(_) => return,
+            Err(error) if attempt == 3 => {
+                warn!(%error, tenant, lease_id, "usage event of a reclaimed lease's charge not appended")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await,
+        }
+    }
 }
