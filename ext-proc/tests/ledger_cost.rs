@@ -7,8 +7,10 @@
 //! calls, default 300; `LEASE`: the records' lease section: `unnumbered` (the default: as from a
 //! filter that does not number its admissions), `past` (numbered past the lease's last report:
 //! each is kept under its number), `covered` (numbered within a report Redis recorded, the section
-//! sent all the same), `none` (no section: what the sidecar sends for a record within a report it
-//! saw recorded, `admission_lease::ReportedLeases`)).
+//! sent all the same), `reported` (numbered within a report Redis recorded, the section without
+//! reclaim charges: what the sidecar sends for a record within a report it saw recorded,
+//! `admission_lease::ReportedLeases`), `none` (no section: what it sent for those before the
+//! lease's charge counted landed requests)).
 //!
 //! Needs `redis-server` on the PATH (`make setup`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
@@ -55,8 +57,8 @@ tenants:
 
     let (per_call, calls) = (env("BATCH", 14), env("ROUNDS", 300));
     let mode = std::env::var("LEASE").unwrap_or_else(|_| "unnumbered".into());
-    assert!(["unnumbered", "past", "covered", "none"].contains(&mode.as_str()), "LEASE={mode}");
-    if mode == "covered" || mode == "none" {
+    assert!(["unnumbered", "past", "covered", "reported", "none"].contains(&mode.as_str()), "LEASE={mode}");
+    if ["covered", "reported", "none"].contains(&mode.as_str()) {
         assert!(store.lease_report("acme", "L", u64::from(u32::MAX), 0, 0).await.unwrap());
     }
     let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut conn).await.unwrap();
@@ -85,7 +87,9 @@ tenants:
                 (record.prompt_tokens, record.completion_tokens, record.finished_at_unix_ms) = (10, 20, 0);
                 let settlements =
                     ledger::settlements(limits::token_buckets(store.prefix(), tenant, "m"), 100, 30);
-                let lease = (mode != "none").then(|| LeaseUse::of(Some("L"), seq, &plan, 100, 10)).flatten();
+                let charges: &[_] = if mode == "reported" { &[] } else { &plan };
+                let lease =
+                    (mode != "none").then(|| LeaseUse::of(Some("L"), seq, charges, 100, 10)).flatten();
                 (record, settlements, lease)
             })
             .collect();
