@@ -877,7 +877,10 @@ def demo_stack(workdir: Path, listen_port: int, api_key: str) -> Stack:
         Model("llama-3.1-8b-instruct", "pool_llama", 8192, served_model_name="meta-llama/Llama-3.1-8B-Instruct"),
     ]
     tenants = [Tenant("demo", [api_key], {"requests_per_minute": 60, "tokens_per_minute": 100000})]
-    return Stack(workdir, pools, models, tenants, listen_port=listen_port)
+    # Leases as gatewayctl renders them by default (a limit this small is not leased: 1 % of 60
+    # requests a minute covers no two requests, so each is decided in the sidecar).
+    return Stack(workdir, pools, models, tenants, listen_port=listen_port, admission_leases=True,
+                 sidecar_overrides={"redis": {"lease_fraction": 0.01}})
 
 
 def main() -> int:

@@ -181,7 +181,8 @@ def test_rendered_bootstrap_has_the_stack_shape(tmp_path):
              Pool("pool_b", ["sim/b"], urls=["http://127.0.0.1:9002"], kind="external")]
     models = [Model("a", "pool_a", 4096, served_model_name="sim/a"), Model("b", "pool_b", 8192)]
     tenants = [Tenant("acme", [key], {"requests_per_minute": 60})]
-    stack = Stack(tmp_path / "stack", pools, models, tenants)
+    # Both with admission leases, gatewayctl's default.
+    stack = Stack(tmp_path / "stack", pools, models, tenants, admission_leases=True)
     stack.ext_proc_port = 50051
     config = {
         "envoy": {"listen": "127.0.0.1:0", "admin_port": 0},

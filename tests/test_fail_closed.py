@@ -82,7 +82,12 @@ def stripped_stack(request, tmp_path_factory):
             "envoy": {"listen": "127.0.0.1:0", "admin_port": 0},
             "filter": {"wasm_file": str(WASM_PATH)},
             "sidecar": {"listen": f"127.0.0.1:{sidecar_port}"},
-            "redis": {"url": f"redis://127.0.0.1:{stack.redis_port}/0", "failure_mode": "open"},
+            # Leases off: a request the filter admits from a lease skips the admission filter by
+            # design (limited by the lease the sidecar granted, metered by the access log), so with
+            # leases on a missing admission filter refuses only what no lease covers, and which
+            # requests a lease covers depends on when the filter's first lease call returned.
+            "redis": {"url": f"redis://127.0.0.1:{stack.redis_port}/0", "failure_mode": "open",
+                      "lease_fraction": 0},
             "tenants": [{"id": "acme", "api_keys_sha256": [sha256_hex(key)], "limits": limits}],
             "models": [{"name": m.name, "pool": m.pool, "max_model_len": m.max_model_len,
                         "served_model_name": m.served_model_name} for m in models],

@@ -277,12 +277,14 @@ pub struct FilterSection {
     /// Where Istio and Envoy Gateway fetch the module (needed by the mesh targets).
     #[serde(default)]
     pub module: Option<WasmModule>,
-    /// Admission leases (default false): the filter admits a tenant's requests from leases the
-    /// sidecar takes ahead from Redis, and Envoy skips the ext_proc admission for them (the
-    /// filter's `admission_leases`, wrapped admission filter). Needs `redis.lease_fraction` > 0;
-    /// the standalone and Istio targets render it, Envoy Gateway cannot (docs/deploy.md).
+    /// Admission leases: the filter admits a tenant's requests from leases the sidecar takes
+    /// ahead from Redis, and Envoy skips the ext_proc admission for them (the filter's
+    /// `admission_leases`, wrapped admission filter). Unset: on wherever the target can render it
+    /// (standalone and Istio; Envoy Gateway cannot, docs/deploy.md) while `redis.lease_fraction`
+    /// is above 0 ([`Config::admission_leases`]); `false` decides every request in the sidecar.
+    /// `true` needs `redis.lease_fraction` > 0 and a target that renders it.
     #[serde(default)]
-    pub admission_leases: bool,
+    pub admission_leases: Option<bool>,
 }
 
 /// A published wasm module.
@@ -417,8 +419,10 @@ pub struct RedisSection {
     /// in (0, 1] (sidecar default 1; 1/N for N sidecar replicas).
     #[serde(default)]
     pub local_share: Option<f64>,
-    /// Token leases: the fraction of a bucket's capacity a sidecar may take ahead and admit from
-    /// without a Redis round trip, in [0, 0.5] (sidecar default 0: none).
+    /// Token and admission leases: the fraction of a bucket's capacity a sidecar (and through it
+    /// a filter VM) may take ahead and admit from without a Redis round trip, in [0, 0.5]. Unset:
+    /// [`DEFAULT_LEASE_FRACTION`] (the sidecar's own default is 0); 0 turns leases off, so that
+    /// every request is decided against Redis and `x-ratelimit-remaining-*` is exact.
     #[serde(default)]
     pub lease_fraction: Option<f64>,
     /// Milliseconds a lease admits after its last grant (sidecar default 1000).
@@ -1477,7 +1481,25 @@ fn check_image_reference(field: &str, reference: &str, digest_field: &str) -> Re
     Ok(())
 }
 
+/// `redis.lease_fraction` when the config leaves it unset: each lease is 1 % of a bucket's
+/// capacity, so a limit under 200 requests (or tokens for two of the largest requests) a minute
+/// is not leased and stays decided request by request, and the last part of every bucket is
+/// decided against Redis, never over-admitted (docs/deploy.md, "Why leases are the default").
+pub const DEFAULT_LEASE_FRACTION: f64 = 0.01;
+
 impl GatewayConfig {
+    /// `redis.lease_fraction`, or [`DEFAULT_LEASE_FRACTION`] when unset.
+    pub fn lease_fraction(&self) -> f64 {
+        self.redis.lease_fraction.unwrap_or(DEFAULT_LEASE_FRACTION)
+    }
+
+    /// Whether the targets that can render admission leases (standalone, Istio) render them:
+    /// `filter.admission_leases`, or, unset, whether leases are on at all
+    /// ([`GatewayConfig::lease_fraction`] above 0).
+    pub fn admission_leases(&self) -> bool {
+        self.filter.admission_leases.unwrap_or(self.lease_fraction() > 0.0)
+    }
+
     /// Checks what no component checks: pools and their references, addresses, Kubernetes
     /// names. Component-owned rules are checked at render time by the components' parsers.
     ///
@@ -1551,7 +1573,7 @@ impl GatewayConfig {
                 "and filter.wasm_file both name the standalone Envoy's filter: give one",
             );
         }
-        if self.filter.admission_leases && self.redis.lease_fraction.unwrap_or(0.0) <= 0.0 {
+        if self.filter.admission_leases == Some(true) && self.lease_fraction() <= 0.0 {
             return fail(
                 "filter.admission_leases",
                 "needs redis.lease_fraction > 0 (the sidecar grants no lease without it)",

@@ -228,7 +228,7 @@ fn sidecar_configs_parse_and_differ_by_flavor() {
 
 #[test]
 fn istio_inserts_wasm_then_ext_proc_before_the_router() {
-    let f = files(Target::Istio);
+    let f = exact(Target::Istio);
     let ef = yaml(&f["istio/envoyfilter.yaml"]);
     let patches = ef["spec"]["configPatches"].as_sequence().unwrap();
     let kinds: Vec<&str> = patches.iter().map(|p| p["applyTo"].as_str().unwrap()).collect();
@@ -326,19 +326,24 @@ fn envoy_gateway_patch_policy_names_the_listener_of_each_xds_name_scheme() {
     assert_eq!(patches[5]["operation"]["value"], 5 * 1024 * 1024);
 }
 
-/// The example with `filter.admission_leases` (and the leases it needs) turned on.
-fn leased(target: Target) -> BTreeMap<String, String> {
+/// The example with `redis:` starting with `redis_first` (leases are on unless it says otherwise).
+fn with_redis(target: Target, redis_first: &str) -> BTreeMap<String, String> {
     let text = std::fs::read_to_string(EXAMPLE).unwrap();
-    let text = text
-        .replace("filter:\n", "filter:\n  admission_leases: true\n")
-        .replace("redis:\n", "redis:\n  lease_fraction: 0.01\n");
+    let text = text.replace("redis:\n", &format!("redis:\n  {redis_first}\n"));
     let loaded = Loaded::from_yaml(&text, EXAMPLE, Path::new("../envoy/examples").to_path_buf()).unwrap();
     render(&loaded, target).unwrap().files.into_iter().map(|f| (f.path, f.content)).collect()
 }
 
+/// The example with leases off (`redis.lease_fraction: 0`): every request decided in the sidecar.
+fn exact(target: Target) -> BTreeMap<String, String> {
+    with_redis(target, "lease_fraction: 0")
+}
+
 #[test]
-fn admission_leases_wrap_the_admission_filter_and_name_the_sidecar_cluster() {
-    let rendered = leased(Target::Standalone);
+fn admission_leases_are_the_default_and_wrap_the_admission_filter() {
+    let rendered = files(Target::Standalone);
+    let sidecar = yaml(&rendered["standalone/sidecar.yaml"]);
+    assert_eq!(sidecar["redis"]["lease_fraction"], yaml("0.01"));
     let filter: serde_json::Value = serde_json::from_str(&rendered["standalone/filter.json"]).unwrap();
     assert_eq!(filter["admission_leases"]["cluster"], "llm_gateway_ext_proc");
     let envoy = yaml(&rendered["standalone/envoy.yaml"]);
@@ -375,14 +380,34 @@ fn admission_leases_wrap_the_admission_filter_and_name_the_sidecar_cluster() {
     let attributes = &ext_proc["request_attributes"];
     assert_eq!(attributes, &yaml(r#"["filter_state['wasm.llm_gateway.request']"]"#));
     // Istio: the same wrapper, and the filter asks the sidecar's Istio cluster.
-    let istio = leased(Target::Istio);
+    let istio = files(Target::Istio);
     let envoyfilter = &istio["istio/envoyfilter.yaml"];
     assert!(envoyfilter.contains("ExtensionWithMatcher"), "{envoyfilter}");
     assert!(envoyfilter.contains("ExecuteFilterAction"), "{envoyfilter}");
     let wasm_config = r#"\"admission_leases\":{\"cluster\":\"outbound|50051||llm-gateway-ext-proc.llm-gateway.svc.cluster.local\"}"#;
     assert!(envoyfilter.contains(wasm_config), "{envoyfilter}");
-    // Off by default: the example renders no wrapper.
-    assert!(!files(Target::Standalone)["standalone/envoy.yaml"].contains("ExtensionWithMatcher"));
+    // Envoy Gateway cannot render the wrapper: its filter asks for no lease, and its sidecar keeps
+    // only its own token leases.
+    let eg = files(Target::EnvoyGateway);
+    assert!(eg.values().all(|f| !f.contains("ExtensionWithMatcher") && !f.contains("admission_leases")));
+    assert!(
+        eg["kubernetes/sidecar-configmap.yaml"].contains("lease_fraction: 0.01"),
+        "{}",
+        eg["kubernetes/sidecar-configmap.yaml"]
+    );
+    // Off with `lease_fraction: 0`, or with `filter.admission_leases: false` alone.
+    for off in [exact(Target::Standalone), {
+        let text = std::fs::read_to_string(EXAMPLE)
+            .unwrap()
+            .replace("filter:\n", "filter:\n  admission_leases: false\n");
+        let loaded = Loaded::from_yaml(&text, EXAMPLE, Path::new("../envoy/examples").to_path_buf()).unwrap();
+        render(&loaded, Target::Standalone).unwrap().files.into_iter().map(|f| (f.path, f.content)).collect()
+    }] {
+        assert!(!off["standalone/envoy.yaml"].contains("ExtensionWithMatcher"));
+        assert!(!off["standalone/filter.json"].contains("admission_leases"));
+    }
+    let off = yaml(&exact(Target::Standalone)["standalone/sidecar.yaml"]);
+    assert_eq!(off["redis"]["lease_fraction"], yaml("0.0"));
 }
 
 /// The example with pool_qwen and pool_llama picking (in that config order), both Services in the
@@ -643,8 +668,7 @@ fn a_native_module_admits_from_leases_as_the_wasm_filter_does() {
             "wasm_file: /etc/llm-gateway/gateway_filter.wasm",
             "native_module: /opt/libgateway_filter_native.so",
         )
-        .replace("filter:\n", "filter:\n  admission_leases: true\n")
-        .replace("redis:\n", "redis:\n  lease_fraction: 0.01\n");
+        .replace("filter:\n", "filter:\n  admission_leases: true\n");
     let loaded = Loaded::from_yaml(&text, EXAMPLE, Path::new("../envoy/examples").to_path_buf()).unwrap();
     let f: BTreeMap<String, String> =
         render(&loaded, Target::Standalone).unwrap().files.into_iter().map(|f| (f.path, f.content)).collect();

@@ -168,7 +168,10 @@ impl TakeOutcome {
 /// `x-ratelimit-limit-requests: 60`, `x-ratelimit-remaining-requests: 59`,
 /// `x-ratelimit-reset-requests: 1s` (a duration in OpenAI's `1m30s` / `0.5s` style).
 /// The limit is the per-minute rate. When a request draws on a tenant bucket and a tenant × model
-/// bucket of the same kind, the one with the fewest remaining is reported.
+/// bucket of the same kind, the one with the fewest remaining is reported. A request admitted
+/// from a lease (this sidecar's token lease, or a filter's admission lease: on by default in
+/// gatewayctl's renders) reports the bucket's remaining at the lease's grant plus what the lease
+/// still holds: approximate (docs/deploy.md, "Why leases are the default").
 pub fn ratelimit_headers(plan: &[BucketSpec], outcome: &TakeOutcome) -> Vec<(String, String)> {
     let mut headers = Vec::with_capacity(6);
     for kind in [BucketKind::Requests, BucketKind::Tokens] {

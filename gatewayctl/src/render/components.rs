@@ -332,9 +332,7 @@ fn redis(loaded: &Loaded, flavor: Flavor) -> Value {
     if let Some(share) = r.local_share {
         fields.push(("local_share", Value::from(share)));
     }
-    if let Some(fraction) = r.lease_fraction {
-        fields.push(("lease_fraction", Value::from(fraction)));
-    }
+    fields.push(("lease_fraction", Value::from(c.lease_fraction())));
     if let Some(ms) = r.lease_ttl_ms {
         fields.push(("lease_ttl_ms", n(ms)));
     }

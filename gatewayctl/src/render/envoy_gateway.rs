@@ -143,7 +143,8 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
     let eg = section(loaded)?;
     let k8s = kubernetes::section(loaded, "envoy-gateway")?;
     let module = module(loaded, "envoy-gateway")?;
-    if c.filter.admission_leases {
+    // Unset, admission leases are off here (the sidecar's own token leases stay on).
+    if c.filter.admission_leases == Some(true) {
         return Err(FieldError::new(
             "filter.admission_leases",
             "not rendered by the envoy-gateway target: an EnvoyExtensionPolicy cannot wrap the \

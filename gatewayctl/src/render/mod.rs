@@ -134,20 +134,20 @@ pub struct Output {
 /// The name of the sidecar's cluster in the standalone bootstrap (`envoy/ext_proc_cluster.yaml`).
 pub const STANDALONE_EXT_PROC_CLUSTER: &str = "llm_gateway_ext_proc";
 
-/// The filter config with `admission_leases` naming the sidecar's Envoy cluster when
-/// `filter.admission_leases` is on; unchanged otherwise.
+/// The filter config with `admission_leases` naming the sidecar's Envoy cluster when admission
+/// leases are on ([`crate::config::GatewayConfig::admission_leases`]); unchanged otherwise.
 fn with_admission_leases(loaded: &Loaded, filter_config: &Value, cluster: &str) -> Value {
     let mut config = filter_config.clone();
-    if loaded.config.filter.admission_leases {
+    if loaded.config.admission_leases() {
         crate::tree::set(&mut config, "admission_leases", crate::tree::map([("cluster", s(cluster))]));
     }
     config
 }
 
 /// The admission filter entry, wrapped in the matcher that skips it for the filter's leased
-/// admissions (`envoy/filters/admission_lease_matcher.yaml`) when `filter.admission_leases` is on.
+/// admissions (`envoy/filters/admission_lease_matcher.yaml`) when admission leases are on.
 fn admission_filter(loaded: &Loaded, admission: Value) -> Result<Value, Error> {
-    if !loaded.config.filter.admission_leases {
+    if !loaded.config.admission_leases() {
         return Ok(admission);
     }
     let values = crate::template::Values::new().set("ADMISSION_FILTER", admission);
