@@ -228,9 +228,10 @@ def test_leased_streams_join_the_pools_in_flight_count_within_a_tick(tmp_path_fa
     key = new_api_key()
     tenant = Tenant("al-inflight", [key], {"requests_per_minute": 600, "request_burst": 10_000,
                                            "tokens_per_minute": 600, "token_burst": 1_000_000})
-    # A pool the sidecar tracks (shedding far away), scraped every 100 ms; 400 ms between tokens.
+    # A pool the sidecar tracks (shedding far away; leased because it says so), scraped every
+    # 100 ms; 400 ms between tokens.
     pools = [Pool("pool_l", ["sim/l"], ["--output-tokens", "60", "--itl-ms", "400"],
-                  shedding={"max_queue_depth": 1000, "scrape_interval_ms": 100})]
+                  shedding={"max_queue_depth": 1000, "scrape_interval_ms": 100, "admission_leases": True})]
     with leased_stack(tmp_path_factory.mktemp("al-inflight"), [tenant], lease_ttl_ms=30_000, pools=pools,
                       native=native) as s:
         def in_flight() -> float:
@@ -285,7 +286,7 @@ def test_a_pool_near_shedding_gets_no_lease(tmp_path_factory, native):
                Tenant("al-batch", [keys["al-batch"]], {"requests_per_minute": 10_000}, tier="batch")]
     pools = [Pool("pool_shed", ["sim/shed"],
                   ["--max-num-seqs", "1", "--ttft-ms", "20", "--itl-ms", "100", "--output-tokens", "50"],
-                  shedding={"max_queue_depth": 4, "scrape_interval_ms": 100})]
+                  shedding={"max_queue_depth": 4, "scrape_interval_ms": 100, "admission_leases": True})]
     models = [Model("shed", "pool_shed", served_model_name="sim/shed")]
     extra = {"shedding": {"tier_levels": {"batch": 0.5}}}
     with leased_stack(tmp_path_factory.mktemp("al-shed"), tenants, lease_ttl_ms=1000, pools=pools,
@@ -309,3 +310,24 @@ def test_a_pool_near_shedding_gets_no_lease(tmp_path_factory, native):
                 assert wait_for(lambda: leases(s, "shedding") > refused, timeout=10), sidecar_metrics(s)
                 refused = leases(s, "shedding")
         assert metric(sidecar_metrics(s), "llm_gateway_shed_total", pool="pool_shed", tier="batch") == 2
+
+
+def test_a_shed_pool_is_not_leased_unless_it_says_so(tmp_path_factory, native):
+    """A pool the sidecar sheds by its load (`max_queue_depth`) and that does not set
+    `admission_leases` gets no lease however large the tenant's limit: each of its requests is
+    decided, and could be shed, by the ext_proc admission (a lease would admit up to a lease TTL
+    of arrivals past its load)."""
+    key = new_api_key()
+    tenant = Tenant("al-protected", [key], {"requests_per_minute": 10_000, "tokens_per_minute": 1_000_000})
+    pools = [Pool("pool_l", ["sim/l"], ["--output-tokens", "2"],
+                  shedding={"max_queue_depth": 1000, "scrape_interval_ms": 100})]
+    with leased_stack(tmp_path_factory.mktemp("al-protected"), [tenant], lease_ttl_ms=1000, pools=pools,
+                      native=native) as s:
+        first = post(s, "/v1/chat/completions", chat_body("l", max_tokens=2), key=key)
+        assert first.status_code == 200, first.text
+        assert wait_for(lambda: leases(s, "load_protected") >= 1, timeout=10), sidecar_metrics(s)
+        for _ in range(5):
+            r = post(s, "/v1/chat/completions", chat_body("l", max_tokens=2), key=key)
+            assert r.status_code == 200, r.text
+        assert envoy_counter(s, EXT_PROC_STREAMS) == 6, "every request took the ext_proc admission"
+        assert leases(s, "granted") == 0

@@ -130,7 +130,8 @@
 --   'record'. Only while the lease is in LR: it leaves LR for LC; U's <model> (LU's <id>:m) gains
 --   the requests reported and not landed (a - l) as requests, their prompt estimates (ap - lp) as
 --   prompt tokens, the rest of their reservations (at - lt) as completion tokens, and their cost;
---   each quota counter of the model gains their reservations. LU keeps <id>:a while LC keeps the
+--   each quota counter of the model gains their reservations (nothing for a lease without :m,
+--   reclaimed by an older sidecar that kept no landed counts). LU keeps <id>:a while LC keeps the
 --   lease. Returns {1, requests, tokens, prompt tokens} charged; {0, 0, 0, 0} when not in LR.
 -- 'claim': the open reservations admitted more than ARGV[2] ms ago, at most ARGV[4] of them.
 --   KEYS: R, D. Each one returned is due again ARGV[3] ms later (another replica's sweep takes it
@@ -664,7 +665,10 @@ local function run(keys, args)
     local v = {}
     for i = 1, 6 do v[i] = tonumber(got[i]) or 0 end
     local model = got[7] or ''
-    local charged_r = math.max(0, v[1] - v[4])
+    -- Without its model the lease was reclaimed by an older sidecar, which kept no landed counts:
+    -- nothing can be told landed, so nothing is charged (as that sidecar charged nothing).
+    local charged_r = 0
+    if got[7] then charged_r = math.max(0, v[1] - v[4]) end
     local charged_t, charged_p = 0, 0
     if charged_r > 0 then
       charged_t = math.max(0, v[2] - v[5])

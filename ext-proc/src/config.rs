@@ -174,10 +174,16 @@ fn default_epp_max_blocks() -> usize {
 }
 
 impl Config {
-    /// Whether the filter may admit `pool`'s requests from admission leases: not for a pool whose
-    /// `picker` does not allow them ([`PickerConfig::admission_leases`]).
+    /// Whether the filter may admit `pool`'s requests from admission leases: the pool's
+    /// `admission_leases` when set; unset, not for a pool the sidecar sheds or queues
+    /// ([`PoolConfig::load_protected`]) nor for one whose `picker` does not allow them
+    /// ([`PickerConfig::admission_leases`]); a pool the config does not list may.
     pub fn pool_allows_admission_leases(&self, pool: &str) -> bool {
-        self.pools.iter().find(|p| p.name == pool).and_then(|p| p.picker).is_none_or(|p| p.admission_leases)
+        let Some(p) = self.pools.iter().find(|p| p.name == pool) else {
+            return true;
+        };
+        p.admission_leases
+            .unwrap_or_else(|| !p.load_protected() && p.picker.is_none_or(|picker| picker.admission_leases))
     }
 
     /// Whether an `endpoint_pickers[]` listener picks for `pool` (then the admission does not).
@@ -307,6 +313,27 @@ pub struct PoolConfig {
     /// `max_queue_depth`, `max_kv_cache_usage`) waits in the pool's queue instead of being shed.
     #[serde(default)]
     pub flow_control: Option<PoolFlowConfig>,
+    /// Whether the sidecar grants the filter admission leases for this pool (with
+    /// `redis.lease_fraction`). A request admitted from a lease never reaches the sidecar: it is
+    /// not shed, queued or picked one by one, and the pool's load sees it only through the
+    /// filter's next report, while the lease admits for up to `redis.lease_ttl_ms` (on an
+    /// overloaded pool that let through a second's arrivals: docs/benchmarks.md, "Overload").
+    /// Unset: false for a pool that is shed or queued (a `max_*` threshold or `flow_control`),
+    /// its picker's `admission_leases` for a picking pool, true otherwise
+    /// ([`Config::pool_allows_admission_leases`]).
+    #[serde(default)]
+    pub admission_leases: Option<bool>,
+}
+
+impl PoolConfig {
+    /// Whether the sidecar sheds or queues this pool's requests by its load: a `max_*` threshold
+    /// or `flow_control`.
+    pub fn load_protected(&self) -> bool {
+        self.max_queue_depth.is_some()
+            || self.max_kv_cache_usage.is_some()
+            || self.max_in_flight.is_some()
+            || self.flow_control.is_some()
+    }
 }
 
 fn default_scrape_interval_ms() -> u64 {
@@ -1830,8 +1857,15 @@ mod tests {
         };
         let c = leases("picker: {}");
         assert!(!c.pool_allows_admission_leases("a"), "a picking pool gets no leases by default");
-        assert!(c.pool_allows_admission_leases("b") && c.pool_allows_admission_leases("unknown"));
+        assert!(!c.pool_allows_admission_leases("b"), "nor a pool shed by its load");
+        assert!(c.pool_allows_admission_leases("unknown"), "a pool the sidecar does not watch may");
         assert!(leases("picker: {admission_leases: true}").pool_allows_admission_leases("a"));
+        assert!(!leases("picker: {admission_leases: true}, admission_leases: false")
+            .pool_allows_admission_leases("a"));
+        let opted =
+            Config::from_yaml(&format!("{POOL}  - {{name: b, max_in_flight: 4, admission_leases: true}}\n"))
+                .unwrap();
+        assert!(opted.pool_allows_admission_leases("b"), "the pool's own setting wins");
         let bad = |picker: &str| {
             err(&format!("{POOL}  - {{name: a, endpoints: ['http://10.0.0.1:8000'], picker: {picker}}}\n"))
         };

@@ -442,3 +442,35 @@ async fn reports_drop_the_entries_they_cover_and_a_give_back_drops_the_rest() {
     assert!(!store.lease_report("acme", "L6", 40, 4_000, 40 * 10).await.unwrap(), "given back: no report");
     assert_eq!(lease_used(&mut conn).await, with_l7(&[]));
 }
+
+#[tokio::test]
+async fn a_lease_reclaimed_by_an_older_sidecar_is_charged_nothing() {
+    let redis = Redis::start();
+    let (config, store, mut conn) = setup(&redis).await;
+    take(&config, &store, "L8").await;
+    assert!(store.lease_report("acme", "L8", 2, 200, 20).await.unwrap());
+    let back = store.lease_reclaim("acme", "L8", &plan(&config, &store), Duration::from_secs(600)).await;
+    assert_eq!(back.unwrap(), Some((98, 9_800)));
+    // An older sidecar's reclaim kept neither the model nor the landed counts: the requests it
+    // reported cannot be told landed or not, so none is charged (as that sidecar charged none).
+    let _: () = redis::cmd("HDEL")
+        .arg(ledger::lease_used_key("llmgw", "acme"))
+        .arg("L8:m")
+        .arg("L8:l")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.lease_charges_due("acme", Duration::ZERO, 10).await.unwrap(),
+        [("L8".to_owned(), String::new())]
+    );
+    assert_eq!(store.lease_charge("acme", "L8", "").await.unwrap(), Some(LeaseCharge::default()));
+    assert_eq!(store.lease_charges_due("acme", Duration::ZERO, 10).await.unwrap(), []);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let day: std::collections::HashMap<String, i64> = redis::cmd("HGETALL")
+        .arg(gateway_ext_proc::store::usage_key("llmgw", "acme", now))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(day.is_empty(), "{day:?}");
+}

@@ -679,6 +679,14 @@ pub struct PoolSection {
     /// Connect timeout to an endpoint in milliseconds (default 1000).
     #[serde(default = "default_connect_timeout_ms")]
     pub connect_timeout_ms: u64,
+    /// Whether the filter may admit this pool's requests from admission leases (the sidecar's
+    /// `pools[].admission_leases`; needs `shedding`, `picker` or `flow_control`, the pools the
+    /// sidecar lists). Unset: not for a pool with `shedding` or `flow_control` (its requests are
+    /// shed or queued one by one: a lease would let through up to `redis.lease_ttl_ms` of
+    /// arrivals past its load), its `picker.admission_leases` for a picking pool; every other
+    /// pool may.
+    #[serde(default)]
+    pub admission_leases: Option<bool>,
 }
 
 fn default_connect_timeout_ms() -> u64 {
@@ -1765,6 +1773,16 @@ impl GatewayConfig {
             }
             if pool.connect_timeout_ms == 0 {
                 return fail(format!("{at}.connect_timeout_ms"), "must be > 0");
+            }
+            if pool.admission_leases.is_some()
+                && pool.shedding.is_none()
+                && pool.picker.is_none()
+                && pool.flow_control.is_none()
+            {
+                return fail(
+                    format!("{at}.admission_leases"),
+                    "needs shedding, picker or flow_control (a pool without them is leased whenever leases are on)",
+                );
             }
         }
         for (i, pool) in self.pools.iter().enumerate() {

@@ -408,6 +408,25 @@ fn admission_leases_are_the_default_and_wrap_the_admission_filter() {
     }
     let off = yaml(&exact(Target::Standalone)["standalone/sidecar.yaml"]);
     assert_eq!(off["redis"]["lease_fraction"], yaml("0.0"));
+    // The example's pools are shed by their load: the sidecar leases them only when a pool says
+    // so (its `admission_leases`), and gatewayctl renders that only when set.
+    let pools = &sidecar["pools"];
+    assert!(pools.as_sequence().unwrap().iter().all(|p| p["admission_leases"].is_null()), "{pools:?}");
+    let text = std::fs::read_to_string(EXAMPLE).unwrap().replace(
+        "    shedding: {max_in_flight: 256}\n",
+        "    shedding: {max_in_flight: 256}\n    admission_leases: true\n",
+    );
+    let loaded = Loaded::from_yaml(&text, EXAMPLE, Path::new("../envoy/examples").to_path_buf()).unwrap();
+    let rendered = render(&loaded, Target::Standalone).unwrap();
+    let sidecar = rendered.files.iter().find(|f| f.path == "standalone/sidecar.yaml").unwrap();
+    let llama = yaml(&sidecar.content)["pools"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "pool_llama")
+        .cloned()
+        .unwrap();
+    assert_eq!(llama["admission_leases"], true);
 }
 
 /// The example with pool_qwen and pool_llama picking (in that config order), both Services in the

@@ -77,7 +77,8 @@ impl AdmissionLeases for AdmissionLeaseService {
 /// asked), `reported` and `report_closed` (a report on a lease open in Redis, or on one given back
 /// or reclaimed already: nothing recorded), `report_failed` (Redis did not answer: the filter
 /// reports again), or why nothing was granted: `off` (`redis.lease_fraction` 0), `unknown_tenant`,
-/// `picking` (the pool's `picker` takes no leases), `shedding` (the pool is at the lowest tier's
+/// `picking` (the pool's `picker` takes no leases), `load_protected` (the pool is shed or queued by
+/// its load, and its `admission_leases` is not set), `shedding` (the pool is at the lowest tier's
 /// shedding level, or near saturation with flow control), `too_tight` (a lease would not
 /// cover two requests), `over_limit` (the buckets lack the lease), `quota` (a quota counter of
 /// the tenant lacks room for the lease's tokens, or the tenant has quotas and no tokens bucket),
@@ -121,8 +122,13 @@ async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'stat
         return (admission_lease::refusal(LEASES_OFF_RETRY_MS), "off");
     }
     if !config.pool_allows_admission_leases(&request.pool) {
-        // Every request of a picking pool goes through the admission, where it is picked.
-        return (admission_lease::refusal(LEASES_OFF_RETRY_MS), "picking");
+        // Every request of a picking, shed or queued pool goes through the admission, where it is
+        // picked, shed or queued one by one.
+        let picking = config.pools.iter().any(|p| p.name == request.pool && p.picker.is_some());
+        return (
+            admission_lease::refusal(LEASES_OFF_RETRY_MS),
+            if picking { "picking" } else { "load_protected" },
+        );
     }
     if shared.pools.check(&request.pool, config.shedding.lowest_level()).is_some()
         || shared.pools.near_saturation(&request.pool)

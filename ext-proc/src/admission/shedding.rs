@@ -185,6 +185,7 @@ mod tests {
             max_in_flight: None,
             picker: None,
             flow_control: None,
+            admission_leases: None,
         }
     }
 

@@ -500,6 +500,7 @@ mod tests {
             max_in_flight: Some(max_in_flight),
             picker: None,
             flow_control: Some(PoolFlowConfig { max_queued, leases_below_load: 0.8 }),
+            admission_leases: None,
         };
         let tier =
             |name: &str, max_load| QueueTierConfig { name: name.into(), max_queue_wait_ms: 1000, max_load };

@@ -158,6 +158,7 @@ mod tests {
             max_in_flight: in_flight,
             picker: None,
             flow_control: None,
+            admission_leases: None,
         }
     }
 

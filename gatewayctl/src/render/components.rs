@@ -249,6 +249,9 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
             if let Some(flow) = &p.flow_control {
                 fields.push(("flow_control", to_value(flow)?));
             }
+            if let Some(v) = p.admission_leases {
+                fields.push(("admission_leases", b(v)));
+            }
             Ok(map(fields))
         });
         top.push(("pools", seq(pools.collect::<Result<Vec<_>, _>>()?)));
