@@ -261,14 +261,23 @@ async fn leased_records_in_one_batch_count_and_settle_as_one_call_each() {
     assert!(near(r, REQUESTS - 100.0 - 2.0), "{r}");
     assert!(near(t, TOKENS - 10_000.0 + 210.0 - 110.0), "{t}");
     // (A record finished at 0 is dated when it is written.)
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
-    let day: std::collections::HashMap<String, i64> = redis::cmd("HGETALL")
-        .arg(gateway_ext_proc::store::usage_key("llmgw", "acme", now))
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let day = usage_today(&mut conn).await;
     assert_eq!(day.get("m:requests"), Some(&5));
     assert_eq!(day.get("m:completion_tokens"), Some(&(20 + 40 + 30 + 50 + 10)));
+}
+
+/// Unix time now, in seconds.
+fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs()
+}
+
+/// The tenant's usage hash of today (a record finished at 0 is dated when it is written).
+async fn usage_today(conn: &mut redis::aio::MultiplexedConnection) -> std::collections::HashMap<String, i64> {
+    redis::cmd("HGETALL")
+        .arg(gateway_ext_proc::store::usage_key("llmgw", "acme", unix_now()))
+        .query_async(conn)
+        .await
+        .unwrap()
 }
 
 /// LU's entries (field -> value).
@@ -349,18 +358,14 @@ async fn a_reclaim_keeps_what_the_filter_reported_charged_and_charges_what_never
     // The usage hash: four records (prompt 10 each; completion 20 + 10 + 30 + 0) and the charge
     // (prompt 10, completion 90), priced 1 and 2 USD per 1M tokens (1,000 and 2,000 nano-dollars
     // each); the day's quota counter: 100 used and 100 charged.
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
-    let day: std::collections::HashMap<String, i64> = redis::cmd("HGETALL")
-        .arg(gateway_ext_proc::store::usage_key("llmgw", "acme", now))
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let day = usage_today(&mut conn).await;
     let get = |f: &str| day.get(f).copied();
     assert_eq!(
         (get("m:requests"), get("m:prompt_tokens"), get("m:completion_tokens")),
         (Some(5), Some(50), Some(150))
     );
     assert_eq!(get("m:cost_nano_usd"), Some(50 * 1_000 + 150 * 2_000));
+    let now = unix_now();
     let quota_key = quota::quota_key("llmgw", "acme", None, quota::Period::Day, &quota::day_label(now));
     let used: Option<i64> = redis::cmd("GET").arg(&quota_key).query_async(&mut conn).await.unwrap();
     assert_eq!(used, Some(200));
@@ -388,13 +393,7 @@ async fn a_reclaim_keeps_what_the_filter_reported_charged_and_charges_what_never
     assert_eq!(apply("n.5", 10, 5).await, Applied::Duplicate);
     let (r, t) = levels(&config, &store, &mut conn).await;
     assert!(near(r, REQUESTS - 5.0) && near(t, TOKENS - 200.0), "{r} {t}");
-    let requests: Option<i64> = redis::cmd("HGET")
-        .arg(gateway_ext_proc::store::usage_key("llmgw", "acme", now))
-        .arg("m:requests")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    assert_eq!(requests, Some(5));
+    assert_eq!(usage_today(&mut conn).await.get("m:requests"), Some(&5));
 }
 
 #[tokio::test]
@@ -466,11 +465,6 @@ async fn a_lease_reclaimed_by_an_older_sidecar_is_charged_nothing() {
     );
     assert_eq!(store.lease_charge("acme", "L8", "").await.unwrap(), Some(LeaseCharge::default()));
     assert_eq!(store.lease_charges_due("acme", Duration::ZERO, 10).await.unwrap(), []);
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
-    let day: std::collections::HashMap<String, i64> = redis::cmd("HGETALL")
-        .arg(gateway_ext_proc::store::usage_key("llmgw", "acme", now))
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let day = usage_today(&mut conn).await;
     assert!(day.is_empty(), "{day:?}");
 }
