@@ -112,14 +112,15 @@
 --   back). Applied (1) only if the lease is open; else 0 (reclaimed already: the reclaim gave back
 --   what its requests had not used). The lease's LU entries go.
 -- 'lease_reclaim': an open lease whose filter went away. KEYS: L, LD, LU, LR, B1..Bn. ARGV[2]
---   lease id, ARGV[3] the longest stream lifetime (ms), ARGV[4] n, per bucket: kind ('requests'
+--   lease id, ARGV[3] how long LR and LU keep the lease for its 'lease_charge' (ms: the longest
+--   stream lifetime, after which it is due, and room for the sweeps), ARGV[4] n, per bucket: kind ('requests'
 --   or 'tokens'), capacity, rate_per_minute. The lease is closed and joins LR; its requests
 --   counted are the reported ones, those numbered past the report whose usage landed, and those
 --   without a number whose usage landed: each requests bucket gets back the lease's requests
 --   less those, each tokens bucket its tokens less what those reserved (at most the capacity).
 --   LU keeps the lease's report, landed counts and model for its 'lease_charge' (LR and LU live
---   at least twice ARGV[3] past the reclaim). Returns {1, requests back, tokens back}; {0, 0, 0}
---   when it was not open.
+--   at least ARGV[3] past the reclaim). Returns {1, requests back, tokens back}; {0, 0, 0} when it
+--   was not open.
 -- 'lease_charges_due': the leases reclaimed more than ARGV[2] ms ago (the longest stream
 --   lifetime: their requests' usage can no longer arrive), at most ARGV[3]. KEYS: LR, LU.
 --   Returns {id1, model1, id2, model2, ...}.
@@ -626,8 +627,8 @@ local function run(keys, args)
     redis.call('ZREM', K[2], id)
     hdel_all(K[3], gone)
     local now = now_us()
-    -- Its charge comes the longest stream lifetime later: LR and LU outlive that by as much again.
-    local keep = 2 * tonumber(A[3])
+    -- Its charge comes the longest stream lifetime later: LR and LU keep it for that and more.
+    local keep = tonumber(A[3])
     redis.call('HSET', K[3], id .. ':m', model)
     if redis.call('PTTL', K[3]) < keep then
       redis.call('PEXPIRE', K[3], keep)

@@ -876,11 +876,12 @@ impl Store {
     }
 
     /// Reclaims an orphaned admission lease (`lua/ledger_v1.lua`, operation `lease_reclaim`):
-    /// closes it, remembers it reclaimed for `retention`, and gives each of `buckets` (the plan
-    /// of its tenant and model) what the lease took less what its requests reserved: those the
-    /// filter reported ([`Store::lease_report`]) and those whose usage landed. `retention` is the
-    /// longest stream lifetime: the lease's reported requests whose usage has not landed by then
-    /// are charged as usage ([`Store::lease_charge`]).
+    /// closes it, remembers it reclaimed, and gives each of `buckets` (the plan of its tenant and
+    /// model) what the lease took less what its requests reserved: those the filter reported
+    /// ([`Store::lease_report`]) and those whose usage landed. `retention` is the longest stream
+    /// lifetime: the lease's reported requests whose usage has not landed by then are charged as
+    /// usage ([`Store::lease_charge`]); what the charge reads is kept `retention` plus
+    /// [`ledger::KEEP_MARGIN`] (a charge due at `retention` may come a few sweeps later).
     /// The requests and tokens given back; `None` when it was not open (given back, or reclaimed
     /// by another replica).
     ///
@@ -900,7 +901,7 @@ impl Store {
             .key(ledger::leases_reclaimed_key(&self.prefix, tenant))
             .arg("lease_reclaim")
             .arg(lease_id)
-            .arg(u64::try_from(retention.as_millis()).unwrap_or(u64::MAX))
+            .arg(u64::try_from(retention.saturating_add(ledger::KEEP_MARGIN).as_millis()).unwrap_or(u64::MAX))
             .arg(buckets.len());
         for b in buckets {
             inv.key(&b.key).arg(b.kind.as_str()).arg(b.capacity).arg(b.rate_per_minute);

@@ -448,8 +448,14 @@ async fn a_lease_reclaimed_by_an_older_sidecar_is_charged_nothing() {
     let (config, store, mut conn) = setup(&redis).await;
     take(&config, &store, "L8").await;
     assert!(store.lease_report("acme", "L8", 2, 200, 20).await.unwrap());
-    let back = store.lease_reclaim("acme", "L8", &plan(&config, &store), Duration::from_secs(600)).await;
+    // Due for its charge at once (a longest stream lifetime of 0), yet kept for the sweeps that
+    // come later: a day and more.
+    let back = store.lease_reclaim("acme", "L8", &plan(&config, &store), Duration::ZERO).await;
     assert_eq!(back.unwrap(), Some((98, 9_800)));
+    for key in [ledger::leases_reclaimed_key("llmgw", "acme"), ledger::lease_used_key("llmgw", "acme")] {
+        let ttl: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut conn).await.unwrap();
+        assert!(ttl > ledger::KEEP_MARGIN.as_millis() as i64 - 60_000, "{key}: {ttl} ms");
+    }
     // An older sidecar's reclaim kept neither the model nor the landed counts: the requests it
     // reported cannot be told landed or not, so none is charged (as that sidecar charged none).
     let _: () = redis::cmd("HDEL")
