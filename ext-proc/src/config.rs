@@ -317,7 +317,8 @@ pub struct PoolConfig {
     /// `redis.lease_fraction`). A request admitted from a lease never reaches the sidecar: it is
     /// not shed, queued or picked one by one, and the pool's load sees it only through the
     /// filter's next report, while the lease admits for up to `redis.lease_ttl_ms` (on an
-    /// overloaded pool that let through a second's arrivals: docs/benchmarks.md, "Overload").
+    /// overloaded shed pool, TTFT p99 4.64× unloaded against 0.97× decided one by one:
+    /// docs/deploy.md, "Why leases are the default").
     /// Unset: false for a pool that is shed or queued (a `max_*` threshold or `flow_control`),
     /// its picker's `admission_leases` for a picking pool, true otherwise
     /// ([`Config::pool_allows_admission_leases`]).
