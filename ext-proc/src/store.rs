@@ -648,27 +648,40 @@ impl Store {
             return Ok(Vec::new());
         }
         let now_ms = unix_ms();
+        let events: Vec<(u64, proto::UsageEvent)> = records
+            .iter()
+            .map(|record| {
+                let finished = finished_ms(record, now_ms);
+                let mut event = to_event(record, self.book.clock.shift_ms(finished));
+                event.cost_nano_usd = self.cost_of(record);
+                (finished, event)
+            })
+            .collect();
+        self.append_events(now_ms, &events).await
+    }
+
+    /// Appends `events` (each with its end, unix ms, which picks its window of appended ids) in
+    /// one `append_once` call, each once per `record_id` ([`Store::append`]). Whether each
+    /// appended, in order.
+    async fn append_events(
+        &self,
+        now_ms: u64,
+        events: &[(u64, proto::UsageEvent)],
+    ) -> Result<Vec<bool>, StoreError> {
         let mut call = Call::default();
         call.key(&self.stream).arg(self.stream_maxlen);
-        for record in records {
-            let finished = finished_ms(record, now_ms);
-            let mut event = to_event(record, self.book.clock.shift_ms(finished));
-            event.cost_nano_usd = self.cost_of(record);
+        for (finished, event) in events {
             let (sent, expire_at) = sent_key(&self.stream, finished / 1000, now_ms / 1000);
-            call.key(sent)
-                .arg(&record.info.record_id)
-                .arg(expire_at)
-                .arg(event.encode_to_vec())
-                .arg(&record.info.tenant);
+            call.key(sent).arg(&event.record_id).arg(expire_at).arg(event.encode_to_vec()).arg(&event.tenant);
         }
         let mut conn = self.conn();
         let appended: Vec<i64> =
             self.bounded(call.invocation(&self.append_once).invoke_async(&mut conn)).await?;
-        if appended.len() != records.len() {
+        if appended.len() != events.len() {
             return Err(StoreError::Reply(ReplyError(format!(
                 "usage stream append: {} replies to {} records",
                 appended.len(),
-                records.len()
+                events.len()
             ))));
         }
         Ok(appended.into_iter().map(|a| a == 1).collect())
@@ -694,7 +707,6 @@ impl Store {
             return Ok(false);
         }
         let now_ms = unix_ms();
-        let record_id = format!("lease.{lease_id}");
         let prompt_tokens = charge.prompt_tokens.min(charge.tokens);
         let completion_tokens = charge.tokens - prompt_tokens;
         let event = proto::UsageEvent {
@@ -706,24 +718,13 @@ impl Store {
             usage_source: proto::UsageSource::Reservation as i32,
             reserved_tokens: charge.tokens,
             finished_at_unix_ms: self.book.clock.shift_ms(now_ms),
-            record_id: record_id.clone(),
+            record_id: format!("lease.{lease_id}"),
             cost_nano_usd: self.book.cost(model, prompt_tokens, 0, completion_tokens),
             requests: charge.requests,
             ..Default::default()
         };
-        let mut call = Call::default();
-        let (sent, expire_at) = sent_key(&self.stream, now_ms / 1000, now_ms / 1000);
-        call.key(&self.stream)
-            .arg(self.stream_maxlen)
-            .key(sent)
-            .arg(&record_id)
-            .arg(expire_at)
-            .arg(event.encode_to_vec())
-            .arg(tenant);
-        let mut conn = self.conn();
-        let appended: Vec<i64> =
-            self.bounded(call.invocation(&self.append_once).invoke_async(&mut conn)).await?;
-        Ok(appended.first() == Some(&1))
+        let appended = self.append_events(now_ms, &[(now_ms, event)]).await?;
+        Ok(appended.first() == Some(&true))
     }
 
     /// Gives an admission back (`lua/ledger_v1.lua`, operation `release`): if the request's
