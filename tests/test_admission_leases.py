@@ -312,15 +312,52 @@ def test_a_pool_near_shedding_gets_no_lease(tmp_path_factory, native):
         assert metric(sidecar_metrics(s), "llm_gateway_shed_total", pool="pool_shed", tier="batch") == 2
 
 
-def test_a_shed_pool_is_not_leased_unless_it_says_so(tmp_path_factory, native):
-    """A pool the sidecar sheds by its load (`max_queue_depth`) and that does not set
-    `admission_leases` gets no lease however large the tenant's limit: each of its requests is
-    decided, and could be shed, by the ext_proc admission (a lease would admit up to a lease TTL
-    of arrivals past its load)."""
+def test_a_shed_pool_is_leased_only_within_its_headroom(tmp_path_factory, native):
+    """A pool the sidecar sheds by its load (`max_in_flight: 4`) is leased by default, but a lease
+    covers at most half of the pool's headroom beside the other leases of it, and the requests a
+    lease may still admit count as in flight for the ext_proc admission's shedding: six streams
+    held open get four 200s and two 429s `overloaded`, whichever of them the leases admitted, and
+    vLLM never holds more than four (the tenant's limit alone would lease 100 requests)."""
+    key = new_api_key()
+    tenant = Tenant("al-headroom", [key], {"requests_per_minute": 10_000, "tokens_per_minute": 1_000_000})
+    pools = [Pool("pool_l", ["sim/l"], ["--output-tokens", "60", "--itl-ms", "400"],
+                  shedding={"max_in_flight": 4, "scrape_interval_ms": 100})]
+    with leased_stack(tmp_path_factory.mktemp("al-headroom"), [tenant], lease_ttl_ms=30_000, pools=pools,
+                      native=native) as s:
+        sim = s.pool("pool_l").urls[0]
+
+        def in_flight() -> float:
+            return metric(sidecar_metrics(s), "llm_gateway_in_flight_requests", pool="pool_l")
+
+        first = post(s, "/v1/chat/completions", chat_body("l", max_tokens=1), key=key)
+        assert first.status_code == 200, first.text
+        assert wait_for(lambda: leases(s, "granted") >= 1, timeout=10), sidecar_metrics(s)
+        assert wait_for(lambda: in_flight() == 0, timeout=10), in_flight()
+        statuses = []
+        with contextlib.ExitStack() as held:
+            for _ in range(6):
+                client, response = open_stream(s.base_url, chat_body("l", max_tokens=50, stream=True), auth(key))
+                held.callback(client.close)
+                held.callback(response.close)
+                statuses.append(response.status_code)
+                if response.status_code != 200:
+                    response.read()
+                    assert_openai_error(response, 429, code="overloaded")
+            assert sorted(statuses) == [200] * 4 + [429] * 2, statuses
+            assert envoy_counter(s, EXT_PROC_STREAMS) < 7, "a lease admitted some of them"
+            assert wait_for(lambda: upstream_metric(sim, "vllm:num_requests_running")
+                            + upstream_metric(sim, "vllm:num_requests_waiting") == 4, timeout=10)
+            assert wait_for(lambda: in_flight() == 4, timeout=10), in_flight()
+        assert metric(sidecar_metrics(s), "llm_gateway_shed_total", pool="pool_l", tier="standard") == 2
+
+
+def test_a_shed_pool_that_says_no_is_not_leased(tmp_path_factory, native):
+    """A pool the sidecar sheds by its load with `admission_leases: false` gets no lease however
+    large the tenant's limit: each of its requests is decided by the ext_proc admission."""
     key = new_api_key()
     tenant = Tenant("al-protected", [key], {"requests_per_minute": 10_000, "tokens_per_minute": 1_000_000})
     pools = [Pool("pool_l", ["sim/l"], ["--output-tokens", "2"],
-                  shedding={"max_queue_depth": 1000, "scrape_interval_ms": 100})]
+                  shedding={"max_queue_depth": 1000, "scrape_interval_ms": 100, "admission_leases": False})]
     with leased_stack(tmp_path_factory.mktemp("al-protected"), [tenant], lease_ttl_ms=1000, pools=pools,
                       native=native) as s:
         first = post(s, "/v1/chat/completions", chat_body("l", max_tokens=2), key=key)

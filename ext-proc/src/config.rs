@@ -175,15 +175,31 @@ fn default_epp_max_blocks() -> usize {
 
 impl Config {
     /// Whether the filter may admit `pool`'s requests from admission leases: the pool's
-    /// `admission_leases` when set; unset, not for a pool the sidecar sheds or queues
-    /// ([`PoolConfig::load_protected`]) nor for one whose `picker` does not allow them
-    /// ([`PickerConfig::admission_leases`]); a pool the config does not list may.
+    /// `admission_leases` when set; unset, not for a pool flow control queues, nor for one whose
+    /// `picker` does not allow them ([`PickerConfig::admission_leases`]); a pool the config does
+    /// not list may. A pool the sidecar sheds or queues by its load is leased only within its
+    /// headroom ([`crate::lease_headroom`]).
     pub fn pool_allows_admission_leases(&self, pool: &str) -> bool {
         let Some(p) = self.pools.iter().find(|p| p.name == pool) else {
             return true;
         };
-        p.admission_leases
-            .unwrap_or_else(|| !p.load_protected() && p.picker.is_none_or(|picker| picker.admission_leases))
+        p.admission_leases.unwrap_or_else(|| {
+            p.flow_control.is_none() && p.picker.is_none_or(|picker| picker.admission_leases)
+        })
+    }
+
+    /// The pool `pool` when the sidecar sheds or queues it by its load
+    /// ([`PoolConfig::load_protected`]): its leases are bounded by its headroom.
+    pub fn load_protected_pool(&self, pool: &str) -> Option<&PoolConfig> {
+        self.pools.iter().find(|p| p.name == pool && p.load_protected())
+    }
+
+    /// The load at which `pool`'s admission leases stop: the lowest tier's shedding level
+    /// (`shedding.tier_levels`, 1.0 with none), and for a flow-controlled pool at most its
+    /// `flow_control.leases_below_load`.
+    pub fn lease_level(&self, pool: &PoolConfig) -> f64 {
+        let lowest = self.shedding.lowest_level();
+        pool.flow_control.map_or(lowest, |f| f.leases_below_load.min(lowest))
     }
 
     /// Whether an `endpoint_pickers[]` listener picks for `pool` (then the admission does not).
@@ -316,11 +332,13 @@ pub struct PoolConfig {
     /// Whether the sidecar grants the filter admission leases for this pool (with
     /// `redis.lease_fraction`). A request admitted from a lease never reaches the sidecar: it is
     /// not shed, queued or picked one by one, and the pool's load sees it only through the
-    /// filter's next report, while the lease admits for up to `redis.lease_ttl_ms` (on an
-    /// overloaded shed pool, TTFT p99 4.64× unloaded against 0.97× decided one by one:
+    /// filter's next report. For a pool with a `max_*` threshold or `flow_control`, a lease
+    /// therefore covers at most the pool's headroom before its shedding level less what this
+    /// replica's other leases of it may still admit ([`crate::lease_headroom`]; unbounded, an
+    /// overloaded shed pool's TTFT p99 was 4.64× unloaded against 0.97× decided one by one:
     /// docs/deploy.md, "Why leases are the default").
-    /// Unset: false for a pool that is shed or queued (a `max_*` threshold or `flow_control`),
-    /// its picker's `admission_leases` for a picking pool, true otherwise
+    /// Unset: false for a pool with `flow_control` (its queue orders the requests), its picker's
+    /// `admission_leases` for a picking pool, true otherwise
     /// ([`Config::pool_allows_admission_leases`]).
     #[serde(default)]
     pub admission_leases: Option<bool>,
@@ -1858,7 +1876,10 @@ mod tests {
         };
         let c = leases("picker: {}");
         assert!(!c.pool_allows_admission_leases("a"), "a picking pool gets no leases by default");
-        assert!(!c.pool_allows_admission_leases("b"), "nor a pool shed by its load");
+        assert!(c.pool_allows_admission_leases("b"), "a pool shed by its load does, within its headroom");
+        assert_eq!(c.load_protected_pool("b").map(|p| p.name.as_str()), Some("b"));
+        assert!(c.load_protected_pool("a").is_none() && c.load_protected_pool("unknown").is_none());
+        assert_eq!(c.lease_level(&c.pools[1]), 1.0, "no tier levels: shed at 1.0");
         assert!(c.pool_allows_admission_leases("unknown"), "a pool the sidecar does not watch may");
         assert!(leases("picker: {admission_leases: true}").pool_allows_admission_leases("a"));
         assert!(!leases("picker: {admission_leases: true}, admission_leases: false")
@@ -1866,7 +1887,11 @@ mod tests {
         let opted =
             Config::from_yaml(&format!("{POOL}  - {{name: b, max_in_flight: 4, admission_leases: true}}\n"))
                 .unwrap();
-        assert!(opted.pool_allows_admission_leases("b"), "the pool's own setting wins");
+        assert!(opted.pool_allows_admission_leases("b"));
+        let out =
+            Config::from_yaml(&format!("{POOL}  - {{name: b, max_in_flight: 4, admission_leases: false}}\n"))
+                .unwrap();
+        assert!(!out.pool_allows_admission_leases("b"), "the pool's own setting wins");
         let bad = |picker: &str| {
             err(&format!("{POOL}  - {{name: a, endpoints: ['http://10.0.0.1:8000'], picker: {picker}}}\n"))
         };

@@ -36,7 +36,8 @@ pub mod pools;
 pub mod scheduling;
 pub mod service;
 pub use admission::{
-    admission_lease, breaker, context, lease, lease_service, limiter, limits, local_limiter, quota, shedding,
+    admission_lease, breaker, context, lease, lease_headroom, lease_service, limiter, limits, local_limiter,
+    quota, shedding,
 };
 pub use gateway_meter::sse;
 pub use metering::{access_log, journal, landed, ledger, meter, recorder, sweeper, usage_report};

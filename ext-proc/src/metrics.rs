@@ -108,7 +108,7 @@ pub struct Reason {
 }
 
 /// `{outcome}` of an admission-lease call from the filter: `granted`, `given_back`, or why none was
-/// granted (`off`, `unknown_tenant`, `picking`, `load_protected`, `shedding`, `too_tight`, `over_limit`, `quota`,
+/// granted (`off`, `unknown_tenant`, `picking`, `load_protected`, `shedding`, `headroom`, `too_tight`, `over_limit`, `quota`,
 /// `redis_unavailable`); of a report on a held lease (`reported`, `report_closed`,
 /// `report_failed`); also of a degraded bucket's reconciliation (`applied`, `retried`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

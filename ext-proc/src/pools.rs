@@ -29,6 +29,7 @@ use tracing::{debug, info};
 use crate::config::{endpoint_addr, FlowControlConfig, PoolConfig};
 use crate::flow_control::room::{self, SinceScrape};
 use crate::flow_control::PoolFlow;
+use crate::lease_headroom;
 use crate::metrics::{EndpointLabel, Metrics, PoolBlocks, PoolEndpoint, PoolLabel, PoolReason};
 use crate::scheduling::{Pick, PoolPicker};
 use crate::shedding::{self, PoolSignals, Scrape};
@@ -123,6 +124,8 @@ struct PoolState {
     /// This sidecar's admissions and the ends it saw since the last complete scrape (the room
     /// rule's estimate of vLLM's queue, [`room::has_room`]).
     since_scrape: SinceScrape,
+    /// What this replica's admission leases of the pool may still admit ([`Pools::hold_lease`]).
+    leased: lease_headroom::LeasedRequests,
 }
 
 pub(crate) struct Pool {
@@ -224,13 +227,52 @@ impl Pools {
         self.pools.iter()
     }
 
-    /// Whether a request of a tier with shedding level `level` is shed from `pool` now.
+    /// Whether a request of a tier with shedding level `level` is shed from `pool` now; the
+    /// requests this replica's admission leases of the pool may still admit count as in flight
+    /// ([`Pools::hold_lease`]).
     pub fn check(&self, pool: &str, level: f64) -> Option<Shed> {
         let p = self.pools.get(pool)?;
-        let signals = p.state.lock().ok()?.signals;
+        let signals = {
+            let mut s = p.state.lock().ok()?;
+            let leased = s.leased.outstanding(Instant::now());
+            PoolSignals { in_flight: s.signals.in_flight.saturating_add(leased), ..s.signals }
+        };
         let load = shedding::load(&p.config, &signals);
         shedding::should_shed(load, level)
             .then(|| Shed { load, retry_after_secs: shedding::retry_after_secs(&p.config, &signals, level) })
+    }
+
+    /// Sizes one more admission lease of `pool` (of `tenant`'s `model`) under the pool's lock:
+    /// `size` gets the requests the lease may take (half the headroom left before `level` beside
+    /// this replica's live leases of the pool: [`lease_headroom::headroom`],
+    /// [`lease_headroom::lease_share`]; `None` when no limit bounds it now) and answers the
+    /// lease and its requests, which count among the pool's leases until `until` (or until
+    /// [`Pools::lease_used`] takes them off), or `None` for no lease. `None` also for a pool not
+    /// configured.
+    pub fn hold_lease<T>(
+        &self,
+        pool: &str,
+        level: f64,
+        (tenant, model): (&str, &str),
+        until: Instant,
+        size: impl FnOnce(Option<u64>) -> Option<(T, u64)>,
+    ) -> Option<T> {
+        let p = self.pools.get(pool)?;
+        let mut s = p.state.lock().ok()?;
+        let leased = s.leased.outstanding(Instant::now());
+        let room = lease_headroom::headroom(&p.config, &s.signals, s.since_scrape, leased, level);
+        let (lease, requests) = size(room.map(lease_headroom::lease_share))?;
+        s.leased.granted(tenant, model, requests, until);
+        Some(lease)
+    }
+
+    /// `requests` requests of `tenant`'s `model` admitted from (and reported), or given back to,
+    /// this replica's leases of `pool` ([`Pools::hold_lease`]).
+    pub fn lease_used(&self, pool: &str, tenant: &str, model: &str, requests: u64) {
+        let Some(p) = self.pools.get(pool) else { return };
+        if let Ok(mut s) = p.state.lock() {
+            s.leased.used(tenant, model, requests);
+        }
     }
 
     /// Picks the endpoint of `pool` for an admitted request whose prompt hashes to `hashes`,

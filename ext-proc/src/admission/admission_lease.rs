@@ -268,6 +268,25 @@ pub fn size(plan: &[BucketSpec], fraction: f64, request_tokens: u64) -> Option<L
     })
 }
 
+/// `size` covering at most `most` requests (a load-protected pool's headroom,
+/// [`crate::lease_headroom`]): its requests, unlimited ones included, capped at `most`, and each
+/// requests bucket of its plan taking that many. `None` when `most` is under two requests (no
+/// lease, as for a limit too tight). A lease capped where no requests bucket applies takes
+/// nothing more from Redis: the filter counts its requests down all the same.
+pub fn cap_requests(mut size: LeaseSize, most: u64) -> Option<LeaseSize> {
+    if most < 2 {
+        return None;
+    }
+    if size.requests_unlimited || size.requests > most {
+        size.requests = most;
+        size.requests_unlimited = false;
+        for bucket in size.plan.iter_mut().filter(|b| b.kind == BucketKind::Requests) {
+            bucket.cost = most;
+        }
+    }
+    Some(size)
+}
+
 /// What a returned lease gives back: `returned_requests` to every requests bucket of the plan
 /// and `returned_tokens` to every tokens bucket (each at most its capacity), as settlements.
 pub fn give_back(
@@ -378,6 +397,22 @@ mod tests {
         assert!(s.requests_unlimited && !s.tokens_unlimited);
         let s = size(&[], 0.01, 300).unwrap();
         assert!(s.requests_unlimited && s.tokens_unlimited && s.plan.is_empty());
+    }
+
+    #[test]
+    fn a_capped_lease_covers_at_most_the_headroom_unlimited_requests_included() {
+        let plan = limits::plan("p", &tenant(Some(6000), Some(1_000_000)), "m", 300);
+        let s = size(&plan, 0.01, 300).unwrap();
+        let capped = cap_requests(s.clone(), 4).unwrap();
+        assert_eq!((capped.requests, capped.tokens, capped.requests_unlimited), (4, 10_000, false));
+        let costs: Vec<_> = capped.plan.iter().map(|b| b.cost).collect();
+        assert_eq!(costs, [4, 10_000], "the requests bucket takes only the capped lease");
+        assert_eq!(cap_requests(s.clone(), 1000), Some(s.clone()), "room for more: unchanged");
+        assert_eq!(cap_requests(s, 1), None, "under two requests: no lease");
+        let unlimited = size(&[], 0.01, 300).unwrap();
+        let capped = cap_requests(unlimited, 3).unwrap();
+        assert_eq!((capped.requests, capped.requests_unlimited, capped.tokens_unlimited), (3, false, true));
+        assert!(capped.plan.is_empty(), "nothing more to take from Redis");
     }
 
     #[test]

@@ -8,7 +8,9 @@
 //! in-flight count. No lease while `redis.lease_fraction` is 0, while Redis cannot decide, while
 //! the pool's load is at the lowest tier's shedding level, or, for a flow-controlled pool, while
 //! its queue holds requests or its load is at `leases_below_load`: the filter's requests then go
-//! through the ext_proc admission, which sheds (or queues) and limits them one by one.
+//! through the ext_proc admission, which sheds (or queues) and limits them one by one. A lease
+//! for a pool the sidecar sheds or queues by its load covers at most the pool's headroom
+//! ([`crate::lease_headroom`]).
 
 use std::sync::Arc;
 
@@ -77,16 +79,23 @@ impl AdmissionLeases for AdmissionLeaseService {
 /// asked), `reported` and `report_closed` (a report on a lease open in Redis, or on one given back
 /// or reclaimed already: nothing recorded), `report_failed` (Redis did not answer: the filter
 /// reports again), or why nothing was granted: `off` (`redis.lease_fraction` 0), `unknown_tenant`,
-/// `picking` (the pool's `picker` takes no leases), `load_protected` (the pool is shed or queued by
-/// its load, and its `admission_leases` is not set), `shedding` (the pool is at the lowest tier's
+/// `picking` (the pool's `picker` takes no leases), `load_protected` (the pool is queued by flow
+/// control, or its `admission_leases` is false), `shedding` (the pool is at the lowest tier's
 /// shedding level, or near saturation with flow control), `too_tight` (a lease would not
-/// cover two requests), `over_limit` (the buckets lack the lease), `quota` (a quota counter of
+/// cover two requests), `headroom` (a pool shed or queued by its load has room for less than two
+/// more requests beside this replica's other leases of it, [`crate::lease_headroom`]), `over_limit` (the buckets lack the lease), `quota` (a quota counter of
 /// the tenant lacks room for the lease's tokens, or the tenant has quotas and no tokens bucket),
 /// `redis_unavailable`.
 async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'static str) {
     let config = &shared.config;
     if request.admitted > 0 {
         shared.pools.admitted_many(&request.pool, request.admitted);
+    }
+    let protected = config.load_protected_pool(&request.pool);
+    let used = request.admitted.saturating_add(request.returned_requests);
+    if protected.is_some() && used > 0 {
+        // Admitted (now in the in-flight count) or given back: no longer outstanding.
+        shared.pools.lease_used(&request.pool, &request.tenant, &request.model, used);
     }
     let Some(tenant) = config.tenant(&request.tenant) else {
         return (admission_lease::refusal(LEASES_OFF_RETRY_MS), "unknown_tenant");
@@ -139,16 +148,66 @@ async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'stat
     let Some(size) = admission_lease::size(&plan, fraction, request.request_tokens) else {
         return (admission_lease::refusal(ttl_ms), "too_tight");
     };
+    let (size, held) = match protected {
+        Some(pool) => match hold_headroom(shared, pool, &request.tenant, &request.model, size) {
+            Some(held) => held,
+            None => {
+                let retry_ms = ttl_ms.min(pool.scrape_interval_ms).max(1);
+                return (admission_lease::refusal(retry_ms), "headroom");
+            }
+        },
+        None => (size, 0),
+    };
+    let (grant, outcome) = take(shared, &tenant.id, request, size, ttl_ms).await;
+    if held > 0 && outcome != "granted" {
+        shared.pools.lease_used(&request.pool, &request.tenant, &request.model, held);
+    }
+    (grant, outcome)
+}
+
+/// For a load-protected `pool`: `size` capped at the share of the pool's headroom one lease
+/// may take ([`crate::pools::Pools::hold_lease`]), and its requests, held among the pool's
+/// leases until the take's answer (taken off again unless granted). `None` when less than two
+/// requests are left.
+fn hold_headroom(
+    shared: &Shared,
+    pool: &crate::config::PoolConfig,
+    tenant: &str,
+    model: &str,
+    size: admission_lease::LeaseSize,
+) -> Option<(admission_lease::LeaseSize, u64)> {
+    let config = &shared.config;
+    let ttl = std::time::Duration::from_millis(config.redis.lease_ttl_ms);
+    let until = std::time::Instant::now() + admission_lease::reclaim_after(ttl);
+    shared.pools.hold_lease(&pool.name, config.lease_level(pool), (tenant, model), until, |most| {
+        let size = match most {
+            Some(most) => admission_lease::cap_requests(size, most)?,
+            None => size,
+        };
+        let held = size.requests;
+        Some(((size, held), held))
+    })
+}
+
+/// Takes the lease `size` of `tenant` from Redis (with its quota counters); the grant and its
+/// metric outcome.
+async fn take(
+    shared: &Shared,
+    tenant_id: &str,
+    request: &LeaseRequest,
+    size: admission_lease::LeaseSize,
+    ttl_ms: u64,
+) -> (LeaseGrant, &'static str) {
     // Quotas (crate::quota): a lease only while every counter of the tenant (and tenant × model)
     // has room for all of the lease's tokens, and never without a tokens bucket to bound them.
     let store = shared.limiter.store();
     let quota_specs =
-        store.quotas().plan(store.prefix(), &tenant.id, &request.model, store.quotas().clock.now_ms());
+        store.quotas().plan(store.prefix(), tenant_id, &request.model, store.quotas().clock.now_ms());
     if !quota_specs.is_empty() && size.tokens_unlimited {
         return (admission_lease::refusal(ttl_ms), "quota");
     }
     let quota_take = QuotaTake { specs: &quota_specs, need: size.tokens, charge: 0 };
-    let quotas = (!quota_specs.is_empty()).then_some((tenant.id.as_str(), &quota_take));
+    let quotas = (!quota_specs.is_empty()).then_some((tenant_id, &quota_take));
     if size.plan.is_empty() && quotas.is_none() {
         // No limit applies: nothing to take, nothing to give back.
         let outcome = limits::TakeOutcome { denied: None, states: Vec::new() };
@@ -157,7 +216,7 @@ async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'stat
     let lease_id = format!("l-{}", shared.ids.next());
     let record = admission_lease::LeaseRecord::of(&size, &request.model);
     let quotas = quotas.map(|(_, q)| q);
-    match shared.limiter.take_lease(&tenant.id, &lease_id, &record, &size.plan, quotas).await {
+    match shared.limiter.take_lease(tenant_id, &lease_id, &record, &size.plan, quotas).await {
         Some((_, true)) => (admission_lease::refusal(ttl_ms), "quota"),
         Some((outcome, false)) if outcome.denied.is_none() => {
             (admission_lease::grant(&size, &outcome, ttl_ms, lease_id), "granted")

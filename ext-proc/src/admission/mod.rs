@@ -6,7 +6,7 @@
 //! ([`quota`]); the RPM/TPM plan and its take in Redis ([`limits`], [`limiter`], with the
 //! in-memory buckets of [`local_limiter`], the circuit breaker of [`breaker`] and the sidecar's
 //! own token leases of [`lease`]); and the filter's admission leases ([`admission_lease`], served
-//! by [`lease_service`]). This module holds the pure decisions over the limiter's outcome.
+//! by [`lease_service`], bounded by a load-protected pool's headroom: [`lease_headroom`]). This module holds the pure decisions over the limiter's outcome.
 //!
 //! Admission decisions, with no I/O: what a request reserves, and what the limiter's outcome
 //! means for it (admit with `x-ratelimit-*` values, or a 429).
@@ -15,6 +15,7 @@ pub mod admission_lease;
 pub mod breaker;
 pub mod context;
 pub mod lease;
+pub mod lease_headroom;
 pub mod lease_service;
 pub mod limiter;
 pub mod limits;
