@@ -12,6 +12,9 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
                 the sidecar's own decisions use token leases)
     gateway-exact         the gateway with leases off (`redis.lease_fraction: 0`): every request
                           decided in the sidecar against Redis (the default before issue 18)
+    gateway-shed          the gateway (with leases) whose pool the sidecar sheds by its load, as
+                          the example config's pool_qwen (EXAMPLE_SHEDDING): its leases are
+                          bounded by the pool's headroom
     gateway-no-metering   (diagnostic) gateway-exact without its metering access log: admission only
     gateway-ext-proc-metering   (diagnostic) gateway-exact metered by the ext_proc filter instead of
                           the access log (how Envoy Gateway is rendered)
@@ -131,7 +134,7 @@ RESULTS_DIR = TARGET / "bench-results"
 
 MODEL = "sim-model"
 POOL = "pool_sim"
-TARGETS = ("direct", "bare", "filter", "gateway", "gateway-exact", "gateway-no-metering",
+TARGETS = ("direct", "bare", "filter", "gateway", "gateway-exact", "gateway-shed", "gateway-no-metering",
            "gateway-ext-proc-metering", "filter-noop", "dynmod-noop", "filter-native", "gateway-native-leases")
 # The leases of the leased targets (with the filter's `admission_leases`): gatewayctl's default.
 LEASES = {"redis": {"lease_fraction": 0.01}}
@@ -147,6 +150,7 @@ PROFILES = {
     "gateway-no-metering": ("gateway", ("envoy.access_loggers.http_grpc",)),
     "gateway-ext-proc-metering": ("gateway", ()),
     "gateway-exact": ("gateway", ()),
+    "gateway-shed": ("gateway", ()),
     "filter-noop": ("filter", ()),
     "filter-base": ("filter", ()),
     "filter-native-base": ("filter", ()),
@@ -210,7 +214,7 @@ NATIVE_MODULES = {"dynmod-noop": NOOP_DYNMOD, "filter-native": FILTER_NATIVE, "g
 # The targets with admission leases (LEASES and the filter's `admission_leases`), as gatewayctl
 # renders by default; the others are decided in the sidecar on every request, as with
 # `redis.lease_fraction: 0`. The overload scenario's gateway+shedding is the default's.
-LEASED_TARGETS = ("gateway", "gateway+shedding", "gateway-native-leases", "gateway-native-leases-base", *ABLATIONS)
+LEASED_TARGETS = ("gateway", "gateway-shed", "gateway+shedding", "gateway-native-leases", "gateway-native-leases-base", *ABLATIONS)
 # The other build of the filter of the `filter-base` target.
 BASE_WASM_ENV = "FILTER_BASE_WASM"
 # The other build of the native module of the `filter-native-base` target.
@@ -372,6 +376,10 @@ QUICK = Plan(
 # in-flight requests at the engine's slots (it reacts at once), and the scraped queue depth only
 # as a backstop for pools that other gateways also feed (it lags by a scrape interval).
 # ============================================================================================
+# The shedding of the `gateway-shed` target's pool: envoy/examples/gateway.yaml's pool_qwen.
+EXAMPLE_SHEDDING = {"max_queue_depth": 64, "max_kv_cache_usage": 0.95}
+
+
 def shedding_sidecar_config(pool: str, urls: list[str], sim: SimSettings) -> dict:
     """Sidecar config keys that turn on shedding for `pool` (served by `urls`)."""
     return {
@@ -544,6 +552,17 @@ class Target:
     name: str
     base_url: str
     pids: dict[str, int] = field(default_factory=dict)  # role (envoy, sidecar, redis) -> pid
+    admin_url: str | None = None  # Envoy's admin listener
+
+    def ext_proc_streams(self) -> int | None:
+        """Envoy's count of ext_proc admission streams (requests decided in the sidecar): the
+        requests the filter admitted from a lease are the rest; None without an Envoy."""
+        if self.admin_url is None:
+            return None
+        with urllib.request.urlopen(f"{self.admin_url}/stats?filter=^http.gateway.ext_proc.streams_started$",
+                                    timeout=2) as r:
+            text = r.read().decode().strip()
+        return int(text.rsplit(": ", 1)[1]) if text else 0
 
     def peak_rss_mb(self) -> dict[str, float | None]:
         """VmHWM of each process, in MiB."""
@@ -577,6 +596,8 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
         sidecar_bin = Path(os.environ[BASE_SIDECAR_ENV])
     if profile == "direct":
         return Target(name, upstream.url)
+    if name == "gateway-shed":
+        sidecar_extra = {"pools": [{"name": POOL, "endpoints": [upstream.url], **EXAMPLE_SHEDDING}]}
     stack = BenchStack(
         workdir / name,
         pools=[Pool(POOL, [MODEL], kind="external", urls=[upstream.url])],
@@ -603,7 +624,7 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
     assert stack.envoy is not None and stack.base_url is not None
     pids = {"envoy": stack.envoy.popen.pid}
     pids.update({p.name: p.popen.pid for p in stack.procs if p.name in ("sidecar", "redis")})
-    return Target(name, stack.base_url, pids)
+    return Target(name, stack.base_url, pids, stack.admin_url)
 
 
 @dataclass
@@ -854,16 +875,21 @@ def overload(variants: dict[str, Target | str], upstream: Upstream, plan: Plan, 
                     "--max-concurrency", "2048", "--num-prompts", str(num), "--warmup", "0",
                     "--duration-s", f"{plan.overload_duration_s:g}", "--timeout-s", f"{plan.overload_timeout_s:g}",
                     "--input-len", "16", "--output-len", str(plan.overload_output_len)]
+            streams_before = running[name].ext_proc_streams()
             run = run_bench(args, raw / "overload" / f"{name}-x{factor:g}.json",
                             timeout_s=plan.overload_duration_s + plan.overload_timeout_s + 60)
+            streams_after = running[name].ext_proc_streams()
             m = point_metrics(run.report["points"][0])
-            m.update(factor=factor, offered_rate=rate)
+            # Requests the filter admitted from a lease: sent, less those the sidecar decided.
+            leased = (None if streams_before is None or streams_after is None
+                      else max(0, m["sent"] - (streams_after - streams_before)))
+            m.update(factor=factor, offered_rate=rate, leased=leased)
             points[name].append(m)
             commands[name] = run.argv  # the last, highest load
             e = m["errors"]
             say(f"[overload] {name:18} {factor:4g}x ({rate:6.1f} req/s): served {m['completed']}/{m['sent']}, "
                 f"429 {e['rate_limited_quota'] + e['rate_limited_overload']}, timeouts {e['timeout']}, "
-                f"TTFT p99 {fmt(m['ttft_p99_ms'])} ms")
+                f"TTFT p99 {fmt(m['ttft_p99_ms'])} ms, leased {leased if leased is not None else 'n/a'}")
     verdicts = {}
     for name, rows in points.items():
         if not rows:
@@ -877,7 +903,7 @@ def overload(variants: dict[str, Target | str], upstream: Upstream, plan: Plan, 
             "unloaded_factor": unloaded["factor"], "top_factor": top["factor"],
             "unloaded_ttft_p99_ms": unloaded["ttft_p99_ms"], "top_ttft_p99_ms": top["ttft_p99_ms"],
             "ttft_p99_ratio": ratio, "top_refused_429": refused, "top_timeouts": e["timeout"],
-            "top_other_failures": top["failed"] - refused - e["timeout"],
+            "top_other_failures": top["failed"] - refused - e["timeout"], "top_leased": top.get("leased"),
             "pass": ratio is not None and ratio <= 2.0 and e["timeout"] == 0 and refused > 0,
         }
     return {"sim": asdict(sim), "output_len": plan.overload_output_len, "capacity_rps": capacity,
@@ -1383,7 +1409,8 @@ def overload_measured(v: dict | None) -> str:
     if not v:
         return "n/a"
     return (f"TTFT p99 {fmt(v['unloaded_ttft_p99_ms'], 1)} → {fmt(v['top_ttft_p99_ms'], 1)} ms "
-            f"({ratio(v['ttft_p99_ratio'])}), 429s {v['top_refused_429']}, timeouts {v['top_timeouts']}")
+            f"({ratio(v['ttft_p99_ratio'])}), 429s {v['top_refused_429']}, timeouts {v['top_timeouts']}"
+            + ("" if v.get("top_leased") is None else f", admitted from a lease {v['top_leased']}"))
 
 
 # ------------------------------------------------------------------------------------ main

@@ -20,6 +20,7 @@ TARGET_TEXT = {
     "filter": "Envoy + the wasm filter (auth, body validation, routing)",
     "gateway": "Envoy + filter + the ext_proc sidecar as gatewayctl renders them by default: with leases (`redis.lease_fraction: 0.01` and the filter's `admission_leases`): the filter admits most requests from admission leases without the ext_proc round trip (Envoy's matcher skips it), and the sidecar's own decisions use token leases; metering by the filter, delivered by Envoy's gRPC access log",
     "gateway-exact": "the gateway with leases off (`redis.lease_fraction: 0`): admission against Redis in the sidecar on every request (the default before issue 18)",
+    "gateway-shed": "the gateway (with leases) whose pool the sidecar sheds by its load, as the example config's `pool_qwen` (`max_queue_depth: 64`, `max_kv_cache_usage: 0.95`, scraped every 500 ms): its admission leases cover at most half of the pool's headroom at a time (`ext-proc/src/admission/lease_headroom.rs`)",
     "gateway-no-metering": "diagnostic: `gateway-exact` without its metering access log (admission only; the filter still measures)",
     "filter-noop": "diagnostic: Envoy + a proxy-wasm filter that does nothing (`filter/examples/noop.rs`): the floor any proxy-wasm filter costs in Envoy's V8 runtime",
     "filter-base": "diagnostic: Envoy + another build of the filter (`$FILTER_BASE_WASM`): a change to the filter measured side by side with the build it changes",
@@ -218,9 +219,11 @@ def overload_section(ov: dict | None) -> str:
                          str(p["completed"]), str(e["rate_limited_quota"] + e["rate_limited_overload"]),
                          str(e["timeout"]), str(p["failed"] - e["rate_limited_quota"] - e["rate_limited_overload"]
                                                 - e["timeout"]),
-                         fmt(p["ttft_p50_ms"], 1), fmt(p["ttft_p99_ms"], 1), fmt(p["request_throughput"], 1)])
+                         fmt(p["ttft_p50_ms"], 1), fmt(p["ttft_p99_ms"], 1), fmt(p["request_throughput"], 1),
+                         "—" if p.get("leased") is None else str(p["leased"])])
     out = [md_table(["variant", "offered load", "sent", "served", "429", "timeouts", "other failures",
-                     "TTFT p50 (served)", "TTFT p99 (served)", "served req/s"], rows)]
+                     "TTFT p50 (served)", "TTFT p99 (served)", "served req/s",
+                     "admitted from a lease (sent − ext_proc streams)"], rows)]
     for name, why in ov["pending"].items():
         out.append(f"\n**`{name}`: pending.** {why}")
     return "\n".join(out)

@@ -243,25 +243,25 @@ impl Pools {
     }
 
     /// Sizes one more admission lease of `pool` (of `tenant`'s `model`) under the pool's lock:
-    /// `size` gets the requests the lease may take (half the headroom left before `level` beside
-    /// this replica's live leases of the pool: [`lease_headroom::headroom`],
-    /// [`lease_headroom::lease_share`]; `None` when no limit bounds it now) and answers the
-    /// lease and its requests, which count among the pool's leases until `until` (or until
-    /// [`Pools::lease_used`] takes them off), or `None` for no lease. `None` also for a pool not
-    /// configured.
+    /// `size` gets the most requests the lease may take (half the headroom left before `level`
+    /// beside this replica's live leases of the pool: [`lease_headroom::headroom`],
+    /// [`lease_headroom::lease_share`]) and answers the lease and its requests, which count among
+    /// the pool's leases until `until` (or until [`Pools::lease_used`] takes them off), or `None`
+    /// for no lease. `None` also for a pool not configured, and while no limit of the pool bounds
+    /// its headroom (its signals unknown: then its requests are decided one by one).
     pub fn hold_lease<T>(
         &self,
         pool: &str,
         level: f64,
         (tenant, model): (&str, &str),
         until: Instant,
-        size: impl FnOnce(Option<u64>) -> Option<(T, u64)>,
+        size: impl FnOnce(u64) -> Option<(T, u64)>,
     ) -> Option<T> {
         let p = self.pools.get(pool)?;
         let mut s = p.state.lock().ok()?;
         let leased = s.leased.outstanding(Instant::now());
-        let room = lease_headroom::headroom(&p.config, &s.signals, s.since_scrape, leased, level);
-        let (lease, requests) = size(room.map(lease_headroom::lease_share))?;
+        let room = lease_headroom::headroom(&p.config, &s.signals, s.since_scrape, leased, level)?;
+        let (lease, requests) = size(lease_headroom::lease_share(room))?;
         s.leased.granted(tenant, model, requests, until);
         Some(lease)
     }

@@ -681,10 +681,11 @@ pub struct PoolSection {
     pub connect_timeout_ms: u64,
     /// Whether the filter may admit this pool's requests from admission leases (the sidecar's
     /// `pools[].admission_leases`; needs `shedding`, `picker` or `flow_control`, the pools the
-    /// sidecar lists). Unset: not for a pool with `shedding` or `flow_control` (its requests are
-    /// shed or queued one by one: a lease would let through up to `redis.lease_ttl_ms` of
-    /// arrivals past its load), its `picker.admission_leases` for a picking pool; every other
-    /// pool may.
+    /// sidecar lists). Unset: not for a pool with `flow_control` (its queue orders the
+    /// requests), its `picker.admission_leases` for a picking pool; every other pool may, a pool
+    /// with `shedding` only within its headroom (a lease covers at most half of the requests the
+    /// pool takes before its shedding level, beside the other leases of it: the sidecar's
+    /// `lease_headroom`).
     #[serde(default)]
     pub admission_leases: Option<bool>,
 }

@@ -270,11 +270,12 @@ pub fn size(plan: &[BucketSpec], fraction: f64, request_tokens: u64) -> Option<L
 
 /// `size` covering at most `most` requests (a load-protected pool's headroom,
 /// [`crate::lease_headroom`]): its requests, unlimited ones included, capped at `most`, and each
-/// requests bucket of its plan taking that many. `None` when `most` is under two requests (no
-/// lease, as for a limit too tight). A lease capped where no requests bucket applies takes
-/// nothing more from Redis: the filter counts its requests down all the same.
+/// requests bucket of its plan taking that many. `None` when `most` is 0 (no lease). A lease of
+/// one request is still worth its call: the call is made on the filter's tick, off the request's
+/// path. A lease capped where no requests bucket applies takes nothing more from Redis: the
+/// filter counts its requests down all the same.
 pub fn cap_requests(mut size: LeaseSize, most: u64) -> Option<LeaseSize> {
-    if most < 2 {
+    if most == 0 {
         return None;
     }
     if size.requests_unlimited || size.requests > most {
@@ -408,7 +409,8 @@ mod tests {
         let costs: Vec<_> = capped.plan.iter().map(|b| b.cost).collect();
         assert_eq!(costs, [4, 10_000], "the requests bucket takes only the capped lease");
         assert_eq!(cap_requests(s.clone(), 1000), Some(s.clone()), "room for more: unchanged");
-        assert_eq!(cap_requests(s, 1), None, "under two requests: no lease");
+        assert_eq!(cap_requests(s.clone(), 1).map(|c| c.requests), Some(1), "one request still pays");
+        assert_eq!(cap_requests(s, 0), None, "no headroom: no lease");
         let unlimited = size(&[], 0.01, 300).unwrap();
         let capped = cap_requests(unlimited, 3).unwrap();
         assert_eq!((capped.requests, capped.requests_unlimited, capped.tokens_unlimited), (3, false, true));

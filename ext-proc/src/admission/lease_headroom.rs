@@ -11,15 +11,15 @@
 //! count from the filter's report on, and leaves the lease's outstanding requests at the same
 //! call, so the sum of the two never passes the level. The ext_proc admission's shedding counts
 //! the outstanding requests as in flight too (`crate::pools::Pools::check`): a leased slot is
-//! taken when it is granted, whether or not the lease uses it before its TTL. A pool with less
-//! headroom than two requests gets no lease (outcome `headroom`): its requests go through the
-//! ext_proc admission, which sheds (or queues) them one by one.
+//! taken when it is granted, whether or not the lease uses it before its TTL. A pool without
+//! headroom, or whose signals bound nothing yet (never scraped; limited by KV alone and idle),
+//! gets no lease (outcome `headroom`): its requests go through the ext_proc admission, which
+//! sheds (or queues) them one by one.
 //!
 //! Limits of the bound: it is per sidecar replica (replicas sharing a pool each grant up to its
 //! headroom; divide the pool's `max_*` among them to keep the bound exact); a pool limited only
-//! by `max_kv_cache_usage` is bounded only while requests run (the KV cache per running request
-//! is what converts KV headroom into requests), as the ext_proc admission is bounded by that
-//! signal only at each scrape.
+//! by `max_kv_cache_usage` is leased only while requests run (the KV cache per running request
+//! is what converts KV headroom into requests).
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
@@ -79,15 +79,10 @@ pub fn headroom(
     least
 }
 
-/// The most requests one lease takes of `free` requests of headroom: half of them, rounded up,
-/// and at least two (the smallest lease) while two are free, so that the workers asking next
-/// and the ext_proc admission find the rest.
+/// The most requests one lease takes of `free` requests of headroom: half of them, rounded up
+/// (one of one), so that the workers asking next and the ext_proc admission find the rest.
 pub fn lease_share(free: u64) -> u64 {
-    if free <= 2 {
-        free
-    } else {
-        free.div_ceil(2)
-    }
+    free.div_ceil(2)
 }
 
 /// What one grant of a lease may still admit.
@@ -253,8 +248,8 @@ mod tests {
         assert_eq!(lease_share(8), 4);
         assert_eq!(lease_share(5), 3);
         assert_eq!(lease_share(3), 2);
-        assert_eq!(lease_share(2), 2, "two requests are the smallest lease");
-        assert_eq!(lease_share(1), 1);
+        assert_eq!(lease_share(2), 1);
+        assert_eq!(lease_share(1), 1, "a lease of one request is made on a tick, off the request's path");
         assert_eq!(lease_share(0), 0);
     }
 }

@@ -82,8 +82,10 @@ impl AdmissionLeases for AdmissionLeaseService {
 /// `picking` (the pool's `picker` takes no leases), `load_protected` (the pool is queued by flow
 /// control, or its `admission_leases` is false), `shedding` (the pool is at the lowest tier's
 /// shedding level, or near saturation with flow control), `too_tight` (a lease would not
-/// cover two requests), `headroom` (a pool shed or queued by its load has room for less than two
-/// more requests beside this replica's other leases of it, [`crate::lease_headroom`]), `over_limit` (the buckets lack the lease), `quota` (a quota counter of
+/// cover two requests), `headroom` (a pool shed or queued by its load has no room for another
+/// request beside this replica's other leases of it, or its signals bound nothing yet,
+/// [`crate::lease_headroom`]), `over_limit`
+/// (the buckets lack the lease), `quota` (a quota counter of
 /// the tenant lacks room for the lease's tokens, or the tenant has quotas and no tokens bucket),
 /// `redis_unavailable`.
 async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'static str) {
@@ -167,8 +169,8 @@ async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'stat
 
 /// For a load-protected `pool`: `size` capped at the share of the pool's headroom one lease
 /// may take ([`crate::pools::Pools::hold_lease`]), and its requests, held among the pool's
-/// leases until the take's answer (taken off again unless granted). `None` when less than two
-/// requests are left.
+/// leases until the take's answer (taken off again unless granted). `None` when no request is
+/// left, or while the pool's signals bound nothing (never scraped).
 fn hold_headroom(
     shared: &Shared,
     pool: &crate::config::PoolConfig,
@@ -180,10 +182,7 @@ fn hold_headroom(
     let ttl = std::time::Duration::from_millis(config.redis.lease_ttl_ms);
     let until = std::time::Instant::now() + admission_lease::reclaim_after(ttl);
     shared.pools.hold_lease(&pool.name, config.lease_level(pool), (tenant, model), until, |most| {
-        let size = match most {
-            Some(most) => admission_lease::cap_requests(size, most)?,
-            None => size,
-        };
+        let size = admission_lease::cap_requests(size, most)?;
         let held = size.requests;
         Some(((size, held), held))
     })
