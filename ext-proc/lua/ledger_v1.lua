@@ -426,6 +426,12 @@ local function lease_use(k, a, now)
   local m = tonumber(A[a + 3])
   local seq = tonumber(A[a + 4 + 3 * m] or '')
   local prompt = tonumber(A[a + 5 + 3 * m] or '') or 0
+  -- The request, numbered within the last report, joins the lease's landed counts.
+  local function landed()
+    hincrby(K[k + 1], id .. ':l', 1)
+    hincrby(K[k + 1], id .. ':lt', A[a + 1])
+    hincrby(K[k + 1], id .. ':lp', prompt)
+  end
   if lease_open(K[k], id) then
     if seq == nil then
       hincrby(K[k + 1], id .. ':r', 1)
@@ -433,9 +439,7 @@ local function lease_use(k, a, now)
     elseif seq > lease_reported(K[k + 1], id) then
       redis.call('HSET', K[k + 1], id .. ':#' .. int(seq), A[a + 1] .. ':' .. int(prompt))
     else
-      hincrby(K[k + 1], id .. ':l', 1)
-      hincrby(K[k + 1], id .. ':lt', A[a + 1])
-      hincrby(K[k + 1], id .. ':lp', prompt)
+      landed()
     end
     expire(K[k + 1], 'PEXPIRE', A[a + 2])
   elseif redis.call('ZSCORE', K[k + 2], id) or redis.call('ZSCORE', K[k + 3], id) then
@@ -443,9 +447,7 @@ local function lease_use(k, a, now)
       settle_all(k + 4, a + 4, m, now)
     else
       -- Reclaimed, not yet charged (lease_charged said so): its charge leaves this one out.
-      hincrby(K[k + 1], id .. ':l', 1)
-      hincrby(K[k + 1], id .. ':lt', A[a + 1])
-      hincrby(K[k + 1], id .. ':lp', prompt)
+      landed()
     end
   end
 end

@@ -643,6 +643,19 @@ impl Metrics {
             .inc();
     }
 
+    /// Runs a Redis call, its latency and failure counted under `op`
+    /// (`llm_gateway_redis_command_duration_seconds{op}`, `llm_gateway_redis_errors_total{op}`).
+    pub async fn timed_redis<T, E>(
+        &self,
+        op: &str,
+        call: impl std::future::Future<Output = Result<T, E>>,
+    ) -> Result<T, E> {
+        let started = std::time::Instant::now();
+        let result = call.await;
+        self.redis_call(op, started.elapsed(), result.is_ok());
+        result
+    }
+
     /// Records the latency (and failure) of a Redis call.
     pub fn redis_call(&self, op: &str, elapsed: Duration, ok: bool) {
         let op = Op { op: op.to_owned() };

@@ -424,9 +424,8 @@ impl Pools {
             }
             s.in_flight.to_flush(fresh, now, lag)
         };
-        let started = Instant::now();
-        let result = store.flush_in_flight(name, &self.replica, &sent).await;
-        self.metrics.redis_call("in_flight", started.elapsed(), result.is_ok());
+        let result =
+            self.metrics.timed_redis("in_flight", store.flush_in_flight(name, &self.replica, &sent)).await;
         let Ok(mut s) = pool.state.lock() else { return };
         let now = Instant::now();
         match result {

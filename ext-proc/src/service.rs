@@ -607,9 +607,13 @@ async fn rereserve(shared: &Arc<Shared>, facts: &RequestFacts, admitted: &Admitt
         let reservation =
             Reservation::of(facts, admitted.reserved_tokens, at_ms).with_quota(quota_charge, quota_ms);
         let buckets = limits::token_buckets(shared.limiter.store().prefix(), tenant, &facts.model);
-        let started = Instant::now();
-        let result = shared.limiter.store().rereserve(&tenant.id, &record_id, &reservation, &buckets).await;
-        shared.metrics.redis_call("rereserve", started.elapsed(), result.is_ok());
+        let result = shared
+            .metrics
+            .timed_redis(
+                "rereserve",
+                shared.limiter.store().rereserve(&tenant.id, &record_id, &reservation, &buckets),
+            )
+            .await;
         match result {
             Ok(_) => return,
             Err(error) if error.maybe_applied() => {

@@ -112,9 +112,10 @@ async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'stat
         // orphaned gave its rest back already. Should Redis fail now, the lease stays open and
         // is reclaimed.
         let store = shared.limiter.store();
-        let started = std::time::Instant::now();
-        let result = store.lease_return(&tenant.id, &request.returned_lease_id, &back).await;
-        shared.metrics.redis_call("lease_return", started.elapsed(), result.is_ok());
+        let result = shared
+            .metrics
+            .timed_redis("lease_return", store.lease_return(&tenant.id, &request.returned_lease_id, &back))
+            .await;
         if let Err(error) = result {
             debug!(%error, lease_id = %request.returned_lease_id, "lease give-back failed; left to the reclaim");
         }
@@ -229,17 +230,19 @@ async fn take(
 /// metric outcome.
 async fn report(shared: &Shared, tenant: &str, request: &LeaseRequest) -> &'static str {
     let store = shared.limiter.store();
-    let started = std::time::Instant::now();
-    let result = store
-        .lease_report(
-            tenant,
-            &request.report_lease_id,
-            request.report_admitted,
-            request.report_reserved_tokens,
-            request.report_prompt_tokens,
+    let result = shared
+        .metrics
+        .timed_redis(
+            "lease_report",
+            store.lease_report(
+                tenant,
+                &request.report_lease_id,
+                request.report_admitted,
+                request.report_reserved_tokens,
+                request.report_prompt_tokens,
+            ),
         )
         .await;
-    shared.metrics.redis_call("lease_report", started.elapsed(), result.is_ok());
     match result {
         Ok(true) => {
             shared.reported_leases.recorded(&request.report_lease_id, request.report_admitted);

@@ -116,9 +116,8 @@ impl Limiter {
                 self.owe_again(r);
                 continue;
             }
-            let started = Instant::now();
-            let result = self.store.reconcile(&r.bucket, r.debt, r.hint).await;
-            self.metrics.redis_call("reconcile", started.elapsed(), result.is_ok());
+            let result =
+                self.metrics.timed_redis("reconcile", self.store.reconcile(&r.bucket, r.debt, r.hint)).await;
             self.record(result.is_ok());
             let outcome = match result {
                 Ok(level) => {
@@ -179,9 +178,10 @@ impl Limiter {
         } else if !self.reconcile_first().await {
             "redis_error"
         } else {
-            let started = Instant::now();
-            let result = self.store.take_with_quotas(plan, &wanted, tracking, quotas).await;
-            self.metrics.redis_call("take", started.elapsed(), result.is_ok());
+            let result = self
+                .metrics
+                .timed_redis("take", self.store.take_with_quotas(plan, &wanted, tracking, quotas))
+                .await;
             self.record(result.is_ok());
             match result {
                 Ok((mut outcome, granted, quota)) => {
@@ -230,9 +230,7 @@ impl Limiter {
         if !self.allow() || !self.reconcile_first().await {
             return false;
         }
-        let started = Instant::now();
-        let result = self.store.take(&[], &[], Some(tracking)).await;
-        self.metrics.redis_call("take", started.elapsed(), result.is_ok());
+        let result = self.metrics.timed_redis("take", self.store.take(&[], &[], Some(tracking))).await;
         self.record(result.is_ok());
         match result {
             Ok(_) => true,
@@ -264,9 +262,13 @@ impl Limiter {
         if !self.allow() || !self.reconcile_first().await {
             return None;
         }
-        let started = Instant::now();
-        let result = self.store.take_lease(tenant, lease_id, record, ledger::KEEP_MARGIN, plan, quotas).await;
-        self.metrics.redis_call("lease", started.elapsed(), result.is_ok());
+        let result = self
+            .metrics
+            .timed_redis(
+                "lease",
+                self.store.take_lease(tenant, lease_id, record, ledger::KEEP_MARGIN, plan, quotas),
+            )
+            .await;
         self.record(result.is_ok());
         match result {
             Ok((outcome, quota)) => Some((outcome, quota.is_some_and(|q| q.denied.is_some()))),
@@ -319,9 +321,7 @@ impl Limiter {
         }
         let mut maybe_applied = false;
         if self.allow() && self.reconcile_first().await {
-            let started = Instant::now();
-            let result = self.store.settle(bucket, delta).await;
-            self.metrics.redis_call("settle", started.elapsed(), result.is_ok());
+            let result = self.metrics.timed_redis("settle", self.store.settle(bucket, delta)).await;
             self.record(result.is_ok());
             match result {
                 Ok(_) => return,

@@ -347,7 +347,7 @@ async fn write_batch(store: &Store, metrics: &Metrics, batch: &mut [Pending]) ->
                 }
             })
             .collect();
-        async move { timed(metrics, "ledger", store.ledger_batch(&writes)).await }
+        async move { metrics.timed_redis("ledger", store.ledger_batch(&writes)).await }
     });
     let results = join_all(calls).await;
     for (members, result) in chunks.iter().zip(results) {
@@ -376,7 +376,7 @@ async fn write_batch(store: &Store, metrics: &Metrics, batch: &mut [Pending]) ->
                 _ => None,
             })
             .collect();
-        async move { timed(metrics, "append", store.append_batch(&records)).await }
+        async move { metrics.timed_redis("append", store.append_batch(&records)).await }
     });
     let results = join_all(calls).await;
     for (members, result) in chunks.iter().zip(results) {
@@ -396,19 +396,6 @@ async fn write_batch(store: &Store, metrics: &Metrics, batch: &mut [Pending]) ->
         }
     }
     outcomes.into_iter().map(|o| o.unwrap_or(Outcome::Done)).collect()
-}
-
-/// A Redis call, its latency and failure counted under `op`
-/// (`llm_gateway_redis_command_duration_seconds{op}`, `llm_gateway_redis_errors_total{op}`).
-async fn timed<T>(
-    metrics: &Metrics,
-    op: &str,
-    call: impl std::future::Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    let started = std::time::Instant::now();
-    let result = call.await;
-    metrics.redis_call(op, started.elapsed(), result.is_ok());
-    result
 }
 
 /// What a write's ledger reply leaves to do: `None` when its event is still to be appended (the

@@ -22,7 +22,7 @@
 //! [`Recorder::charge`]: crate::recorder::Recorder::charge
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::time::MissedTickBehavior;
@@ -69,9 +69,10 @@ pub async fn sweep(shared: &Shared) -> usize {
     let mut open: u64 = 0;
     let mut charged = 0;
     for tenant in &shared.config.tenants {
-        let started = Instant::now();
-        let result = store.claim(&tenant.id, age, CLAIM, settings.sweep_batch).await;
-        shared.metrics.redis_call("claim", started.elapsed(), result.is_ok());
+        let result = shared
+            .metrics
+            .timed_redis("claim", store.claim(&tenant.id, age, CLAIM, settings.sweep_batch))
+            .await;
         let claimed = match result {
             Ok(claimed) => claimed,
             Err(error) => {
@@ -123,9 +124,10 @@ pub async fn reclaim_leases(shared: &Shared) -> usize {
     let store = shared.limiter.store();
     let mut reclaimed = 0;
     for tenant in &shared.config.tenants {
-        let started = Instant::now();
-        let result = store.claim_leases(&tenant.id, age, CLAIM, batch).await;
-        shared.metrics.redis_call("lease_claim", started.elapsed(), result.is_ok());
+        let result = shared
+            .metrics
+            .timed_redis("lease_claim", store.claim_leases(&tenant.id, age, CLAIM, batch))
+            .await;
         let claimed = match result {
             Ok(claimed) => claimed,
             Err(error) => {
@@ -139,9 +141,10 @@ pub async fn reclaim_leases(shared: &Shared) -> usize {
                 continue;
             };
             let buckets = limits::plan(store.prefix(), tenant, &record.model, 0);
-            let started = Instant::now();
-            let result = store.lease_reclaim(&tenant.id, &lease_id, &buckets, retention).await;
-            shared.metrics.redis_call("lease_reclaim", started.elapsed(), result.is_ok());
+            let result = shared
+                .metrics
+                .timed_redis("lease_reclaim", store.lease_reclaim(&tenant.id, &lease_id, &buckets, retention))
+                .await;
             match result {
                 Ok(Some((requests, tokens))) => {
                     warn!(tenant = %tenant.id, model = %record.model, %lease_id, requests, tokens,
@@ -166,9 +169,10 @@ pub async fn reclaim_leases(shared: &Shared) -> usize {
 /// event ([`crate::store::Store::append_lease_charge`]); at most `most` per pass.
 async fn charge_leases(shared: &Shared, tenant: &str, retention: Duration, most: usize) {
     let store = shared.limiter.store();
-    let started = Instant::now();
-    let due = store.lease_charges_due(tenant, retention, most).await;
-    shared.metrics.redis_call("lease_charges_due", started.elapsed(), due.is_ok());
+    let due = shared
+        .metrics
+        .timed_redis("lease_charges_due", store.lease_charges_due(tenant, retention, most))
+        .await;
     let due = match due {
         Ok(due) => due,
         Err(error) => {
@@ -177,9 +181,8 @@ async fn charge_leases(shared: &Shared, tenant: &str, retention: Duration, most:
         }
     };
     for (lease_id, model) in due {
-        let started = Instant::now();
-        let result = store.lease_charge(tenant, &lease_id, &model).await;
-        shared.metrics.redis_call("lease_charge", started.elapsed(), result.is_ok());
+        let result =
+            shared.metrics.timed_redis("lease_charge", store.lease_charge(tenant, &lease_id, &model)).await;
         match result {
             Ok(Some(charge)) if charge.requests > 0 => {
                 warn!(tenant, %model, %lease_id, requests = charge.requests, tokens = charge.tokens,
@@ -207,9 +210,10 @@ async fn append_lease_charge(
 ) {
     let store = shared.limiter.store();
     for attempt in 1..=3u32 {
-        let started = Instant::now();
-        let result = store.append_lease_charge(tenant, lease_id, model, charge).await;
-        shared.metrics.redis_call("usage_append", started.elapsed(), result.is_ok());
+        let result = shared
+            .metrics
+            .timed_redis("usage_append", store.append_lease_charge(tenant, lease_id, model, charge))
+            .await;
         match result {
             Ok(_) => return,
             Err(error) if attempt == 3 => {
