@@ -122,6 +122,9 @@ def test_in_flight_holds_when_admission_and_end_reach_different_sidecars(two):
     balances = {k: int(v) for k, v in counts.items() if k.startswith("b:")}
     assert sorted(balances.values()) == [-REQUESTS, REQUESTS], counts
     assert sum(balances.values()) + int(counts.get("base", 0)) == 0, counts
+    # Each replica counts the two that flush the pool (each leases half of a shed pool's headroom).
+    for url in (a, b):
+        assert metric(scrape(url), "llm_gateway_pool_sidecar_replicas", pool="pool_two") == 2, scrape(url)
     # And still no shedding on the next request.
     r = post(two, "/v1/chat/completions", chat_body("two", max_tokens=4), key=KEY)
     assert r.status_code == 200, r.text

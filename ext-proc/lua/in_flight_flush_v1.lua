@@ -20,8 +20,12 @@
 -- ARGV[1]  replica id, ARGV[2] its cumulative balance, ARGV[3] its cumulative admitted,
 -- ARGV[4]  now (unix ms), ARGV[5] fold replicas silent for this many ms,
 -- ARGV[6]  bound (-1: none), ARGV[7] the admitted sum the bound was computed at (-1: none)
--- Returns {total, admitted sum, correction applied (subtracted from the total)}.
+-- ARGV[8]  (optional) count the replicas that flushed within this many ms
+-- Returns {total, admitted sum, correction applied (subtracted from the total), replicas that
+-- flushed within ARGV[8] ms, this one included (1 without ARGV[8])}.
 local key, me, now, gone = KEYS[1], ARGV[1], tonumber(ARGV[4]), tonumber(ARGV[5])
+local live_within = tonumber(ARGV[8] or '')
+local live = 0
 redis.call('HSET', key, 'b:' .. me, ARGV[2], 'a:' .. me, ARGV[3], 't:' .. me, ARGV[4])
 local fields = redis.call('HGETALL', key)
 local values = {}
@@ -36,6 +40,9 @@ for field, at in pairs(values) do
     local b, a = values['b:' .. id] or 0, values['a:' .. id] or 0
     total = total + b
     admitted = admitted + a
+    if live_within and (id == me or now - at <= live_within) then
+      live = live + 1
+    end
     if id ~= me and now - at > gone then
       base = base + b
       abase = abase + a
@@ -57,4 +64,4 @@ end
 base = base - correction
 redis.call('HSET', key, 'base', base, 'abase', abase)
 redis.call('PEXPIRE', key, 7 * 86400000)
-return {total - correction, admitted, correction}
+return {total - correction, admitted, correction, math.max(live, 1)}

@@ -230,6 +230,10 @@ pub struct Metrics {
     /// `llm_gateway_in_flight_corrections_total{pool}`: requests taken off (or, at idle, put
     /// back on) the pool-wide in-flight count to match vLLM's metrics.
     pub in_flight_corrections: Family<PoolLabel, Counter>,
+    /// `llm_gateway_pool_sidecar_replicas{pool}`: the sidecar replicas that flushed the pool's
+    /// in-flight counts within the report lag, this one included, at its last flush; each
+    /// leases its equal part of a shed pool's headroom (`crate::lease_headroom`).
+    pub pool_sidecar_replicas: Family<PoolLabel, Gauge>,
     /// `llm_gateway_pool_load{pool}`: the load ratio shedding compares with tier levels.
     pub pool_load: Family<PoolLabel, GaugeF64>,
     /// `llm_gateway_pool_requests_waiting{pool}`: scraped `vllm:num_requests_waiting`, summed.
@@ -374,6 +378,7 @@ impl Metrics {
             exact_counts: Family::default(),
             in_flight: Family::default(),
             in_flight_corrections: Family::default(),
+            pool_sidecar_replicas: Family::default(),
             pool_load: Family::default(),
             pool_waiting: Family::default(),
             pool_kv_cache: Family::default(),
@@ -463,6 +468,11 @@ impl Metrics {
             "llm_gateway_in_flight_corrections",
             "Requests taken off (or at idle put back on) the in-flight count to match vLLM's metrics",
             m.in_flight_corrections.clone(),
+        );
+        r.register(
+            "llm_gateway_pool_sidecar_replicas",
+            "Sidecar replicas that flushed the pool's in-flight counts within the report lag",
+            m.pool_sidecar_replicas.clone(),
         );
         r.register("llm_gateway_pool_load", "Pool load ratio used for shedding", m.pool_load.clone());
         r.register(

@@ -57,6 +57,9 @@ pub struct InFlight {
     admitted_samples: VecDeque<(Instant, f64)>,
     /// The bound the count was last clamped to (None: no fresh metrics).
     bound: Option<u64>,
+    /// The sidecar replicas that flushed the pool's counts within the report lag, at the last
+    /// flush (None: never flushed).
+    replicas: Option<u64>,
 }
 
 impl InFlight {
@@ -77,7 +80,12 @@ impl InFlight {
             // Before the first flush the admissions within the lag are unknown: no bound.
             _ => None,
         };
-        InFlightFlush { balance: self.balance, admitted: self.admitted, bound }
+        InFlightFlush { balance: self.balance, admitted: self.admitted, bound, live_within: lag }
+    }
+
+    /// The sidecar replicas sharing the pool at the last flush: 1 before any (or without Redis).
+    pub fn replicas(&self) -> u64 {
+        self.replicas.unwrap_or(1).max(1)
     }
 
     /// Redis acknowledged `sent` with `reply` at `now`.
@@ -87,6 +95,7 @@ impl InFlight {
         self.bound =
             sent.bound.map(|(bound, seen)| bound.saturating_add(reply.admitted.saturating_sub(seen)));
         self.pool_admitted = Some(reply.admitted);
+        self.replicas = Some(reply.replicas);
         self.admitted_samples.push_back((now, reply.admitted as f64));
         // Keep one sample older than the lag (the start of the window).
         while self.admitted_samples.len() > 2
@@ -243,8 +252,9 @@ impl Pools {
     }
 
     /// Sizes one more admission lease of `pool` (of `tenant`'s `model`) under the pool's lock:
-    /// `size` gets the most requests the lease may take (half the headroom left before `level`
-    /// beside this replica's live leases of the pool: [`lease_headroom::headroom`],
+    /// `size` gets the most requests the lease may take (half of what this replica's share of
+    /// the headroom before `level` leaves beside its live leases of the pool:
+    /// [`lease_headroom::headroom`], [`lease_headroom::replica_share`],
     /// [`lease_headroom::lease_share`]) and answers the lease and its requests, which count among
     /// the pool's leases until `until` (or until [`Pools::lease_used`] takes them off), or `None`
     /// for no lease. `None` also for a pool not configured, and while no limit of the pool bounds
@@ -260,8 +270,9 @@ impl Pools {
         let p = self.pools.get(pool)?;
         let mut s = p.state.lock().ok()?;
         let leased = s.leased.outstanding(Instant::now());
-        let room = lease_headroom::headroom(&p.config, &s.signals, s.since_scrape, leased, level)?;
-        let (lease, requests) = size(lease_headroom::lease_share(room))?;
+        let room = lease_headroom::headroom(&p.config, &s.signals, s.since_scrape, level)?;
+        let free = lease_headroom::replica_share(room, s.in_flight.replicas()).saturating_sub(leased);
+        let (lease, requests) = size(lease_headroom::lease_share(free))?;
         s.leased.granted(tenant, model, requests, until);
         Some(lease)
     }
@@ -431,6 +442,10 @@ impl Pools {
         match result {
             Ok(reply) => {
                 s.in_flight.flushed(&sent, &reply, now, lag);
+                self.metrics
+                    .pool_sidecar_replicas
+                    .get_or_create(&PoolLabel { pool: name.to_owned() })
+                    .set(i64::try_from(reply.replicas).unwrap_or(i64::MAX));
                 if reply.correction != 0 {
                     info!(
                         pool = name,
@@ -560,6 +575,7 @@ mod tests {
             total: replicas.iter().map(|r| r.balance).sum(),
             admitted: replicas.iter().map(|r| r.admitted).sum(),
             correction: 0,
+            replicas: replicas.len() as u64,
         }
     }
 
@@ -575,11 +591,14 @@ mod tests {
         // Before any flush each replica has only its own count (today's per-process balance).
         assert_eq!(a.view(t0, LAG), 10);
         assert_eq!(b.view(t0, LAG), 0);
+        assert_eq!(a.replicas(), 1, "before a flush: alone");
         let (fa, fb) = (a.to_flush(None, t0, LAG), b.to_flush(None, t0, LAG));
+        assert_eq!(fa.live_within, LAG, "replicas that flushed within the lag are counted");
         let sum = redis_sum(&[&fa, &fb]);
         a.flushed(&fa, &sum, t0, LAG);
         b.flushed(&fb, &sum, t0, LAG);
         assert_eq!((a.view(t0, LAG), b.view(t0, LAG)), (0, 0));
+        assert_eq!((a.replicas(), b.replicas()), (2, 2));
         // A new admission on A counts at once on A, and on B after both flush again.
         a.count(1, 1);
         assert_eq!((a.view(t0, LAG), b.view(t0, LAG)), (1, 0));
@@ -599,7 +618,7 @@ mod tests {
         let mut a = InFlight::default();
         a.count(3, 3);
         let f = a.to_flush(None, t0, LAG);
-        a.flushed(&f, &InFlightTotal { total: 1, admitted: 9, correction: 0 }, t0, LAG);
+        a.flushed(&f, &InFlightTotal { total: 1, admitted: 9, correction: 0, replicas: 1 }, t0, LAG);
         a.count(1, 1);
         assert_eq!(a.view(t0 + LAG, LAG), 2, "the last total plus what came since");
         assert_eq!(a.view(t0 + LAG + Duration::from_millis(1), LAG), 4, "the own balance");
@@ -613,13 +632,13 @@ mod tests {
         a.count(50, 50);
         assert_eq!(a.to_flush(metrics, t0, LAG).bound, None, "admissions within the lag unknown");
         let f = a.to_flush(None, t0, LAG);
-        a.flushed(&f, &InFlightTotal { total: 50, admitted: 50, correction: 0 }, t0, LAG);
+        a.flushed(&f, &InFlightTotal { total: 50, admitted: 50, correction: 0, replicas: 1 }, t0, LAG);
         let t1 = t0 + Duration::from_secs(10);
         let f = a.to_flush(metrics, t1, LAG);
         // vLLM holds 3, nothing admitted within the lag: at most 3 in flight, as of 50 admitted.
         assert_eq!(f.bound, Some((3, 50)));
         // Redis lowered the total to the bound plus 2 admitted meanwhile by another replica.
-        a.flushed(&f, &InFlightTotal { total: 5, admitted: 52, correction: 45 }, t1, LAG);
+        a.flushed(&f, &InFlightTotal { total: 5, admitted: 52, correction: 45, replicas: 2 }, t1, LAG);
         assert_eq!(a.view(t1, LAG), 5);
         a.count(1, 1);
         assert_eq!(a.view(t1, LAG), 6, "own admissions since the flush are above the bound");

@@ -1359,6 +1359,8 @@ pub struct InFlightFlush {
     /// admitted sum it was computed at (see [`crate::shedding::in_flight_bound`]); None: no
     /// fresh metrics, no correction.
     pub bound: Option<(u64, u64)>,
+    /// Count the replicas that flushed within this long ([`InFlightTotal::replicas`]).
+    pub live_within: Duration,
 }
 
 /// What Redis answered to an [`InFlightFlush`].
@@ -1371,6 +1373,9 @@ pub struct InFlightTotal {
     pub admitted: u64,
     /// What the bound took off the total (negative: a total below 0 raised to 0 at idle).
     pub correction: i64,
+    /// The sidecar replicas that flushed the pool's counts within [`InFlightFlush::live_within`],
+    /// this one included (at least 1).
+    pub replicas: u64,
 }
 
 /// Replicas that have not flushed a pool's counts for this long are folded into the pool's
@@ -1380,8 +1385,8 @@ pub const IN_FLIGHT_REPLICA_GONE: Duration = Duration::from_secs(3600);
 impl Store {
     /// Flushes this replica's cumulative in-flight counts of `pool` to
     /// `<prefix>:in-flight:{<pool>}` (fields `b:<replica>`, `a:<replica>`, `t:<replica>`, `base`,
-    /// `abase`) and returns the pool-wide total, corrected by the bound
-    /// (`lua/in_flight_flush_v1.lua`). Idempotent: the counts are cumulative.
+    /// `abase`) and returns the pool-wide total, corrected by the bound, and how many replicas
+    /// flushed lately (`lua/in_flight_flush_v1.lua`). Idempotent: the counts are cumulative.
     ///
     /// # Errors
     /// [`StoreError`] on timeout, Redis error or a malformed reply.
@@ -1405,15 +1410,19 @@ impl Store {
             .arg(now_ms)
             .arg(IN_FLIGHT_REPLICA_GONE.as_millis() as u64)
             .arg(bound)
-            .arg(seen);
+            .arg(seen)
+            .arg(u64::try_from(flush.live_within.as_millis()).unwrap_or(u64::MAX));
         let mut conn = self.conn();
         let reply: Vec<i64> = self.bounded(inv.invoke_async(&mut conn)).await?;
         match reply[..] {
-            [total, admitted, correction] => {
-                Ok(InFlightTotal { total, admitted: u64::try_from(admitted).unwrap_or(0), correction })
-            }
+            [total, admitted, correction, replicas] => Ok(InFlightTotal {
+                total,
+                admitted: u64::try_from(admitted).unwrap_or(0),
+                correction,
+                replicas: u64::try_from(replicas).unwrap_or(1).max(1),
+            }),
             _ => Err(StoreError::Reply(ReplyError(format!(
-                "in-flight flush: {} values, expected 3",
+                "in-flight flush: {} values, expected 4",
                 reply.len()
             )))),
         }

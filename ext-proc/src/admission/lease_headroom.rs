@@ -16,10 +16,12 @@
 //! gets no lease (outcome `headroom`): its requests go through the ext_proc admission, which
 //! sheds (or queues) them one by one.
 //!
-//! Limits of the bound: it is per sidecar replica (replicas sharing a pool each grant up to its
-//! headroom; divide the pool's `max_*` among them to keep the bound exact); a pool limited only
-//! by `max_kv_cache_usage` is leased only while requests run (the KV cache per running request
-//! is what converts KV headroom into requests).
+//! With several sidecar replicas sharing a pool, each leases only its equal part of the
+//! headroom ([`replica_share`]; the replicas are counted from the pool's in-flight hash in
+//! Redis, each flush), so that their leases together stay within it; an exact admission at one
+//! replica sees another's leased requests once they are reported (a tick), not before. A pool
+//! limited only by `max_kv_cache_usage` is leased only while requests run (the KV cache per
+//! running request is what converts KV headroom into requests).
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
@@ -29,28 +31,20 @@ use crate::flow_control::room::SinceScrape;
 use crate::shedding::PoolSignals;
 
 /// The requests `pool` takes before its load reaches `level` (the lowest tier's shedding
-/// level, or flow control's `leases_below_load`), beside the `leased` requests this replica's
-/// live leases of it may still admit ([`LeasedRequests::outstanding`]): the least over its
-/// configured limits of
-/// - `max_in_flight`: `level × max_in_flight − (in_flight + leased)`;
-/// - `max_queue_depth`: `level × max_queue_depth − (waiting + dispatched − finished + leased)`,
-///   vLLM's `vllm:num_requests_waiting` at the last scrape plus this sidecar's dispatches since
-///   it, less the ends it saw since (flow control's estimate, [`crate::flow_control::room`]):
-///   every request admitted since the scrape, or leased, is counted as waiting;
+/// level, or flow control's `leases_below_load`): the least over its configured limits of
+/// - `max_in_flight`: `level × max_in_flight − in_flight`;
+/// - `max_queue_depth`: `level × max_queue_depth − (waiting + dispatched − finished)`, vLLM's
+///   `vllm:num_requests_waiting` at the last scrape plus this sidecar's dispatches since it,
+///   less the ends it saw since (flow control's estimate, [`crate::flow_control::room`]): every
+///   request admitted since the scrape is counted as waiting;
 /// - `max_kv_cache_usage`: `(level × max_kv_cache_usage − kv_cache_usage) / (kv_cache_usage /
-///   running)` less the dispatches since the scrape and `leased`: the KV cache a running request
-///   holds at the last scrape, only while requests run and hold some;
+///   running)` less the dispatches since the scrape: the KV cache a running request holds at the
+///   last scrape, only while requests run and hold some;
 ///
 /// each rounded up to whole requests where a fraction is left (a request is shed only once the
 /// load reaches the level), and 0 at or past it. `None` when no limit bounds it now (none
 /// configured, or their signals unknown: never scraped, or an idle pool limited by KV alone).
-pub fn headroom(
-    pool: &PoolConfig,
-    s: &PoolSignals,
-    since: SinceScrape,
-    leased: u64,
-    level: f64,
-) -> Option<u64> {
+pub fn headroom(pool: &PoolConfig, s: &PoolSignals, since: SinceScrape, level: f64) -> Option<u64> {
     let room = |limit: f64, used: f64| -> u64 {
         let left = (level * limit - used).ceil();
         if left.is_finite() && left > 0.0 {
@@ -59,12 +53,11 @@ pub fn headroom(
             0
         }
     };
-    let leased = leased as f64;
-    let pending = since.dispatched as f64 - since.finished as f64 + leased;
+    let pending = since.dispatched as f64 - since.finished as f64;
     let mut least: Option<u64> = None;
     let mut bound = |n: u64| least = Some(least.map_or(n, |l| l.min(n)));
     if let Some(max) = pool.max_in_flight {
-        bound(room(max as f64, s.in_flight as f64 + leased));
+        bound(room(max as f64, s.in_flight as f64));
     }
     if let (Some(max), Some(waiting)) = (pool.max_queue_depth, s.waiting) {
         bound(room(max as f64, (waiting + pending).max(0.0)));
@@ -77,6 +70,14 @@ pub fn headroom(
         }
     }
     least
+}
+
+/// This replica's share of `room` requests of headroom, with `replicas` sidecar replicas
+/// sharing the pool (those that flushed its in-flight counts within the report lag,
+/// `lua/in_flight_flush_v1.lua`): an equal part, rounded down, so that the leases of every
+/// replica together stay within the headroom.
+pub fn replica_share(room: u64, replicas: u64) -> u64 {
+    room / replicas.max(1)
 }
 
 /// The most requests one lease takes of `free` requests of headroom: half of them, rounded up
@@ -172,34 +173,27 @@ mod tests {
     fn headroom_is_the_least_room_before_the_level_over_the_limits() {
         let p = pool("max_in_flight: 8");
         let idle = SinceScrape::default();
-        assert_eq!(headroom(&p, &signals(0, None, None, None), idle, 0, 1.0), Some(8));
-        assert_eq!(headroom(&p, &signals(5, None, None, None), idle, 0, 1.0), Some(3));
-        assert_eq!(headroom(&p, &signals(8, None, None, None), idle, 0, 1.0), Some(0));
-        assert_eq!(headroom(&p, &signals(12, None, None, None), idle, 0, 1.0), Some(0), "past it");
+        assert_eq!(headroom(&p, &signals(0, None, None, None), idle, 1.0), Some(8));
+        assert_eq!(headroom(&p, &signals(5, None, None, None), idle, 1.0), Some(3));
+        assert_eq!(headroom(&p, &signals(8, None, None, None), idle, 1.0), Some(0));
+        assert_eq!(headroom(&p, &signals(12, None, None, None), idle, 1.0), Some(0), "past it");
         // Shed at 0.5: 4 of 8; a fraction left still admits one (load 0.4 < 0.45).
-        assert_eq!(headroom(&p, &signals(2, None, None, None), idle, 0, 0.5), Some(2));
-        assert_eq!(headroom(&p, &signals(3, None, None, None), idle, 0, 0.45), Some(1));
+        assert_eq!(headroom(&p, &signals(2, None, None, None), idle, 0.5), Some(2));
+        assert_eq!(headroom(&p, &signals(3, None, None, None), idle, 0.45), Some(1));
 
         let q = pool("max_queue_depth: 10, max_in_flight: 100");
         let s = signals(0, Some(4.0), Some(8.0), None);
-        assert_eq!(headroom(&q, &s, idle, 0, 1.0), Some(6));
+        assert_eq!(headroom(&q, &s, idle, 1.0), Some(6));
         let since = SinceScrape { dispatched: 5, finished: 2 };
-        assert_eq!(headroom(&q, &s, since, 0, 1.0), Some(3), "dispatches since the scrape count as waiting");
+        assert_eq!(headroom(&q, &s, since, 1.0), Some(3), "dispatches since the scrape count as waiting");
         let ended = SinceScrape { dispatched: 0, finished: 9 };
-        assert_eq!(headroom(&q, &s, ended, 0, 1.0), Some(10), "never below an empty queue");
+        assert_eq!(headroom(&q, &s, ended, 1.0), Some(10), "never below an empty queue");
         assert_eq!(
-            headroom(&q, &signals(98, Some(0.0), None, None), idle, 0, 1.0),
+            headroom(&q, &signals(98, Some(0.0), None, None), idle, 1.0),
             Some(2),
             "in flight is tighter"
         );
-        assert_eq!(
-            headroom(&q, &signals(0, None, None, None), idle, 0, 1.0),
-            Some(100),
-            "queue never scraped"
-        );
-        // Leased requests count as in flight and as waiting.
-        assert_eq!(headroom(&p, &signals(2, None, None, None), idle, 3, 1.0), Some(3));
-        assert_eq!(headroom(&q, &s, idle, 4, 1.0), Some(2));
+        assert_eq!(headroom(&q, &signals(0, None, None, None), idle, 1.0), Some(100), "queue never scraped");
     }
 
     #[test]
@@ -207,18 +201,13 @@ mod tests {
         let p = pool("max_kv_cache_usage: 0.9");
         let idle = SinceScrape::default();
         // 4 running hold 0.4: 0.1 each; 0.9 - 0.4 leaves 5.
-        assert_eq!(headroom(&p, &signals(0, None, Some(4.0), Some(0.4)), idle, 0, 1.0), Some(5));
+        assert_eq!(headroom(&p, &signals(0, None, Some(4.0), Some(0.4)), idle, 1.0), Some(5));
         let since = SinceScrape { dispatched: 3, finished: 0 };
-        assert_eq!(headroom(&p, &signals(0, None, Some(4.0), Some(0.4)), since, 0, 1.0), Some(2));
-        assert_eq!(headroom(&p, &signals(0, None, Some(4.0), Some(0.4)), since, 1, 1.0), Some(1));
-        assert_eq!(headroom(&p, &signals(0, None, Some(4.0), Some(0.95)), idle, 0, 1.0), Some(0));
-        assert_eq!(
-            headroom(&p, &signals(0, None, Some(0.0), Some(0.0)), idle, 0, 1.0),
-            None,
-            "idle: unknown"
-        );
-        assert_eq!(headroom(&p, &signals(0, None, None, None), idle, 0, 1.0), None, "never scraped");
-        assert_eq!(headroom(&pool("endpoints: []"), &signals(3, Some(3.0), None, None), idle, 0, 1.0), None);
+        assert_eq!(headroom(&p, &signals(0, None, Some(4.0), Some(0.4)), since, 1.0), Some(2));
+        assert_eq!(headroom(&p, &signals(0, None, Some(4.0), Some(0.95)), idle, 1.0), Some(0));
+        assert_eq!(headroom(&p, &signals(0, None, Some(0.0), Some(0.0)), idle, 1.0), None, "idle: unknown");
+        assert_eq!(headroom(&p, &signals(0, None, None, None), idle, 1.0), None, "never scraped");
+        assert_eq!(headroom(&pool("endpoints: []"), &signals(3, Some(3.0), None, None), idle, 1.0), None);
     }
 
     #[test]
@@ -241,6 +230,15 @@ mod tests {
         l.granted("a", "m", 0, t0 + ttl);
         assert_eq!(l.outstanding(t0), 0, "nothing granted, nothing counted");
         assert!(l.keys.is_empty(), "emptied keys are forgotten");
+    }
+
+    #[test]
+    fn replicas_share_the_headroom_equally() {
+        assert_eq!(replica_share(8, 1), 8);
+        assert_eq!(replica_share(8, 2), 4);
+        assert_eq!(replica_share(8, 3), 2, "rounded down: together within the headroom");
+        assert_eq!(replica_share(2, 3), 0);
+        assert_eq!(replica_share(8, 0), 8, "no count yet: this replica alone");
     }
 
     #[test]
