@@ -153,8 +153,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
     });
     // Charges the reservations whose usage never arrived (every replica sweeps).
     let sweeper = tokio::spawn(sweeper::run(Arc::clone(&shared), stop.clone()));
-    // Reclaims the filters' admission leases whose VM went away (every replica sweeps).
-    let lease_sweeper = leasing.then(|| tokio::spawn(sweeper::run_leases(Arc::clone(&shared), stop.clone())));
+    // Reclaims the filters' admission leases whose VM went away (every replica sweeps), also
+    // while leases are off: those taken before are still reclaimed and charged.
+    let lease_sweeper = tokio::spawn(sweeper::run_leases(Arc::clone(&shared), stop.clone()));
     // Replays the usage journal Envoy writes, from its checkpoint (one replica at a time).
     let journal = shared
         .config
@@ -206,9 +207,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
         let _ = expiry.await;
     }
     let _ = sweeper.await;
-    if let Some(lease_sweeper) = lease_sweeper {
-        let _ = lease_sweeper.await;
-    }
+    let _ = lease_sweeper.await;
     if let Some(journal) = journal {
         let _ = journal.await;
     }

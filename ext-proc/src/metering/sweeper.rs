@@ -105,9 +105,25 @@ pub async fn sweep(shared: &Shared) -> usize {
     charged
 }
 
-/// Reclaims orphaned admission leases every half `redis.lease_ttl_ms` until `stop` turns true.
+/// How often the lease sweep runs while `redis.lease_fraction` is 0: nothing new is leased, but
+/// leases taken before leases were turned off are still reclaimed and their reported requests
+/// charged, at a pace that costs Redis one call per tenant a minute.
+pub const LEASES_OFF_SWEEP: Duration = Duration::from_secs(60);
+
+/// How often the lease sweep runs: every half `redis.lease_ttl_ms` while leases are on, every
+/// [`LEASES_OFF_SWEEP`] while they are off.
+pub fn lease_sweep_interval(redis: &crate::config::RedisConfig) -> Duration {
+    if redis.lease_fraction > 0.0 {
+        Duration::from_millis((redis.lease_ttl_ms / 2).max(1))
+    } else {
+        LEASES_OFF_SWEEP
+    }
+}
+
+/// Reclaims orphaned admission leases, and charges the reclaimed ones' reported requests, every
+/// [`lease_sweep_interval`] until `stop` turns true.
 pub async fn run_leases(shared: Arc<Shared>, stop: watch::Receiver<bool>) {
-    let every = Duration::from_millis((shared.config.redis.lease_ttl_ms / 2).max(1));
+    let every = lease_sweep_interval(&shared.config.redis);
     every_until(every, stop, || async {
         reclaim_leases(&shared).await;
     })
@@ -221,5 +237,24 @@ async fn append_lease_charge(
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn redis(yaml: &str) -> crate::config::RedisConfig {
+        serde_yaml_ng::from_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn the_lease_sweep_runs_every_half_ttl_and_slowly_while_leases_are_off() {
+        let on = redis("{url: 'redis://127.0.0.1:6379/0', lease_fraction: 0.01, lease_ttl_ms: 1000}");
+        assert_eq!(lease_sweep_interval(&on), Duration::from_millis(500));
+        let off = redis("{url: 'redis://127.0.0.1:6379/0', lease_ttl_ms: 1000}");
+        assert_eq!(lease_sweep_interval(&off), LEASES_OFF_SWEEP, "leases taken before are still reclaimed");
+        let tiny = redis("{url: 'redis://127.0.0.1:6379/0', lease_fraction: 0.01, lease_ttl_ms: 1}");
+        assert_eq!(lease_sweep_interval(&tiny), Duration::from_millis(1));
     }
 }
