@@ -137,6 +137,16 @@ struct PoolState {
     leased: lease_headroom::LeasedRequests,
 }
 
+impl PoolState {
+    /// The pool's signals with the requests this replica's admission leases of it may still
+    /// admit counted in flight: a leased slot is taken when it is granted
+    /// ([`crate::lease_headroom`]).
+    fn signals_with_leases(&mut self) -> PoolSignals {
+        let leased = self.leased.outstanding(Instant::now());
+        PoolSignals { in_flight: self.signals.in_flight.saturating_add(leased), ..self.signals }
+    }
+}
+
 pub(crate) struct Pool {
     config: PoolConfig,
     state: Mutex<PoolState>,
@@ -148,9 +158,12 @@ pub(crate) struct Pool {
 
 impl Pool {
     /// Whether the pool has room for one more request of a tier that may fill it up to `level`
-    /// ([`room::has_room`]).
+    /// ([`room::has_room`]). The requests this replica's admission leases of the pool may still
+    /// admit count as in flight ([`PoolState::signals_with_leases`]).
     pub(crate) fn has_room(&self, level: f64) -> bool {
-        self.state.lock().map_or(true, |s| room::has_room(&self.config, &s.signals, s.since_scrape, level))
+        self.state.lock().map_or(true, |mut s| {
+            room::has_room(&self.config, &s.signals_with_leases(), s.since_scrape, level)
+        })
     }
 
     /// The pool's signals now.
@@ -238,14 +251,10 @@ impl Pools {
 
     /// Whether a request of a tier with shedding level `level` is shed from `pool` now; the
     /// requests this replica's admission leases of the pool may still admit count as in flight
-    /// ([`Pools::hold_lease`]).
+    /// ([`PoolState::signals_with_leases`]).
     pub fn check(&self, pool: &str, level: f64) -> Option<Shed> {
         let p = self.pools.get(pool)?;
-        let signals = {
-            let mut s = p.state.lock().ok()?;
-            let leased = s.leased.outstanding(Instant::now());
-            PoolSignals { in_flight: s.signals.in_flight.saturating_add(leased), ..s.signals }
-        };
+        let signals = p.state.lock().ok()?.signals_with_leases();
         let load = shedding::load(&p.config, &signals);
         shedding::should_shed(load, level)
             .then(|| Shed { load, retry_after_secs: shedding::retry_after_secs(&p.config, &signals, level) })
