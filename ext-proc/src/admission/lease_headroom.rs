@@ -9,8 +9,9 @@
 //! less what this replica's other live leases of the pool may still admit
 //! ([`LeasedRequests::outstanding`]). Each admitted request then counts in the pool's in-flight
 //! count from the filter's report on, and leaves the lease's outstanding requests at the same
-//! call, so the sum of the two never passes the level. The ext_proc admission's shedding counts
-//! the outstanding requests as in flight too (`crate::pools::Pools::check`): a leased slot is
+//! call, so the sum of the two never passes the level. The ext_proc admission's shedding and
+//! flow control's room rule count the outstanding requests as in flight too
+//! (`crate::pools::Pools::check`, `has_room`): a leased slot is
 //! taken when it is granted, whether or not the lease uses it before its TTL. A pool without
 //! headroom, or whose signals bound nothing yet (never scraped; limited by KV alone and idle),
 //! gets no lease (outcome `headroom`): its requests go through the ext_proc admission, which
