@@ -84,10 +84,9 @@ impl AdmissionLeases for AdmissionLeaseService {
 /// shedding level, or near saturation with flow control), `too_tight` (a lease would not
 /// cover two requests), `headroom` (a pool shed or queued by its load has no room for another
 /// request beside this replica's other leases of it, or its signals bound nothing yet,
-/// [`crate::lease_headroom`]), `over_limit`
-/// (the buckets lack the lease), `quota` (a quota counter of
-/// the tenant lacks room for the lease's tokens, or the tenant has quotas and no tokens bucket),
-/// `redis_unavailable`.
+/// [`crate::lease_headroom`]), `over_limit` (the buckets lack the lease), `quota` (a quota
+/// counter of the tenant lacks room for the lease's tokens, or the tenant has quotas and no
+/// tokens bucket), `redis_unavailable`.
 async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'static str) {
     let config = &shared.config;
     if request.admitted > 0 {
@@ -134,8 +133,8 @@ async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'stat
         return (admission_lease::refusal(LEASES_OFF_RETRY_MS), "off");
     }
     if !config.pool_allows_admission_leases(&request.pool) {
-        // Every request of a picking, shed or queued pool goes through the admission, where it is
-        // picked, shed or queued one by one.
+        // Every request of a picking or queued pool (or of one that says no) goes through the
+        // admission, where it is picked, shed or queued one by one.
         let picking = config.pools.iter().any(|p| p.name == request.pool && p.picker.is_some());
         return (
             admission_lease::refusal(LEASES_OFF_RETRY_MS),
