@@ -4,15 +4,15 @@
 //! A request admitted from a lease never reaches the sidecar: it is not shed one by one, and the
 //! pool's in-flight count sees it only with the filter's next report (a `refresh_ms` tick). A
 //! lease for such a pool ([`crate::config::PoolConfig::load_protected`]) therefore covers at
-//! most the pool's [`headroom`] (the requests it takes before its load reaches the level at
-//! which the ext_proc admission would start shedding, or flow control's `leases_below_load`)
-//! less what this replica's other live leases of the pool may still admit
-//! ([`LeasedRequests::outstanding`]). Each admitted request then counts in the pool's in-flight
-//! count from the filter's report on, and leaves the lease's outstanding requests at the same
-//! call, so the sum of the two never passes the level. The ext_proc admission's shedding and
-//! flow control's room rule count the outstanding requests as in flight too
-//! (`crate::pools::Pools::check`, `has_room`): a leased slot is
-//! taken when it is granted, whether or not the lease uses it before its TTL. A pool without
+//! most half ([`lease_share`]) of what is left of this replica's part ([`replica_share`]) of
+//! the pool's [`headroom`] (the requests it takes before its load reaches the level at which
+//! the ext_proc admission would start shedding, or flow control's `leases_below_load`) once
+//! this replica's other live leases of the pool are taken off ([`LeasedRequests::outstanding`]).
+//! Each admitted request then counts in the pool's in-flight count from the filter's report on,
+//! and leaves the lease's outstanding requests at the same call, so the sum of the two never
+//! passes the level. The ext_proc admission's shedding and flow control's room rule count the
+//! outstanding requests as in flight too (`crate::pools::Pools::check`, `has_room`): a leased
+//! slot is taken when it is granted, whether or not the lease uses it before its TTL. A pool without
 //! headroom, or whose signals bound nothing yet (never scraped; limited by KV alone and idle),
 //! gets no lease (outcome `headroom`): its requests go through the ext_proc admission, which
 //! sheds (or queues) them one by one.
