@@ -251,7 +251,7 @@ impl Pools {
 
     /// Whether a request of a tier with shedding level `level` is shed from `pool` now; the
     /// requests this replica's admission leases of the pool may still admit count as in flight
-    /// ([`PoolState::signals_with_leases`]).
+    /// ([`Pools::hold_lease`]).
     pub fn check(&self, pool: &str, level: f64) -> Option<Shed> {
         let p = self.pools.get(pool)?;
         let signals = p.state.lock().ok()?.signals_with_leases();
