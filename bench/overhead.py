@@ -104,6 +104,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import stack as stack_module  # noqa: E402
+from helpers import envoy_counter  # noqa: E402
 from results_page import (FLOW_BEGIN, FLOW_END, fmt, kept_section, overhead_tables, picker_section, ratio, render_page, signed, targets_table,
                           write_charts)  # noqa: E402
 from stack import (  # noqa: E402
@@ -557,12 +558,7 @@ class Target:
     def ext_proc_streams(self) -> int | None:
         """Envoy's count of ext_proc admission streams (requests decided in the sidecar): the
         requests the filter admitted from a lease are the rest; None without an Envoy."""
-        if self.admin_url is None:
-            return None
-        with urllib.request.urlopen(f"{self.admin_url}/stats?filter=^http.gateway.ext_proc.streams_started$",
-                                    timeout=2) as r:
-            text = r.read().decode().strip()
-        return int(text.rsplit(": ", 1)[1]) if text else 0
+        return None if self.admin_url is None else envoy_counter(self, "http.gateway.ext_proc.streams_started")
 
     def peak_rss_mb(self) -> dict[str, float | None]:
         """VmHWM of each process, in MiB."""

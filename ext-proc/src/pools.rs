@@ -29,11 +29,11 @@ use tracing::{debug, info};
 use crate::config::{endpoint_addr, FlowControlConfig, PoolConfig};
 use crate::flow_control::room::{self, SinceScrape};
 use crate::flow_control::PoolFlow;
-use crate::lease_headroom;
 use crate::metrics::{EndpointLabel, Metrics, PoolBlocks, PoolEndpoint, PoolLabel, PoolReason};
 use crate::scheduling::{Pick, PoolPicker};
 use crate::shedding::{self, PoolSignals, Scrape};
 use crate::store::{InFlightFlush, InFlightTotal, Store};
+use crate::{admission_lease, lease_headroom};
 
 /// Smoothing of the drain rate (weight of the newest sample).
 const DRAIN_ALPHA: f64 = 0.3;
@@ -260,30 +260,30 @@ impl Pools {
             .then(|| Shed { load, retry_after_secs: shedding::retry_after_secs(&p.config, &signals, level) })
     }
 
-    /// Sizes one more admission lease of `pool` (of `tenant`'s `model`) under the pool's lock:
-    /// `size` gets the most requests the lease may take (half of what this replica's share of
-    /// the headroom before `level` leaves beside its live leases of the pool:
-    /// [`lease_headroom::headroom`], [`lease_headroom::replica_share`],
-    /// [`lease_headroom::lease_share`]) and answers the lease and its requests, which count among
-    /// the pool's leases until `until` (or until [`Pools::lease_used`] takes them off), or `None`
-    /// for no lease. `None` also for a pool not configured, and while no limit of the pool bounds
-    /// its headroom (its signals unknown: then its requests are decided one by one).
-    pub fn hold_lease<T>(
+    /// Caps one more admission lease of `pool` (of `tenant`'s `model`) under the pool's lock: at
+    /// half of what this replica's part of the headroom before `level` leaves beside its live
+    /// leases of the pool ([`lease_headroom::headroom`], [`lease_headroom::replica_share`],
+    /// [`lease_headroom::lease_share`], [`admission_lease::cap_requests`]). Its requests then
+    /// count among the pool's leases until `until` (or until [`Pools::lease_used`] takes them
+    /// off). `None`, for no lease, when nothing is left, for a pool not configured, and while no
+    /// limit of the pool bounds its headroom (its signals unknown: then its requests are decided
+    /// one by one).
+    pub fn hold_lease(
         &self,
         pool: &str,
         level: f64,
         (tenant, model): (&str, &str),
         until: Instant,
-        size: impl FnOnce(u64) -> Option<(T, u64)>,
-    ) -> Option<T> {
+        size: admission_lease::LeaseSize,
+    ) -> Option<admission_lease::LeaseSize> {
         let p = self.pools.get(pool)?;
         let mut s = p.state.lock().ok()?;
         let leased = s.leased.outstanding(Instant::now());
         let room = lease_headroom::headroom(&p.config, &s.signals, s.since_scrape, level)?;
         let free = lease_headroom::replica_share(room, s.in_flight.replicas()).saturating_sub(leased);
-        let (lease, requests) = size(lease_headroom::lease_share(free))?;
-        s.leased.granted(tenant, model, requests, until);
-        Some(lease)
+        let size = admission_lease::cap_requests(size, lease_headroom::lease_share(free))?;
+        s.leased.granted(tenant, model, size.requests, until);
+        Some(size)
     }
 
     /// `requests` requests of `tenant`'s `model` admitted from (and reported), or given back to,

@@ -46,31 +46,26 @@ use crate::shedding::PoolSignals;
 /// load reaches the level), and 0 at or past it. `None` when no limit bounds it now (none
 /// configured, or their signals unknown: never scraped, or an idle pool limited by KV alone).
 pub fn headroom(pool: &PoolConfig, s: &PoolSignals, since: SinceScrape, level: f64) -> Option<u64> {
-    let room = |limit: f64, used: f64| -> u64 {
-        let left = (level * limit - used).ceil();
-        if left.is_finite() && left > 0.0 {
-            left as u64
-        } else {
-            0
-        }
-    };
     let pending = since.dispatched as f64 - since.finished as f64;
-    let mut least: Option<u64> = None;
-    let mut bound = |n: u64| least = Some(least.map_or(n, |l| l.min(n)));
-    if let Some(max) = pool.max_in_flight {
-        bound(room(max as f64, s.in_flight as f64));
-    }
-    if let (Some(max), Some(waiting)) = (pool.max_queue_depth, s.waiting) {
-        bound(room(max as f64, (waiting + pending).max(0.0)));
-    }
-    if let (Some(max), Some(kv), Some(running)) = (pool.max_kv_cache_usage, s.kv_cache_usage, s.running) {
-        if kv > 0.0 && running >= 1.0 {
-            let per_request = kv / running;
-            let left = ((level * max - kv) / per_request).floor() - pending.max(0.0);
-            bound(if left.is_finite() && left > 0.0 { left as u64 } else { 0 });
+    let in_flight = pool.max_in_flight.map(|max| (level * max as f64 - s.in_flight as f64).ceil());
+    let queue = (pool.max_queue_depth.zip(s.waiting))
+        .map(|(max, waiting)| (level * max as f64 - (waiting + pending).max(0.0)).ceil());
+    let kv = match (pool.max_kv_cache_usage, s.kv_cache_usage, s.running) {
+        (Some(max), Some(kv), Some(running)) if kv > 0.0 && running >= 1.0 => {
+            Some(((level * max - kv) / (kv / running)).floor() - pending.max(0.0))
         }
+        _ => None,
+    };
+    [in_flight, queue, kv].into_iter().flatten().map(whole).min()
+}
+
+/// `requests` as whole requests: 0 when not above 0 (or not finite).
+fn whole(requests: f64) -> u64 {
+    if requests.is_finite() && requests > 0.0 {
+        requests as u64
+    } else {
+        0
     }
-    least
 }
 
 /// This replica's share of `room` requests of headroom, with `replicas` sidecar replicas

@@ -150,42 +150,25 @@ async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'stat
     let Some(size) = admission_lease::size(&plan, fraction, request.request_tokens) else {
         return (admission_lease::refusal(ttl_ms), "too_tight");
     };
-    let (size, held) = match protected {
-        Some(pool) => match hold_headroom(shared, pool, &request.tenant, &request.model, size) {
-            Some(held) => held,
-            None => {
-                let retry_ms = ttl_ms.min(pool.scrape_interval_ms).max(1);
-                return (admission_lease::refusal(retry_ms), "headroom");
-            }
-        },
-        None => (size, 0),
+    let Some(pool) = protected else {
+        return take(shared, &tenant.id, request, size, ttl_ms).await;
     };
+    // A load-protected pool: the lease is capped at its share of the pool's headroom, and its
+    // requests are held among the pool's leases until the take's answer (taken off again
+    // unless granted).
+    let until =
+        std::time::Instant::now() + admission_lease::reclaim_after(std::time::Duration::from_millis(ttl_ms));
+    let key = (request.tenant.as_str(), request.model.as_str());
+    let Some(size) = shared.pools.hold_lease(&pool.name, config.lease_level(pool), key, until, size) else {
+        let retry_ms = ttl_ms.min(pool.scrape_interval_ms).max(1);
+        return (admission_lease::refusal(retry_ms), "headroom");
+    };
+    let held = size.requests;
     let (grant, outcome) = take(shared, &tenant.id, request, size, ttl_ms).await;
-    if held > 0 && outcome != "granted" {
+    if outcome != "granted" {
         shared.pools.lease_used(&request.pool, &request.tenant, &request.model, held);
     }
     (grant, outcome)
-}
-
-/// For a load-protected `pool`: `size` capped at the share of the pool's headroom one lease
-/// may take ([`crate::pools::Pools::hold_lease`]), and its requests, held among the pool's
-/// leases until the take's answer (taken off again unless granted). `None` when no request is
-/// left, or while the pool's signals bound nothing (never scraped).
-fn hold_headroom(
-    shared: &Shared,
-    pool: &crate::config::PoolConfig,
-    tenant: &str,
-    model: &str,
-    size: admission_lease::LeaseSize,
-) -> Option<(admission_lease::LeaseSize, u64)> {
-    let config = &shared.config;
-    let ttl = std::time::Duration::from_millis(config.redis.lease_ttl_ms);
-    let until = std::time::Instant::now() + admission_lease::reclaim_after(ttl);
-    shared.pools.hold_lease(&pool.name, config.lease_level(pool), (tenant, model), until, |most| {
-        let size = admission_lease::cap_requests(size, most)?;
-        let held = size.requests;
-        Some(((size, held), held))
-    })
 }
 
 /// Takes the lease `size` of `tenant` from Redis (with its quota counters); the grant and its
