@@ -66,10 +66,12 @@ fn is_gateway_header(name: &str) -> bool {
 pub fn headers_to_remove(headers: &HeaderList) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for (k, _) in headers {
-        let lower = k.to_ascii_lowercase();
-        let drop = is_gateway_header(&lower) || lower == "authorization" || lower == "x-api-key";
-        if drop && !out.contains(&lower) {
-            out.push(lower);
+        // Only a dropped name is lowered (a copy): most requests carry one, `authorization`.
+        let drop = is_gateway_header(k)
+            || k.eq_ignore_ascii_case("authorization")
+            || k.eq_ignore_ascii_case("x-api-key");
+        if drop && !out.iter().any(|o| o.eq_ignore_ascii_case(k)) {
+            out.push(k.to_ascii_lowercase());
         }
     }
     out

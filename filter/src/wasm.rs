@@ -20,7 +20,7 @@
 //! sidecar (`dispatch_grpc_call`, `llm_gateway.v1.AdmissionLeases/Acquire`); HTTP contexts admit
 //! from it and add the lease's `x-ratelimit-*` headers to the response.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::Duration;
@@ -94,6 +94,7 @@ mod entry {
                 leases: Default::default(),
                 calls: Default::default(),
                 uploads: Default::default(),
+                debug: Default::default(),
             })
         });
     }}
@@ -113,6 +114,35 @@ struct GatewayRoot {
     calls: HashMap<u32, LeaseCall>,
     /// Request bodies in progress per tenant in this VM, shared with its HTTP contexts.
     uploads: Rc<RefCell<UploadSlots>>,
+    /// Whether Envoy logs this module at debug level, shared with its HTTP contexts.
+    debug: Rc<DebugLevel>,
+}
+
+/// Whether Envoy logs this module at debug (or trace) level, read from Envoy again once every
+/// [`LOG_LEVEL_EVERY`] requests of the VM: the read is a host call (about a microsecond of Envoy
+/// CPU), and the answer only decides whether a request's time in the VM is logged.
+#[derive(Default)]
+struct DebugLevel {
+    /// Requests since the last read.
+    requests: Cell<u32>,
+    /// The last read's answer.
+    debug: Cell<bool>,
+}
+
+/// Requests of a VM between two reads of the log level ([`DebugLevel`]).
+const LOG_LEVEL_EVERY: u32 = 256;
+
+impl DebugLevel {
+    /// Whether this request is timed; reads the level on the VM's first request and every
+    /// [`LOG_LEVEL_EVERY`]th after it.
+    fn timed(&self) -> bool {
+        let n = self.requests.get();
+        if n == 0 {
+            self.debug.set(matches!(hostcalls::get_log_level(), Ok(LogLevel::Trace | LogLevel::Debug)));
+        }
+        self.requests.set(if n + 1 >= LOG_LEVEL_EVERY { 0 } else { n + 1 });
+        self.debug.get()
+    }
 }
 
 /// One of a tenant's upload slots ([`crate::uploads`]), given back when dropped: when the body
@@ -242,6 +272,7 @@ impl RootContext for GatewayRoot {
             lease_response_headers: None,
             uploads: Rc::clone(&self.uploads),
             upload: None,
+            debug: Rc::clone(&self.debug),
         }))
     }
 
@@ -273,6 +304,8 @@ struct GatewayHttp {
     uploads: Rc<RefCell<UploadSlots>>,
     /// This request's upload slot, held while its body is being received.
     upload: Option<UploadSlot>,
+    /// The VM's log level.
+    debug: Rc<DebugLevel>,
 }
 
 impl GatewayHttp {
@@ -461,7 +494,7 @@ impl HttpContext for GatewayHttp {
         #[cfg(feature = "test-panic")]
         panic_on_marker();
         self.started_us = now_us();
-        if !matches!(hostcalls::get_log_level(), Ok(LogLevel::Trace | LogLevel::Debug)) {
+        if !self.debug.timed() {
             return self.request_headers_phase(end_of_stream);
         }
         let start = hostcalls::get_current_time().ok();

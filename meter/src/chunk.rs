@@ -49,6 +49,34 @@ fn stops(word: u64, non_ascii: bool) -> bool {
     (eq(b'"') | eq(b'\\') | control | high) != 0
 }
 
+/// Whether `a` and `b` hold the same bytes, compared eight at a time. In the wasm filter a slice
+/// comparison is the C library's `memcmp`, one byte at a time; this is several times faster there
+/// (the template and prefix checks compare about 200 bytes per stream chunk), and as fast natively.
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let (mut wa, mut wb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let word = |w: &[u8]| u64::from_le_bytes(<[u8; 8]>::try_from(w).unwrap_or_default());
+    if (&mut wa).zip(&mut wb).any(|(x, y)| word(x) != word(y)) {
+        return false;
+    }
+    wa.remainder().iter().zip(wb.remainder()).all(|(x, y)| x == y)
+}
+
+/// Whether `data` begins with `prefix` ([`same_bytes`]).
+fn begins_with(data: &[u8], prefix: &[u8]) -> bool {
+    data.get(..prefix.len()).is_some_and(|head| same_bytes(head, prefix))
+}
+
+/// Whether `data` ends with `suffix` ([`same_bytes`]).
+fn ends_with(data: &[u8], suffix: &[u8]) -> bool {
+    data.len()
+        .checked_sub(suffix.len())
+        .and_then(|at| data.get(at..))
+        .is_some_and(|tail| same_bytes(tail, suffix))
+}
+
 /// `j` moved past every 8-byte word of `s` from `j` on that holds no byte [`stops`] at.
 fn skip_plain(s: &[u8], mut j: usize, non_ascii: bool) -> usize {
     while let Some(Ok(bytes)) = s.get(j..j + 8).map(<[u8; 8]>::try_from) {
@@ -346,7 +374,7 @@ impl Template {
     /// A chunk's reading from the template, where the chunk fits it.
     fn read(&self, data: &[u8]) -> Option<(u64, Option<ChunkUsage>)> {
         let tail_at = data.len().checked_sub(self.tail.len())?;
-        if tail_at < self.head.len() || !data.starts_with(&self.head) || !data.ends_with(&self.tail) {
+        if tail_at < self.head.len() || !begins_with(data, &self.head) || !ends_with(data, &self.tail) {
             return None;
         }
         // The string must end at the tail's closing quote, as the walk would read it.
@@ -397,7 +425,7 @@ impl ChunkReader {
             return Some(read);
         }
         let mut texts = Texts::default();
-        let read = if !self.prefix.is_empty() && data.starts_with(&self.prefix) {
+        let read = if !self.prefix.is_empty() && begins_with(data, &self.prefix) {
             members(data, self.prefix.len(), true, &mut None, &mut texts)
         } else {
             let mut choices_at = None;
@@ -587,6 +615,25 @@ mod tests {
         assert_eq!(content_choices(c.as_bytes()), Some(1));
         let bad_utf8 = [&br#"{"choices":[{"text":"abcdefghij"#[..], &[0xff], br#"klmnop"}]}"#].concat();
         assert_eq!(content_choices(&bad_utf8), None);
+    }
+
+    #[test]
+    fn word_comparisons_agree_with_slice_comparisons() {
+        let base: Vec<u8> = (0..40u8).collect();
+        for len in 0..=base.len() {
+            let a = base.get(..len).unwrap();
+            assert!(same_bytes(a, a));
+            for at in 0..len {
+                let mut b = a.to_vec();
+                b[at] ^= 0x80;
+                assert!(!same_bytes(a, &b), "len {len}, byte {at}");
+                assert_eq!(begins_with(&base, &b), base.starts_with(&b));
+                assert_eq!(ends_with(&base, &b), base.ends_with(&b));
+            }
+            assert!(!same_bytes(a, &base[..len.saturating_sub(1)]) || len == 0);
+            assert!(begins_with(&base, a) && ends_with(&base, &base[base.len() - len..]));
+        }
+        assert!(!begins_with(b"ab", b"abc") && !ends_with(b"bc", b"abc"));
     }
 
     #[test]
