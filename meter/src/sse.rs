@@ -43,6 +43,13 @@ impl SseParser {
                 self.line.clear();
                 continue;
             }
+            if let Some((data, after)) = self.whole_event(head, rest) {
+                // An event of one `data:` line and its blank line, both in this chunk (as vLLM
+                // writes its events): handed over from the chunk, without a copy.
+                on_event(data);
+                rest = after;
+                continue;
+            }
             if self.line.is_empty() {
                 self.handle_line(strip_cr(head), &mut on_event);
             } else {
@@ -62,6 +69,19 @@ impl SseParser {
                 self.line.extend_from_slice(rest);
             }
         }
+    }
+
+    /// `(data, rest after the blank line)` when, with no line or event in progress, `line` (its
+    /// `\n` taken off) is a `data:` field and `rest` begins with the blank line that dispatches
+    /// it: what [`Self::handle_line`] would dispatch for the two lines, read from the chunk.
+    fn whole_event<'c>(&self, line: &'c [u8], rest: &'c [u8]) -> Option<(&'c [u8], &'c [u8])> {
+        if !self.line.is_empty() || self.has_data || self.discarding_event {
+            return None;
+        }
+        let value = strip_cr(line).strip_prefix(b"data:")?;
+        let value = value.strip_prefix(b" ").unwrap_or(value);
+        let after = rest.strip_prefix(b"\n").or_else(|| rest.strip_prefix(b"\r\n"))?;
+        (value.len() <= self.max_event_bytes).then_some((value, after))
     }
 
     /// Events dropped because a line or the event exceeded the bound.
