@@ -183,12 +183,7 @@ fn request_loop() -> Option<u32> {
 
 /// One saturation request's pure work, as the wasm adapter runs it: what the host calls carry is
 /// left out.
-fn one_request(
-    cfg: &Config,
-    headers: &[(String, Vec<u8>)],
-    body: &[u8],
-    stream: &[u8],
-) -> Option<Vec<u8>> {
+fn one_request(cfg: &Config, headers: &[(String, Vec<u8>)], body: &[u8], stream: &[u8]) -> Option<Vec<u8>> {
     let HeadersDecision::AwaitBody(pending) = on_request_headers(cfg, headers).decision else { return None };
     let plan = on_request_body_owned(cfg, &pending, body.to_vec()).ok()?;
     let mut facts = plan.facts;

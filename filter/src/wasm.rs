@@ -119,8 +119,9 @@ struct GatewayRoot {
 }
 
 /// Whether Envoy logs this module at debug (or trace) level, read from Envoy again once every
-/// [`LOG_LEVEL_EVERY`] requests of the VM: the read is a host call (about a microsecond of Envoy
-/// CPU), and the answer only decides whether a request's time in the VM is logged.
+/// [`LOG_LEVEL_EVERY`] requests of the VM: the read is a host call, and the answer only decides
+/// whether a request's time in the VM is logged (a level changed at run time takes effect within
+/// that many requests of each worker).
 #[derive(Default)]
 struct DebugLevel {
     /// Requests since the last read.
@@ -489,10 +490,40 @@ fn panic_on_marker() {
     }
 }
 
+/// Measurement-only build (feature `host-call-probe`): [`PROBE_CALLS`] extra host calls per
+/// request, of the kind `GATEWAY_FILTER_PROBE` named at build time, so that the module's Envoy CPU
+/// per request over the release module's, divided by [`PROBE_CALLS`], is what one call costs.
+#[cfg(feature = "host-call-probe")]
+fn probe_host_calls() {
+    for _ in 0..std::hint::black_box(PROBE_CALLS) {
+        match option_env!("GATEWAY_FILTER_PROBE") {
+            Some("time") => {
+                let _ = hostcalls::get_current_time();
+            }
+            Some("get-header") => {
+                let _ = hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, ":path");
+            }
+            Some("set-header") => {
+                let _ = hostcalls::set_map_value_bytes(MapType::HttpRequestHeaders, "x-probe", Some(b"1"));
+            }
+            Some("log-level") => {
+                let _ = hostcalls::get_log_level();
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Extra host calls per request of the `host-call-probe` build.
+#[cfg(feature = "host-call-probe")]
+const PROBE_CALLS: u32 = 20;
+
 impl HttpContext for GatewayHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         #[cfg(feature = "test-panic")]
         panic_on_marker();
+        #[cfg(feature = "host-call-probe")]
+        probe_host_calls();
         self.started_us = now_us();
         if !self.debug.timed() {
             return self.request_headers_phase(end_of_stream);
