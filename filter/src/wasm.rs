@@ -35,8 +35,8 @@ use crate::config::Config;
 use crate::error::{GatewayError, LocalReply};
 use crate::lease::{LeaseCall, Leases};
 use crate::pipeline::{
-    on_request_body_owned, on_request_headers, request_nonce, response_needs_stripping, HeadersDecision,
-    PendingRequest,
+    header, on_request_body_owned, on_request_headers, request_nonce, response_needs_stripping,
+    HeadersDecision, PendingRequest,
 };
 use crate::proto::LeaseGrant;
 use crate::sse::{meter_chunk, ChunkOutput, UsageStripper};
@@ -491,7 +491,8 @@ fn panic_on_marker() {
 }
 
 /// Measurement-only build (feature `host-call-probe`): [`PROBE_CALLS`] extra host calls per
-/// request, of the kind `GATEWAY_FILTER_PROBE` named at build time, so that the module's Envoy CPU
+/// request, of the kind `GATEWAY_FILTER_PROBE` named at build time (`time`, `get-header`,
+/// `get-headers`: the whole request header map, `set-header`, `log-level`), so that the module's Envoy CPU
 /// per request over the release module's, divided by [`PROBE_CALLS`], is what one call costs.
 #[cfg(feature = "host-call-probe")]
 fn probe_host_calls() {
@@ -508,6 +509,9 @@ fn probe_host_calls() {
             }
             Some("log-level") => {
                 let _ = hostcalls::get_log_level();
+            }
+            Some("get-headers") => {
+                let _ = hostcalls::get_map_bytes(MapType::HttpRequestHeaders);
             }
             _ => {}
         }
@@ -573,18 +577,20 @@ impl HttpContext for GatewayHttp {
         if !self.usage_injected && !self.meter.is_active() {
             return Action::Continue;
         }
-        let status = hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, ":status").ok().flatten();
-        let content_type =
-            hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, "content-type").ok().flatten();
+        // The whole map in one host call, not `:status` and `content-type` in two: a call that
+        // returns bytes costs Envoy a call back into the VM to allocate them (filter/README.md).
+        let headers = hostcalls::get_map_bytes(MapType::HttpResponseHeaders).unwrap_or_default();
+        let status = header(&headers, ":status");
+        let content_type = header(&headers, "content-type");
         if self.meter.is_active() {
-            let code = status.as_deref().and_then(|s| std::str::from_utf8(s).ok()?.parse().ok()).unwrap_or(0);
-            let kind = content_type.as_deref().and_then(|c| std::str::from_utf8(c).ok()).unwrap_or("");
+            let code = status.and_then(|s| std::str::from_utf8(s).ok()?.parse().ok()).unwrap_or(0);
+            let kind = content_type.and_then(|c| std::str::from_utf8(c).ok()).unwrap_or("");
             // A clock read is a host call: only for a response that ends with its headers.
             let now = if end_of_stream { now_us() } else { 0 };
             let usage = self.meter.on_response_headers(code, kind, end_of_stream, now);
             self.finish_metering(usage);
         }
-        if self.usage_injected && response_needs_stripping(status.as_deref(), content_type.as_deref()) {
+        if self.usage_injected && response_needs_stripping(status, content_type) {
             // The body shrinks, so its length is no longer known.
             let _ = hostcalls::remove_map_value(MapType::HttpResponseHeaders, "content-length");
             self.stripper = Some(UsageStripper::default());
