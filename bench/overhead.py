@@ -5,7 +5,8 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
 
     direct    gateway-bench → vllm-sim (what Envoy itself costs)
     bare      → Envoy (same bootstrap, no filter, no sidecar) → vllm-sim
-    filter    → Envoy + the wasm filter → vllm-sim
+    filter    → Envoy + the wasm filter → vllm-sim, configured as gatewayctl renders it
+                (`upstream_headers: routing`: only x-gateway-pool is set upstream)
     gateway   → Envoy + filter + ext_proc sidecar (+ redis-server) → vllm-sim, as gatewayctl renders
                 it by default: with leases (`redis.lease_fraction: 0.01`; the filter admits from
                 admission leases, filter `admission_leases`, without the ext_proc round trip, and
@@ -18,6 +19,9 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
     gateway-no-metering   (diagnostic) gateway-exact without its metering access log: admission only
     gateway-ext-proc-metering   (diagnostic) gateway-exact metered by the ext_proc filter instead of
                           the access log (how Envoy Gateway is rendered)
+    filter-all-headers    (diagnostic) filter with the filter's own default `upstream_headers:
+                          all` (the header contract's other x-gateway-* headers set too, 7 more
+                          header writes on the saturation request): what those writes cost
     filter-noop           (diagnostic) Envoy + a proxy-wasm filter that does
                           nothing (filter/examples/noop.rs): the floor of any proxy-wasm filter
     filter-native-base    (diagnostic, not run by default) filter-native with another build of the
@@ -136,7 +140,8 @@ RESULTS_DIR = TARGET / "bench-results"
 MODEL = "sim-model"
 POOL = "pool_sim"
 TARGETS = ("direct", "bare", "filter", "gateway", "gateway-exact", "gateway-shed", "gateway-no-metering",
-           "gateway-ext-proc-metering", "filter-noop", "dynmod-noop", "filter-native", "gateway-native-leases")
+           "gateway-ext-proc-metering", "filter-noop", "filter-all-headers", "dynmod-noop", "filter-native",
+           "gateway-native-leases")
 # The leases of the leased targets (with the filter's `admission_leases`): gatewayctl's default.
 LEASES = {"redis": {"lease_fraction": 0.01}}
 # Target name -> (tests/stack.py profile, Envoy HTTP filters and access loggers removed from it).
@@ -153,6 +158,7 @@ PROFILES = {
     "gateway-exact": ("gateway", ()),
     "gateway-shed": ("gateway", ()),
     "filter-noop": ("filter", ()),
+    "filter-all-headers": ("filter", ()),
     "filter-base": ("filter", ()),
     "filter-native-base": ("filter", ()),
     "dynmod-noop": ("filter", ()),
@@ -611,6 +617,9 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
         route_to_first_pool=name in ("filter-noop", "dynmod-noop") or None,
         native_module=native_module,
         sidecar_bin=sidecar_bin,
+        # As gatewayctl renders the filter (its sidecars read the filter state), except for the
+        # diagnostic that measures the whole header contract.
+        filter_extra={"upstream_headers": "all" if name == "filter-all-headers" else "routing"},
         change=ABLATIONS.get(name, ((), None))[1],
         # As gatewayctl renders by default: no usage journal (tests/stack.py turns it on for the
         # tests), except in the diagnostic that measures it.

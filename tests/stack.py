@@ -648,6 +648,10 @@ class Stack:
                 for m in self.models
             ],
         }
+        if self.profile == "gateway":
+            # As gatewayctl renders it: the sidecar reads the filter state, so the filter sets
+            # only x-gateway-pool upstream (a test that reads the other headers asks for "all").
+            config["upstream_headers"] = "routing"
         if self.admission_leases and self.profile == "gateway":
             config["admission_leases"] = {"cluster": "llm_gateway_ext_proc"}
         if self.profile == "gateway" and any(p.picker is not None for p in self.pools):

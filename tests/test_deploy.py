@@ -696,8 +696,19 @@ def rendered_stack(request, tmp_path_factory):
             return yaml.safe_load((out / "standalone" / name).read_text())
         return load
 
+    def envoy_with_header_echo(stack: Stack) -> dict:
+        """The rendered bootstrap, with the x-gateway-* request headers as they left for the
+        upstream (after the filter) echoed in x-test-sent-* response headers (absent: not sent)."""
+        bootstrap = rendered("envoy.yaml")(stack)
+        hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["route_config"]["virtual_hosts"][0].setdefault("response_headers_to_add", []).extend(
+            {"header": {"key": f"x-test-sent-{name}", "value": f"%REQ(x-gateway-{name})%"}}
+            for name in ("pool", "tenant", "model", "max-tokens", "request-nonce")
+        )
+        return bootstrap
+
     with Stack(workdir, pools, models, tenants, sidecar_config_from=rendered("sidecar.yaml"),
-               envoy_config_from=rendered("envoy.yaml")) as s:
+               envoy_config_from=envoy_with_header_echo) as s:
         s.api_key = key
         s.rendered = out
         yield s
@@ -730,6 +741,18 @@ def test_rendered_gateway_streams_with_ratelimit_headers(rendered_stack):
     assert int(headers["x-ratelimit-remaining-requests"]) < 1000
     assert headers["x-ratelimit-limit-tokens"] == "1000000"
     assert "x-ratelimit-reset-tokens" in headers
+
+
+def test_rendered_gateway_sends_only_the_routing_header_upstream(rendered_stack):
+    """gatewayctl renders the filter's `upstream_headers: routing`: the upstream gets
+    x-gateway-pool and none of the contract's informational headers, and the request is still
+    admitted and metered from the filter state."""
+    r = post(rendered_stack, "/v1/chat/completions", chat_body("main", max_tokens=3), key=rendered_stack.api_key)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-test-sent-pool"] == "pool_main", r.headers
+    sent = sorted(h for h in r.headers if h.startswith("x-test-sent-"))
+    assert sent == ["x-test-sent-pool"], r.headers
+    assert int(r.headers["x-ratelimit-remaining-requests"]) < 1000
 
 
 def test_rendered_gateway_falls_back_from_a_dead_pool(rendered_stack):

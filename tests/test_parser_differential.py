@@ -170,7 +170,9 @@ def diff_stack(tmp_path_factory):
         tenants = [Tenant("diff", [KEY], {"requests_per_minute": 100000, "tokens_per_minute": 10**12},
                           models=["qwen", "llama"])]
         with Stack(tmp_path_factory.mktemp("parser-diff"), pools, models, tenants,
-                   filter_extra={"full_parse_max_bytes": FULL_PARSE_MAX_BYTES}) as s:
+                   filter_extra={"full_parse_max_bytes": FULL_PARSE_MAX_BYTES,
+                                 # The upstream compares the filter's x-gateway-* headers.
+                                 "upstream_headers": "all"}) as s:
             yield s
     finally:
         for p in procs:

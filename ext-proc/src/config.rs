@@ -219,7 +219,9 @@ pub enum FactsSource {
     FilterState,
     /// The `x-gateway-*` request headers, for Envoy Gateway, whose ext_proc cannot be sent
     /// filter state: trusted only because the wasm filter runs first and removes client-sent
-    /// `x-gateway-*` headers; leases are never honoured this way.
+    /// `x-gateway-*` headers; leases are never honoured this way. The filter must set them
+    /// (its `upstream_headers: all`); with `routing` every request lacks a tenant and is
+    /// refused (403 `missing_tenant`).
     Headers,
 }
 

@@ -301,7 +301,7 @@ impl Stream {
             // the admission still sees `leased_tokens` in the facts and does not charge again.
             envoy.set_filter_state(FS_ADMISSION, ADMISSION_LEASE.as_bytes());
         }
-        let nonce_header = std::iter::once((H_REQUEST_NONCE, nonce.as_str()));
+        let nonce_header = plan.nonce_header.then_some((H_REQUEST_NONCE, nonce.as_str()));
         for (name, value) in plan.set_headers.iter().map(|(n, v)| (*n, v.as_str())).chain(nonce_header) {
             if !envoy.set_header(HeaderType::Request, name, value.as_bytes()) {
                 return fail("cannot set request headers");

@@ -1,9 +1,10 @@
 //! A proxy-wasm HTTP filter that makes the gateway filter's host calls on a streamed chat request
 //! and decides nothing: it buffers the body, reads the headers and the body, sets fixed
-//! `x-gateway-*` headers (the pool of bench/overhead.py), the facts' and the usage's filter states,
-//! clears the route cache, and reads the response headers and chunks. Built for wasm32 only, it
-//! measures what the gateway filter's design costs Envoy apart from the filter's own computing:
-//! the share of the filter's CPU that no change inside the VM can remove.
+//! `x-gateway-*` headers (the pool of bench/overhead.py; only `x-gateway-pool` when its plugin
+//! configuration has `"upstream_headers": "routing"`, as the filter does), the facts' and the
+//! usage's filter states, clears the route cache, and reads the response headers and chunks.
+//! Built for wasm32 only, it measures what the gateway filter's design costs Envoy apart from the
+//! filter's own computing: the share of the filter's CPU that no change inside the VM can remove.
 //!
 //! ```sh
 //! cargo build --release --target wasm32-wasip1 -p gateway-filter --example host_floor
@@ -18,20 +19,26 @@ mod floor {
     use proxy_wasm::types::{Action, BufferType, ContextType, MapType};
 
     proxy_wasm::main! {{
-        proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root) });
+        proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::<Root>::default() });
     }}
 
-    struct Root;
+    #[derive(Default)]
+    struct Root {
+        routing: bool,
+    }
 
     impl Context for Root {}
 
     impl RootContext for Root {
         fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
+            let config = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten();
+            let value: Option<serde_json::Value> = config.and_then(|c| serde_json::from_slice(&c).ok());
+            self.routing = value.is_some_and(|v| v["upstream_headers"] == "routing");
             true
         }
 
         fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-            Some(Box::new(Http))
+            Some(Box::new(Http { routing: self.routing }))
         }
 
         fn get_type(&self) -> Option<ContextType> {
@@ -39,7 +46,10 @@ mod floor {
         }
     }
 
-    struct Http;
+    struct Http {
+        /// Only `x-gateway-pool` of [`HEADERS`] (`upstream_headers: routing`).
+        routing: bool,
+    }
 
     impl Context for Http {}
 
@@ -59,7 +69,6 @@ mod floor {
     impl HttpContext for Http {
         fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
             let _ = hostcalls::get_current_time();
-            let _ = hostcalls::get_log_level();
             let _ = hostcalls::get_map_bytes(MapType::HttpRequestHeaders);
             let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, "authorization");
             if end_of_stream {
@@ -75,7 +84,9 @@ mod floor {
             }
             let _ = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size);
             let _ = hostcalls::set_property(vec!["llm_gateway.request"], Some(FACTS));
-            for (name, value) in HEADERS {
+            for (name, value) in
+                HEADERS.into_iter().filter(|(name, _)| !self.routing || *name == "x-gateway-pool")
+            {
                 let _ =
                     hostcalls::set_map_value_bytes(MapType::HttpRequestHeaders, name, Some(value.as_bytes()));
             }
@@ -84,8 +95,7 @@ mod floor {
         }
 
         fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-            let _ = hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, ":status");
-            let _ = hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, "content-type");
+            let _ = hostcalls::get_map_bytes(MapType::HttpResponseHeaders);
             Action::Continue
         }
 

@@ -125,6 +125,30 @@ pub struct RawConfig {
     /// computed, and the picker has no prefix affinity). See [`crate::prefix`].
     #[serde(default)]
     pub prefix_hashing: Option<RawPrefixHashing>,
+    /// Which `x-gateway-*` headers the filter sets on a forwarded request (optional, default
+    /// `"all"`, [`UpstreamHeaders`]): `"all"` (the whole header contract, filter/README.md) or
+    /// `"routing"` (only `x-gateway-pool`, which Envoy's route needs).
+    #[serde(default)]
+    pub upstream_headers: Option<String>,
+}
+
+/// `upstream_headers`: which of the header contract's `x-gateway-*` request headers a forwarded
+/// request carries. The decision itself always travels in the filter state
+/// `wasm.llm_gateway.request`, which is what the sidecar's admission (`request_facts:
+/// filter_state`, its default) and the metering access log read; each header is one host call
+/// into Envoy (about 0.8-0.9 us of Envoy CPU measured, filter/README.md).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum UpstreamHeaders {
+    /// Every header of the contract: tenant, tier, model, pool, the prompt-token estimate and
+    /// its source, max tokens, `x-gateway-usage-injected`, the context-check pair and
+    /// `x-gateway-request-nonce`. Needed by a sidecar with `request_facts: headers` and by
+    /// anything else that reads them (an upstream's logs, Envoy rate-limit descriptors).
+    #[default]
+    All,
+    /// Only `x-gateway-pool` (and `content-length` of a rewritten body): what Envoy's route
+    /// (`cluster_header: x-gateway-pool`) needs; gatewayctl's rendering (its sidecars read the
+    /// filter state).
+    Routing,
 }
 
 /// `prefix_hashing`: how the filter hashes the prompt's leading blocks into the facts.
@@ -278,6 +302,8 @@ pub struct Config {
     pub admission_leases: Option<AdmissionLeases>,
     /// Prompt-prefix hashing, when configured.
     pub prefix_hashing: Option<PrefixHashing>,
+    /// Which `x-gateway-*` headers a forwarded request carries.
+    pub upstream_headers: UpstreamHeaders,
     lookup: HashMap<String, Target>,
 }
 
@@ -554,6 +580,11 @@ impl Config {
             tenants.push(Tenant { id: t.id, tier, allowed });
         }
 
+        let upstream_headers = match raw.upstream_headers.as_deref() {
+            None | Some("all") => UpstreamHeaders::All,
+            Some("routing") => UpstreamHeaders::Routing,
+            Some(_) => return Err(err("upstream_headers", "must be \"all\" or \"routing\"")),
+        };
         let lookup = names.into_iter().map(|(k, (t, _))| (k, t)).collect();
         let admission_leases = raw.admission_leases.map(compile_leases).transpose()?;
         let prefix_hashing = raw.prefix_hashing.map(compile_prefix_hashing).transpose()?;
@@ -566,6 +597,7 @@ impl Config {
             key_digests,
             admission_leases,
             prefix_hashing,
+            upstream_headers,
             lookup,
         })
     }
@@ -749,7 +781,7 @@ mod tests {
         v["max_body"] = json!(1);
         expect_err(
             v,
-            "max_body: unknown field `max_body`, expected one of `max_body_bytes`, `full_parse_max_bytes`, `max_uploads_per_tenant`, `tenants`, `models`, `admission_leases`, `prefix_hashing`",
+            "max_body: unknown field `max_body`, expected one of `max_body_bytes`, `full_parse_max_bytes`, `max_uploads_per_tenant`, `tenants`, `models`, `admission_leases`, `prefix_hashing`, `upstream_headers`",
         );
     }
 
@@ -1002,6 +1034,24 @@ mod tests {
         assert!(c.models[0].nfc && c.models[0].exact_count);
         assert_eq!(c.models[1].template_overhead, None);
         assert!(!c.models[1].nfc && !c.models[1].exact_count);
+    }
+
+    #[test]
+    fn upstream_headers_default_values_and_error() {
+        assert_eq!(
+            Config::from_json(base().to_string().as_bytes()).unwrap().upstream_headers,
+            UpstreamHeaders::All
+        );
+        let mut v = base();
+        v["upstream_headers"] = json!("routing");
+        assert_eq!(
+            Config::from_json(v.to_string().as_bytes()).unwrap().upstream_headers,
+            UpstreamHeaders::Routing
+        );
+        v["upstream_headers"] = json!("pool");
+        expect_err(v.clone(), "upstream_headers: must be \"all\" or \"routing\"");
+        v["upstream_headers"] = json!(true);
+        expect_err(v, "upstream_headers: invalid type: boolean `true`, expected a string");
     }
 
     #[test]

@@ -28,7 +28,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::auth::authenticate;
-use crate::config::Config;
+use crate::config::{Config, UpstreamHeaders};
 use crate::context::{
     check_context, completion_budget, count_prompt, fits_by_upper_bound, responses_budget, ByteBoundCounter,
     CountSource, PromptCounts, TokenCounter,
@@ -197,6 +197,9 @@ pub struct ForwardPlan {
     pub new_body: Option<Vec<u8>>,
     /// Whether `stream_options.include_usage` was injected (the response must be stripped).
     pub usage_injected: bool,
+    /// Whether the adapter also sets `x-gateway-request-nonce` to the nonce it draws for the
+    /// facts (`upstream_headers: all`, for a sidecar that reads the facts from the headers).
+    pub nonce_header: bool,
     /// The request's OpenAI `stream` flag, for the meter (what an abort before the response
     /// headers is charged: `gateway_meter::Usage::charges_reservation`).
     pub stream: bool,
@@ -294,8 +297,18 @@ fn plan_request_body(
     let prefix = cfg
         .prefix_hashing
         .and_then(|c| crate::prefix::encoded_prompt_hashes(c, route.public_name, &req.prompt));
-    let mut planned =
-        finish_plan(pending, tenant, body, &req, &value, &route, &counts, max_tokens_header, exact_check)?;
+    let mut planned = finish_plan(
+        pending,
+        tenant,
+        body,
+        &req,
+        &value,
+        &route,
+        &counts,
+        max_tokens_header,
+        exact_check,
+        cfg.upstream_headers,
+    )?;
     planned.0.facts.prefix_hashes = prefix;
     Ok(planned)
 }
@@ -312,23 +325,29 @@ fn finish_plan(
     counts: &PromptCounts,
     max_tokens_header: u64,
     exact_check: bool,
+    upstream_headers: UpstreamHeaders,
 ) -> Result<(ForwardPlan, Vec<Edit>), GatewayError> {
     let inject = pending.endpoint.stream_usage_needs_asking() && req.stream && !req.include_usage;
     let edits = body_edits(body, req, value, route, inject)?;
 
-    let mut set_headers = vec![
-        (H_TENANT, tenant.id.clone()),
-        (H_TIER, tenant.tier.clone()),
-        (H_MODEL, route.public_name.to_string()),
-        (H_POOL, route.pool.to_string()),
-        (H_PROMPT_TOKENS, counts.total_estimate.to_string()),
-        (H_PROMPT_TOKENS_SOURCE, counts.source.as_str().to_string()),
-        (H_MAX_TOKENS, max_tokens_header.to_string()),
-    ];
-    if inject {
+    let all_headers = upstream_headers == UpstreamHeaders::All;
+    let mut set_headers = if all_headers {
+        vec![
+            (H_TENANT, tenant.id.clone()),
+            (H_TIER, tenant.tier.clone()),
+            (H_MODEL, route.public_name.to_string()),
+            (H_POOL, route.pool.to_string()),
+            (H_PROMPT_TOKENS, counts.total_estimate.to_string()),
+            (H_PROMPT_TOKENS_SOURCE, counts.source.as_str().to_string()),
+            (H_MAX_TOKENS, max_tokens_header.to_string()),
+        ]
+    } else {
+        vec![(H_POOL, route.pool.to_string())]
+    };
+    if inject && all_headers {
         set_headers.push((H_USAGE_INJECTED, "1".to_string()));
     }
-    if exact_check {
+    if exact_check && all_headers {
         set_headers.push((H_CONTEXT_CHECK, gateway_contract::CONTEXT_CHECK_EXACT.to_string()));
         set_headers.push((H_CONTEXT_MODEL, route.model.name.clone()));
     }
@@ -367,6 +386,7 @@ fn finish_plan(
             set_headers,
             new_body: None,
             usage_injected: inject,
+            nonce_header: all_headers,
             stream: req.stream,
             api: pending.endpoint.meter_api(),
             admission,
@@ -498,7 +518,18 @@ fn on_large_body(
             )
         }
     };
-    finish_plan(pending, tenant, body, &req, &value, &route, &counts, max_tokens_header, exact_check)
+    finish_plan(
+        pending,
+        tenant,
+        body,
+        &req,
+        &value,
+        &route,
+        &counts,
+        max_tokens_header,
+        exact_check,
+        cfg.upstream_headers,
+    )
 }
 
 /// A lower bound on the bytes of prompt text in an unparsed prompt member: for chat and the
@@ -894,6 +925,58 @@ mod tests {
         // A lease would reserve what the sidecar reserves: the prompt tokens plus max tokens.
         let facts = plan.admission.unwrap();
         assert_eq!((facts.tenant.as_str(), facts.model.as_str(), facts.reserve_tokens), ("demo", "tiny", 12));
+    }
+
+    /// `upstream_headers: routing` sets `x-gateway-pool` (and `content-length` of a rewritten
+    /// body) and nothing else of the contract, and decides exactly as `all` does: the same
+    /// facts, body, injection and admission, in the full-parse path, the large-body path and
+    /// the exact-count path.
+    #[test]
+    fn routing_headers_only_drop_the_informational_headers() {
+        let config = |headers: &str| {
+            let v = json!({
+                "tenants": [{"id": "t", "api_keys_sha256": [hex::encode(hash_key(b"sk-t"))]}],
+                "models": [
+                    {"name": "ex", "pool": "p", "max_model_len": 100, "max_token_bytes": 4,
+                     "template_overhead_bytes": {"per_message": 10, "fixed": 20}, "exact_count": true,
+                     "lora_adapters": ["ex-lora"]},
+                    {"name": "big", "pool": "q", "served_model_name": "org/big", "max_model_len": 1_000_000}
+                ],
+                "upstream_headers": headers
+            });
+            Config::from_json(v.to_string().as_bytes()).unwrap()
+        };
+        let (all, routing) = (config("all"), config("routing"));
+        assert_eq!(
+            (all.upstream_headers, routing.upstream_headers),
+            (UpstreamHeaders::All, UpstreamHeaders::Routing)
+        );
+        let big = "w ".repeat(70_000);
+        let bodies = [
+            json!({"model": "big", "messages": [{"role": "user", "content": "hi"}], "stream": true}),
+            json!({"model": "ex", "messages": [{"role": "user", "content": "z".repeat(64)}]}),
+            json!({"model": "ex-lora", "prompt": "hello", "max_tokens": 3}),
+            json!({"model": "big", "messages": [{"role": "user", "content": big}], "stream": true}),
+        ];
+        for body in bodies {
+            let path = if body.get("prompt").is_some() { "/v1/completions" } else { "/v1/chat/completions" };
+            let bytes = body.to_string();
+            let full = both(&all, &pending_in(&all, path, "sk-t"), bytes.as_bytes()).unwrap();
+            let plan = both(&routing, &pending_in(&routing, path, "sk-t"), bytes.as_bytes()).unwrap();
+            let kept: Vec<_> = full
+                .set_headers
+                .iter()
+                .filter(|(name, _)| *name == H_POOL || *name == "content-length")
+                .cloned()
+                .collect();
+            assert_eq!(plan.set_headers, kept, "{path}");
+            assert!(full.nonce_header && !plan.nonce_header);
+            assert_eq!(
+                ForwardPlan { set_headers: full.set_headers.clone(), nonce_header: true, ..plan },
+                full,
+                "{path}: the decision differs"
+            );
+        }
     }
 
     #[test]

@@ -387,7 +387,7 @@ impl GatewayHttp {
             // the admission still sees `leased_tokens` in the facts and does not charge again.
             set_property(PROPERTY_ADMISSION, ADMISSION_LEASE.as_bytes());
         }
-        let nonce_header = std::iter::once((H_REQUEST_NONCE, nonce.as_str()));
+        let nonce_header = plan.nonce_header.then_some((H_REQUEST_NONCE, nonce.as_str()));
         for (name, value) in plan.set_headers.iter().map(|(n, v)| (*n, v.as_str())).chain(nonce_header) {
             if let Err(status) =
                 hostcalls::set_map_value_bytes(MapType::HttpRequestHeaders, name, Some(value.as_bytes()))

@@ -285,6 +285,14 @@ pub struct FilterSection {
     /// `true` needs `redis.lease_fraction` > 0 and a target that renders it.
     #[serde(default)]
     pub admission_leases: Option<bool>,
+    /// Which `x-gateway-*` request headers the filter sets upstream (the filter's
+    /// `upstream_headers`): `routing` (default here) sets only `x-gateway-pool`, which the
+    /// rendered routes need; `all` sets the filter's whole header contract (tenant, tier, model,
+    /// token counts, ...) for an upstream or a rate-limit service that reads them. The rendered
+    /// sidecars read the filter's decision from its filter state either way; each header costs
+    /// Envoy about a microsecond per request (filter/README.md).
+    #[serde(default)]
+    pub upstream_headers: Option<String>,
 }
 
 /// A published wasm module.

@@ -151,7 +151,10 @@ fn standalone_bootstrap_shape() {
         serde_json::from_str(wasm["configuration"]["value"].as_str().unwrap()).unwrap();
     let file: serde_json::Value = serde_json::from_str(&f["standalone/filter.json"]).unwrap();
     assert_eq!(embedded, file);
-    gateway_filter::config::Config::from_json(f["standalone/filter.json"].as_bytes()).unwrap();
+    let parsed = gateway_filter::config::Config::from_json(f["standalone/filter.json"].as_bytes()).unwrap();
+    // The sidecar reads the filter state: the filter sets only the routing header upstream.
+    assert_eq!(file["upstream_headers"], "routing");
+    assert_eq!(parsed.upstream_headers, gateway_filter::config::UpstreamHeaders::Routing);
 
     // The fallback chain's route (envoy/fallback_route.yaml) comes first, then the generic
     // x-gateway-pool route and the default route of envoy/bootstrap.yaml.

@@ -76,6 +76,8 @@ pub fn filter_config(loaded: &Loaded) -> Result<Value, Error> {
         // defaults: 64-byte blocks, at most 256).
         top.push(("prefix_hashing", map::<&str>([])));
     }
+    // The rendered sidecars read the decision from the filter state; the headers are opt-in.
+    top.push(("upstream_headers", s(c.filter.upstream_headers.as_deref().unwrap_or("routing"))));
     let config = map(top);
 
     let json = to_json(&config).map_err(Error::Internal)?;
@@ -86,6 +88,7 @@ pub fn filter_config(loaded: &Loaded) -> Result<Value, Error> {
             "max_body_bytes" => "filter.max_body_bytes".to_owned(),
             "full_parse_max_bytes" => "filter.full_parse_max_bytes".to_owned(),
             "max_uploads_per_tenant" => "filter.max_uploads_per_tenant".to_owned(),
+            "upstream_headers" => "filter.upstream_headers".to_owned(),
             "configuration" => "config".to_owned(),
             other => other.to_owned(),
         };
