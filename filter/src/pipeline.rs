@@ -274,7 +274,7 @@ fn plan_request_body(
     let counts = count_prompt(&counter as &dyn TokenCounter, &req.prompt);
     let max_model_len = route.model.max_model_len;
     let mut exact_check = false;
-    let max_tokens_header = match pending.endpoint {
+    let budget = match pending.endpoint {
         Endpoint::Embeddings => 0,
         Endpoint::Responses => {
             // vLLM's rule for the Responses API (`_validate_generator_input`,
@@ -297,18 +297,8 @@ fn plan_request_body(
     let prefix = cfg
         .prefix_hashing
         .and_then(|c| crate::prefix::encoded_prompt_hashes(c, route.public_name, &req.prompt));
-    let mut planned = finish_plan(
-        pending,
-        tenant,
-        body,
-        &req,
-        &value,
-        &route,
-        &counts,
-        max_tokens_header,
-        exact_check,
-        cfg.upstream_headers,
-    )?;
+    let mut planned =
+        finish_plan(cfg, pending, tenant, body, &req, &value, &route, &counts, budget, exact_check)?;
     planned.0.facts.prefix_hashes = prefix;
     Ok(planned)
 }
@@ -316,6 +306,7 @@ fn plan_request_body(
 /// The plan of a validated, routed request: the headers, and the edits that rewrite the body.
 #[allow(clippy::too_many_arguments)]
 fn finish_plan(
+    cfg: &Config,
     pending: &PendingRequest,
     tenant: &crate::config::Tenant,
     body: &[u8],
@@ -325,12 +316,11 @@ fn finish_plan(
     counts: &PromptCounts,
     max_tokens_header: u64,
     exact_check: bool,
-    upstream_headers: UpstreamHeaders,
 ) -> Result<(ForwardPlan, Vec<Edit>), GatewayError> {
     let inject = pending.endpoint.stream_usage_needs_asking() && req.stream && !req.include_usage;
     let edits = body_edits(body, req, value, route, inject)?;
 
-    let all_headers = upstream_headers == UpstreamHeaders::All;
+    let all_headers = cfg.upstream_headers == UpstreamHeaders::All;
     let mut set_headers = if all_headers {
         vec![
             (H_TENANT, tenant.id.clone()),
@@ -501,7 +491,7 @@ fn on_large_body(
         total_estimate: estimate.max(max_lower),
         source: CountSource::Estimate,
     };
-    let (max_tokens_header, exact_check) = match pending.endpoint {
+    let (budget, exact_check) = match pending.endpoint {
         Endpoint::Embeddings => (0, false),
         Endpoint::Responses => {
             // Refuses prompts whose text alone fills the context; vLLM decides the rest.
@@ -518,18 +508,7 @@ fn on_large_body(
             )
         }
     };
-    finish_plan(
-        pending,
-        tenant,
-        body,
-        &req,
-        &value,
-        &route,
-        &counts,
-        max_tokens_header,
-        exact_check,
-        cfg.upstream_headers,
-    )
+    finish_plan(cfg, pending, tenant, body, &req, &value, &route, &counts, budget, exact_check)
 }
 
 /// A lower bound on the bytes of prompt text in an unparsed prompt member: for chat and the
