@@ -34,6 +34,7 @@ build: ## Build the sidecar, the upstream simulator, the bench tool and gatewayc
 	cargo build --release --locked -p gateway-tokenize --example count  # tests/test_token_counts.py, token counting by hand
 	cargo build --release --locked --target wasm32-wasip1 -p gateway-filter
 	cargo build --release --locked --target wasm32-wasip1 -p gateway-filter --example noop  # bench target filter-noop
+	cargo build --release --locked --target wasm32-wasip1 -p gateway-filter --example host_floor  # bench target filter-floor
 	cargo build --release --locked -p gateway-dynmod-noop  # bench target dynmod-noop
 	cargo build --release --locked -p gateway-filter-native  # the filter as an Envoy dynamic module (filter.native_module)
 	@ls -l $(WASM)

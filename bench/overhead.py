@@ -22,6 +22,9 @@ target alike. One `vllm-sim` upstream is started per scenario and shared by ever
     filter-all-headers    (diagnostic) filter with the filter's own default `upstream_headers:
                           all` (the header contract's other x-gateway-* headers set too, 7 more
                           header writes on the saturation request): what those writes cost
+    filter-floor          (diagnostic) Envoy + filter/examples/host_floor.rs: the filter's host
+                          calls and body buffering with fixed values and no decisions, the floor
+                          of the wasm filter's design (what no change inside the VM can remove)
     filter-noop           (diagnostic) Envoy + a proxy-wasm filter that does
                           nothing (filter/examples/noop.rs): the floor of any proxy-wasm filter
     filter-native-base    (diagnostic, not run by default) filter-native with another build of the
@@ -140,7 +143,8 @@ RESULTS_DIR = TARGET / "bench-results"
 MODEL = "sim-model"
 POOL = "pool_sim"
 TARGETS = ("direct", "bare", "filter", "gateway", "gateway-exact", "gateway-shed", "gateway-no-metering",
-           "gateway-ext-proc-metering", "filter-noop", "filter-all-headers", "dynmod-noop", "filter-native",
+           "gateway-ext-proc-metering", "filter-noop", "filter-floor", "filter-all-headers", "dynmod-noop",
+           "filter-native",
            "gateway-native-leases")
 # The leases of the leased targets (with the filter's `admission_leases`): gatewayctl's default.
 LEASES = {"redis": {"lease_fraction": 0.01}}
@@ -159,6 +163,7 @@ PROFILES = {
     "gateway-shed": ("gateway", ()),
     "filter-noop": ("filter", ()),
     "filter-all-headers": ("filter", ()),
+    "filter-floor": ("filter", ()),
     "filter-base": ("filter", ()),
     "filter-native-base": ("filter", ()),
     "dynmod-noop": ("filter", ()),
@@ -211,6 +216,8 @@ PROFILES.update({name: ("gateway", drop) for name, (drop, _) in ABLATIONS.items(
 
 # The no-op proxy-wasm filter of the `filter-noop` target (`make build` builds it).
 NOOP_WASM = TARGET / "wasm32-wasip1" / "release" / "examples" / "noop.wasm"
+# The design floor of the `filter-floor` target (`make build` builds it).
+FLOOR_WASM = TARGET / "wasm32-wasip1" / "release" / "examples" / "host_floor.wasm"
 # The no-op dynamic module of the `dynmod-noop` target (`make build` builds it), loaded from its
 # file (envoy/filters/native.yaml).
 NOOP_DYNMOD = TARGET / "release" / "libdynmod_noop.so"
@@ -578,7 +585,10 @@ def start_target(name: str, upstream: Upstream, workdir: Path, envoy_concurrency
     if name == "filter-noop" and not NOOP_WASM.exists():
         raise BenchError(f"{NOOP_WASM} is missing: cargo build --release --target wasm32-wasip1 "
                          "-p gateway-filter --example noop (make build does)")
-    wasm_path = NOOP_WASM if name == "filter-noop" else None
+    if name == "filter-floor" and not FLOOR_WASM.exists():
+        raise BenchError(f"{FLOOR_WASM} is missing: cargo build --release --target wasm32-wasip1 "
+                         "-p gateway-filter --example host_floor (make build does)")
+    wasm_path = {"filter-noop": NOOP_WASM, "filter-floor": FLOOR_WASM}.get(name)
     native_module = NATIVE_MODULES.get(name)
     if name == "filter-native-base":
         if not os.environ.get(BASE_NATIVE_ENV) or not Path(os.environ[BASE_NATIVE_ENV]).exists():
@@ -1331,6 +1341,18 @@ def check_targets(summary: dict) -> list[dict]:
         own = own_cpu_us(sat_rows, name, base)
         add(f"Filter's own Envoy CPU per request at saturation ({label})", signed(own, " µs"), "≤ 35 µs",
             verdict(None if own is None else own <= 35.0))
+    # The design's floor (filter/examples/host_floor.rs): what a wasm filter that buffers the body
+    # and makes the filter's host calls, deciding nothing, costs; the filter measured against it.
+    floor = vs_sat.get("filter-floor")
+    if floor:
+        own = own_cpu_us(sat_rows, "filter-floor", "filter-noop")
+        above = own_cpu_us(sat_rows, "filter", "filter-floor")
+        r_filter = paired(sat_rows, "filter-floor").get("filter", {}).get("throughput_ratio", {}).get("median")
+        add(f"Wasm design floor (`filter-floor`: the filter's host calls and body buffering, no decisions) vs "
+            f"bare Envoy: throughput ({c_sat}); its Envoy CPU per request over the no-op filter; the filter "
+            f"over it: throughput ratio, Envoy CPU per request",
+            f"{ratio(floor['throughput_ratio']['median'], 3)}; {signed(own, ' µs')}; "
+            f"{ratio(r_filter, 3)}, {signed(above, ' µs')}", "reported", "reported")
     r = (vs_sat.get("filter-native") or {}).get("throughput_ratio", {}).get("median")
     add(f"Native filter vs bare Envoy: throughput on the same small request ({c_sat})", ratio(r, 3), "≥ 0.8×",
         verdict(None if r is None else r >= 0.8))

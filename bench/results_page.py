@@ -23,6 +23,7 @@ TARGET_TEXT = {
     "gateway-shed": "the gateway (with leases) whose pool the sidecar sheds by its load, as the example config's `pool_qwen` (`max_queue_depth: 64`, `max_kv_cache_usage: 0.95`, scraped every 500 ms): its admission leases cover at most half of the pool's headroom at a time (`ext-proc/src/admission/lease_headroom.rs`)",
     "gateway-no-metering": "diagnostic: `gateway-exact` without its metering access log (admission only; the filter still measures)",
     "filter-noop": "diagnostic: Envoy + a proxy-wasm filter that does nothing (`filter/examples/noop.rs`): the floor any proxy-wasm filter costs in Envoy's V8 runtime",
+    "filter-floor": "diagnostic: Envoy + `filter/examples/host_floor.rs`, the wasm filter's host calls and body buffering with fixed values and no decisions (as `filter` is configured): the floor of the wasm filter's design, which no change inside the VM can remove",
     "filter-all-headers": "diagnostic: `filter` with the filter's own default `upstream_headers: all`: the header contract's informational `x-gateway-*` headers set upstream too (7 more header writes on the saturation request)",
     "filter-base": "diagnostic: Envoy + another build of the filter (`$FILTER_BASE_WASM`): a change to the filter measured side by side with the build it changes",
     "gateway-base": "diagnostic: the gateway with another build of the sidecar (`$SIDECAR_BASE_BIN`): a change to the sidecar measured side by side with the build it changes",

@@ -6,10 +6,10 @@
 //! Built for wasm32 only, it measures what the gateway filter's design costs Envoy apart from the
 //! filter's own computing: the share of the filter's CPU that no change inside the VM can remove.
 //!
+//! `make build` builds it; bench/overhead.py runs it as the target `filter-floor`:
+//!
 //! ```sh
-//! cargo build --release --target wasm32-wasip1 -p gateway-filter --example host_floor
-//! FILTER_BASE_WASM=target/wasm32-wasip1/release/examples/host_floor.wasm \
-//!   python bench/overhead.py --rounds 5 --targets filter-noop,filter,filter-base --scenarios saturation --no-write-docs
+//! python bench/overhead.py --rounds 9 --targets bare,filter-noop,filter,filter-floor --scenarios saturation --no-write-docs
 //! ```
 
 #[cfg(target_arch = "wasm32")]
