@@ -249,6 +249,26 @@ pub struct RequestFacts {
     /// kept and repeats. Absent from facts written before it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nonce: Option<String>,
+    /// The most prompt tokens the upstream can report for the request: `max_model_len` for each
+    /// prompt (vLLM refuses a longer one; a completions batch or embeddings input counts each
+    /// element), saturating. The sidecar reads a usage past it as out of bounds and bills the
+    /// reservation instead. Absent from facts written before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_max: Option<u64>,
+    /// The most completion tokens the upstream can report for the request: each sequence's cap
+    /// (`max_completion_tokens` / `max_tokens` / `max_output_tokens` as sent, at most
+    /// `max_model_len`; without one, `max_model_len`) times the sequences it generates (`n`, on
+    /// completions `max(n, best_of)`, for each prompt), saturating; 0 for embeddings. Unlike
+    /// [`RequestFacts::max_tokens`], a reservation taken from the prompt estimate, it does not
+    /// depend on the estimate. Bounds the usage as `prompt_tokens_max` does. Absent from facts
+    /// written before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_tokens_max: Option<u64>,
+    /// The request body's size in bytes as the filter decided it (before any rewrite): what
+    /// Envoy holds for the request while it waits in a flow-control queue, which the sidecar
+    /// bounds per pool and per tenant. Absent from facts written before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body_bytes: Option<u64>,
 }
 
 impl RequestFacts {
@@ -335,8 +355,12 @@ mod tests {
             prefix_hashes: None,
             request_id: None,
             nonce: None,
+            prompt_tokens_max: Some(4096),
+            completion_tokens_max: None,
+            body_bytes: Some(120),
         };
         let json = facts.to_json().unwrap();
+        assert!(!String::from_utf8_lossy(&json).contains("completion_tokens_max"));
         assert!(!String::from_utf8_lossy(&json).contains("context_model"));
         assert!(!String::from_utf8_lossy(&json).contains("prefix_hashes"));
         assert_eq!(RequestFacts::from_json(&json), Some(facts.clone()));

@@ -60,6 +60,8 @@ fn record(tenant: &str, i: u64, start_ms: u64) -> UsageRecord {
             record_id: format!("{i:08x}-0000-4000-8000-000000000000.{:016x}", i.wrapping_mul(0x9e37_79b9)),
             lease_id: None,
             lease_seq: None,
+            prompt_tokens_max: None,
+            completion_tokens_max: None,
         },
         prompt_tokens: 100,
         completion_tokens: 150,
@@ -72,6 +74,7 @@ fn record(tenant: &str, i: u64, start_ms: u64) -> UsageRecord {
         usage_source: UsageSource::Upstream,
         finished_at_unix_ms: start_ms + i,
         unreported: false,
+        unusable: None,
     }
 }
 

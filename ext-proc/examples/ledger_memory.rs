@@ -59,6 +59,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 record_id,
                 lease_id: None,
                 lease_seq: None,
+                prompt_tokens_max: None,
+                completion_tokens_max: None,
             },
             prompt_tokens: 100,
             completion_tokens: 200,
@@ -73,6 +75,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             // they would at that rate.
             finished_at_unix_ms: start_ms + i,
             unreported: false,
+            unusable: None,
         };
         let store = store.clone();
         pending.push(tokio::spawn(async move {

@@ -150,6 +150,21 @@
 -- The current operation's keys and arguments (set by run).
 local K, A = KEYS, ARGV
 
+-- The largest count the ledger takes, 2^53 - 1 (meter.rs MAX_LEDGER_COUNT): Lua's numbers are
+-- doubles, exact up to 2^53, and Redis integers are signed 64 bits.
+local MAX_COUNT = 9007199254740991
+
+-- A count (an argument, or a sum of counts) as an exact integer: an error for anything else, so
+-- that the ledger refuses a number it cannot hold exactly (an upstream's 2^63 - 1, which a
+-- double rounds and '%d' then writes as -2^63) rather than write a wrong one.
+local function count(v)
+  local n = tonumber(v)
+  if n == nil or n ~= math.floor(n) or n > MAX_COUNT or n < -MAX_COUNT then
+    error('ledger_v1.lua: not an exact count: ' .. tostring(v))
+  end
+  return n
+end
+
 -- Writes a call defers to its end (see 'flush'): the usage hash's and the lease counts'
 -- HINCRBYs summed per field, the quota counters' INCRBYs summed, each key's expiry set once
 -- (the last one asked), and each token bucket read once, settled in memory in the order asked,
@@ -196,13 +211,13 @@ local function hincrby(key, field, by)
     e.fields[field] = 0
     e.order[#e.order + 1] = field
   end
-  e.fields[field] = e.fields[field] + tonumber(by)
+  e.fields[field] = count(e.fields[field] + count(by))
 end
 
 -- INCRBY key by, deferred.
 local function incrby(key, by)
   local e = pending(key)
-  e.incr = (e.incr or 0) + tonumber(by)
+  e.incr = count((e.incr or 0) + count(by))
 end
 
 -- An expiry command (EXPIRE, EXPIREAT, PEXPIRE) of key, deferred: the last one asked is set.
@@ -210,9 +225,10 @@ local function expire(key, command, arg)
   pending(key).expire = { command, arg }
 end
 
--- An integer as Redis reads it (tostring would write 1e+15 for large ones).
+-- A count as Redis reads it (tostring would write 1e+15 for large ones); an error for anything
+-- but an exact count.
 local function int(n)
-  return string.format('%d', n)
+  return string.format('%d', count(n))
 end
 
 -- The text of an error raised in the script (redis.call raises a table with 'err').
@@ -296,17 +312,36 @@ end
 local function settle_all(first, arg, n, now)
   for i = 1, n do
     local a = arg + 3 * (i - 1)
-    settle(K[first + i - 1], tonumber(A[a]), tonumber(A[a + 1]), tonumber(A[a + 2]), now)
+    settle(K[first + i - 1], tonumber(A[a]), tonumber(A[a + 1]), count(A[a + 2]), now)
+  end
+end
+
+-- The usage hash's increments of one request (or of a lease's charged requests).
+local function usage_adds(prompt, completion, cached, cost, requests)
+  local adds = {
+    { ':requests', requests or 1 }, { ':prompt_tokens', prompt },
+    { ':completion_tokens', completion }, { ':cached_tokens', cached },
+  }
+  if cost ~= nil and cost ~= '' and cost ~= '0' then adds[#adds + 1] = { ':cost_nano_usd', cost } end
+  return adds
+end
+
+-- Raises an error, before anything is written, when an increment of the usage hash `key` is not
+-- an exact count or would take its pending sum past one ([`count`]): a request whose numbers the
+-- ledger cannot hold changes nothing.
+local function check_usage(key, model, prompt, completion, cached, cost, requests)
+  local e = P.keys[key]
+  for _, add in ipairs(usage_adds(prompt, completion, cached, cost, requests)) do
+    local before = 0
+    if e ~= nil and e.fields ~= nil then before = e.fields[model .. add[1]] or 0 end
+    count(before + count(add[2]))
   end
 end
 
 local function add_usage(key, model, prompt, completion, cached, cost, requests)
-  hincrby(key, model .. ':requests', requests or 1)
-  hincrby(key, model .. ':prompt_tokens', prompt)
-  hincrby(key, model .. ':completion_tokens', completion)
-  hincrby(key, model .. ':cached_tokens', cached)
-  if cost ~= nil and cost ~= '' and cost ~= '0' then
-    hincrby(key, model .. ':cost_nano_usd', cost)
+  check_usage(key, model, prompt, completion, cached, cost, requests)
+  for _, add in ipairs(usage_adds(prompt, completion, cached, cost, requests)) do
+    hincrby(key, model .. add[1], add[2])
   end
   expire(key, 'EXPIRE', 40 * 86400)
 end
@@ -488,6 +523,7 @@ local function run(keys, args)
     local n = tonumber(A[8])
     local q = tonumber(A[10 + 3 * n] or '0') or 0
     local lease_k, lease_a = 6 + n + q, 11 + 3 * n + 4 * q
+    check_usage(K[5], A[4], A[5], A[6], A[7], A[9 + 3 * n])
     local json = close_reservation(id)
     if json then
       redis.call('SADD', K[4], id)
@@ -506,6 +542,7 @@ local function run(keys, args)
     return 1
   elseif op == 'charge' then
     local id = A[2]
+    check_usage(K[4], A[4], A[5], A[6], A[7], A[9 + 3 * tonumber(A[8])])
     local json = close_reservation(id)
     if not json then
       return 0
@@ -586,9 +623,9 @@ local function run(keys, args)
     end
     hdel_all(K[2], covered)
     if l > 0 then
-      redis.call('HINCRBY', K[2], id .. ':l', l)
-      redis.call('HINCRBY', K[2], id .. ':lt', lt)
-      redis.call('HINCRBY', K[2], id .. ':lp', lp)
+      redis.call('HINCRBY', K[2], id .. ':l', int(l))
+      redis.call('HINCRBY', K[2], id .. ':lt', int(lt))
+      redis.call('HINCRBY', K[2], id .. ':lp', int(lp))
     end
     redis.call('PEXPIRE', K[2], A[5])
     return 1
@@ -677,7 +714,9 @@ local function run(keys, args)
       charged_t = math.max(0, v[2] - v[5])
       charged_p = math.min(charged_t, math.max(0, v[3] - v[6]))
       local completion = charged_t - charged_p
+      -- Exact below the cap (each product is then below it too); capped as cost_nano_usd caps.
       local cost = charged_p * (tonumber(A[4]) or 0) + completion * (tonumber(A[5]) or 0)
+      if cost > MAX_COUNT then cost = MAX_COUNT end
       add_usage(K[4], model, charged_p, completion, 0, int(cost), charged_r)
       adjust_quotas(5, 6, model, charged_t, nil)
     end

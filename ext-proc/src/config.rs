@@ -427,6 +427,15 @@ pub struct PoolFlowConfig {
     /// is refused 429 `overloaded`.
     #[serde(default = "default_max_queued")]
     pub max_queued: usize,
+    /// The most bytes of request bodies the pool's queue holds, which Envoy keeps buffered while
+    /// their requests wait (default 64 MiB; 1 MiB to 64 GiB). Shared among the tenants with
+    /// requests queued by their weights, as `max_queued` is; a request whose body finds no room
+    /// is refused 429 `overloaded` (`reason="bytes"`). Keep the sum over the pools, with the
+    /// filter's upload buffers (`max_uploads_per_tenant` x `max_body_bytes` per tenant and
+    /// worker), well under Envoy's heap limit (`envoy.edge.max_heap_bytes`), so that no tenant's
+    /// queued bodies can bring Envoy's overload manager to refuse every request.
+    #[serde(default = "default_max_queued_bytes")]
+    pub max_queued_bytes: u64,
     /// The filter's admission leases for the pool stop while anything is queued or its load
     /// (`shedding::load`) is at this level, so that its requests go through the queue (default
     /// 0.8; in (0, 1]).
@@ -436,6 +445,13 @@ pub struct PoolFlowConfig {
 
 fn default_max_queued() -> usize {
     1000
+}
+
+/// `pools[].flow_control.max_queued_bytes` when unset: 64 MiB.
+pub const DEFAULT_MAX_QUEUED_BYTES: u64 = 64 << 20;
+
+fn default_max_queued_bytes() -> u64 {
+    DEFAULT_MAX_QUEUED_BYTES
 }
 
 fn default_leases_below_load() -> f64 {
@@ -1290,6 +1306,12 @@ impl Config {
                 if !(1..=1_000_000).contains(&flow.max_queued) {
                     return Err(invalid(format!("{field}.max_queued"), "must be in 1..=1000000"));
                 }
+                if !((1 << 20)..=(64 << 30)).contains(&flow.max_queued_bytes) {
+                    return Err(invalid(
+                        format!("{field}.max_queued_bytes"),
+                        "must be in 1048576..=68719476736 (1 MiB to 64 GiB)",
+                    ));
+                }
                 if !(flow.leases_below_load > 0.0 && flow.leases_below_load <= 1.0) {
                     return Err(invalid(format!("{field}.leases_below_load"), "must be in (0, 1]"));
                 }
@@ -1947,11 +1969,19 @@ mod tests {
         assert_eq!(flow.tiers[1].max_queue_wait_ms, 5000);
         assert_eq!(
             c.pools[0].flow_control,
-            Some(PoolFlowConfig { max_queued: 1000, leases_below_load: 0.8 })
+            Some(PoolFlowConfig {
+                max_queued: 1000,
+                max_queued_bytes: DEFAULT_MAX_QUEUED_BYTES,
+                leases_below_load: 0.8
+            })
         );
         for (yaml, expected) in [
             (format!("{BASE}{tenants}{}", pool("{}")), "pools[0].flow_control: needs the top-level flow_control"),
             (format!("{BASE}{tenants}{}{tiers}", pool("{max_queued: 0}")), "pools[0].flow_control.max_queued: must be in"),
+            (
+                format!("{BASE}{tenants}{}{tiers}", pool("{max_queued_bytes: 1000}")),
+                "pools[0].flow_control.max_queued_bytes: must be in 1048576..=68719476736",
+            ),
             (format!("{BASE}{tenants}{}{tiers}", pool("{leases_below_load: 1.5}")), "pools[0].flow_control.leases_below_load"),
             (
                 format!("{BASE}{tenants}pools:\n  - {{name: p, endpoints: ['http://h:1'], flow_control: {{}}}}\n{tiers}"),

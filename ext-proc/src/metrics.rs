@@ -117,6 +117,14 @@ pub struct LeaseOutcome {
     pub outcome: String,
 }
 
+/// `{reason}` of a usage the sidecar could not use and billed at the reservation instead.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UsageReason {
+    /// `llm_gateway_usage_out_of_bounds_total`: `prompt_tokens`, `completion_tokens`,
+    /// `cached_tokens`; `llm_gateway_usage_unreadable_total`: `encoded`, `missing`, `duplicate`.
+    pub reason: &'static str,
+}
+
 /// `{outcome}` of an exact context count: `fits`, `exceeded` or `undecided`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CountOutcome {
@@ -250,8 +258,15 @@ pub struct Metrics {
     pub records_written: Counter,
     /// `llm_gateway_usage_records_dropped_total`: past `metering.buffer_records` (each logged).
     pub records_dropped: Counter,
-    /// `llm_gateway_usage_records_refused_total`: usage counts Redis cannot hold (each logged).
+    /// `llm_gateway_usage_records_refused_total`: usage counts the ledger cannot hold exactly
+    /// (each logged).
     pub records_refused: Counter,
+    /// `llm_gateway_usage_out_of_bounds_total{reason}`: an upstream's usage past what its request
+    /// could produce, billed at the reservation (each logged).
+    pub usage_out_of_bounds: Family<UsageReason, Counter>,
+    /// `llm_gateway_usage_unreadable_total{reason}`: a 2xx response whose usage could not be
+    /// read (coded, missing, given twice), billed at the reservation (each logged).
+    pub usage_unreadable: Family<UsageReason, Counter>,
     /// `llm_gateway_usage_records_unconfirmed_total`: given up, each logged whole, because a write
     /// that may have landed is older than the ledger's idempotency retention (retrying could count
     /// it twice).
@@ -390,6 +405,8 @@ impl Metrics {
             records_written: Counter::default(),
             records_dropped: Counter::default(),
             records_refused: Counter::default(),
+            usage_out_of_bounds: Family::default(),
+            usage_unreadable: Family::default(),
             records_unconfirmed: Counter::default(),
             records_unknown_tenant: Counter::default(),
             records_duplicate: Counter::default(),
@@ -505,8 +522,18 @@ impl Metrics {
         );
         r.register(
             "llm_gateway_usage_records_refused",
-            "Usage records refused: counts Redis cannot hold (logged)",
+            "Usage records refused: counts the ledger cannot hold exactly (logged)",
             m.records_refused.clone(),
+        );
+        r.register(
+            "llm_gateway_usage_out_of_bounds",
+            "Upstream usage past what its request could produce, billed at the reservation (logged)",
+            m.usage_out_of_bounds.clone(),
+        );
+        r.register(
+            "llm_gateway_usage_unreadable",
+            "2xx responses whose usage could not be read (coded, missing, given twice), billed at the reservation (logged)",
+            m.usage_unreadable.clone(),
         );
         r.register(
             "llm_gateway_usage_records_unconfirmed",

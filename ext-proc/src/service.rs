@@ -36,7 +36,7 @@ use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
-use tracing::{debug, error, Instrument};
+use tracing::{debug, error, warn, Instrument};
 
 use crate::admission::{self, Admitted, RequestFacts};
 use crate::admission_lease::LeaseUse;
@@ -48,9 +48,9 @@ use crate::flow_control::{self, Entered};
 use crate::ledger::{self, Reservation};
 use crate::limiter::{Limiter, Take};
 use crate::limits::{self, BucketKind, BucketSpec};
-use crate::meter::{EndReason, Meter, RequestInfo, UsageRecord};
+use crate::meter::{EndReason, Meter, RequestInfo, UnusableUsage, UsageRecord};
 use crate::metrics::{
-    CountOutcome, Decision, Finished, Metrics, ModelLabel, PoolTier, TenantTokens, TokenType,
+    CountOutcome, Decision, Finished, Metrics, ModelLabel, PoolTier, TenantTokens, TokenType, UsageReason,
 };
 use crate::pools::{PickOutcome, Pools};
 use crate::quota::{self, QuotaTake};
@@ -736,7 +736,9 @@ async fn wait_for_room(
     let tenant = facts.tenant.as_deref().unwrap_or("");
     let overloaded =
         |retry_after_secs| Some(AdmissionError::Overloaded { pool: facts.pool.clone(), retry_after_secs });
-    let waiter = match shared.pools.enter(&facts.pool, tier, tenant, facts.prompt_tokens, budget) {
+    let body_bytes = facts.body_bytes.unwrap_or(0);
+    let waiter = match shared.pools.enter(&facts.pool, tier, tenant, facts.prompt_tokens, body_bytes, budget)
+    {
         Entered::Now => return Ok(None),
         Entered::Refused(_, retry_after_secs) => return Err(overloaded(retry_after_secs)),
         Entered::Queued(waiter) => waiter,
@@ -938,6 +940,9 @@ async fn metering_stream(
                 }
                 let status = header(&h, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
                 let content_type = header(&h, "content-type").unwrap_or_default();
+                if let Some(coding) = header(&h, "content-encoding") {
+                    meter.mark_encoded(coding.as_bytes());
+                }
                 meter.on_response_headers(status, &content_type, h.end_of_stream, now)
             }
             Some(ProcRequest::ResponseBody(b)) => meter.on_response_body(&b.body, b.end_of_stream, Some(now)),
@@ -955,6 +960,25 @@ async fn metering_stream(
         finish(shared, UsageRecord::new(info, usage, METERED_REACHED_UPSTREAM));
     }
     Ok(())
+}
+
+/// Counts and logs a record billed at its reservation because its upstream's usage could not be
+/// used ([`UsageRecord::unusable`]).
+fn count_unusable(metrics: &Metrics, record: &UsageRecord, unusable: UnusableUsage) {
+    let (family, reason) = match unusable {
+        UnusableUsage::OutOfBounds(bound) => (&metrics.usage_out_of_bounds, bound.label()),
+        UnusableUsage::Unread(unread) => (&metrics.usage_unreadable, unread.label()),
+    };
+    family.get_or_create(&UsageReason { reason }).inc();
+    warn!(
+        request_id = %record.info.request_id,
+        tenant = %record.info.tenant,
+        model = %record.info.model,
+        reason,
+        status = record.status,
+        billed_tokens = record.total_tokens(),
+        "upstream usage not usable: billed at the reservation"
+    );
 }
 
 /// Microseconds since the first call: the meter's clock on the sidecar's side.
@@ -985,7 +1009,10 @@ pub(crate) fn finish(shared: &Arc<Shared>, record: UsageRecord) {
     );
     shared.pools.charge_output(&record.info.pool, &record.info.tenant, record.completion_tokens);
     shared.pools.finished(&record.info.pool);
-    if !record.fits_redis() {
+    if let Some(unusable) = record.unusable {
+        count_unusable(&shared.metrics, &record, unusable);
+    }
+    if !record.fits_ledger() {
         // Counts no Redis integer holds (an upstream's bug): refused before any of it is
         // written; the reservation stays charged, nothing is refunded, and a reservation the
         // ledger tracks is charged once it is older than `record_after_ms`.
@@ -1232,6 +1259,9 @@ pub(crate) fn facts_from_headers(header: impl Fn(&str) -> Option<String>) -> Req
         lease_seq: None,
         prefix_hashes: None,
         nonce: header(H_REQUEST_NONCE),
+        prompt_tokens_max: None,
+        completion_tokens_max: None,
+        body_bytes: None,
     }
 }
 

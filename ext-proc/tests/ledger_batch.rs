@@ -195,3 +195,47 @@ async fn a_batch_writes_what_one_call_each_writes_and_each_write_once() {
     assert!(store.ledger_batch(&[]).await.unwrap().is_empty());
     assert!(store.append_batch(&[]).await.unwrap().is_empty());
 }
+
+/// The ledger holds counts exactly or refuses them (issue 35, item 3): a record whose count
+/// Lua's doubles cannot hold (an upstream's `i64::MAX`, which the double rounds to 2^63 and
+/// `%d` then wrote as -2^63) is refused by the script, alone in its batch, and writes nothing;
+/// the largest exact count (2^53 - 1) is written exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ledger_refuses_a_count_it_cannot_hold_exactly() {
+    let redis = Redis::start();
+    let (_config, store) = setup(&redis).await;
+    let mut conn = redis.conn().await;
+    let at = now_ms();
+    let mut liar = record("one", 1, at);
+    liar.prompt_tokens = i64::MAX as u64;
+    // A model without a price: its cost (capped at the bound too) is not summed with it.
+    let mut exact = record("one", 2, at);
+    exact.info.model = "free".to_owned();
+    exact.prompt_tokens = gateway_ext_proc::meter::MAX_LEDGER_COUNT - 1000;
+    let mut fine = record("one", 3, at);
+    fine.info.model = "free".to_owned();
+    let replies = store.ledger_batch(&[plain(&liar), plain(&exact), plain(&fine)]).await.unwrap();
+    assert_eq!(
+        replies,
+        vec![
+            LedgerReply::Failed,
+            LedgerReply::Record(Applied::Applied),
+            LedgerReply::Record(Applied::Applied)
+        ]
+    );
+    let books = usage(&mut conn, "one", at).await;
+    assert_eq!(books.get("free:requests"), Some(&2), "{books:?}");
+    assert_eq!(books.get("m:requests"), None, "{books:?}");
+    // Exact to the token: no rounding, no wrap to a negative count.
+    let expected = (gateway_ext_proc::meter::MAX_LEDGER_COUNT - 1000 + 13) as i64;
+    assert_eq!(books.get("free:prompt_tokens"), Some(&expected), "{books:?}");
+    // A sum past the bound is refused too (two exact counts whose sum is not).
+    let mut again = record("one", 4, at);
+    again.prompt_tokens = gateway_ext_proc::meter::MAX_LEDGER_COUNT;
+    let mut twice = record("one", 5, at);
+    twice.prompt_tokens = gateway_ext_proc::meter::MAX_LEDGER_COUNT;
+    let replies = store.ledger_batch(&[plain(&again), plain(&twice)]).await.unwrap();
+    assert!(replies.contains(&LedgerReply::Failed), "{replies:?}");
+    let after = usage(&mut conn, "one", at).await;
+    assert!(after.values().all(|v| *v >= 0), "no count went negative: {after:?}");
+}

@@ -94,6 +94,12 @@ impl LeaseDriver {
         self.table.lock().ok()?.try_admit(facts, now)
     }
 
+    /// Whether the sidecar said `tenant` is over its requests-per-minute limit
+    /// ([`Leases::tenant_over_rpm`]): the `Retry-After` seconds.
+    pub fn tenant_over_rpm(&self, tenant: &str, now: u64) -> Option<u64> {
+        self.table.lock().ok()?.tenant_over_rpm(tenant, now)
+    }
+
     fn start_ticker(&self) -> Option<Ticker> {
         let scheduler = Arc::new(self.envoy.scheduler());
         let (stop, stopped) = mpsc::channel::<()>();

@@ -52,8 +52,8 @@ use gateway_contract::{ADMISSION_LEASE, FS_ADMISSION, FS_REQUEST, FS_USAGE, H_RE
 use gateway_filter::config::Config;
 use gateway_filter::error::{GatewayError, LocalReply};
 use gateway_filter::pipeline::{
-    check_body_size, on_request_body_owned, on_request_headers, request_nonce, response_needs_stripping,
-    HeadersDecision, PendingRequest,
+    check_body_size, meter_response_headers, on_request_body_owned, on_request_headers, request_nonce,
+    response_needs_stripping, HeadersDecision, PendingRequest,
 };
 use gateway_filter::sse::{meter_chunk, ChunkOutput, UsageStripper};
 use gateway_filter::uploads::UploadSlots;
@@ -200,6 +200,13 @@ impl Stream {
                 }
             }
             HeadersDecision::AwaitBody(pending) => {
+                // A tenant the sidecar said is over its requests-per-minute limit costs no body.
+                let tenant = cfg.tenants.get(pending.tenant).map_or("", |t| t.id.as_str());
+                let over = self.leases.as_ref().and_then(|l| l.tenant_over_rpm(tenant, self.started_us));
+                if let Some(retry_after_secs) = over {
+                    send_reply(envoy, &GatewayError::TenantOverRequestLimit { retry_after_secs }.to_reply());
+                    return HEADERS_STOP_ITERATION;
+                }
                 let limit = cfg.max_uploads_per_tenant;
                 let config = Arc::as_ptr(&self.config) as usize;
                 let Some(slot) = UploadSlot::try_acquire(config, pending.tenant, limit) else {
@@ -324,14 +331,15 @@ impl Stream {
         }
         let status = envoy.header(HeaderType::Response, ":status");
         let content_type = envoy.header(HeaderType::Response, "content-type");
+        let coding = envoy.header(HeaderType::Response, "content-encoding");
+        let (status, content_type, coding) = (status.as_deref(), content_type.as_deref(), coding.as_deref());
         if self.meter.is_active() {
-            let code = status.as_deref().and_then(|s| std::str::from_utf8(s).ok()?.parse().ok()).unwrap_or(0);
-            let kind = content_type.as_deref().and_then(|c| std::str::from_utf8(c).ok()).unwrap_or("");
             let now = if end_of_stream { now_us() } else { 0 };
-            let usage = self.meter.on_response_headers(code, kind, end_of_stream, now);
+            let usage =
+                meter_response_headers(&mut self.meter, status, content_type, coding, end_of_stream, now);
             publish_usage(envoy, usage);
         }
-        if self.usage_injected && response_needs_stripping(status.as_deref(), content_type.as_deref()) {
+        if self.usage_injected && response_needs_stripping(status, content_type, coding) {
             envoy.remove_header(HeaderType::Response, "content-length");
             self.stripper = Some(UsageStripper::default());
         }

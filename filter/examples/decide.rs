@@ -31,6 +31,7 @@ fn main() {
         tenant: 0,
         request_id: None,
         has_content_length: true,
+        accepts_coding: false,
     };
     let t = Instant::now();
     for _ in 0..repeat {

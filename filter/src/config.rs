@@ -38,6 +38,10 @@ pub const DEFAULT_FULL_PARSE_MAX_BYTES: u64 = 128 * 1024;
 /// Default `max_uploads_per_tenant`: request bodies of one tenant that one worker's VM buffers at
 /// once. See [`crate::uploads`].
 pub const DEFAULT_MAX_UPLOADS_PER_TENANT: u32 = 8;
+/// Default `max_n`: the most sequences a request may ask vLLM to generate per prompt (`n`, and
+/// on completions `best_of`): vLLM's own limit, `VLLM_MAX_N_SEQUENCES` (16384 in vLLM 0.32,
+/// `vllm/envs.py`), which refuses more with a 400 of its own.
+pub const DEFAULT_MAX_N: u64 = 16_384;
 /// Default `tier` of a tenant when the field is absent.
 pub const DEFAULT_TIER: &str = "standard";
 /// Default `admission_leases.refresh_ms`: how often leases are renewed, in milliseconds.
@@ -113,6 +117,13 @@ pub struct RawConfig {
     /// bodies cannot hold a worker's memory for one key. See [`crate::uploads`].
     #[serde(default)]
     pub max_uploads_per_tenant: Option<u32>,
+    /// The most sequences a request may ask for per prompt: OpenAI's `n` (choices), and on
+    /// completions `best_of`. Optional, default [`DEFAULT_MAX_N`] (vLLM's
+    /// `VLLM_MAX_N_SEQUENCES`); must be > 0. A request over it is answered 400 `invalid_value`
+    /// naming the parameter, before any reservation (each sequence is reserved its
+    /// `max_tokens`).
+    #[serde(default)]
+    pub max_n: Option<u64>,
     /// Tenants and their API-key digests. Required, non-empty.
     pub tenants: Vec<RawTenant>,
     /// Served models. Required, non-empty.
@@ -292,6 +303,8 @@ pub struct Config {
     pub full_parse_max_bytes: u64,
     /// Bodies of one tenant one worker buffers at once (> 0).
     pub max_uploads_per_tenant: u32,
+    /// The most sequences per prompt (`n`, `best_of`) a request may ask for (> 0).
+    pub max_n: u64,
     /// Tenants in configuration order.
     pub tenants: Vec<Tenant>,
     /// Models in configuration order.
@@ -446,6 +459,10 @@ impl Config {
         if max_uploads_per_tenant == 0 {
             return Err(err("max_uploads_per_tenant", "must be > 0"));
         }
+        let max_n = raw.max_n.unwrap_or(DEFAULT_MAX_N);
+        if max_n == 0 {
+            return Err(err("max_n", "must be > 0"));
+        }
         if raw.models.is_empty() {
             return Err(err("models", "must not be empty"));
         }
@@ -592,6 +609,7 @@ impl Config {
             max_body_bytes,
             full_parse_max_bytes,
             max_uploads_per_tenant,
+            max_n,
             tenants,
             models,
             key_digests,
@@ -781,8 +799,16 @@ mod tests {
         v["max_body"] = json!(1);
         expect_err(
             v,
-            "max_body: unknown field `max_body`, expected one of `max_body_bytes`, `full_parse_max_bytes`, `max_uploads_per_tenant`, `tenants`, `models`, `admission_leases`, `prefix_hashing`, `upstream_headers`",
+            "max_body: unknown field `max_body`, expected one of `max_body_bytes`, `full_parse_max_bytes`, `max_uploads_per_tenant`, `max_n`, `tenants`, `models`, `admission_leases`, `prefix_hashing`, `upstream_headers`",
         );
+    }
+
+    #[test]
+    fn max_n_default_and_zero() {
+        assert_eq!(Config::from_json(base().to_string().as_bytes()).unwrap().max_n, DEFAULT_MAX_N);
+        let mut v = base();
+        v["max_n"] = json!(0);
+        expect_err(v, "max_n: must be > 0");
     }
 
     #[test]

@@ -148,6 +148,15 @@ pub enum GatewayError {
         /// The configured `max_uploads_per_tenant`.
         limit: u32,
     },
+    /// The sidecar said the tenant's own requests-per-minute bucket (its `limits`, shared by all
+    /// its models) is empty for a while yet (an admission lease refused for it,
+    /// [`crate::lease::Leases::tenant_over_rpm`]): answered at the request's headers, before its
+    /// body is read. 429, `requests`, code `rate_limit_exceeded`, plus `retry-after`.
+    #[error("Rate limit reached on requests per minute. Please try again in {retry_after_secs}s.")]
+    TenantOverRequestLimit {
+        /// Whole seconds until the bucket holds a request again (at least 1).
+        retry_after_secs: u64,
+    },
     /// The filter has no valid configuration, or the host failed a call. 500, `server_error`,
     /// code `internal_error`, param null.
     #[error("The gateway could not process the request ({what}).")]
@@ -230,7 +239,9 @@ impl GatewayError {
             GatewayError::ContextLengthExceeded { param, .. } => {
                 (400, IRE, "context_length_exceeded", Some(param))
             }
-            GatewayError::TooManyUploads { .. } => (429, "requests", "rate_limit_exceeded", None),
+            GatewayError::TooManyUploads { .. } | GatewayError::TenantOverRequestLimit { .. } => {
+                (429, "requests", "rate_limit_exceeded", None)
+            }
             GatewayError::Internal { .. } => (500, "server_error", "internal_error", None),
         }
     }
@@ -247,6 +258,9 @@ impl GatewayError {
                 reply.headers.push(("allow", (*allow).to_string()))
             }
             GatewayError::TooManyUploads { .. } => reply.headers.push(("retry-after", "1".to_string())),
+            GatewayError::TenantOverRequestLimit { retry_after_secs } => {
+                reply.headers.push(("retry-after", retry_after_secs.to_string()));
+            }
             _ => {}
         }
         reply

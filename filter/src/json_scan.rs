@@ -7,6 +7,65 @@
 
 use std::borrow::Cow;
 
+/// A JSON value checked as `serde_json` checks one it builds into a `serde_json::Value` (syntax,
+/// escapes, UTF-8, number range, nesting depth: the same errors), without building it: no
+/// allocation per string, number, array or member. What a large body's members the filter does
+/// not read get (`pipeline::on_large_body`), so that a body of many small members costs no more
+/// than its bytes, and is refused exactly where the full parse refuses it.
+#[derive(Debug, Clone, Copy)]
+pub struct CheckedValue;
+
+impl<'de> serde::Deserialize<'de> for CheckedValue {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(CheckedVisitor)
+    }
+}
+
+/// The visitor of [`CheckedValue`]: accepts every value, visits every element and member.
+struct CheckedVisitor;
+
+impl<'de> serde::de::Visitor<'de> for CheckedVisitor {
+    type Value = CheckedValue;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<CheckedValue, E> {
+        Ok(CheckedValue)
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<CheckedValue, E> {
+        Ok(CheckedValue)
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<CheckedValue, E> {
+        Ok(CheckedValue)
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<CheckedValue, E> {
+        Ok(CheckedValue)
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<CheckedValue, E> {
+        Ok(CheckedValue)
+    }
+
+    fn visit_unit<E>(self) -> Result<CheckedValue, E> {
+        Ok(CheckedValue)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<CheckedValue, A::Error> {
+        while seq.next_element::<CheckedValue>()?.is_some() {}
+        Ok(CheckedValue)
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<CheckedValue, A::Error> {
+        while map.next_entry::<CheckedValue, CheckedValue>()?.is_some() {}
+        Ok(CheckedValue)
+    }
+}
+
 /// One `"key": value` member of an object.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Member {

@@ -211,6 +211,9 @@ pub struct LeaseCall {
 #[derive(Debug, Default)]
 pub struct Leases {
     entries: HashMap<LeaseKey, Entry>,
+    /// Tenants whose own requests-per-minute bucket the sidecar said is empty, and until when
+    /// (microseconds): their requests are refused at their headers ([`Leases::tenant_over_rpm`]).
+    over_rpm: HashMap<String, u64>,
 }
 
 impl Leases {
@@ -339,7 +342,25 @@ impl Leases {
             if !e.wanted && e.admitted == 0 && grant.retry_after_ms == 0 {
                 self.entries.remove(key);
             }
+            if grant.tenant_requests_retry_ms > 0 {
+                let until = now_us.saturating_add(grant.tenant_requests_retry_ms.saturating_mul(1000));
+                self.over_rpm.insert(key.0.clone(), until);
+            }
         }
+    }
+
+    /// Whether `tenant`'s own requests-per-minute bucket is empty at `now_us`, as the sidecar
+    /// said when it refused a lease (`LeaseGrant.tenant_requests_retry_ms`): the whole seconds to
+    /// wait (the `Retry-After`, at least 1), else `None`. The filter then refuses the request at
+    /// its headers, before its body costs a parse: a tenant over its limit cannot make the worker
+    /// read what the sidecar would refuse. One map lookup (empty unless a tenant is over).
+    pub fn tenant_over_rpm(&mut self, tenant: &str, now_us: u64) -> Option<u64> {
+        let until = *self.over_rpm.get(tenant)?;
+        if now_us >= until {
+            self.over_rpm.remove(tenant);
+            return None;
+        }
+        Some((until - now_us).div_ceil(1_000_000).max(1))
     }
 
     /// `call` failed (sidecar away, timeout). A lease call: what it reported is lost, and what it
@@ -514,6 +535,26 @@ mod tests {
         l.try_admit(&facts(10), 5_000_001);
         assert!(l.due(5_999_999, 0).is_empty(), "failed: back off");
         assert_eq!(l.due(6_000_000, 0).len(), 1);
+    }
+
+    /// A lease refused because the tenant's own RPM bucket is empty marks the tenant over its
+    /// limit until the bucket holds a request again: its requests are refused at their headers
+    /// (whole seconds, at least 1), other tenants are not, and the mark goes by itself.
+    #[test]
+    fn a_tenant_over_its_requests_limit_is_known_until_its_bucket_refills() {
+        let mut l = holding(LeaseGrant {
+            retry_after_ms: 100,
+            tenant_requests_retry_ms: 2_500,
+            ..Default::default()
+        });
+        assert_eq!(l.tenant_over_rpm("acme", 1_000), Some(3));
+        assert_eq!(l.tenant_over_rpm("acme", 2_000_000), Some(1));
+        assert_eq!(l.tenant_over_rpm("other", 1_000), None);
+        assert_eq!(l.tenant_over_rpm("acme", 2_500_000), None, "refilled");
+        assert!(l.over_rpm.is_empty(), "forgotten once past");
+        // A refusal for another reason (the pool sheds, the tokens bucket) marks nothing.
+        let mut l = holding(LeaseGrant { retry_after_ms: 100, ..Default::default() });
+        assert_eq!(l.tenant_over_rpm("acme", 1), None);
     }
 
     #[test]

@@ -88,6 +88,10 @@ pub struct PendingRequest {
     pub request_id: Option<Vec<u8>>,
     /// Whether the request carries `content-length` (updated when the body is rewritten).
     pub has_content_length: bool,
+    /// Whether the client's `accept-encoding` asks for a content coding (anything but
+    /// `identity`): the forwarded request then asks for `identity` instead, so that the response
+    /// the meter reads is not compressed ([`gateway_meter::Meter::mark_encoded`]).
+    pub accepts_coding: bool,
 }
 
 /// What to do after the request headers.
@@ -147,7 +151,17 @@ fn decide_headers(cfg: &Config, headers: &HeaderList) -> Result<HeadersDecision,
         tenant: tenant_idx,
         request_id: header(headers, "x-request-id").map(<[u8]>::to_vec),
         has_content_length: content_length.is_some(),
+        accepts_coding: header(headers, "accept-encoding").is_some_and(asks_for_coding),
     }))
+}
+
+/// Whether an `accept-encoding` value names a content coding other than `identity` (`gzip`,
+/// `br`, `*`, ...; RFC 9110 section 12.5.3).
+fn asks_for_coding(value: &[u8]) -> bool {
+    value.split(|&b| b == b',').any(|item| {
+        let coding = item.split(|&b| b == b';').next().unwrap_or_default().trim_ascii();
+        !coding.is_empty() && !coding.eq_ignore_ascii_case(b"identity")
+    })
 }
 
 /// `GET /v1/models` body: the OpenAI list shape.
@@ -268,6 +282,7 @@ fn plan_request_body(
     }
     let value = parse_json(body)?;
     let req = validate(pending.endpoint, body, &value)?;
+    check_sequences(cfg, &req)?;
     let route = route(cfg, tenant, req.model, pending.request_id.as_deref())?;
 
     let counter = ByteBoundCounter::for_model(route.model);
@@ -300,7 +315,44 @@ fn plan_request_body(
     let mut planned =
         finish_plan(cfg, pending, tenant, body, &req, &value, &route, &counts, budget, exact_check)?;
     planned.0.facts.prefix_hashes = prefix;
+    set_usage_bounds(&mut planned.0.facts, pending.endpoint, max_model_len, &req, req.prompt.count());
     Ok(planned)
+}
+
+/// Refuses a request that asks for more sequences per prompt (`n`, completions `best_of`) than
+/// [`Config::max_n`] allows.
+///
+/// # Errors
+/// [`GatewayError::InvalidValue`] (400) naming the parameter.
+fn check_sequences(cfg: &Config, req: &ValidatedRequest<'_>) -> Result<(), GatewayError> {
+    match req.sequences.iter().find_map(|(param, v)| v.filter(|v| *v > cfg.max_n).map(|v| (*param, v))) {
+        Some((param, v)) => Err(GatewayError::InvalidValue {
+            param: param.into(),
+            reason: format!("{param} must be at most {}, got {v}.", cfg.max_n),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Sets the facts' bounds on what the upstream can report ([`RequestFacts::prompt_tokens_max`],
+/// [`RequestFacts::completion_tokens_max`]): `max_model_len` per prompt, and each sequence's
+/// cap as sent (at most `max_model_len`; `max_model_len` without one) times the sequences of
+/// every prompt; no completion for embeddings. Saturating.
+fn set_usage_bounds(
+    facts: &mut RequestFacts,
+    endpoint: Endpoint,
+    max_model_len: u64,
+    req: &ValidatedRequest<'_>,
+    prompts: u64,
+) {
+    let prompts = prompts.max(1);
+    let per_sequence = req.max_tokens.map_or(max_model_len, |m| m.value.min(max_model_len));
+    let completion = match endpoint {
+        Endpoint::Embeddings | Endpoint::Models => 0,
+        _ => per_sequence.saturating_mul(req.choices).saturating_mul(prompts),
+    };
+    facts.prompt_tokens_max = Some(max_model_len.saturating_mul(prompts));
+    facts.completion_tokens_max = Some(completion);
 }
 
 /// The plan of a validated, routed request: the headers, and the edits that rewrite the body.
@@ -346,6 +398,10 @@ fn finish_plan(
         let removed: usize = edits.iter().map(|e| e.end.saturating_sub(e.start)).sum();
         set_headers.push(("content-length", (body.len() + added).saturating_sub(removed).to_string()));
     }
+    if pending.accepts_coding {
+        // The meter reads only an uncoded response (gateway_meter::Meter::mark_encoded).
+        set_headers.push(("accept-encoding", "identity".to_string()));
+    }
     let facts = RequestFacts {
         v: gateway_contract::FACTS_VERSION,
         tenant: tenant.id.clone(),
@@ -362,6 +418,9 @@ fn finish_plan(
         // Envoy's id of the request as this filter saw it; the nonce is drawn by the adapter.
         request_id: pending.request_id.as_deref().map(|id| String::from_utf8_lossy(id).into_owned()),
         nonce: None,
+        prompt_tokens_max: None,
+        completion_tokens_max: None,
+        body_bytes: Some(body.len() as u64),
     };
     let admission = (!exact_check).then(|| AdmissionFacts {
         tenant: facts.tenant.clone(),
@@ -386,10 +445,27 @@ fn finish_plan(
     ))
 }
 
+/// The top-level members [`validate`] reads besides the prompt member: all a large body's
+/// members the filter parses into values ([`on_large_body`]).
+const READ_MEMBERS: [&str; 9] = [
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "max_output_tokens",
+    "n",
+    "best_of",
+    "stream",
+    "stream_options",
+    "instructions",
+];
+
 /// A body over `full_parse_max_bytes`: only its top-level members are scanned (no parse of the
 /// prompt member, which is nearly all of it), so that it holds the Envoy worker about as long as
-/// a body of `full_parse_max_bytes`. Every top-level member but the prompt (`messages`, `prompt`,
-/// `input`) is parsed and validated as usual; the prompt member must be present (and for chat an
+/// a body of `full_parse_max_bytes`. The members the filter reads ([`READ_MEMBERS`]) are parsed
+/// and validated as usual; every other member is checked as the full parse checks it, without
+/// building its value ([`crate::json_scan::CheckedValue`]), so that a body of many small members
+/// costs time per byte like any other and no memory per member beyond its key; the prompt member
+/// must be present (and for chat an
 /// array, for the Responses API a string or an array; its `instructions` count with it). Its
 /// content is not validated here and the context rule is not applied from bounds:
 /// a model with `exact_count` gets `x-gateway-context-check: exact` (the sidecar counts the body
@@ -453,14 +529,19 @@ fn on_large_body(
             members.insert(m.key.clone(), stand_in);
             continue;
         }
-        let v: Value = serde_json::from_slice(raw).map_err(|e| GatewayError::InvalidJson {
+        let invalid = |e: serde_json::Error| GatewayError::InvalidJson {
             detail: format!("{}: {e}", truncate_for_echo(&m.key)),
-        })?;
-        members.insert(m.key.clone(), v);
+        };
+        if READ_MEMBERS.contains(&m.key.as_str()) {
+            members.insert(m.key.clone(), serde_json::from_slice::<Value>(raw).map_err(invalid)?);
+        } else {
+            serde_json::from_slice::<crate::json_scan::CheckedValue>(raw).map_err(invalid)?;
+        }
     }
     let value = Value::Object(members);
     let small = serde_json::to_vec(&value).map_err(|_| internal.clone())?;
     let mut req = validate(pending.endpoint, &small, &value)?;
+    check_sequences(cfg, &req)?;
     // Offsets in the real body, for the surgical rewrites.
     req.scan = scan;
     let route = route(cfg, tenant, req.model, pending.request_id.as_deref())?;
@@ -491,6 +572,7 @@ fn on_large_body(
         total_estimate: estimate.max(max_lower),
         source: CountSource::Estimate,
     };
+    let prompts = large_prompt_count(pending.endpoint, prompt_raw);
     let (budget, exact_check) = match pending.endpoint {
         Endpoint::Embeddings => (0, false),
         Endpoint::Responses => {
@@ -501,14 +583,16 @@ fn on_large_body(
         _ => {
             // Refuses max_tokens over max_model_len, and prompts whose text alone is too long.
             check_context(max_model_len, &counts, req.max_tokens, prompt_key)?;
-            let prompts = large_prompt_count(pending.endpoint, prompt_raw);
             (
                 completion_budget(max_model_len, &counts, req.max_tokens, req.choices, prompts),
                 route.model.exact_count,
             )
         }
     };
-    finish_plan(cfg, pending, tenant, body, &req, &value, &route, &counts, budget, exact_check)
+    let mut planned =
+        finish_plan(cfg, pending, tenant, body, &req, &value, &route, &counts, budget, exact_check)?;
+    set_usage_bounds(&mut planned.0.facts, pending.endpoint, max_model_len, &req, prompts);
+    Ok(planned)
 }
 
 /// A lower bound on the bytes of prompt text in an unparsed prompt member: for chat and the
@@ -548,11 +632,11 @@ fn prompt_text_lower(endpoint: Endpoint, raw: &[u8]) -> u64 {
     }
 }
 
-/// Prompts of an unparsed prompt member that vLLM generates for separately: the elements of a
-/// completions batch (strings or arrays of token ids), else 1 (chat, one string, one array of
-/// token ids).
+/// Prompts of an unparsed prompt member that vLLM generates for (completions) or embeds
+/// (embeddings) separately: the elements of a batch (strings or arrays of token ids), else 1
+/// (chat, one string, one array of token ids).
 fn large_prompt_count(endpoint: Endpoint, raw: &[u8]) -> u64 {
-    if endpoint != Endpoint::Completions || raw.first() != Some(&b'[') {
+    if !matches!(endpoint, Endpoint::Completions | Endpoint::Embeddings) || raw.first() != Some(&b'[') {
         return 1;
     }
     let elements = array_elements(raw).unwrap_or_default();
@@ -633,13 +717,39 @@ fn stream_options_edit(body: &[u8], req: &ValidatedRequest<'_>, value: &Value) -
 }
 
 /// Whether a response to an injected request must go through the
-/// [`UsageStripper`](crate::sse::UsageStripper): `:status` 200 and `content-type`
-/// `text/event-stream` (case-insensitive, parameters allowed). Error bodies pass untouched.
-pub fn response_needs_stripping(status: Option<&[u8]>, content_type: Option<&[u8]>) -> bool {
+/// [`UsageStripper`](crate::sse::UsageStripper): `:status` 200, `content-type`
+/// `text/event-stream` (case-insensitive, parameters allowed) and no content coding (a coded
+/// stream's bytes are not events). Error bodies pass untouched.
+pub fn response_needs_stripping(
+    status: Option<&[u8]>,
+    content_type: Option<&[u8]>,
+    content_encoding: Option<&[u8]>,
+) -> bool {
     let ok = status.is_some_and(|s| s == b"200");
     let sse = content_type
         .is_some_and(|ct| ct.get(..17).is_some_and(|p| p.eq_ignore_ascii_case(b"text/event-stream")));
-    ok && sse
+    let coded = content_encoding.is_some_and(|e| !e.trim_ascii().eq_ignore_ascii_case(b"identity"));
+    ok && sse && !coded
+}
+
+/// Feeds a response's headers to the meter (both adapters, `filter/src/wasm.rs` and
+/// `filter-native/`): its `:status`, `content-type` and `content-encoding`
+/// ([`gateway_meter::Meter::mark_encoded`]) as Envoy hands them over. Returns the usage when the
+/// response ends with its headers (`end_of_stream`, at `now_us`).
+pub fn meter_response_headers(
+    meter: &mut gateway_meter::Meter,
+    status: Option<&[u8]>,
+    content_type: Option<&[u8]>,
+    content_encoding: Option<&[u8]>,
+    end_of_stream: bool,
+    now_us: u64,
+) -> Option<gateway_meter::Usage> {
+    let code = status.and_then(|s| std::str::from_utf8(s).ok()?.parse().ok()).unwrap_or(0);
+    let kind = content_type.and_then(|c| std::str::from_utf8(c).ok()).unwrap_or("");
+    if let Some(coding) = content_encoding {
+        meter.mark_encoded(coding);
+    }
+    meter.on_response_headers(code, kind, end_of_stream, now_us)
 }
 
 #[cfg(test)]
@@ -1217,11 +1327,12 @@ mod tests {
 
     #[test]
     fn response_stripping_condition() {
-        assert!(response_needs_stripping(Some(b"200"), Some(b"text/event-stream; charset=utf-8")));
-        assert!(response_needs_stripping(Some(b"200"), Some(b"Text/Event-Stream")));
-        assert!(!response_needs_stripping(Some(b"400"), Some(b"text/event-stream")));
-        assert!(!response_needs_stripping(Some(b"200"), Some(b"application/json")));
-        assert!(!response_needs_stripping(None, None));
+        assert!(response_needs_stripping(Some(b"200"), Some(b"text/event-stream; charset=utf-8"), None));
+        assert!(response_needs_stripping(Some(b"200"), Some(b"Text/Event-Stream"), Some(b"identity")));
+        assert!(!response_needs_stripping(Some(b"200"), Some(b"text/event-stream"), Some(b"gzip")));
+        assert!(!response_needs_stripping(Some(b"400"), Some(b"text/event-stream"), None));
+        assert!(!response_needs_stripping(Some(b"200"), Some(b"application/json"), None));
+        assert!(!response_needs_stripping(None, None, None));
     }
 
     /// `cfg()` with bodies over 200 bytes taking the large-body path.
@@ -1274,8 +1385,15 @@ mod tests {
         // The context rule is per sequence: n does not refuse what fits once.
         let plan = chat(json!({"model": "tiny", "messages": msgs, "max_tokens": 90, "n": 50})).unwrap();
         assert_eq!(reservation(&plan).1, 4500);
-        // Absurd n saturates.
-        let plan = chat(json!({"model": "tiny", "messages": msgs, "max_tokens": 90, "n": u64::MAX})).unwrap();
+        // An absurd n is refused past max_n (vLLM's own limit by default), naming the parameter;
+        // under a limit raised to it, the reservation saturates.
+        let e =
+            chat(json!({"model": "tiny", "messages": msgs, "max_tokens": 90, "n": u64::MAX})).unwrap_err();
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_value", Some("n")));
+        let mut unlimited = cfg();
+        unlimited.max_n = u64::MAX;
+        let body = json!({"model": "tiny", "messages": msgs, "max_tokens": 90, "n": u64::MAX}).to_string();
+        let plan = both(&unlimited, &pending("/v1/chat/completions", "sk-demo"), body.as_bytes()).unwrap();
         assert_eq!(reservation(&plan), (3, u64::MAX, u64::MAX));
         // Completions: best_of sequences are generated, n returned.
         let comp =
@@ -1314,6 +1432,75 @@ mod tests {
         assert_eq!(reservation(&both(&c, &p, batch.to_string().as_bytes()).unwrap()).1, 4 * 3 * 10);
         let ids = json!({"model": "qwen", "prompt": vec![7; 100], "max_tokens": 10});
         assert_eq!(reservation(&both(&c, &p, ids.to_string().as_bytes()).unwrap()).1, 10);
+    }
+
+    /// `n` and completions `best_of` past `max_n` are refused 400 naming the parameter, on the
+    /// parsed and the large-body paths alike; at the limit they pass.
+    #[test]
+    fn sequences_are_capped_by_max_n() {
+        let mut c = cfg();
+        c.max_n = 4;
+        let msgs = json!([{"role": "user", "content": "hello"}]);
+        let chat_p = pending("/v1/chat/completions", "sk-demo");
+        let comp_p = pending("/v1/completions", "sk-demo");
+        let run = |p: &PendingRequest, body: Value| both(&c, p, body.to_string().as_bytes());
+        assert!(run(&chat_p, json!({"model": "tiny", "messages": msgs, "n": 4})).is_ok());
+        let e = run(&chat_p, json!({"model": "tiny", "messages": msgs, "n": 5})).unwrap_err();
+        assert_eq!(e.parts(), (400, "invalid_request_error", "invalid_value", Some("n")));
+        assert!(e.to_string().contains("at most 4"), "{e}");
+        let e = run(&comp_p, json!({"model": "tiny", "prompt": "x", "n": 2, "best_of": 9})).unwrap_err();
+        assert_eq!(e.parts().3, Some("best_of"));
+        // Chat has no best_of: vLLM ignores it, so does the cap.
+        assert!(run(&chat_p, json!({"model": "tiny", "messages": msgs, "best_of": 9})).is_ok());
+        let mut small = c.clone();
+        small.full_parse_max_bytes = 200;
+        let big = json!({"model": "qwen", "messages": long_messages(), "n": 18_446_744_073_709_551_615u64});
+        let e = both(&small, &chat_p, big.to_string().as_bytes()).unwrap_err();
+        assert_eq!(e.parts().3, Some("n"));
+    }
+
+    /// The facts bound what the upstream may report (`max_model_len` per prompt, each sequence's
+    /// cap times the sequences), carry the body's size, and a client's content coding is asked
+    /// away.
+    #[test]
+    fn facts_bound_the_usage_and_carry_the_body_size() {
+        let msgs = json!([{"role": "user", "content": "hello"}]);
+        let body = json!({"model": "tiny", "messages": msgs, "max_tokens": 10, "n": 3});
+        let plan = chat(body.clone()).unwrap();
+        assert_eq!((plan.facts.prompt_tokens_max, plan.facts.completion_tokens_max), (Some(100), Some(30)));
+        assert_eq!(plan.facts.body_bytes, Some(body.to_string().len() as u64));
+        // No max_tokens: each sequence may run to max_model_len, whatever the estimate.
+        let plan = chat(json!({"model": "tiny", "messages": msgs, "n": 2})).unwrap();
+        assert_eq!(plan.facts.completion_tokens_max, Some(200));
+        // A completions batch: per prompt; embeddings: no completion.
+        let comp = |path: &str, body: Value| {
+            both(&cfg(), &pending(path, "sk-demo"), body.to_string().as_bytes()).unwrap().facts
+        };
+        let f = comp(
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": ["a", "b"], "max_tokens": 50, "best_of": 2}),
+        );
+        assert_eq!((f.prompt_tokens_max, f.completion_tokens_max), (Some(200), Some(200)));
+        let f = comp("/v1/embeddings", json!({"model": "tiny", "input": ["a", "b", "c"]}));
+        assert_eq!((f.prompt_tokens_max, f.completion_tokens_max), (Some(300), Some(0)));
+        // The large-body path bounds the same way.
+        let plan =
+            large(json!({"model": "qwen", "messages": long_messages(), "max_tokens": 7, "n": 2})).unwrap();
+        assert_eq!((plan.facts.prompt_tokens_max, plan.facts.completion_tokens_max), (Some(4096), Some(14)));
+        // accept-encoding: a coding asked for becomes identity upstream; none or identity: untouched.
+        for (value, asked) in [
+            ("gzip, deflate, br, zstd", true),
+            ("identity", false),
+            ("identity;q=1, *;q=0", true),
+            ("", false),
+        ] {
+            let mut h = post("/v1/chat/completions", "sk-demo");
+            h.push(("accept-encoding".to_string(), value.as_bytes().to_vec()));
+            let HeadersDecision::AwaitBody(p) = on_request_headers(&cfg(), &h).decision else { panic!() };
+            let plan = on_request_body(&cfg(), &p, body.to_string().as_bytes()).unwrap();
+            let identity = header_map(&plan).contains(&("accept-encoding".into(), "identity".into()));
+            assert_eq!(identity, asked, "{value:?}");
+        }
     }
 
     #[test]

@@ -156,6 +156,9 @@ pub struct ValidatedRequest<'a> {
     /// of choices, default 1), on completions `max(n, best_of)` (vLLM samples `best_of` and
     /// returns the best `n`). Always >= 1; 1 for embeddings.
     pub choices: u64,
+    /// The `n` and `best_of` the body set (`None`: absent or null), for the configured cap on
+    /// sequences per prompt ([`crate::config::Config::max_n`]).
+    pub sequences: [(&'static str, Option<u64>); 2],
     /// `stream` (false when absent or null; always false for embeddings).
     pub stream: bool,
     /// Whether the client itself set `stream_options.include_usage: true` (always false for the
@@ -236,14 +239,14 @@ pub fn validate<'a>(
         Some(other) => return Err(invalid_type("model", "a string", other)),
     };
 
-    let (prompt, max_tokens, choices, stream, include_usage) = match endpoint {
+    let (prompt, max_tokens, sequences, stream, include_usage) = match endpoint {
         Endpoint::ChatCompletions => {
             let prompt = chat_messages(obj)?;
             let mct = max_tokens_field(obj, "max_completion_tokens")?;
             let mt = max_tokens_field(obj, "max_tokens")?;
-            let n = positive_integer(obj, "n")?.unwrap_or(1);
+            let n = positive_integer(obj, "n")?;
             let (stream, include_usage) = stream_fields(obj)?;
-            (prompt, mct.or(mt), n, stream, include_usage)
+            (prompt, mct.or(mt), [n, None], stream, include_usage)
         }
         Endpoint::Completions => {
             let prompt = match field(obj, "prompt") {
@@ -251,25 +254,28 @@ pub fn validate<'a>(
                 Some(p) => prompt_items(p, "prompt")?,
             };
             let mt = max_tokens_field(obj, "max_tokens")?;
-            let choices = completion_choices(obj)?;
+            let sequences = completion_sequences(obj)?;
             let (stream, include_usage) = stream_fields(obj)?;
-            (prompt, mt, choices, stream, include_usage)
+            (prompt, mt, sequences, stream, include_usage)
         }
         Endpoint::Responses => {
             let prompt = responses_input(obj)?;
             let max_output = max_tokens_field(obj, "max_output_tokens")?;
-            (prompt, max_output, 1, stream_flag(obj)?, false)
+            (prompt, max_output, [None, None], stream_flag(obj)?, false)
         }
         Endpoint::Embeddings | Endpoint::Models => {
             // Auth and routing only: `input` is read for the token estimate, never rejected.
             let prompt = field(obj, "input")
                 .and_then(|v| prompt_items(v, "input").ok())
                 .unwrap_or(Prompt::Items(Vec::new()));
-            (prompt, None, 1, false, false)
+            (prompt, None, [None, None], false, false)
         }
     };
-
-    Ok(ValidatedRequest { model, prompt, max_tokens, choices, stream, include_usage, scan })
+    let [n, best_of] = sequences;
+    // vLLM samples `best_of` sequences (at least `n`) and returns the best `n`.
+    let choices = best_of.unwrap_or(1).max(n.unwrap_or(1));
+    let sequences = [("n", n), ("best_of", best_of)];
+    Ok(ValidatedRequest { model, prompt, max_tokens, choices, sequences, stream, include_usage, scan })
 }
 
 fn chat_messages(obj: &Map<String, Value>) -> Result<Prompt<'_>, GatewayError> {
@@ -455,19 +461,20 @@ fn max_tokens_field(
     Ok(positive_integer(obj, param)?.map(|value| MaxTokens { value, param }))
 }
 
-/// Sequences a completions request generates per prompt: `max(n, best_of)`, as vLLM's
-/// `SamplingParams` (`n` >= 1, `best_of` >= `n`, `best_of` defaulting to `n`).
-fn completion_choices(obj: &Map<String, Value>) -> Result<u64, GatewayError> {
-    let n = positive_integer(obj, "n")?.unwrap_or(1);
-    match positive_integer(obj, "best_of")? {
-        Some(best_of) if best_of < n => Err(GatewayError::InvalidValue {
+/// A completions request's `n` and `best_of`, as vLLM's `SamplingParams` reads them (`n` >= 1,
+/// `best_of` >= `n`, `best_of` defaulting to `n`): it generates `max(n, best_of)` sequences per
+/// prompt.
+fn completion_sequences(obj: &Map<String, Value>) -> Result<[Option<u64>; 2], GatewayError> {
+    let n = positive_integer(obj, "n")?;
+    let best_of = positive_integer(obj, "best_of")?;
+    match (n.unwrap_or(1), best_of) {
+        (n, Some(best_of)) if best_of < n => Err(GatewayError::InvalidValue {
             param: "best_of".into(),
             reason: format!(
                 "best_of must be greater than or equal to n. Expected a value >= {n}, but got {best_of} instead."
             ),
         }),
-        Some(best_of) => Ok(best_of),
-        None => Ok(n),
+        _ => Ok([n, best_of]),
     }
 }
 

@@ -7,9 +7,9 @@
 //! byte stream it would have received without the option, while everything upstream of this
 //! filter (the metering sidecar) still sees the usage.
 //!
-//! Events are split at a blank line: a `\n` followed by `\n` or `\r\n` (so `\n\n`, `\r\n\r\n` and
-//! mixes). A bare `\r` line ending is not recognised (neither vLLM nor OpenAI emits one); such
-//! data passes through unchanged. An event split across chunks is held back until complete; an
+//! Events are split at a blank line, with lines ended as the SSE format allows: `\n`, `\r\n` or a
+//! bare `\r` (so `\n\n`, `\r\n\r\n`, `\r\r` and mixes; vLLM and OpenAI write `\n`), as the meter
+//! splits them (`gateway_meter::sse`). An event split across chunks is held back until complete; an
 //! incomplete event larger than the configured limit is passed through unchanged, as is the rest
 //! of it up to the next boundary. Events that are not exactly one `data:` line holding a JSON
 //! object are passed through unchanged.
@@ -30,24 +30,43 @@ pub enum ChunkOutput {
     Replace(Vec<u8>),
 }
 
+/// Where the stripper is in the lines of the current event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Boundary {
+    /// In a line.
     Normal,
-    SawLf,
-    SawLfCr,
+    /// After a line end: the next line starts (a line end now is a blank line).
+    LineStart,
+    /// After a `\r` that ended a line: a `\n` now is part of that line end.
+    LineStartCr,
+    /// After a `\r` that ended a blank line: the event ended, with the `\n` if one follows.
+    BlankCr,
+}
+
+/// What one byte does to the current event ([`Boundary::step`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    /// Nothing: the event goes on.
+    On,
+    /// The event ends with this byte.
+    EndsWith,
+    /// The event ended before this byte (after a blank line's `\r`), which begins the next one.
+    EndedBefore,
 }
 
 impl Boundary {
-    /// Feeds one byte; true when it completes a blank line (end of event).
-    fn step(&mut self, b: u8) -> bool {
-        let (next, done) = match (*self, b) {
-            (Boundary::SawLf | Boundary::SawLfCr, b'\n') => (Boundary::Normal, true),
-            (Boundary::SawLf, b'\r') => (Boundary::SawLfCr, false),
-            (_, b'\n') => (Boundary::SawLf, false),
-            _ => (Boundary::Normal, false),
+    /// Feeds one byte.
+    fn step(&mut self, b: u8) -> Step {
+        let (next, step) = match (*self, b) {
+            (Boundary::BlankCr, b'\n') | (Boundary::LineStart, b'\n') => (Boundary::Normal, Step::EndsWith),
+            (Boundary::BlankCr, _) => (Boundary::Normal, Step::EndedBefore),
+            (Boundary::LineStart | Boundary::LineStartCr, b'\r') => (Boundary::BlankCr, Step::On),
+            (Boundary::LineStartCr, b'\n') | (Boundary::Normal, b'\n') => (Boundary::LineStart, Step::On),
+            (Boundary::Normal, b'\r') => (Boundary::LineStartCr, Step::On),
+            _ => (Boundary::Normal, Step::On),
         };
         *self = next;
-        done
+        step
     }
 }
 
@@ -131,19 +150,25 @@ impl UsageStripper {
         let mut i = 0usize;
         while i < chunk.len() {
             if self.boundary == Boundary::Normal {
-                // Only a newline leaves the normal state: jump to the next one.
-                match memchr::memchr(b'\n', chunk.get(i..).unwrap_or_default()) {
+                // Only a line end leaves the normal state: jump to the next one.
+                match memchr::memchr2(b'\n', b'\r', chunk.get(i..).unwrap_or_default()) {
                     Some(offset) => i += offset,
                     None => break,
                 }
             }
-            let ends_event = chunk.get(i).is_some_and(|b| self.boundary.step(*b));
-            i += 1;
-            if !ends_event {
-                continue;
-            }
-            let part = chunk.get(start..i).unwrap_or_default();
-            start = i;
+            let step = chunk.get(i).map_or(Step::On, |b| self.boundary.step(*b));
+            let end = match step {
+                Step::On => {
+                    i += 1;
+                    continue;
+                }
+                Step::EndsWith => i + 1,
+                // The byte at `i` begins the next event: read again, in the normal state.
+                Step::EndedBefore => i,
+            };
+            i = end;
+            let part = chunk.get(start..end).unwrap_or_default();
+            start = end;
             if self.passthrough {
                 read(part);
                 out.extend_from_slice(part);
@@ -162,7 +187,14 @@ impl UsageStripper {
             }
         }
         let rest = chunk.get(start..).unwrap_or_default();
-        if self.passthrough {
+        if end_of_stream && self.boundary == Boundary::BlankCr && !self.passthrough {
+            // The stream ends right after a blank line's `\r`: its event is complete.
+            self.boundary = Boundary::Normal;
+            let mut event = std::mem::take(&mut self.pending);
+            event.extend_from_slice(rest);
+            let usage = read(&event);
+            emit_event(&event, usage, &mut out);
+        } else if self.passthrough {
             read(rest);
             out.extend_from_slice(rest);
         } else {
@@ -347,7 +379,7 @@ mod tests {
 
     #[test]
     fn whole_stream_in_one_chunk() {
-        for sep in ["\n\n", "\r\n\r\n"] {
+        for sep in ["\n\n", "\r\n\r\n", "\r\r"] {
             let (up, client) = streams(sep);
             let out = feed(&mut UsageStripper::default(), &[up.as_bytes()]);
             assert_eq!(String::from_utf8(out).unwrap(), client);
@@ -356,7 +388,9 @@ mod tests {
 
     #[test]
     fn every_single_split_point() {
-        for sep in ["\n\n", "\r\n\r\n", "\n\r\n"] {
+        // Every line end the SSE format allows, and mixes: a bare `\r` too (`\r\r`), which a
+        // chunk boundary may split from a `\n` after it.
+        for sep in ["\n\n", "\r\n\r\n", "\n\r\n", "\r\r", "\r\n\r", "\r\r\n", "\n\r"] {
             let (up, client) = streams(sep);
             let b = up.as_bytes();
             for cut in 0..=b.len() {
@@ -468,7 +502,7 @@ mod tests {
 
     #[test]
     fn a_vllm_stream_is_stripped_from_the_meters_reading() {
-        for sep in ["\n\n", "\r\n\r\n"] {
+        for sep in ["\n\n", "\r\n\r\n", "\r\r"] {
             let (upstream, client) = streams(sep);
             let mut meter = streaming_meter();
             let (mut s, mut answered) = (UsageStripper::default(), 0);

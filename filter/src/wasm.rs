@@ -35,8 +35,8 @@ use crate::config::Config;
 use crate::error::{GatewayError, LocalReply};
 use crate::lease::{LeaseCall, Leases};
 use crate::pipeline::{
-    header, on_request_body_owned, on_request_headers, request_nonce, response_needs_stripping,
-    HeadersDecision, PendingRequest,
+    header, meter_response_headers, on_request_body_owned, on_request_headers, request_nonce,
+    response_needs_stripping, HeadersDecision, PendingRequest,
 };
 use crate::proto::LeaseGrant;
 use crate::sse::{meter_chunk, ChunkOutput, UsageStripper};
@@ -462,6 +462,16 @@ impl GatewayHttp {
                 self.finish_request(&cfg, &pending, Vec::new(), false)
             }
             HeadersDecision::AwaitBody(pending) => {
+                // A tenant the sidecar said is over its requests-per-minute limit costs no body.
+                let tenant = cfg.tenants.get(pending.tenant).map_or("", |t| t.id.as_str());
+                let over = self
+                    .leases
+                    .try_borrow_mut()
+                    .ok()
+                    .and_then(|mut l| l.tenant_over_rpm(tenant, self.started_us));
+                if let Some(retry_after_secs) = over {
+                    return send_error(&GatewayError::TenantOverRequestLimit { retry_after_secs });
+                }
                 let limit = cfg.max_uploads_per_tenant;
                 // A borrow that fails (never expected: one request at a time per VM) admits.
                 let acquired =
@@ -582,15 +592,21 @@ impl HttpContext for GatewayHttp {
         let headers = hostcalls::get_map_bytes(MapType::HttpResponseHeaders).unwrap_or_default();
         let status = header(&headers, ":status");
         let content_type = header(&headers, "content-type");
+        let content_encoding = header(&headers, "content-encoding");
         if self.meter.is_active() {
-            let code = status.and_then(|s| std::str::from_utf8(s).ok()?.parse().ok()).unwrap_or(0);
-            let kind = content_type.and_then(|c| std::str::from_utf8(c).ok()).unwrap_or("");
             // A clock read is a host call: only for a response that ends with its headers.
             let now = if end_of_stream { now_us() } else { 0 };
-            let usage = self.meter.on_response_headers(code, kind, end_of_stream, now);
+            let usage = meter_response_headers(
+                &mut self.meter,
+                status,
+                content_type,
+                content_encoding,
+                end_of_stream,
+                now,
+            );
             self.finish_metering(usage);
         }
-        if self.usage_injected && response_needs_stripping(status, content_type) {
+        if self.usage_injected && response_needs_stripping(status, content_type, content_encoding) {
             // The body shrinks, so its length is no longer known.
             let _ = hostcalls::remove_map_value(MapType::HttpResponseHeaders, "content-length");
             self.stripper = Some(UsageStripper::default());

@@ -53,9 +53,10 @@ fn strip(chunks: &[&[u8]], max: usize) -> Vec<u8> {
 /// A vLLM stream with `stream_options.include_usage` injected: content chunks carrying
 /// `"usage":null`, the usage chunk (`choices: []`), `[DONE]`.
 fn injected_stream() -> impl Strategy<Value = (Vec<u8>, Vec<Value>)> {
-    (prop::collection::vec(("\\PC{0,20}", any::<bool>(), 0usize..3), 0..10), any::<bool>()).prop_map(
-        |(contents, crlf)| {
-            let nl = if crlf { "\r\n" } else { "\n" };
+    (prop::collection::vec(("\\PC{0,20}", any::<bool>(), 0usize..3), 0..10), 0u8..3).prop_map(
+        |(contents, eol)| {
+            // Every line end the SSE format allows: `\n` (vLLM's), `\r\n`, a bare `\r`.
+            let nl = ["\n", "\r\n", "\r"][usize::from(eol)];
             let mut s = String::new();
             let mut kept = Vec::new();
             for (text, comment, usage_at) in contents {
@@ -83,7 +84,7 @@ fn injected_stream() -> impl Strategy<Value = (Vec<u8>, Vec<Value>)> {
 
 /// The JSON of each `data:` event in an SSE byte stream (`[DONE]` and comments left out).
 fn data_events(body: &[u8]) -> Vec<Value> {
-    let text = String::from_utf8_lossy(body).replace("\r\n", "\n");
+    let text = String::from_utf8_lossy(body).replace("\r\n", "\n").replace('\r', "\n");
     text.split("\n\n")
         .filter_map(|e| e.strip_prefix("data: "))
         .filter(|d| *d != "[DONE]")
@@ -111,8 +112,9 @@ proptest! {
         prop_assert_eq!(strip(&split(&body, &cuts), 1 << 20), whole.clone());
         prop_assert_eq!(data_events(&whole), kept);
         prop_assert!(!String::from_utf8_lossy(&whole).contains("usage"));
-        prop_assert!(String::from_utf8_lossy(&whole).ends_with("data: [DONE]\n\n")
-            || String::from_utf8_lossy(&whole).ends_with("data: [DONE]\r\n\r\n"));
+        let text = String::from_utf8_lossy(&whole);
+        let ends_done = ["\n\n", "\r\n\r\n", "\r\r"].iter().any(|nl| text.ends_with(&format!("data: [DONE]{nl}")));
+        prop_assert!(ends_done);
     }
 
     /// Garbage, huge lines and tiny bounds: no panic, nothing held past the bound, and every byte

@@ -686,7 +686,9 @@ mod props {
 
     /// What serde_json reads: `Some(choices with content)` for a chunk without usage.
     fn serde_reading(data: &[u8]) -> Option<Option<u64>> {
-        serde_json::from_slice::<Chunk>(data).ok().map(|c| c.usage.is_none().then_some(c.choices.0))
+        serde_json::from_slice::<Chunk>(data)
+            .ok()
+            .map(|c| c.usage.is_none().then_some(c.choices.with_content))
     }
 
     fn text() -> impl Strategy<Value = Value> {

@@ -306,6 +306,12 @@ impl<U: serde::de::DeserializeOwned + Copy> UsageScanner<U> {
         }
     }
 
+    /// Whether the body gave its top-level `usage` member more than once (serde_json refuses such
+    /// a body; the meter reads its usage as unreadable, [`crate::UnreadUsage::Duplicate`]).
+    pub fn duplicate(&self) -> bool {
+        matches!(self.found, Found::Duplicate)
+    }
+
     /// Feeds the next bytes of the body.
     pub fn feed(&mut self, chunk: &[u8]) {
         let Self { members, capturing, capture, found } = self;

@@ -89,6 +89,38 @@ pub enum UsageSource {
     Reservation,
 }
 
+/// Why a 2xx response's usage could not be read. The caller bills the request its reservation
+/// instead (the sidecar's `UsageRecord::new`, `usage_source` reservation), never the prompt
+/// estimate alone: the upstream did the work, and no number it reported can be trusted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnreadUsage {
+    /// The body is content-coded (`Content-Encoding` other than `identity`: gzip, deflate, br,
+    /// zstd), which the meter does not decode ([`Meter::mark_encoded`]). The filter asks the
+    /// upstream for `accept-encoding: identity`; an upstream that compresses all the same lands
+    /// here.
+    Encoded,
+    /// The response completed without a usage: a JSON body whose `usage` is absent or `null`
+    /// (a Responses API `background: true` answer), or a stream that ended as its protocol ends
+    /// (`data: [DONE]`, a Responses terminal event) with none.
+    Missing,
+    /// The usage came twice: a usage after a chat or completions stream's final usage chunk (the
+    /// one with no `choices`), a second Responses event with a usage, or a JSON body with two
+    /// top-level `usage` members.
+    Duplicate,
+}
+
+impl UnreadUsage {
+    /// The `reason` label of the sidecar's counters (`encoded`, `missing`, `duplicate`).
+    pub fn label(self) -> &'static str {
+        match self {
+            UnreadUsage::Encoded => "encoded",
+            UnreadUsage::Missing => "missing",
+            UnreadUsage::Duplicate => "duplicate",
+        }
+    }
+}
+
 /// One finished response's usage. Also the JSON the wasm filter hands the sidecar through Envoy's
 /// filter state (`wasm.llm_gateway.usage`, logged by the gRPC access log), e.g.
 /// `{"v":1,"status":200,"prompt_tokens":17,"completion_tokens":3,"cached_tokens":0,
@@ -127,6 +159,11 @@ pub struct Usage {
     /// metering sees no request body).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream: Option<bool>,
+    /// Set when a 2xx response's usage could not be read ([`UnreadUsage`]): the counts above are
+    /// then the meter's fallback (content chunks), and the caller bills the reservation. Absent
+    /// (and not serialised) otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unread: Option<UnreadUsage>,
 }
 
 impl Usage {
@@ -155,6 +192,7 @@ impl Usage {
             end_reason: EndReason::Incomplete,
             usage_source: UsageSource::StreamedChunks,
             stream: None,
+            unread: None,
         }
     }
 
@@ -250,7 +288,7 @@ struct PromptDetails {
 }
 
 /// One SSE chunk of a chat or completions stream, read without allocating (strings borrowed
-/// unless escaped, choices folded into how many carry content).
+/// unless escaped, choices folded into how many there are and how many carry content).
 #[derive(Deserialize)]
 struct Chunk {
     #[serde(default)]
@@ -259,10 +297,14 @@ struct Chunk {
     usage: Option<WireUsage>,
 }
 
-/// How many of a chunk's `choices` have content ([`Choice::has_content`]): vLLM streams each
-/// choice of `n` > 1 in chunks of its own, but a chunk may carry several.
+/// How many of a chunk's `choices` have content ([`Choice::has_content`]; vLLM streams each
+/// choice of `n` > 1 in chunks of its own, but a chunk may carry several), and how many choices
+/// it has (the final usage chunk has none).
 #[derive(Default)]
-struct AnyContent(u64);
+struct AnyContent {
+    with_content: u64,
+    choices: u64,
+}
 
 impl<'de> Deserialize<'de> for AnyContent {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -273,11 +315,12 @@ impl<'de> Deserialize<'de> for AnyContent {
                 f.write_str("an array of choices")
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<AnyContent, A::Error> {
-                let mut any = 0u64;
+                let mut any = AnyContent::default();
                 while let Some(choice) = seq.next_element::<Choice<'de>>()? {
-                    any = any.saturating_add(u64::from(choice.has_content()));
+                    any.with_content = any.with_content.saturating_add(u64::from(choice.has_content()));
+                    any.choices = any.choices.saturating_add(1);
                 }
-                Ok(AnyContent(any))
+                Ok(any)
             }
         }
         deserializer.deserialize_seq(Choices)
@@ -336,6 +379,16 @@ struct Active {
     saw_done: bool,
     /// The events of a chat or completions stream read since [`Meter::take_event_usage`].
     events: EventsRead,
+    /// A chat or completions stream's final usage chunk (a usage with no choices) was read, or a
+    /// Responses event with a usage: any later usage is a second one.
+    final_usage: bool,
+    /// A second usage arrived ([`UnreadUsage::Duplicate`]).
+    duplicate: bool,
+    /// The body is content-coded ([`Meter::mark_encoded`]): not read.
+    encoded: bool,
+    /// A Responses stream ended with `response.failed`: an error, whose missing usage is not
+    /// [`UnreadUsage::Missing`] (what streamed is counted).
+    failed: bool,
 }
 
 /// What [`Meter::take_event_usage`] answers from.
@@ -398,6 +451,10 @@ impl Meter {
                 last_content_untimed: false,
                 saw_done: false,
                 events: EventsRead::None,
+                final_usage: false,
+                duplicate: false,
+                encoded: false,
+                failed: false,
             }));
         }
     }
@@ -427,6 +484,20 @@ impl Meter {
         }
     }
 
+    /// The response's `Content-Encoding` (call with its value, when the response has one, before
+    /// its body): any coding but `identity` (gzip, deflate, br, zstd, ...) makes the body
+    /// unreadable to the meter, which then reads none of it and reports a 2xx response's usage as
+    /// [`UnreadUsage::Encoded`].
+    pub fn mark_encoded(&mut self, content_encoding: &[u8]) {
+        let coded = content_encoding
+            .split(|&b| b == b',')
+            .map(<[u8]>::trim_ascii)
+            .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case(b"identity"));
+        if let (true, State::Active(a)) = (coded, &mut self.state) {
+            a.encoded = true;
+        }
+    }
+
     /// Response headers arrived. Returns the usage when the response has no body.
     pub fn on_response_headers(
         &mut self,
@@ -439,6 +510,8 @@ impl Meter {
             a.status = status;
             let sse = content_type.trim_start().starts_with("text/event-stream");
             a.body = match (self.api, sse) {
+                // A coded body is not read at all (its bytes are not JSON or SSE).
+                _ if a.encoded => Body::Unknown,
                 (Api::ChatCompletions, true) => {
                     Body::Sse(SseParser::new(MAX_SSE_EVENT_BYTES), chunk::ChunkReader::default())
                 }
@@ -473,6 +546,9 @@ impl Meter {
                 last_content_untimed,
                 saw_done,
                 events,
+                final_usage,
+                duplicate,
+                failed,
                 ..
             } = a.as_mut();
             end = end.or(*last_content).or(Some(*started));
@@ -496,9 +572,17 @@ impl Meter {
                                 return;
                             };
                             if let Some(u) = parsed.usage {
-                                *usage = Some(u.into());
+                                // Usage in content chunks (vLLM's `continuous_usage_stats`) is
+                                // cumulative: the last one counts, up to the final usage chunk
+                                // (no choices); any usage after that one is a second usage.
+                                if *final_usage {
+                                    *duplicate = true;
+                                } else {
+                                    *usage = Some(u.into());
+                                    *final_usage = parsed.choices.choices == 0;
+                                }
                             }
-                            parsed.choices.0
+                            parsed.choices.with_content
                         }
                     };
                     if with_content > 0 {
@@ -522,8 +606,13 @@ impl Meter {
                         SsePiece::EventEnd { data: true } => {
                             let summary = event.finish();
                             *saw_done |= summary.end;
+                            *failed |= summary.failed;
                             if let Some(u) = summary.usage {
-                                *usage = Some(u.into());
+                                if std::mem::replace(final_usage, true) {
+                                    *duplicate = true;
+                                } else {
+                                    *usage = Some(u.into());
+                                }
                             }
                             if summary.content {
                                 *content_chunks = content_chunks.saturating_add(1);
@@ -601,6 +690,25 @@ impl Meter {
             Body::ResponsesJson(scanner) => scanner.usage().map(Counts::from),
             Body::Sse(..) | Body::ResponsesSse(_) | Body::Unknown => None,
         });
+        let duplicate = a.duplicate
+            || match &a.body {
+                Body::Json(scanner) => scanner.duplicate(),
+                Body::ResponsesJson(scanner) => scanner.duplicate(),
+                Body::Sse(..) | Body::ResponsesSse(_) | Body::Unknown => false,
+            };
+        // Only a 2xx response's usage is owed; an error's is nothing, whatever it says.
+        let unread = if !(200..300).contains(&a.status) {
+            None
+        } else if a.encoded {
+            Some(UnreadUsage::Encoded)
+        } else if duplicate {
+            Some(UnreadUsage::Duplicate)
+        } else if usage.is_none() && end_reason == EndReason::Completed && !a.failed {
+            Some(UnreadUsage::Missing)
+        } else {
+            None
+        };
+        let usage = usage.filter(|_| unread.is_none());
         let (prompt_tokens, completion_tokens, cached_tokens, usage_source) = match usage {
             Some(u) => (u.prompt, u.completion, u.cached, UsageSource::Upstream),
             None => (0, a.content_chunks, 0, UsageSource::StreamedChunks),
@@ -628,6 +736,7 @@ impl Meter {
             end_reason,
             usage_source,
             stream: self.stream,
+            unread,
         })
     }
 }
@@ -1153,6 +1262,111 @@ mod tests {
         let r =
             m.on_response_body(responses_stream(&["a"], Some((1, 1, 0))).as_bytes(), true, Some(t0)).unwrap();
         assert_eq!((r.completion_tokens, r.end_reason), (0, EndReason::Incomplete));
+    }
+
+    /// The usage of one response read whole: `body` as a 200 of `content_type`.
+    fn read_whole(api: Api, content_type: &str, body: &str) -> Usage {
+        let t0 = 1_000_000u64;
+        let mut m = Meter::new(MAX_USAGE_BYTES);
+        m.set_api(api);
+        m.start(t0);
+        m.on_response_headers(200, content_type, false, t0);
+        m.on_response_body(body.as_bytes(), true, Some(t0 + MS)).unwrap()
+    }
+
+    /// A second usage in one response is read as no usage at all ([`UnreadUsage::Duplicate`]):
+    /// the caller bills the reservation, whatever either number said.
+    #[test]
+    fn a_second_usage_is_a_duplicate() {
+        let liar = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1000,\"completion_tokens\":1000}}\n\n";
+        let again = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}\n\n";
+        let s = format!("{ROLE}{}{liar}{again}data: [DONE]\n\n", chunk("a"));
+        let r = read_whole(Api::ChatCompletions, "text/event-stream", &s);
+        assert_eq!(r.unread, Some(UnreadUsage::Duplicate));
+        assert_eq!(
+            (r.prompt_tokens, r.completion_tokens, r.usage_source),
+            (0, 1, UsageSource::StreamedChunks)
+        );
+        // Usage in every content chunk (vLLM's continuous_usage_stats) is cumulative: the final
+        // usage chunk's counts, no duplicate.
+        let with_usage = |c: &str, n: u64| {
+            format!("data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{c}\"}}}}],\"usage\":{{\"prompt_tokens\":5,\"completion_tokens\":{n}}}}}\n\n")
+        };
+        let continuous = format!("{}{}{USAGE}data: [DONE]\n\n", with_usage("a", 1), with_usage("b", 2));
+        let r = read_whole(Api::ChatCompletions, "text/event-stream", &continuous);
+        assert_eq!((r.prompt_tokens, r.completion_tokens, r.unread), (17, 3, None));
+        // A usage in a content chunk after the final one is a second usage too.
+        let late = format!("{USAGE}{}data: [DONE]\n\n", with_usage("c", 9));
+        assert_eq!(
+            read_whole(Api::ChatCompletions, "text/event-stream", &late).unread,
+            Some(UnreadUsage::Duplicate)
+        );
+        // A JSON body with two top-level usage members (serde_json refuses it).
+        let json = r#"{"usage":{"prompt_tokens":1000,"completion_tokens":1000},"usage":{"prompt_tokens":1,"completion_tokens":1}}"#;
+        let r = read_whole(Api::ChatCompletions, "application/json", json);
+        assert_eq!((r.unread, r.usage_source), (Some(UnreadUsage::Duplicate), UsageSource::StreamedChunks));
+        // Two Responses events with a usage.
+        let once = responses_stream(&["a"], Some((12, 1, 0)));
+        let twice = format!("{once}{}", responses_stream(&[], Some((1, 1, 0))));
+        assert_eq!(read_whole(Api::Responses, "text/event-stream", &once).unread, None);
+        assert_eq!(
+            read_whole(Api::Responses, "text/event-stream", &twice).unread,
+            Some(UnreadUsage::Duplicate)
+        );
+    }
+
+    /// A 2xx that completed without a usage, or whose body is coded, is read as no usage
+    /// ([`UnreadUsage::Missing`], [`UnreadUsage::Encoded`]); an error, a stream cut short and a
+    /// failed Responses stream keep their counts.
+    #[test]
+    fn a_completed_response_without_a_readable_usage_is_unread() {
+        let r = read_whole(
+            Api::ChatCompletions,
+            "application/json",
+            r#"{"choices":[{"message":{"content":"hi"}}]}"#,
+        );
+        assert_eq!(r.unread, Some(UnreadUsage::Missing));
+        let r = read_whole(Api::ChatCompletions, "text/event-stream", &stream(false));
+        assert_eq!((r.unread, r.completion_tokens), (Some(UnreadUsage::Missing), 3));
+        // A Responses background answer: `usage: null`.
+        let background = r#"{"id":"resp_1","object":"response","status":"queued","background":true,"output":[],"usage":null}"#;
+        assert_eq!(
+            read_whole(Api::Responses, "application/json", background).unread,
+            Some(UnreadUsage::Missing)
+        );
+        // Cut short (no [DONE]): incomplete, counted as before.
+        let cut = format!("{ROLE}{}", chunk("a"));
+        let r = read_whole(Api::ChatCompletions, "text/event-stream", &cut);
+        assert_eq!((r.unread, r.end_reason, r.completion_tokens), (None, EndReason::Incomplete, 1));
+        // An error status owes nothing, usage or not.
+        let t0 = 1_000_000u64;
+        let mut m = Meter::new(MAX_USAGE_BYTES);
+        m.start(t0);
+        m.on_response_headers(500, "application/json", false, t0);
+        assert_eq!(m.on_response_body(b"{}", true, Some(t0)).unwrap().unread, None);
+        // Coded: not read, whatever it holds.
+        for (coding, unread) in [
+            ("gzip", Some(UnreadUsage::Encoded)),
+            ("br", Some(UnreadUsage::Encoded)),
+            ("identity", None),
+            (" Identity ", None),
+        ] {
+            let mut m = Meter::new(MAX_USAGE_BYTES);
+            m.start(t0);
+            m.mark_encoded(coding.as_bytes());
+            m.on_response_headers(200, "application/json", false, t0);
+            let r = m
+                .on_response_body(br#"{"usage":{"prompt_tokens":4,"completion_tokens":1}}"#, true, Some(t0))
+                .unwrap();
+            assert_eq!(r.unread, unread, "{coding}");
+            assert_eq!(r.prompt_tokens, if unread.is_some() { 0 } else { 4 }, "{coding}");
+        }
+        // The wire shape carries it, and leaves it out when unset.
+        let json =
+            serde_json::to_string(&Usage { unread: Some(UnreadUsage::Encoded), ..Usage::unseen(1, 200) })
+                .unwrap();
+        assert!(json.ends_with(r#""unread":"encoded"}"#), "{json}");
+        assert!(!serde_json::to_string(&Usage::unseen(1, 200)).unwrap().contains("unread"));
     }
 
     #[test]

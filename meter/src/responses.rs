@@ -63,6 +63,9 @@ pub(crate) struct EventSummary {
     /// A terminal event (`response.completed`, `response.incomplete`, `response.failed`) or
     /// `data: [DONE]`: the stream ended as the protocol ends it.
     pub(crate) end: bool,
+    /// A `response.failed` event: the response ended in an error (its usage, when absent, is
+    /// not owed as a whole).
+    pub(crate) failed: bool,
     /// The `usage` of the event's `response` member, when it has one (not null).
     pub(crate) usage: Option<ResponsesUsage>,
 }
@@ -104,13 +107,15 @@ pub(crate) struct EventReader {
 enum Kind {
     Delta,
     Terminal,
+    Failed,
     Other,
 }
 
 impl Kind {
     fn of(name: &str) -> Self {
         match name {
-            "response.completed" | "response.incomplete" | "response.failed" => Kind::Terminal,
+            "response.completed" | "response.incomplete" => Kind::Terminal,
+            "response.failed" => Kind::Failed,
             n if n.ends_with(".delta") => Kind::Delta,
             _ => Kind::Other,
         }
@@ -214,7 +219,8 @@ impl EventReader {
         let done_marker = self.data_len == 6 && &self.data_head == b"[DONE]";
         let summary = EventSummary {
             content: kind == Kind::Delta && self.delta_content,
-            end: kind == Kind::Terminal || done_marker,
+            end: matches!(kind, Kind::Terminal | Kind::Failed) || done_marker,
+            failed: kind == Kind::Failed,
             usage: self.usage,
         };
         self.reset();
@@ -258,6 +264,7 @@ mod tests {
         let want = EventSummary {
             content: false,
             end: true,
+            failed: false,
             usage: Some(ResponsesUsage {
                 input_tokens: 12,
                 output_tokens: 5,

@@ -1,7 +1,8 @@
 //! An incremental Server-Sent Events parser, fed arbitrary chunk boundaries, bounded in memory.
 //!
-//! It follows the WHATWG event-stream format as OpenAI-compatible servers (vLLM) use it: lines
-//! end in `\n` or `\r\n`; a blank line dispatches the event; `data:` lines (one optional space
+//! It follows the WHATWG event-stream format: lines end in `\n`, `\r\n` or a bare `\r` (OpenAI and
+//! vLLM write `\n`; the format allows all three, and a bare `\r` split from its `\n` by a chunk
+//! boundary is one line end); a blank line dispatches the event; `data:` lines (one optional space
 //! after the colon) are joined with `\n`; lines starting with `:` are comments; other fields
 //! (`event:`, `id:`, `retry:`) are ignored. A line or an event larger than the configured bound is
 //! dropped whole (and counted), whatever the upstream sends, so memory never grows past it.
@@ -16,6 +17,8 @@ pub struct SseParser {
     discarding_line: bool,
     discarding_event: bool,
     dropped_events: u64,
+    /// The last chunk ended in a `\r` line end: a `\n` that begins the next one is part of it.
+    skip_lf: bool,
 }
 
 impl SseParser {
@@ -29,33 +32,37 @@ impl SseParser {
             discarding_line: false,
             discarding_event: false,
             dropped_events: 0,
+            skip_lf: false,
         }
     }
 
     /// Feeds one chunk; calls `on_event` with the data of every event the chunk completes.
     pub fn feed(&mut self, chunk: &[u8], mut on_event: impl FnMut(&[u8])) {
         let mut rest = chunk;
-        while let Some(pos) = memchr::memchr(b'\n', rest) {
+        if std::mem::take(&mut self.skip_lf) {
+            rest = rest.strip_prefix(b"\n").unwrap_or(rest);
+        }
+        while let Some(pos) = memchr::memchr2(b'\n', b'\r', rest) {
             let (head, tail) = rest.split_at(pos);
-            rest = tail.get(1..).unwrap_or_default();
+            rest = after_line_end(tail, &mut self.skip_lf);
             if self.discarding_line {
                 self.discarding_line = false;
                 self.line.clear();
                 continue;
             }
-            if let Some((data, after)) = self.whole_event(head, rest) {
+            if let Some((data, blank)) = self.whole_event(head, rest) {
                 // An event of one `data:` line and its blank line, both in this chunk (as vLLM
                 // writes its events): handed over from the chunk, without a copy.
                 on_event(data);
-                rest = after;
+                rest = after_line_end(blank, &mut self.skip_lf);
                 continue;
             }
             if self.line.is_empty() {
-                self.handle_line(strip_cr(head), &mut on_event);
+                self.handle_line(head, &mut on_event);
             } else {
                 let mut line = std::mem::take(&mut self.line);
                 line.extend_from_slice(head);
-                self.handle_line(strip_cr(&line), &mut on_event);
+                self.handle_line(&line, &mut on_event);
                 line.clear();
                 self.line = line;
             }
@@ -71,17 +78,18 @@ impl SseParser {
         }
     }
 
-    /// `(data, rest after the blank line)` when, with no line or event in progress, `line` (its
-    /// `\n` taken off) is a `data:` field and `rest` begins with the blank line that dispatches
-    /// it: what [`Self::handle_line`] would dispatch for the two lines, read from the chunk.
+    /// `(data, the blank line's end and what follows)` when, with no line or event in progress,
+    /// `line` (its line end taken off) is a `data:` field and `rest` begins with the line end of
+    /// the blank line that dispatches it: what [`Self::handle_line`] would dispatch for the two
+    /// lines, read from the chunk.
     fn whole_event<'c>(&self, line: &'c [u8], rest: &'c [u8]) -> Option<(&'c [u8], &'c [u8])> {
         if !self.line.is_empty() || self.has_data || self.discarding_event {
             return None;
         }
-        let value = strip_cr(line).strip_prefix(b"data:")?;
+        let value = line.strip_prefix(b"data:")?;
         let value = value.strip_prefix(b" ").unwrap_or(value);
-        let after = rest.strip_prefix(b"\n").or_else(|| rest.strip_prefix(b"\r\n"))?;
-        (value.len() <= self.max_event_bytes).then_some((value, after))
+        let blank = matches!(rest.first(), Some(b'\n' | b'\r'));
+        (blank && value.len() <= self.max_event_bytes).then_some((value, rest))
     }
 
     /// Events dropped because a line or the event exceeded the bound.
@@ -130,8 +138,18 @@ impl SseParser {
     }
 }
 
-fn strip_cr(line: &[u8]) -> &[u8] {
-    line.strip_suffix(b"\r").unwrap_or(line)
+/// What follows the line end at the start of `tail` (a `\n`, a `\r\n`, or a bare `\r`); a `\r`
+/// that ends the chunk sets `skip_lf`, as a `\n` that begins the next chunk completes it.
+fn after_line_end<'c>(tail: &'c [u8], skip_lf: &mut bool) -> &'c [u8] {
+    match tail {
+        [b'\r', b'\n', rest @ ..] => rest,
+        [b'\r'] => {
+            *skip_lf = true;
+            &[]
+        }
+        [_, rest @ ..] => rest,
+        [] => tail,
+    }
 }
 
 /// Longest `event:` value [`SseStream`] reports (longer ones are not reported).
@@ -141,7 +159,7 @@ pub const MAX_EVENT_NAME_BYTES: usize = 64;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SsePiece<'a> {
     /// Bytes of the current event's data: a piece of a `data:` line's value (one optional space
-    /// after the colon and a `\r` before the line's `\n` removed), or the `\n` that joins a
+    /// after the colon removed, its line end not included), or the `\n` that joins a
     /// second `data:` line to the first. The pieces of one event, concatenated, are the data
     /// [`SseParser`] dispatches for it.
     Data(&'a [u8]),
@@ -160,12 +178,8 @@ pub enum SsePiece<'a> {
 enum LineState {
     /// At the start of a line.
     Start,
-    /// After a `\r` at the start of a line.
-    StartCr,
     /// Reading the field name (at most 5 bytes held: `event`).
     Field,
-    /// After a `\r` in the field name.
-    FieldCr,
     /// Just after the colon of a `data:` line (one space may follow).
     DataColon,
     /// In a `data:` line's value.
@@ -179,12 +193,12 @@ enum LineState {
 }
 
 /// A Server-Sent Events reader that holds no event: the same format as [`SseParser`] (lines end
-/// in `\n`, a `\r` before it is removed, `data:` lines joined with `\n`, comments and other
-/// fields ignored, a blank line ends the event), but each event's data is handed on in pieces as
-/// the bytes arrive ([`SsePiece`]), so an event of any size passes in O(1) memory: at most a
-/// 5-byte field name, an [`MAX_EVENT_NAME_BYTES`] `event:` value and one held `\r`. For streams
-/// whose events may be large (the Responses API's `response.completed` carries the whole
-/// response), read by an incremental JSON reader.
+/// in `\n`, `\r\n` or a bare `\r`, `data:` lines joined with `\n`, comments and other fields
+/// ignored, a blank line ends the event), but each event's data is handed on in pieces as the
+/// bytes arrive ([`SsePiece`]), so an event of any size passes in O(1) memory: at most a 5-byte
+/// field name and an [`MAX_EVENT_NAME_BYTES`] `event:` value. For streams whose events may be
+/// large (the Responses API's `response.completed` carries the whole response), read by an
+/// incremental JSON reader.
 #[derive(Debug)]
 pub struct SseStream {
     state: LineState,
@@ -192,8 +206,8 @@ pub struct SseStream {
     name: Vec<u8>,
     name_overflow: bool,
     has_data: bool,
-    /// A `\r` ended the last chunk inside a data value: it is content unless `\n` follows.
-    pending_cr: bool,
+    /// The last line ended in a `\r`: a `\n` right after it is part of that line end.
+    skip_lf: bool,
 }
 
 impl Default for SseStream {
@@ -211,7 +225,7 @@ impl SseStream {
             name: Vec::new(),
             name_overflow: false,
             has_data: false,
-            pending_cr: false,
+            skip_lf: false,
         }
     }
 
@@ -219,6 +233,12 @@ impl SseStream {
     pub fn feed(&mut self, chunk: &[u8], mut on: impl FnMut(SsePiece<'_>)) {
         let mut rest = chunk;
         while !rest.is_empty() {
+            if std::mem::take(&mut self.skip_lf) {
+                if let Some(tail) = rest.strip_prefix(b"\n") {
+                    rest = tail;
+                    continue;
+                }
+            }
             rest = match self.state {
                 LineState::DataValue => self.data_bytes(rest, &mut on),
                 _ => {
@@ -235,32 +255,19 @@ impl SseStream {
 
     /// Bytes of a data value up to the end of its line; returns the rest of the chunk.
     fn data_bytes<'a>(&mut self, rest: &'a [u8], on: &mut impl FnMut(SsePiece<'_>)) -> &'a [u8] {
-        if self.pending_cr {
-            self.pending_cr = false;
-            if rest.first() != Some(&b'\n') {
-                on(SsePiece::Data(b"\r"));
-            }
-        }
-        match rest.iter().position(|&b| b == b'\n') {
+        match memchr::memchr2(b'\n', b'\r', rest) {
             Some(pos) => {
                 let (head, tail) = rest.split_at(pos);
-                let head = strip_cr(head);
                 if !head.is_empty() {
                     on(SsePiece::Data(head));
                 }
                 self.state = LineState::Start;
+                self.skip_lf = tail.first() == Some(&b'\r');
                 tail.get(1..).unwrap_or_default()
             }
             None => {
-                let head = match rest.strip_suffix(b"\r") {
-                    Some(head) => {
-                        self.pending_cr = true;
-                        head
-                    }
-                    None => rest,
-                };
-                if !head.is_empty() {
-                    on(SsePiece::Data(head));
+                if !rest.is_empty() {
+                    on(SsePiece::Data(rest));
                 }
                 &[]
             }
@@ -269,18 +276,21 @@ impl SseStream {
 
     /// One byte outside a data value.
     fn byte(&mut self, b: u8, on: &mut impl FnMut(SsePiece<'_>)) {
-        match (self.state, b) {
-            (LineState::Start | LineState::StartCr, b'\n') => self.end_event(on),
-            (LineState::Start, b'\r') => self.state = LineState::StartCr,
-            (LineState::Start, b':') | (LineState::StartCr, _) => self.state = LineState::Skip,
-            (LineState::Start, _) => {
+        let line_end = matches!(b, b'\n' | b'\r');
+        if line_end {
+            self.skip_lf = b == b'\r';
+        }
+        match self.state {
+            LineState::Start if line_end => self.end_event(on),
+            LineState::Start if b == b':' => self.state = LineState::Skip,
+            LineState::Start => {
                 self.field.clear();
                 self.field.push(b);
                 self.state = LineState::Field;
             }
-            (LineState::Field | LineState::FieldCr, b'\n') => {
-                // A line without a colon: the whole line (less a `\r` before the `\n`) is the
-                // field name, and its value is empty.
+            LineState::Field if line_end => {
+                // A line without a colon: the whole line is the field name, and its value is
+                // empty.
                 match self.field.as_slice() {
                     b"data" => self.data_line_starts(on),
                     b"event" => on(SsePiece::EventName(b"")),
@@ -288,12 +298,7 @@ impl SseStream {
                 }
                 self.state = LineState::Start;
             }
-            (LineState::Field, b'\r') => self.state = LineState::FieldCr,
-            (LineState::FieldCr, b'\r') => self.field.push(b'\r'),
-            (LineState::Field | LineState::FieldCr, b':') => {
-                if self.state == LineState::FieldCr {
-                    self.field.push(b'\r');
-                }
+            LineState::Field if b == b':' => {
                 self.state = match self.field.as_slice() {
                     b"data" => {
                         self.data_line_starts(on);
@@ -307,38 +312,31 @@ impl SseStream {
                     _ => LineState::Skip,
                 };
             }
-            (LineState::Field | LineState::FieldCr, _) => {
-                if self.state == LineState::FieldCr {
-                    self.field.push(b'\r');
-                }
+            LineState::Field => {
                 self.field.push(b);
                 self.state = if self.field.len() > 5 { LineState::Skip } else { LineState::Field };
             }
-            (LineState::DataColon, b' ') => self.state = LineState::DataValue,
-            (LineState::DataColon, _) => {
+            LineState::DataColon | LineState::DataValue if line_end => self.state = LineState::Start,
+            LineState::DataColon if b == b' ' => self.state = LineState::DataValue,
+            LineState::DataColon | LineState::DataValue => {
                 self.state = LineState::DataValue;
-                let one = [b];
-                let _ = self.data_bytes(&one, on);
+                on(SsePiece::Data(&[b]));
             }
-            (LineState::NameColon, b' ') => self.state = LineState::NameValue,
-            (LineState::NameColon | LineState::NameValue, b'\n') => {
-                if self.name.last() == Some(&b'\r') {
-                    self.name.pop();
-                }
+            LineState::NameColon | LineState::NameValue if line_end => {
                 self.report_name(on);
                 self.state = LineState::Start;
             }
-            (LineState::NameColon | LineState::NameValue, _) => {
+            LineState::NameColon if b == b' ' => self.state = LineState::NameValue,
+            LineState::NameColon | LineState::NameValue => {
                 self.state = LineState::NameValue;
-                // One byte beyond the bound is kept: it may be the `\r` of the line's end.
-                if self.name.len() > MAX_EVENT_NAME_BYTES {
+                if self.name.len() >= MAX_EVENT_NAME_BYTES {
                     self.name_overflow = true;
                 } else {
                     self.name.push(b);
                 }
             }
-            (LineState::Skip, b'\n') => self.state = LineState::Start,
-            (LineState::Skip | LineState::DataValue, _) => {}
+            LineState::Skip if line_end => self.state = LineState::Start,
+            LineState::Skip => {}
         }
     }
 
@@ -351,7 +349,7 @@ impl SseStream {
     }
 
     fn report_name(&mut self, on: &mut impl FnMut(SsePiece<'_>)) {
-        if !self.name_overflow && self.name.len() <= MAX_EVENT_NAME_BYTES {
+        if !self.name_overflow {
             on(SsePiece::EventName(&self.name));
         }
         self.name.clear();
@@ -470,10 +468,34 @@ mod tests {
             }
         }
         let (events, names) = stream_all(&[TYPED]);
-        assert_eq!(events, vec!["{\"type\":\"response.created\"}", "\na\rb", ""]);
+        // A bare `\r` ends a line: `b` is a line of its own (a field the stream ignores).
+        assert_eq!(events, vec!["{\"type\":\"response.created\"}", "\na", ""]);
         assert_eq!(names, vec!["response.created", "x", ""]);
         let bytes: Vec<&[u8]> = TYPED.chunks(1).collect();
         assert_eq!(stream_all(&bytes), (events, names));
+    }
+
+    /// The same events whatever the line ends (`\n`, `\r\n`, a bare `\r`, and mixes), at every
+    /// split of the stream into three chunks, by both readers.
+    const LINE_ENDS: &[u8] =
+        b"data: {\"a\":1}\r\rdata: {\"b\":2}\r\n\rdata: l1\rdata: l2\n\r\n: c\revent: e\rdata: [DONE]\r\r";
+
+    #[test]
+    fn a_bare_carriage_return_ends_a_line() {
+        let expected = vec!["{\"a\":1}", "{\"b\":2}", "l1\nl2", "[DONE]"];
+        assert_eq!(parse_all(&[LINE_ENDS], 1024).0, expected);
+        for i in 0..=LINE_ENDS.len() {
+            for j in i..=LINE_ENDS.len() {
+                let (a, rest) = LINE_ENDS.split_at(i);
+                let (b, c) = rest.split_at(j - i);
+                assert_eq!(parse_all(&[a, b, c], 1024).0, expected, "split at {i}/{j}");
+                assert_eq!(stream_all(&[a, b, c]).0, expected, "split at {i}/{j}");
+            }
+        }
+        // A `\r` that ends a chunk and the `\n` that begins the next are one line end, not two
+        // (which would dispatch the event early and make the next line part of another).
+        assert_eq!(parse_all(&[b"data: a\r", b"\ndata: b\r", b"\n\r\n"], 64).0, vec!["a\nb"]);
+        assert_eq!(stream_all(&[b"data: a\r", b"\ndata: b\r", b"\n\r\n"]).0, vec!["a\nb"]);
     }
 
     #[test]

@@ -333,6 +333,7 @@ pub fn grant(size: &LeaseSize, outcome: &TakeOutcome, ttl_ms: u64, lease_id: Str
         requests_state: state(BucketKind::Requests),
         tokens_state: state(BucketKind::Tokens),
         lease_id,
+        tenant_requests_retry_ms: 0,
     }
 }
 
@@ -340,6 +341,30 @@ pub fn grant(size: &LeaseSize, outcome: &TakeOutcome, ttl_ms: u64, lease_id: Str
 /// after `retry_after_ms` at the earliest.
 pub fn refusal(retry_after_ms: u64) -> LeaseGrant {
     LeaseGrant { retry_after_ms: retry_after_ms.max(1), ..Default::default() }
+}
+
+/// After a lease take the buckets refused (`outcome`, of `plan`): when the tenant's own
+/// requests-per-minute bucket (key `tenant_rpm_key`: its `limits`, shared by all its models)
+/// holds less than one request, the milliseconds until it holds one again, from its level
+/// (`capacity - reset_ms * rate / 60000`), for `LeaseGrant.tenant_requests_retry_ms`; `None`
+/// while it holds one (the lease was refused for its size, or for another bucket) or when it has
+/// no refill.
+pub fn tenant_requests_wait_ms(
+    plan: &[BucketSpec],
+    outcome: &TakeOutcome,
+    tenant_rpm_key: &str,
+) -> Option<u64> {
+    let (spec, state) = plan
+        .iter()
+        .zip(&outcome.states)
+        .find(|(spec, _)| spec.kind == BucketKind::Requests && spec.key == tenant_rpm_key)?;
+    if state.remaining >= 1 || spec.rate_per_minute == 0 {
+        return None;
+    }
+    let rate = spec.rate_per_minute as f64;
+    let level = (spec.capacity as f64 - state.reset_ms as f64 * rate / 60_000.0).max(0.0);
+    let wait_ms = ((1.0 - level).max(0.0) * 60_000.0 / rate).floor() as u64;
+    (wait_ms > 0).then_some(wait_ms)
 }
 
 #[cfg(test)]
@@ -384,6 +409,42 @@ mod tests {
         );
         let costs: Vec<_> = s.plan.iter().map(|b| b.cost).collect();
         assert_eq!(costs, [10, 10_000, 10], "every bucket of a kind gives the same lease");
+    }
+
+    /// A refused lease tells the filter how long the tenant's own RPM bucket stays empty: from
+    /// its level, only while it holds less than one request, and never for a per-model bucket.
+    #[test]
+    fn an_empty_tenant_requests_bucket_is_told_with_its_wait() {
+        let mut t = tenant(Some(60), Some(1_000_000));
+        t.model_limits.insert(
+            "m".into(),
+            Limits {
+                requests_per_minute: Some(6),
+                request_burst: None,
+                tokens_per_minute: None,
+                token_burst: None,
+            },
+        );
+        let plan = limits::plan("p", &t, "m", 300);
+        let key = limits::bucket_key("p", "acme", limits::Scope::Tenant, BucketKind::Requests);
+        // 60 a minute, burst 60: 0.25 of a request left is 59.75 from full, 59,750 ms to refill;
+        // one request is 0.75 of a second away.
+        let state = |remaining, reset_ms| BucketState { remaining, reset_ms, retry_after_ms: Some(1) };
+        let outcome = |rpm: BucketState| TakeOutcome {
+            denied: Some(0),
+            states: vec![rpm, state(500_000, 100), state(0, 60_000)],
+        };
+        assert_eq!(tenant_requests_wait_ms(&plan, &outcome(state(0, 59_750)), &key), Some(750));
+        // Empty: a whole second.
+        assert_eq!(tenant_requests_wait_ms(&plan, &outcome(state(0, 60_000)), &key), Some(1000));
+        // One request left: the lease was refused for its size only.
+        assert_eq!(tenant_requests_wait_ms(&plan, &outcome(state(1, 59_000)), &key), None);
+        // The per-model bucket is empty (states[2]), the tenant's is not: nothing to tell.
+        assert_eq!(tenant_requests_wait_ms(&plan, &outcome(state(30, 30_000)), &key), None);
+        // A tenant without an RPM limit.
+        let plan = limits::plan("p", &tenant(None, Some(1_000_000)), "m", 300);
+        let outcome = TakeOutcome { denied: Some(0), states: vec![state(0, 60_000)] };
+        assert_eq!(tenant_requests_wait_ms(&plan, &outcome, &key), None);
     }
 
     #[test]

@@ -203,7 +203,25 @@ async fn take(
         Some((outcome, false)) if outcome.denied.is_none() => {
             (admission_lease::grant(&size, &outcome, ttl_ms, lease_id), "granted")
         }
-        Some(_) => (admission_lease::refusal(ttl_ms), "over_limit"),
+        Some((outcome, _)) => {
+            // The tenant's own RPM bucket empty: the filter refuses its requests at their headers.
+            let tenant_rpm = limits::bucket_key(
+                store.prefix(),
+                tenant_id,
+                limits::Scope::Tenant,
+                limits::BucketKind::Requests,
+            );
+            let grant = LeaseGrant {
+                tenant_requests_retry_ms: admission_lease::tenant_requests_wait_ms(
+                    &size.plan,
+                    &outcome,
+                    &tenant_rpm,
+                )
+                .unwrap_or(0),
+                ..admission_lease::refusal(ttl_ms)
+            };
+            (grant, "over_limit")
+        }
         None => (admission_lease::refusal(ttl_ms), "redis_unavailable"),
     }
 }

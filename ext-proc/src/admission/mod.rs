@@ -61,6 +61,16 @@ pub struct RequestFacts {
     /// The filter's per-request nonce ([`gateway_contract::RequestFacts::nonce`]; `None` from an
     /// older filter).
     pub nonce: Option<String>,
+    /// The most prompt tokens the upstream can report
+    /// ([`gateway_contract::RequestFacts::prompt_tokens_max`]; `None` from an older filter or
+    /// from headers).
+    pub prompt_tokens_max: Option<u64>,
+    /// The most completion tokens the upstream can report
+    /// ([`gateway_contract::RequestFacts::completion_tokens_max`]).
+    pub completion_tokens_max: Option<u64>,
+    /// The request body's size in bytes ([`gateway_contract::RequestFacts::body_bytes`]): what
+    /// Envoy holds for it while it is queued.
+    pub body_bytes: Option<u64>,
 }
 
 impl RequestFacts {
@@ -81,6 +91,9 @@ impl RequestFacts {
             lease_id: facts.lease_id.filter(|_| facts.leased_tokens.is_some()),
             prefix_hashes: facts.prefix_hashes,
             nonce: facts.nonce,
+            prompt_tokens_max: facts.prompt_tokens_max,
+            completion_tokens_max: facts.completion_tokens_max,
+            body_bytes: facts.body_bytes,
         }
     }
 

@@ -31,7 +31,7 @@ use crate::config::{FlowControlConfig, PoolFlowConfig};
 use crate::metrics::{PoolTier, QueueDequeue, QueueWait};
 use crate::pools::{Pool, Pools};
 use fairness::Fairness;
-use queue::{Entry, FlowQueue, Refusal};
+use queue::{Bounds, Entry, FlowQueue, Refusal};
 
 /// How much longer than a queued request's remaining budget Envoy is told to wait for the
 /// admission's answer (`override_message_timeout`): the time to answer once the budget runs out.
@@ -76,7 +76,11 @@ impl PoolFlow {
         let tiers: Vec<String> = flow.tiers.iter().map(|t| t.name.clone()).collect();
         let levels = flow.tiers.iter().map(|t| t.max_load).collect();
         Self {
-            queue: Mutex::new(FlowQueue::new(tiers.len(), config.max_queued, fairness)),
+            queue: Mutex::new(FlowQueue::new(
+                tiers.len(),
+                Bounds { requests: config.max_queued, bytes: config.max_queued_bytes },
+                fairness,
+            )),
             config,
             closed: AtomicBool::new(false),
             queued: AtomicUsize::new(0),
@@ -241,15 +245,17 @@ impl Pools {
     }
 
     /// Admits a request of `tier` and `tenant` to `pool` now when the pool has room and nothing
-    /// waits, else queues it for at most `budget`. A pool that is not flow-controlled (or
-    /// unknown) admits at once. Either way an admission is counted in the pool's in-flight
-    /// requests when it happens ([`Pools::finished`] takes it off).
+    /// waits, else queues it (its body of `body_bytes` held by Envoy meanwhile) for at most
+    /// `budget`. A pool that is not flow-controlled (or unknown) admits at once. Either way an
+    /// admission is counted in the pool's in-flight requests when it happens ([`Pools::finished`]
+    /// takes it off).
     pub fn enter(
         self: &Arc<Self>,
         pool: &str,
         tier: usize,
         tenant: &str,
         prompt_tokens: u64,
+        body_bytes: u64,
         budget: Duration,
     ) -> Entered {
         let Some(p) = self.pool(pool) else { return Entered::Now };
@@ -279,9 +285,9 @@ impl Pools {
         }
         let (tx, rx) = oneshot::channel();
         let now = Instant::now();
-        let id = match q.push(tier, tenant, prompt_tokens, now, tx) {
+        let id = match q.push(tier, tenant, prompt_tokens, body_bytes, now, tx) {
             Ok((id, evicted)) => {
-                if let Some(e) = evicted {
+                for e in evicted {
                     self.refuse(pool, flow, e, Refusal::Evicted, &q);
                 }
                 id
@@ -499,7 +505,11 @@ mod tests {
             max_kv_cache_usage: None,
             max_in_flight: Some(max_in_flight),
             picker: None,
-            flow_control: Some(PoolFlowConfig { max_queued, leases_below_load: 0.8 }),
+            flow_control: Some(PoolFlowConfig {
+                max_queued,
+                max_queued_bytes: crate::config::DEFAULT_MAX_QUEUED_BYTES,
+                leases_below_load: 0.8,
+            }),
             admission_leases: None,
         };
         let tier =
@@ -527,10 +537,10 @@ mod tests {
     #[tokio::test]
     async fn a_request_waits_for_room_and_a_higher_tier_goes_first() {
         let p = pools(1, 10);
-        assert!(matches!(p.enter("p", 0, "a", 10, LONG), Entered::Now));
+        assert!(matches!(p.enter("p", 0, "a", 10, 0, LONG), Entered::Now));
         assert!(p.near_saturation("p"), "at its max_in_flight: no leases");
-        let batch = queued(p.enter("p", 1, "b", 10, LONG));
-        let premium = queued(p.enter("p", 0, "a", 10, LONG));
+        let batch = queued(p.enter("p", 1, "b", 10, 0, LONG));
+        let premium = queued(p.enter("p", 0, "a", 10, 0, LONG));
         assert_eq!(in_flight(&p), 1);
         let (batch, premium) = (tokio::spawn(batch.wait()), tokio::spawn(premium.wait()));
         p.finished("p");
@@ -548,11 +558,11 @@ mod tests {
     #[tokio::test]
     async fn a_tier_with_a_max_load_leaves_the_rest_of_the_room_to_higher_tiers() {
         let p = pools_with(4, 10, 0.5);
-        assert!(matches!(p.enter("p", 1, "b", 10, LONG), Entered::Now));
-        assert!(matches!(p.enter("p", 1, "b", 10, LONG), Entered::Now));
-        let batch = queued(p.enter("p", 1, "b", 10, LONG));
+        assert!(matches!(p.enter("p", 1, "b", 10, 0, LONG), Entered::Now));
+        assert!(matches!(p.enter("p", 1, "b", 10, 0, LONG), Entered::Now));
+        let batch = queued(p.enter("p", 1, "b", 10, 0, LONG));
         // Premium takes the room batch may not, even with batch queued.
-        assert!(matches!(p.enter("p", 0, "a", 10, LONG), Entered::Now));
+        assert!(matches!(p.enter("p", 0, "a", 10, 0, LONG), Entered::Now));
         assert_eq!(in_flight(&p), 3);
         let batch = tokio::spawn(batch.wait());
         p.finished("p");
@@ -567,9 +577,9 @@ mod tests {
         // tenant is a newcomer: heavy fills all 8.
         let p = pools_reserving(8, 100, 1.0, 0.25);
         for _ in 0..8 {
-            assert!(matches!(p.enter("p", 0, "heavy", 10, LONG), Entered::Now));
+            assert!(matches!(p.enter("p", 0, "heavy", 10, 0, LONG), Entered::Now));
         }
-        let heavy: Vec<_> = (0..4).map(|_| queued(p.enter("p", 0, "heavy", 10, LONG))).collect();
+        let heavy: Vec<_> = (0..4).map(|_| queued(p.enter("p", 0, "heavy", 10, 0, LONG))).collect();
         let heavy: Vec<_> = heavy.into_iter().map(|w| tokio::spawn(w.wait())).collect();
         // Three ends: the pool is at 5, below the queue's 6: one of heavy's goes.
         for _ in 0..3 {
@@ -577,14 +587,14 @@ mod tests {
         }
         assert_eq!(in_flight(&p), 6);
         // Light, with nothing queued and the least counter, takes the reserve at once, twice.
-        assert!(matches!(p.enter("p", 0, "light", 10, LONG), Entered::Now));
+        assert!(matches!(p.enter("p", 0, "light", 10, 0, LONG), Entered::Now));
         assert_eq!(in_flight(&p), 7);
-        assert!(matches!(p.enter("p", 0, "other", 10, LONG), Entered::Now));
+        assert!(matches!(p.enter("p", 0, "other", 10, 0, LONG), Entered::Now));
         assert_eq!(in_flight(&p), 8);
         // The pool is full: light2's two requests wait. The first is a newcomer's (light2 had
         // nothing queued); the second came while it was queued.
-        let light = tokio::spawn(queued(p.enter("p", 0, "light2", 10, LONG)).wait());
-        let light_again = tokio::spawn(queued(p.enter("p", 0, "light2", 10, LONG)).wait());
+        let light = tokio::spawn(queued(p.enter("p", 0, "light2", 10, 0, LONG)).wait());
+        let light_again = tokio::spawn(queued(p.enter("p", 0, "light2", 10, 0, LONG)).wait());
         // Heavy's answers were long: light2 is ahead of it in the fair order.
         p.charge_output("p", "heavy", 100);
         // An end: the newcomer's request takes the reserve.
@@ -609,8 +619,8 @@ mod tests {
     #[tokio::test]
     async fn the_budget_runs_out_with_a_429() {
         let p = pools(1, 10);
-        assert!(matches!(p.enter("p", 0, "a", 10, LONG), Entered::Now));
-        let w = queued(p.enter("p", 1, "b", 10, Duration::from_millis(50)));
+        assert!(matches!(p.enter("p", 0, "a", 10, 0, LONG), Entered::Now));
+        let w = queued(p.enter("p", 1, "b", 10, 0, Duration::from_millis(50)));
         let started = Instant::now();
         let (refusal, retry_after) = w.wait().await.unwrap_err();
         assert_eq!(refusal, Refusal::Timeout);
@@ -624,14 +634,14 @@ mod tests {
     #[tokio::test]
     async fn a_dropped_waiter_leaves_no_trace() {
         let p = pools(1, 10);
-        assert!(matches!(p.enter("p", 0, "a", 10, LONG), Entered::Now));
-        let w = queued(p.enter("p", 0, "a", 10, LONG));
+        assert!(matches!(p.enter("p", 0, "a", 10, 0, LONG), Entered::Now));
+        let w = queued(p.enter("p", 0, "a", 10, 0, LONG));
         drop(w);
         p.finished("p");
         assert_eq!(in_flight(&p), 0, "the dropped request was not dispatched");
         // Dropped after its dispatch was sent but before it was read: taken back off.
-        assert!(matches!(p.enter("p", 0, "a", 10, LONG), Entered::Now));
-        let w = queued(p.enter("p", 0, "a", 10, LONG));
+        assert!(matches!(p.enter("p", 0, "a", 10, 0, LONG), Entered::Now));
+        let w = queued(p.enter("p", 0, "a", 10, 0, LONG));
         p.finished("p");
         assert_eq!(in_flight(&p), 1);
         drop(w);
@@ -641,21 +651,21 @@ mod tests {
     #[tokio::test]
     async fn a_full_queue_evicts_a_lower_tier_and_shutdown_answers_everyone() {
         let p = pools(1, 1);
-        assert!(matches!(p.enter("p", 0, "a", 10, LONG), Entered::Now));
-        let batch = queued(p.enter("p", 1, "b", 10, LONG));
-        let premium = queued(p.enter("p", 0, "a", 10, LONG));
+        assert!(matches!(p.enter("p", 0, "a", 10, 0, LONG), Entered::Now));
+        let batch = queued(p.enter("p", 1, "b", 10, 0, LONG));
+        let premium = queued(p.enter("p", 0, "a", 10, 0, LONG));
         assert_eq!(batch.wait().await.unwrap_err().0, Refusal::Evicted);
-        assert!(matches!(p.enter("p", 1, "b", 10, LONG), Entered::Refused(Refusal::Full, _)));
+        assert!(matches!(p.enter("p", 1, "b", 10, 0, LONG), Entered::Refused(Refusal::Full, _)));
         p.close_queues();
         assert_eq!(premium.wait().await.unwrap_err(), (Refusal::ShuttingDown, 1));
-        assert!(matches!(p.enter("p", 0, "a", 10, LONG), Entered::Refused(Refusal::ShuttingDown, 1)));
+        assert!(matches!(p.enter("p", 0, "a", 10, 0, LONG), Entered::Refused(Refusal::ShuttingDown, 1)));
     }
 
     #[tokio::test]
     async fn no_prediction_until_a_drain_rate_is_measured() {
         let p = pools(1, 100);
-        assert!(matches!(p.enter("p", 0, "a", 10, LONG), Entered::Now));
-        let waiters: Vec<_> = (0..50).map(|_| queued(p.enter("p", 0, "a", 10, LONG))).collect();
+        assert!(matches!(p.enter("p", 0, "a", 10, 0, LONG), Entered::Now));
+        let waiters: Vec<_> = (0..50).map(|_| queued(p.enter("p", 0, "a", 10, 0, LONG))).collect();
         assert_eq!(p.predict_refusal("p", 0, "a", Duration::from_millis(1)), None, "rate unknown");
         let flow = p.pool("p").and_then(|p| p.flow.as_ref()).unwrap();
         let t0 = Instant::now();

@@ -1,9 +1,17 @@
 //! One pool's flow-control queue, with no I/O and no clock of its own (the caller passes `now`):
 //! requests wait by tier (a higher tier is always served first), and within a tier by tenant,
 //! the tenant with the least attained service first ([`Fairness`], the virtual token counter).
-//! The queue is bounded (`max_queued`): when full, a request of a higher tier takes the place of
-//! the newest request of the lowest tier queued (from its most-served tenant); otherwise it is
-//! refused.
+//!
+//! The queue is bounded twice: in requests (`max_queued`) and in the bytes of their bodies, which
+//! Envoy holds while they wait (`max_queued_bytes`). Either is shared among the tenants with
+//! requests queued by their weights (`flow_control.tenant_weights`, default 1): a tenant's share is
+//! the bound times its weight over the weights of the queued tenants and itself. The queue is
+//! work-conserving: a tenant alone may fill it; when a request finds no room, it takes the place
+//! of the newest request of the lowest tier below its own (that tier's most-served tenant's
+//! first), else, if its tenant is within its share with it, of the newest request of its tier of
+//! the tenant most over its share; otherwise it is refused and nothing moves. So one tenant can
+//! fill the queue only until the others come: it cannot keep another tenant of its tier out, nor
+//! hold more of Envoy's memory than the byte bound.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -15,8 +23,12 @@ use super::fairness::Fairness;
 pub enum Refusal {
     /// Its predicted wait is over its tier's `max_queue_wait_ms` (refused before queueing).
     PredictedWait,
-    /// The queue is full of requests of its tier or higher (refused before queueing).
+    /// The queue is full of requests of its tier or higher (refused before queueing), none of
+    /// which can give way to it.
     Full,
+    /// The bytes of the queued bodies would pass `max_queued_bytes` (refused before queueing),
+    /// and no queued request can give way to it.
+    Bytes,
     /// A request of a higher tier took its place in a full queue.
     Evicted,
     /// Its tier's `max_queue_wait_ms` ran out.
@@ -31,6 +43,7 @@ impl Refusal {
         match self {
             Refusal::PredictedWait => "predicted_wait",
             Refusal::Full => "full",
+            Refusal::Bytes => "bytes",
             Refusal::Evicted => "evicted",
             Refusal::Timeout => "timeout",
             Refusal::ShuttingDown => "shutdown",
@@ -38,9 +51,9 @@ impl Refusal {
     }
 }
 
-/// What [`FlowQueue::push`] answers: the new request's id and the request it evicted, or the
+/// What [`FlowQueue::push`] answers: the new request's id and the requests it evicted, or the
 /// refusal with the request handed back.
-pub type Pushed<T> = Result<(u64, Option<Entry<T>>), (Refusal, T)>;
+pub type Pushed<T> = Result<(u64, Vec<Entry<T>>), (Refusal, T)>;
 
 /// A queued request.
 #[derive(Debug)]
@@ -55,6 +68,8 @@ pub struct Entry<T> {
     pub enqueued: Instant,
     /// Its prompt tokens (charged to the tenant's counter when it is dispatched).
     pub prompt_tokens: u64,
+    /// Its body's bytes (what Envoy holds for it while it waits).
+    pub bytes: u64,
     /// Its tenant had nothing queued in its tier when it arrived: it may use the newcomer
     /// reserve (`flow_control.newcomer_reserve`).
     pub newcomer: bool,
@@ -76,6 +91,22 @@ impl<T> Default for Tier<T> {
     }
 }
 
+/// What one tenant has queued, over every tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Held {
+    requests: usize,
+    bytes: u64,
+}
+
+/// The bounds of a pool's queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    /// The most requests queued (`max_queued`).
+    pub requests: usize,
+    /// The most bytes of queued bodies (`max_queued_bytes`).
+    pub bytes: u64,
+}
+
 /// The queue of one pool.
 #[derive(Debug)]
 pub struct FlowQueue<T> {
@@ -83,22 +114,38 @@ pub struct FlowQueue<T> {
     /// Where each queued id is: (tier, tenant).
     index: HashMap<u64, (usize, String)>,
     len: usize,
-    max_queued: usize,
+    /// The bytes of the queued bodies.
+    bytes: u64,
+    /// What each tenant with requests queued holds (tenants are the configured ones: bounded).
+    held: HashMap<String, Held>,
+    bounds: Bounds,
     next_id: u64,
     fairness: Fairness,
 }
 
 impl<T> FlowQueue<T> {
-    /// An empty queue of `tiers` tiers holding at most `max_queued` requests.
-    pub fn new(tiers: usize, max_queued: usize, fairness: Fairness) -> Self {
+    /// An empty queue of `tiers` tiers holding at most `bounds`.
+    pub fn new(tiers: usize, bounds: Bounds, fairness: Fairness) -> Self {
         Self {
             tiers: (0..tiers).map(|_| Tier::default()).collect(),
             index: HashMap::new(),
             len: 0,
-            max_queued,
+            bytes: 0,
+            held: HashMap::new(),
+            bounds,
             next_id: 0,
             fairness,
         }
+    }
+
+    /// The bytes of the queued bodies.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Requests and bytes `tenant` has queued, over every tier.
+    pub fn held_by(&self, tenant: &str) -> (usize, u64) {
+        self.held.get(tenant).map_or((0, 0), |h| (h.requests, h.bytes))
     }
 
     /// Requests queued.
@@ -153,9 +200,11 @@ impl<T> FlowQueue<T> {
         higher + own + others
     }
 
-    /// Queues a request. When the queue is full, a request of a lower tier is evicted and
-    /// returned (its stream is answered 429); with none, the new request is refused
-    /// ([`Refusal::Full`]) and handed back.
+    /// Queues a request of `bytes` body bytes. When the queue has no room for it (in requests or
+    /// bytes), the requests that give way to it (see the module's documentation) are evicted
+    /// and returned (their streams are answered 429); when not enough can, the new request is
+    /// refused ([`Refusal::Full`], or [`Refusal::Bytes`] when the bytes lack room), handed back,
+    /// and nothing is evicted.
     ///
     /// # Errors
     /// The request itself, refused, when there is no room for it.
@@ -164,19 +213,19 @@ impl<T> FlowQueue<T> {
         tier: usize,
         tenant: &str,
         prompt_tokens: u64,
+        bytes: u64,
         now: Instant,
         item: T,
     ) -> Pushed<T> {
         if tier >= self.tiers.len() {
             return Err((Refusal::Full, item));
         }
-        let mut evicted = None;
-        if self.len >= self.max_queued {
-            match self.evict_below(tier) {
-                Some(e) => evicted = Some(e),
-                None => return Err((Refusal::Full, item)),
-            }
-        }
+        let victims = match self.make_room(tier, tenant, bytes) {
+            Ok(victims) => victims,
+            Err(refusal) => return Err((refusal, item)),
+        };
+        let evicted: Vec<Entry<T>> =
+            victims.into_iter().filter_map(|(tier, tenant, id)| self.take(tier, &tenant, Some(id))).collect();
         let id = self.next_id;
         self.next_id += 1;
         let Some(t) = self.tiers.get_mut(tier) else { return Err((Refusal::Full, item)) };
@@ -187,13 +236,126 @@ impl<T> FlowQueue<T> {
             let backlogged = t.tenants.keys().map(String::as_str);
             self.fairness.backlogged(tenant, backlogged);
         }
-        let entry =
-            Entry { id, tier, tenant: tenant.to_owned(), enqueued: now, prompt_tokens, newcomer, item };
+        let entry = Entry {
+            id,
+            tier,
+            tenant: tenant.to_owned(),
+            enqueued: now,
+            prompt_tokens,
+            bytes,
+            newcomer,
+            item,
+        };
         t.tenants.entry(tenant.to_owned()).or_default().insert(id, entry);
         t.len += 1;
         self.len += 1;
+        self.bytes = self.bytes.saturating_add(bytes);
+        let held = self.held.entry(tenant.to_owned()).or_default();
+        held.requests += 1;
+        held.bytes = held.bytes.saturating_add(bytes);
         self.index.insert(id, (tier, tenant.to_owned()));
         Ok((id, evicted))
+    }
+
+    /// The requests (tier, tenant, id) to evict so that a request of `tenant` in `tier` with
+    /// `bytes` fits: none when it fits now; else the newest of the lowest tier below `tier`
+    /// first (that tier's most-served tenant's newest first), then, while `tenant` stays within
+    /// its share with the request, the newest in `tier` of the tenant most over its share. The
+    /// refusal when they do not make room (nothing is evicted then).
+    fn make_room(&self, tier: usize, tenant: &str, bytes: u64) -> Result<Vec<(usize, String, u64)>, Refusal> {
+        let fits = |len: usize, queued: u64| {
+            len < self.bounds.requests && queued.saturating_add(bytes) <= self.bounds.bytes
+        };
+        // What lacks room: the requests, else the bytes.
+        let refusal = if self.len < self.bounds.requests { Refusal::Bytes } else { Refusal::Full };
+        if bytes > self.bounds.bytes {
+            return Err(Refusal::Bytes);
+        }
+        let (mut len, mut queued) = (self.len, self.bytes);
+        let mut victims = Vec::new();
+        // Lower tiers first, lowest first: each tier's tenants from the most served, newest first.
+        for lower in (tier + 1..self.tiers.len()).rev() {
+            let Some(t) = self.tiers.get(lower) else { continue };
+            let mut tenants: Vec<(&String, &BTreeMap<u64, Entry<T>>)> = t.tenants.iter().collect();
+            tenants.sort_by(|(a, _), (b, _)| {
+                self.fairness.counter(b).total_cmp(&self.fairness.counter(a)).then(b.cmp(a))
+            });
+            for (name, q) in tenants {
+                for (id, entry) in q.iter().rev() {
+                    if fits(len, queued) {
+                        return Ok(victims);
+                    }
+                    victims.push((lower, name.clone(), *id));
+                    len -= 1;
+                    queued = queued.saturating_sub(entry.bytes);
+                }
+            }
+        }
+        if fits(len, queued) {
+            return Ok(victims);
+        }
+        // Then, in its own tier, the tenants most over their shares give way to a tenant within
+        // its own: the weights of the tenants queued (the victims' included) and its own.
+        let mut held: HashMap<&str, Held> = self.held.iter().map(|(k, h)| (k.as_str(), *h)).collect();
+        for (_, name, id) in &victims {
+            if let (Some(h), Some(e)) = (held.get_mut(name.as_str()), self.entry(*id)) {
+                h.requests -= 1;
+                h.bytes = h.bytes.saturating_sub(e.bytes);
+            }
+        }
+        let weights: f64 =
+            self.held.keys().filter(|k| k.as_str() != tenant).map(|k| self.fairness.weight(k)).sum::<f64>()
+                + self.fairness.weight(tenant);
+        let share = |name: &str| {
+            let part = self.fairness.weight(name) / weights;
+            (self.bounds.requests as f64 * part, self.bounds.bytes as f64 * part)
+        };
+        let own = held.get(tenant).copied().unwrap_or_default();
+        let (own_requests, own_bytes) = share(tenant);
+        if (own.requests + 1) as f64 > own_requests.max(1.0)
+            || own.bytes.saturating_add(bytes) as f64 > own_bytes
+        {
+            return Err(refusal);
+        }
+        let Some(t) = self.tiers.get(tier) else { return Err(refusal) };
+        // Each tenant's entries in this tier, newest first, taken in turn from the most over.
+        let mut newest: HashMap<&str, Vec<(u64, u64)>> = t
+            .tenants
+            .iter()
+            .filter(|(name, _)| name.as_str() != tenant)
+            .map(|(name, q)| (name.as_str(), q.iter().map(|(id, e)| (*id, e.bytes)).collect()))
+            .collect();
+        while !fits(len, queued) {
+            let over = |name: &str, h: &Held| {
+                let (requests, bytes) = share(name);
+                (h.requests as f64 / requests.max(1.0)).max(h.bytes as f64 / bytes.max(1.0))
+            };
+            let victim = newest
+                .iter()
+                .filter(|(_, ids)| !ids.is_empty())
+                .filter_map(|(name, _)| held.get(name).map(|h| (*name, over(name, h))))
+                .filter(|(_, ratio)| *ratio > 1.0)
+                .max_by(|(a, x), (b, y)| x.total_cmp(y).then(b.cmp(a)))
+                .map(|(name, _)| name);
+            let Some(name) = victim else { return Err(refusal) };
+            let Some((id, entry_bytes)) = newest.get_mut(name).and_then(Vec::pop) else {
+                return Err(refusal);
+            };
+            if let Some(h) = held.get_mut(name) {
+                h.requests -= 1;
+                h.bytes = h.bytes.saturating_sub(entry_bytes);
+            }
+            victims.push((tier, name.to_owned(), id));
+            len -= 1;
+            queued = queued.saturating_sub(entry_bytes);
+        }
+        Ok(victims)
+    }
+
+    /// The queued entry `id`.
+    fn entry(&self, id: u64) -> Option<&Entry<T>> {
+        let (tier, tenant) = self.index.get(&id)?;
+        self.tiers.get(*tier)?.tenants.get(tenant)?.get(&id)
     }
 
     /// Takes the request to dispatch next: from the highest tier with requests, the oldest
@@ -283,7 +445,9 @@ impl<T> FlowQueue<T> {
             t.len = 0;
         }
         self.index.clear();
+        self.held.clear();
         self.len = 0;
+        self.bytes = 0;
         out
     }
 
@@ -302,22 +466,6 @@ impl<T> FlowQueue<T> {
         self.oldest().map_or(Duration::ZERO, |at| now.saturating_duration_since(at))
     }
 
-    /// Evicts the newest request of the lowest tier below `tier` that has requests, from its
-    /// most-served tenant.
-    fn evict_below(&mut self, tier: usize) -> Option<Entry<T>> {
-        let lowest = self.tiers.iter().rposition(|t| t.len > 0).filter(|&l| l > tier)?;
-        let t = self.tiers.get(lowest)?;
-        let (tenant, id) = t
-            .tenants
-            .iter()
-            .filter_map(|(name, q)| q.keys().next_back().map(|id| (name, *id)))
-            .max_by(|(a, a_id), (b, b_id)| {
-                self.fairness.counter(a).total_cmp(&self.fairness.counter(b)).then(a_id.cmp(b_id))
-            })
-            .map(|(name, id)| (name.clone(), id))?;
-        self.take(lowest, &tenant, Some(id))
-    }
-
     /// Takes request `id` (or the tenant's oldest) out of `tier`.
     fn take(&mut self, tier: usize, tenant: &str, id: Option<u64>) -> Option<Entry<T>> {
         let t = self.tiers.get_mut(tier)?;
@@ -332,6 +480,14 @@ impl<T> FlowQueue<T> {
         }
         t.len -= 1;
         self.len -= 1;
+        self.bytes = self.bytes.saturating_sub(entry.bytes);
+        if let Some(held) = self.held.get_mut(tenant) {
+            held.requests = held.requests.saturating_sub(1);
+            held.bytes = held.bytes.saturating_sub(entry.bytes);
+            if held.requests == 0 {
+                self.held.remove(tenant);
+            }
+        }
         self.index.remove(&entry.id);
         Some(entry)
     }
@@ -344,7 +500,7 @@ mod tests {
     use super::*;
 
     fn queue(max: usize) -> FlowQueue<&'static str> {
-        FlowQueue::new(3, max, Fairness::new(BTreeMap::new(), 2.0))
+        FlowQueue::new(3, Bounds { requests: max, bytes: u64::MAX }, Fairness::new(BTreeMap::new(), 2.0))
     }
 
     fn order(q: &mut FlowQueue<&'static str>) -> Vec<&'static str> {
@@ -355,10 +511,10 @@ mod tests {
     fn a_higher_tier_goes_first() {
         let now = Instant::now();
         let mut q = queue(10);
-        q.push(2, "b", 10, now, "batch").unwrap();
-        q.push(1, "s", 10, now, "standard").unwrap();
-        q.push(0, "p", 10, now, "premium").unwrap();
-        q.push(2, "b", 10, now, "batch2").unwrap();
+        q.push(2, "b", 10, 0, now, "batch").unwrap();
+        q.push(1, "s", 10, 0, now, "standard").unwrap();
+        q.push(0, "p", 10, 0, now, "premium").unwrap();
+        q.push(2, "b", 10, 0, now, "batch2").unwrap();
         assert_eq!(order(&mut q), ["premium", "standard", "batch", "batch2"]);
         assert!(q.is_empty());
     }
@@ -368,10 +524,10 @@ mod tests {
         let now = Instant::now();
         let mut q = queue(100);
         // Heavy queues 10 before light's one arrives: light waits for at most one of heavy's.
-        let heavy: Vec<_> = (0..10).map(|_| q.push(1, "heavy", 100, now, "h").unwrap().0).collect();
+        let heavy: Vec<_> = (0..10).map(|_| q.push(1, "heavy", 100, 0, now, "h").unwrap().0).collect();
         assert_eq!(heavy.len(), 10);
         assert_eq!(q.pop().map(|e| e.item), Some("h"));
-        q.push(1, "light", 100, now, "l").unwrap();
+        q.push(1, "light", 100, 0, now, "l").unwrap();
         // Light's counter was lifted to heavy's (the least backlogged): equal, and light, with
         // fewer queued, goes first; then heavy (its counter now the lower).
         assert_eq!(q.pop().map(|e| e.item), Some("l"));
@@ -383,10 +539,11 @@ mod tests {
     fn two_backlogged_tenants_share_by_tokens_and_weight() {
         let now = Instant::now();
         let weights = BTreeMap::from([("a".to_owned(), 2.0)]);
-        let mut q = FlowQueue::new(1, 1000, Fairness::new(weights, 2.0));
+        let mut q =
+            FlowQueue::new(1, Bounds { requests: 1000, bytes: u64::MAX }, Fairness::new(weights, 2.0));
         for _ in 0..300 {
-            q.push(0, "a", 100, now, "a").unwrap();
-            q.push(0, "b", 100, now, "b").unwrap();
+            q.push(0, "a", 100, 0, now, "a").unwrap();
+            q.push(0, "b", 100, 0, now, "b").unwrap();
         }
         let first: Vec<_> = (0..300).filter_map(|_| q.pop().map(|e| e.item)).collect();
         let a = first.iter().filter(|i| **i == "a").count();
@@ -399,8 +556,8 @@ mod tests {
         let now = Instant::now();
         let mut q = queue(100);
         for _ in 0..4 {
-            q.push(0, "long", 10, now, "long").unwrap();
-            q.push(0, "short", 10, now, "short").unwrap();
+            q.push(0, "long", 10, 0, now, "long").unwrap();
+            q.push(0, "short", 10, 0, now, "short").unwrap();
         }
         assert_eq!(q.pop().map(|e| e.item), Some("long"));
         // The first long answer took 1,000 output tokens (weight 2): short goes until even.
@@ -412,23 +569,108 @@ mod tests {
     fn a_full_queue_evicts_the_lowest_tier_or_refuses() {
         let now = Instant::now();
         let mut q = queue(2);
-        q.push(2, "b", 1, now, "b1").unwrap();
-        q.push(2, "b", 1, now, "b2").unwrap();
-        let (_, evicted) = q.push(0, "p", 1, now, "p").unwrap();
-        assert_eq!(evicted.map(|e| e.item), Some("b2"), "the newest of the lowest tier");
-        assert_eq!(q.push(2, "b", 1, now, "b3").unwrap_err(), (Refusal::Full, "b3"));
-        let (_, evicted) = q.push(1, "s", 1, now, "s").unwrap();
-        assert_eq!(evicted.map(|e| e.item), Some("b1"));
-        assert_eq!(q.push(1, "s", 1, now, "s2").unwrap_err().0, Refusal::Full, "nothing lower left");
+        q.push(2, "b", 1, 0, now, "b1").unwrap();
+        q.push(2, "b", 1, 0, now, "b2").unwrap();
+        let (_, evicted) = q.push(0, "p", 1, 0, now, "p").unwrap();
+        assert_eq!(
+            evicted.into_iter().map(|e| e.item).collect::<Vec<_>>(),
+            ["b2"],
+            "the newest of the lowest tier"
+        );
+        assert_eq!(q.push(2, "b", 1, 0, now, "b3").unwrap_err(), (Refusal::Full, "b3"));
+        let (_, evicted) = q.push(1, "s", 1, 0, now, "s").unwrap();
+        assert_eq!(evicted.into_iter().map(|e| e.item).collect::<Vec<_>>(), ["b1"]);
+        assert_eq!(q.push(1, "s", 1, 0, now, "s2").unwrap_err().0, Refusal::Full, "nothing lower left");
         assert_eq!(q.len(), 2);
+    }
+
+    fn items(evicted: Vec<Entry<&'static str>>) -> Vec<&'static str> {
+        evicted.into_iter().map(|e| e.item).collect()
+    }
+
+    /// One tenant fills the queue alone (it is work-conserving); another of its tier then takes
+    /// the hog's newest places, up to its own share, and is served in the fair order; past its
+    /// share it is refused, and nothing moves.
+    #[test]
+    fn one_tenant_cannot_keep_another_of_its_tier_out() {
+        let now = Instant::now();
+        let mut q = queue(4);
+        for _ in 0..4 {
+            q.push(1, "hog", 10, 0, now, "h").unwrap();
+        }
+        assert_eq!(q.push(1, "hog", 10, 0, now, "h5").unwrap_err().0, Refusal::Full);
+        // Two tenants queued: a share of 2 each. The victim comes in twice, each time in place
+        // of the hog's newest.
+        let (_, evicted) = q.push(1, "victim", 10, 0, now, "v1").unwrap();
+        assert_eq!(items(evicted), ["h"]);
+        let (_, evicted) = q.push(1, "victim", 10, 0, now, "v2").unwrap();
+        assert_eq!(items(evicted), ["h"]);
+        assert_eq!((q.held_by("hog"), q.held_by("victim")), ((2, 0), (2, 0)));
+        // Its third is past its share: refused, the queue as it was.
+        assert_eq!(q.push(1, "victim", 10, 0, now, "v3").unwrap_err(), (Refusal::Full, "v3"));
+        assert_eq!(q.len(), 4);
+        // The fair order serves the victim as soon as the hog.
+        assert_eq!(order(&mut q), ["h", "v1", "h", "v2"]);
+        // A lower tier's tenant cannot push a higher tier's hog out.
+        for _ in 0..4 {
+            q.push(0, "hog", 10, 0, now, "p").unwrap();
+        }
+        assert_eq!(q.push(1, "victim", 10, 0, now, "v").unwrap_err().0, Refusal::Full);
+    }
+
+    /// Bodies' bytes are bounded the same way: one tenant fills the byte budget alone, another
+    /// takes its share of it back (as many of the hog's newest as its body needs), a body past
+    /// the budget is refused whatever is queued, and a tenant past its share is refused
+    /// `bytes`, nothing moved.
+    #[test]
+    fn queued_bodies_are_bounded_in_bytes_per_tenant() {
+        let now = Instant::now();
+        let mut q: FlowQueue<&'static str> =
+            FlowQueue::new(2, Bounds { requests: 100, bytes: 1000 }, Fairness::new(BTreeMap::new(), 2.0));
+        for _ in 0..10 {
+            q.push(0, "hog", 10, 100, now, "h").unwrap();
+        }
+        assert_eq!(q.bytes(), 1000);
+        assert_eq!(q.push(0, "hog", 10, 1, now, "h").unwrap_err().0, Refusal::Bytes);
+        assert_eq!(
+            q.push(0, "any", 10, 1001, now, "big").unwrap_err().0,
+            Refusal::Bytes,
+            "larger than the budget"
+        );
+        // 250 bytes need three of the hog's 100-byte bodies to go.
+        let (_, evicted) = q.push(0, "victim", 10, 250, now, "v").unwrap();
+        assert_eq!(items(evicted), ["h", "h", "h"]);
+        assert_eq!((q.held_by("hog"), q.held_by("victim"), q.bytes()), ((7, 700), (1, 250), 950));
+        // Its share is 500 bytes: 300 more are past it.
+        assert_eq!(q.push(0, "victim", 10, 300, now, "v2").unwrap_err(), (Refusal::Bytes, "v2"));
+        assert_eq!(q.bytes(), 950);
+        // Taking requests out gives their bytes back.
+        while q.pop().is_some() {}
+        assert_eq!((q.bytes(), q.held_by("hog"), q.held_by("victim")), (0, (0, 0), (0, 0)));
+    }
+
+    /// Shares follow the tenants' weights: 3 to 1 of a queue of 8 is 6 and 2.
+    #[test]
+    fn shares_follow_the_weights() {
+        let now = Instant::now();
+        let weights = BTreeMap::from([("big".to_owned(), 3.0)]);
+        let mut q = FlowQueue::new(1, Bounds { requests: 8, bytes: u64::MAX }, Fairness::new(weights, 2.0));
+        for _ in 0..8 {
+            q.push(0, "small", 10, 0, now, "s").unwrap();
+        }
+        for _ in 0..6 {
+            q.push(0, "big", 10, 0, now, "b").unwrap();
+        }
+        assert_eq!(q.push(0, "big", 10, 0, now, "b").unwrap_err().0, Refusal::Full);
+        assert_eq!((q.held_by("big").0, q.held_by("small").0), (6, 2));
     }
 
     #[test]
     fn removed_requests_leave_no_trace() {
         let now = Instant::now();
         let mut q = queue(10);
-        let (a, _) = q.push(1, "t", 1, now, "a").unwrap();
-        let (b, _) = q.push(1, "t", 1, now, "b").unwrap();
+        let (a, _) = q.push(1, "t", 1, 0, now, "a").unwrap();
+        let (b, _) = q.push(1, "t", 1, 0, now, "b").unwrap();
         assert_eq!(q.remove(a).map(|e| e.item), Some("a"));
         assert!(q.remove(a).is_none(), "twice");
         assert_eq!(q.len(), 1);
@@ -441,9 +683,9 @@ mod tests {
     fn the_estimate_of_requests_ahead_follows_the_order() {
         let now = Instant::now();
         let mut q = queue(100);
-        q.push(0, "p", 1, now, "p").unwrap();
+        q.push(0, "p", 1, 0, now, "p").unwrap();
         for _ in 0..20 {
-            q.push(1, "heavy", 1, now, "h").unwrap();
+            q.push(1, "heavy", 1, 0, now, "h").unwrap();
         }
         // A light tenant's request: the premium one, and one of heavy's (fair share).
         assert_eq!(q.ahead(1, "light"), 2);
@@ -458,7 +700,7 @@ mod tests {
         let now = Instant::now();
         let mut q = queue(100);
         for _ in 0..5 {
-            q.push(1, "heavy", 100, now, "h").unwrap();
+            q.push(1, "heavy", 100, 0, now, "h").unwrap();
         }
         assert_eq!(q.pop().map(|e| e.item), Some("h"));
         // Light has nothing queued: it passes, lifted to heavy's counter and charged its prompt.
@@ -473,8 +715,8 @@ mod tests {
         assert_eq!(q.len(), 4);
         // Light queues now, ahead of heavy's counter: heavy is the head, light the newcomer
         // that may go around it.
-        q.push(1, "light", 50, now, "l").unwrap();
-        q.push(1, "light", 50, now, "l2").unwrap();
+        q.push(1, "light", 50, 0, now, "l").unwrap();
+        q.push(1, "light", 50, 0, now, "l2").unwrap();
         assert_eq!(q.peek(), Some((1, false)));
         assert_eq!(q.pop_newcomer().map(|e| e.item), Some("l"));
         assert!(q.pop_newcomer().is_none(), "light's second came while its first was queued");
@@ -485,8 +727,8 @@ mod tests {
     fn drain_empties_every_tier() {
         let now = Instant::now();
         let mut q = queue(10);
-        q.push(0, "a", 1, now, "a").unwrap();
-        q.push(2, "b", 1, now + Duration::from_secs(1), "b").unwrap();
+        q.push(0, "a", 1, 0, now, "a").unwrap();
+        q.push(2, "b", 1, 0, now + Duration::from_secs(1), "b").unwrap();
         assert_eq!(q.oldest_wait(now + Duration::from_secs(3)), Duration::from_secs(3));
         assert_eq!(q.drain().len(), 2);
         assert!(q.is_empty());

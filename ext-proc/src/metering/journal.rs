@@ -368,7 +368,7 @@ fn op_of(shared: &Shared, entry: &HttpAccessLogEntry) -> Option<Op> {
     match access_log::entry_of(entry, String::new) {
         Entry::Record(record) => {
             let mut record = *record;
-            if record.info.record_id.is_empty() || !record.fits_redis() {
+            if record.info.record_id.is_empty() || !record.fits_ledger() {
                 return None;
             }
             let tenant = shared.config.tenant(&record.info.tenant)?;

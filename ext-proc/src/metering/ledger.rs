@@ -195,6 +195,8 @@ pub fn charged_record(tenant: &str, record_id: &str, r: &Reservation) -> UsageRe
         record_id: record_id.to_owned(),
         lease_id: None,
         lease_seq: None,
+        prompt_tokens_max: None,
+        completion_tokens_max: None,
     };
     // Reached the upstream, ended before any response headers, not known as a stream: charged
     // its reservation.

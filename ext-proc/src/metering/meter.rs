@@ -2,7 +2,7 @@
 //! joined with what [`gateway_meter`] measured of its response (in the wasm filter, handed over
 //! through the gRPC access log; or in the sidecar's own ext_proc metering stream).
 
-pub use gateway_meter::{EndReason, Meter, Usage, UsageSource};
+pub use gateway_meter::{EndReason, Meter, UnreadUsage, Usage, UsageSource};
 
 /// What the request headers told the meter (set by the wasm filter and the admission step).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -38,6 +38,13 @@ pub struct RequestInfo {
     /// ([`gateway_contract::RequestFacts::lease_seq`]): whether a reclaim of the lease kept its
     /// reservation charged.
     pub lease_seq: Option<u64>,
+    /// The most prompt tokens the upstream can report
+    /// ([`gateway_contract::RequestFacts::prompt_tokens_max`]; `None`: [`ABSOLUTE_MAX_TOKENS`]).
+    pub prompt_tokens_max: Option<u64>,
+    /// The most completion tokens the upstream can report
+    /// ([`gateway_contract::RequestFacts::completion_tokens_max`]; `None`:
+    /// [`ABSOLUTE_MAX_TOKENS`]).
+    pub completion_tokens_max: Option<u64>,
 }
 
 impl RequestInfo {
@@ -61,12 +68,72 @@ impl RequestInfo {
             record_id,
             lease_id: facts.lease_id,
             lease_seq: facts.lease_seq,
+            prompt_tokens_max: facts.prompt_tokens_max,
+            completion_tokens_max: facts.completion_tokens_max,
+        }
+    }
+
+    /// The first count of `usage` past what the request could produce: `prompt_tokens` past
+    /// [`RequestInfo::prompt_tokens_max`], `completion_tokens` past
+    /// [`RequestInfo::completion_tokens_max`] (each at most [`ABSOLUTE_MAX_TOKENS`], its value
+    /// when the facts had none), or `cached_tokens` past the prompt; `None` when every count is
+    /// within its bound.
+    pub fn out_of_bounds(&self, usage: &Usage) -> Option<OutOfBounds> {
+        let bound = |max: Option<u64>| max.unwrap_or(ABSOLUTE_MAX_TOKENS).min(ABSOLUTE_MAX_TOKENS);
+        if usage.prompt_tokens > bound(self.prompt_tokens_max) {
+            Some(OutOfBounds::PromptTokens)
+        } else if usage.completion_tokens > bound(self.completion_tokens_max) {
+            Some(OutOfBounds::CompletionTokens)
+        } else if usage.cached_tokens > usage.prompt_tokens {
+            Some(OutOfBounds::CachedTokens)
+        } else {
+            None
         }
     }
 }
 
-/// The largest count Redis holds: `i64::MAX`.
-pub const MAX_REDIS_COUNT: u64 = i64::MAX as u64;
+/// The most tokens of one kind a usage record may count, whatever the facts say (and the bound
+/// for facts that carry none: an older filter, `request_facts: headers`): 2^32, far past any
+/// model's context, and small enough that the ledger's sums stay exact ([`MAX_LEDGER_COUNT`]).
+pub const ABSOLUTE_MAX_TOKENS: u64 = 1 << 32;
+
+/// The largest count the ledger takes: 2^53 - 1. Redis integers (`HINCRBY`) are signed 64 bits,
+/// and `lua/ledger_v1.lua` sums a batch's increments in Lua numbers (doubles), exact up to 2^53;
+/// it refuses any count past this bound rather than write a rounded one.
+pub const MAX_LEDGER_COUNT: u64 = (1 << 53) - 1;
+
+/// Which count of an upstream's usage was past what the request could produce
+/// ([`RequestInfo::out_of_bounds`]): the `reason` of `llm_gateway_usage_out_of_bounds_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutOfBounds {
+    /// `prompt_tokens` past `max_model_len` per prompt.
+    PromptTokens,
+    /// `completion_tokens` past each sequence's cap times the sequences.
+    CompletionTokens,
+    /// `cached_tokens` past `prompt_tokens`.
+    CachedTokens,
+}
+
+impl OutOfBounds {
+    /// The counter's `reason` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            OutOfBounds::PromptTokens => "prompt_tokens",
+            OutOfBounds::CompletionTokens => "completion_tokens",
+            OutOfBounds::CachedTokens => "cached_tokens",
+        }
+    }
+}
+
+/// Why a record bills its reservation rather than the usage the upstream reported
+/// ([`UsageRecord::unusable`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnusableUsage {
+    /// A 2xx response's usage could not be read (coded, missing, given twice).
+    Unread(UnreadUsage),
+    /// A count past what the request could produce.
+    OutOfBounds(OutOfBounds),
+}
 
 /// One finished request's usage (becomes a `llm_gateway.v1.UsageEvent`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,6 +165,9 @@ pub struct UsageRecord {
     /// request was older than the longest stream lifetime ([`crate::ledger::charged_record`];
     /// the event's `END_REASON_UNREPORTED`).
     pub unreported: bool,
+    /// Set when the upstream's usage could not be used and the record bills the reservation
+    /// instead (counted and logged once, where the record is finished).
+    pub unusable: Option<UnusableUsage>,
 }
 
 impl UsageRecord {
@@ -111,18 +181,20 @@ impl UsageRecord {
     /// reservation instead, marked [`UsageSource::Reservation`]: the prompt count plus the rest of
     /// `max(reserved_tokens, prompt + max_tokens)` as completion tokens (the reservation when the
     /// tenant has a TPM bucket, so settling it gives nothing back).
+    ///
+    /// So is a 2xx response whose usage could not be read ([`Usage::unread`]: coded, missing,
+    /// given twice), and one with a count past what the request could produce
+    /// ([`RequestInfo::out_of_bounds`]): the upstream did the work, and none of its numbers can be
+    /// trusted; [`UsageRecord::unusable`] says why.
     pub fn new(info: RequestInfo, usage: Usage, reached_upstream: bool) -> Self {
         if usage.charges_reservation(reached_upstream) {
-            let prompt = info.prompt_tokens_estimate;
-            let total = info.reserved_tokens.max(prompt.saturating_add(info.max_tokens));
-            let charged = Usage {
-                prompt_tokens: prompt,
-                completion_tokens: total.saturating_sub(prompt),
-                cached_tokens: 0,
-                usage_source: UsageSource::Reservation,
-                ..usage
-            };
-            return Self::of(info, charged, prompt);
+            return Self::reservation(info, usage, None);
+        }
+        if let (true, Some(unread)) = (usage.started(), usage.unread) {
+            return Self::reservation(info, usage, Some(UnusableUsage::Unread(unread)));
+        }
+        if let Some(bound) = info.out_of_bounds(&usage) {
+            return Self::reservation(info, usage, Some(UnusableUsage::OutOfBounds(bound)));
         }
         let prompt_tokens = match (usage.prompt_tokens_known(), usage.started()) {
             (true, _) => usage.prompt_tokens,
@@ -130,6 +202,21 @@ impl UsageRecord {
             (false, false) => 0,
         };
         Self::of(info, usage, prompt_tokens)
+    }
+
+    /// The request billed its reservation: the prompt count, and the rest of
+    /// `max(reserved_tokens, prompt + max_tokens)` as completion tokens.
+    fn reservation(info: RequestInfo, usage: Usage, unusable: Option<UnusableUsage>) -> Self {
+        let prompt = info.prompt_tokens_estimate;
+        let total = info.reserved_tokens.max(prompt.saturating_add(info.max_tokens));
+        let charged = Usage {
+            prompt_tokens: prompt,
+            completion_tokens: total.saturating_sub(prompt),
+            cached_tokens: 0,
+            usage_source: UsageSource::Reservation,
+            ..usage
+        };
+        Self { unusable, ..Self::of(info, charged, prompt) }
     }
 
     fn of(info: RequestInfo, usage: Usage, prompt_tokens: u64) -> Self {
@@ -145,6 +232,7 @@ impl UsageRecord {
             usage_source: usage.usage_source,
             finished_at_unix_ms: 0,
             unreported: false,
+            unusable: None,
             info,
         }
     }
@@ -154,13 +242,14 @@ impl UsageRecord {
         self.prompt_tokens.saturating_add(self.completion_tokens)
     }
 
-    /// Whether Redis can hold every count of the record: its integers (`HINCRBY`) are signed 64
-    /// bits. The upstream's numbers arrive as JSON `u64`s; a record past this is refused whole,
-    /// before any of it is written.
-    pub fn fits_redis(&self) -> bool {
+    /// Whether the ledger takes every count of the record exactly (each at most
+    /// [`MAX_LEDGER_COUNT`]). An upstream's counts past what the request could produce bill the
+    /// reservation ([`UsageRecord::new`]), so only a reservation itself that large is refused,
+    /// whole, before any of it is written.
+    pub fn fits_ledger(&self) -> bool {
         [self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.total_tokens()]
             .into_iter()
-            .all(|n| n <= MAX_REDIS_COUNT)
+            .all(|n| n <= MAX_LEDGER_COUNT)
     }
 }
 
@@ -203,21 +292,92 @@ mod tests {
         assert_eq!(UsageRecord::new(info, aborted(Some(true)), true).total_tokens(), 0);
     }
 
-    #[test]
-    fn upstream_numbers_cannot_wrap_or_overflow_redis() {
-        let usage = |prompt_tokens, completion_tokens| Usage {
+    /// A request of 42 estimated prompt tokens and 100 completion tokens at most, reserved 142,
+    /// whose facts bound the usage at 4096 prompt and 100 completion tokens.
+    fn bounded() -> RequestInfo {
+        RequestInfo {
+            prompt_tokens_estimate: 42,
+            max_tokens: 100,
+            reserved_tokens: 142,
+            prompt_tokens_max: Some(4096),
+            completion_tokens_max: Some(100),
+            ..info()
+        }
+    }
+
+    fn reported(prompt_tokens: u64, completion_tokens: u64, cached_tokens: u64) -> Usage {
+        Usage {
             prompt_tokens,
             completion_tokens,
+            cached_tokens,
             usage_source: UsageSource::Upstream,
             ..Usage::unseen(10, 200)
-        };
-        let huge = UsageRecord::new(info(), usage(u64::MAX, u64::MAX), true);
-        assert_eq!(huge.total_tokens(), u64::MAX);
-        assert!(!huge.fits_redis());
-        let at_limit = UsageRecord::new(info(), usage(MAX_REDIS_COUNT, 0), true);
-        assert!(at_limit.fits_redis());
-        // Each count fits, their sum does not: refused too.
-        assert!(!UsageRecord::new(info(), usage(MAX_REDIS_COUNT, 1), true).fits_redis());
-        assert!(UsageRecord::new(info(), usage(10, 3), true).fits_redis());
+        }
+    }
+
+    /// An upstream's count past what the request could produce bills the reservation, whatever
+    /// it said, each bound with its reason: the liar's `i64::MAX` prompt tokens included.
+    #[test]
+    fn usage_past_its_bounds_bills_the_reservation() {
+        let cases = [
+            (reported(i64::MAX as u64, 3, 0), Some(OutOfBounds::PromptTokens)),
+            (reported(4097, 3, 0), Some(OutOfBounds::PromptTokens)),
+            (reported(4096, 101, 0), Some(OutOfBounds::CompletionTokens)),
+            (reported(10, u64::MAX, 0), Some(OutOfBounds::CompletionTokens)),
+            (reported(10, 3, 11), Some(OutOfBounds::CachedTokens)),
+            (reported(4096, 100, 4096), None),
+        ];
+        for (usage, bound) in cases {
+            let r = UsageRecord::new(bounded(), usage, true);
+            assert_eq!(r.unusable, bound.map(UnusableUsage::OutOfBounds), "{usage:?}");
+            if bound.is_some() {
+                assert_eq!(
+                    (r.prompt_tokens, r.completion_tokens, r.cached_tokens, r.usage_source),
+                    (42, 100, 0, UsageSource::Reservation),
+                    "{usage:?}"
+                );
+                assert_eq!(r.total_tokens(), r.info.reserved_tokens, "settling gives nothing back");
+            } else {
+                assert_eq!((r.prompt_tokens, r.completion_tokens), (4096, 100));
+            }
+            assert!(r.fits_ledger());
+        }
+        // Counted chunks are bounded too.
+        let counted = Usage { completion_tokens: 101, ..Usage::unseen(10, 200) };
+        assert!(UsageRecord::new(bounded(), counted, true).unusable.is_some());
+        // Facts without bounds (an older filter): only the absolute one.
+        let unbounded = RequestInfo { prompt_tokens_max: None, completion_tokens_max: None, ..bounded() };
+        assert_eq!(
+            UsageRecord::new(unbounded.clone(), reported(ABSOLUTE_MAX_TOKENS, 5000, 0), true).unusable,
+            None
+        );
+        assert!(UsageRecord::new(unbounded, reported(ABSOLUTE_MAX_TOKENS + 1, 0, 0), true)
+            .unusable
+            .is_some());
+    }
+
+    /// A 2xx whose usage could not be read bills the reservation, never the prompt estimate
+    /// alone; an error's (nothing owed) stays as it is.
+    #[test]
+    fn unread_usage_bills_the_reservation() {
+        for unread in [UnreadUsage::Encoded, UnreadUsage::Missing, UnreadUsage::Duplicate] {
+            let usage = Usage { completion_tokens: 7, unread: Some(unread), ..Usage::unseen(10, 200) };
+            let r = UsageRecord::new(bounded(), usage, true);
+            assert_eq!(r.unusable, Some(UnusableUsage::Unread(unread)));
+            assert_eq!(
+                (r.prompt_tokens, r.completion_tokens, r.usage_source),
+                (42, 100, UsageSource::Reservation)
+            );
+            let error = Usage { status: 502, ..usage };
+            assert_eq!(UsageRecord::new(bounded(), error, true).unusable, None);
+        }
+    }
+
+    #[test]
+    fn the_ledger_takes_only_exact_counts() {
+        let huge = RequestInfo { prompt_tokens_estimate: MAX_LEDGER_COUNT, max_tokens: 1, ..info() };
+        let r = UsageRecord::new(huge, Usage { stream: Some(false), ..Usage::unseen(10, 0) }, true);
+        assert!(!r.fits_ledger(), "{r:?}");
+        assert!(UsageRecord::new(bounded(), reported(10, 3, 0), true).fits_ledger());
     }
 }
