@@ -174,6 +174,12 @@ class Model:
     extra: dict = field(default_factory=dict)
 
 
+# Envoy's loggers that write request headers as received, credentials included, before any filter
+# can remove them: the connection manager's dump at debug and the HTTP/1 and HTTP/2 codecs' at
+# trace (Envoy has no redaction of them: envoyproxy/envoy#9652). Kept at info whatever the log
+# level, so that no API key reaches Envoy's log (docs/deploy.md, "Secrets in logs").
+SECRET_SAFE_COMPONENT_LEVELS = "http:info,http2:info"
+
 # The edge settings of envoy/bootstrap.yaml for the stack's Envoy (gatewayctl renders the same
 # defaults from `envoy.edge`); a Stack's `edge` overrides them, e.g. {"REQUEST_HEADERS_TIMEOUT": "1s"}.
 EDGE_DEFAULTS = {
@@ -233,6 +239,7 @@ class Stack:
         sidecar_bin: Path | None = None,
         journal: bool = True,
         native_module: Path | None = None,
+        envoy_log_level: str | None = None,
     ):
         if profile not in ("gateway", "filter", "bare"):
             raise ValueError(f"unknown profile {profile}")
@@ -268,6 +275,8 @@ class Stack:
         self.route_to_first_pool = profile == "bare" if route_to_first_pool is None else route_to_first_pool
         # Extra envoy command-line arguments (e.g. ["--component-log-level", "wasm:debug"]).
         self.envoy_args = envoy_args or []
+        # Envoy's --log-level (default: $ENVOY_LOG_LEVEL, else info).
+        self.envoy_log_level = envoy_log_level
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.pools = pools
@@ -803,12 +812,20 @@ class Stack:
         config_path.write_text(json.dumps(bootstrap, indent=1))
         admin_path = self.workdir / "envoy-admin.txt"
         admin_path.unlink(missing_ok=True)
+        # One --component-log-level (Envoy takes the flag once): the secret-safe caps, then the
+        # caller's own components.
+        args, components = list(self.envoy_args), [SECRET_SAFE_COMPONENT_LEVELS]
+        while "--component-log-level" in args:
+            at = args.index("--component-log-level")
+            components.append(args[at + 1])
+            del args[at:at + 2]
         # Spawned from the long-lived process: Envoy sets a parent-death signal.
         proc = self._spawn(
             "envoy",
             [envoy_binary(), "-c", str(config_path), "--disable-hot-restart",
              "--concurrency", str(self.envoy_concurrency), "--admin-address-path", str(admin_path),
-             "--log-level", os.environ.get("ENVOY_LOG_LEVEL", "info"), *self.envoy_args],
+             "--log-level", self.envoy_log_level or os.environ.get("ENVOY_LOG_LEVEL", "info"),
+             "--component-log-level", ",".join(components), *args],
         )
         self.envoy = proc
         deadline = time.monotonic() + START_DEADLINE_S

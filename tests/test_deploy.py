@@ -429,11 +429,12 @@ def test_redis_secrets_are_mounted_not_rendered(tmp_path):
 def test_envoyproxy_puts_the_wasm_filter_first(tmp_path):
     """EnvoyProxy (Envoy Gateway's filter order; schema-checked with the other manifests against
     the bundled envoy-gateway-envoyproxies.yaml): the wasm filter runs before the ext_proc filters,
-    which read its decision."""
+    which read its decision; Envoy's header-dumping loggers stay at info (no API key in its log)."""
     files = render(tmp_path, example(), "envoy-gateway")
     doc = yaml.safe_load(files["envoy-gateway/envoyproxy.yaml"].read_text())
     assert doc["apiVersion"] == "gateway.envoyproxy.io/v1alpha1"
-    assert doc["spec"] == {"filterOrder": [{"name": "envoy.filters.http.wasm",
+    assert doc["spec"] == {"logging": {"level": {"default": "warn", "http": "info", "http2": "info"}},
+                           "filterOrder": [{"name": "envoy.filters.http.wasm",
                                             "before": "envoy.filters.http.ext_proc"}]}
 
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import redis
 
-from helpers import auth, chat_body, post, wait_for
+from helpers import assert_openai_error, auth, chat_body, post, wait_for
 from sidecar_checks import bucket, bucket_key, metric, sidecar_metrics, usage_events, usage_hash
 from stack import Model, Pool, Stack, Tenant, new_api_key, upstream_metric
 
@@ -165,3 +165,34 @@ def test_client_retry_headers_are_not_honoured(trust_stack):
     assert r.status_code == 500, r.text
     assert upstream_metric(url, RECEIVED) == received + 1, "the upstream ran the request more than once"
     assert wait_for(lambda: usage_hash(client, PROBE).get("err:requests") == 1, timeout=30), s.logs()
+
+
+def test_no_api_key_reaches_envoys_log_at_trace_level(tmp_path):
+    """Envoy at its most verbose (`--log-level trace`, as `make run` starts it): neither an
+    `Authorization: Bearer` nor an `x-api-key` value appears in its log, over HTTP/1.1 and HTTP/2
+    (the connection manager dumps request headers at debug, the codecs at trace, before any
+    filter; the stack keeps those loggers at info, stack.SECRET_SAFE_COMPONENT_LEVELS)."""
+    key = new_api_key()
+    pools = [Pool("pool_log", ["sim/log"], ["--output-tokens", "2"])]
+    with Stack(tmp_path / "trace", pools, [Model("log", "pool_log", served_model_name="sim/log")],
+               [Tenant("log-tenant", [key])], envoy_concurrency=1, envoy_log_level="trace") as s:
+        body = chat_body("log", max_tokens=2)
+        assert post(s, "/v1/chat/completions", body, key).status_code == 200
+        assert post(s, "/v1/chat/completions", body, headers={"x-api-key": key}).status_code == 200
+        with httpx.Client(http2=True, http1=False) as h2:
+            r = h2.post(s.base_url + "/v1/chat/completions", json=body, headers=auth(key), timeout=10)
+            assert r.status_code == 200 and r.http_version == "HTTP/2", (r.status_code, r.http_version)
+        log = s.envoy.log.read_text(errors="replace")
+        assert "[trace]" in log and "[debug]" in log, "Envoy did not log at trace level"
+        secret = key.removeprefix("sk-")
+        leaks = [line for line in log.splitlines() if secret[:12] in line]
+        assert not leaks, leaks[:3]
+
+
+def test_sequences_past_max_n_are_refused(trust_stack):
+    """`n` = 2^64 - 1 (admitted and forwarded once, and vllm-sim panicked on it) is refused 400
+    naming the parameter, before any reservation; so is a completions `best_of` past it."""
+    r = post(trust_stack, "/v1/chat/completions", chat_body("t", n=2**64 - 1), KEYS[PROBE])
+    assert_openai_error(r, 400, "invalid_value", "n")
+    body = {"model": "t", "prompt": "hi", "n": 1, "best_of": 16385}
+    assert_openai_error(post(trust_stack, "/v1/completions", body, KEYS[PROBE]), 400, "invalid_value", "best_of")

@@ -71,6 +71,15 @@ pub enum GatewayError {
         /// The repeated top-level field name (truncated).
         param: String,
     },
+    /// The body's top-level object has more members than the filter reads
+    /// ([`crate::request::MAX_TOP_LEVEL_MEMBERS`]): a body of many small members costs the worker
+    /// per member, before any limit applies. 400, `invalid_request_error`, code
+    /// `too_many_members`, param null.
+    #[error("The request body has more than {limit} top-level members.")]
+    TooManyMembers {
+        /// [`crate::request::MAX_TOP_LEVEL_MEMBERS`].
+        limit: usize,
+    },
     /// A required field is missing (or null). 400, `invalid_request_error`,
     /// code `missing_required_parameter`, param = the field.
     #[error("Missing required parameter: '{param}'.")]
@@ -230,6 +239,7 @@ impl GatewayError {
             GatewayError::RequestTooLarge { .. } => (413, IRE, "request_too_large", None),
             GatewayError::InvalidJson { .. } => (400, IRE, "invalid_json", None),
             GatewayError::DuplicateParameter { param } => (400, IRE, "duplicate_parameter", Some(param)),
+            GatewayError::TooManyMembers { .. } => (400, IRE, "too_many_members", None),
             GatewayError::MissingParameter { param } => (400, IRE, "missing_required_parameter", Some(param)),
             GatewayError::InvalidType { param, .. } => (400, IRE, "invalid_type", Some(param)),
             GatewayError::InvalidValue { param, .. } => (400, IRE, "invalid_value", Some(param)),
@@ -378,10 +388,14 @@ mod tests {
             GatewayError::ModelNotAllowed { model: "m".into() },
             GatewayError::MaxTokensTooLarge { param: "max_tokens", requested: 9, max_model_len: 8 },
             GatewayError::TooManyUploads { limit: 8 },
+            GatewayError::TenantOverRequestLimit { retry_after_secs: 3 },
+            GatewayError::TooManyMembers { limit: 1024 },
             GatewayError::Internal { what: "x" },
         ];
         let statuses: Vec<u32> = all.iter().map(|e| e.to_reply().status).collect();
-        assert_eq!(statuses, vec![404, 401, 413, 400, 400, 400, 400, 400, 404, 403, 400, 429, 500]);
+        assert_eq!(statuses, vec![404, 401, 413, 400, 400, 400, 400, 400, 404, 403, 400, 429, 429, 400, 500]);
+        let over = GatewayError::TenantOverRequestLimit { retry_after_secs: 3 }.to_reply();
+        assert!(over.headers.contains(&("retry-after", "3".to_string())));
         for e in &all {
             let b = body(e);
             assert!(b["error"]["message"].is_string());

@@ -348,16 +348,27 @@ pub fn visit_object<'a>(s: &'a [u8], mut on_member: impl FnMut(MemberRef<'a>)) -
 /// Returns `None` if `s` is not an object, or a key is not a valid JSON string. Bytes after the
 /// closing brace are not looked at ([`ObjectScan::close`] says where it is).
 pub fn scan_object(s: &[u8]) -> Option<ObjectScan> {
+    scan_object_bounded(s, usize::MAX).map(|(scan, _)| scan)
+}
+
+/// [`scan_object`] that keeps at most `max_members` members (their keys decoded), and counts the
+/// rest without keeping them: the scan and how many members the object has. A body of many small
+/// members then costs the walk over its bytes, not a key's allocation per member.
+pub fn scan_object_bounded(s: &[u8], max_members: usize) -> Option<(ObjectScan, usize)> {
     let mut members = Vec::new();
+    let mut count = 0usize;
     let (open, close) = visit_object(s, |m| {
-        members.push(Member {
-            key: m.key.into_owned(),
-            start: m.start,
-            value_start: m.value_start,
-            value_end: m.value_end,
-        });
+        count += 1;
+        if count <= max_members {
+            members.push(Member {
+                key: m.key.into_owned(),
+                start: m.start,
+                value_start: m.value_start,
+                value_end: m.value_end,
+            });
+        }
     })?;
-    Some(ObjectScan { open, close, members })
+    Some((ObjectScan { open, close, members }, count))
 }
 
 /// The `(start, end)` byte ranges of the elements of the JSON array in `s`. `None` if `s` is not

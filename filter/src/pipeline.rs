@@ -478,8 +478,12 @@ fn on_large_body(
     tenant: &crate::config::Tenant,
     body: &[u8],
 ) -> Result<(ForwardPlan, Vec<Edit>), GatewayError> {
-    let scan =
-        scan_object(body).ok_or(GatewayError::InvalidJson { detail: "expected a JSON object".into() })?;
+    let scan = crate::request::scan_members(body).map_err(|e| match e {
+        GatewayError::InvalidJson { .. } => {
+            GatewayError::InvalidJson { detail: "expected a JSON object".into() }
+        }
+        other => other,
+    })?;
     // As serde_json and Python's `json` (vLLM): nothing but whitespace after the object.
     if !body
         .get(scan.close + 1..)
@@ -1432,6 +1436,30 @@ mod tests {
         assert_eq!(reservation(&both(&c, &p, batch.to_string().as_bytes()).unwrap()).1, 4 * 3 * 10);
         let ids = json!({"model": "qwen", "prompt": vec![7; 100], "max_tokens": 10});
         assert_eq!(reservation(&both(&c, &p, ids.to_string().as_bytes()).unwrap()).1, 10);
+    }
+
+    /// A body of more top-level members than MAX_TOP_LEVEL_MEMBERS is refused on both paths (the
+    /// attacker's 4 MiB of `"k1":0,` costs the walk over its bytes, no key's allocation); at the
+    /// bound it passes.
+    #[test]
+    fn top_level_members_are_bounded() {
+        use crate::request::MAX_TOP_LEVEL_MEMBERS;
+        let body = |members: usize, pad: usize| {
+            let mut v = json!({"model": "qwen", "messages": long_messages(), "pad": "p".repeat(pad)});
+            for i in 0..members - 3 {
+                v[format!("k{i}")] = json!(0);
+            }
+            v.to_string()
+        };
+        let mut c = cfg();
+        c.max_body_bytes = 1 << 20;
+        let p = pending("/v1/chat/completions", "sk-demo");
+        for large in [false, true] {
+            c.full_parse_max_bytes = if large { 200 } else { 1 << 20 };
+            assert!(both(&c, &p, body(MAX_TOP_LEVEL_MEMBERS, 0).as_bytes()).is_ok(), "large: {large}");
+            let e = both(&c, &p, body(MAX_TOP_LEVEL_MEMBERS + 1, 0).as_bytes()).unwrap_err();
+            assert_eq!(e.parts(), (400, "invalid_request_error", "too_many_members", None), "large: {large}");
+        }
     }
 
     /// `n` and completions `best_of` past `max_n` are refused 400 naming the parameter, on the

@@ -263,6 +263,11 @@ pub struct FilterSection {
     /// `max_uploads_per_tenant`, default 8); past it a request gets 429 at its headers.
     #[serde(default)]
     pub max_uploads_per_tenant: Option<u32>,
+    /// The most sequences a request may ask for per prompt, OpenAI's `n` and completions'
+    /// `best_of` (the filter's `max_n`, default 16384, vLLM's `VLLM_MAX_N_SEQUENCES`); past it a
+    /// request gets 400 naming the parameter.
+    #[serde(default)]
+    pub max_n: Option<u64>,
     /// Path of `gateway_filter.wasm` as the standalone Envoy sees it (needed by the standalone
     /// target). A relative path is relative to this config file.
     #[serde(default)]
@@ -1564,6 +1569,23 @@ impl GatewayConfig {
         let e = &self.envoy.edge;
         if e.max_heap_bytes < 64 << 20 {
             return fail("envoy.edge.max_heap_bytes", "must be at least 67108864 (64 MiB)");
+        }
+        // The bodies the flow-control queues hold stay in Envoy's heap while they wait: together
+        // they must not bring the overload manager to refuse every request.
+        let mut queued = 0u64;
+        for (i, pool) in self.pools.iter().enumerate() {
+            let Some(flow) = &pool.flow_control else { continue };
+            queued = queued.saturating_add(flow.max_queued_bytes);
+            if queued > e.max_heap_bytes / 2 {
+                return fail(
+                    format!("pools[{i}].flow_control.max_queued_bytes"),
+                    format!(
+                        "the pools' queued bodies ({queued} bytes up to this pool) must stay within half of \
+                         envoy.edge.max_heap_bytes ({} bytes): Envoy holds them while they wait",
+                        e.max_heap_bytes
+                    ),
+                );
+            }
         }
         if e.max_downstream_connections == 0 {
             return fail("envoy.edge.max_downstream_connections", "must be at least 1");

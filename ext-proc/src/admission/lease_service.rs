@@ -50,7 +50,11 @@ impl AdmissionLeases for AdmissionLeaseService {
     async fn acquire(&self, request: Request<LeaseRequest>) -> Result<Response<LeaseGrant>, Status> {
         let _open = self.shared.stream_opened();
         let request = request.into_inner();
-        let (grant, outcome) = acquire(&self.shared, &request).await;
+        let (mut grant, outcome) = acquire(&self.shared, &request).await;
+        let refused = request.want && request.report_lease_id.is_empty() && outcome != "granted";
+        if refused && grant.tenant_requests_retry_ms == 0 {
+            grant.tenant_requests_retry_ms = tenant_requests_wait_ms(&self.shared, &request);
+        }
         self.shared
             .metrics
             .admission_leases
@@ -169,6 +173,21 @@ async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'stat
         shared.pools.lease_used(&request.pool, &request.tenant, &request.model, held);
     }
     (grant, outcome)
+}
+
+/// How long the tenant's own requests-per-minute bucket (its `limits`, shared by all its
+/// models) stays empty, by what Redis last answered this sidecar for it (an ext_proc refusal, a
+/// lease take), in milliseconds; 0 when it holds a request, was not seen, or the tenant has no
+/// such limit. What a refused lease tells the filter (`LeaseGrant.tenant_requests_retry_ms`).
+fn tenant_requests_wait_ms(shared: &Shared, request: &LeaseRequest) -> u64 {
+    let Some(tenant) = shared.config.tenant(&request.tenant) else { return 0 };
+    let prefix = shared.limiter.store().prefix();
+    let key = limits::bucket_key(prefix, &tenant.id, limits::Scope::Tenant, limits::BucketKind::Requests);
+    limits::plan(prefix, tenant, &request.model, 0)
+        .iter()
+        .find(|b| b.key == key)
+        .and_then(|b| shared.limiter.wait_for_one_ms(b))
+        .unwrap_or(0)
 }
 
 /// Takes the lease `size` of `tenant` from Redis (with its quota counters); the grant and its

@@ -224,6 +224,12 @@ impl Limiter {
         (take, false, None)
     }
 
+    /// Milliseconds until bucket `b` holds one token again, as Redis last answered this sidecar
+    /// for it ([`LocalLimiter::wait_for_one_ms`]); `None` when it holds one, or was never seen.
+    pub fn wait_for_one_ms(&self, b: &BucketSpec) -> Option<u64> {
+        self.local.lock().ok()?.wait_for_one_ms(b, Instant::now())
+    }
+
     /// Records an admission that no limit applies to as open in the ledger (a take of no bucket,
     /// [`Store::take`]); whether it did. Redis unavailable: not recorded, the admission stands.
     pub async fn track(&self, tracking: &Tracking<'_>) -> bool {

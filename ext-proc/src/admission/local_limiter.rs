@@ -62,6 +62,8 @@ pub struct LocalLimiter {
     buckets: HashMap<String, Level>,
     /// Redis's last answer per bucket (the whole level, unscaled).
     seen: HashMap<String, Level>,
+    /// Redis's last answer per bucket, the level unfloored (from its time to be full again).
+    exact: HashMap<String, Level>,
     debts: HashMap<String, Debt>,
     share: f64,
 }
@@ -75,13 +77,22 @@ impl Default for LocalLimiter {
 impl LocalLimiter {
     /// An empty limiter over `share` (in (0, 1]) of each limit; a bucket never seen starts full.
     pub fn new(share: f64) -> Self {
-        Self { buckets: HashMap::new(), seen: HashMap::new(), debts: HashMap::new(), share }
+        Self {
+            buckets: HashMap::new(),
+            seen: HashMap::new(),
+            exact: HashMap::new(),
+            debts: HashMap::new(),
+            share,
+        }
     }
 
     /// Remembers the levels Redis answered with (`outcome` of `plan`), as this sidecar's share.
     pub fn observe(&mut self, plan: &[BucketSpec], outcome: &TakeOutcome, now: Instant) {
         for (b, state) in plan.iter().zip(&outcome.states) {
             self.seen.insert(b.key.clone(), Level { tokens: state.remaining as f64, at: now });
+            let missing = state.reset_ms as f64 * b.rate_per_minute as f64 / 60_000.0;
+            let tokens = (b.capacity as f64 - missing).clamp(0.0, b.capacity as f64);
+            self.exact.insert(b.key.clone(), Level { tokens, at: now });
             let level = Level { tokens: state.remaining as f64 * self.share, at: now };
             match self.buckets.get_mut(&b.key) {
                 Some(l) => *l = level,
@@ -90,6 +101,19 @@ impl LocalLimiter {
                 }
             }
         }
+    }
+
+    /// Milliseconds until bucket `b` holds one token again, from Redis's last answer for it and
+    /// its refill since; `None` when it holds one now, was never seen, or has no refill.
+    pub fn wait_for_one_ms(&self, b: &BucketSpec, now: Instant) -> Option<u64> {
+        let seen = self.exact.get(&b.key)?;
+        if b.rate_per_minute == 0 {
+            return None;
+        }
+        let per_ms = b.rate_per_minute as f64 / 60_000.0;
+        let level = seen.tokens + now.saturating_duration_since(seen.at).as_millis() as f64 * per_ms;
+        let wait = ((1.0 - level) / per_ms).ceil();
+        (wait >= 1.0).then_some(wait as u64)
     }
 
     /// This sidecar's share of a bucket (burst and rate; the cost is the request's own).
@@ -235,6 +259,25 @@ mod tests {
         assert_eq!(denied.states[1].remaining, 400);
         // 30 s later one request has refilled.
         assert_eq!(l.take(&plan(100), t0 + Duration::from_secs(30)).denied, None);
+    }
+
+    /// The wait until a bucket holds one token again, from Redis's last answer (its level from
+    /// the time it would take to be full) and the refill since.
+    #[test]
+    fn the_wait_for_one_token_follows_redis_last_answer() {
+        let t0 = Instant::now();
+        let mut l = LocalLimiter::default();
+        let p = plan(100);
+        assert_eq!(l.wait_for_one_ms(&p[0], t0), None, "never seen");
+        // 2 a minute, burst 2: 0.25 of a request left is 1.75 from full (52.5 s); one request is
+        // 22.5 s away.
+        let state = |remaining, reset_ms| BucketState { remaining, reset_ms, retry_after_ms: None };
+        let refused = TakeOutcome { denied: Some(0), states: vec![state(0, 52_500), state(500, 1000)] };
+        l.observe(&p, &refused, t0);
+        assert_eq!(l.wait_for_one_ms(&p[0], t0), Some(22_500));
+        assert_eq!(l.wait_for_one_ms(&p[0], t0 + Duration::from_secs(20)), Some(2_500));
+        assert_eq!(l.wait_for_one_ms(&p[0], t0 + Duration::from_millis(22_500)), None);
+        assert_eq!(l.wait_for_one_ms(&p[1], t0), None, "the token bucket holds plenty");
     }
 
     #[test]

@@ -30,6 +30,9 @@ pub fn filter_config(loaded: &Loaded) -> Result<Value, Error> {
     if let Some(max) = c.filter.max_uploads_per_tenant {
         top.push(("max_uploads_per_tenant", n(max)));
     }
+    if let Some(max) = c.filter.max_n {
+        top.push(("max_n", n(max)));
+    }
     let tenants = c.tenants.iter().map(|t| {
         let mut fields = vec![("id", s(&t.id)), ("api_keys_sha256", strings(&t.api_keys_sha256))];
         if let Some(tier) = &t.tier {
@@ -88,6 +91,7 @@ pub fn filter_config(loaded: &Loaded) -> Result<Value, Error> {
             "max_body_bytes" => "filter.max_body_bytes".to_owned(),
             "full_parse_max_bytes" => "filter.full_parse_max_bytes".to_owned(),
             "max_uploads_per_tenant" => "filter.max_uploads_per_tenant".to_owned(),
+            "max_n" => "filter.max_n".to_owned(),
             "upstream_headers" => "filter.upstream_headers".to_owned(),
             "configuration" => "config".to_owned(),
             other => other.to_owned(),
