@@ -316,13 +316,32 @@ pub struct MemberRef<'a> {
 /// order, and returns the offsets of the braces (`(open, close)`), or `None` where
 /// [`scan_object`] does (after the members before the fault were visited).
 pub fn visit_object<'a>(s: &'a [u8], mut on_member: impl FnMut(MemberRef<'a>)) -> Option<(usize, usize)> {
+    match visit_object_while(s, |m| {
+        on_member(m);
+        true
+    })? {
+        Visited::Whole(open, close) => Some((open, close)),
+        Visited::Stopped => None,
+    }
+}
+
+/// How far [`visit_object_while`] went.
+enum Visited {
+    /// Every member: the offsets of the braces.
+    Whole(usize, usize),
+    /// The visitor asked to stop.
+    Stopped,
+}
+
+/// [`visit_object`] whose visitor says whether to go on (`false` stops the walk at once).
+fn visit_object_while<'a>(s: &'a [u8], mut on_member: impl FnMut(MemberRef<'a>) -> bool) -> Option<Visited> {
     let open = skip_ws(s, 0);
     if s.get(open) != Some(&b'{') {
         return None;
     }
     let mut i = skip_ws(s, open + 1);
     if s.get(i) == Some(&b'}') {
-        return Some((open, i));
+        return Some(Visited::Whole(open, i));
     }
     loop {
         let start = i;
@@ -334,11 +353,13 @@ pub fn visit_object<'a>(s: &'a [u8], mut on_member: impl FnMut(MemberRef<'a>)) -
         }
         let value_start = skip_ws(s, i + 1);
         let value_end = skip_value(s, value_start)?;
-        on_member(MemberRef { key, start, value_start, value_end });
+        if !on_member(MemberRef { key, start, value_start, value_end }) {
+            return Some(Visited::Stopped);
+        }
         i = skip_ws(s, value_end);
         match s.get(i)? {
             b',' => i = skip_ws(s, i + 1),
-            b'}' => return Some((open, i)),
+            b'}' => return Some(Visited::Whole(open, i)),
             _ => return None,
         }
     }
@@ -348,27 +369,31 @@ pub fn visit_object<'a>(s: &'a [u8], mut on_member: impl FnMut(MemberRef<'a>)) -
 /// Returns `None` if `s` is not an object, or a key is not a valid JSON string. Bytes after the
 /// closing brace are not looked at ([`ObjectScan::close`] says where it is).
 pub fn scan_object(s: &[u8]) -> Option<ObjectScan> {
-    scan_object_bounded(s, usize::MAX).map(|(scan, _)| scan)
+    scan_object_bounded(s, usize::MAX).flatten()
 }
 
-/// [`scan_object`] that keeps at most `max_members` members (their keys decoded), and counts the
-/// rest without keeping them: the scan and how many members the object has. A body of many small
-/// members then costs the walk over its bytes, not a key's allocation per member.
-pub fn scan_object_bounded(s: &[u8], max_members: usize) -> Option<(ObjectScan, usize)> {
+/// [`scan_object`] of an object of at most `max_members` members: `Some(None)` as soon as the
+/// walk meets one more (the rest of the document is not looked at), so that a body of many small
+/// members costs no more than the bound's worth of its bytes; `None` where [`scan_object`]
+/// answers `None` before that.
+pub fn scan_object_bounded(s: &[u8], max_members: usize) -> Option<Option<ObjectScan>> {
     let mut members = Vec::new();
-    let mut count = 0usize;
-    let (open, close) = visit_object(s, |m| {
-        count += 1;
-        if count <= max_members {
-            members.push(Member {
-                key: m.key.into_owned(),
-                start: m.start,
-                value_start: m.value_start,
-                value_end: m.value_end,
-            });
+    let visited = visit_object_while(s, |m| {
+        if members.len() == max_members {
+            return false;
         }
+        members.push(Member {
+            key: m.key.into_owned(),
+            start: m.start,
+            value_start: m.value_start,
+            value_end: m.value_end,
+        });
+        true
     })?;
-    Some((ObjectScan { open, close, members }, count))
+    Some(match visited {
+        Visited::Whole(open, close) => Some(ObjectScan { open, close, members }),
+        Visited::Stopped => None,
+    })
 }
 
 /// The `(start, end)` byte ranges of the elements of the JSON array in `s`. `None` if `s` is not

@@ -18,18 +18,16 @@ use crate::json_scan::{scan_object_bounded, ObjectScan};
 /// the Envoy worker time per member.
 pub const MAX_TOP_LEVEL_MEMBERS: usize = 1024;
 
-/// The top-level members of `body` (at most [`MAX_TOP_LEVEL_MEMBERS`]), without building values.
+/// The top-level members of `body` (at most [`MAX_TOP_LEVEL_MEMBERS`]: the walk stops at the next
+/// one), without building values.
 ///
 /// # Errors
 /// [`GatewayError::InvalidJson`] when `body` is not an object, [`GatewayError::TooManyMembers`]
 /// past the bound.
 pub fn scan_members(body: &[u8]) -> Result<ObjectScan, GatewayError> {
-    let (scan, count) = scan_object_bounded(body, MAX_TOP_LEVEL_MEMBERS)
-        .ok_or(GatewayError::InvalidJson { detail: "the top-level object could not be scanned".into() })?;
-    if count > MAX_TOP_LEVEL_MEMBERS {
-        return Err(GatewayError::TooManyMembers { limit: MAX_TOP_LEVEL_MEMBERS });
-    }
-    Ok(scan)
+    scan_object_bounded(body, MAX_TOP_LEVEL_MEMBERS)
+        .ok_or(GatewayError::InvalidJson { detail: "the top-level object could not be scanned".into() })?
+        .ok_or(GatewayError::TooManyMembers { limit: MAX_TOP_LEVEL_MEMBERS })
 }
 
 /// The API endpoints the gateway serves.
