@@ -16,7 +16,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use gateway_ext_proc::config::RedisConfig;
-use gateway_ext_proc::meter::{EndReason, RequestInfo, UsageRecord, UsageSource};
+use gateway_ext_proc::metering::meter::{EndReason, RequestInfo, UsageRecord, UsageSource};
 use gateway_ext_proc::store::{Store, IDEMPOTENCY_RETENTION, IDEMPOTENCY_WINDOW_SECS};
 
 fn used_memory(info: &str) -> u64 {

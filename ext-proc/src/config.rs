@@ -178,7 +178,7 @@ impl Config {
     /// `admission_leases` when set; unset, not for a pool flow control queues, nor for one whose
     /// `picker` does not allow them ([`PickerConfig::admission_leases`]); a pool the config does
     /// not list may. A pool the sidecar sheds or queues by its load is leased only within its
-    /// headroom ([`crate::lease_headroom`]).
+    /// headroom ([`crate::admission::lease_headroom`]).
     pub fn pool_allows_admission_leases(&self, pool: &str) -> bool {
         let Some(p) = self.pools.iter().find(|p| p.name == pool) else {
             return true;
@@ -229,7 +229,7 @@ fn default_shutdown_grace_ms() -> u64 {
     10_000
 }
 
-/// A model with an exact tokenizer (see [`crate::context`]).
+/// A model with an exact tokenizer (see [`crate::admission::context`]).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
@@ -336,7 +336,7 @@ pub struct PoolConfig {
     /// not shed, queued or picked one by one, and the pool's load sees it only through the
     /// filter's next report. For a pool with a `max_*` threshold or `flow_control`, a lease
     /// therefore covers at most the pool's headroom before its shedding level less what this
-    /// replica's other leases of it may still admit ([`crate::lease_headroom`]; unbounded, an
+    /// replica's other leases of it may still admit ([`crate::admission::lease_headroom`]; unbounded, an
     /// overloaded shed pool's TTFT p99 was 4.64× unloaded against 0.97× decided one by one:
     /// docs/deploy.md, "Why leases are the default").
     /// Unset: false for a pool with `flow_control` (its queue orders the requests), its picker's
@@ -1010,14 +1010,14 @@ pub struct MeteringConfig {
     /// in `llm_gateway_usage_records_dropped_total`, never dropped silently.
     #[serde(default = "default_buffer_records")]
     pub buffer_records: usize,
-    /// The ledger's open reservations ([`crate::ledger`]): when one whose usage never arrived is
+    /// The ledger's open reservations ([`crate::metering::ledger`]): when one whose usage never arrived is
     /// recorded as charged.
     #[serde(default)]
     pub reservations: ReservationsConfig,
-    /// The usage journal this replica tails ([`crate::journal`]; standalone: the file Envoy's
+    /// The usage journal this replica tails ([`crate::metering::journal`]; standalone: the file Envoy's
     /// journal access log writes). Absent: none.
     #[serde(default)]
-    pub journal: Option<crate::journal::JournalConfig>,
+    pub journal: Option<crate::metering::journal::JournalConfig>,
 }
 
 fn default_buffer_records() -> usize {
@@ -1037,7 +1037,7 @@ impl Default for MeteringConfig {
     }
 }
 
-/// `metering.reservations`: how the sweeper ([`crate::sweeper`], on every replica) records as
+/// `metering.reservations`: how the sweeper ([`crate::metering::sweeper`], on every replica) records as
 /// charged the reservations of admitted requests whose usage never arrived.
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]

@@ -8,7 +8,7 @@
 
 use serde_json::json;
 
-use crate::limits::BucketKind;
+use crate::admission::limits::BucketKind;
 
 /// Errors the admission step answers with a local reply instead of forwarding the request.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -28,7 +28,7 @@ pub enum AdmissionError {
         ratelimit_headers: Vec<(String, String)>,
     },
     /// A daily or monthly token quota of the tenant (or tenant × model) is used up
-    /// ([`crate::quota`]): 429 with OpenAI's `insufficient_quota` type and code (not
+    /// ([`crate::admission::quota`]): 429 with OpenAI's `insufficient_quota` type and code (not
     /// `rate_limit_exceeded`: waiting a minute does not help), `Retry-After` until the period
     /// resets.
     #[error("{period} token quota of {limit} used up")]
@@ -57,7 +57,7 @@ pub enum AdmissionError {
     #[error("the rate limiter is unavailable")]
     LimiterUnavailable,
     /// The exact prompt-token count (the model's own tokenizer and chat template, see
-    /// [`crate::context`]) proves vLLM would refuse the request. 400, `invalid_request_error`,
+    /// [`crate::admission::context`]) proves vLLM would refuse the request. 400, `invalid_request_error`,
     /// code `context_length_exceeded`, param `messages` or `prompt`.
     #[error("prompt of {prompt_tokens} tokens exceeds the context window")]
     ContextLengthExceeded {

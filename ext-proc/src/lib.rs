@@ -22,9 +22,6 @@
 //! # Ok(()) }
 //! ```
 
-// The tree reads like a request's path: admission (with flow control's queue), scheduling (the
-// endpoint picker, and the endpoint-picker protocol of `epp`), metering. The stages' modules are
-// re-exported at the crate root under their old names.
 pub mod admission;
 pub mod config;
 pub mod epp;
@@ -35,12 +32,6 @@ pub mod metrics;
 pub mod pools;
 pub mod scheduling;
 pub mod service;
-pub use admission::{
-    admission_lease, breaker, context, lease, lease_headroom, lease_service, limiter, limits, local_limiter,
-    quota, shedding,
-};
-pub use gateway_meter::sse;
-pub use metering::{access_log, journal, landed, ledger, meter, recorder, sweeper, usage_report};
 pub mod store;
 pub mod telemetry;
 
@@ -60,12 +51,12 @@ use envoy_types::pb::envoy::service::accesslog::v3::access_log_service_server::A
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 use tonic::transport::server::TcpIncoming;
 
-use crate::access_log::AccessLog;
+use crate::admission::limiter::Limiter;
 use crate::config::Config;
-use crate::limiter::Limiter;
+use crate::metering::access_log::AccessLog;
+use crate::metering::recorder::Recorder;
 use crate::metrics::Metrics;
 use crate::pools::Pools;
-use crate::recorder::Recorder;
 use crate::service::{Gateway, Shared};
 use crate::store::Store;
 
@@ -106,14 +97,14 @@ const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// fails.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> Result<(), RunError> {
     let context = Arc::new(
-        context::ContextChecker::from_config(&config.models)
+        admission::context::ContextChecker::from_config(&config.models)
             .map_err(RunError::Tokenizer)?
             .with_counts_per_tenant(config.context.max_counts_per_tenant),
     );
     let metrics = Metrics::new();
     let store = Store::connect(&config.redis, config.usage_stream(), config.metering.stream_maxlen)
         .await?
-        .with_quotas(quota::QuotaBook::new(&config, quota::Clock::from_env()));
+        .with_quotas(admission::quota::QuotaBook::new(&config, admission::quota::Clock::from_env()));
     if let Some(addr) = config.metrics_listen {
         let bound = metrics::serve(addr, Arc::clone(&metrics))
             .await
@@ -152,17 +143,17 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
         })
     });
     // Charges the reservations whose usage never arrived (every replica sweeps).
-    let sweeper = tokio::spawn(sweeper::run(Arc::clone(&shared), stop.clone()));
+    let sweeper = tokio::spawn(metering::sweeper::run(Arc::clone(&shared), stop.clone()));
     // Reclaims the filters' admission leases whose VM went away (every replica sweeps), also
     // while leases are off: those taken before are still reclaimed and charged.
-    let lease_sweeper = tokio::spawn(sweeper::run_leases(Arc::clone(&shared), stop.clone()));
+    let lease_sweeper = tokio::spawn(metering::sweeper::run_leases(Arc::clone(&shared), stop.clone()));
     // Replays the usage journal Envoy writes, from its checkpoint (one replica at a time).
     let journal = shared
         .config
         .metering
         .journal
         .clone()
-        .map(|config| tokio::spawn(journal::run(Arc::clone(&shared), config, stop.clone())));
+        .map(|config| tokio::spawn(metering::journal::run(Arc::clone(&shared), config, stop.clone())));
     let endpoint_pickers = epp::server::spawn_all(&shared, stop.clone())
         .await
         .map_err(|(addr, source)| RunError::Bind { addr, source })?;
@@ -171,7 +162,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
     let service = ExternalProcessorServer::new(Gateway::new(Arc::clone(&shared)))
         .max_decoding_message_size(shared.config.context.grpc_max_message_bytes());
     let leases = proto::admission_leases_server::AdmissionLeasesServer::new(
-        lease_service::AdmissionLeaseService::new(Arc::clone(&shared)),
+        admission::lease_service::AdmissionLeaseService::new(Arc::clone(&shared)),
     );
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let mtls = shared.config.tls.is_some();

@@ -240,7 +240,7 @@ pub struct Metrics {
     pub in_flight_corrections: Family<PoolLabel, Counter>,
     /// `llm_gateway_pool_sidecar_replicas{pool}`: the sidecar replicas that flushed the pool's
     /// in-flight counts within the report lag, this one included, at its last flush; each
-    /// leases its equal part of a shed pool's headroom (`crate::lease_headroom`).
+    /// leases its equal part of a shed pool's headroom (`crate::admission::lease_headroom`).
     pub pool_sidecar_replicas: Family<PoolLabel, Gauge>,
     /// `llm_gateway_pool_load{pool}`: the load ratio shedding compares with tier levels.
     pub pool_load: Family<PoolLabel, GaugeF64>,
@@ -303,7 +303,7 @@ pub struct Metrics {
     /// no other delivery had (what the gRPC access log lost).
     pub journal_records_applied: Counter,
     /// `llm_gateway_journal_lines_landed_total`: journal lines not written to Redis because this
-    /// replica's gRPC access-log path saw their write land ([`crate::landed`]).
+    /// replica's gRPC access-log path saw their write land ([`crate::metering::landed`]).
     pub journal_lines_landed: Counter,
     /// `llm_gateway_journal_parse_errors_total`: journal lines that are not entries, skipped.
     pub journal_parse_errors: Counter,

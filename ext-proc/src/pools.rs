@@ -1,7 +1,7 @@
 //! The pools' live state for shedding and endpoint picking: a task per pool reads each
 //! endpoint's vLLM `/metrics` every `scrape_interval_ms` and flushes this replica's in-flight
 //! counts to Redis; admission counts the requests it lets in, the access log (or metering stream)
-//! the ones that end. The arithmetic is in [`crate::shedding`]. A pool with `picker` also keeps
+//! the ones that end. The arithmetic is in [`crate::admission::shedding`]. A pool with `picker` also keeps
 //! each endpoint's own scrape (waiting, running, KV use, when, whether it answered), in-flight
 //! picks and served prefixes in a [`PoolPicker`] ([`crate::scheduling`]), which [`Pools::pick`]
 //! asks.
@@ -11,7 +11,7 @@
 //! -1 where the end arrives) and, every scrape interval, writes its cumulative counts to the
 //! pool's hash in Redis with one script call that returns the sum over replicas
 //! (`lua/in_flight_flush_v1.lua`; no Redis call per request). Its count is that sum plus what it
-//! counted since, and corrects itself against vLLM's metrics ([`crate::shedding::in_flight_bound`]):
+//! counted since, and corrects itself against vLLM's metrics ([`crate::admission::shedding::in_flight_bound`]):
 //! requests that never end (an Envoy killed) are taken off. Without Redis for longer than the
 //! report lag, a replica falls back to its own balance.
 
@@ -26,14 +26,14 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tracing::{debug, info};
 
+use crate::admission::shedding::{self, PoolSignals, Scrape};
+use crate::admission::{admission_lease, lease_headroom};
 use crate::config::{endpoint_addr, FlowControlConfig, PoolConfig};
 use crate::flow_control::room::{self, SinceScrape};
 use crate::flow_control::PoolFlow;
 use crate::metrics::{EndpointLabel, Metrics, PoolBlocks, PoolEndpoint, PoolLabel, PoolReason};
 use crate::scheduling::{Pick, PoolPicker};
-use crate::shedding::{self, PoolSignals, Scrape};
 use crate::store::{InFlightFlush, InFlightTotal, Store};
-use crate::{admission_lease, lease_headroom};
 
 /// Smoothing of the drain rate (weight of the newest sample).
 const DRAIN_ALPHA: f64 = 0.3;
@@ -140,7 +140,7 @@ struct PoolState {
 impl PoolState {
     /// The pool's signals with the requests this replica's admission leases of it may still
     /// admit counted in flight: a leased slot is taken when it is granted
-    /// ([`crate::lease_headroom`]).
+    /// ([`crate::admission::lease_headroom`]).
     fn signals_with_leases(&mut self) -> PoolSignals {
         let leased = self.leased.outstanding(Instant::now());
         PoolSignals { in_flight: self.signals.in_flight.saturating_add(leased), ..self.signals }

@@ -1,6 +1,6 @@
 //! The tonic adapter: Envoy's `envoy.service.ext_proc.v3.ExternalProcessor` service. It reads
-//! `ProcessingRequest`s, calls the decisions ([`crate::admission`], [`crate::shedding`] through
-//! [`Pools`], [`crate::meter`]) and the [`Limiter`] and [`Recorder`], and builds
+//! `ProcessingRequest`s, calls the decisions ([`crate::admission`], [`crate::admission::shedding`] through
+//! [`Pools`], [`crate::metering::meter`]) and the [`Limiter`] and [`Recorder`], and builds
 //! `ProcessingResponse`s. Nothing here decides anything itself.
 //!
 //! One service serves both ext_proc filters of the Envoy chain; the gRPC initial metadata
@@ -38,23 +38,23 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, error, warn, Instrument};
 
+use crate::admission::admission_lease::LeaseUse;
+use crate::admission::context::{ContextChecker, ContextError, Counted};
+use crate::admission::limiter::{Limiter, Take};
+use crate::admission::limits::{self, BucketKind, BucketSpec};
+use crate::admission::quota::{self, QuotaTake};
 use crate::admission::{self, Admitted, RequestFacts};
-use crate::admission_lease::LeaseUse;
 use crate::config::Config;
 use crate::config::FactsSource;
-use crate::context::{ContextChecker, ContextError, Counted};
 use crate::error::AdmissionError;
 use crate::flow_control::{self, Entered};
-use crate::ledger::{self, Reservation};
-use crate::limiter::{Limiter, Take};
-use crate::limits::{self, BucketKind, BucketSpec};
-use crate::meter::{EndReason, Meter, RequestInfo, UnusableUsage, UsageRecord};
+use crate::metering::ledger::{self, Reservation};
+use crate::metering::meter::{EndReason, Meter, RequestInfo, UnusableUsage, UsageRecord};
+use crate::metering::recorder::Recorder;
 use crate::metrics::{
     CountOutcome, Decision, Finished, Metrics, ModelLabel, PoolTier, TenantTokens, TokenType, UsageReason,
 };
 use crate::pools::{PickOutcome, Pools};
-use crate::quota::{self, QuotaTake};
-use crate::recorder::Recorder;
 use crate::scheduling::Pick;
 use crate::store::Tracking;
 use crate::telemetry;
@@ -94,7 +94,7 @@ pub struct Shared {
     pub context: Arc<ContextChecker>,
     pub(crate) ids: RecordIds,
     /// The lease reports this replica saw Redis record: their records skip the lease section.
-    pub(crate) reported_leases: crate::admission_lease::ReportedLeases,
+    pub(crate) reported_leases: crate::admission::admission_lease::ReportedLeases,
     /// gRPC streams open now (ext_proc and access log): a shutdown serves on while there are.
     open_streams: AtomicUsize,
 }
@@ -126,7 +126,7 @@ impl Shared {
             metrics,
             context,
             ids: RecordIds::new(),
-            reported_leases: crate::admission_lease::ReportedLeases::new(),
+            reported_leases: crate::admission::admission_lease::ReportedLeases::new(),
             open_streams: AtomicUsize::new(0),
         }
     }
@@ -570,7 +570,7 @@ fn settle_plan(
 
 /// A request admitted but refused (or gone) before it went upstream: its request and its token
 /// reservation go back to the buckets they were taken from. A reservation the ledger tracks is
-/// closed with them, once ([`crate::recorder::LedgerOp::Release`]).
+/// closed with them, once ([`crate::metering::recorder::LedgerOp::Release`]).
 fn give_back(shared: &Arc<Shared>, facts: &RequestFacts, admitted: &Admitted) {
     if admitted.tracked_at_ms.is_some() {
         let tenant = facts.tenant.as_deref().and_then(|t| shared.config.tenant(t));
@@ -587,7 +587,7 @@ fn give_back(shared: &Arc<Shared>, facts: &RequestFacts, admitted: &Admitted) {
 }
 
 /// Releases the reservation of a request of `tenant` for `model` whose admission answer Envoy
-/// never received, should the ledger hold it open (the access log's [`crate::recorder::LedgerOp::Release`]).
+/// never received, should the ledger hold it open (the access log's [`crate::metering::recorder::LedgerOp::Release`]).
 pub(crate) fn release(shared: &Shared, tenant: &str, model: &str, record_id: String) {
     if let Some(config) = shared.config.tenant(tenant) {
         let buckets = limits::plan(shared.limiter.store().prefix(), config, model, 0);
@@ -812,12 +812,12 @@ async fn admit(shared: &Shared, facts: &RequestFacts) -> Result<Admitted, Admiss
     }
     let plan =
         limits::plan(shared.limiter.store().prefix(), tenant_config, &facts.model, facts.reserve_tokens());
-    // The reservation the ledger keeps open until the request's usage lands (crate::ledger):
+    // The reservation the ledger keeps open until the request's usage lands (crate::metering::ledger):
     // recorded by the same Redis call that takes the buckets.
     let at_ms = unix_ms();
     let reserved = if plan.iter().any(|b| b.kind == BucketKind::Tokens) { facts.reserve_tokens() } else { 0 };
     let record_id = facts.record_id();
-    // The tenant's quota counters (crate::quota), checked and charged in the same call; charged
+    // The tenant's quota counters (crate::admission::quota), checked and charged in the same call; charged
     // only with a tracked reservation (the record corrects what the reservation charged).
     let store = shared.limiter.store();
     let quota_ms = store.quotas().clock.shift_ms(at_ms);

@@ -12,14 +12,14 @@ use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 
-use crate::admission_lease::{LeaseRecord, LeaseUse};
+use crate::admission::admission_lease::{LeaseRecord, LeaseUse};
+use crate::admission::limits::{BucketSpec, ReplyError, TakeOutcome};
+use crate::admission::local_limiter::Hint;
+use crate::admission::quota::{self, QuotaBook, QuotaOutcome, QuotaSpec, QuotaTake};
 use crate::config::RedisConfig;
-use crate::ledger::{self, CHARGED_RETENTION};
-use crate::limits::{BucketSpec, ReplyError, TakeOutcome};
-use crate::local_limiter::Hint;
-use crate::meter::{EndReason, UsageRecord, UsageSource};
+use crate::metering::ledger::{self, CHARGED_RETENTION};
+use crate::metering::meter::{EndReason, UsageRecord, UsageSource};
 use crate::proto;
-use crate::quota::{self, QuotaBook, QuotaOutcome, QuotaSpec, QuotaTake};
 
 /// `lua/token_bucket_take_v3.lua`: take a cost from every bucket or from none, plus leases.
 const TAKE_LUA: &str = include_str!("../lua/token_bucket_take_v3.lua");
@@ -60,7 +60,7 @@ struct Opened<'a> {
 /// deduplicated: the set of applied ids of a record's window is kept this long past the later of
 /// the window's end and the attempt. The recorder retries such a record for
 /// [`IDEMPOTENCY_RETENTION`] minus [`CLOCK_SKEW_MARGIN`] at most
-/// ([`crate::recorder`]), then gives it up (logged whole and counted) rather than count it twice.
+/// ([`crate::metering::recorder`]), then gives it up (logged whole and counted) rather than count it twice.
 pub const IDEMPOTENCY_RETENTION: Duration = Duration::from_secs(600);
 /// The part of [`IDEMPOTENCY_RETENTION`] the recorder leaves unused, for the clock difference
 /// between the sidecar (which computes the expiry) and Redis (which applies it).
@@ -229,7 +229,7 @@ impl Store {
     }
 
     /// The same store, correcting the quota counters of `book` with every record, charge and
-    /// give-back, and pricing every record with its prices ([`crate::quota`]).
+    /// give-back, and pricing every record with its prices ([`crate::admission::quota`]).
     #[must_use]
     pub fn with_quotas(mut self, book: Arc<QuotaBook>) -> Self {
         self.book = book;
@@ -481,7 +481,7 @@ impl Store {
     ///
     /// A `record` of a request admitted from an admission lease (`lease`) counts its reservation
     /// against the lease while the lease is open, or pays it again once the lease was reclaimed
-    /// ([`crate::admission_lease`]).
+    /// ([`crate::admission::admission_lease`]).
     pub async fn apply(
         &self,
         record: &UsageRecord,
@@ -1085,7 +1085,7 @@ pub fn sent_key(stream: &str, finished_secs: u64, now_secs: u64) -> (String, u64
     (key, expire_at)
 }
 
-/// Takes or renews a usage journal's lease for `owner` (`crate::journal`).
+/// Takes or renews a usage journal's lease for `owner` (`crate::metering::journal`).
 const JOURNAL_LEASE_LUA: &str = r"
 local holder = redis.call('GET', KEYS[1])
 if holder == false then
@@ -1152,14 +1152,14 @@ impl Store {
     pub async fn journal_checkpoint(
         &self,
         key: &str,
-    ) -> Result<Option<crate::journal::Checkpoint>, StoreError> {
+    ) -> Result<Option<crate::metering::journal::Checkpoint>, StoreError> {
         let mut cmd = redis::cmd("HMGET");
         cmd.arg(key).arg("dev").arg("ino").arg("offset");
         let mut conn = self.conn();
         let reply: Vec<Option<u64>> = self.bounded(cmd.query_async(&mut conn)).await?;
         Ok(match reply.as_slice() {
             [Some(dev), Some(ino), Some(offset)] => {
-                Some(crate::journal::Checkpoint { dev: *dev, ino: *ino, offset: *offset })
+                Some(crate::metering::journal::Checkpoint { dev: *dev, ino: *ino, offset: *offset })
             }
             _ => None,
         })
@@ -1175,7 +1175,7 @@ impl Store {
         lease_key: &str,
         checkpoint_key: &str,
         owner: &str,
-        at: crate::journal::Checkpoint,
+        at: crate::metering::journal::Checkpoint,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let script = Script::new(JOURNAL_COMMIT_LUA);
@@ -1356,7 +1356,7 @@ pub struct InFlightFlush {
     /// The replica's admitted requests of the pool since it started.
     pub admitted: u64,
     /// Upper bound on the pool's in-flight requests from vLLM's metrics, with the pool-wide
-    /// admitted sum it was computed at (see [`crate::shedding::in_flight_bound`]); None: no
+    /// admitted sum it was computed at (see [`crate::admission::shedding::in_flight_bound`]); None: no
     /// fresh metrics, no correction.
     pub bound: Option<(u64, u64)>,
     /// Count the replicas that flushed within this long ([`InFlightTotal::replicas`]).

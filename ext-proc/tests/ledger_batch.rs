@@ -13,11 +13,11 @@ use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use common::Redis;
+use gateway_ext_proc::admission::limits;
+use gateway_ext_proc::admission::quota::{Clock, QuotaBook};
 use gateway_ext_proc::config::Config;
-use gateway_ext_proc::ledger;
-use gateway_ext_proc::limits;
-use gateway_ext_proc::meter::{RequestInfo, UsageRecord};
-use gateway_ext_proc::quota::{Clock, QuotaBook};
+use gateway_ext_proc::metering::ledger;
+use gateway_ext_proc::metering::meter::{RequestInfo, UsageRecord};
 use gateway_ext_proc::store::{self, Applied, LedgerReply, LedgerWrite, Store};
 
 const STREAM: &str = "llmgw:usage-events";
@@ -211,7 +211,7 @@ async fn the_ledger_refuses_a_count_it_cannot_hold_exactly() {
     // A model without a price: its cost (capped at the bound too) is not summed with it.
     let mut exact = record("one", 2, at);
     exact.info.model = "free".to_owned();
-    exact.prompt_tokens = gateway_ext_proc::meter::MAX_LEDGER_COUNT - 1000;
+    exact.prompt_tokens = gateway_ext_proc::metering::meter::MAX_LEDGER_COUNT - 1000;
     let mut fine = record("one", 3, at);
     fine.info.model = "free".to_owned();
     let replies = store.ledger_batch(&[plain(&liar), plain(&exact), plain(&fine)]).await.unwrap();
@@ -227,13 +227,13 @@ async fn the_ledger_refuses_a_count_it_cannot_hold_exactly() {
     assert_eq!(books.get("free:requests"), Some(&2), "{books:?}");
     assert_eq!(books.get("m:requests"), None, "{books:?}");
     // Exact to the token: no rounding, no wrap to a negative count.
-    let expected = (gateway_ext_proc::meter::MAX_LEDGER_COUNT - 1000 + 13) as i64;
+    let expected = (gateway_ext_proc::metering::meter::MAX_LEDGER_COUNT - 1000 + 13) as i64;
     assert_eq!(books.get("free:prompt_tokens"), Some(&expected), "{books:?}");
     // A sum past the bound is refused too (two exact counts whose sum is not).
     let mut again = record("one", 4, at);
-    again.prompt_tokens = gateway_ext_proc::meter::MAX_LEDGER_COUNT;
+    again.prompt_tokens = gateway_ext_proc::metering::meter::MAX_LEDGER_COUNT;
     let mut twice = record("one", 5, at);
-    twice.prompt_tokens = gateway_ext_proc::meter::MAX_LEDGER_COUNT;
+    twice.prompt_tokens = gateway_ext_proc::metering::meter::MAX_LEDGER_COUNT;
     let replies = store.ledger_batch(&[plain(&again), plain(&twice)]).await.unwrap();
     assert!(replies.contains(&LedgerReply::Failed), "{replies:?}");
     let after = usage(&mut conn, "one", at).await;

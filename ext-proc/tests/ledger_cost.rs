@@ -20,11 +20,11 @@ mod common;
 use std::time::Duration;
 
 use common::Redis;
+use gateway_ext_proc::admission::admission_lease::{self, LeaseRecord, LeaseUse};
+use gateway_ext_proc::admission::limits;
 use gateway_ext_proc::admission::RequestFacts;
-use gateway_ext_proc::admission_lease::{self, LeaseRecord, LeaseUse};
 use gateway_ext_proc::config::Config;
-use gateway_ext_proc::ledger;
-use gateway_ext_proc::limits;
+use gateway_ext_proc::metering::ledger;
 use gateway_ext_proc::store::{Applied, LedgerReply, Store};
 
 fn env(name: &str, default: usize) -> usize {

@@ -17,14 +17,14 @@ use std::time::Duration;
 
 use common::Redis;
 
+use gateway_ext_proc::admission::admission_lease::{self, LeaseRecord, LeaseUse};
+use gateway_ext_proc::admission::limits::{self, BucketKind, BucketSpec};
+use gateway_ext_proc::admission::quota::{self, Clock, QuotaBook};
 use gateway_ext_proc::admission::RequestFacts;
-use gateway_ext_proc::admission_lease::{self, LeaseRecord, LeaseUse};
 use gateway_ext_proc::config::Config;
-use gateway_ext_proc::ledger;
-use gateway_ext_proc::limits::{self, BucketKind, BucketSpec};
-use gateway_ext_proc::meter::UsageRecord;
+use gateway_ext_proc::metering::ledger;
+use gateway_ext_proc::metering::meter::UsageRecord;
 use gateway_ext_proc::proto::{EndReason, UsageEvent};
-use gateway_ext_proc::quota::{self, Clock, QuotaBook};
 use gateway_ext_proc::store::{Applied, LeaseCharge, LedgerReply, Store};
 use prost::Message;
 

@@ -14,9 +14,9 @@ use common::Redis;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use gateway_ext_proc::admission::quota::{self, Clock, QuotaBook, QuotaTake};
 use gateway_ext_proc::config::Config;
-use gateway_ext_proc::ledger::{self, Reservation};
-use gateway_ext_proc::quota::{self, Clock, QuotaBook, QuotaTake};
+use gateway_ext_proc::metering::ledger::{self, Reservation};
 use gateway_ext_proc::store::{Applied, Store, Tracking};
 
 const HARD: u64 = 100;

@@ -11,10 +11,10 @@ mod common;
 
 use common::{free_port, Redis};
 
+use gateway_ext_proc::admission::limiter::{Limiter, Take};
+use gateway_ext_proc::admission::limits::{self, BucketKind};
+use gateway_ext_proc::admission::local_limiter::Hint;
 use gateway_ext_proc::config::{Config, FailureMode};
-use gateway_ext_proc::limiter::{Limiter, Take};
-use gateway_ext_proc::limits::{self, BucketKind};
-use gateway_ext_proc::local_limiter::Hint;
 use gateway_ext_proc::metrics::Metrics;
 use gateway_ext_proc::store::Store;
 

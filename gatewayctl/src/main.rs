@@ -106,8 +106,8 @@ fn run(command: Command) -> Result<(), String> {
             Ok(())
         }
         Command::Usage { redis_url, key_prefix, tenant, model, from, to, format } => {
-            let days = gateway_ext_proc::usage_report::days(&from, &to)?;
-            let rows = gateway_ext_proc::usage_report::read(
+            let days = gateway_ext_proc::metering::usage_report::days(&from, &to)?;
+            let rows = gateway_ext_proc::metering::usage_report::read(
                 &redis_url,
                 &key_prefix,
                 &tenant,

@@ -1,9 +1,9 @@
 //! `gatewayctl usage`: requests, tokens and cost per tenant, model and UTC day, read from the
-//! usage ledger's daily hashes in Redis ([`gateway_ext_proc::usage_report`], the sidecar's own key
+//! usage ledger's daily hashes in Redis ([`gateway_ext_proc::metering::usage_report`], the sidecar's own key
 //! layout), as a table, JSON or CSV. Costs are exact: nano-dollars, and USD with 9 decimals.
 
-use gateway_ext_proc::quota::format_usd;
-use gateway_ext_proc::usage_report::UsageRow;
+use gateway_ext_proc::admission::quota::format_usd;
+use gateway_ext_proc::metering::usage_report::UsageRow;
 use serde_json::json;
 
 /// Output formats.

@@ -1,6 +1,6 @@
 //! Admission leases for the wasm filter, with no I/O: how large a lease of one (tenant, model)
 //! is, what a returned lease gives back to each bucket, and the grant the filter reads
-//! (`proto/llm_gateway/v1/lease.proto`). The tonic adapter is [`crate::lease_service`].
+//! (`proto/llm_gateway/v1/lease.proto`). The tonic adapter is [`crate::admission::lease_service`].
 //!
 //! A lease is `redis.lease_fraction` of the smallest capacity among the request plan's buckets of
 //! each kind, taken from every bucket of that kind: the filter then admits one request per leased
@@ -34,9 +34,9 @@ use lru::LruCache;
 
 use serde::{Deserialize, Serialize};
 
+use crate::admission::limits::{self, BucketKind, BucketSpec, TakeOutcome};
 use crate::config::TenantConfig;
-use crate::limits::{self, BucketKind, BucketSpec, TakeOutcome};
-use crate::meter::RequestInfo;
+use crate::metering::meter::RequestInfo;
 use crate::proto::{LeaseGrant, LimitState};
 
 /// [`LeaseRecord::v`] of this sidecar.
@@ -269,7 +269,7 @@ pub fn size(plan: &[BucketSpec], fraction: f64, request_tokens: u64) -> Option<L
 }
 
 /// `size` covering at most `most` requests (a load-protected pool's headroom,
-/// [`crate::lease_headroom`]): its requests, unlimited ones included, capped at `most`, and each
+/// [`crate::admission::lease_headroom`]): its requests, unlimited ones included, capped at `most`, and each
 /// requests bucket of its plan taking that many. `None` when `most` is 0 (no lease). A lease of
 /// one request is still worth its call: the call is made on the filter's tick, off the request's
 /// path. A lease capped where no requests bucket applies takes nothing more from Redis: the
@@ -370,8 +370,8 @@ pub fn tenant_requests_wait_ms(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::admission::limits::BucketState;
     use crate::config::{Limits, TenantConfig};
-    use crate::limits::BucketState;
 
     fn tenant(rpm: Option<u64>, tpm: Option<u64>) -> TenantConfig {
         let limits = Limits {

@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crate::limits::{BucketSpec, BucketState, TakeOutcome};
+use crate::admission::limits::{BucketSpec, BucketState, TakeOutcome};
 
 #[derive(Debug, Clone)]
 struct Lease {
@@ -153,7 +153,7 @@ impl Leases {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limits::BucketKind;
+    use crate::admission::limits::BucketKind;
 
     fn bucket(capacity: u64, cost: u64) -> BucketSpec {
         BucketSpec { kind: BucketKind::Requests, key: "k".into(), capacity, rate_per_minute: capacity, cost }

@@ -27,9 +27,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
+use crate::admission::shedding::PoolSignals;
 use crate::config::PoolConfig;
 use crate::flow_control::room::SinceScrape;
-use crate::shedding::PoolSignals;
 
 /// The requests `pool` takes before its load reaches `level` (the lowest tier's shedding
 /// level, or flow control's `leases_below_load`): the least over its configured limits of

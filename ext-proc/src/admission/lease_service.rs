@@ -2,7 +2,7 @@
 //! `proto/llm_gateway/v1/lease.proto`), called by the filter on each Envoy worker (the wasm
 //! module's root context, or the native module's ticks). Each call gives the previous lease's rest
 //! back to the buckets, counts the requests admitted from it toward the pool's in-flight count,
-//! and, when asked, takes a new lease from Redis ([`crate::admission_lease`] sizes it). A report
+//! and, when asked, takes a new lease from Redis ([`crate::admission::admission_lease`] sizes it). A report
 //! (`report_lease_id`) instead records how many requests a lease the filter still holds admitted,
 //! which a reclaim keeps charged, and counts those admitted since the last call toward the
 //! in-flight count. No lease while `redis.lease_fraction` is 0, while Redis cannot decide, while
@@ -10,19 +10,19 @@
 //! its queue holds requests or its load is at `leases_below_load`: the filter's requests then go
 //! through the ext_proc admission, which sheds (or queues) and limits them one by one. A lease
 //! for a pool the sidecar sheds or queues by its load covers at most the pool's headroom
-//! ([`crate::lease_headroom`]).
+//! ([`crate::admission::lease_headroom`]).
 
 use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 use tracing::debug;
 
-use crate::admission_lease;
-use crate::limits;
+use crate::admission::admission_lease;
+use crate::admission::limits;
+use crate::admission::quota::QuotaTake;
 use crate::metrics::LeaseOutcome;
 use crate::proto::admission_leases_server::AdmissionLeases;
 use crate::proto::{LeaseGrant, LeaseRequest};
-use crate::quota::QuotaTake;
 use crate::service::Shared;
 
 /// How long a filter waits before asking again when leases are off or the tenant is unknown, in
@@ -88,7 +88,7 @@ impl AdmissionLeases for AdmissionLeaseService {
 /// shedding level, or near saturation with flow control), `too_tight` (a lease would not
 /// cover two requests), `headroom` (a pool shed or queued by its load has no room for another
 /// request beside this replica's other leases of it, or its signals bound nothing yet,
-/// [`crate::lease_headroom`]), `over_limit` (the buckets lack the lease), `quota` (a quota
+/// [`crate::admission::lease_headroom`]), `over_limit` (the buckets lack the lease), `quota` (a quota
 /// counter of the tenant lacks room for the lease's tokens, or the tenant has quotas and no
 /// tokens bucket), `redis_unavailable`.
 async fn acquire(shared: &Shared, request: &LeaseRequest) -> (LeaseGrant, &'static str) {
@@ -199,7 +199,7 @@ async fn take(
     size: admission_lease::LeaseSize,
     ttl_ms: u64,
 ) -> (LeaseGrant, &'static str) {
-    // Quotas (crate::quota): a lease only while every counter of the tenant (and tenant × model)
+    // Quotas (crate::admission::quota): a lease only while every counter of the tenant (and tenant × model)
     // has room for all of the lease's tokens, and never without a tokens bucket to bound them.
     let store = shared.limiter.store();
     let quota_specs =

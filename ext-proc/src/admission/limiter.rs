@@ -14,15 +14,15 @@ use std::time::{Duration, Instant};
 
 use tracing::warn;
 
-use crate::admission_lease::LeaseRecord;
-use crate::breaker::Breaker;
+use crate::admission::admission_lease::LeaseRecord;
+use crate::admission::breaker::Breaker;
+use crate::admission::lease::Leases;
+use crate::admission::limits::{BucketSpec, TakeOutcome};
+use crate::admission::local_limiter::LocalLimiter;
+use crate::admission::quota::{QuotaOutcome, QuotaTake};
 use crate::config::{FailureMode, RedisConfig};
-use crate::lease::Leases;
-use crate::ledger;
-use crate::limits::{BucketSpec, TakeOutcome};
-use crate::local_limiter::LocalLimiter;
+use crate::metering::ledger;
 use crate::metrics::{LeaseOutcome, Metrics, Reason};
-use crate::quota::{QuotaOutcome, QuotaTake};
 use crate::store::{Store, Tracking};
 
 /// Result of a take.
@@ -141,7 +141,7 @@ impl Limiter {
         ok
     }
 
-    fn owe_again(&self, r: crate::local_limiter::Reconciliation) {
+    fn owe_again(&self, r: crate::admission::local_limiter::Reconciliation) {
         if let Ok(mut local) = self.local.lock() {
             local.restore(r);
         }
@@ -256,7 +256,7 @@ impl Limiter {
     /// tokens; the counters are not charged (the leased requests' records are).
     ///
     /// A lease taken is recorded open under `lease_id` (`record`), for its give-back by id or its
-    /// reclaim as orphaned ([`crate::admission_lease`]).
+    /// reclaim as orphaned ([`crate::admission::admission_lease`]).
     pub async fn take_lease(
         &self,
         tenant: &str,

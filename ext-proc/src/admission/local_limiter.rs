@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use crate::limits::{BucketSpec, BucketState, TakeOutcome};
+use crate::admission::limits::{BucketSpec, BucketState, TakeOutcome};
 
 #[derive(Debug, Clone, Copy)]
 struct Level {
@@ -222,8 +222,8 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::admission::limits;
     use crate::config::{Limits, TenantConfig};
-    use crate::limits;
 
     fn plan(reserve: u64) -> Vec<BucketSpec> {
         let l = Limits {

@@ -123,10 +123,10 @@ pub struct Admitted {
     /// Whether the buckets were taken in this sidecar's memory (Redis unavailable, failure mode
     /// `open`), so the settlement goes there too.
     pub reserved_locally: bool,
-    /// When the take recorded the reservation as open in the ledger ([`crate::ledger`]): the
+    /// When the take recorded the reservation as open in the ledger ([`crate::metering::ledger`]): the
     /// admission's Unix time in ms (the reservation's `at_ms`). A give-back then closes it there.
     pub tracked_at_ms: Option<u64>,
-    /// What the take charged the tenant's quota counters ([`crate::quota`]; 0: none), and the
+    /// What the take charged the tenant's quota counters ([`crate::admission::quota`]; 0: none), and the
     /// admission's time on the quota clock (their periods).
     pub quota: (u64, u64),
     /// The `x-gateway-quota-warning` value, when a quota is past its soft limit.

@@ -345,7 +345,7 @@ pub fn decide(
 
 /// A request's cost in nano-dollars: uncached prompt tokens at the input price, cached ones at the
 /// cached-input price, completion tokens at the output price; exact, in 128-bit integers, and
-/// capped at the ledger's largest count ([`crate::meter::MAX_LEDGER_COUNT`], about 9 million
+/// capped at the ledger's largest count ([`crate::metering::meter::MAX_LEDGER_COUNT`], about 9 million
 /// USD: far past what a request's bounded usage costs at any accepted price), so that it fits
 /// both Redis's i64 and the ledger's exact sums.
 pub fn cost_nano_usd(price: &Price, prompt: u64, cached: u64, completion: u64) -> u64 {
@@ -354,7 +354,7 @@ pub fn cost_nano_usd(price: &Price, prompt: u64, cached: u64, completion: u64) -
     let total = u128::from(prompt - cached) * u128::from(input)
         + u128::from(cached) * u128::from(cached_price)
         + u128::from(completion) * u128::from(output);
-    u64::try_from(total).unwrap_or(u64::MAX).min(crate::meter::MAX_LEDGER_COUNT)
+    u64::try_from(total).unwrap_or(u64::MAX).min(crate::metering::meter::MAX_LEDGER_COUNT)
 }
 
 /// Nano-dollars as a decimal USD string with 9 decimals, e.g. `0.000123000`.
@@ -485,7 +485,10 @@ mod tests {
         assert_eq!(format_usd(1_500_000_000), "1.500000000");
         let no_cached = Price { input: 2.5, cached_input: None, output: 10.0 };
         assert_eq!(cost_nano_usd(&no_cached, 10, 20, 1), 10 * 2500 + 10_000, "cached is capped at prompt");
-        assert_eq!(cost_nano_usd(&no_cached, u64::MAX, 0, u64::MAX), crate::meter::MAX_LEDGER_COUNT);
+        assert_eq!(
+            cost_nano_usd(&no_cached, u64::MAX, 0, u64::MAX),
+            crate::metering::meter::MAX_LEDGER_COUNT
+        );
         assert!(i64::try_from(cost_nano_usd(&no_cached, u64::MAX, 0, u64::MAX)).is_ok(), "fits Redis");
     }
 

@@ -25,8 +25,8 @@
 
 use std::time::{Duration, Instant};
 
+use crate::admission::shedding::PoolSignals;
 use crate::config::PoolConfig;
-use crate::shedding::PoolSignals;
 
 /// The requests this sidecar dispatched to a pool, and the ends it saw, since the last scrape.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -131,7 +131,7 @@ impl DrainMeter {
         let elapsed = now.saturating_duration_since(start);
         if elapsed >= DRAIN_WINDOW {
             let sample = ends as f64 / elapsed.as_secs_f64();
-            self.rate = Some(crate::shedding::smooth_rate(self.rate, sample, DRAIN_ALPHA));
+            self.rate = Some(crate::admission::shedding::smooth_rate(self.rate, sample, DRAIN_ALPHA));
             self.window = Some((now, 0));
         } else {
             self.window = Some((start, ends));

@@ -15,7 +15,7 @@
 //! filter never saw its response) is recorded as `incomplete` with no tokens, so its reservation
 //! is still settled. The record's id comes from the request (the facts' request id and nonce,
 //! [`gateway_contract::record_id`]), so an entry delivered twice, or replayed after a restart, is
-//! applied once ([`crate::ledger`]).
+//! applied once ([`crate::metering::ledger`]).
 //!
 //! An entry of a request the filter decided but whose admission answer Envoy never received (the
 //! sidecar died or did not answer in time after taking the buckets, or the client left
@@ -36,7 +36,7 @@ use tracing::warn;
 use gateway_contract::{FS_REQUEST, FS_USAGE, MD_PROMPT_TOKENS, MD_RESERVED_TOKENS, METADATA_NAMESPACE};
 
 use crate::admission::RequestFacts;
-use crate::meter::{RequestInfo, Usage, UsageRecord};
+use crate::metering::meter::{RequestInfo, Usage, UsageRecord};
 use crate::service::{self, Shared, ADMISSION_REPLY_DETAILS};
 
 /// The access log service.
@@ -264,7 +264,7 @@ mod tests {
     use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 
     use super::*;
-    use crate::meter::{EndReason, UsageSource};
+    use crate::metering::meter::{EndReason, UsageSource};
 
     fn any_bytes(json: &str) -> Any {
         let value = json.as_bytes().to_vec().encode_to_vec();

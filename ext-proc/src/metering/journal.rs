@@ -7,7 +7,7 @@
 //! (`envoy/access_log_journal.yaml`: Envoy's file access logger). The sidecar tails that file
 //! from a checkpoint kept in Redis (the file's identity, device and inode, and a byte offset),
 //! turns each complete line into the [`HttpAccessLogEntry`] the gRPC path would have received
-//! ([`parse_line`]), and applies what it asks of the ledger ([`crate::access_log`]'s reading of
+//! ([`parse_line`]), and applies what it asks of the ledger ([`crate::metering::access_log`]'s reading of
 //! an entry) through the same idempotent script (`lua/ledger_v1.lua`): a record, or the release
 //! of an admission Envoy never received. The checkpoint moves only after Redis applied the
 //! batch, so a sidecar that dies mid-batch replays it from the checkpoint, and the record ids
@@ -27,7 +27,7 @@
 //!
 //! The gRPC access log stays the fast path (pool accounting, flow control, settlement within
 //! milliseconds); the journal, flushed by Envoy about once a second, repairs what it lost. A line
-//! whose write this replica's recorder saw land is not written again ([`crate::landed`]). Lines
+//! whose write this replica's recorder saw land is not written again ([`crate::metering::landed`]). Lines
 //! of requests that were not admitted (no facts, no reservation) are skipped.
 
 use std::borrow::Cow;
@@ -52,11 +52,11 @@ use tracing::{debug, info, warn};
 
 use gateway_contract::{FS_REQUEST, FS_USAGE, METADATA_NAMESPACE};
 
-use crate::access_log::{self, Entry};
-use crate::admission_lease::LeaseUse;
-use crate::ledger;
-use crate::limits;
-use crate::meter::UsageRecord;
+use crate::admission::admission_lease::LeaseUse;
+use crate::admission::limits;
+use crate::metering::access_log::{self, Entry};
+use crate::metering::ledger;
+use crate::metering::meter::UsageRecord;
 use crate::service::Shared;
 use crate::store::{Applied, Store, StoreError};
 

@@ -1,8 +1,8 @@
 //! The record ids whose ledger write this replica saw land in Redis, so the usage journal
-//! ([`crate::journal`]) does not send Redis a second write it would answer with "nothing to do".
+//! ([`crate::metering::journal`]) does not send Redis a second write it would answer with "nothing to do".
 //!
 //! Every access-log entry reaches the ledger twice on a standalone Envoy: first through the gRPC
-//! access log ([`crate::recorder`]), then, about a second later, as a line of the journal file. The
+//! access log ([`crate::metering::recorder`]), then, about a second later, as a line of the journal file. The
 //! second write is idempotent (`lua/ledger_v1.lua` deduplicates it by its record id) but not free:
 //! one more script call per request, the most expensive thing Redis did per request after the
 //! first write (measured with `INFO commandstats` through `bench/overhead.py`'s leased gateway:

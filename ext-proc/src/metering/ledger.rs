@@ -1,7 +1,7 @@
 //! The usage ledger's bookkeeping of each request, with no I/O (issue 14: idempotent by request,
 //! nothing silently lost). The writes are `lua/ledger_v1.lua` and `lua/token_bucket_take_v3.lua`
 //! through [`crate::store`]; the sweeper that charges forgotten reservations is
-//! [`crate::sweeper`].
+//! [`crate::metering::sweeper`].
 //!
 //! **Idempotent by request.** A usage record is named by its request
 //! ([`gateway_contract::record_id`]: Envoy's `x-request-id` as the wasm filter saw it, and a random
@@ -27,9 +27,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::admission::limits::{BucketSpec, ReplyError};
 use crate::admission::{self, RequestFacts};
-use crate::limits::{BucketSpec, ReplyError};
-use crate::meter::{RequestInfo, Usage, UsageRecord};
+use crate::metering::meter::{RequestInfo, Usage, UsageRecord};
 
 /// Version of [`Reservation`]'s JSON.
 pub const RESERVATION_VERSION: u32 = 1;
@@ -65,7 +65,7 @@ pub fn charged_key(prefix: &str, tenant: &str) -> String {
 }
 
 /// The hash of a tenant's open admission leases: `<prefix>:leases:{<tenant>}` (lease id ->
-/// [`crate::admission_lease::LeaseRecord`] JSON), written by the lease's take.
+/// [`crate::admission::admission_lease::LeaseRecord`] JSON), written by the lease's take.
 pub fn leases_key(prefix: &str, tenant: &str) -> String {
     format!("{prefix}:leases:{{{tenant}}}")
 }
@@ -118,7 +118,7 @@ pub struct Reservation {
     pub request_id: String,
     /// Unix ms of the admission (the sidecar's clock): a charge is dated by it.
     pub at_ms: u64,
-    /// Tokens the admission charged the tenant's quota counters ([`crate::quota`]; 0: none):
+    /// Tokens the admission charged the tenant's quota counters ([`crate::admission::quota`]; 0: none):
     /// the usage record corrects them by the tokens used minus this, a give-back takes it off.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub quota: u64,
@@ -154,12 +154,12 @@ impl Reservation {
     }
 
     /// The same, having charged `tokens` to the quota counters of the periods of `quota_ms`
-    /// (the admission's time on the quota clock, [`crate::quota::Clock`]).
+    /// (the admission's time on the quota clock, [`crate::admission::quota::Clock`]).
     pub fn with_quota(mut self, tokens: u64, quota_ms: u64) -> Self {
         if tokens > 0 {
             self.quota = tokens;
-            self.qday = crate::quota::day_label(quota_ms / 1000);
-            self.qmonth = crate::quota::month_label(quota_ms / 1000);
+            self.qday = crate::admission::quota::day_label(quota_ms / 1000);
+            self.qmonth = crate::admission::quota::month_label(quota_ms / 1000);
         }
         self
     }
@@ -281,8 +281,8 @@ pub fn read_claim_with<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limits::BucketKind;
-    use crate::meter::{EndReason, UsageSource};
+    use crate::admission::limits::BucketKind;
+    use crate::metering::meter::{EndReason, UsageSource};
 
     fn reservation() -> Reservation {
         let facts = RequestFacts {

@@ -162,7 +162,7 @@ pub struct UsageRecord {
     /// but the monotonic instants it is given). 0 until then.
     pub finished_at_unix_ms: u64,
     /// No usage arrived: the ledger's record of the request's reservation, charged once the
-    /// request was older than the longest stream lifetime ([`crate::ledger::charged_record`];
+    /// request was older than the longest stream lifetime ([`crate::metering::ledger::charged_record`];
     /// the event's `END_REASON_UNREPORTED`).
     pub unreported: bool,
     /// Set when the upstream's usage could not be used and the record bills the reservation

@@ -1,7 +1,7 @@
 //! The ledger's writes on their way to Redis: a bounded in-memory buffer and one writer task.
 //!
 //! Three kinds of write ([`LedgerOp`]): a finished request's usage record with the settlement of
-//! its reservation, the charge of a reservation whose usage never arrived ([`crate::sweeper`]),
+//! its reservation, the charge of a reservation whose usage never arrived ([`crate::metering::sweeper`]),
 //! and the release of an admission given back before its request went upstream. They are queued
 //! without waiting; the writer writes them in batches (concurrent commands on the multiplexed
 //! connection, so they travel pipelined), each through one `lua/ledger_v1.lua` call (then, for a
@@ -9,7 +9,7 @@
 //! head of the buffer and is retried with backoff until Redis returns, so an outage loses nothing
 //! while the buffer has room (`metering.buffer_records`).
 //!
-//! Every write is applied once per request ([`crate::ledger`]): a record closes its request's
+//! Every write is applied once per request ([`crate::metering::ledger`]): a record closes its request's
 //! open reservation, else is deduplicated by its id for [`IDEMPOTENCY_RETENTION`]; a charge and a
 //! release act only on an open reservation. A record's event is appended to the stream only when
 //! the record landed (or an earlier attempt may have landed it), so a second delivery appends
@@ -29,10 +29,10 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::{error, warn};
 
-use crate::admission_lease::LeaseUse;
-use crate::landed::Landed;
-use crate::limits::BucketSpec;
-use crate::meter::UsageRecord;
+use crate::admission::admission_lease::LeaseUse;
+use crate::admission::limits::BucketSpec;
+use crate::metering::landed::Landed;
+use crate::metering::meter::UsageRecord;
 use crate::metrics::Metrics;
 use crate::store::{
     Applied, LedgerReply, LedgerWrite, Store, StoreError, CLOCK_SKEW_MARGIN, IDEMPOTENCY_RETENTION,
@@ -65,7 +65,7 @@ pub enum LedgerOp {
         /// The request's part in the books of the admission lease it was admitted from.
         lease: Option<LeaseUse>,
     },
-    /// A reservation recorded as charged: no usage arrived ([`crate::ledger::charged_record`]).
+    /// A reservation recorded as charged: no usage arrived ([`crate::metering::ledger::charged_record`]).
     Charge {
         /// The record of the reservation.
         record: UsageRecord,
@@ -479,7 +479,8 @@ mod tests {
             landed: Arc::default(),
         };
         let record = |tenant: &str| {
-            let info = crate::meter::RequestInfo { tenant: tenant.to_owned(), ..Default::default() };
+            let info =
+                crate::metering::meter::RequestInfo { tenant: tenant.to_owned(), ..Default::default() };
             UsageRecord::new(info, gateway_meter::Usage::unseen(1, 200), true)
         };
         recorder.record(record("mallory"), Vec::new(), None);

@@ -1,4 +1,4 @@
-//! The ledger's sweeper ([`crate::ledger`]), a task on every replica: every
+//! The ledger's sweeper ([`crate::metering::ledger`]), a task on every replica: every
 //! `metering.reservations.sweep_interval_ms`, one Redis call per configured tenant claims up to
 //! `sweep_batch` of its open reservations older than `record_after_ms` ([`Store::claim`], by
 //! Redis's clock) and queues each one's charge to the usage writer ([`Recorder::charge`]), which
@@ -19,7 +19,7 @@
 //!
 //! [`Store::claim`]: crate::store::Store::claim
 //! [`Store::lease_reclaim`]: crate::store::Store::lease_reclaim
-//! [`Recorder::charge`]: crate::recorder::Recorder::charge
+//! [`Recorder::charge`]: crate::metering::recorder::Recorder::charge
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,9 +28,9 @@ use tokio::sync::watch;
 use tokio::time::MissedTickBehavior;
 use tracing::{debug, warn};
 
-use crate::admission_lease;
-use crate::ledger::{self, CLAIM};
-use crate::limits;
+use crate::admission::admission_lease;
+use crate::admission::limits;
+use crate::metering::ledger::{self, CLAIM};
 use crate::service::Shared;
 use crate::store::LeaseCharge;
 

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::quota::{civil_from_days, parse_day};
+use crate::admission::quota::{civil_from_days, parse_day};
 use crate::store::usage_key_of_day;
 
 /// The most days one report reads.

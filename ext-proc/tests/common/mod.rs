@@ -55,9 +55,9 @@ impl Drop for Redis {
 
 /// A leased (or plain) usage record with its settlements and its lease part, as a test builds it.
 pub type RecordWrite = (
-    gateway_ext_proc::meter::UsageRecord,
-    Vec<(gateway_ext_proc::limits::BucketSpec, i64)>,
-    Option<gateway_ext_proc::admission_lease::LeaseUse>,
+    gateway_ext_proc::metering::meter::UsageRecord,
+    Vec<(gateway_ext_proc::admission::limits::BucketSpec, i64)>,
+    Option<gateway_ext_proc::admission::admission_lease::LeaseUse>,
 );
 
 /// The ledger writes (records, not charges) of `writes`, in order.

@@ -463,7 +463,9 @@ fn exact_count_models(loaded: &Loaded, flavor: Flavor) -> Result<Vec<Value>, Err
             tokenizer: tokenizer.clone(),
             chat_template: template.clone(),
         };
-        if let Err(e) = gateway_ext_proc::context::ContextChecker::from_config(std::slice::from_ref(&local)) {
+        if let Err(e) =
+            gateway_ext_proc::admission::context::ContextChecker::from_config(std::slice::from_ref(&local))
+        {
             let (at, message) = match e {
                 gateway_ext_proc::config::ConfigError::Invalid { field: f, message } => (f, message),
                 other => (String::new(), other.to_string()),
