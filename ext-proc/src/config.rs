@@ -327,7 +327,7 @@ pub struct PoolConfig {
     #[serde(default)]
     pub picker: Option<PickerConfig>,
     /// Flow control (issue 13): with it, a request of a tier listed in `flow_control.tiers`
-    /// that finds the pool without room ([`crate::flow_control::room`]: `max_in_flight`,
+    /// that finds the pool without room ([`crate::flow_control::drain`]: `max_in_flight`,
     /// `max_queue_depth`, `max_kv_cache_usage`) waits in the pool's queue instead of being shed.
     #[serde(default)]
     pub flow_control: Option<PoolFlowConfig>,
@@ -408,7 +408,7 @@ pub struct QueueTierConfig {
     pub max_queue_wait_ms: u64,
     /// The share of a pool's room the tier may fill (default 1; in (0, 1], never above the
     /// tier before it): its requests are dispatched only while the pool's load
-    /// ([`crate::flow_control::room::load`]) is below it, so that the rest stays free for the
+    /// ([`crate::flow_control::drain::load`]) is below it, so that the rest stays free for the
     /// higher tiers' requests, which then wait for nothing (e.g. batch 0.6).
     #[serde(default = "default_max_load")]
     pub max_load: f64,

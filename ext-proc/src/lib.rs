@@ -27,11 +27,12 @@ pub mod config;
 pub mod epp;
 pub mod error;
 pub mod flow_control;
+pub mod grpc;
 pub mod metering;
 pub mod metrics;
 pub mod pools;
 pub mod scheduling;
-pub mod service;
+pub mod state;
 pub mod store;
 pub mod telemetry;
 
@@ -53,11 +54,12 @@ use tonic::transport::server::TcpIncoming;
 
 use crate::admission::limiter::Limiter;
 use crate::config::Config;
+use crate::grpc::ext_proc::Gateway;
 use crate::metering::access_log::AccessLog;
 use crate::metering::recorder::Recorder;
 use crate::metrics::Metrics;
 use crate::pools::Pools;
-use crate::service::{Gateway, Shared};
+use crate::state::Shared;
 use crate::store::Store;
 
 /// Errors that stop the sidecar.

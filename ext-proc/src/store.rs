@@ -1356,7 +1356,7 @@ pub struct InFlightFlush {
     /// The replica's admitted requests of the pool since it started.
     pub admitted: u64,
     /// Upper bound on the pool's in-flight requests from vLLM's metrics, with the pool-wide
-    /// admitted sum it was computed at (see [`crate::admission::shedding::in_flight_bound`]); None: no
+    /// admitted sum it was computed at (see [`crate::pools::signals::in_flight_bound`]); None: no
     /// fresh metrics, no correction.
     pub bound: Option<(u64, u64)>,
     /// Count the replicas that flushed within this long ([`InFlightTotal::replicas`]).

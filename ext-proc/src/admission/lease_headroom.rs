@@ -27,16 +27,16 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
-use crate::admission::shedding::PoolSignals;
 use crate::config::PoolConfig;
-use crate::flow_control::room::SinceScrape;
+use crate::pools::room::SinceScrape;
+use crate::pools::signals::PoolSignals;
 
 /// The requests `pool` takes before its load reaches `level` (the lowest tier's shedding
 /// level, or flow control's `leases_below_load`): the least over its configured limits of
 /// - `max_in_flight`: `level × max_in_flight − in_flight`;
 /// - `max_queue_depth`: `level × max_queue_depth − (waiting + dispatched − finished)`, vLLM's
 ///   `vllm:num_requests_waiting` at the last scrape plus this sidecar's dispatches since it,
-///   less the ends it saw since (flow control's estimate, [`crate::flow_control::room`]): every
+///   less the ends it saw since (flow control's estimate, [`crate::flow_control::drain`]): every
 ///   request admitted since the scrape is counted as waiting;
 /// - `max_kv_cache_usage`: `(level × max_kv_cache_usage − kv_cache_usage) / (kv_cache_usage /
 ///   running)` less the dispatches since the scrape: the KV cache a running request holds at the

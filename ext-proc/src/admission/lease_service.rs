@@ -23,7 +23,7 @@ use crate::admission::quota::QuotaTake;
 use crate::metrics::LeaseOutcome;
 use crate::proto::admission_leases_server::AdmissionLeases;
 use crate::proto::{LeaseGrant, LeaseRequest};
-use crate::service::Shared;
+use crate::state::Shared;
 
 /// How long a filter waits before asking again when leases are off or the tenant is unknown, in
 /// milliseconds.

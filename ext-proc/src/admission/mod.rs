@@ -12,6 +12,7 @@
 //! means for it (admit with `x-ratelimit-*` values, or a 429).
 
 pub mod admission_lease;
+pub mod admit;
 pub mod breaker;
 pub mod context;
 pub mod lease;
@@ -20,6 +21,7 @@ pub mod lease_service;
 pub mod limiter;
 pub mod limits;
 pub mod local_limiter;
+pub mod pipeline;
 pub mod quota;
 pub mod shedding;
 

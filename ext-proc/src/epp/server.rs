@@ -20,7 +20,7 @@ use super::stream::{Chooser, EppStream};
 use crate::config::EndpointPickerConfig;
 use crate::error::AdmissionError;
 use crate::pools::PickOutcome;
-use crate::service::Shared;
+use crate::state::Shared;
 
 /// The load level at which the endpoint picker sheds (429): the pool's hard ceiling. The
 /// protocol's requests carry no tenant tier, so the tiers' lower levels do not apply.

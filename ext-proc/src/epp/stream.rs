@@ -117,7 +117,7 @@ impl EppStream {
         }
         match req.request {
             Some(ProcRequest::RequestHeaders(h)) => {
-                self.subset = crate::service::subset_hint(req.metadata_context.as_ref());
+                self.subset = crate::grpc::protocol::subset_hint(req.metadata_context.as_ref());
                 self.phase = Phase::Body;
                 // No body will come (none sent, or a filter that sends none: `protocol_config`
                 // absent or body mode NONE): pick from the headers alone, without prefix affinity.
@@ -174,7 +174,7 @@ impl EppStream {
 
     fn refuse(&mut self, error: &AdmissionError) -> Vec<ProcessingResponse> {
         self.phase = Phase::Refused;
-        vec![crate::service::immediate_response(error)]
+        vec![crate::grpc::protocol::immediate_response(error)]
     }
 
     fn pick(&mut self, chooser: &dyn Chooser) -> Vec<ProcessingResponse> {

@@ -16,22 +16,20 @@
 //! dispatched, takes its admission back off the pool's in-flight count. The requests' rate-limit
 //! reservations are the admission's to give back ([`crate::service`]).
 
+pub mod drain;
 pub mod fairness;
 pub mod queue;
-pub mod room;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
 use crate::config::{FlowControlConfig, PoolFlowConfig};
-use crate::metrics::{PoolTier, QueueDequeue, QueueWait};
-use crate::pools::{Pool, Pools};
 use fairness::Fairness;
-use queue::{Bounds, Entry, FlowQueue, Refusal};
+use queue::{Bounds, FlowQueue, Refusal};
 
 /// How much longer than a queued request's remaining budget Envoy is told to wait for the
 /// admission's answer (`override_message_timeout`): the time to answer once the budget runs out.
@@ -51,23 +49,23 @@ pub enum Release {
 /// The queue of one flow-controlled pool.
 pub(crate) struct PoolFlow {
     pub(crate) config: PoolFlowConfig,
-    queue: Mutex<FlowQueue<oneshot::Sender<Release>>>,
+    pub(crate) queue: Mutex<FlowQueue<oneshot::Sender<Release>>>,
     /// The sidecar is shutting down: nothing is queued any more.
-    closed: AtomicBool,
+    pub(crate) closed: AtomicBool,
     /// Requests queued (as of the last change), read without the queue's lock.
-    queued: AtomicUsize,
-    /// The pool's drain rate while saturated ([`room::DrainMeter`]).
-    drain: Mutex<room::DrainMeter>,
+    pub(crate) queued: AtomicUsize,
+    /// The pool's drain rate while saturated ([`drain::DrainMeter`]).
+    pub(crate) drain: Mutex<drain::DrainMeter>,
     /// Each tenant's dispatches per second while it had requests queued: its share of the
     /// pool when backlogged (tenants are the configured ones: bounded).
-    tenant_drain: Mutex<HashMap<String, room::DrainMeter>>,
+    pub(crate) tenant_drain: Mutex<HashMap<String, drain::DrainMeter>>,
     /// Tier names, highest first (metric labels).
-    tiers: Vec<String>,
+    pub(crate) tiers: Vec<String>,
     /// Each tier's `max_load` (the share of the room it may fill).
-    levels: Vec<f64>,
+    pub(crate) levels: Vec<f64>,
     /// `flow_control.newcomer_reserve`: the share of each tier's level that dispatches from the
     /// queue leave free for newcomers.
-    reserve: f64,
+    pub(crate) reserve: f64,
 }
 
 impl PoolFlow {
@@ -84,7 +82,7 @@ impl PoolFlow {
             config,
             closed: AtomicBool::new(false),
             queued: AtomicUsize::new(0),
-            drain: Mutex::new(room::DrainMeter::default()),
+            drain: Mutex::new(drain::DrainMeter::default()),
             tenant_drain: Mutex::new(HashMap::new()),
             tiers,
             levels,
@@ -92,17 +90,17 @@ impl PoolFlow {
         }
     }
 
-    fn tier_name(&self, tier: usize) -> &str {
+    pub(crate) fn tier_name(&self, tier: usize) -> &str {
         self.tiers.get(tier).map_or("", String::as_str)
     }
 
-    fn level(&self, tier: usize) -> f64 {
+    pub(crate) fn level(&self, tier: usize) -> f64 {
         self.levels.get(tier).copied().unwrap_or(1.0)
     }
 
     /// The level up to which a tier's queued requests are let in: its `max_load` less the
     /// newcomer reserve.
-    fn queue_level(&self, tier: usize) -> f64 {
+    pub(crate) fn queue_level(&self, tier: usize) -> f64 {
         self.level(tier) * (1.0 - self.reserve)
     }
 
@@ -113,7 +111,7 @@ impl PoolFlow {
 
     /// A tenant's request was dispatched from the queue at `now`; `backlogged`: the tenant still
     /// has requests queued.
-    fn tenant_dispatched(&self, tenant: &str, now: Instant, backlogged: bool) {
+    pub(crate) fn tenant_dispatched(&self, tenant: &str, now: Instant, backlogged: bool) {
         if let Ok(mut d) = self.tenant_drain.lock() {
             match d.get_mut(tenant) {
                 Some(m) => m.finished(now, backlogged),
@@ -123,8 +121,8 @@ impl PoolFlow {
     }
 
     /// The tenant's dispatches per second while backlogged (None until measured).
-    fn tenant_rate(&self, tenant: &str) -> Option<f64> {
-        self.tenant_drain.lock().ok().and_then(|d| d.get(tenant).and_then(room::DrainMeter::rate))
+    pub(crate) fn tenant_rate(&self, tenant: &str) -> Option<f64> {
+        self.tenant_drain.lock().ok().and_then(|d| d.get(tenant).and_then(drain::DrainMeter::rate))
     }
 
     /// A request of the pool ended (before the queue is pumped).
@@ -136,339 +134,6 @@ impl PoolFlow {
     }
 }
 
-/// Where a request stands once [`Pools::enter`] has seen it.
-#[derive(Debug)]
-pub enum Entered {
-    /// The pool has room and nothing waits: dispatched now (counted in flight).
-    Now,
-    /// Queued: await [`Waiter::wait`].
-    Queued(Waiter),
-    /// Refused (429 `overloaded` with this `Retry-After`).
-    Refused(Refusal, u64),
-}
-
-/// A queued request's place. Dropping it before [`Waiter::wait`] returns takes the request out
-/// of the queue (or its dispatch back off the in-flight count).
-pub struct Waiter {
-    pools: Arc<Pools>,
-    pool: String,
-    id: u64,
-    tier: usize,
-    rx: oneshot::Receiver<Release>,
-    deadline: tokio::time::Instant,
-    budget: Duration,
-    done: bool,
-}
-
-impl std::fmt::Debug for Waiter {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Waiter")
-            .field("pool", &self.pool)
-            .field("id", &self.id)
-            .field("tier", &self.tier)
-            .finish()
-    }
-}
-
-impl Waiter {
-    /// The longest it can still wait (until its tier's budget runs out).
-    pub fn remaining(&self) -> Duration {
-        self.deadline.saturating_duration_since(tokio::time::Instant::now())
-    }
-
-    /// Waits for the request's dispatch or refusal, at most until its tier's budget runs out.
-    ///
-    /// # Errors
-    /// The refusal and its `Retry-After` seconds.
-    pub async fn wait(mut self) -> Result<Duration, (Refusal, u64)> {
-        let release = match tokio::time::timeout_at(self.deadline, &mut self.rx).await {
-            Ok(Ok(release)) => release,
-            // The sender is dropped only with the pools (the sidecar stopping).
-            Ok(Err(_)) => Release::Refused(Refusal::ShuttingDown, 1),
-            Err(_) => match self.pools.timed_out(&self.pool, self.id, self.tier, self.budget) {
-                Some(release) => release,
-                // Dispatched or refused just now: the answer is in the channel.
-                None => self.rx.try_recv().unwrap_or(Release::Refused(Refusal::ShuttingDown, 1)),
-            },
-        };
-        self.done = true;
-        match release {
-            Release::Dispatched(waited) => Ok(waited),
-            Release::Refused(refusal, retry_after) => Err((refusal, retry_after)),
-        }
-    }
-}
-
-impl Drop for Waiter {
-    fn drop(&mut self) {
-        if !self.done {
-            self.pools.cancelled(&self.pool, self.id, self.tier, &mut self.rx);
-        }
-    }
-}
-
-impl Pools {
-    /// Whether `pool` queues requests.
-    pub fn flow_controlled(&self, pool: &str) -> bool {
-        self.pool(pool).is_some_and(|p| p.flow.is_some())
-    }
-
-    /// Whether a request of `tier` would be let into `pool` at once: nothing queued and room
-    /// for its tier (always, for a pool without flow control).
-    pub fn room_now(&self, pool: &str, tier: usize) -> bool {
-        let Some(p) = self.pool(pool) else { return true };
-        let Some(flow) = p.flow.as_ref() else { return true };
-        flow.queue.lock().map_or(true, |q| q.is_empty()) && p.has_room(flow.level(tier))
-    }
-
-    /// Before any quota is taken: `Some(retry_after_secs)` when a request of `tier` (an index
-    /// into `flow_control.tiers`) and `tenant` would have to wait longer than `budget`, by the
-    /// queue ahead of it and the pool's drain rate; None when it may go on (room now, a wait
-    /// within the budget, or no drain rate yet to predict with).
-    pub fn predict_refusal(&self, pool: &str, tier: usize, tenant: &str, budget: Duration) -> Option<u64> {
-        let p = self.pool(pool)?;
-        let flow = p.flow.as_ref()?;
-        let q = flow.queue.lock().ok()?;
-        let drain = flow.drain_rate();
-        if q.is_empty() && p.has_room(flow.level(tier)) {
-            return None;
-        }
-        let ahead = q.ahead(tier, tenant);
-        let own = q.queued_of(tier, tenant);
-        let wait = room::predicted_wait_of(ahead, drain, own, flow.tenant_rate(tenant))?;
-        if wait <= budget {
-            return None;
-        }
-        drop(q);
-        self.count_dequeue(pool, flow.tier_name(tier), Refusal::PredictedWait.label());
-        Some(room::retry_after_wait(wait, budget))
-    }
-
-    /// Admits a request of `tier` and `tenant` to `pool` now when the pool has room and nothing
-    /// waits, else queues it (its body of `body_bytes` held by Envoy meanwhile) for at most
-    /// `budget`. A pool that is not flow-controlled (or unknown) admits at once. Either way an
-    /// admission is counted in the pool's in-flight requests when it happens ([`Pools::finished`]
-    /// takes it off).
-    pub fn enter(
-        self: &Arc<Self>,
-        pool: &str,
-        tier: usize,
-        tenant: &str,
-        prompt_tokens: u64,
-        body_bytes: u64,
-        budget: Duration,
-    ) -> Entered {
-        let Some(p) = self.pool(pool) else { return Entered::Now };
-        let Some(flow) = p.flow.as_ref() else {
-            self.admitted(pool);
-            return Entered::Now;
-        };
-        let Ok(mut q) = flow.queue.lock() else {
-            self.admitted(pool);
-            return Entered::Now;
-        };
-        if q.is_empty() && p.has_room(flow.level(tier)) {
-            // Counted under the queue's lock: no other request takes the same room.
-            self.admitted(pool);
-            return Entered::Now;
-        }
-        // Queued requests leave the newcomer reserve free: a request whose tenant has nothing
-        // queued in its tier (not backlogged) takes it now.
-        if flow.reserve > 0.0 && p.has_room(flow.level(tier)) && q.pass_newcomer(tier, tenant, prompt_tokens)
-        {
-            self.admitted(pool);
-            self.count_dequeue(pool, flow.tier_name(tier), "reserve");
-            return Entered::Now;
-        }
-        if flow.closed.load(Ordering::Relaxed) {
-            return Entered::Refused(Refusal::ShuttingDown, 1);
-        }
-        let (tx, rx) = oneshot::channel();
-        let now = Instant::now();
-        let id = match q.push(tier, tenant, prompt_tokens, body_bytes, now, tx) {
-            Ok((id, evicted)) => {
-                for e in evicted {
-                    self.refuse(pool, flow, e, Refusal::Evicted, &q);
-                }
-                id
-            }
-            Err((refusal, _)) => {
-                let retry = room::retry_after_secs(q.ahead(tier, tenant), flow.drain_rate(), budget);
-                drop(q);
-                self.count_dequeue(pool, flow.tier_name(tier), refusal.label());
-                return Entered::Refused(refusal, retry);
-            }
-        };
-        self.pump_locked(pool, p, flow, &mut q);
-        drop(q);
-        // Dispatched by that pump (a higher tier than everything queued, with room): no wait.
-        let mut rx = rx;
-        match rx.try_recv() {
-            Ok(Release::Dispatched(_)) => return Entered::Now,
-            Ok(Release::Refused(refusal, retry_after)) => return Entered::Refused(refusal, retry_after),
-            Err(_) => {}
-        }
-        Entered::Queued(Waiter {
-            pools: Arc::clone(self),
-            pool: pool.to_owned(),
-            id,
-            tier,
-            rx,
-            deadline: tokio::time::Instant::now() + budget,
-            budget,
-            done: false,
-        })
-    }
-
-    /// Dispatches queued requests of `pool` while it has room.
-    pub fn pump(&self, pool: &str) {
-        let Some(p) = self.pool(pool) else { return };
-        let Some(flow) = p.flow.as_ref() else { return };
-        let Ok(mut q) = flow.queue.lock() else { return };
-        self.pump_locked(pool, p, flow, &mut q);
-    }
-
-    fn pump_locked(
-        &self,
-        name: &str,
-        p: &Pool,
-        flow: &PoolFlow,
-        q: &mut FlowQueue<oneshot::Sender<Release>>,
-    ) {
-        let now = Instant::now();
-        while let Some((tier, newcomer)) = q.peek() {
-            // Requests of backlogged tenants fill the pool up to the tier's level less the
-            // newcomer reserve; a newcomer's request up to the level, around a head held back
-            // by the reserve. Without room nothing goes: a higher tier's queued request holds
-            // back every lower tier's.
-            let entry = if p.has_room(flow.queue_level(tier)) || (newcomer && p.has_room(flow.level(tier))) {
-                q.pop()
-            } else if flow.reserve > 0.0 && p.has_room(flow.level(tier)) {
-                q.pop_newcomer()
-            } else {
-                None
-            };
-            let Some(entry) = entry else { break };
-            flow.tenant_dispatched(&entry.tenant, now, q.queued_of(entry.tier, &entry.tenant) > 0);
-            let waited = now.saturating_duration_since(entry.enqueued);
-            self.admitted(name);
-            let tier = flow.tier_name(entry.tier).to_owned();
-            if entry.item.send(Release::Dispatched(waited)).is_err() {
-                // Its stream is gone (the waiter is being dropped): not in flight after all
-                // (the queue's lock is held: no pump from here, the loop goes on).
-                self.adjust(name, -1, 0);
-                self.count_dequeue(name, &tier, "cancelled");
-                continue;
-            }
-            self.count_dequeue(name, &tier, "dispatched");
-            let labels = QueueWait {
-                pool: self.metrics.bounded(name),
-                tier: self.metrics.bounded(&tier),
-                tenant: self.metrics.bounded(&entry.tenant),
-            };
-            self.metrics.queue_wait.get_or_create(&labels).observe(waited.as_secs_f64());
-        }
-        self.publish_queue(name, flow, q);
-    }
-
-    /// A waiter's budget ran out: takes it out of the queue (None when it was dispatched or
-    /// refused meanwhile).
-    fn timed_out(&self, pool: &str, id: u64, tier: usize, budget: Duration) -> Option<Release> {
-        let p = self.pool(pool)?;
-        let flow = p.flow.as_ref()?;
-        let mut q = flow.queue.lock().ok()?;
-        q.remove(id)?;
-        let retry = room::retry_after_secs(q.ahead(tier, ""), flow.drain_rate(), budget);
-        self.publish_queue(pool, flow, &q);
-        drop(q);
-        self.count_dequeue(pool, flow.tier_name(tier), Refusal::Timeout.label());
-        Some(Release::Refused(Refusal::Timeout, retry))
-    }
-
-    /// A waiter was dropped before its answer (its stream went away): out of the queue, or, when
-    /// it was dispatched meanwhile, off the in-flight count.
-    fn cancelled(&self, pool: &str, id: u64, tier: usize, rx: &mut oneshot::Receiver<Release>) {
-        let Some(p) = self.pool(pool) else { return };
-        let Some(flow) = p.flow.as_ref() else { return };
-        let removed = match flow.queue.lock() {
-            Ok(mut q) => {
-                let removed = q.remove(id).is_some();
-                if removed {
-                    self.publish_queue(pool, flow, &q);
-                }
-                removed
-            }
-            Err(_) => false,
-        };
-        if removed {
-            self.count_dequeue(pool, flow.tier_name(tier), "cancelled");
-        } else if let Ok(Release::Dispatched(_)) = rx.try_recv() {
-            self.finished(pool);
-        }
-    }
-
-    /// Answers every queued request 429 (`Retry-After: 1`) and queues nothing more: the sidecar
-    /// is shutting down.
-    pub fn close_queues(&self) {
-        for (name, p) in self.iter() {
-            let Some(flow) = p.flow.as_ref() else { continue };
-            flow.closed.store(true, Ordering::Relaxed);
-            let Ok(mut q) = flow.queue.lock() else { continue };
-            for entry in q.drain() {
-                self.refuse(name, flow, entry, Refusal::ShuttingDown, &q);
-            }
-            self.publish_queue(name, flow, &q);
-        }
-    }
-
-    /// Charges a finished request's completion tokens to its tenant's fair share.
-    pub fn charge_output(&self, pool: &str, tenant: &str, completion_tokens: u64) {
-        let Some(flow) = self.pool(pool).and_then(|p| p.flow.as_ref()) else { return };
-        if let Ok(mut q) = flow.queue.lock() {
-            q.fairness_mut().charge_output(tenant, completion_tokens);
-        }
-    }
-
-    /// Whether `pool`'s queue holds requests or its load is at its `leases_below_load`: the
-    /// filter's admission leases then stop, so that the pool's requests go through the queue.
-    pub fn near_saturation(&self, pool: &str) -> bool {
-        let Some(p) = self.pool(pool) else { return false };
-        let Some(flow) = p.flow.as_ref() else { return false };
-        let queued = flow.queue.lock().map_or(true, |q| !q.is_empty());
-        queued || p.load() >= flow.config.leases_below_load
-    }
-
-    fn refuse(
-        &self,
-        pool: &str,
-        flow: &PoolFlow,
-        entry: Entry<oneshot::Sender<Release>>,
-        refusal: Refusal,
-        q: &FlowQueue<oneshot::Sender<Release>>,
-    ) {
-        let retry = match refusal {
-            Refusal::ShuttingDown => 1,
-            _ => room::retry_after_secs(q.len(), flow.drain_rate(), Duration::ZERO),
-        };
-        let _ = entry.item.send(Release::Refused(refusal, retry));
-        self.count_dequeue(pool, flow.tier_name(entry.tier), refusal.label());
-    }
-
-    fn count_dequeue(&self, pool: &str, tier: &str, reason: &'static str) {
-        let labels =
-            QueueDequeue { pool: self.metrics.bounded(pool), tier: self.metrics.bounded(tier), reason };
-        self.metrics.queue_dequeues.get_or_create(&labels).inc();
-    }
-
-    fn publish_queue(&self, pool: &str, flow: &PoolFlow, q: &FlowQueue<oneshot::Sender<Release>>) {
-        flow.queued.store(q.len(), Ordering::Relaxed);
-        for (tier, len) in flow.tiers.iter().zip(q.tier_lens()) {
-            let labels = PoolTier { pool: self.metrics.bounded(pool), tier: self.metrics.bounded(tier) };
-            self.metrics.queue_length.get_or_create(&labels).set(i64::try_from(len).unwrap_or(i64::MAX));
-        }
-    }
-}
-
 /// The index and budget of a tier in `flow_control.tiers` (None: the tier is not queued).
 pub fn tier_budget(flow: Option<&FlowControlConfig>, tier: &str) -> Option<(usize, Duration)> {
     let flow = flow?;
@@ -476,208 +141,4 @@ pub fn tier_budget(flow: Option<&FlowControlConfig>, tier: &str) -> Option<(usiz
         .iter()
         .position(|t| t.name == tier)
         .and_then(|i| flow.tiers.get(i).map(|t| (i, Duration::from_millis(t.max_queue_wait_ms))))
-}
-
-#[cfg(test)]
-mod tests {
-    use std::collections::BTreeMap;
-
-    use super::*;
-    use crate::config::{PoolConfig, QueueTierConfig};
-    use crate::metrics::Metrics;
-
-    const LONG: Duration = Duration::from_secs(30);
-
-    fn pools(max_in_flight: u64, max_queued: usize) -> Arc<Pools> {
-        pools_with(max_in_flight, max_queued, 1.0)
-    }
-
-    fn pools_with(max_in_flight: u64, max_queued: usize, batch_load: f64) -> Arc<Pools> {
-        pools_reserving(max_in_flight, max_queued, batch_load, 0.0)
-    }
-
-    fn pools_reserving(max_in_flight: u64, max_queued: usize, batch_load: f64, reserve: f64) -> Arc<Pools> {
-        let pool = PoolConfig {
-            name: "p".into(),
-            endpoints: vec![],
-            scrape_interval_ms: 100,
-            max_queue_depth: None,
-            max_kv_cache_usage: None,
-            max_in_flight: Some(max_in_flight),
-            picker: None,
-            flow_control: Some(PoolFlowConfig {
-                max_queued,
-                max_queued_bytes: crate::config::DEFAULT_MAX_QUEUED_BYTES,
-                leases_below_load: 0.8,
-            }),
-            admission_leases: None,
-        };
-        let tier =
-            |name: &str, max_load| QueueTierConfig { name: name.into(), max_queue_wait_ms: 1000, max_load };
-        let flow = FlowControlConfig {
-            tiers: vec![tier("premium", 1.0), tier("batch", batch_load)],
-            output_token_weight: 2.0,
-            tenant_weights: BTreeMap::new(),
-            newcomer_reserve: reserve,
-        };
-        Pools::new(&[pool], Some(&flow), Metrics::new(), None)
-    }
-
-    fn queued(e: Entered) -> Waiter {
-        match e {
-            Entered::Queued(w) => w,
-            other => panic!("not queued: {other:?}"),
-        }
-    }
-
-    fn in_flight(p: &Pools) -> u64 {
-        p.pool("p").map_or(u64::MAX, |p| p.signals().in_flight)
-    }
-
-    #[tokio::test]
-    async fn a_request_waits_for_room_and_a_higher_tier_goes_first() {
-        let p = pools(1, 10);
-        assert!(matches!(p.enter("p", 0, "a", 10, 0, LONG), Entered::Now));
-        assert!(p.near_saturation("p"), "at its max_in_flight: no leases");
-        let batch = queued(p.enter("p", 1, "b", 10, 0, LONG));
-        let premium = queued(p.enter("p", 0, "a", 10, 0, LONG));
-        assert_eq!(in_flight(&p), 1);
-        let (batch, premium) = (tokio::spawn(batch.wait()), tokio::spawn(premium.wait()));
-        p.finished("p");
-        let waited = premium.await.unwrap().unwrap();
-        assert!(waited > Duration::ZERO);
-        assert!(!batch.is_finished());
-        assert_eq!(in_flight(&p), 1, "the premium request took the room");
-        p.finished("p");
-        assert!(batch.await.unwrap().is_ok());
-        p.finished("p");
-        assert_eq!(in_flight(&p), 0);
-        assert!(!p.near_saturation("p"));
-    }
-
-    #[tokio::test]
-    async fn a_tier_with_a_max_load_leaves_the_rest_of_the_room_to_higher_tiers() {
-        let p = pools_with(4, 10, 0.5);
-        assert!(matches!(p.enter("p", 1, "b", 10, 0, LONG), Entered::Now));
-        assert!(matches!(p.enter("p", 1, "b", 10, 0, LONG), Entered::Now));
-        let batch = queued(p.enter("p", 1, "b", 10, 0, LONG));
-        // Premium takes the room batch may not, even with batch queued.
-        assert!(matches!(p.enter("p", 0, "a", 10, 0, LONG), Entered::Now));
-        assert_eq!(in_flight(&p), 3);
-        let batch = tokio::spawn(batch.wait());
-        p.finished("p");
-        p.finished("p");
-        assert!(batch.await.unwrap().is_ok(), "under half again: batch goes");
-        assert_eq!(in_flight(&p), 2);
-    }
-
-    #[tokio::test]
-    async fn the_newcomer_reserve_lets_a_light_tenant_past_a_backlogged_one() {
-        // 8 slots, a quarter reserved: the queue fills the pool to 6. With nothing queued every
-        // tenant is a newcomer: heavy fills all 8.
-        let p = pools_reserving(8, 100, 1.0, 0.25);
-        for _ in 0..8 {
-            assert!(matches!(p.enter("p", 0, "heavy", 10, 0, LONG), Entered::Now));
-        }
-        let heavy: Vec<_> = (0..4).map(|_| queued(p.enter("p", 0, "heavy", 10, 0, LONG))).collect();
-        let heavy: Vec<_> = heavy.into_iter().map(|w| tokio::spawn(w.wait())).collect();
-        // Three ends: the pool is at 5, below the queue's 6: one of heavy's goes.
-        for _ in 0..3 {
-            p.finished("p");
-        }
-        assert_eq!(in_flight(&p), 6);
-        // Light, with nothing queued and the least counter, takes the reserve at once, twice.
-        assert!(matches!(p.enter("p", 0, "light", 10, 0, LONG), Entered::Now));
-        assert_eq!(in_flight(&p), 7);
-        assert!(matches!(p.enter("p", 0, "other", 10, 0, LONG), Entered::Now));
-        assert_eq!(in_flight(&p), 8);
-        // The pool is full: light2's two requests wait. The first is a newcomer's (light2 had
-        // nothing queued); the second came while it was queued.
-        let light = tokio::spawn(queued(p.enter("p", 0, "light2", 10, 0, LONG)).wait());
-        let light_again = tokio::spawn(queued(p.enter("p", 0, "light2", 10, 0, LONG)).wait());
-        // Heavy's answers were long: light2 is ahead of it in the fair order.
-        p.charge_output("p", "heavy", 100);
-        // An end: the newcomer's request takes the reserve.
-        p.finished("p");
-        assert!(light.await.unwrap().is_ok());
-        assert_eq!(in_flight(&p), 8);
-        // The second is held below the reserve, as heavy's are: two ends leave the pool at 6.
-        p.finished("p");
-        p.finished("p");
-        assert_eq!(in_flight(&p), 6, "the reserve is kept free");
-        assert!(!light_again.is_finished());
-        p.finished("p");
-        assert!(light_again.await.unwrap().is_ok(), "below the queue's level, in the fair order");
-        assert_eq!(in_flight(&p), 6);
-        assert_eq!(heavy.iter().filter(|h| h.is_finished()).count(), 1);
-        p.finished("p");
-        assert_eq!(in_flight(&p), 6, "then heavy's");
-        tokio::task::yield_now().await;
-        assert_eq!(heavy.iter().filter(|h| h.is_finished()).count(), 2);
-    }
-
-    #[tokio::test]
-    async fn the_budget_runs_out_with_a_429() {
-        let p = pools(1, 10);
-        assert!(matches!(p.enter("p", 0, "a", 10, 0, LONG), Entered::Now));
-        let w = queued(p.enter("p", 1, "b", 10, 0, Duration::from_millis(50)));
-        let started = Instant::now();
-        let (refusal, retry_after) = w.wait().await.unwrap_err();
-        assert_eq!(refusal, Refusal::Timeout);
-        assert!(started.elapsed() >= Duration::from_millis(50));
-        assert!((1..=30).contains(&retry_after));
-        // Nothing left queued: the next end dispatches nobody.
-        p.finished("p");
-        assert_eq!(in_flight(&p), 0);
-    }
-
-    #[tokio::test]
-    async fn a_dropped_waiter_leaves_no_trace() {
-        let p = pools(1, 10);
-        assert!(matches!(p.enter("p", 0, "a", 10, 0, LONG), Entered::Now));
-        let w = queued(p.enter("p", 0, "a", 10, 0, LONG));
-        drop(w);
-        p.finished("p");
-        assert_eq!(in_flight(&p), 0, "the dropped request was not dispatched");
-        // Dropped after its dispatch was sent but before it was read: taken back off.
-        assert!(matches!(p.enter("p", 0, "a", 10, 0, LONG), Entered::Now));
-        let w = queued(p.enter("p", 0, "a", 10, 0, LONG));
-        p.finished("p");
-        assert_eq!(in_flight(&p), 1);
-        drop(w);
-        assert_eq!(in_flight(&p), 0);
-    }
-
-    #[tokio::test]
-    async fn a_full_queue_evicts_a_lower_tier_and_shutdown_answers_everyone() {
-        let p = pools(1, 1);
-        assert!(matches!(p.enter("p", 0, "a", 10, 0, LONG), Entered::Now));
-        let batch = queued(p.enter("p", 1, "b", 10, 0, LONG));
-        let premium = queued(p.enter("p", 0, "a", 10, 0, LONG));
-        assert_eq!(batch.wait().await.unwrap_err().0, Refusal::Evicted);
-        assert!(matches!(p.enter("p", 1, "b", 10, 0, LONG), Entered::Refused(Refusal::Full, _)));
-        p.close_queues();
-        assert_eq!(premium.wait().await.unwrap_err(), (Refusal::ShuttingDown, 1));
-        assert!(matches!(p.enter("p", 0, "a", 10, 0, LONG), Entered::Refused(Refusal::ShuttingDown, 1)));
-    }
-
-    #[tokio::test]
-    async fn no_prediction_until_a_drain_rate_is_measured() {
-        let p = pools(1, 100);
-        assert!(matches!(p.enter("p", 0, "a", 10, 0, LONG), Entered::Now));
-        let waiters: Vec<_> = (0..50).map(|_| queued(p.enter("p", 0, "a", 10, 0, LONG))).collect();
-        assert_eq!(p.predict_refusal("p", 0, "a", Duration::from_millis(1)), None, "rate unknown");
-        let flow = p.pool("p").and_then(|p| p.flow.as_ref()).unwrap();
-        let t0 = Instant::now();
-        for i in 0..=10 {
-            flow.finished(t0 + Duration::from_millis(i * 100));
-        }
-        // 10/s, 50 queued ahead: about 5 s, over a 1 s budget; within a 10 s one.
-        let retry = p.predict_refusal("p", 0, "a", Duration::from_secs(1)).unwrap();
-        assert!((3..=5).contains(&retry), "{retry}");
-        assert_eq!(p.predict_refusal("p", 0, "a", Duration::from_secs(10)), None);
-        // A new tenant of the tier is ahead of all but one of the backlogged tenant's requests.
-        assert_eq!(p.predict_refusal("p", 0, "new", Duration::from_secs(1)), None);
-        drop(waiters);
-    }
 }

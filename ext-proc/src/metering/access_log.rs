@@ -4,7 +4,7 @@
 //! with two filter states the wasm filter set, [`FS_REQUEST`] (its decision: tenant, model, pool,
 //! token counts, lease) and [`FS_USAGE`] (the [`gateway_meter::Usage`] JSON it measured on the
 //! response), and admission's dynamic metadata (namespace `llm_gateway`: the reservation). Each
-//! entry of an admitted request becomes one usage record ([`service::finish`]: reservation
+//! entry of an admitted request becomes one usage record ([`crate::metering::finish::finish`]: reservation
 //! settled, record queued). Only what clients cannot write counts: an entry without the filter's
 //! decision (a local reply before the filter ran: an `Upgrade` Envoy refused, an RBAC denial, the
 //! filter's own 401/400) or without an admission (the ext_proc admission's reservation, or the
@@ -36,8 +36,9 @@ use tracing::warn;
 use gateway_contract::{FS_REQUEST, FS_USAGE, MD_PROMPT_TOKENS, MD_RESERVED_TOKENS, METADATA_NAMESPACE};
 
 use crate::admission::RequestFacts;
+use crate::grpc::protocol::{self, ADMISSION_REPLY_DETAILS};
 use crate::metering::meter::{RequestInfo, Usage, UsageRecord};
-use crate::service::{self, Shared, ADMISSION_REPLY_DETAILS};
+use crate::state::Shared;
 
 /// The access log service.
 pub struct AccessLog {
@@ -65,13 +66,13 @@ impl AccessLogService for AccessLog {
                 match entry_of(&entry, || self.shared.ids.next()) {
                     Entry::Record(record) => {
                         let metadata = entry.common_properties.as_ref().and_then(|c| c.metadata.as_ref());
-                        if let Some(endpoint) = service::picked_endpoint(metadata) {
+                        if let Some(endpoint) = protocol::picked_endpoint(metadata) {
                             self.shared.pools.pick_finished(&record.info.pool, &endpoint);
                         }
-                        service::finish(&self.shared, *record);
+                        crate::metering::finish::finish(&self.shared, *record);
                     }
                     Entry::Release { tenant, model, record_id } => {
-                        service::release(&self.shared, &tenant, &model, record_id);
+                        crate::admission::pipeline::release(&self.shared, &tenant, &model, record_id);
                     }
                     Entry::Nothing => {}
                 }
@@ -160,10 +161,10 @@ fn record_with(
             if !admission.is_some_and(|f| f.contains_key(MD_RESERVED_TOKENS)) {
                 return Err(Box::new(facts));
             }
-            service::reservation(metadata)
+            protocol::reservation(metadata)
         }
     };
-    if let Some(counted) = admission.and_then(|f| service::metadata_number(f.get(MD_PROMPT_TOKENS)?)) {
+    if let Some(counted) = admission.and_then(|f| protocol::metadata_number(f.get(MD_PROMPT_TOKENS)?)) {
         facts.prompt_tokens = counted;
     }
     let status = entry

@@ -57,7 +57,7 @@ use crate::admission::limits;
 use crate::metering::access_log::{self, Entry};
 use crate::metering::ledger;
 use crate::metering::meter::UsageRecord;
-use crate::service::Shared;
+use crate::state::Shared;
 use crate::store::{Applied, Store, StoreError};
 
 /// `metering.journal`: the usage journal this replica tails.

@@ -31,7 +31,7 @@ use tracing::{debug, warn};
 use crate::admission::admission_lease;
 use crate::admission::limits;
 use crate::metering::ledger::{self, CLAIM};
-use crate::service::Shared;
+use crate::state::Shared;
 use crate::store::LeaseCharge;
 
 /// Sweeps every `sweep_interval_ms` until `stop` turns true.

@@ -26,8 +26,8 @@ use super::prefix_index::PrefixIndex;
 use super::scorers::{
     self, Candidate, InFlightScorer, KvCacheScorer, LatencyScorer, PrefixScorer, QueueScorer,
 };
-use crate::admission::shedding::Scrape;
 use crate::config::PickerConfig;
+use crate::pools::signals::Scrape;
 
 /// The ranking of one request's candidates.
 #[derive(Debug, Clone, PartialEq, Eq)]

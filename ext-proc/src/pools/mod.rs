@@ -11,9 +11,13 @@
 //! -1 where the end arrives) and, every scrape interval, writes its cumulative counts to the
 //! pool's hash in Redis with one script call that returns the sum over replicas
 //! (`lua/in_flight_flush_v1.lua`; no Redis call per request). Its count is that sum plus what it
-//! counted since, and corrects itself against vLLM's metrics ([`crate::admission::shedding::in_flight_bound`]):
+//! counted since, and corrects itself against vLLM's metrics ([`crate::pools::signals::in_flight_bound`]):
 //! requests that never end (an Envoy killed) are taken off. Without Redis for longer than the
 //! report lag, a replica falls back to its own balance.
+
+pub mod flow;
+pub mod room;
+pub mod signals;
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
@@ -26,14 +30,15 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tracing::{debug, info};
 
-use crate::admission::shedding::{self, PoolSignals, Scrape};
+use crate::admission::shedding;
 use crate::admission::{admission_lease, lease_headroom};
 use crate::config::{endpoint_addr, FlowControlConfig, PoolConfig};
-use crate::flow_control::room::{self, SinceScrape};
 use crate::flow_control::PoolFlow;
 use crate::metrics::{EndpointLabel, Metrics, PoolBlocks, PoolEndpoint, PoolLabel, PoolReason};
 use crate::scheduling::{Pick, PoolPicker};
 use crate::store::{InFlightFlush, InFlightTotal, Store};
+use room::SinceScrape;
+use signals::{PoolSignals, Scrape};
 
 /// Smoothing of the drain rate (weight of the newest sample).
 const DRAIN_ALPHA: f64 = 0.3;
@@ -72,10 +77,10 @@ impl InFlight {
     /// What to flush now, with the bound from the pool's metrics when they are `fresh`:
     /// `(running, waiting, finished_in_lag)` scraped.
     pub fn to_flush(&self, fresh: Option<(f64, f64, f64)>, now: Instant, lag: Duration) -> InFlightFlush {
-        let admitted_in_lag = shedding::growth(&self.admitted_samples, now, lag);
+        let admitted_in_lag = signals::growth(&self.admitted_samples, now, lag);
         let bound = match (fresh, self.pool_admitted) {
             (Some((running, waiting, finished)), Some(seen)) => {
-                Some((shedding::in_flight_bound(running, waiting, finished, admitted_in_lag), seen))
+                Some((signals::in_flight_bound(running, waiting, finished, admitted_in_lag), seen))
             }
             // Before the first flush the admissions within the lag are unknown: no bound.
             _ => None,
@@ -117,7 +122,7 @@ impl InFlight {
         let unflushed = self.balance.saturating_sub(self.flushed.0);
         let unflushed_admitted = self.admitted.saturating_sub(self.flushed.1);
         let bound = if total.is_some() { self.bound } else { None };
-        shedding::in_flight_view(total, unflushed, self.balance, bound, unflushed_admitted)
+        signals::in_flight_view(total, unflushed, self.balance, bound, unflushed_admitted)
     }
 }
 
@@ -435,7 +440,7 @@ impl Pools {
                 (Some(at), Some(running), Some(waiting))
                     if now.saturating_duration_since(at) <= interval * 3 =>
                 {
-                    Some((running, waiting, shedding::growth(&s.finished_samples, now, lag)))
+                    Some((running, waiting, signals::growth(&s.finished_samples, now, lag)))
                 }
                 _ => None,
             };
@@ -487,7 +492,7 @@ impl Pools {
         for (index, endpoint) in pool.config.endpoints.iter().enumerate() {
             let scrape = fetch(client, &format!("{}/metrics", endpoint.trim_end_matches('/')), timeout)
                 .await
-                .map(|text| shedding::parse_vllm_metrics(&text));
+                .map(|text| signals::parse_vllm_metrics(&text));
             if let Some(Ok(mut picker)) = pool.picker.as_ref().map(|p| p.lock()) {
                 picker.scraped(index, scrape, Instant::now());
             }
@@ -527,7 +532,7 @@ impl Pools {
             if secs > 0.0 && total.finished >= finished {
                 let sample = (total.finished - finished) / secs;
                 state.signals.drain_per_s =
-                    Some(shedding::smooth_rate(state.signals.drain_per_s, sample, DRAIN_ALPHA));
+                    Some(signals::smooth_rate(state.signals.drain_per_s, sample, DRAIN_ALPHA));
             }
         }
         state.last_finished = Some((now, total.finished));
@@ -545,7 +550,7 @@ impl Pools {
 
 /// The pool's [`shedding::report_lag`].
 fn lag(config: &PoolConfig) -> Duration {
-    shedding::report_lag(Duration::from_millis(config.scrape_interval_ms))
+    signals::report_lag(Duration::from_millis(config.scrape_interval_ms))
 }
 
 async fn fetch(

@@ -1,0 +1,200 @@
+//! What the sidecar knows of a pool's load, with no I/O: the signals it reads from its
+//! endpoints' vLLM `/metrics` (queue depth, KV-cache use: [`Scrape`], [`parse_vllm_metrics`]) and
+//! its in-flight count over every sidecar replica, summed per pool ([`PoolSignals`]), and the
+//! arithmetic around them (smoothing, the report lag, the in-flight bound).
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+/// What is known about a pool right now.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PoolSignals {
+    /// `vllm:num_requests_waiting`, summed over endpoints (None: never scraped).
+    pub waiting: Option<f64>,
+    /// `vllm:num_requests_running`, summed over endpoints.
+    pub running: Option<f64>,
+    /// `vllm:kv_cache_usage_perc` (0..1), the highest endpoint's.
+    pub kv_cache_usage: Option<f64>,
+    /// Requests admitted to the pool and not yet finished, over every sidecar replica
+    /// ([`in_flight_view`]).
+    pub in_flight: u64,
+    /// Requests the pool finishes per second (from `vllm:request_success_total` between
+    /// scrapes, smoothed); None until two scrapes.
+    pub drain_per_s: Option<f64>,
+}
+
+/// Exponentially smoothed drain rate: `alpha` of the new sample (requests/s) and the rest of the
+/// previous estimate.
+pub fn smooth_rate(previous: Option<f64>, sample: f64, alpha: f64) -> f64 {
+    match previous {
+        Some(p) => alpha * sample + (1.0 - alpha) * p,
+        None => sample,
+    }
+}
+
+/// How late a request's end can reach the pool-wide in-flight count after vLLM finished it (the
+/// access log's batching, the replicas' flushes) or a request admitted can reach vLLM: the
+/// larger of 5 s and four scrape intervals. Bounds the self-correction of the count
+/// ([`in_flight_bound`]).
+pub fn report_lag(scrape_interval: Duration) -> Duration {
+    (scrape_interval * 4).max(Duration::from_secs(5))
+}
+
+/// How much a counter grew over the last `window`: its newest sample minus the newest sample
+/// taken at or before `now - window` (the oldest sample when none is that old). 0 with fewer
+/// than two samples or when it went down (a restarted vLLM).
+pub fn growth(samples: &VecDeque<(Instant, f64)>, now: Instant, window: Duration) -> f64 {
+    let Some(&(_, newest)) = samples.back() else { return 0.0 };
+    let start = now.checked_sub(window);
+    let from = samples
+        .iter()
+        .rev()
+        .find(|(at, _)| start.is_some_and(|s| *at <= s))
+        .or_else(|| samples.front())
+        .map_or(newest, |&(_, v)| v);
+    (newest - from).max(0.0)
+}
+
+/// Upper bound on the requests the gateway has in flight to a pool, from what vLLM reports: the
+/// requests running and waiting at the last scrape, plus those vLLM finished
+/// (`vllm:request_success_total`) and those the gateway admitted (every replica) within the
+/// [`report_lag`], whose ends may not have reached the count yet. Rounded up.
+pub fn in_flight_bound(running: f64, waiting: f64, finished_in_lag: f64, admitted_in_lag: f64) -> u64 {
+    let sum = running.max(0.0) + waiting.max(0.0) + finished_in_lag.max(0.0) + admitted_in_lag.max(0.0);
+    sum.ceil() as u64
+}
+
+/// The in-flight count shedding uses: the pool-wide total of every replica's admitted minus
+/// finished requests at this replica's last flush (`None` when Redis was not reached within the
+/// report lag: then this replica's own balance `local`), plus what this replica counted since
+/// (`unflushed`), clamped to 0 and, with fresh metrics, to `bound` plus this replica's admissions
+/// since the flush (`unflushed_admitted`).
+pub fn in_flight_view(
+    total: Option<i64>,
+    unflushed: i64,
+    local: i64,
+    bound: Option<u64>,
+    unflushed_admitted: u64,
+) -> u64 {
+    let count = match total {
+        Some(total) => total.saturating_add(unflushed),
+        None => local,
+    };
+    let count = u64::try_from(count).unwrap_or(0);
+    match bound {
+        Some(bound) => count.min(bound.saturating_add(unflushed_admitted)),
+        None => count,
+    }
+}
+
+/// Sums of the vLLM metrics this sidecar reads, from one endpoint's Prometheus text.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Scrape {
+    /// `vllm:num_requests_waiting`.
+    pub waiting: f64,
+    /// `vllm:num_requests_running`.
+    pub running: f64,
+    /// `vllm:kv_cache_usage_perc`, or the older `vllm:gpu_cache_usage_perc` (0..1).
+    pub kv_cache_usage: f64,
+    /// `vllm:request_success_total` (a counter, summed over `finished_reason`).
+    pub finished: f64,
+    /// `vllm:time_to_first_token_seconds_sum` (the TTFT histogram's sum, seconds, a counter).
+    pub ttft_sum: f64,
+    /// `vllm:time_to_first_token_seconds_count` (requests that got a first token, a counter).
+    pub ttft_count: f64,
+}
+
+/// Parses the metrics text of a vLLM endpoint (label sets summed; the KV-cache usage is the
+/// highest value). Unknown lines are ignored.
+pub fn parse_vllm_metrics(text: &str) -> Scrape {
+    let mut s = Scrape::default();
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some((name_labels, value)) = line.rsplit_once(' ') else { continue };
+        let Ok(value) = value.trim().parse::<f64>() else { continue };
+        let name = name_labels.split('{').next().unwrap_or_default().trim();
+        match name {
+            "vllm:num_requests_waiting" => s.waiting += value,
+            "vllm:num_requests_running" => s.running += value,
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
+                s.kv_cache_usage = s.kv_cache_usage.max(value)
+            }
+            "vllm:request_success_total" => s.finished += value,
+            "vllm:time_to_first_token_seconds_sum" => s.ttft_sum += value,
+            "vllm:time_to_first_token_seconds_count" => s.ttft_count += value,
+            _ => {}
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_vllm_metrics_text() {
+        let text = "# HELP vllm:num_requests_waiting x\n# TYPE vllm:num_requests_waiting gauge\n\
+vllm:num_requests_waiting{model_name=\"m\"} 3.0\nvllm:num_requests_running{model_name=\"m\"} 8\n\
+vllm:kv_cache_usage_perc{model_name=\"m\"} 0.42\nvllm:request_success_total{finished_reason=\"stop\",model_name=\"m\"} 10\n\
+vllm:request_success_total{finished_reason=\"length\",model_name=\"m\"} 5\nvllm:other 1\ngarbage\n";
+        let s = parse_vllm_metrics(text);
+        assert_eq!(
+            s,
+            Scrape { waiting: 3.0, running: 8.0, kv_cache_usage: 0.42, finished: 15.0, ..Scrape::default() }
+        );
+        let h = parse_vllm_metrics(
+            "vllm:time_to_first_token_seconds_sum{model_name=\"m\"} 1.5\nvllm:time_to_first_token_seconds_count{model_name=\"m\"} 6\nvllm:time_to_first_token_seconds_bucket{le=\"0.1\"} 2\n",
+        );
+        assert_eq!((h.ttft_sum, h.ttft_count), (1.5, 6.0));
+    }
+
+    #[test]
+    fn in_flight_is_the_pool_wide_total_plus_what_is_not_flushed() {
+        // Replica A admitted 5 whose ends reached replica B: the total is 0 once both flushed,
+        // whatever each replica's own balance (A +5, B -5).
+        assert_eq!(in_flight_view(Some(0), 0, 5, None, 0), 0);
+        assert_eq!(in_flight_view(Some(0), 0, -5, None, 0), 0);
+        // Admitted here since the last flush: counted at once.
+        assert_eq!(in_flight_view(Some(3), 2, 7, None, 2), 5);
+        // Below 0 (leased admissions reported after they ended): 0.
+        assert_eq!(in_flight_view(Some(-4), 1, 0, None, 0), 0);
+        // Redis not reached lately: the replica's own balance.
+        assert_eq!(in_flight_view(None, 2, 7, None, 0), 7);
+        // Fresh metrics cap it: vLLM's bound plus the admissions not yet flushed.
+        assert_eq!(in_flight_view(Some(40), 1, 0, Some(10), 1), 11);
+        assert_eq!(in_flight_view(Some(i64::MAX), i64::MAX, 0, Some(u64::MAX), u64::MAX), i64::MAX as u64);
+    }
+
+    #[test]
+    fn the_bound_counts_what_vllm_holds_and_what_may_not_have_been_reported() {
+        assert_eq!(in_flight_bound(3.0, 2.0, 0.0, 0.0), 5);
+        assert_eq!(in_flight_bound(0.0, 0.0, 0.0, 0.0), 0, "idle");
+        assert_eq!(in_flight_bound(1.0, 0.0, 2.5, 4.0), 8);
+        assert_eq!(in_flight_bound(-1.0, f64::NAN, 0.0, 0.0), 0);
+        assert_eq!(report_lag(Duration::from_millis(100)), Duration::from_secs(5));
+        assert_eq!(report_lag(Duration::from_secs(2)), Duration::from_secs(8));
+    }
+
+    #[test]
+    fn growth_over_a_window() {
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let samples: VecDeque<_> =
+            [(at(0), 10.0), (at(1000), 12.0), (at(2000), 15.0), (at(3000), 15.0)].into_iter().collect();
+        assert_eq!(growth(&samples, at(3000), Duration::from_millis(1000)), 0.0);
+        assert_eq!(growth(&samples, at(3000), Duration::from_millis(1500)), 3.0);
+        assert_eq!(growth(&samples, at(3000), Duration::from_secs(60)), 5.0, "from the oldest");
+        assert_eq!(growth(&VecDeque::new(), at(0), Duration::from_secs(1)), 0.0);
+        let reset: VecDeque<_> = [(at(0), 50.0), (at(1000), 2.0)].into_iter().collect();
+        assert_eq!(growth(&reset, at(1000), Duration::from_secs(5)), 0.0, "a restarted vLLM");
+    }
+
+    #[test]
+    fn smoothing() {
+        assert_eq!(smooth_rate(None, 10.0, 0.3), 10.0);
+        assert!((smooth_rate(Some(10.0), 20.0, 0.5) - 15.0).abs() < 1e-9);
+    }
+}
