@@ -26,7 +26,7 @@
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use gateway_ext_proc::admission::limits::{BucketKind, BucketSpec};
-use gateway_ext_proc::config::RedisConfig;
+use gateway_ext_proc::config::redis::RedisConfig;
 use gateway_ext_proc::metering::ledger::Reservation;
 use gateway_ext_proc::metering::meter::{EndReason, RequestInfo, UsageRecord, UsageSource};
 use gateway_ext_proc::store::{Store, Tracking};

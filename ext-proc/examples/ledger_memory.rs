@@ -15,7 +15,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use gateway_ext_proc::config::RedisConfig;
+use gateway_ext_proc::config::redis::RedisConfig;
 use gateway_ext_proc::metering::meter::{EndReason, RequestInfo, UsageRecord, UsageSource};
 use gateway_ext_proc::store::{Store, IDEMPOTENCY_RETENTION, IDEMPOTENCY_WINDOW_SECS};
 

@@ -16,7 +16,7 @@ use crate::admission::admission_lease::{LeaseRecord, LeaseUse};
 use crate::admission::limits::{BucketSpec, ReplyError, TakeOutcome};
 use crate::admission::local_limiter::Hint;
 use crate::admission::quota::{self, QuotaBook, QuotaOutcome, QuotaSpec, QuotaTake};
-use crate::config::RedisConfig;
+use crate::config::redis::RedisConfig;
 use crate::metering::ledger::{self, CHARGED_RETENTION};
 use crate::metering::meter::{EndReason, UsageRecord, UsageSource};
 use crate::proto;

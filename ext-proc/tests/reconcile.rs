@@ -14,7 +14,8 @@ use common::{free_port, Redis};
 use gateway_ext_proc::admission::limiter::{Limiter, Take};
 use gateway_ext_proc::admission::limits::{self, BucketKind};
 use gateway_ext_proc::admission::local_limiter::Hint;
-use gateway_ext_proc::config::{Config, FailureMode};
+use gateway_ext_proc::config::redis::FailureMode;
+use gateway_ext_proc::config::Config;
 use gateway_ext_proc::metrics::Metrics;
 use gateway_ext_proc::store::Store;
 

@@ -114,7 +114,7 @@ pub struct GatewayConfig {
     /// weights. The sidecar's `flow_control`, member for member (its validation applies, its
     /// errors name these fields).
     #[serde(default)]
-    pub flow_control: Option<gateway_ext_proc::config::FlowControlConfig>,
+    pub flow_control: Option<gateway_ext_proc::config::pools::FlowControlConfig>,
     /// OpenTelemetry traces of every request: Envoy's tracer on every target and the sidecar's
     /// admission spans, one trace per request (Envoy passes `traceparent` to vLLM and to the
     /// sidecar). Absent: no tracing.
@@ -547,14 +547,14 @@ pub struct TenantSection {
 }
 
 /// Daily and monthly token quotas: the sidecar's own type (its validation applies).
-pub use gateway_ext_proc::config::Quota as QuotaSection;
+pub use gateway_ext_proc::config::tenants::Quota as QuotaSection;
 
 /// A model's prices in USD per 1M tokens (input, cached input, output): the sidecar's own type.
-pub use gateway_ext_proc::config::Price as PriceSection;
+pub use gateway_ext_proc::config::tenants::Price as PriceSection;
 
 /// Requests-per-minute and tokens-per-minute token buckets: the sidecar's own type, so the two
 /// cannot drift.
-pub use gateway_ext_proc::config::Limits as LimitsSection;
+pub use gateway_ext_proc::config::tenants::Limits as LimitsSection;
 
 /// `tracing`: where spans go and how many requests are traced.
 #[derive(Debug, Clone, Deserialize)]
@@ -683,7 +683,7 @@ pub struct PoolSection {
     /// `leases_below_load`): a request of a tier in `flow_control.tiers` that finds the pool
     /// without room (its `shedding` thresholds) waits in the sidecar's queue. Needs `shedding`.
     #[serde(default)]
-    pub flow_control: Option<gateway_ext_proc::config::PoolFlowConfig>,
+    pub flow_control: Option<gateway_ext_proc::config::pools::PoolFlowConfig>,
     /// The InferencePool (`inference.networking.k8s.io/v1`) rendered for a picking pool on the
     /// istio and envoy_gateway targets, whose endpoint picker is the sidecar's endpoint-picker
     /// port of this pool.

@@ -35,7 +35,7 @@ use lru::LruCache;
 use serde::{Deserialize, Serialize};
 
 use crate::admission::limits::{self, BucketKind, BucketSpec, TakeOutcome};
-use crate::config::TenantConfig;
+use crate::config::tenants::TenantConfig;
 use crate::metering::meter::RequestInfo;
 use crate::proto::{LeaseGrant, LimitState};
 
@@ -371,7 +371,7 @@ pub fn tenant_requests_wait_ms(
 mod tests {
     use super::*;
     use crate::admission::limits::BucketState;
-    use crate::config::{Limits, TenantConfig};
+    use crate::config::tenants::{Limits, TenantConfig};
 
     fn tenant(rpm: Option<u64>, tpm: Option<u64>) -> TenantConfig {
         let limits = Limits {

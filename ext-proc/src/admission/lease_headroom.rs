@@ -3,7 +3,7 @@
 //!
 //! A request admitted from a lease never reaches the sidecar: it is not shed one by one, and the
 //! pool's in-flight count sees it only with the filter's next report (a `refresh_ms` tick). A
-//! lease for such a pool ([`crate::config::PoolConfig::load_protected`]) therefore covers at
+//! lease for such a pool ([`crate::config::pools::PoolConfig::load_protected`]) therefore covers at
 //! most half ([`lease_share`]) of what is left of this replica's part ([`replica_share`]) of
 //! the pool's [`headroom`] (the requests it takes before its load reaches the level at which
 //! the ext_proc admission would start shedding, or flow control's `leases_below_load`) once
@@ -27,7 +27,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
-use crate::config::PoolConfig;
+use crate::config::pools::PoolConfig;
 use crate::pools::room::SinceScrape;
 use crate::pools::signals::PoolSignals;
 

@@ -20,7 +20,7 @@ use crate::admission::lease::Leases;
 use crate::admission::limits::{BucketSpec, TakeOutcome};
 use crate::admission::local_limiter::LocalLimiter;
 use crate::admission::quota::{QuotaOutcome, QuotaTake};
-use crate::config::{FailureMode, RedisConfig};
+use crate::config::redis::{FailureMode, RedisConfig};
 use crate::metering::ledger;
 use crate::metrics::{LeaseOutcome, Metrics, Reason};
 use crate::store::{Store, Tracking};

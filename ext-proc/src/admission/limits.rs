@@ -5,7 +5,7 @@
 //! (`<prefix>:rl:{<tenant>}:rpm`) so one tenant's buckets share a Redis Cluster slot and one
 //! script call can touch them all atomically.
 
-use crate::config::TenantConfig;
+use crate::config::tenants::TenantConfig;
 
 /// What a bucket counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -214,7 +214,7 @@ pub fn format_reset(ms: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Limits;
+    use crate::config::tenants::Limits;
 
     fn limits(rpm: Option<u64>, tpm: Option<u64>) -> Limits {
         Limits { requests_per_minute: rpm, request_burst: None, tokens_per_minute: tpm, token_burst: None }

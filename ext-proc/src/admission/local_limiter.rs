@@ -223,7 +223,7 @@ mod tests {
 
     use super::*;
     use crate::admission::limits;
-    use crate::config::{Limits, TenantConfig};
+    use crate::config::tenants::{Limits, TenantConfig};
 
     fn plan(reserve: u64) -> Vec<BucketSpec> {
         let l = Limits {

@@ -190,7 +190,7 @@ pub fn decide(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Limits, TenantConfig};
+    use crate::config::tenants::{Limits, TenantConfig};
 
     fn plan() -> Vec<BucketSpec> {
         let l = Limits {

@@ -23,7 +23,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::config::{Config, Price, Quota};
+use crate::config::Config;
+
+use crate::config::tenants::{Price, Quota};
 use crate::error::AdmissionError;
 
 /// Environment variable naming a file that holds a signed number of seconds added to the

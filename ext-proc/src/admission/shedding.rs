@@ -8,7 +8,7 @@
 //! the highest tier, unlisted, only at the hard ceiling 1.0. Served requests then keep a bounded
 //! queue ahead of them instead of one that grows with the offered load.
 
-use crate::config::PoolConfig;
+use crate::config::pools::PoolConfig;
 use crate::pools::signals::PoolSignals;
 
 /// The pool's load ratio (0 = idle, 1 = at its configured limit).

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use crate::config::{FlowControlConfig, PoolFlowConfig};
+use crate::config::pools::{FlowControlConfig, PoolFlowConfig};
 use fairness::Fairness;
 use queue::{Bounds, FlowQueue, Refusal};
 

@@ -35,7 +35,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -54,79 +54,12 @@ use gateway_contract::{FS_REQUEST, FS_USAGE, METADATA_NAMESPACE};
 
 use crate::admission::admission_lease::LeaseUse;
 use crate::admission::limits;
+use crate::config::JournalConfig;
 use crate::metering::access_log::{self, Entry};
 use crate::metering::ledger;
 use crate::metering::meter::UsageRecord;
 use crate::state::Shared;
 use crate::store::{Applied, Store, StoreError};
-
-/// `metering.journal`: the usage journal this replica tails.
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct JournalConfig {
-    /// The file Envoy's journal access log writes (`envoy/access_log_journal.yaml`'s `path`),
-    /// readable by the sidecar.
-    pub path: PathBuf,
-    /// The journal's name in Redis (its lease and checkpoint keys; default: the path). Give each
-    /// Envoy's journal its own name when several Envoys share a Redis.
-    #[serde(default)]
-    pub name: Option<String>,
-    /// How often the holder reads what was appended, in milliseconds (default 200; 10 to 60,000).
-    #[serde(default = "default_poll_interval_ms")]
-    pub poll_interval_ms: u64,
-    /// How long the lease outlives its holder's last renewal, in milliseconds: how soon another
-    /// replica takes over a dead holder's journal (default 3,000; 500 to 600,000; above 2 polls).
-    #[serde(default = "default_lease_ms")]
-    pub lease_ms: u64,
-    /// Most lines applied per Redis batch before the checkpoint moves (default 512; 1 to 100,000).
-    #[serde(default = "default_batch_lines")]
-    pub batch_lines: usize,
-}
-
-fn default_poll_interval_ms() -> u64 {
-    200
-}
-
-fn default_lease_ms() -> u64 {
-    3_000
-}
-
-fn default_batch_lines() -> usize {
-    512
-}
-
-impl JournalConfig {
-    /// Checks the settings; errors name the field (`field` is this section's path).
-    ///
-    /// # Errors
-    /// `(field, message)` of the first invalid setting.
-    pub fn validate(&self, field: &str) -> Result<(), (String, &'static str)> {
-        if self.path.as_os_str().is_empty() || !self.path.is_absolute() {
-            return Err((format!("{field}.path"), "must be an absolute path"));
-        }
-        if self.name.as_deref().is_some_and(|n| n.is_empty() || n.len() > 200) {
-            return Err((format!("{field}.name"), "must be 1 to 200 characters"));
-        }
-        if !(10..=60_000).contains(&self.poll_interval_ms) {
-            return Err((format!("{field}.poll_interval_ms"), "must be in 10..=60000"));
-        }
-        if !(500..=600_000).contains(&self.lease_ms) {
-            return Err((format!("{field}.lease_ms"), "must be in 500..=600000"));
-        }
-        if self.lease_ms <= 2 * self.poll_interval_ms {
-            return Err((format!("{field}.lease_ms"), "must be more than twice poll_interval_ms"));
-        }
-        if !(1..=100_000).contains(&self.batch_lines) {
-            return Err((format!("{field}.batch_lines"), "must be in 1..=100000"));
-        }
-        Ok(())
-    }
-
-    /// The journal's name in Redis.
-    pub fn name(&self) -> String {
-        self.name.clone().unwrap_or_else(|| self.path.display().to_string())
-    }
-}
 
 /// The Redis keys of a journal: its lease and its checkpoint (one hash tag, one cluster slot).
 pub fn keys(prefix: &str, name: &str) -> (String, String) {

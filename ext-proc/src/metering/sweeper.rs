@@ -112,7 +112,7 @@ pub const LEASES_OFF_SWEEP: Duration = Duration::from_secs(60);
 
 /// How often the lease sweep runs: every half `redis.lease_ttl_ms` while leases are on, every
 /// [`LEASES_OFF_SWEEP`] while they are off.
-pub fn lease_sweep_interval(redis: &crate::config::RedisConfig) -> Duration {
+pub fn lease_sweep_interval(redis: &crate::config::redis::RedisConfig) -> Duration {
     if redis.lease_fraction > 0.0 {
         Duration::from_millis((redis.lease_ttl_ms / 2).max(1))
     } else {
@@ -244,7 +244,7 @@ async fn append_lease_charge(
 mod tests {
     use super::*;
 
-    fn redis(yaml: &str) -> crate::config::RedisConfig {
+    fn redis(yaml: &str) -> crate::config::redis::RedisConfig {
         serde_yaml_ng::from_str(yaml).unwrap()
     }
 

@@ -353,7 +353,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
-    use crate::config::{FlowControlConfig, PoolConfig, PoolFlowConfig, QueueTierConfig};
+    use crate::config::pools::{FlowControlConfig, PoolConfig, PoolFlowConfig, QueueTierConfig};
     use crate::metrics::Metrics;
 
     const LONG: Duration = Duration::from_secs(30);
@@ -377,7 +377,7 @@ mod tests {
             picker: None,
             flow_control: Some(PoolFlowConfig {
                 max_queued,
-                max_queued_bytes: crate::config::DEFAULT_MAX_QUEUED_BYTES,
+                max_queued_bytes: crate::config::pools::DEFAULT_MAX_QUEUED_BYTES,
                 leases_below_load: 0.8,
             }),
             admission_leases: None,

@@ -32,7 +32,7 @@ use tracing::{debug, info};
 
 use crate::admission::shedding;
 use crate::admission::{admission_lease, lease_headroom};
-use crate::config::{endpoint_addr, FlowControlConfig, PoolConfig};
+use crate::config::pools::{endpoint_addr, FlowControlConfig, PoolConfig};
 use crate::flow_control::PoolFlow;
 use crate::metrics::{EndpointLabel, Metrics, PoolBlocks, PoolEndpoint, PoolLabel, PoolReason};
 use crate::scheduling::{Pick, PoolPicker};

@@ -2,7 +2,7 @@
 //! this sidecar did since their scrape ([`SinceScrape`]), against a tier's level. Flow control
 //! lets a request in, and an admission lease is sized, by it.
 
-use crate::config::PoolConfig;
+use crate::config::pools::PoolConfig;
 use crate::pools::signals::PoolSignals;
 
 /// The requests this sidecar dispatched to a pool, and the ends it saw, since the last scrape.

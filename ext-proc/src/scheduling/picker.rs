@@ -26,7 +26,7 @@ use super::prefix_index::PrefixIndex;
 use super::scorers::{
     self, Candidate, InFlightScorer, KvCacheScorer, LatencyScorer, PrefixScorer, QueueScorer,
 };
-use crate::config::PickerConfig;
+use crate::config::pools::PickerConfig;
 use crate::pools::signals::Scrape;
 
 /// The ranking of one request's candidates.
