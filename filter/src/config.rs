@@ -27,7 +27,7 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// Default `max_body_bytes` when the field is absent: 4 MiB.
 pub const DEFAULT_MAX_BODY_BYTES: u64 = 4 * 1024 * 1024;
@@ -96,33 +96,33 @@ fn err(path: impl Into<String>, message: impl Into<String>) -> ConfigError {
 // ---------------------------------------------------------------------------------------------
 
 /// The plugin configuration document as written.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawConfig {
     /// Largest accepted request body, in bytes. Optional, default [`DEFAULT_MAX_BODY_BYTES`];
     /// must be > 0. Envoy's buffer limit (`per_connection_buffer_limit_bytes`) must be at least
     /// this large or Envoy answers 413 itself.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_body_bytes: Option<u64>,
     /// Largest body parsed and validated in full in the VM, in bytes. Optional, default
     /// [`DEFAULT_FULL_PARSE_MAX_BYTES`]; must be > 0. A larger body is only scanned for its
     /// top-level members (so that no request holds an Envoy worker for long): its `messages` /
     /// `prompt` are validated and its context length checked by the sidecar (models with
     /// `exact_count`) or by vLLM. See `pipeline::on_request_body`.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub full_parse_max_bytes: Option<u64>,
     /// Request bodies of one tenant that one Envoy worker buffers at once (from its request
     /// headers to the end of its body). Optional, default [`DEFAULT_MAX_UPLOADS_PER_TENANT`];
     /// must be > 0. Past it the tenant's next request is answered 429 at its headers: slow
     /// bodies cannot hold a worker's memory for one key. See [`crate::uploads`].
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_uploads_per_tenant: Option<u32>,
     /// The most sequences a request may ask for per prompt: OpenAI's `n` (choices), and on
     /// completions `best_of`. Optional, default [`DEFAULT_MAX_N`] (vLLM's
     /// `VLLM_MAX_N_SEQUENCES`); must be > 0. A request over it is answered 400 `invalid_value`
     /// naming the parameter, before any reservation (each sequence is reserved its
     /// `max_tokens`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_n: Option<u64>,
     /// Tenants and their API-key digests. Required, non-empty.
     pub tenants: Vec<RawTenant>,
@@ -130,16 +130,16 @@ pub struct RawConfig {
     pub models: Vec<RawModel>,
     /// Admission leases from the sidecar (optional; absent: every request goes through the
     /// ext_proc admission). See [`crate::lease`].
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub admission_leases: Option<RawAdmissionLeases>,
     /// Prompt-prefix hashes for the sidecar's endpoint picker (optional; absent: none are
     /// computed, and the picker has no prefix affinity). See [`crate::prefix`].
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix_hashing: Option<RawPrefixHashing>,
     /// Which `x-gateway-*` headers the filter sets on a forwarded request (optional, default
     /// `"all"`, [`UpstreamHeaders`]): `"all"` (the whole header contract, filter/README.md) or
     /// `"routing"` (only `x-gateway-pool`, which Envoy's route needs).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upstream_headers: Option<String>,
 }
 
@@ -163,21 +163,21 @@ pub enum UpstreamHeaders {
 }
 
 /// `prefix_hashing`: how the filter hashes the prompt's leading blocks into the facts.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawPrefixHashing {
     /// Bytes of prompt text per block. Optional, default [`DEFAULT_PREFIX_BLOCK_BYTES`]; in
     /// 1..=[`MAX_PREFIX_BLOCK_BYTES`].
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_bytes: Option<u32>,
     /// Most leading blocks hashed. Optional, default [`DEFAULT_PREFIX_MAX_BLOCKS`]; in
     /// 1..=[`MAX_PREFIX_MAX_BLOCKS`].
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_blocks: Option<u32>,
 }
 
 /// `admission_leases`: where the filter asks the sidecar for leases, and how often it looks.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawAdmissionLeases {
     /// The Envoy cluster of the sidecar's gRPC listener (the ext_proc cluster, e.g.
@@ -185,16 +185,16 @@ pub struct RawAdmissionLeases {
     pub cluster: String,
     /// How often each worker's filter VM renews, gives back and asks for leases, in milliseconds.
     /// Optional, default [`DEFAULT_LEASE_REFRESH_MS`]; in 10..=10000.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub refresh_ms: Option<u64>,
     /// Timeout of one lease call to the sidecar, in milliseconds. Optional, default
     /// [`DEFAULT_LEASE_TIMEOUT_MS`]; in 1..=60000.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
 }
 
 /// One tenant.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawTenant {
     /// Tenant id sent upstream as `x-gateway-tenant`. Required, unique, 1..=256 visible ASCII.
@@ -204,17 +204,17 @@ pub struct RawTenant {
     pub api_keys_sha256: Vec<String>,
     /// Rate-limit tier sent upstream as `x-gateway-tier`. Optional, default [`DEFAULT_TIER`];
     /// 1..=256 visible ASCII.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tier: Option<String>,
     /// Models the tenant may use, by model name, alias or LoRA adapter name. Optional: absent
     /// means every model. Listing a model allows it and all its LoRA adapters; listing an adapter
     /// allows only that adapter. Must not be empty when present.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub models: Option<Vec<String>>,
 }
 
 /// One served model.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawModel {
     /// Public (canonical) model name, as clients send it in `model` and as `x-gateway-model`.
@@ -222,15 +222,15 @@ pub struct RawModel {
     pub name: String,
     /// Envoy cluster that serves the model (sent as `x-gateway-pool`). Exactly one of `pool` and
     /// `pools` is required.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool: Option<String>,
     /// Weighted split across clusters; the pool is picked deterministically from a hash of
     /// `x-request-id`. Exactly one of `pool` and `pools` is required.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pools: Option<Vec<RawWeightedPool>>,
     /// Model name the vLLM server expects in the body (vLLM `--served-model-name`). Optional,
     /// default `name`; must not be empty.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub served_model_name: Option<String>,
     /// The model's context window in tokens (vLLM `--max-model-len`). Required, > 0.
     pub max_model_len: u64,
@@ -238,36 +238,36 @@ pub struct RawModel {
     /// byte-level BPE vocabulary; the context check's lower bound is
     /// `ceil(prompt_bytes / max_token_bytes)`. Optional, default [`DEFAULT_MAX_TOKEN_BYTES`];
     /// must be > 0. Too small a value can reject requests vLLM would accept.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_token_bytes: Option<u64>,
     /// Other names clients may use for the model. Optional; each unique across all names.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub aliases: Option<Vec<String>>,
     /// LoRA adapters loaded on the model's pool (vLLM `--lora-modules`). A request for an adapter
     /// routes to the base model's pool and keeps the adapter name in the body. Optional; each
     /// unique across all names.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora_adapters: Option<Vec<String>>,
     /// Bytes the chat template adds to the messages' roles and text, for the upper bound on
     /// prompt tokens (a prompt never has more tokens than bytes of its rendered text). Optional:
     /// absent, chat prompts have no upper bound and only an exact count can accept one near the
     /// limit.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub template_overhead_bytes: Option<RawTemplateOverhead>,
     /// The tokenizer's Unicode normalization, `none` or `nfc` (NFC can lengthen non-ASCII text
     /// up to 3x, which the upper bound then allows for). Optional, default `none`.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub normalization: Option<String>,
     /// Whether the sidecar counts this model's prompts exactly (its `models` lists the model's
     /// tokenizer): requests the bounds cannot decide then carry `x-gateway-context-check: exact`.
     /// Optional, default false.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exact_count: Option<bool>,
 }
 
 /// What a model's chat template adds, in bytes of rendered text (see the README's context
 /// check section for how to measure it).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawTemplateOverhead {
     /// Most bytes the template writes around one message besides its role and text (ChatML:
@@ -281,7 +281,7 @@ pub struct RawTemplateOverhead {
 }
 
 /// One entry of a weighted split.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawWeightedPool {
     /// Envoy cluster name. Required, 1..=256 visible ASCII, unique within the split.

@@ -241,7 +241,7 @@ fn default_shutdown_grace_ms() -> u64 {
 }
 
 /// A model with an exact tokenizer (see [`crate::admission::context`]).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     /// The canonical model name, as the filter sends it in `x-gateway-model`. Unique, non-empty.
@@ -253,7 +253,7 @@ pub struct ModelConfig {
     pub tokenizer: gateway_tokenize::spec::TokenizerSpec,
     /// The chat template: `{tokenizer_config: PATH, jinja: PATH, bos_token, eos_token,
     /// content_format}`. Absent: only completions prompts are counted exactly.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<gateway_tokenize::spec::ChatTemplateSpec>,
 }
 

@@ -310,7 +310,7 @@ pub fn endpoint_addr(url: &str) -> Option<std::net::SocketAddr> {
 /// Tier shedding levels: a request of a tier is shed when its pool's load (the highest of
 /// waiting/max_queue_depth, kv_cache_usage/max_kv_cache_usage, in_flight/max_in_flight) reaches
 /// the tier's level. Tiers not listed (the highest) are shed only at the hard ceiling, 1.0.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct SheddingConfig {
     /// Level per tier, in (0, 1], e.g. `{batch: 0.5, standard: 0.8}`.

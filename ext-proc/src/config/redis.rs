@@ -11,7 +11,7 @@ use crate::config::{invalid, ConfigError};
 /// mTLS of the sidecar's gRPC listener: its certificate, and the CA whose certificates clients
 /// (Envoy) must present; a connection without one, or with one from another CA, fails its TLS
 /// handshake before any gRPC call. PEM files, read once at start-up.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ListenerTls {
     /// The server certificate chain (PEM, leaf first).
@@ -65,17 +65,17 @@ impl<T> std::fmt::Debug for Secret<T> {
 /// (absent: the system's roots) and a client certificate for a Redis that requires one
 /// (`tls-auth-clients yes`). PEM files, read once at start-up. The server's name (or IP) in the
 /// URL must be in its certificate; there is no way to skip the check.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RedisTls {
     /// CA certificate(s) (PEM) trusted for the Redis servers, instead of the system's roots.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
     /// Client certificate chain (PEM); with `key_file`.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cert_file: Option<PathBuf>,
     /// Client private key (PEM); with `cert_file`.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_file: Option<PathBuf>,
 }
 
@@ -199,7 +199,7 @@ fn default_open_ms() -> u64 {
 }
 
 /// Admission's behaviour when the limiter cannot decide.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FailureMode {
     /// Admit the request (limits are not enforced while Redis is away).

@@ -7,7 +7,7 @@ use serde::Deserialize;
 use crate::config::{invalid, ConfigError};
 
 /// One tenant's limits.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct TenantConfig {
     /// Tenant id, as the filter sends it in `x-gateway-tenant`. Letters, digits, `.`, `_`, `-`.
@@ -16,14 +16,14 @@ pub struct TenantConfig {
     pub limits: Limits,
     /// Further limits per model (public model name, `x-gateway-model`), applied on top of
     /// `limits`: a request draws on both.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub model_limits: BTreeMap<String, Limits>,
     /// The tenant's token quotas per UTC day and calendar month across all models (absent: none;
     /// docs/deploy.md, "Quotas and cost").
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Quota::is_unset")]
     pub quota: Quota,
     /// Further quotas per model (public model name), on top of `quota`.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub model_quotas: BTreeMap<String, Quota>,
 }
 
@@ -53,6 +53,12 @@ impl Quota {
     /// Whether no quota is set.
     pub fn is_empty(&self) -> bool {
         self.tokens_per_day.is_none() && self.tokens_per_month.is_none()
+    }
+
+    /// Whether no member is set, soft limits included (the default, which a written config
+    /// leaves out).
+    fn is_unset(&self) -> bool {
+        *self == Self::default()
     }
 
     pub(super) fn validate(&self, field: &str) -> Result<(), ConfigError> {
@@ -154,20 +160,20 @@ impl Price {
 
 /// Requests-per-minute and tokens-per-minute limits; each is a token bucket that refills
 /// continuously at the per-minute rate and holds at most its burst. The default has no limit.
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, serde::Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Limits {
     /// Requests per minute (RPM). Absent: no request limit.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requests_per_minute: Option<u64>,
     /// Bucket size for requests (default: `requests_per_minute`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request_burst: Option<u64>,
     /// Tokens per minute (TPM), prompt plus completion tokens. Absent: no token limit.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_minute: Option<u64>,
     /// Bucket size for tokens (default: `tokens_per_minute`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_burst: Option<u64>,
 }
 
