@@ -903,6 +903,78 @@ fn validate_picker(at: &str, pool: &PoolSection) -> Result<(), FieldError> {
     Ok(())
 }
 
+/// `pools[i]`'s `endpoints` and `service` (at least one of them).
+fn validate_pool_addresses(at: &str, pool: &PoolSection) -> Result<(), FieldError> {
+    for (k, endpoint) in pool.endpoints.iter().enumerate() {
+        if parse_host_port(endpoint).is_none() {
+            return fail(format!("{at}.endpoints[{k}]"), "must be host:port (a vLLM server's address)");
+        }
+    }
+    if pool.endpoints.is_empty() && pool.service.is_none() {
+        return fail(at, "set endpoints (standalone), service (meshes) or both");
+    }
+    if let Some(service) = &pool.service {
+        if !is_dns_label(&service.name) {
+            return fail(
+                format!("{at}.service.name"),
+                "must be a Kubernetes name (lowercase letters, digits, '-')",
+            );
+        }
+        if !is_dns_label(&service.namespace) {
+            return fail(
+                format!("{at}.service.namespace"),
+                "must be a Kubernetes name (lowercase letters, digits, '-')",
+            );
+        }
+        if service.port == 0 {
+            return fail(format!("{at}.service.port"), "must be > 0");
+        }
+    }
+    Ok(())
+}
+
+/// `pools[i]`'s health check, outlier detection, circuit breakers and connect timeout.
+fn validate_pool_health(at: &str, pool: &PoolSection) -> Result<(), FieldError> {
+    let hc = &pool.health_check;
+    if !hc.path.starts_with('/') {
+        return fail(format!("{at}.health_check.path"), "must start with '/'");
+    }
+    for (name, value) in [
+        ("interval_ms", hc.interval_ms),
+        ("timeout_ms", hc.timeout_ms),
+        ("unhealthy_threshold", u64::from(hc.unhealthy_threshold)),
+        ("healthy_threshold", u64::from(hc.healthy_threshold)),
+    ] {
+        if value == 0 {
+            return fail(format!("{at}.health_check.{name}"), "must be > 0");
+        }
+    }
+    let od = &pool.outlier_detection;
+    if od.consecutive_5xx == 0 {
+        return fail(format!("{at}.outlier_detection.consecutive_5xx"), "must be > 0");
+    }
+    if od.base_ejection_time_ms == 0 {
+        return fail(format!("{at}.outlier_detection.base_ejection_time_ms"), "must be > 0");
+    }
+    if od.max_ejection_percent > 100 {
+        return fail(format!("{at}.outlier_detection.max_ejection_percent"), "must be 0 to 100");
+    }
+    let cb = &pool.circuit_breakers;
+    for (name, value) in [
+        ("max_connections", cb.max_connections),
+        ("max_pending_requests", cb.max_pending_requests),
+        ("max_requests", cb.max_requests),
+    ] {
+        if value == 0 {
+            return fail(format!("{at}.circuit_breakers.{name}"), "must be > 0");
+        }
+    }
+    if pool.connect_timeout_ms == 0 {
+        return fail(format!("{at}.connect_timeout_ms"), "must be > 0");
+    }
+    Ok(())
+}
+
 fn default_breaker_limit() -> u32 {
     4096
 }
@@ -1551,6 +1623,8 @@ impl GatewayConfig {
             }
         }
         self.validate_kubernetes()?;
+        self.validate_istio()?;
+        self.validate_envoy_gateway()?;
         if let Some(t) = &self.tracing {
             if t.host_port().is_none_or(|(host, port)| host.is_empty() || port == 0 || host.contains('/')) {
                 return fail("tracing.otlp_endpoint", "must be host:port (e.g. otel-collector:4317)");
@@ -1739,72 +1813,9 @@ impl GatewayConfig {
                     ),
                 );
             }
-            for (k, endpoint) in pool.endpoints.iter().enumerate() {
-                if parse_host_port(endpoint).is_none() {
-                    return fail(
-                        format!("{at}.endpoints[{k}]"),
-                        "must be host:port (a vLLM server's address)",
-                    );
-                }
-            }
-            if pool.endpoints.is_empty() && pool.service.is_none() {
-                return fail(at, "set endpoints (standalone), service (meshes) or both");
-            }
-            if let Some(service) = &pool.service {
-                if !is_dns_label(&service.name) {
-                    return fail(
-                        format!("{at}.service.name"),
-                        "must be a Kubernetes name (lowercase letters, digits, '-')",
-                    );
-                }
-                if !is_dns_label(&service.namespace) {
-                    return fail(
-                        format!("{at}.service.namespace"),
-                        "must be a Kubernetes name (lowercase letters, digits, '-')",
-                    );
-                }
-                if service.port == 0 {
-                    return fail(format!("{at}.service.port"), "must be > 0");
-                }
-            }
+            validate_pool_addresses(&at, pool)?;
             validate_picker(&at, pool)?;
-            let hc = &pool.health_check;
-            if !hc.path.starts_with('/') {
-                return fail(format!("{at}.health_check.path"), "must start with '/'");
-            }
-            for (name, value) in [
-                ("interval_ms", hc.interval_ms),
-                ("timeout_ms", hc.timeout_ms),
-                ("unhealthy_threshold", u64::from(hc.unhealthy_threshold)),
-                ("healthy_threshold", u64::from(hc.healthy_threshold)),
-            ] {
-                if value == 0 {
-                    return fail(format!("{at}.health_check.{name}"), "must be > 0");
-                }
-            }
-            let od = &pool.outlier_detection;
-            if od.consecutive_5xx == 0 {
-                return fail(format!("{at}.outlier_detection.consecutive_5xx"), "must be > 0");
-            }
-            if od.base_ejection_time_ms == 0 {
-                return fail(format!("{at}.outlier_detection.base_ejection_time_ms"), "must be > 0");
-            }
-            if od.max_ejection_percent > 100 {
-                return fail(format!("{at}.outlier_detection.max_ejection_percent"), "must be 0 to 100");
-            }
-            let cb = &pool.circuit_breakers;
-            for (name, value) in [
-                ("max_connections", cb.max_connections),
-                ("max_pending_requests", cb.max_pending_requests),
-                ("max_requests", cb.max_requests),
-            ] {
-                if value == 0 {
-                    return fail(format!("{at}.circuit_breakers.{name}"), "must be > 0");
-                }
-            }
-            if pool.connect_timeout_ms == 0 {
-                return fail(format!("{at}.connect_timeout_ms"), "must be > 0");
-            }
+            validate_pool_health(&at, pool)?;
             if pool.admission_leases.is_some()
                 && pool.shedding.is_none()
                 && pool.picker.is_none()
@@ -1816,6 +1827,13 @@ impl GatewayConfig {
                 );
             }
         }
+        self.validate_fallbacks(&names)?;
+        Ok(names.into_keys().collect())
+    }
+
+    /// Each pool's `fallback`: known pools, not itself, none twice, and no pool named as the
+    /// cluster of its own endpoints (`<pool>-primary`).
+    fn validate_fallbacks(&self, names: &HashMap<&str, usize>) -> Result<(), FieldError> {
         for (i, pool) in self.pools.iter().enumerate() {
             let mut seen = HashSet::new();
             for (k, other) in pool.fallback.iter().enumerate() {
@@ -1843,7 +1861,7 @@ impl GatewayConfig {
                 }
             }
         }
-        Ok(names.into_keys().collect())
+        Ok(())
     }
 
     fn validate_models(&self, pools: &HashSet<&str>) -> Result<(), FieldError> {
@@ -1889,6 +1907,7 @@ impl GatewayConfig {
         Ok(())
     }
 
+    /// The `kubernetes` section: its namespace, the sidecar's image, Secrets and volumes.
     fn validate_kubernetes(&self) -> Result<(), FieldError> {
         if let Some(k8s) = &self.kubernetes {
             if !is_dns_label(&k8s.namespace) {
@@ -1951,6 +1970,11 @@ impl GatewayConfig {
                 );
             }
         }
+        Ok(())
+    }
+
+    /// The `istio` section: its namespace, the gateway's pods, its Gateways and hosts.
+    fn validate_istio(&self) -> Result<(), FieldError> {
         if let Some(istio) = &self.istio {
             if !is_dns_label(&istio.namespace) {
                 return fail("istio.namespace", "must be a Kubernetes name");
@@ -1977,6 +2001,11 @@ impl GatewayConfig {
                 return fail("istio.hosts", "must not be empty");
             }
         }
+        Ok(())
+    }
+
+    /// The `envoy_gateway` section: the Gateway and its listener.
+    fn validate_envoy_gateway(&self) -> Result<(), FieldError> {
         if let Some(eg) = &self.envoy_gateway {
             if !is_dns_label(&eg.gateway.name) {
                 return fail("envoy_gateway.gateway.name", "must be a Kubernetes name");
