@@ -457,50 +457,23 @@ pub struct RedisSection {
     pub tls: Option<RedisTlsSection>,
 }
 
-/// Redis TLS files (PEM), each optional.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RedisTlsSection {
-    /// CA of the Redis servers' certificates (absent: the system's roots).
-    #[serde(default)]
-    pub ca_file: Option<PathBuf>,
-    /// Client certificate chain, for a Redis that requires one.
-    #[serde(default)]
-    pub cert_file: Option<PathBuf>,
-    /// Client private key.
-    #[serde(default)]
-    pub key_file: Option<PathBuf>,
-}
+/// Redis TLS files (PEM), each optional (paths on the sidecar's host): the sidecar's own
+/// `redis.tls` type.
+pub use gateway_ext_proc::config::redis::RedisTls as RedisTlsSection;
 
-/// Admission's behaviour when the limiter cannot decide.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FailureMode {
-    /// Admit with approximate local limits.
-    Open,
-    /// Refuse with 503.
-    Closed,
-}
+/// Admission's behaviour when the limiter cannot decide (`open`, `closed`): the sidecar's own type.
+pub use gateway_ext_proc::config::redis::FailureMode;
 
-impl FailureMode {
-    /// The name in the sidecar's config.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FailureMode::Open => "open",
-            FailureMode::Closed => "closed",
-        }
-    }
-}
-
-/// Redis circuit breaker.
-#[derive(Debug, Clone, Deserialize)]
+/// Redis circuit breaker: the sidecar's `redis.breaker` with each member optional (the sidecar's
+/// defaults apply to those unset), written as given.
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct BreakerSection {
     /// Consecutive failures that open the breaker.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure_threshold: Option<u32>,
     /// How long it stays open, in milliseconds.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub open_ms: Option<u64>,
 }
 
@@ -633,15 +606,8 @@ pub struct ModelSection {
     pub model_dir: Option<PathBuf>,
 }
 
-/// One entry of a weighted split.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct WeightedPoolSection {
-    /// Pool name.
-    pub pool: String,
-    /// Relative weight.
-    pub weight: u32,
-}
+/// One entry of a weighted split (`{pool, weight}`): the filter's own type.
+pub use gateway_filter::config::RawWeightedPool as WeightedPoolSection;
 
 /// One vLLM pool.
 #[derive(Debug, Clone, Deserialize)]
@@ -862,11 +828,9 @@ fn is_label_key(k: &str) -> bool {
 /// check (its parser runs at render); the numbers here are only those that are never valid.
 fn validate_picker(at: &str, pool: &PoolSection) -> Result<(), FieldError> {
     if let Some(picker) = &pool.picker {
-        for (name, value) in picker.members() {
-            if let PickerValue::Float(v) = value {
-                if !v.is_finite() || v < 0.0 {
-                    return fail(format!("{at}.picker.{name}"), "must be a finite number >= 0");
-                }
+        for (name, value) in picker.factors() {
+            if value.is_some_and(|v| !v.is_finite() || v < 0.0) {
+                return fail(format!("{at}.picker.{name}"), "must be a finite number >= 0");
             }
         }
     }
@@ -1000,85 +964,56 @@ pub struct PoolSheddingSection {
 /// The sidecar's endpoint picker of one pool: its `pools[].picker`, member for member (each
 /// optional; the sidecar's defaults and its own validation apply, and its errors are reported
 /// against `pools[i].picker.<member>`). `{}` picks with every default.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PickerSection {
     /// Weight of prefix affinity (the longest matched prompt prefix) in an endpoint's score.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix_weight: Option<f64>,
     /// Weight of the endpoint's queue (`vllm:num_requests_waiting`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue_weight: Option<f64>,
     /// Weight of the endpoint's KV-cache use (`vllm:kv_cache_usage_perc`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_cache_weight: Option<f64>,
     /// Weight of the requests this gateway has in flight on the endpoint.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub in_flight_weight: Option<f64>,
     /// Weight of the endpoint's recent mean time to first token (`vllm:time_to_first_token_seconds`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub latency_weight: Option<f64>,
     /// Bounded-load affinity: the prefix-holding endpoint is kept only while its load is within
     /// this factor of the least-loaded endpoint's.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub affinity_load_factor: Option<f64>,
     /// Prompt-prefix block hashes remembered per endpoint (LRU).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix_lru_blocks: Option<u64>,
     /// Further endpoints listed after the pick (`x-gateway-destination-endpoint`), tried in order
     /// on a connect failure.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback_endpoints: Option<u64>,
     /// Milliseconds after which an endpoint's scraped metrics are stale (it is then never picked).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stale_after_ms: Option<u64>,
     /// Whether the filter may admit this pool's requests from admission leases (those are not
     /// picked: Envoy's LEAST_REQUEST chooses); the sidecar's default is false.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub admission_leases: Option<bool>,
 }
 
 impl PickerSection {
-    /// The members that are set, by their sidecar names (numbers as given).
-    pub fn members(&self) -> Vec<(&'static str, PickerValue)> {
-        let mut out = Vec::new();
-        for (name, value) in [
+    /// The weights and the load factor, by their sidecar names (numbers as given).
+    pub fn factors(&self) -> [(&'static str, Option<f64>); 6] {
+        [
             ("prefix_weight", self.prefix_weight),
             ("queue_weight", self.queue_weight),
             ("kv_cache_weight", self.kv_cache_weight),
             ("in_flight_weight", self.in_flight_weight),
             ("latency_weight", self.latency_weight),
             ("affinity_load_factor", self.affinity_load_factor),
-        ] {
-            if let Some(v) = value {
-                out.push((name, PickerValue::Float(v)));
-            }
-        }
-        for (name, value) in [
-            ("prefix_lru_blocks", self.prefix_lru_blocks),
-            ("fallback_endpoints", self.fallback_endpoints),
-            ("stale_after_ms", self.stale_after_ms),
-        ] {
-            if let Some(v) = value {
-                out.push((name, PickerValue::Int(v)));
-            }
-        }
-        if let Some(v) = self.admission_leases {
-            out.push(("admission_leases", PickerValue::Bool(v)));
-        }
-        out
+        ]
     }
-}
-
-/// A picker member's value.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum PickerValue {
-    /// A weight or factor.
-    Float(f64),
-    /// A count or a duration in milliseconds.
-    Int(u64),
-    /// A switch.
-    Bool(bool),
 }
 
 /// What an InferencePool needs beyond the pool's `service`: the labels that select the pool's

@@ -1,4 +1,8 @@
-//! The template files under `envoy/`, compiled in, and their `${NAME}` placeholders.
+//! The template files under `envoy/`, compiled in, and their `${NAME}` placeholders: the Envoy
+//! configuration (bootstrap, filters, clusters, routes) that the standalone bootstrap, the Istio
+//! EnvoyFilter and the Envoy Gateway EnvoyPatchPolicy share with `tests/stack.py`. The Kubernetes,
+//! Istio and Envoy Gateway objects around it are typed documents ([`crate::render`]'s
+//! `manifests`).
 //!
 //! The syntax is the subset of Python's `string.Template` that `tests/stack.py` renders the same
 //! files with: `${NAME}` is replaced by a value, `$$` is a literal `$`. Values are inserted as
@@ -60,46 +64,6 @@ pub const OTEL_CLUSTER: Template = template!("envoy/otel_cluster.yaml");
 pub const POOL_PICKER_LB: Template = template!("envoy/pool_picker_lb.yaml");
 /// The route of a picking pool, whose retries walk the sidecar's endpoint list.
 pub const PICKER_ROUTE: Template = template!("envoy/picker_route.yaml");
-
-/// Kubernetes: the sidecar's ConfigMap.
-pub const K8S_SIDECAR_CONFIG: Template = template!("envoy/kubernetes/sidecar-configmap.yaml");
-/// Kubernetes: the sidecar's Deployment.
-pub const K8S_SIDECAR_DEPLOYMENT: Template = template!("envoy/kubernetes/sidecar-deployment.yaml");
-/// Kubernetes: the sidecar's Service.
-pub const K8S_SIDECAR_SERVICE: Template = template!("envoy/kubernetes/sidecar-service.yaml");
-/// Kubernetes: the NetworkPolicy that admits only the gateway's pods to the sidecar.
-pub const K8S_SIDECAR_NETWORK_POLICY: Template = template!("envoy/kubernetes/sidecar-networkpolicy.yaml");
-/// Kubernetes: the NetworkPolicy that admits only the sidecar to the trial Redis.
-pub const K8S_REDIS_NETWORK_POLICY: Template = template!("envoy/kubernetes/redis-networkpolicy.yaml");
-/// Kubernetes: the sidecar's PodDisruptionBudget.
-pub const K8S_SIDECAR_PDB: Template = template!("envoy/kubernetes/sidecar-pdb.yaml");
-/// Kubernetes: the trial Redis Deployment.
-pub const K8S_REDIS_DEPLOYMENT: Template = template!("envoy/kubernetes/redis-deployment.yaml");
-/// Kubernetes: a picking pool's InferencePool (istio and envoy-gateway targets).
-pub const K8S_INFERENCE_POOL: Template = template!("envoy/kubernetes/inferencepool.yaml");
-/// Kubernetes: the trial Redis Service.
-pub const K8S_REDIS_SERVICE: Template = template!("envoy/kubernetes/redis-service.yaml");
-
-/// Istio: the EnvoyFilter that adds the wasm filter (ECDS) and the two ext_proc filters.
-pub const ISTIO_ENVOY_FILTER: Template = template!("envoy/istio/envoyfilter.yaml");
-/// Istio: the WasmPlugin (alternative delivery of the wasm filter).
-pub const ISTIO_WASM_PLUGIN: Template = template!("envoy/istio/wasmplugin.yaml");
-/// Istio: the VirtualService routing `x-gateway-pool` to the pools' Services.
-pub const ISTIO_VIRTUAL_SERVICE: Template = template!("envoy/istio/virtualservice.yaml");
-/// Istio: one DestinationRule per pool (outlier detection, connection pool).
-pub const ISTIO_DESTINATION_RULE: Template = template!("envoy/istio/destinationrule.yaml");
-/// Istio's tracer turned on for the ingress gateway's pods (`tracing`).
-pub const ISTIO_TELEMETRY: Template = template!("envoy/istio/telemetry.yaml");
-
-/// Envoy Gateway: the EnvoyExtensionPolicy (wasm + two extProc entries).
-pub const EG_EXTENSION_POLICY: Template = template!("envoy/envoy-gateway/envoyextensionpolicy.yaml");
-/// Envoy Gateway: the HTTPRoute routing `x-gateway-pool` to the pools' Services.
-pub const EG_HTTP_ROUTE: Template = template!("envoy/envoy-gateway/httproute.yaml");
-/// Envoy Gateway: the EnvoyProxy filter order (wasm before ext_proc).
-pub const EG_ENVOY_PROXY: Template = template!("envoy/envoy-gateway/envoyproxy.yaml");
-/// Envoy Gateway: the EnvoyPatchPolicy on the Gateway's listener (wasm body buffering, the
-/// ext_proc filters' request attributes, the guard, the listener buffer).
-pub const EG_PATCH_POLICY: Template = template!("envoy/envoy-gateway/envoypatchpolicy.yaml");
 
 /// A template could not be rendered: a placeholder without a value, or YAML that does not
 /// parse after substitution. Both are bugs in gatewayctl or in the template, never in the
@@ -183,7 +147,7 @@ mod tests {
     fn substitutes_json_values() {
         let v = Values::new()
             .set("A", "x: y")
-            .set("B", crate::tree::seq([crate::tree::n(1u64), crate::tree::n(2u64)]));
+            .set("B", Value::Sequence(vec![Value::from(1u64), Value::from(2u64)]));
         assert_eq!(substitute(T, &v).unwrap(), "a: \"x: y\"\nb: [1,2]\nc: '$5'\n");
         let parsed = render(T, &v).unwrap();
         assert_eq!(parsed["a"], "x: y");
@@ -238,11 +202,11 @@ mod tests {
                 .set("MAX_REQUEST_HEADERS_KB", 32)
                 .set("MAX_STREAM_DURATION", "3600s")
                 .set("POOL", "p")
-                .set("ENDPOINTS", crate::tree::seq([]))
+                .set("ENDPOINTS", Value::Sequence(Vec::new()))
                 .set("NAME", "chain")
-                .set("SUB_CLUSTERS", crate::tree::seq([]))
+                .set("SUB_CLUSTERS", Value::Sequence(Vec::new()))
                 .set("RETRIES", 1)
-                .set("ADMISSION_FILTER", crate::tree::map([("name", crate::tree::s("admission"))]))
+                .set("ADMISSION_FILTER", serde_yaml_ng::from_str::<Value>("{name: admission}").unwrap())
                 .set("SIDECAR_SERVER_NAME", "ext-proc.test")
                 .set("CLIENT_CERT_FILE", "/envoy.crt")
                 .set("CLIENT_KEY_FILE", "/envoy.key")

@@ -1,45 +1,15 @@
-//! Small helpers over [`serde_yaml_ng::Value`], the tree every rendered file is built in (its
-//! mappings keep insertion order, so rendered files read like their templates).
+//! Small helpers over [`serde_yaml_ng::Value`], the tree every rendered file is written from (its
+//! mappings keep insertion order: a typed document's members in their declaration order, a
+//! template's keys as the template lists them), and the YAML writer.
 
 pub use serde_yaml_ng::{Mapping, Value};
 
-/// An ordered mapping from `(key, value)` pairs.
-pub fn map<K: Into<String>>(pairs: impl IntoIterator<Item = (K, Value)>) -> Value {
-    let mut m = Mapping::new();
-    for (k, v) in pairs {
-        m.insert(Value::String(k.into()), v);
-    }
-    Value::Mapping(m)
-}
-
-/// A string value.
-pub fn s(x: impl Into<String>) -> Value {
-    Value::String(x.into())
-}
-
-/// An unsigned integer value.
-pub fn n(x: impl Into<u64>) -> Value {
-    Value::Number(x.into().into())
-}
-
-/// A float value.
-pub fn f(x: f64) -> Value {
-    Value::Number(x.into())
-}
-
-/// A boolean value.
-pub fn b(x: bool) -> Value {
-    Value::Bool(x)
-}
-
-/// A sequence value.
-pub fn seq(items: impl IntoIterator<Item = Value>) -> Value {
-    Value::Sequence(items.into_iter().collect())
-}
-
-/// A sequence of strings.
-pub fn strings<S: AsRef<str>>(items: impl IntoIterator<Item = S>) -> Value {
-    seq(items.into_iter().map(|x| s(x.as_ref())))
+/// A serializable value as a tree: a struct's members in their declaration order.
+///
+/// # Errors
+/// A value YAML cannot represent (a bug).
+pub fn to_tree<T: serde::Serialize + ?Sized>(value: &T) -> Result<Value, String> {
+    serde_yaml_ng::to_value(value).map_err(|e| e.to_string())
 }
 
 /// One step of a path into a tree.
@@ -80,18 +50,32 @@ pub fn at_mut<'v>(value: &'v mut Value, path: &[Key<'_>]) -> Option<&'v mut Valu
 pub fn set(node: &mut Value, key: &str, value: Value) -> bool {
     match node.as_mapping_mut() {
         Some(m) => {
-            m.insert(s(key), value);
+            m.insert(Value::String(key.to_owned()), value);
             true
         }
         None => false,
     }
 }
 
-/// Serializes a tree as one line of JSON (for template placeholders and JSON files).
+/// Sets every member of the mapping `members` in the mapping `node`, in order, as [`set`] does.
+/// Returns false when either is not a mapping.
+pub fn merge(node: &mut Value, members: Value) -> bool {
+    match (node.as_mapping_mut(), members) {
+        (Some(m), Value::Mapping(members)) => {
+            for (key, value) in members {
+                m.insert(key, value);
+            }
+            true
+        }
+        _ => false,
+    }
+}
+
+/// Serializes a value as one line of JSON (for template placeholders and JSON files).
 ///
 /// # Errors
 /// A mapping key that is not a string (JSON cannot represent it).
-pub fn to_json(value: &Value) -> Result<String, String> {
+pub fn to_json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String, String> {
     serde_json::to_string(value).map_err(|e| e.to_string())
 }
 
@@ -234,15 +218,35 @@ fn emit_sequence(items: &[Value], indent: usize, out: &mut String) -> Result<(),
 mod tests {
     use super::*;
 
+    fn map<K: Into<String>>(pairs: impl IntoIterator<Item = (K, Value)>) -> Value {
+        Value::Mapping(pairs.into_iter().map(|(k, v)| (Value::String(k.into()), v)).collect())
+    }
+
+    fn s(x: &str) -> Value {
+        Value::String(x.to_owned())
+    }
+
+    fn n(x: u64) -> Value {
+        Value::from(x)
+    }
+
+    fn seq(items: impl IntoIterator<Item = Value>) -> Value {
+        Value::Sequence(items.into_iter().collect())
+    }
+
+    fn strings<'a>(items: impl IntoIterator<Item = &'a str>) -> Value {
+        seq(items.into_iter().map(s))
+    }
+
     #[test]
     fn ambiguous_strings_are_quoted() {
         let v = map([
             ("a", strings(["no", "On", "1s", "", "0.0.0.0:80", "%X%", "a b", "y"])),
             ("@type", s("type.googleapis.com/x.y")),
             ("path", s("/health")),
-            ("n", n(5u64)),
-            ("f", f(0.95)),
-            ("b", b(false)),
+            ("n", n(5)),
+            ("f", Value::from(0.95)),
+            ("b", Value::Bool(false)),
         ]);
         let text = to_yaml(&v).unwrap();
         assert_eq!(
@@ -259,7 +263,7 @@ mod tests {
             (
                 "list",
                 seq([
-                    map([("name", s("x")), ("inner", map([("k", seq([n(1u64), n(2u64)]))]))]),
+                    map([("name", s("x")), ("inner", map([("k", seq([n(1), n(2)]))]))]),
                     seq([s("a"), seq([])]),
                     map::<&str>([]),
                 ]),

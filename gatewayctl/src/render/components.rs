@@ -4,84 +4,68 @@
 
 use std::path::Path;
 
+use gateway_ext_proc::config::ModelConfig;
+
+use gateway_ext_proc::config::pools::SheddingConfig;
+
+use gateway_ext_proc::config::tenants::TenantConfig;
+use gateway_filter::config::{RawConfig, RawModel, RawPrefixHashing, RawTenant};
 use gateway_tokenize::spec::{ChatTemplateSpec, TokenizerSpec};
 
-use crate::config::FieldError;
-use crate::config::{
-    GatewayConfig, LimitsSection, Loaded, PickerValue, PoolSection, USAGE_DELIVERY_MARGIN_MS,
-};
-use crate::tree::{b, f, map, n, s, seq, strings, to_json, to_yaml, Value};
+use crate::config::{FieldError, GatewayConfig, Loaded, PoolSection, USAGE_DELIVERY_MARGIN_MS};
+use crate::tree::{to_json, to_yaml};
 
+use super::sidecar_file::{
+    ContextFile, EndpointPickerFile, JournalFile, MeteringFile, PoolFile, RedisFile, ReservationsFile,
+    SidecarFile, TracingFile,
+};
 use super::Error;
 
-/// The wasm filter's plugin config, validated by `gateway_filter::config::Config::from_json`.
+/// The wasm filter's plugin config (the filter's own `RawConfig`), validated by
+/// `gateway_filter::config::Config::from_json`.
 ///
 /// # Errors
 /// A field the filter rejects (named as in the gateway config).
-pub fn filter_config(loaded: &Loaded) -> Result<Value, Error> {
+pub fn filter_config(loaded: &Loaded) -> Result<RawConfig, Error> {
     let c = &loaded.config;
-    let mut top = Vec::new();
-    if let Some(max) = c.filter.full_parse_max_bytes {
-        top.push(("full_parse_max_bytes", n(max)));
-    }
-    if let Some(max) = c.filter.max_body_bytes {
-        top.push(("max_body_bytes", n(max)));
-    }
-    if let Some(max) = c.filter.max_uploads_per_tenant {
-        top.push(("max_uploads_per_tenant", n(max)));
-    }
-    if let Some(max) = c.filter.max_n {
-        top.push(("max_n", n(max)));
-    }
-    let tenants = c.tenants.iter().map(|t| {
-        let mut fields = vec![("id", s(&t.id)), ("api_keys_sha256", strings(&t.api_keys_sha256))];
-        if let Some(tier) = &t.tier {
-            fields.push(("tier", s(tier)));
-        }
-        if let Some(models) = &t.models {
-            fields.push(("models", strings(models)));
-        }
-        map(fields)
+    let tenants = c.tenants.iter().map(|t| RawTenant {
+        id: t.id.clone(),
+        api_keys_sha256: t.api_keys_sha256.clone(),
+        tier: t.tier.clone(),
+        models: t.models.clone(),
     });
-    top.push(("tenants", seq(tenants)));
-    let mut models = Vec::with_capacity(c.models.len());
-    for m in &c.models {
-        let mut fields = vec![("name", s(&m.name))];
-        if let Some(pool) = &m.pool {
-            fields.push(("pool", s(pool)));
-        }
-        if let Some(pools) = &m.pools {
-            let split = pools.iter().map(|p| map([("pool", s(&p.pool)), ("weight", n(p.weight))]));
-            fields.push(("pools", seq(split)));
-        }
-        if let Some(served) = &m.served_model_name {
-            fields.push(("served_model_name", s(served)));
-        }
-        fields.push(("max_model_len", n(m.max_model_len)));
-        if let Some(bytes) = m.max_token_bytes {
-            fields.push(("max_token_bytes", n(bytes)));
-        }
-        if let Some(aliases) = &m.aliases {
-            fields.push(("aliases", strings(aliases)));
-        }
-        if let Some(adapters) = &m.lora_adapters {
-            fields.push(("lora_adapters", strings(adapters)));
-        }
-        if m.tokenizer.is_some() || m.model_dir.is_some() {
-            // What the bounds cannot decide goes to the sidecar's exact count.
-            fields.push(("exact_count", b(true)));
-        }
-        models.push(map(fields));
-    }
-    top.push(("models", seq(models)));
-    if c.pools.iter().any(|p| p.picker.is_some()) {
+    let models = c.models.iter().map(|m| RawModel {
+        name: m.name.clone(),
+        pool: m.pool.clone(),
+        pools: m.pools.clone(),
+        served_model_name: m.served_model_name.clone(),
+        max_model_len: m.max_model_len,
+        max_token_bytes: m.max_token_bytes,
+        aliases: m.aliases.clone(),
+        lora_adapters: m.lora_adapters.clone(),
+        template_overhead_bytes: None,
+        normalization: None,
+        // What the bounds cannot decide goes to the sidecar's exact count.
+        exact_count: (m.tokenizer.is_some() || m.model_dir.is_some()).then_some(true),
+    });
+    let config = RawConfig {
+        max_body_bytes: c.filter.max_body_bytes,
+        full_parse_max_bytes: c.filter.full_parse_max_bytes,
+        max_uploads_per_tenant: c.filter.max_uploads_per_tenant,
+        max_n: c.filter.max_n,
+        tenants: tenants.collect(),
+        models: models.collect(),
+        admission_leases: None,
         // The prompt-prefix hashes the sidecar's picker scores affinity by (the filter's
         // defaults: 64-byte blocks, at most 256).
-        top.push(("prefix_hashing", map::<&str>([])));
-    }
-    // The rendered sidecars read the decision from the filter state; the headers are opt-in.
-    top.push(("upstream_headers", s(c.filter.upstream_headers.as_deref().unwrap_or("routing"))));
-    let config = map(top);
+        prefix_hashing: c
+            .pools
+            .iter()
+            .any(|p| p.picker.is_some())
+            .then_some(RawPrefixHashing { block_bytes: None, max_blocks: None }),
+        // The rendered sidecars read the decision from the filter state; the headers are opt-in.
+        upstream_headers: Some(c.filter.upstream_headers.clone().unwrap_or_else(|| "routing".to_owned())),
+    };
 
     let json = to_json(&config).map_err(Error::Internal)?;
     if let Err(e) = gateway_filter::config::Config::from_json(json.as_bytes()) {
@@ -117,21 +101,6 @@ pub fn trial_redis_url(namespace: &str) -> String {
     format!("redis://llm-gateway-redis.{namespace}.svc.cluster.local:6379/0")
 }
 
-fn limits(l: &LimitsSection) -> Value {
-    let mut fields = Vec::new();
-    for (name, value) in [
-        ("requests_per_minute", l.requests_per_minute),
-        ("request_burst", l.request_burst),
-        ("tokens_per_minute", l.tokens_per_minute),
-        ("token_burst", l.token_burst),
-    ] {
-        if let Some(v) = value {
-            fields.push((name, n(v)));
-        }
-    }
-    map(fields)
-}
-
 /// Scrape URLs of a pool's endpoints for the sidecar (its `/metrics`). A picking pool's are its
 /// `endpoints` on every target: the picker names one of them to Envoy as `ip:port`, which a
 /// Service's address is not (the sidecar does not discover a Service's Pods).
@@ -144,81 +113,36 @@ fn scrape_urls(pool: &PoolSection, flavor: Flavor) -> Vec<String> {
     }
 }
 
+/// An address on `flavor`'s host: `addr` itself standalone, all interfaces at its port in a pod.
+fn listen_address(addr: std::net::SocketAddr, flavor: Flavor) -> String {
+    match flavor {
+        Flavor::Standalone => addr.to_string(),
+        Flavor::Kubernetes => format!("0.0.0.0:{}", addr.port()),
+    }
+}
+
 /// The sidecar's config, validated by `gateway_ext_proc::config::Config::from_yaml`.
 ///
 /// # Errors
 /// A field the sidecar rejects, named as in the gateway config.
-pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
+pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<SidecarFile, Error> {
     let c = &loaded.config;
-    let mut top = Vec::new();
-    let listen = match flavor {
-        Flavor::Standalone => c.sidecar.listen.to_string(),
-        Flavor::Kubernetes => format!("0.0.0.0:{}", c.sidecar.listen.port()),
+    let tls = match (flavor, &c.sidecar.tls) {
+        (Flavor::Standalone, Some(tls)) => Some(gateway_ext_proc::config::redis::ListenerTls {
+            cert_file: loaded.resolve(&tls.cert_file),
+            key_file: loaded.resolve(&tls.key_file),
+            client_ca_file: loaded.resolve(&tls.client_ca_file),
+            pem: None,
+        }),
+        _ => None,
     };
-    top.push(("listen", s(listen)));
-    if let (Flavor::Standalone, Some(tls)) = (flavor, &c.sidecar.tls) {
-        let path = |p: &std::path::Path| s(loaded.resolve(p).display().to_string());
-        top.push((
-            "tls",
-            map([
-                ("cert_file", path(&tls.cert_file)),
-                ("key_file", path(&tls.key_file)),
-                ("client_ca_file", path(&tls.client_ca_file)),
-            ]),
-        ));
-    }
-    top.push(("redis", redis(loaded, flavor)));
-    let tenants = c.tenants.iter().map(|t| {
-        let mut fields = vec![("id", s(&t.id)), ("limits", limits(&t.limits))];
-        if !t.model_limits.is_empty() {
-            let per_model = t.model_limits.iter().map(|(model, l)| (model.clone(), limits(l)));
-            fields.push(("model_limits", map(per_model)));
-        }
-        if t.quota != Default::default() {
-            fields.push(("quota", to_value(&t.quota)?));
-        }
-        if !t.model_quotas.is_empty() {
-            fields.push(("model_quotas", to_value(&t.model_quotas)?));
-        }
-        Ok(map(fields))
+    let tenants = c.tenants.iter().map(|t| TenantConfig {
+        id: t.id.clone(),
+        limits: t.limits,
+        model_limits: t.model_limits.clone(),
+        quota: t.quota,
+        model_quotas: t.model_quotas.clone(),
     });
-    top.push(("tenants", seq(tenants.collect::<Result<Vec<_>, Error>>()?)));
-    if !c.prices.is_empty() {
-        top.push(("prices", to_value(&c.prices)?));
-    }
-    let mut metering = Vec::new();
-    if let Some(m) = &c.sidecar.metering {
-        if let Some(stream) = &m.stream {
-            metering.push(("stream", s(stream)));
-        }
-        if let Some(len) = m.stream_maxlen {
-            metering.push(("stream_maxlen", n(len)));
-        }
-        if let Some(bytes) = m.max_json_body_bytes {
-            metering.push(("max_json_body_bytes", n(bytes)));
-        }
-    }
-    // A reservation is charged once no usage arrived within the longest stream lifetime (the
-    // standalone bootstrap's max_stream_duration; on the mesh targets, the bound set there).
-    let record_after = c.envoy.edge.max_stream_duration_ms.saturating_add(USAGE_DELIVERY_MARGIN_MS);
-    metering.push(("reservations", map([("record_after_ms", n(record_after))])));
-    if let (Flavor::Standalone, Some(path)) =
-        (flavor, c.sidecar.metering.as_ref().and_then(|m| m.journal_path.as_ref()))
-    {
-        metering.push(("journal", map([("path", s(path.display().to_string()))])));
-    }
-    top.push(("metering", map(metering)));
-    if let Some(grace) = c.sidecar.shutdown_grace_ms {
-        top.push(("shutdown_grace_ms", n(grace)));
-    }
-    if let Some(max) = c.filter.max_body_bytes {
-        // The exact count receives bodies up to the filter's limit.
-        top.push(("context", map([("max_body_bytes", n(max))])));
-    }
-    let counted = exact_count_models(loaded, flavor)?;
-    if !counted.is_empty() {
-        top.push(("models", seq(counted)));
-    }
     // Sidecar pools[j] is the gateway config's pools[shed[j]]: the pools it sheds in front of
     // or picks endpoints for (or both).
     let shed: Vec<usize> = c
@@ -228,85 +152,32 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
         .filter(|(_, p)| p.shedding.is_some() || p.picker.is_some() || p.flow_control.is_some())
         .map(|(i, _)| i)
         .collect();
-    if !shed.is_empty() {
-        let pools = shed.iter().filter_map(|&i| c.pools.get(i)).map(|p| -> Result<Value, Error> {
-            let mut fields = vec![("name", s(&p.name)), ("endpoints", strings(scrape_urls(p, flavor)))];
-            if let Some(sh) = &p.shedding {
-                if let Some(v) = sh.scrape_interval_ms {
-                    fields.push(("scrape_interval_ms", n(v)));
-                }
-                if let Some(v) = sh.max_queue_depth {
-                    fields.push(("max_queue_depth", n(v)));
-                }
-                if let Some(v) = sh.max_kv_cache_usage {
-                    fields.push(("max_kv_cache_usage", f(v)));
-                }
-                if let Some(v) = sh.max_in_flight {
-                    fields.push(("max_in_flight", n(v)));
-                }
-            }
-            if let Some(picker) = &p.picker {
-                let members = picker.members().into_iter().map(|(name, value)| match value {
-                    PickerValue::Float(v) => (name, f(v)),
-                    PickerValue::Int(v) => (name, n(v)),
-                    PickerValue::Bool(v) => (name, b(v)),
-                });
-                fields.push(("picker", map(members)));
-            }
-            if let Some(flow) = &p.flow_control {
-                fields.push(("flow_control", to_value(flow)?));
-            }
-            if let Some(v) = p.admission_leases {
-                fields.push(("admission_leases", b(v)));
-            }
-            Ok(map(fields))
-        });
-        top.push(("pools", seq(pools.collect::<Result<Vec<_>, _>>()?)));
-    }
-    if let Some(flow) = &c.flow_control {
-        top.push(("flow_control", to_value(flow)?));
-    }
-    if let Some(t) = &c.tracing {
-        top.push((
-            "tracing",
-            map([
-                ("otlp_endpoint", s(format!("http://{}", t.otlp_endpoint))),
-                ("sampling_ratio", f(t.sampling_percent / 100.0)),
-            ]),
-        ));
-    }
-    if flavor == Flavor::Kubernetes {
-        // On the mesh targets each picking pool's picks come from its InferencePool's call to an
-        // endpoint-picker listener of its own (then the admission does not pick for it); the
-        // standalone sidecar picks on the admission path.
-        let pickers = super::kubernetes::endpoint_pickers(loaded)?;
-        if !pickers.is_empty() {
-            let pickers = pickers.iter().map(|epp| {
-                let mut fields = vec![("pool", s(epp.pool)), ("listen", s(format!("0.0.0.0:{}", epp.port)))];
-                if let Some(max) = c.filter.max_body_bytes {
-                    // It buffers the bodies the filter let through.
-                    fields.push(("max_body_bytes", n(max)));
-                }
-                map(fields)
-            });
-            top.push(("endpoint_pickers", seq(pickers)));
-        }
-    }
-    let levels: Vec<(String, Value)> =
-        c.tiers.iter().filter_map(|(tier, t)| Some((tier.clone(), f(t.shed_level?)))).collect();
-    if !levels.is_empty() {
-        top.push(("shedding", map([("tier_levels", map(levels))])));
-    }
-    if let Some(metrics) = c.sidecar.metrics_listen {
-        let addr = match flavor {
-            Flavor::Standalone => metrics.to_string(),
-            Flavor::Kubernetes => format!("0.0.0.0:{}", metrics.port()),
-        };
-        top.push(("metrics_listen", s(addr)));
-    }
-    let config = map(top);
+    let pools = shed.iter().filter_map(|&i| c.pools.get(i)).map(|p| sidecar_pool(p, flavor));
+    let tier_levels: std::collections::BTreeMap<String, f64> =
+        c.tiers.iter().filter_map(|(tier, t)| Some((tier.clone(), t.shed_level?))).collect();
+    let config = SidecarFile {
+        listen: listen_address(c.sidecar.listen, flavor),
+        tls,
+        redis: redis(loaded, flavor),
+        tenants: tenants.collect(),
+        prices: c.prices.clone(),
+        metering: metering(c, flavor),
+        shutdown_grace_ms: c.sidecar.shutdown_grace_ms,
+        // The exact count receives bodies up to the filter's limit.
+        context: c.filter.max_body_bytes.map(|max_body_bytes| ContextFile { max_body_bytes }),
+        models: exact_count_models(loaded, flavor)?,
+        pools: pools.collect(),
+        flow_control: c.flow_control.clone(),
+        tracing: c.tracing.as_ref().map(|t| TracingFile {
+            otlp_endpoint: format!("http://{}", t.otlp_endpoint),
+            sampling_ratio: t.sampling_percent / 100.0,
+        }),
+        endpoint_pickers: endpoint_picker_listeners(loaded, flavor)?,
+        shedding: (!tier_levels.is_empty()).then_some(SheddingConfig { tier_levels }),
+        metrics_listen: c.sidecar.metrics_listen.map(|m| listen_address(m, flavor)),
+    };
 
-    let yaml = to_yaml(&config).map_err(Error::Internal)?;
+    let yaml = to_yaml(&crate::tree::to_tree(&config).map_err(Error::Internal)?).map_err(Error::Internal)?;
     match gateway_ext_proc::config::Config::from_yaml(&yaml) {
         Ok(_) => Ok(config),
         Err(gateway_ext_proc::config::ConfigError::Invalid { field, message }) => {
@@ -318,92 +189,122 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<Value, Error> {
     }
 }
 
+/// One of the sidecar's `pools[]`: what it sheds the pool by, its picker and its flow control.
+fn sidecar_pool(p: &PoolSection, flavor: Flavor) -> PoolFile {
+    let shedding = p.shedding.as_ref();
+    PoolFile {
+        name: p.name.clone(),
+        endpoints: scrape_urls(p, flavor),
+        scrape_interval_ms: shedding.and_then(|s| s.scrape_interval_ms),
+        max_queue_depth: shedding.and_then(|s| s.max_queue_depth),
+        max_kv_cache_usage: shedding.and_then(|s| s.max_kv_cache_usage),
+        max_in_flight: shedding.and_then(|s| s.max_in_flight),
+        picker: p.picker.clone(),
+        flow_control: p.flow_control,
+        admission_leases: p.admission_leases,
+    }
+}
+
+/// The sidecar's `metering`: the gateway config's settings, and when a reservation is charged.
+fn metering(c: &GatewayConfig, flavor: Flavor) -> MeteringFile {
+    let m = c.sidecar.metering.as_ref();
+    // A reservation is charged once no usage arrived within the longest stream lifetime (the
+    // standalone bootstrap's max_stream_duration; on the mesh targets, the bound set there).
+    let record_after_ms = c.envoy.edge.max_stream_duration_ms.saturating_add(USAGE_DELIVERY_MARGIN_MS);
+    let journal = match flavor {
+        Flavor::Standalone => m.and_then(|m| m.journal_path.as_ref()),
+        Flavor::Kubernetes => None,
+    };
+    MeteringFile {
+        stream: m.and_then(|m| m.stream.clone()),
+        stream_maxlen: m.and_then(|m| m.stream_maxlen),
+        max_json_body_bytes: m.and_then(|m| m.max_json_body_bytes),
+        reservations: ReservationsFile { record_after_ms },
+        journal: journal.map(|path| JournalFile { path: path.display().to_string() }),
+    }
+}
+
+/// On the mesh targets each picking pool's picks come from its InferencePool's call to an
+/// endpoint-picker listener of its own (then the admission does not pick for it); the
+/// standalone sidecar picks on the admission path.
+fn endpoint_picker_listeners(loaded: &Loaded, flavor: Flavor) -> Result<Vec<EndpointPickerFile>, Error> {
+    if flavor == Flavor::Standalone {
+        return Ok(Vec::new());
+    }
+    let pickers = super::kubernetes::endpoint_pickers(loaded)?;
+    Ok(pickers
+        .iter()
+        .map(|epp| EndpointPickerFile {
+            pool: epp.pool.to_owned(),
+            listen: format!("0.0.0.0:{}", epp.port),
+            // It buffers the bodies the filter let through.
+            max_body_bytes: loaded.config.filter.max_body_bytes,
+        })
+        .collect())
+}
+
 /// Where `kubernetes.sidecar.redis_tls_secret` is mounted in the sidecar's pods.
 pub const REDIS_TLS_MOUNT: &str = "/etc/llm-gateway/redis-tls";
 /// The env var the pods get `kubernetes.sidecar.redis_password_secret` in.
 pub const REDIS_PASSWORD_ENV: &str = "REDIS_PASSWORD";
 
-fn redis(loaded: &Loaded, flavor: Flavor) -> Value {
+fn redis(loaded: &Loaded, flavor: Flavor) -> RedisFile {
     let c: &GatewayConfig = &loaded.config;
     let r = &c.redis;
-    let mut fields = Vec::new();
     let trial = match (flavor, &c.kubernetes) {
         (Flavor::Kubernetes, Some(k8s)) if k8s.trial_redis.is_some() => Some(trial_redis_url(&k8s.namespace)),
         _ => None,
     };
+    let mut file = RedisFile {
+        command_timeout_ms: r.command_timeout_ms,
+        local_share: r.local_share,
+        lease_fraction: c.lease_fraction(),
+        lease_ttl_ms: r.lease_ttl_ms,
+        key_prefix: r.key_prefix.clone(),
+        failure_mode: r.failure_mode,
+        tier_failure_modes: c
+            .tiers
+            .iter()
+            .filter_map(|(tier, t)| Some((tier.clone(), t.failure_mode?)))
+            .collect(),
+        username: r.username.clone(),
+        breaker: r.breaker.clone(),
+        ..RedisFile::default()
+    };
     match (trial, &r.url) {
-        (Some(url), _) => fields.push(("url", s(url))),
-        (None, Some(url)) => fields.push(("url", s(url))),
-        (None, None) => fields.push(("cluster_urls", strings(&r.cluster_urls))),
+        (Some(url), _) => file.url = Some(url),
+        (None, Some(url)) => file.url = Some(url.clone()),
+        (None, None) => file.cluster_urls = Some(r.cluster_urls.clone()),
     }
-    if let Some(ms) = r.command_timeout_ms {
-        fields.push(("command_timeout_ms", n(ms)));
-    }
-    if let Some(share) = r.local_share {
-        fields.push(("local_share", Value::from(share)));
-    }
-    fields.push(("lease_fraction", Value::from(c.lease_fraction())));
-    if let Some(ms) = r.lease_ttl_ms {
-        fields.push(("lease_ttl_ms", n(ms)));
-    }
-    if let Some(prefix) = &r.key_prefix {
-        fields.push(("key_prefix", s(prefix)));
-    }
-    if let Some(mode) = r.failure_mode {
-        fields.push(("failure_mode", s(mode.as_str())));
-    }
-    let per_tier: Vec<(String, Value)> =
-        c.tiers.iter().filter_map(|(tier, t)| Some((tier.clone(), s(t.failure_mode?.as_str())))).collect();
-    if !per_tier.is_empty() {
-        fields.push(("tier_failure_modes", map(per_tier)));
-    }
-    if let Some(user) = &r.username {
-        fields.push(("username", s(user)));
-    }
-    let path = |p: &std::path::Path| s(loaded.resolve(p).display().to_string());
+    let path = |p: &Path| loaded.resolve(p).display().to_string();
     let workload = match flavor {
         Flavor::Kubernetes => c.kubernetes.as_ref().map(|k| &k.sidecar),
         Flavor::Standalone => None,
     };
     match (workload.and_then(|w| w.redis_password_secret.as_ref()), &r.password_file, &r.password_env) {
-        (Some(_), _, _) => fields.push(("password_env", s(REDIS_PASSWORD_ENV))),
-        (None, Some(file), _) => fields.push(("password_file", path(file))),
-        (None, None, Some(var)) => fields.push(("password_env", s(var))),
+        (Some(_), _, _) => file.password_env = Some(REDIS_PASSWORD_ENV.to_owned()),
+        (None, Some(f), _) => file.password_file = Some(path(f)),
+        (None, None, Some(var)) => file.password_env = Some(var.clone()),
         (None, None, None) => {}
     }
-    match (workload.and_then(|w| w.redis_tls_secret.as_ref().map(|_| w)), &r.tls) {
+    file.tls = match (workload.and_then(|w| w.redis_tls_secret.as_ref().map(|_| w)), &r.tls) {
         (Some(w), _) => {
-            let mut t = vec![("ca_file", s(format!("{REDIS_TLS_MOUNT}/ca.crt")))];
-            if w.redis_tls_client_certificate {
-                t.push(("cert_file", s(format!("{REDIS_TLS_MOUNT}/tls.crt"))));
-                t.push(("key_file", s(format!("{REDIS_TLS_MOUNT}/tls.key"))));
-            }
-            fields.push(("tls", map(t)));
+            let mounted = |name: &str| Some(Path::new(REDIS_TLS_MOUNT).join(name));
+            let client = w.redis_tls_client_certificate;
+            Some(gateway_ext_proc::config::redis::RedisTls {
+                ca_file: mounted("ca.crt"),
+                cert_file: if client { mounted("tls.crt") } else { None },
+                key_file: if client { mounted("tls.key") } else { None },
+            })
         }
-        (None, Some(tls)) => {
-            let mut t = Vec::new();
-            for (name, file) in
-                [("ca_file", &tls.ca_file), ("cert_file", &tls.cert_file), ("key_file", &tls.key_file)]
-            {
-                if let Some(file) = file {
-                    t.push((name, path(file)));
-                }
-            }
-            fields.push(("tls", map(t)));
-        }
-        (None, None) => {}
-    }
-    if let Some(breaker) = &r.breaker {
-        let mut b = Vec::new();
-        if let Some(t) = breaker.failure_threshold {
-            b.push(("failure_threshold", n(t)));
-        }
-        if let Some(ms) = breaker.open_ms {
-            b.push(("open_ms", n(ms)));
-        }
-        fields.push(("breaker", map(b)));
-    }
-    map(fields)
+        (None, Some(tls)) => Some(gateway_ext_proc::config::redis::RedisTls {
+            ca_file: tls.ca_file.as_deref().map(|p| loaded.resolve(p)),
+            cert_file: tls.cert_file.as_deref().map(|p| loaded.resolve(p)),
+            key_file: tls.key_file.as_deref().map(|p| loaded.resolve(p)),
+        }),
+        (None, None) => None,
+    };
+    file
 }
 
 /// Where the sidecar pods mount `kubernetes.sidecar.tokenizers`.
@@ -452,19 +353,19 @@ fn local_specs(
 /// sidecar's own loader (a missing or bad file is an error naming the gateway config's field),
 /// then named as the sidecar sees them: these paths on the standalone host, or below
 /// [`TOKENIZERS_MOUNT`] in a pod (`kubernetes.sidecar.tokenizers`).
-fn exact_count_models(loaded: &Loaded, flavor: Flavor) -> Result<Vec<Value>, Error> {
+fn exact_count_models(loaded: &Loaded, flavor: Flavor) -> Result<Vec<ModelConfig>, Error> {
     let c = &loaded.config;
     let mut out = Vec::new();
     for (i, m) in c.models.iter().enumerate() {
         let Some((tokenizer, template, field)) = local_specs(loaded, i)? else { continue };
-        let local = gateway_ext_proc::config::ModelConfig {
+        let mut model = ModelConfig {
             name: m.name.clone(),
             max_model_len: m.max_model_len,
-            tokenizer: tokenizer.clone(),
-            chat_template: template.clone(),
+            tokenizer,
+            chat_template: template,
         };
         if let Err(e) =
-            gateway_ext_proc::admission::context::ContextChecker::from_config(std::slice::from_ref(&local))
+            gateway_ext_proc::admission::context::ContextChecker::from_config(std::slice::from_ref(&model))
         {
             let (at, message) = match e {
                 gateway_ext_proc::config::ConfigError::Invalid { field: f, message } => (f, message),
@@ -475,55 +376,36 @@ fn exact_count_models(loaded: &Loaded, flavor: Flavor) -> Result<Vec<Value>, Err
             let named = if field.ends_with("model_dir") { field.clone() } else { format!("{field}{sub}") };
             return Err(FieldError::new(named, format!("{message} (gateway-ext-proc)")).into());
         }
-        let (tokenizer, template) = match flavor {
-            Flavor::Standalone => (tokenizer, template),
-            Flavor::Kubernetes => {
-                let Some(volume) = c.kubernetes.as_ref().and_then(|k| k.sidecar.tokenizers.as_ref()) else {
-                    return Err(FieldError::new(
-                        "kubernetes.sidecar.tokenizers",
-                        format!("needed by {field}: the sidecar pods read tokenizer files from a volume"),
-                    )
-                    .into());
-                };
-                let root = loaded.resolve(&volume.root);
-                let mut outside = None;
-                let mut in_pod = |p: &Path| match p.strip_prefix(&root) {
-                    Ok(rel) => Path::new(TOKENIZERS_MOUNT).join(rel),
-                    Err(_) => {
-                        outside.get_or_insert_with(|| p.display().to_string());
-                        p.to_path_buf()
-                    }
-                };
-                let mapped = (tokenizer.map_paths(&mut in_pod), template.map(|t| t.map_paths(&mut in_pod)));
-                if let Some(path) = outside {
-                    return Err(FieldError::new(
-                        field,
-                        format!(
-                            "{path} is not below kubernetes.sidecar.tokenizers.root ({})",
-                            root.display()
-                        ),
-                    )
-                    .into());
+        if flavor == Flavor::Kubernetes {
+            let Some(volume) = c.kubernetes.as_ref().and_then(|k| k.sidecar.tokenizers.as_ref()) else {
+                return Err(FieldError::new(
+                    "kubernetes.sidecar.tokenizers",
+                    format!("needed by {field}: the sidecar pods read tokenizer files from a volume"),
+                )
+                .into());
+            };
+            let root = loaded.resolve(&volume.root);
+            let mut outside = None;
+            let mut in_pod = |p: &Path| match p.strip_prefix(&root) {
+                Ok(rel) => Path::new(TOKENIZERS_MOUNT).join(rel),
+                Err(_) => {
+                    outside.get_or_insert_with(|| p.display().to_string());
+                    p.to_path_buf()
                 }
-                mapped
+            };
+            model.tokenizer = model.tokenizer.map_paths(&mut in_pod);
+            model.chat_template = model.chat_template.map(|t| t.map_paths(&mut in_pod));
+            if let Some(path) = outside {
+                return Err(FieldError::new(
+                    field,
+                    format!("{path} is not below kubernetes.sidecar.tokenizers.root ({})", root.display()),
+                )
+                .into());
             }
-        };
-        let mut fields = vec![
-            ("name", s(&m.name)),
-            ("max_model_len", n(m.max_model_len)),
-            ("tokenizer", to_value(&tokenizer)?),
-        ];
-        if let Some(t) = &template {
-            fields.push(("chat_template", to_value(t)?));
         }
-        out.push(map(fields));
+        out.push(model);
     }
     Ok(out)
-}
-
-/// A section the gateway config takes over from the sidecar's own config type, as a tree.
-fn to_value(section: &impl serde::Serialize) -> Result<Value, Error> {
-    serde_yaml_ng::to_value(section).map_err(|e| Error::Internal(e.to_string()))
 }
 
 /// Maps a field of the rendered sidecar config back to the gateway config's field.

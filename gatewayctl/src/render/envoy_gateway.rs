@@ -5,20 +5,37 @@
 
 use std::collections::BTreeMap;
 
-use crate::config::{AttachTo, EnvoyGatewaySection, FieldError, Loaded};
+use gateway_filter::config::RawConfig;
+
+use crate::config::{AttachTo, EnvoyGatewaySection, FieldError, Loaded, WasmModule};
 use crate::template::{self, Values};
-use crate::tree::{at_mut, map, n, s, seq, set, strings, Key, Value};
+use crate::tree::{at_mut, Key, Value};
 
 use super::kubernetes::{self, SIDECAR_NAME};
+use super::manifests::envoy_gateway::{
+    EnvoyExtensionPolicy, EnvoyExtensionPolicySpec, EnvoyPatchPolicy, EnvoyPatchPolicySpec, EnvoyProxy,
+    EnvoyProxySpec, ExtProc, ExtProcMetadata, FilterOrder, Fraction, JsonPatch, JsonPatchOperation,
+    LogLevels, ProcessingMode, ProxyLogging, ProxyTelemetry, ProxyTracing, ResponseMode, TracingProvider,
+    Wasm, WasmCode, WasmSource,
+};
+use super::manifests::gateway_api::{
+    BackendRef, GrantFrom, Header, HeaderMatch, HeaderModifier, HttpRoute, HttpRouteSpec, ParentRef,
+    PathMatch, ReferenceGrant, ReferenceGrantSpec, RouteFilter, RouteMatch, RouteRule, RouteTimeouts,
+    GATEWAY_API,
+};
+use super::manifests::{Empty, ObjectMeta, TypedRef};
 use super::{module, pool_service, ratelimit_headers, Error, File};
 
-const GATEWAY_API: &str = "gateway.networking.k8s.io";
 /// Gateway API allows 16 rules per HTTPRoute; one is the catch-all.
 const MAX_POOLS: usize = 15;
-/// Name of the rendered EnvoyExtensionPolicy (envoy/envoy-gateway/envoyextensionpolicy.yaml).
+/// Name of the rendered EnvoyExtensionPolicy, HTTPRoute, EnvoyProxy and EnvoyPatchPolicy.
 const POLICY_NAME: &str = "llm-gateway";
 /// The router, the last HTTP filter of every Envoy Gateway listener.
 const ROUTER: &str = "envoy.filters.http.router";
+/// The gateway's objects' `app.kubernetes.io/name`.
+const COMPONENT: &str = "llm-gateway";
+/// The xDS type the EnvoyPatchPolicy patches.
+const LISTENER_TYPE: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
 
 /// The name Envoy Gateway gives the HTTP filter of entry `index` of an EnvoyExtensionPolicy's
 /// `wasm` (`kind` `wasm`, filter type `envoy.filters.http.wasm`) or `extProc` (`extproc`,
@@ -46,75 +63,125 @@ fn template_value(template: template::Template, path: &[&str]) -> Result<Value, 
         .ok_or_else(|| Error::Internal(format!("{}: no {}", template.path, path.join("."))))
 }
 
-/// The EnvoyPatchPolicy (envoy/envoy-gateway/envoypatchpolicy.yaml) on the Gateway's listener:
-/// `allow_on_headers_stop_iteration` on the wasm filter, the filter-state `request_attributes` on
-/// both ext_proc filters, the RBAC guard just before the router, and the per-connection buffer
-/// above `filter.max_body_bytes`. `policy_ns` is the EnvoyExtensionPolicy's namespace (part of
-/// its filters' names).
+/// The Gateway.
+fn gateway_ref(eg: &EnvoyGatewaySection) -> TypedRef {
+    TypedRef { group: GATEWAY_API, kind: "Gateway", name: eg.gateway.name.clone() }
+}
+
+/// The EnvoyPatchPolicy on the Gateway's listener: what an EnvoyExtensionPolicy cannot express,
+/// patched into the xDS listener Envoy Gateway generates for the gateway's Gateway listener (JSON
+/// Patch; each jsonPath names one filter by the name Envoy Gateway gives it, and a jsonPath that
+/// matches nothing marks the policy Invalid in its status instead of failing silently). Envoy
+/// Gateway applies it only with `extensionApis.enableEnvoyPatchPolicy: true` in its EnvoyGateway
+/// config (docs/deploy.md, "5. Envoy Gateway"), and only in its target Gateway's namespace. Every
+/// value comes from the standalone filter definitions (envoy/filters/*.yaml), never retyped.
+/// `policy_ns` is the EnvoyExtensionPolicy's namespace (part of its filters' names).
 fn patch_policy(
     loaded: &Loaded,
     eg: &EnvoyGatewaySection,
     policy_ns: &str,
-    labels: Value,
-) -> Result<Value, Error> {
+) -> Result<EnvoyPatchPolicy, Error> {
     let max_body =
         loaded.config.filter.max_body_bytes.unwrap_or(gateway_filter::config::DEFAULT_MAX_BODY_BYTES);
-    // The entries' order in envoy/envoy-gateway/envoyextensionpolicy.yaml: one wasm, then the
-    // admission extProc and the metering extProc.
+    // The entries' order in the EnvoyExtensionPolicy: one wasm, then the admission extProc and
+    // the metering extProc.
     let wasm = policy_filter_name("envoy.filters.http.wasm", policy_ns, "wasm", 0);
     let admission = policy_filter_name("envoy.filters.http.ext_proc", policy_ns, "extproc", 0);
     let metering = policy_filter_name("envoy.filters.http.ext_proc", policy_ns, "extproc", 1);
-    let values = Values::new()
-        .set("NAMESPACE", eg.gateway.namespace.as_str())
-        .set("LABELS", labels)
-        .set(
-            "TARGET_REF",
-            map([("group", s(GATEWAY_API)), ("kind", s("Gateway")), ("name", s(&eg.gateway.name))]),
-        )
-        .set("LISTENER", eg.xds_listener_name())
-        .set("WASM_PLUGIN_CONFIG", http_filter_json_path(&wasm, ".typed_config.config"))
-        .set(
-            "ALLOW_ON_HEADERS_STOP_ITERATION",
+    let listener = eg.xds_listener_name();
+    let add = |json_path: Option<String>, path: Option<&'static str>, value: Value| JsonPatch {
+        type_url: LISTENER_TYPE,
+        name: listener.clone(),
+        operation: JsonPatchOperation { op: "add", json_path, path, value },
+    };
+    let filter = |name: &str| Some(http_filter_json_path(name, ".typed_config"));
+    let attributes = ["typed_config", "request_attributes"];
+    let json_patches = vec![
+        // The wasm filter pauses in the request headers until it has the body: without this Envoy
+        // never hands it the body and every request hangs (envoyproxy/gateway#8382).
+        add(
+            Some(http_filter_json_path(&wasm, ".typed_config.config")),
+            Some("allow_on_headers_stop_iteration"),
             template_value(
                 template::FILTER_WASM,
                 &["typed_config", "config", "allow_on_headers_stop_iteration"],
             )?,
-        )
-        .set("ADMISSION_FILTER_CONFIG", http_filter_json_path(&admission, ".typed_config"))
-        .set(
-            "ADMISSION_REQUEST_ATTRIBUTES",
-            template_value(template::FILTER_ADMISSION, &["typed_config", "request_attributes"])?,
-        )
-        .set(
-            "ADMISSION_MAX_MESSAGE_TIMEOUT",
+        ),
+        // Both ext_proc filters send the wasm filter's decision (filter state, which clients
+        // cannot write): the sidecar admits and meters only by it.
+        add(
+            filter(&admission),
+            Some("request_attributes"),
+            template_value(template::FILTER_ADMISSION, &attributes)?,
+        ),
+        add(
+            filter(&metering),
+            Some("request_attributes"),
+            template_value(template::FILTER_METERING, &attributes)?,
+        ),
+        // Flow control: how long the sidecar may hold a queued request's answer (it asks with
+        // override_message_timeout); the EnvoyExtensionPolicy has no field for it.
+        add(
+            filter(&admission),
+            Some("max_message_timeout"),
             template_value(template::FILTER_ADMISSION, &["typed_config", "max_message_timeout"])?,
-        )
-        .set("METERING_FILTER_CONFIG", http_filter_json_path(&metering, ".typed_config"))
-        .set(
-            "METERING_REQUEST_ATTRIBUTES",
-            template_value(template::FILTER_METERING, &["typed_config", "request_attributes"])?,
-        )
-        .set("ROUTER_FILTER", http_filter_json_path(ROUTER, ""))
-        .set("GUARD", template::render(template::FILTER_GUARD, &Values::new())?)
-        .set("BUFFER_LIMIT_BYTES", max_body.saturating_add(1 << 20));
-    Ok(template::render(template::EG_PATCH_POLICY, &values)?)
+        ),
+        // The fail-closed RBAC guard (envoy/filters/guard.yaml), added at the router's index, i.e.
+        // just before the router, enabled on every route of the listener: where the
+        // EnvoyExtensionPolicy does not attach, nothing passes it, a client's own x-gateway-pool
+        // header included.
+        add(
+            Some(http_filter_json_path(ROUTER, "")),
+            None,
+            template::render(template::FILTER_GUARD, &Values::new())?,
+        ),
+        // The filter buffers the body: the listener's per-connection buffer must exceed
+        // filter.max_body_bytes (as the standalone render sets it), or larger bodies get Envoy's
+        // 413.
+        add(None, Some("/per_connection_buffer_limit_bytes"), Value::from(max_body.saturating_add(1 << 20))),
+    ];
+    Ok(EnvoyPatchPolicy::new(
+        ObjectMeta::new(POLICY_NAME, &eg.gateway.namespace, COMPONENT),
+        EnvoyPatchPolicySpec { target_ref: gateway_ref(eg), kind: "JSONPatch", json_patches },
+    ))
 }
 
-/// One ReferenceGrant: who may refer (kind, namespace, group) to which Services.
+/// The ReferenceGrants by namespace: who may refer (kind, namespace, group) to which of its
+/// Services.
+#[derive(Debug, Default)]
+struct Grants(BTreeMap<String, Grant>);
+
+/// One ReferenceGrant's referrers and Services.
 #[derive(Debug, Default)]
 struct Grant {
-    from: Vec<(&'static str, String, &'static str)>,
+    from: Vec<GrantFrom>,
     to: Vec<String>,
 }
 
-impl Grant {
-    fn allow(&mut self, from: (&'static str, String, &'static str), service: &str) {
-        if !self.from.contains(&from) {
-            self.from.push(from);
+impl Grants {
+    /// Lets `from` refer to the Service `service` of `namespace`.
+    fn allow(&mut self, namespace: &str, from: GrantFrom, service: &str) {
+        let grant = self.0.entry(namespace.to_owned()).or_default();
+        if !grant.from.contains(&from) {
+            grant.from.push(from);
         }
-        if !self.to.iter().any(|s| s == service) {
-            self.to.push(service.to_owned());
+        if !grant.to.iter().any(|s| s == service) {
+            grant.to.push(service.to_owned());
         }
+    }
+
+    /// Each ReferenceGrant's file.
+    fn files(self) -> Result<Vec<File>, Error> {
+        let mut files = Vec::new();
+        for (ns, grant) in self.0 {
+            let to = grant.to.into_iter().map(|name| TypedRef { group: "", kind: "Service", name });
+            let doc = ReferenceGrant::new(
+                ObjectMeta::new(POLICY_NAME, &ns, COMPONENT),
+                ReferenceGrantSpec { from: grant.from, to: to.collect() },
+            );
+            files.push(File::yaml(&format!("envoy-gateway/referencegrant-{ns}.yaml"), &doc)?);
+        }
+        Ok(files)
     }
 }
 
@@ -125,20 +192,11 @@ fn section(loaded: &Loaded) -> Result<&EnvoyGatewaySection, Error> {
     })
 }
 
-fn backend_ref(name: &str, namespace: Option<&str>, port: u16) -> Value {
-    let mut fields = vec![("group", s("")), ("kind", s("Service")), ("name", s(name))];
-    if let Some(ns) = namespace {
-        fields.push(("namespace", s(ns)));
-    }
-    fields.push(("port", n(port)));
-    map(fields)
-}
-
 /// Every manifest under `envoy-gateway/` (and `kubernetes/`).
 ///
 /// # Errors
 /// A section or field the envoy-gateway target needs, or a component rejecting its config.
-pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Error> {
+pub fn manifests(loaded: &Loaded, filter_config: &RawConfig) -> Result<Vec<File>, Error> {
     let c = &loaded.config;
     let eg = section(loaded)?;
     let k8s = kubernetes::section(loaded, "envoy-gateway")?;
@@ -161,171 +219,194 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
         .into());
     }
     let mut files = kubernetes::manifests(loaded, "envoy-gateway")?;
-    let labels = kubernetes::labels("llm-gateway");
     let route_ns = k8s.namespace.as_str();
-
-    // The HTTPRoute, in the sidecar's namespace.
-    let filters = seq([map([
-        ("type", s("ResponseHeaderModifier")),
-        (
-            "responseHeaderModifier",
-            map([(
-                "add",
-                seq(ratelimit_headers()
-                    .into_iter()
-                    .map(|(name, value)| map([("name", s(name)), ("value", value)]))),
-            )]),
-        ),
-    ])]);
-    // Cross-namespace references need a ReferenceGrant in the referenced namespace, allowing the
-    // referring kinds to reach the named Services only.
-    let mut grants: BTreeMap<String, Grant> = BTreeMap::new();
-    let mut rules = Vec::new();
-    for (i, pool) in c.pools.iter().enumerate() {
-        let service = pool_service(i, pool, "envoy-gateway")?;
-        let ns = (service.namespace != route_ns).then_some(service.namespace.as_str());
-        if ns.is_some() {
-            grants
-                .entry(service.namespace.clone())
-                .or_default()
-                .allow(("HTTPRoute", route_ns.to_owned(), GATEWAY_API), &service.name);
-        }
-        rules.push(map([
-            (
-                "matches",
-                seq([map([(
-                    "headers",
-                    seq([map([
-                        ("type", s("Exact")),
-                        ("name", s("x-gateway-pool")),
-                        ("value", s(&pool.name)),
-                    ])]),
-                )])]),
-            ),
-            ("filters", filters.clone()),
-            ("backendRefs", seq([backend_ref(&service.name, ns, service.port)])),
-            ("timeouts", map([("request", s("0s"))])),
-        ]));
-    }
-    // The catch-all rule: Envoy Gateway runs the policy's filters only on requests that match a
-    // rule, so every request must match one before the filter has set x-gateway-pool. It has no
-    // backend, so a request the filter did not route reaches no pool (Gateway API: a rule
-    // without backends answers 500).
-    rules.push(map([
-        ("matches", seq([map([("path", map([("type", s("PathPrefix")), ("value", s("/"))]))])])),
-        ("filters", filters.clone()),
-        ("timeouts", map([("request", s("0s"))])),
-    ]));
-    let route = template::render(
-        template::EG_HTTP_ROUTE,
-        &Values::new()
-            .set("NAMESPACE", route_ns)
-            .set("LABELS", labels.clone())
-            .set(
-                "PARENT_REFS",
-                seq([map([
-                    ("group", s(GATEWAY_API)),
-                    ("kind", s("Gateway")),
-                    ("name", s(&eg.gateway.name)),
-                    ("namespace", s(&eg.gateway.namespace)),
-                    // Only the listener the EnvoyPatchPolicy patches (its guard included).
-                    ("sectionName", s(&eg.listener.name)),
-                ])]),
-            )
-            .set("HOSTNAMES", strings(&eg.hostnames))
-            .set("RULES", seq(rules)),
-    )?;
-    files.push(File::yaml("envoy-gateway/httproute.yaml", &route)?);
+    let mut grants = Grants::default();
+    files.push(File::yaml("envoy-gateway/httproute.yaml", &http_route(loaded, eg, route_ns, &mut grants)?)?);
 
     // The policy lives with its target.
     let (policy_ns, target) = match eg.attach_to {
-        AttachTo::HttpRoute => (route_ns.to_owned(), ("HTTPRoute", "llm-gateway".to_owned())),
+        AttachTo::HttpRoute => (route_ns.to_owned(), ("HTTPRoute", POLICY_NAME.to_owned())),
         AttachTo::Gateway => (eg.gateway.namespace.clone(), ("Gateway", eg.gateway.name.clone())),
     };
     let sidecar_ns = (policy_ns != route_ns).then_some(route_ns);
     if sidecar_ns.is_some() {
-        grants
-            .entry(route_ns.to_owned())
-            .or_default()
-            .allow(("EnvoyExtensionPolicy", policy_ns.clone(), "gateway.envoyproxy.io"), SIDECAR_NAME);
+        let from = GrantFrom {
+            group: "gateway.envoyproxy.io",
+            kind: "EnvoyExtensionPolicy",
+            namespace: policy_ns.clone(),
+        };
+        grants.allow(route_ns, from, SIDECAR_NAME);
     }
-    let code = if let Some(image) = module.url.strip_prefix("oci://") {
-        let mut fields = vec![("url", s(image))];
-        if let Some(sha) = &module.sha256 {
-            fields.push(("sha256", s(sha)));
-        }
-        map([("type", s("Image")), ("image", map(fields))])
-    } else {
-        let mut fields = vec![("url", s(&module.url))];
-        if let Some(sha) = &module.sha256 {
-            fields.push(("sha256", s(sha)));
-        }
-        map([("type", s("HTTP")), ("http", map(fields))])
-    };
-    let policy = template::render(
-        template::EG_EXTENSION_POLICY,
-        &Values::new()
-            .set("NAMESPACE", policy_ns.as_str())
-            .set("LABELS", labels.clone())
-            .set(
-                "TARGET_REFS",
-                seq([map([("group", s(GATEWAY_API)), ("kind", s(target.0)), ("name", s(target.1))])]),
-            )
-            .set("CODE", code)
-            .set("PLUGIN_CONFIG", filter_config.clone())
-            .set(
-                "SIDECAR_BACKEND_REFS",
-                seq([backend_ref(SIDECAR_NAME, sidecar_ns, kubernetes::sidecar_port(loaded))]),
-            ),
-    )?;
+    let sidecar_port = kubernetes::sidecar_port(loaded);
+    let policy = EnvoyExtensionPolicy::new(
+        ObjectMeta::new(POLICY_NAME, &policy_ns, COMPONENT),
+        EnvoyExtensionPolicySpec {
+            target_refs: vec![TypedRef { group: GATEWAY_API, kind: target.0, name: target.1 }],
+            wasm: vec![wasm(module, filter_config.clone())],
+            ext_proc: ext_procs(|| BackendRef::service(SIDECAR_NAME, sidecar_ns, sidecar_port)),
+        },
+    );
     files.push(File::yaml("envoy-gateway/envoyextensionpolicy.yaml", &policy)?);
-
-    for (ns, grant) in &grants {
-        let from = grant.from.iter().map(|(kind, from_ns, group)| {
-            map([("group", s(*group)), ("kind", s(*kind)), ("namespace", s(from_ns))])
-        });
-        let grant = map([
-            ("apiVersion", s("gateway.networking.k8s.io/v1beta1")),
-            ("kind", s("ReferenceGrant")),
-            ("metadata", map([("name", s("llm-gateway")), ("namespace", s(ns)), ("labels", labels.clone())])),
-            (
-                "spec",
-                map([
-                    ("from", seq(from)),
-                    (
-                        "to",
-                        seq(grant
-                            .to
-                            .iter()
-                            .map(|name| map([("group", s("")), ("kind", s("Service")), ("name", s(name))]))),
-                    ),
-                ]),
-            ),
-        ]);
-        files.push(File::yaml(&format!("envoy-gateway/referencegrant-{ns}.yaml"), &grant)?);
-    }
-    let mut proxy = template::render(
-        template::EG_ENVOY_PROXY,
-        &Values::new().set("NAMESPACE", eg.gateway.namespace.as_str()).set("LABELS", labels.clone()),
-    )?;
-    if let Some(t) = &loaded.config.tracing {
-        // Envoy Gateway's tracer (OpenTelemetry, to the collector), sampled per 10,000.
-        let (host, port) = t.host_port().unwrap_or(("", 0));
-        let numerator = (t.sampling_percent * 100.0).round().clamp(0.0, 10_000.0) as u64;
-        let tracing = map([
-            ("samplingFraction", map([("numerator", n(numerator)), ("denominator", n(10_000u64))])),
-            ("provider", map([("type", s("OpenTelemetry")), ("host", s(host)), ("port", n(port))])),
-        ]);
-        let spec = at_mut(&mut proxy, &["spec".into()])
-            .ok_or_else(|| Error::Internal("EnvoyProxy: no spec".into()))?;
-        set(spec, "telemetry", map([("tracing", tracing)]));
-    }
-    files.push(File::yaml("envoy-gateway/envoyproxy.yaml", &proxy)?);
-    let patch = patch_policy(loaded, eg, &policy_ns, labels)?;
-    files.push(File::yaml("envoy-gateway/envoypatchpolicy.yaml", &patch)?);
+    files.extend(grants.files()?);
+    files.push(File::yaml("envoy-gateway/envoyproxy.yaml", &envoy_proxy(loaded, eg))?);
+    files.push(File::yaml("envoy-gateway/envoypatchpolicy.yaml", &patch_policy(loaded, eg, &policy_ns)?)?);
     files.extend(super::inference_pools(loaded, "envoy-gateway", "envoy-gateway")?);
     let eg_files: Vec<File> =
         files.iter().filter(|f| f.path.starts_with("envoy-gateway/")).cloned().collect();
     files.push(kubernetes::kustomization("envoy-gateway", &eg_files)?);
     Ok(files)
+}
+
+/// The HTTPRoute, in the sidecar's namespace (`route_ns`): routes on the x-gateway-pool header
+/// that the wasm filter sets to each pool's Service, with a ReferenceGrant in `grants` for each
+/// Service in another namespace (allowing the route to reach the named Services only). The
+/// catch-all rule comes last in precedence (fewest header matches) and exists because Envoy
+/// Gateway enables policy filters per route: a request must match some rule of this route before
+/// the wasm filter has set the header, or no gateway filter runs on it. It has no backend: a
+/// request the filter did not route (a policy that did not attach) reaches no pool, and Envoy
+/// Gateway answers it 500 (Gateway API: a rule without backends).
+fn http_route(
+    loaded: &Loaded,
+    eg: &EnvoyGatewaySection,
+    route_ns: &str,
+    grants: &mut Grants,
+) -> Result<HttpRoute, Error> {
+    let headers = ratelimit_headers().0.into_iter().map(|(name, value)| Header { name, value });
+    let filters = vec![RouteFilter {
+        kind: "ResponseHeaderModifier",
+        response_header_modifier: HeaderModifier { add: headers.collect() },
+    }];
+    let timeouts = || RouteTimeouts { request: "0s" };
+    let mut rules = Vec::new();
+    for (i, pool) in loaded.config.pools.iter().enumerate() {
+        let service = pool_service(i, pool, "envoy-gateway")?;
+        let ns = (service.namespace != route_ns).then_some(service.namespace.as_str());
+        if let Some(ns) = ns {
+            let from = GrantFrom { group: GATEWAY_API, kind: "HTTPRoute", namespace: route_ns.to_owned() };
+            grants.allow(ns, from, &service.name);
+        }
+        let pool_header = HeaderMatch { kind: "Exact", name: "x-gateway-pool", value: pool.name.clone() };
+        rules.push(RouteRule {
+            matches: vec![RouteMatch { headers: vec![pool_header], path: None }],
+            filters: filters.clone(),
+            backend_refs: vec![BackendRef::service(&service.name, ns, service.port)],
+            timeouts: timeouts(),
+        });
+    }
+    rules.push(RouteRule {
+        matches: vec![RouteMatch {
+            headers: Vec::new(),
+            path: Some(PathMatch { kind: "PathPrefix", value: "/" }),
+        }],
+        filters,
+        backend_refs: Vec::new(),
+        timeouts: timeouts(),
+    });
+    Ok(HttpRoute::new(
+        ObjectMeta::new(POLICY_NAME, route_ns, COMPONENT),
+        HttpRouteSpec {
+            parent_refs: vec![ParentRef {
+                group: GATEWAY_API,
+                kind: "Gateway",
+                name: eg.gateway.name.clone(),
+                namespace: eg.gateway.namespace.clone(),
+                // Only the listener the EnvoyPatchPolicy patches (its guard included).
+                section_name: eg.listener.name.clone(),
+            }],
+            hostnames: eg.hostnames.clone(),
+            rules,
+        },
+    ))
+}
+
+/// The wasm filter (its module fetched by Envoy Gateway from an OCI image or an HTTP URL with its
+/// sha256). Envoy's fail-closed policy (Envoy Gateway has no reload option): a VM that fails
+/// answers 503 on its worker until Envoy restarts (docs/deploy.md, "A failing filter VM").
+fn wasm(module: &WasmModule, config: RawConfig) -> Wasm {
+    let code = match module.url.strip_prefix("oci://") {
+        Some(image) => WasmCode {
+            kind: "Image",
+            image: Some(WasmSource { url: image.to_owned(), sha256: module.sha256.clone() }),
+            http: None,
+        },
+        None => WasmCode {
+            kind: "HTTP",
+            image: None,
+            http: Some(WasmSource { url: module.url.clone(), sha256: module.sha256.clone() }),
+        },
+    };
+    Wasm { name: "llm-gateway-filter", root_id: "llm_gateway", fail_open: false, code, config }
+}
+
+/// The sidecar as two extProc entries, each calling `sidecar()`. Admission: one blocking round
+/// trip on the request headers; the sidecar writes the x-ratelimit-* values to the llm_gateway
+/// metadata namespace. It may ask for the body of a request whose context length only an exact
+/// token count can decide (mode override, as envoy/filters/ext_proc_admission.yaml allows).
+/// Metering: send-and-go (shadow mode, Envoy's observability_mode) on the request headers and the
+/// streamed response.
+fn ext_procs(sidecar: impl Fn() -> BackendRef) -> Vec<ExtProc> {
+    vec![
+        ExtProc {
+            backend_refs: vec![sidecar()],
+            shadow_mode: None,
+            processing_mode: ProcessingMode {
+                request: Empty {},
+                response: None,
+                allow_mode_override: Some(true),
+            },
+            message_timeout: Some("500ms"),
+            fail_open: false,
+            metadata: ExtProcMetadata {
+                writable_namespaces: vec!["llm_gateway"],
+                accessible_namespaces: Vec::new(),
+            },
+        },
+        ExtProc {
+            backend_refs: vec![sidecar()],
+            shadow_mode: Some(true),
+            processing_mode: ProcessingMode {
+                request: Empty {},
+                response: Some(ResponseMode { body: "Streamed" }),
+                allow_mode_override: None,
+            },
+            message_timeout: None,
+            fail_open: true,
+            metadata: ExtProcMetadata {
+                writable_namespaces: Vec::new(),
+                accessible_namespaces: vec!["llm_gateway"],
+            },
+        },
+    ]
+}
+
+/// The EnvoyProxy: Envoy Gateway runs ext_proc filters before wasm filters unless told otherwise;
+/// the gateway's admission and metering need the wasm filter's decision, so the wasm filter goes
+/// first. Reference it from the Gateway (spec.infrastructure.parametersRef) or copy filterOrder
+/// into the EnvoyProxy the Gateway already uses. Envoy's connection manager and codecs write
+/// request headers as received, API keys included, at debug and trace (no redaction exists):
+/// those two loggers stay at info whatever the default level (docs/deploy.md, "Secrets in
+/// logs"). With `tracing`, Envoy Gateway's tracer (OpenTelemetry, to the collector), sampled per
+/// 10,000.
+fn envoy_proxy(loaded: &Loaded, eg: &EnvoyGatewaySection) -> EnvoyProxy {
+    let telemetry = loaded.config.tracing.as_ref().map(|t| {
+        let (host, port) = t.host_port().unwrap_or(("", 0));
+        let numerator = (t.sampling_percent * 100.0).round().clamp(0.0, 10_000.0) as u64;
+        ProxyTelemetry {
+            tracing: ProxyTracing {
+                sampling_fraction: Fraction { numerator, denominator: 10_000 },
+                provider: TracingProvider { kind: "OpenTelemetry", host: host.to_owned(), port },
+            },
+        }
+    });
+    EnvoyProxy::new(
+        ObjectMeta::new(POLICY_NAME, &eg.gateway.namespace, COMPONENT),
+        EnvoyProxySpec {
+            logging: ProxyLogging { level: LogLevels { default: "warn", http: "info", http2: "info" } },
+            filter_order: vec![FilterOrder {
+                name: "envoy.filters.http.wasm",
+                before: "envoy.filters.http.ext_proc",
+            }],
+            telemetry,
+        },
+    )
 }

@@ -6,22 +6,37 @@
 //! module fetched from `filter.module` and the sidecar reached through Istio's outbound cluster
 //! of its Service.
 
-use crate::config::{FieldError, IstioSection, Loaded, WasmDelivery};
-use crate::template::{self, Values};
-use crate::tree::{at_mut, f, map, n, s, seq, strings, to_json, Value};
+use gateway_filter::config::RawConfig;
 
+use crate::config::{FieldError, IstioSection, KubernetesSection, Loaded, WasmDelivery, WasmModule};
+use crate::template::{self, Values};
+use crate::tree::{at_mut, to_json, to_tree, Key, Value};
+
+use super::envoy_config::RemoteCode;
 use super::kubernetes::{self, SIDECAR_NAME};
+use super::manifests::istio::{
+    AccessLogs, AddHeaders, AdsSource, AuthorizationPolicy, AuthorizationPolicySpec, ConfigDiscovery,
+    ConfigPatch, ConnectionManagerMerge, ConnectionPool, Destination, DestinationRule, DestinationRuleSpec,
+    DirectResponse, DiscoveredFilter, EnvoyFilter, EnvoyFilterSpec, ExactMatch, ExtensionConfig,
+    FilterChainMatch, FilterMatch, HeaderOperations, HttpMatch, HttpRoute, HttpSettings, ListenerMatch,
+    ListenerMerge, LoadBalancer, MutualTls, NamedFilter, OutlierDetection, Patch, PatchMatch, PatchValue,
+    PeerAuthentication, PeerAuthenticationSpec, PoolHeader, Ports, Principals, Retries, RouteDestination,
+    Rule, RuleFrom, RuleTo, StringBody, TcpSettings, Telemetry, TelemetrySpec, Tracing, TrafficPolicy,
+    VirtualService, VirtualServiceSpec, WasmPlugin, WasmPluginSpec, WorkloadSelector,
+};
+use super::manifests::{ComponentSelector, Empty, ObjectMeta, PortNumber, Selector};
 use super::standalone::duration;
 use super::{module, pool_service, ratelimit_headers, Error, File};
 
 /// The HTTP filter name of the wasm filter (and of its ECDS extension config).
 const WASM_FILTER_NAME: &str = "llm_gateway.filter";
-/// Name of the admission filter in envoy/filters/ext_proc_admission.yaml.
 const WASM_TYPE_URL: &str = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm";
 const HCM: &str = "envoy.filters.network.http_connection_manager";
 const HCM_TYPE: &str =
     "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
 const ROUTER: &str = "envoy.filters.http.router";
+/// The gateway's objects' `app.kubernetes.io/name`.
+const COMPONENT: &str = "llm-gateway";
 
 fn section(loaded: &Loaded) -> Result<&IstioSection, Error> {
     loaded.config.istio.as_ref().ok_or_else(|| {
@@ -42,24 +57,26 @@ fn wasm_plugin_filter_names(namespace: &str, name: &str) -> [String; 3] {
     ]
 }
 
-fn http_filter_patch(operation: &str, anchor: &str, value: Value) -> Value {
-    map([
-        ("applyTo", s("HTTP_FILTER")),
-        (
-            "match",
-            map([
-                ("context", s("GATEWAY")),
-                (
-                    "listener",
-                    map([(
-                        "filterChain",
-                        map([("filter", map([("name", s(HCM)), ("subFilter", map([("name", s(anchor))]))]))]),
-                    )]),
-                ),
-            ]),
-        ),
-        ("patch", map([("operation", s(operation)), ("value", value)])),
-    ])
+/// A patch of the gateway's listeners: `listener` names the network filter (and its HTTP filter)
+/// it applies to, none for the listener itself.
+fn gateway_patch(
+    apply_to: &'static str,
+    listener: Option<FilterMatch>,
+    operation: &'static str,
+    value: PatchValue,
+) -> ConfigPatch {
+    let listener = listener.map(|filter| ListenerMatch { filter_chain: FilterChainMatch { filter } });
+    ConfigPatch {
+        apply_to,
+        matching: Some(PatchMatch { context: "GATEWAY", listener }),
+        patch: Patch { operation, value },
+    }
+}
+
+/// An HTTP filter inserted before or after the HTTP filter `anchor`.
+fn http_filter_patch(operation: &'static str, anchor: &str, value: Value) -> ConfigPatch {
+    let filter = FilterMatch { name: HCM, sub_filter: Some(NamedFilter { name: anchor.to_owned() }) };
+    gateway_patch("HTTP_FILTER", Some(filter), operation, PatchValue::Filter(value))
 }
 
 /// The sidecar in the mesh: a PeerAuthentication that makes its pods accept only Istio mTLS
@@ -70,36 +87,26 @@ fn http_filter_patch(operation: &str, anchor: &str, value: Value) -> Value {
 /// (the rendered Namespace is labelled `istio-injection: enabled`).
 fn sidecar_mesh_policies(loaded: &Loaded, istio: &IstioSection, namespace: &str) -> Result<Vec<File>, Error> {
     let c = &loaded.config;
-    let selector = map([("matchLabels", map([("app.kubernetes.io/name", s(SIDECAR_NAME))]))]);
-    let metadata = map([
-        ("name", s(SIDECAR_NAME)),
-        ("namespace", s(namespace)),
-        ("labels", kubernetes::labels(SIDECAR_NAME)),
-    ]);
-    let peer = map([
-        ("apiVersion", s("security.istio.io/v1")),
-        ("kind", s("PeerAuthentication")),
-        ("metadata", metadata.clone()),
-        ("spec", map([("selector", selector.clone()), ("mtls", map([("mode", s("STRICT"))]))])),
-    ]);
-    let port = |p: u16| map([("operation", map([("ports", strings([p.to_string()]))]))]);
+    let selector = || Selector::matching(ComponentSelector::new(SIDECAR_NAME));
+    let metadata = ObjectMeta::new(SIDECAR_NAME, namespace, SIDECAR_NAME);
+    let peer = PeerAuthentication::new(
+        metadata.clone(),
+        PeerAuthenticationSpec { selector: selector(), mtls: MutualTls { mode: "STRICT" } },
+    );
+    let port = |p: u16| RuleTo { operation: Ports { ports: vec![p.to_string()] } };
     // The gateway calls the gRPC port (admission, access log, leases) and, for an InferencePool,
     // its pool's endpoint-picker port.
     let mut to = vec![port(kubernetes::sidecar_port(loaded))];
     to.extend(kubernetes::endpoint_pickers(loaded)?.iter().map(|epp| port(epp.port)));
-    let mut rules = vec![map([
-        ("from", seq([map([("source", map([("principals", strings(istio.principals()))]))])])),
-        ("to", seq(to)),
-    ])];
+    let from = vec![RuleFrom { source: Principals { principals: istio.principals() } }];
+    let mut rules = vec![Rule { from, to }];
     if let Some(metrics) = c.sidecar.metrics_listen {
-        rules.push(map([("to", seq([port(metrics.port())]))]));
+        rules.push(Rule { from: Vec::new(), to: vec![port(metrics.port())] });
     }
-    let authz = map([
-        ("apiVersion", s("security.istio.io/v1")),
-        ("kind", s("AuthorizationPolicy")),
-        ("metadata", metadata),
-        ("spec", map([("selector", selector), ("action", s("ALLOW")), ("rules", seq(rules))])),
-    ]);
+    let authz = AuthorizationPolicy::new(
+        metadata,
+        AuthorizationPolicySpec { selector: selector(), action: "ALLOW", rules },
+    );
     Ok(vec![
         File::yaml("istio/sidecar-peerauthentication.yaml", &peer)?,
         File::yaml("istio/sidecar-authorizationpolicy.yaml", &authz)?,
@@ -110,140 +117,116 @@ fn sidecar_mesh_policies(loaded: &Loaded, istio: &IstioSection, namespace: &str)
 ///
 /// # Errors
 /// A section or field the istio target needs, or a component rejecting its rendered config.
-pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Error> {
-    let c = &loaded.config;
+pub fn manifests(loaded: &Loaded, filter_config: &RawConfig) -> Result<Vec<File>, Error> {
     let istio = section(loaded)?;
     let k8s = kubernetes::section(loaded, "istio")?;
     let module = module(loaded, "istio")?;
     let mut files = kubernetes::manifests(loaded, "istio")?;
+    files.extend(envoy_filter(loaded, istio, k8s, module, filter_config)?);
+    if let Some(t) = &loaded.config.tracing {
+        let provider = t.istio_provider.as_deref().ok_or_else(|| {
+            FieldError::new(
+                "tracing.istio_provider",
+                "needed by the istio target: the name of the OpenTelemetry extensionProviders entry of Istio's MeshConfig",
+            )
+        })?;
+        // Istio configures the ingress gateway's tracer itself, from the OpenTelemetry collector
+        // named in its MeshConfig's `extensionProviders`; this turns it on for the gateway's pods.
+        // Envoy then passes `traceparent` to vLLM and to the sidecar, which exports its admission
+        // spans to the collector named by tracing.otlp_endpoint.
+        let telemetry = Telemetry::new(
+            ObjectMeta::new("llm-gateway-tracing", &istio.namespace, COMPONENT),
+            TelemetrySpec {
+                selector: Selector::matching(istio.selector.clone()),
+                tracing: vec![Tracing {
+                    providers: vec![NamedFilter { name: provider.to_owned() }],
+                    random_sampling_percentage: t.sampling_percent,
+                }],
+            },
+        );
+        files.push(File::yaml("istio/telemetry.yaml", &telemetry)?);
+    }
+    files.extend(routes(loaded, istio, k8s)?);
+    files.extend(sidecar_mesh_policies(loaded, istio, &k8s.namespace)?);
+    files.extend(super::inference_pools(loaded, "istio", "istio")?);
+    let istio_files: Vec<File> = files.iter().filter(|f| f.path.starts_with("istio/")).cloned().collect();
+    files.push(kubernetes::kustomization("istio", &istio_files)?);
+    Ok(files)
+}
 
-    let labels = kubernetes::labels("llm-gateway");
-    let selector = map(istio.selector.iter().map(|(k, v)| (k.clone(), s(v))));
-    let max_body = c.filter.max_body_bytes.unwrap_or(gateway_filter::config::DEFAULT_MAX_BODY_BYTES);
+/// A filter definition of the standalone bootstrap with the sidecar's cluster at `path` set to
+/// Istio's outbound cluster of the sidecar's Service.
+fn to_sidecar(
+    template: template::Template,
+    values: &Values,
+    path: &[&str],
+    cluster: &str,
+) -> Result<Value, Error> {
+    let mut rendered = template::render(template, values)?;
+    let keys: Vec<Key<'_>> = path.iter().map(|k| Key::from(*k)).collect();
+    let target = at_mut(&mut rendered, &keys)
+        .ok_or_else(|| Error::Internal(format!("{}: no envoy_grpc cluster_name", template.path)))?;
+    *target = Value::String(cluster.to_owned());
+    Ok(rendered)
+}
+
+/// The EnvoyFilter that adds the gateway's filters to the ingress gateway, just before the
+/// router: the wasm filter, then the admission ext_proc filter and the RBAC guard, with the
+/// metering access log merged into the HTTP connection manager. With `wasm_delivery:
+/// envoy_filter` (the default) the wasm filter is an ECDS extension config (EXTENSION_CONFIG
+/// patch; istio-agent fetches and verifies the module), because only there can
+/// `allow_on_headers_stop_iteration` be set, which the filter needs to buffer the body; with
+/// `wasm_plugin` the WasmPlugin (returned first) delivers it and the patches insert the admission
+/// filter after it.
+fn envoy_filter(
+    loaded: &Loaded,
+    istio: &IstioSection,
+    k8s: &KubernetesSection,
+    module: &WasmModule,
+    filter_config: &RawConfig,
+) -> Result<Vec<File>, Error> {
+    let max_body =
+        loaded.config.filter.max_body_bytes.unwrap_or(gateway_filter::config::DEFAULT_MAX_BODY_BYTES);
     let sidecar_cluster = format!(
         "outbound|{}||{SIDECAR_NAME}.{}.svc.cluster.local",
         kubernetes::sidecar_port(loaded),
         k8s.namespace
     );
-    let filter_config = &super::with_admission_leases(loaded, filter_config, &sidecar_cluster);
-    let filter_json = to_json(filter_config).map_err(Error::Internal)?;
+    let filter_config = super::with_admission_leases(loaded, filter_config, &sidecar_cluster);
     let values = Values::new()
-        .set("FILTER_CONFIG_JSON", filter_json.as_str())
-        .set("WASM_PATH", "/unused.wasm")
-        .set("NAMESPACE", istio.namespace.as_str())
-        .set("LABELS", labels.clone())
-        .set("SELECTOR", selector.clone());
-
-    let mut admission = template::render(template::FILTER_ADMISSION, &values)?;
-    let cluster = at_mut(
-        &mut admission,
-        &["typed_config".into(), "grpc_service".into(), "envoy_grpc".into(), "cluster_name".into()],
-    )
-    .ok_or_else(|| {
-        Error::Internal(format!("{}: no envoy_grpc cluster_name", template::FILTER_ADMISSION.path))
-    })?;
-    *cluster = s(&sidecar_cluster);
+        .set("FILTER_CONFIG_JSON", to_json(&filter_config).map_err(Error::Internal)?)
+        .set("WASM_PATH", "/unused.wasm");
+    let grpc_cluster = ["grpc_service", "envoy_grpc", "cluster_name"];
+    let admission_path = [&["typed_config"][..], &grpc_cluster].concat();
+    let admission = to_sidecar(template::FILTER_ADMISSION, &values, &admission_path, &sidecar_cluster)?;
     let admission = super::admission_filter(loaded, admission)?;
     // Metering: the gRPC access log, merged into the gateway's HTTP connection manager.
-    let mut access_log = template::render(template::ACCESS_LOG_METERING, &values)?;
-    let cluster = at_mut(
-        &mut access_log,
-        &[
-            "typed_config".into(),
-            "common_config".into(),
-            "grpc_service".into(),
-            "envoy_grpc".into(),
-            "cluster_name".into(),
-        ],
-    )
-    .ok_or_else(|| {
-        Error::Internal(format!("{}: no envoy_grpc cluster_name", template::ACCESS_LOG_METERING.path))
-    })?;
-    *cluster = s(&sidecar_cluster);
-
+    let log_path = [&["typed_config", "common_config"][..], &grpc_cluster].concat();
+    let access_log = to_sidecar(template::ACCESS_LOG_METERING, &values, &log_path, &sidecar_cluster)?;
     // The RBAC guard just before the router: nothing reaches a pool without the wasm filter's
     // facts and an admission (envoy/filters/guard.yaml).
     let guard = template::render(template::FILTER_GUARD, &values)?;
 
     // The filter buffers the body: the listener's buffer must exceed the body limit.
+    let listener = ListenerMerge { per_connection_buffer_limit_bytes: max_body.saturating_add(1 << 20) };
+    let hcm = ConnectionManagerMerge {
+        typed_config: AccessLogs { type_url: HCM_TYPE, access_log: vec![access_log] },
+    };
     let mut patches = vec![
-        map([
-            ("applyTo", s("LISTENER")),
-            ("match", map([("context", s("GATEWAY"))])),
-            (
-                "patch",
-                map([
-                    ("operation", s("MERGE")),
-                    (
-                        "value",
-                        map([("per_connection_buffer_limit_bytes", n(max_body.saturating_add(1 << 20)))]),
-                    ),
-                ]),
-            ),
-        ]),
-        map([
-            ("applyTo", s("NETWORK_FILTER")),
-            (
-                "match",
-                map([
-                    ("context", s("GATEWAY")),
-                    ("listener", map([("filterChain", map([("filter", map([("name", s(HCM))]))]))])),
-                ]),
-            ),
-            (
-                "patch",
-                map([
-                    ("operation", s("MERGE")),
-                    (
-                        "value",
-                        map([(
-                            "typed_config",
-                            map([("@type", s(HCM_TYPE)), ("access_log", seq([access_log]))]),
-                        )]),
-                    ),
-                ]),
-            ),
-        ]),
+        gateway_patch("LISTENER", None, "MERGE", PatchValue::Listener(listener)),
+        gateway_patch(
+            "NETWORK_FILTER",
+            Some(FilterMatch { name: HCM, sub_filter: None }),
+            "MERGE",
+            PatchValue::ConnectionManager(hcm),
+        ),
     ];
+    let mut files = Vec::new();
     match istio.wasm_delivery {
         WasmDelivery::EnvoyFilter => {
-            let mut wasm = template::render(template::FILTER_WASM, &values)?;
-            let config = at_mut(&mut wasm, &["typed_config".into(), "config".into()])
-                .ok_or_else(|| Error::Internal("envoy/filters/wasm.yaml: no config".into()))?;
-            let code = at_mut(config, &["vm_config".into(), "code".into()])
-                .ok_or_else(|| Error::Internal("envoy/filters/wasm.yaml: no code".into()))?;
-            let mut remote = vec![("http_uri", map([("uri", s(&module.url)), ("timeout", s("30s"))]))];
-            if let Some(sha) = &module.sha256 {
-                remote.push(("sha256", s(sha)));
-            }
-            *code = map([("remote", map(remote))]);
-            let typed_config = wasm
-                .get("typed_config")
-                .cloned()
-                .ok_or_else(|| Error::Internal("envoy/filters/wasm.yaml: no typed_config".into()))?;
-            patches.push(map([
-                ("applyTo", s("EXTENSION_CONFIG")),
-                (
-                    "patch",
-                    map([
-                        ("operation", s("ADD")),
-                        ("value", map([("name", s(WASM_FILTER_NAME)), ("typed_config", typed_config)])),
-                    ]),
-                ),
-            ]));
-            let discovered = map([
-                ("name", s(WASM_FILTER_NAME)),
-                (
-                    "config_discovery",
-                    map([
-                        ("config_source", map([("ads", map::<&str>([]))])),
-                        ("type_urls", strings([WASM_TYPE_URL])),
-                    ]),
-                ),
-            ]);
             // Each INSERT_BEFORE the router lands after the previous one: wasm, admission,
             // guard, router.
-            patches.push(http_filter_patch("INSERT_BEFORE", ROUTER, discovered));
+            patches.extend(ecds_wasm_patches(&values, module)?);
             patches.push(http_filter_patch("INSERT_BEFORE", ROUTER, admission));
             patches.push(http_filter_patch("INSERT_BEFORE", ROUTER, guard));
         }
@@ -254,100 +237,161 @@ pub fn manifests(loaded: &Loaded, filter_config: &Value) -> Result<Vec<File>, Er
             // Anchored on the router, not on the plugin: it applies even where the WasmPlugin
             // (and so the admission anchored on it) is missing, and then refuses every request.
             patches.push(http_filter_patch("INSERT_BEFORE", ROUTER, guard));
-            let plugin_config: Value =
-                serde_yaml_ng::from_str(&filter_json).map_err(|e| Error::Internal(e.to_string()))?;
-            let url = if module.url.starts_with("oci://")
-                || module.url.starts_with("http://")
-                || module.url.starts_with("https://")
-            {
-                module.url.clone()
-            } else {
-                format!("oci://{}", module.url)
-            };
-            let plugin = template::render(
-                template::ISTIO_WASM_PLUGIN,
-                &values
-                    .clone()
-                    .set("URL", url)
-                    .set("SHA256", module.sha256.clone().unwrap_or_default())
-                    .set("PLUGIN_CONFIG", plugin_config),
-            )?;
-            files.push(File::yaml("istio/wasmplugin.yaml", &plugin)?);
+            files.push(File::yaml("istio/wasmplugin.yaml", &wasm_plugin(istio, module, filter_config))?);
         }
     }
-    let envoy_filter =
-        template::render(template::ISTIO_ENVOY_FILTER, &values.clone().set("PATCHES", seq(patches)))?;
+    let envoy_filter = EnvoyFilter::new(
+        ObjectMeta::new("llm-gateway", &istio.namespace, COMPONENT),
+        EnvoyFilterSpec {
+            workload_selector: WorkloadSelector { labels: istio.selector.clone() },
+            config_patches: patches,
+        },
+    );
     files.push(File::yaml("istio/envoyfilter.yaml", &envoy_filter)?);
-    if let Some(t) = &c.tracing {
-        let provider = t.istio_provider.as_deref().ok_or_else(|| {
-            FieldError::new(
-                "tracing.istio_provider",
-                "needed by the istio target: the name of the OpenTelemetry extensionProviders entry of Istio's MeshConfig",
-            )
-        })?;
-        let telemetry = template::render(
-            template::ISTIO_TELEMETRY,
-            &values.clone().set("PROVIDER", provider).set("SAMPLING", f(t.sampling_percent)),
-        )?;
-        files.push(File::yaml("istio/telemetry.yaml", &telemetry)?);
-    }
+    Ok(files)
+}
 
+/// The wasm filter over ECDS: its extension config (envoy/filters/wasm.yaml's, the module fetched
+/// from `module`), and the HTTP filter inserted before the router that names it.
+fn ecds_wasm_patches(values: &Values, module: &WasmModule) -> Result<[ConfigPatch; 2], Error> {
+    let mut wasm = template::render(template::FILTER_WASM, values)?;
+    let code =
+        at_mut(&mut wasm, &["typed_config".into(), "config".into(), "vm_config".into(), "code".into()])
+            .ok_or_else(|| Error::Internal("envoy/filters/wasm.yaml: no code".into()))?;
+    *code = to_tree(&RemoteCode::new(&module.url, module.sha256.as_deref())).map_err(Error::Internal)?;
+    let typed_config = wasm
+        .get("typed_config")
+        .cloned()
+        .ok_or_else(|| Error::Internal("envoy/filters/wasm.yaml: no typed_config".into()))?;
+    let extension = ExtensionConfig { name: WASM_FILTER_NAME, typed_config };
+    let discovered = DiscoveredFilter {
+        name: WASM_FILTER_NAME,
+        config_discovery: ConfigDiscovery {
+            config_source: AdsSource { ads: Empty {} },
+            type_urls: vec![WASM_TYPE_URL],
+        },
+    };
+    let router = FilterMatch { name: HCM, sub_filter: Some(NamedFilter { name: ROUTER.to_owned() }) };
+    Ok([
+        ConfigPatch {
+            apply_to: "EXTENSION_CONFIG",
+            matching: None,
+            patch: Patch { operation: "ADD", value: PatchValue::ExtensionConfig(extension) },
+        },
+        gateway_patch("HTTP_FILTER", Some(router), "INSERT_BEFORE", PatchValue::DiscoveredFilter(discovered)),
+    ])
+}
+
+/// The wasm filter as an Istio WasmPlugin (`wasm_delivery: wasm_plugin`). WasmPlugin has no field
+/// for `allow_on_headers_stop_iteration`, and without it Envoy never hands the request body to a
+/// filter that pauses in the request headers, so requests hang: see docs/deploy.md before using
+/// it. As envoy/filters/wasm.yaml's `failure_policy`, a failed VM fails its requests (503) and is
+/// recreated (`FAIL_RELOAD`).
+fn wasm_plugin(istio: &IstioSection, module: &WasmModule, filter_config: RawConfig) -> WasmPlugin {
+    let url = if module.url.starts_with("oci://")
+        || module.url.starts_with("http://")
+        || module.url.starts_with("https://")
+    {
+        module.url.clone()
+    } else {
+        format!("oci://{}", module.url)
+    };
+    WasmPlugin::new(
+        ObjectMeta::new("llm-gateway", &istio.namespace, COMPONENT),
+        WasmPluginSpec {
+            selector: Selector::matching(istio.selector.clone()),
+            url,
+            sha256: module.sha256.clone().unwrap_or_default(),
+            image_pull_policy: "IfNotPresent",
+            plugin_name: "llm_gateway",
+            phase: "AUTHN",
+            fail_strategy: "FAIL_RELOAD",
+            kind: "HTTP",
+            plugin_config: filter_config,
+        },
+    )
+}
+
+/// The VirtualService and one DestinationRule per pool. The VirtualService routes on the
+/// x-gateway-pool header that the wasm filter sets (it clears the route cache after setting it)
+/// to each pool's Service, adds OpenAI's x-ratelimit-* response headers from the admission
+/// filter's dynamic metadata, and disables the route timeout for streamed completions.
+fn routes(loaded: &Loaded, istio: &IstioSection, k8s: &KubernetesSection) -> Result<Vec<File>, Error> {
     let retry_on = super::standalone::fallback_retry_on()?;
     let mut routes = Vec::new();
-    for (i, pool) in c.pools.iter().enumerate() {
+    let mut files = Vec::new();
+    for (i, pool) in loaded.config.pools.iter().enumerate() {
         let service = pool_service(i, pool, "istio")?;
-        let destination = map([(
-            "destination",
-            map([("host", s(service.fqdn())), ("port", map([("number", n(service.port))]))]),
-        )]);
-        routes.push(map([
-            ("name", s(crate::config::pool_label(&pool.name))),
-            ("match", seq([map([("headers", map([("x-gateway-pool", map([("exact", s(&pool.name))]))]))])])),
-            ("route", seq([destination])),
-            ("timeout", s("0s")),
-            ("retries", map([("attempts", n(1u64)), ("retryOn", s(&retry_on))])),
-            ("headers", map([("response", map([("add", map(ratelimit_headers()))]))])),
-        ]));
-        let rule = template::render(
-            template::ISTIO_DESTINATION_RULE,
-            &Values::new()
-                .set("NAME", format!("llm-gateway-{}", crate::config::pool_label(&pool.name)))
-                .set("NAMESPACE", istio.namespace.as_str())
-                .set("LABELS", labels.clone())
-                .set("HOST", service.fqdn())
-                .set("MAX_CONNECTIONS", pool.circuit_breakers.max_connections)
-                .set("CONNECT_TIMEOUT", duration(pool.connect_timeout_ms))
-                .set("MAX_PENDING_REQUESTS", pool.circuit_breakers.max_pending_requests)
-                .set("MAX_REQUESTS", pool.circuit_breakers.max_requests)
-                .set("CONSECUTIVE_5XX", pool.outlier_detection.consecutive_5xx)
-                .set("BASE_EJECTION_TIME", duration(pool.outlier_detection.base_ejection_time_ms))
-                .set("MAX_EJECTION_PERCENT", pool.outlier_detection.max_ejection_percent),
-        )?;
+        let label = crate::config::pool_label(&pool.name);
+        routes.push(HttpRoute {
+            name: label.clone(),
+            matches: vec![HttpMatch {
+                headers: PoolHeader { pool: ExactMatch { exact: pool.name.clone() } },
+            }],
+            route: vec![RouteDestination {
+                destination: Destination { host: service.fqdn(), port: PortNumber { number: service.port } },
+            }],
+            timeout: Some("0s"),
+            retries: Some(Retries { attempts: 1, retry_on: retry_on.clone() }),
+            headers: Some(HeaderOperations { response: AddHeaders { add: ratelimit_headers() } }),
+            direct_response: None,
+        });
         files.push(File::yaml(
-            &format!("istio/destinationrule-{}.yaml", crate::config::pool_label(&pool.name)),
-            &rule,
+            &format!("istio/destinationrule-{label}.yaml"),
+            &destination_rule(istio, pool, &label, service.fqdn()),
         )?);
     }
     // Every request that passes the filter carries x-gateway-pool; the filter answers the rest
     // itself. The default route reaches no pool: it answers the standalone bootstrap's 404.
     let (status, body) = super::standalone::not_routed_response()?;
-    routes.push(map([
-        ("name", s("not-routed")),
-        ("directResponse", map([("status", n(status)), ("body", map([("string", s(body))]))])),
-    ]));
-    let virtual_service = template::render(
-        template::ISTIO_VIRTUAL_SERVICE,
-        &Values::new()
-            .set("NAMESPACE", k8s.namespace.as_str())
-            .set("LABELS", labels)
-            .set("HOSTS", strings(&istio.hosts))
-            .set("GATEWAYS", strings(&istio.gateways))
-            .set("ROUTES", seq(routes)),
-    )?;
+    routes.push(HttpRoute {
+        name: "not-routed".to_owned(),
+        direct_response: Some(DirectResponse { status, body: StringBody { string: body } }),
+        ..HttpRoute::default()
+    });
+    let virtual_service = VirtualService::new(
+        ObjectMeta::new("llm-gateway", &k8s.namespace, COMPONENT),
+        VirtualServiceSpec { hosts: istio.hosts.clone(), gateways: istio.gateways.clone(), http: routes },
+    );
     files.push(File::yaml("istio/virtualservice.yaml", &virtual_service)?);
-    files.extend(sidecar_mesh_policies(loaded, istio, &k8s.namespace)?);
-    files.extend(super::inference_pools(loaded, "istio", "istio")?);
-    let istio_files: Vec<File> = files.iter().filter(|f| f.path.starts_with("istio/")).cloned().collect();
-    files.push(kubernetes::kustomization("istio", &istio_files)?);
     Ok(files)
+}
+
+/// One pool's traffic policy for the ingress gateway: least-request balancing, the pool's circuit
+/// breakers and outlier detection (Istio has no active health check; Kubernetes readiness on the
+/// vLLM pods plays that part). Exported only to this namespace, so that it applies to the gateway
+/// and overrides nothing the pool's owners set for other clients.
+fn destination_rule(
+    istio: &IstioSection,
+    pool: &crate::config::PoolSection,
+    label: &str,
+    host: String,
+) -> DestinationRule {
+    let (cb, od) = (&pool.circuit_breakers, &pool.outlier_detection);
+    DestinationRule::new(
+        ObjectMeta::new(format!("llm-gateway-{label}"), &istio.namespace, COMPONENT),
+        DestinationRuleSpec {
+            host,
+            export_to: vec!["."],
+            traffic_policy: TrafficPolicy {
+                load_balancer: LoadBalancer { simple: "LEAST_REQUEST" },
+                connection_pool: ConnectionPool {
+                    tcp: TcpSettings {
+                        max_connections: cb.max_connections,
+                        connect_timeout: duration(pool.connect_timeout_ms),
+                    },
+                    http: HttpSettings {
+                        http1_max_pending_requests: cb.max_pending_requests,
+                        http2_max_requests: cb.max_requests,
+                    },
+                },
+                outlier_detection: OutlierDetection {
+                    consecutive_5xx_errors: od.consecutive_5xx,
+                    interval: "10s",
+                    base_ejection_time: duration(od.base_ejection_time_ms),
+                    max_ejection_percent: od.max_ejection_percent,
+                },
+            },
+        },
+    )
 }

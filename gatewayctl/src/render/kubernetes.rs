@@ -1,30 +1,29 @@
-//! Kubernetes manifests of the sidecar (ConfigMap, Deployment, Service, PodDisruptionBudget)
-//! and of the trial Redis, from the templates in envoy/kubernetes/.
+//! Kubernetes manifests of the sidecar (Namespace, ConfigMap, Deployment, Service,
+//! PodDisruptionBudget, NetworkPolicy) and of the trial Redis.
 
 use sha2::{Digest, Sha256};
 
 use crate::config::{FieldError, KubernetesSection, Loaded};
-use crate::template::{self, Values};
-use crate::tree::{map, n, s, seq, to_yaml, Value};
+use crate::tree::{to_tree, to_yaml};
 
 use super::components::{self, Flavor};
+use super::manifests::core::{
+    ConfigMap, Container, ContainerPort, ContainerSecurityContext, Deployment, DeploymentSpec, EnvSource,
+    EnvVar, ExecAction, IngressRule, MemoryLimit, NameRef, Namespace, NetworkPolicy, NetworkPolicySpec, Peer,
+    PeerLabels, PodDisruptionBudget, PodDisruptionBudgetSpec, PodMeta, PodSecurityContext, PodSpec,
+    PodTemplate, PolicyPort, Probe, ResourceList, Resources, SecretKeyRef, SecretVolume, Service,
+    ServicePort, ServiceSpec, TcpSocket, TopologySpreadConstraint, Volume, VolumeMount,
+};
+use super::manifests::{
+    ComponentSelector, Kustomization, Labels, MatchLabels, ObjectMeta, OrderedMap, Selector,
+};
 use super::{Error, File};
 
 /// Name of the sidecar's Deployment, Service, ConfigMap and PodDisruptionBudget.
 pub const SIDECAR_NAME: &str = "llm-gateway-ext-proc";
 
-/// The labels of every gateway object (`app.kubernetes.io/*`).
-pub fn labels(component: &str) -> Value {
-    map([
-        ("app.kubernetes.io/name", s(component)),
-        ("app.kubernetes.io/part-of", s("llm-gateway")),
-        ("app.kubernetes.io/managed-by", s("gatewayctl")),
-    ])
-}
-
-fn selector(component: &str) -> Value {
-    map([("app.kubernetes.io/name", s(component))])
-}
+/// Name of the trial Redis's Deployment, Service and NetworkPolicy.
+const REDIS_NAME: &str = "llm-gateway-redis";
 
 /// The `kubernetes` section, or the error naming it for `target`.
 pub fn section<'c>(loaded: &'c Loaded, target: &str) -> Result<&'c KubernetesSection, Error> {
@@ -110,243 +109,355 @@ pub fn endpoint_pickers(loaded: &Loaded) -> Result<Vec<EndpointPicker<'_>>, Erro
 ///
 /// # Errors
 /// A missing `kubernetes` section, a sidecar config the sidecar rejects, or an internal
-/// template error.
+/// error.
 pub fn manifests(loaded: &Loaded, target: &str) -> Result<Vec<File>, Error> {
     let k8s = section(loaded, target)?;
-    let c = &loaded.config;
     let ns = k8s.namespace.as_str();
-    let sidecar_yaml =
-        to_yaml(&components::sidecar_config(loaded, Flavor::Kubernetes)?).map_err(Error::Internal)?;
-    let digest = hex::encode(Sha256::digest(sidecar_yaml.as_bytes()));
-    let port = sidecar_port(loaded);
-    if port == 0 {
+    let sidecar = components::sidecar_config(loaded, Flavor::Kubernetes)?;
+    let sidecar_yaml = to_yaml(&to_tree(&sidecar).map_err(Error::Internal)?).map_err(Error::Internal)?;
+    if sidecar_port(loaded) == 0 {
         return Err(FieldError::new(
             "sidecar.listen",
             format!("the {target} target needs a fixed port (the Service's)"),
         )
         .into());
     }
-
-    let mut annotations = vec![("llm-gateway.io/sidecar-config-sha256", s(digest))];
-    let mut container_ports = vec![map([("name", s("grpc")), ("containerPort", n(port))])];
-    let mut service_ports = vec![map([
-        ("name", s("grpc")),
-        ("port", n(port)),
-        ("targetPort", s("grpc")),
-        ("appProtocol", s("grpc")),
-    ])];
-    for epp in endpoint_pickers(loaded)? {
-        container_ports.push(map([("name", s(&epp.port_name)), ("containerPort", n(epp.port))]));
-        service_ports.push(map([
-            ("name", s(&epp.port_name)),
-            ("port", n(epp.port)),
-            ("targetPort", s(&epp.port_name)),
-            ("appProtocol", s("grpc")),
-        ]));
+    let meta = ObjectMeta::new(SIDECAR_NAME, ns, SIDECAR_NAME);
+    let mut namespace_labels = Labels::new("llm-gateway");
+    if loaded.config.istio.is_some() {
+        // The sidecar's pods join the mesh whose mTLS the istio target relies on.
+        namespace_labels.istio_injection = Some("enabled");
     }
-    if let Some(metrics) = c.sidecar.metrics_listen {
-        let mport = metrics.port();
-        annotations.extend([
-            ("prometheus.io/scrape", s("true")),
-            ("prometheus.io/port", s(mport.to_string())),
-            ("prometheus.io/path", s("/metrics")),
-        ]);
-        container_ports.push(map([("name", s("metrics")), ("containerPort", n(mport))]));
-        service_ports.push(map([("name", s("metrics")), ("port", n(mport)), ("targetPort", s("metrics"))]));
-    }
-    // After SIGTERM the sidecar serves open streams for its shutdown grace, then writes the usage
-    // records it holds (at most 5 s more while Redis is away): the pod's grace covers both.
-    let shutdown_grace_s = gateway_ext_proc::config::Config::from_yaml(&sidecar_yaml)
-        .map(|config| config.shutdown_grace_ms.div_ceil(1000))
-        .map_err(|e| Error::Internal(format!("sidecar config: {e}")))?;
-    let termination_grace_s = shutdown_grace_s + SHUTDOWN_FLUSH_MARGIN_S;
-    // The gRPC port is bound last, once Redis was reached: ready means able to serve.
-    let readiness = map([("tcpSocket", map([("port", s("grpc"))])), ("periodSeconds", n(5u64))]);
-    let mut env = vec![map([("name", s("RUST_LOG")), ("value", s("info"))])];
-    if let Some(secret) = &k8s.sidecar.redis_password_secret {
-        env.push(map([
-            ("name", s(components::REDIS_PASSWORD_ENV)),
-            ("valueFrom", map([("secretKeyRef", map([("name", s(&secret.name)), ("key", s(&secret.key))]))])),
-        ]));
-    }
-    let mut mounts = vec![map([
-        ("name", s("config")),
-        ("mountPath", s("/etc/llm-gateway")),
-        ("readOnly", Value::from(true)),
-    ])];
-    let mut volumes = vec![map([("name", s("config")), ("configMap", map([("name", s(SIDECAR_NAME))]))])];
-    if let Some(secret) = &k8s.sidecar.redis_tls_secret {
-        mounts.push(map([
-            ("name", s("redis-tls")),
-            ("mountPath", s(components::REDIS_TLS_MOUNT)),
-            ("readOnly", Value::from(true)),
-        ]));
-        volumes.push(map([("name", s("redis-tls")), ("secret", map([("secretName", s(secret))]))]));
-    }
-    if let Some(tokenizers) = &k8s.sidecar.tokenizers {
-        // The models' tokenizer files (sidecar `models[]`, paths below this mount).
-        mounts.push(map([
-            ("name", s("tokenizers")),
-            ("mountPath", s(components::TOKENIZERS_MOUNT)),
-            ("readOnly", Value::from(true)),
-        ]));
-        let mut volume = serde_yaml_ng::Mapping::new();
-        volume.insert(s("name"), s("tokenizers"));
-        for (k, v) in &tokenizers.volume {
-            volume.insert(k.clone(), v.clone());
-        }
-        volumes.push(Value::Mapping(volume));
-    }
-
-    let base = Values::new()
-        .set("NAMESPACE", ns)
-        .set("LABELS", labels(SIDECAR_NAME))
-        .set("SELECTOR", selector(SIDECAR_NAME));
-    let mut files = Vec::new();
-    files.push(File::yaml(
-        "kubernetes/namespace.yaml",
-        &map([
-            ("apiVersion", s("v1")),
-            ("kind", s("Namespace")),
-            ("metadata", map([("name", s(ns)), ("labels", namespace_labels(loaded))])),
-        ]),
-    )?);
-    files.push(File::yaml(
-        "kubernetes/sidecar-configmap.yaml",
-        &template::render(
-            template::K8S_SIDECAR_CONFIG,
-            &base.clone().set("SIDECAR_YAML", sidecar_yaml.as_str()),
+    let mut files = vec![
+        File::yaml("kubernetes/namespace.yaml", &Namespace::new(ns, namespace_labels))?,
+        // The sidecar's config file, mounted at /etc/llm-gateway/sidecar.yaml, accepted by
+        // gateway-ext-proc's own parser before it is written.
+        File::yaml(
+            "kubernetes/sidecar-configmap.yaml",
+            &ConfigMap::new(meta.clone(), "sidecar.yaml", sidecar_yaml.clone()),
         )?,
-    )?);
-    let r = &k8s.sidecar.resources;
-    files.push(File::yaml(
-        "kubernetes/sidecar-deployment.yaml",
-        &template::render(
-            template::K8S_SIDECAR_DEPLOYMENT,
-            &base
-                .clone()
-                .set("REPLICAS", k8s.sidecar.replicas)
-                .set("TERMINATION_GRACE_S", termination_grace_s)
-                .set("POD_ANNOTATIONS", map(annotations))
-                .set("IMAGE", k8s.sidecar.pinned_image())
-                .set("PORTS", seq(container_ports))
-                .set("READINESS_PROBE", readiness)
-                .set("ENV", seq(env))
-                .set("VOLUME_MOUNTS", seq(mounts))
-                .set("VOLUMES", seq(volumes))
-                .set("CPU_REQUEST", r.cpu_request.as_str())
-                .set("MEMORY_REQUEST", r.memory_request.as_str())
-                .set("MEMORY_LIMIT", r.memory_limit.as_str()),
+        File::yaml("kubernetes/sidecar-deployment.yaml", &sidecar_deployment(loaded, k8s, &sidecar_yaml)?)?,
+        File::yaml("kubernetes/sidecar-service.yaml", &sidecar_service(loaded, meta.clone())?)?,
+        // Voluntary disruptions (node drains, upgrades) take at most one sidecar replica at a time.
+        File::yaml(
+            "kubernetes/sidecar-pdb.yaml",
+            &PodDisruptionBudget::new(
+                meta.clone(),
+                PodDisruptionBudgetSpec {
+                    max_unavailable: 1,
+                    selector: Selector::matching(ComponentSelector::new(SIDECAR_NAME)),
+                },
+            ),
         )?,
-    )?);
-    files.push(File::yaml(
-        "kubernetes/sidecar-service.yaml",
-        &template::render(template::K8S_SIDECAR_SERVICE, &base.clone().set("PORTS", seq(service_ports)))?,
-    )?);
-    files.push(File::yaml(
-        "kubernetes/sidecar-pdb.yaml",
-        &template::render(template::K8S_SIDECAR_PDB, &base)?,
-    )?);
-    files.push(File::yaml(
-        "kubernetes/sidecar-networkpolicy.yaml",
-        &template::render(
-            template::K8S_SIDECAR_NETWORK_POLICY,
-            &base.clone().set("INGRESS", network_policy_ingress(loaded)?),
+        File::yaml(
+            "kubernetes/sidecar-networkpolicy.yaml",
+            &network_policy(meta, SIDECAR_NAME, network_policy_ingress(loaded)?),
         )?,
-    )?);
+    ];
     if let Some(redis) = &k8s.trial_redis {
-        let redis_values = Values::new()
-            .set("NAMESPACE", ns)
-            .set("LABELS", labels("llm-gateway-redis"))
-            .set("SELECTOR", selector("llm-gateway-redis"))
-            .set("IMAGE", redis.image.as_str());
-        files.push(File::yaml(
-            "kubernetes/redis-deployment.yaml",
-            &template::render(template::K8S_REDIS_DEPLOYMENT, &redis_values)?,
-        )?);
-        files.push(File::yaml(
-            "kubernetes/redis-service.yaml",
-            &template::render(template::K8S_REDIS_SERVICE, &redis_values)?,
-        )?);
-        files.push(File::yaml(
-            "kubernetes/redis-networkpolicy.yaml",
-            &template::render(
-                template::K8S_REDIS_NETWORK_POLICY,
-                &redis_values.set("SIDECAR_SELECTOR", selector(SIDECAR_NAME)),
-            )?,
-        )?);
+        files.extend(trial_redis(ns, &redis.image)?);
     }
     files.push(kustomization("kubernetes", &files)?);
     Ok(files)
 }
 
-/// The Namespace's labels: with an `istio` section, `istio-injection: enabled`, so that the
-/// sidecar's pods join the mesh whose mTLS the istio target relies on.
-fn namespace_labels(loaded: &Loaded) -> Value {
-    let mut l = labels("llm-gateway");
-    if loaded.config.istio.is_some() {
-        crate::tree::set(&mut l, "istio-injection", s("enabled"));
+/// A port of the sidecar's pods.
+struct SidecarPort {
+    /// The container port's name.
+    name: String,
+    port: u16,
+    /// Whether it serves gRPC.
+    grpc: bool,
+}
+
+/// The sidecar's ports: its gRPC port, one endpoint-picker port per picking pool, and its
+/// metrics port when there is one.
+fn sidecar_ports(loaded: &Loaded) -> Result<Vec<SidecarPort>, Error> {
+    let grpc = |name, port| SidecarPort { name, port, grpc: true };
+    let mut ports = vec![grpc("grpc".to_owned(), sidecar_port(loaded))];
+    ports.extend(endpoint_pickers(loaded)?.into_iter().map(|epp| grpc(epp.port_name, epp.port)));
+    if let Some(metrics) = loaded.config.sidecar.metrics_listen {
+        ports.push(SidecarPort { name: "metrics".to_owned(), port: metrics.port(), grpc: false });
     }
-    l
+    Ok(ports)
+}
+
+/// The sidecar's Deployment (gateway-ext-proc): stateless, all shared state is in Redis, so it
+/// scales horizontally behind its Service. The pod template carries the config's digest, so a
+/// changed config rolls the pods.
+fn sidecar_deployment(
+    loaded: &Loaded,
+    k8s: &KubernetesSection,
+    sidecar_yaml: &str,
+) -> Result<Deployment, Error> {
+    let workload = &k8s.sidecar;
+    let digest = hex::encode(Sha256::digest(sidecar_yaml.as_bytes()));
+    let mut annotations = vec![("llm-gateway.io/sidecar-config-sha256".to_owned(), digest)];
+    if let Some(metrics) = loaded.config.sidecar.metrics_listen {
+        annotations.extend([
+            ("prometheus.io/scrape".to_owned(), "true".to_owned()),
+            ("prometheus.io/port".to_owned(), metrics.port().to_string()),
+            ("prometheus.io/path".to_owned(), "/metrics".to_owned()),
+        ]);
+    }
+    // After SIGTERM the sidecar serves open streams for its shutdown grace (Envoy's access log
+    // carries the usage of the requests it drains), then writes the usage records it holds (at
+    // most 5 s more while Redis is away): the pod's grace covers both.
+    let shutdown_grace_s = gateway_ext_proc::config::Config::from_yaml(sidecar_yaml)
+        .map(|config| config.shutdown_grace_ms.div_ceil(1000))
+        .map_err(|e| Error::Internal(format!("sidecar config: {e}")))?;
+    let ports = sidecar_ports(loaded)?;
+    let container = Container {
+        name: "ext-proc",
+        image: workload.pinned_image(),
+        args: vec!["--config", "/etc/llm-gateway/sidecar.yaml"],
+        env: sidecar_env(k8s),
+        ports: ports.into_iter().map(|p| ContainerPort { name: p.name, container_port: p.port }).collect(),
+        // The sidecar binds its gRPC port last, once it has reached Redis: ready means able to
+        // serve.
+        readiness_probe: Probe {
+            tcp_socket: Some(TcpSocket { port: "grpc" }),
+            period_seconds: 5,
+            ..Probe::default()
+        },
+        liveness_probe: Probe {
+            tcp_socket: Some(TcpSocket { port: "grpc" }),
+            initial_delay_seconds: Some(5),
+            period_seconds: 10,
+            failure_threshold: Some(3),
+            ..Probe::default()
+        },
+        resources: Resources {
+            requests: ResourceList {
+                cpu: workload.resources.cpu_request.clone(),
+                memory: workload.resources.memory_request.clone(),
+            },
+            limits: MemoryLimit { memory: workload.resources.memory_limit.clone() },
+        },
+        security_context: ContainerSecurityContext::restricted(Some(true)),
+        volume_mounts: Vec::new(),
+    };
+    let (volume_mounts, volumes) = sidecar_volumes(k8s);
+    let selector = || Selector::matching(ComponentSelector::new(SIDECAR_NAME));
+    let pod = PodSpec {
+        // Replicas on different nodes where possible: losing one node leaves admission running.
+        topology_spread_constraints: vec![TopologySpreadConstraint {
+            max_skew: 1,
+            topology_key: "kubernetes.io/hostname",
+            when_unsatisfiable: "ScheduleAnyway",
+            label_selector: selector(),
+        }],
+        termination_grace_period_seconds: Some(shutdown_grace_s + SHUTDOWN_FLUSH_MARGIN_S),
+        security_context: PodSecurityContext::non_root(65532),
+        containers: vec![Container { volume_mounts, ..container }],
+        volumes,
+    };
+    Ok(Deployment::new(
+        ObjectMeta::new(SIDECAR_NAME, &k8s.namespace, SIDECAR_NAME),
+        DeploymentSpec {
+            replicas: workload.replicas,
+            selector: selector(),
+            template: PodTemplate {
+                metadata: PodMeta {
+                    labels: Labels::new(SIDECAR_NAME),
+                    annotations: Some(OrderedMap(annotations)),
+                },
+                spec: pod,
+            },
+        },
+    ))
+}
+
+/// The sidecar's environment: its log level, and the Redis password from its Secret.
+fn sidecar_env(k8s: &KubernetesSection) -> Vec<EnvVar> {
+    let mut env = vec![EnvVar { name: "RUST_LOG", value: Some("info"), value_from: None }];
+    if let Some(secret) = &k8s.sidecar.redis_password_secret {
+        env.push(EnvVar {
+            name: components::REDIS_PASSWORD_ENV,
+            value: None,
+            value_from: Some(EnvSource {
+                secret_key_ref: SecretKeyRef { name: secret.name.clone(), key: secret.key.clone() },
+            }),
+        });
+    }
+    env
+}
+
+/// The sidecar's volumes and their mounts: the config at /etc/llm-gateway; Redis's CA and client
+/// certificate (a Secret) at /etc/llm-gateway/redis-tls when kubernetes.sidecar.redis_tls_secret
+/// is set; the models' tokenizer files (sidecar `models[]`, paths below this mount).
+fn sidecar_volumes(k8s: &KubernetesSection) -> (Vec<VolumeMount>, Vec<Volume>) {
+    let volume = |name| Volume { name, config_map: None, secret: None, source: None };
+    let mut mounts = vec![VolumeMount::read_only("config", "/etc/llm-gateway")];
+    let mut volumes =
+        vec![Volume { config_map: Some(NameRef { name: SIDECAR_NAME.to_owned() }), ..volume("config") }];
+    if let Some(secret) = &k8s.sidecar.redis_tls_secret {
+        mounts.push(VolumeMount::read_only("redis-tls", components::REDIS_TLS_MOUNT));
+        volumes.push(Volume {
+            secret: Some(SecretVolume { secret_name: secret.clone() }),
+            ..volume("redis-tls")
+        });
+    }
+    if let Some(tokenizers) = &k8s.sidecar.tokenizers {
+        mounts.push(VolumeMount::read_only("tokenizers", components::TOKENIZERS_MOUNT));
+        volumes.push(Volume { source: Some(tokenizers.volume.clone()), ..volume("tokenizers") });
+    }
+    (mounts, volumes)
+}
+
+/// The sidecar's Service: its gRPC (ext_proc) port, named `grpc` so that Istio speaks HTTP/2 to
+/// it, one endpoint-picker port per picking pool (`grpc-epp-<k>`, 9002 + k, appProtocol grpc: the
+/// port its InferencePool's endpointPickerRef names), and its Prometheus port when the config
+/// sets sidecar.metrics_listen.
+fn sidecar_service(loaded: &Loaded, meta: ObjectMeta) -> Result<Service, Error> {
+    let ports = sidecar_ports(loaded)?.into_iter().map(|p| ServicePort {
+        target_port: p.name.clone(),
+        name: p.name,
+        port: p.port,
+        app_protocol: p.grpc.then_some("grpc"),
+    });
+    Ok(Service::new(
+        meta,
+        ServiceSpec { selector: ComponentSelector::new(SIDECAR_NAME), ports: ports.collect() },
+    ))
+}
+
+/// An ingress-only NetworkPolicy of `component`'s pods.
+fn network_policy(meta: ObjectMeta, component: &str, ingress: Vec<IngressRule>) -> NetworkPolicy {
+    NetworkPolicy::new(
+        meta,
+        NetworkPolicySpec {
+            pod_selector: Selector::matching(ComponentSelector::new(component)),
+            policy_types: vec!["Ingress"],
+            ingress,
+        },
+    )
+}
+
+/// A single Redis for trials only: no persistence, no replica (in production point the gateway
+/// config's redis.cluster_urls at an existing Redis Cluster instead, docs/deploy.md), its Service
+/// (redis://llm-gateway-redis.<namespace>.svc.cluster.local:6379/0), and a NetworkPolicy that lets
+/// only the sidecar's pods reach its port.
+fn trial_redis(ns: &str, image: &str) -> Result<Vec<File>, Error> {
+    let meta = ObjectMeta::new(REDIS_NAME, ns, REDIS_NAME);
+    let selector = || Selector::matching(ComponentSelector::new(REDIS_NAME));
+    let container = Container {
+        name: "redis",
+        image: image.to_owned(),
+        args: vec!["--save", "", "--appendonly", "no"],
+        env: Vec::new(),
+        ports: vec![ContainerPort { name: "redis".to_owned(), container_port: 6379 }],
+        readiness_probe: Probe {
+            exec: Some(ExecAction { command: vec!["redis-cli", "ping"] }),
+            period_seconds: 5,
+            ..Probe::default()
+        },
+        liveness_probe: Probe {
+            tcp_socket: Some(TcpSocket { port: "redis" }),
+            period_seconds: 10,
+            ..Probe::default()
+        },
+        resources: Resources {
+            requests: ResourceList { cpu: "100m".to_owned(), memory: "128Mi".to_owned() },
+            limits: MemoryLimit { memory: "512Mi".to_owned() },
+        },
+        security_context: ContainerSecurityContext::restricted(None),
+        volume_mounts: Vec::new(),
+    };
+    let deployment = Deployment::new(
+        meta.clone(),
+        DeploymentSpec {
+            replicas: 1,
+            selector: selector(),
+            template: PodTemplate {
+                metadata: PodMeta { labels: Labels::new(REDIS_NAME), annotations: None },
+                spec: PodSpec {
+                    topology_spread_constraints: Vec::new(),
+                    termination_grace_period_seconds: None,
+                    security_context: PodSecurityContext::non_root(999),
+                    containers: vec![container],
+                    volumes: Vec::new(),
+                },
+            },
+        },
+    );
+    let service = Service::new(
+        meta.clone(),
+        ServiceSpec {
+            selector: ComponentSelector::new(REDIS_NAME),
+            ports: vec![ServicePort {
+                name: "redis".to_owned(),
+                port: 6379,
+                target_port: "redis".to_owned(),
+                app_protocol: None,
+            }],
+        },
+    );
+    let from_sidecar = Peer {
+        namespace_selector: None,
+        pod_selector: Some(Selector::matching(PeerLabels::Component(ComponentSelector::new(SIDECAR_NAME)))),
+    };
+    let ingress = vec![IngressRule { from: vec![from_sidecar], ports: vec![PolicyPort::tcp(6379)] }];
+    Ok(vec![
+        File::yaml("kubernetes/redis-deployment.yaml", &deployment)?,
+        File::yaml("kubernetes/redis-service.yaml", &service)?,
+        File::yaml("kubernetes/redis-networkpolicy.yaml", &network_policy(meta, REDIS_NAME, ingress))?,
+    ])
 }
 
 /// Envoy Gateway's default namespace for the Envoy pods it runs (its controller's).
 pub const ENVOY_GATEWAY_PROXY_NAMESPACE: &str = "envoy-gateway-system";
 
-/// The sidecar NetworkPolicy's ingress rules: the gRPC port and the endpoint-picker ports
-/// ([`endpoint_pickers`]) from the gateway's pods of each mesh
-/// target the config has (Istio: `istio.namespace` and `istio.selector`; Envoy Gateway: the pods
-/// it runs for `envoy_gateway.gateway`, in [`ENVOY_GATEWAY_PROXY_NAMESPACE`], by its
-/// `gateway.envoyproxy.io/owning-gateway-*` labels), and the metrics port from any pod.
-fn network_policy_ingress(loaded: &Loaded) -> Result<Value, Error> {
+/// The sidecar NetworkPolicy's ingress rules: only the gateway's Envoy pods reach the sidecar's
+/// gRPC port (ext_proc, the access log service, the lease service: whoever reaches it could forge
+/// usage records or drain a tenant's buckets) and its endpoint-picker ports ([`endpoint_pickers`],
+/// the InferencePools' ext_proc calls), from the gateway's pods of each mesh target the config has
+/// (Istio: `istio.namespace` and `istio.selector`; Envoy Gateway: the pods it runs for
+/// `envoy_gateway.gateway`, in [`ENVOY_GATEWAY_PROXY_NAMESPACE`], by its
+/// `gateway.envoyproxy.io/owning-gateway-*` labels); the metrics port, when there is one, from any
+/// pod (Prometheus). Needs a CNI that enforces NetworkPolicy.
+fn network_policy_ingress(loaded: &Loaded) -> Result<Vec<IngressRule>, Error> {
     let c = &loaded.config;
     let mut peers = Vec::new();
-    let ns_selector = |ns: &str| map([("matchLabels", map([("kubernetes.io/metadata.name", s(ns))]))]);
+    let in_namespace = |ns: &str, labels: MatchLabels| Peer {
+        namespace_selector: Some(Selector::matching(MatchLabels::from([(
+            "kubernetes.io/metadata.name".to_owned(),
+            ns.to_owned(),
+        )]))),
+        pod_selector: Some(Selector::matching(PeerLabels::Labels(labels))),
+    };
     if let Some(istio) = &c.istio {
-        let labels = istio.selector.iter().map(|(k, v)| (k.clone(), s(v)));
-        peers.push(map([
-            ("namespaceSelector", ns_selector(&istio.namespace)),
-            ("podSelector", map([("matchLabels", map(labels))])),
-        ]));
+        peers.push(in_namespace(&istio.namespace, istio.selector.clone()));
     }
     if let Some(eg) = &c.envoy_gateway {
-        peers.push(map([
-            ("namespaceSelector", ns_selector(ENVOY_GATEWAY_PROXY_NAMESPACE)),
-            (
-                "podSelector",
-                map([(
-                    "matchLabels",
-                    map([
-                        ("gateway.envoyproxy.io/owning-gateway-name", s(&eg.gateway.name)),
-                        ("gateway.envoyproxy.io/owning-gateway-namespace", s(&eg.gateway.namespace)),
-                    ]),
-                )]),
-            ),
-        ]));
+        let owner = MatchLabels::from([
+            ("gateway.envoyproxy.io/owning-gateway-name".to_owned(), eg.gateway.name.clone()),
+            ("gateway.envoyproxy.io/owning-gateway-namespace".to_owned(), eg.gateway.namespace.clone()),
+        ]);
+        peers.push(in_namespace(ENVOY_GATEWAY_PROXY_NAMESPACE, owner));
     }
-    let tcp = |port: u16| map([("protocol", s("TCP")), ("port", n(port))]);
-    let mut ports = vec![tcp(sidecar_port(loaded))];
-    ports.extend(endpoint_pickers(loaded)?.iter().map(|epp| tcp(epp.port)));
-    let mut rules = vec![map([("from", seq(peers)), ("ports", seq(ports))])];
+    let mut ports = vec![PolicyPort::tcp(sidecar_port(loaded))];
+    ports.extend(endpoint_pickers(loaded)?.iter().map(|epp| PolicyPort::tcp(epp.port)));
+    let mut rules = vec![IngressRule { from: peers, ports }];
     if let Some(metrics) = c.sidecar.metrics_listen {
-        let any = map([("namespaceSelector", map::<&str>([]))]);
-        rules.push(map([("from", seq([any])), ("ports", seq([tcp(metrics.port())]))]));
+        let any = Peer { namespace_selector: Some(Selector { match_labels: None }), pod_selector: None };
+        rules.push(IngressRule { from: vec![any], ports: vec![PolicyPort::tcp(metrics.port())] });
     }
-    Ok(seq(rules))
+    Ok(rules)
 }
 
 /// A `kustomization.yaml` in `dir` listing `files` (those under `dir`), so that
 /// `kubectl apply -k <dir>` applies them.
+///
+/// # Errors
+/// An internal error.
 pub fn kustomization(dir: &str, files: &[File]) -> Result<File, Error> {
     let prefix = format!("{dir}/");
-    let resources =
-        files.iter().filter_map(|f| f.path.strip_prefix(&prefix)).filter(|p| p.ends_with(".yaml")).map(s);
-    File::yaml(
-        &format!("{dir}/kustomization.yaml"),
-        &map([
-            ("apiVersion", s("kustomize.config.k8s.io/v1beta1")),
-            ("kind", s("Kustomization")),
-            ("resources", seq(resources)),
-        ]),
-    )
+    let resources = files
+        .iter()
+        .filter_map(|f| f.path.strip_prefix(&prefix))
+        .filter(|p| p.ends_with(".yaml"))
+        .map(str::to_owned)
+        .collect();
+    File::yaml(&format!("{dir}/kustomization.yaml"), &Kustomization::new(resources))
 }

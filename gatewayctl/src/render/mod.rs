@@ -10,17 +10,26 @@
 //! been accepted by that component's own parser first.
 
 pub mod components;
+pub(crate) mod envoy_config;
 pub mod envoy_gateway;
 pub mod istio;
 pub mod kubernetes;
+pub(crate) mod manifests;
+pub mod sidecar_file;
 pub mod standalone;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use gateway_filter::config::{RawAdmissionLeases, RawConfig};
+use serde::Serialize;
+
 use crate::config::{ConfigError, FieldError, Loaded, PoolSection, ServiceRef, WasmModule};
-use crate::template::{self, TemplateError, Values};
-use crate::tree::{map, s, to_json, to_yaml, Value};
+use crate::template::TemplateError;
+use crate::tree::{to_json, to_tree, to_yaml, Value};
+
+use manifests::gateway_api::{EndpointPickerRef, InferencePool, InferencePoolSpec};
+use manifests::{ObjectMeta, OrderedMap, PortNumber, Selector};
 
 /// A render target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
@@ -101,22 +110,23 @@ pub struct File {
 const HEADER: &str = "# Rendered by gatewayctl from the gateway config; edit that and re-render.\n";
 
 impl File {
-    /// A YAML file.
+    /// A YAML file of `value` (a typed document, or a tree).
     ///
     /// # Errors
-    /// A tree YAML cannot represent (a bug).
-    pub fn yaml(path: &str, value: &Value) -> Result<File, Error> {
+    /// A value YAML cannot represent (a bug).
+    pub fn yaml<T: Serialize + ?Sized>(path: &str, value: &T) -> Result<File, Error> {
+        let tree = to_tree(value).map_err(Error::Internal)?;
         Ok(File {
             path: path.to_owned(),
-            content: format!("{HEADER}{}", to_yaml(value).map_err(Error::Internal)?),
+            content: format!("{HEADER}{}", to_yaml(&tree).map_err(Error::Internal)?),
         })
     }
 
     /// A JSON file (pretty-printed).
     ///
     /// # Errors
-    /// A tree JSON cannot represent (a bug).
-    pub fn json(path: &str, value: &Value) -> Result<File, Error> {
+    /// A value JSON cannot represent (a bug).
+    pub fn json<T: Serialize + ?Sized>(path: &str, value: &T) -> Result<File, Error> {
         let text = serde_json::to_string_pretty(value).map_err(|e| Error::Internal(e.to_string()))?;
         Ok(File { path: path.to_owned(), content: format!("{text}\n") })
     }
@@ -136,10 +146,11 @@ pub const STANDALONE_EXT_PROC_CLUSTER: &str = "llm_gateway_ext_proc";
 
 /// The filter config with `admission_leases` naming the sidecar's Envoy cluster when admission
 /// leases are on ([`crate::config::GatewayConfig::admission_leases`]); unchanged otherwise.
-fn with_admission_leases(loaded: &Loaded, filter_config: &Value, cluster: &str) -> Value {
+fn with_admission_leases(loaded: &Loaded, filter_config: &RawConfig, cluster: &str) -> RawConfig {
     let mut config = filter_config.clone();
     if loaded.config.admission_leases() {
-        crate::tree::set(&mut config, "admission_leases", crate::tree::map([("cluster", s(cluster))]));
+        config.admission_leases =
+            Some(RawAdmissionLeases { cluster: cluster.to_owned(), refresh_ms: None, timeout_ms: None });
     }
     config
 }
@@ -176,11 +187,17 @@ fn pool_service<'c>(i: usize, pool: &'c PoolSection, target: &str) -> Result<&'c
     })
 }
 
-/// One InferencePool (`inference.networking.k8s.io/v1`, envoy/kubernetes/inferencepool.yaml) per
-/// pool with a `picker`, under `dir/`, whose endpoint picker is the sidecar's Service on that
-/// pool's endpoint-picker port ([`kubernetes::endpoint_pickers`]). It lives in
+/// One InferencePool (`inference.networking.k8s.io/v1`) per pool with a `picker`, under `dir/`:
+/// a picking pool as a Gateway API Inference Extension InferencePool, its model-server Pods
+/// (selected by label in this namespace) on their container port, with the gateway's sidecar as
+/// the endpoint picker: the sidecar's Service on this pool's own endpoint-picker port (9002 + k
+/// for the k-th picking pool, [`kubernetes::endpoint_pickers`]; the sidecar config's
+/// `endpoint_pickers[]` listener, which serves the endpoint-picker protocol over ext_proc:
+/// `x-gateway-destination-endpoint` in `envoy.lb` metadata and the request header). It lives in
 /// the sidecar's namespace (an endpointPickerRef names a Service of its own namespace) and
-/// selects Pods of that namespace only, so the pool's Service must be there too.
+/// selects Pods of that namespace only, so the pool's Service must be there too. `FailClose`: a
+/// request the picker cannot answer fails, as the gateway's own admission does when the sidecar
+/// is away.
 ///
 /// # Errors
 /// A picking pool without `inference_pool` or `service`, or whose Service is in another namespace.
@@ -215,27 +232,29 @@ fn inference_pools(loaded: &Loaded, target: &str, dir: &str) -> Result<Vec<File>
             .into());
         }
         let label = crate::config::pool_label(&pool.name);
-        let labels = ip.match_labels.iter().map(|(k, v)| (k.clone(), s(v)));
-        let doc = template::render(
-            template::K8S_INFERENCE_POOL,
-            &Values::new()
-                .set("NAME", format!("llm-gateway-{label}"))
-                .set("NAMESPACE", k8s.namespace.as_str())
-                .set("LABELS", kubernetes::labels("llm-gateway"))
-                .set("MATCH_LABELS", map(labels))
-                .set("TARGET_PORT", ip.target_port)
-                .set("PICKER_SERVICE", kubernetes::SIDECAR_NAME)
-                .set("PICKER_PORT", epp.port),
-        )?;
+        let doc = InferencePool::new(
+            ObjectMeta::new(format!("llm-gateway-{label}"), &k8s.namespace, "llm-gateway"),
+            InferencePoolSpec {
+                selector: Selector::matching(ip.match_labels.clone()),
+                target_ports: vec![PortNumber { number: ip.target_port }],
+                endpoint_picker_ref: EndpointPickerRef {
+                    kind: "Service",
+                    name: kubernetes::SIDECAR_NAME,
+                    port: PortNumber { number: epp.port },
+                    failure_mode: "FailClose",
+                },
+            },
+        );
         files.push(File::yaml(&format!("{dir}/inferencepool-{label}.yaml"), &doc)?);
     }
     Ok(files)
 }
 
-/// OpenAI's rate-limit response headers, the flow-control queue's wait and the quota warning, from the admission
-/// filter's dynamic metadata (an absent value adds no header).
-fn ratelimit_headers() -> Vec<(String, Value)> {
-    [
+/// OpenAI's rate-limit response headers, the flow-control queue's wait and the quota warning,
+/// from the admission filter's dynamic metadata (an absent value adds no header), by name.
+fn ratelimit_headers() -> OrderedMap<String> {
+    let from_metadata = |key: &str| format!("%DYNAMIC_METADATA(llm_gateway:{key})%");
+    let mut headers: Vec<(String, String)> = [
         "x-ratelimit-limit-requests",
         "x-ratelimit-remaining-requests",
         "x-ratelimit-reset-requests",
@@ -244,18 +263,13 @@ fn ratelimit_headers() -> Vec<(String, Value)> {
         "x-ratelimit-reset-tokens",
     ]
     .into_iter()
-    .map(|h| (h.to_owned(), s(format!("%DYNAMIC_METADATA(llm_gateway:{h})%"))))
-    .chain([
-        (
-            gateway_contract::H_QUEUE_WAIT_MS.to_owned(),
-            s(format!("%DYNAMIC_METADATA(llm_gateway:{})%", gateway_contract::MD_QUEUE_WAIT_MS)),
-        ),
-        (
-            gateway_contract::H_QUOTA_WARNING.to_owned(),
-            s(format!("%DYNAMIC_METADATA(llm_gateway:{})%", gateway_contract::MD_QUOTA_WARNING)),
-        ),
-    ])
-    .collect()
+    .map(|h| (h.to_owned(), from_metadata(h)))
+    .collect();
+    headers.extend([
+        (gateway_contract::H_QUEUE_WAIT_MS.to_owned(), from_metadata(gateway_contract::MD_QUEUE_WAIT_MS)),
+        (gateway_contract::H_QUOTA_WARNING.to_owned(), from_metadata(gateway_contract::MD_QUOTA_WARNING)),
+    ]);
+    OrderedMap(headers)
 }
 
 /// The targets `target` stands for: itself, or for `all` each target the config has the

@@ -12,11 +12,17 @@
 //! endpoint answers 503 at once, which is retried on the next. The filter keeps naming the pool
 //! (`x-gateway-pool: <pool>`), so routing, the sidecar's shedding and the metering see one name.
 
-use crate::config::FieldError;
-use crate::config::{parse_host_port, primary_cluster, EdgeSection, Loaded, PoolSection};
-use crate::template::{self, Values};
-use crate::tree::{at_mut, f, map, n, s, seq, set, to_json, Key, Value};
+use gateway_filter::config::RawConfig;
 
+use crate::config::FieldError;
+use crate::config::{parse_host_port, primary_cluster, EdgeSection, HostPort, Loaded, PoolSection};
+use crate::template::{self, Template, Values};
+use crate::tree::{at_mut, merge, set, to_json, to_tree, Key, Value};
+
+use super::envoy_config::{
+    HealthCheck, HttpHealthCheck, LbEndpoint, Named, OutlierDetection, PoolClusterSettings, Router,
+    Thresholds,
+};
 use super::Error;
 
 /// Default body limit of the filter when the config sets none (the filter's own default).
@@ -36,6 +42,11 @@ fn missing(what: &str) -> Error {
     Error::Internal(format!("envoy/bootstrap.yaml: {what} not found where expected"))
 }
 
+/// A typed piece of configuration as a tree.
+fn tree(value: &impl serde::Serialize) -> Result<Value, Error> {
+    to_tree(value).map_err(Error::Internal)
+}
+
 /// Name of the cluster holding a pool's own endpoints.
 fn endpoints_cluster(pool: &PoolSection) -> String {
     if pool.fallback.is_empty() {
@@ -50,49 +61,71 @@ fn tracing_values(t: &crate::config::TracingSection) -> Values {
     let (host, port) = t.host_port().unwrap_or(("", 0));
     Values::new()
         .set("SERVICE_NAME", "llm-gateway")
-        .set("RANDOM_SAMPLING", f(t.sampling_percent))
+        .set("RANDOM_SAMPLING", t.sampling_percent)
         .set("OTLP_HOST", host)
         .set("OTLP_PORT", port)
 }
+
+/// The filter's HTTP filter template, its placeholder for the module's path, and the module's
+/// path on the Envoy host: the wasm module, or the same filter as a dynamic module (config
+/// validation allows one).
+fn filter_module(loaded: &Loaded) -> Result<(Template, &'static str, std::path::PathBuf), Error> {
+    let f = &loaded.config.filter;
+    match (&f.wasm_file, &f.native_module) {
+        (Some(wasm), _) => Ok((template::FILTER_WASM, "WASM_PATH", loaded.resolve(wasm))),
+        (None, Some(native)) => Ok((template::FILTER_NATIVE, "NATIVE_MODULE_PATH", loaded.resolve(native))),
+        (None, None) => Err(FieldError::new(
+            "filter.wasm_file",
+            "required by the standalone target (path of gateway_filter.wasm on the Envoy host; \
+             or filter.native_module, the dynamic module's)",
+        )
+        .into()),
+    }
+}
+
+/// Where Envoy reaches the sidecar: `sidecar.address`, or `sidecar.listen` with an unspecified
+/// address replaced by 127.0.0.1.
+fn sidecar_address(loaded: &Loaded) -> Result<HostPort, Error> {
+    let sidecar = &loaded.config.sidecar;
+    let address = match &sidecar.address {
+        Some(a) => a.clone(),
+        None => {
+            let ip = if sidecar.listen.ip().is_unspecified() {
+                "127.0.0.1".to_owned()
+            } else {
+                sidecar.listen.ip().to_string()
+            };
+            // An IPv6 literal needs brackets in host:port.
+            if ip.contains(':') {
+                format!("[{ip}]:{}", sidecar.listen.port())
+            } else {
+                format!("{ip}:{}", sidecar.listen.port())
+            }
+        }
+    };
+    parse_host_port(&address).ok_or_else(|| FieldError::new("sidecar.address", "must be host:port").into())
+}
+
+/// The path of the HTTP connection manager's `typed_config` in envoy/bootstrap.yaml.
+const HCM_PATH: [Key<'static>; 8] = [
+    Key::Field("static_resources"),
+    Key::Field("listeners"),
+    Key::Index(0),
+    Key::Field("filter_chains"),
+    Key::Index(0),
+    Key::Field("filters"),
+    Key::Index(0),
+    Key::Field("typed_config"),
+];
 
 /// The Envoy bootstrap for the standalone edge, with `filter_config` embedded.
 ///
 /// # Errors
 /// A field the standalone target needs but the config lacks, or an internal template error.
-pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error> {
+pub fn bootstrap(loaded: &Loaded, filter_config: &RawConfig) -> Result<Value, Error> {
     let c = &loaded.config;
-    // The wasm module, or the same filter as a dynamic module (config validation allows one).
-    let (filter_template, module_key, module_file) = match (&c.filter.wasm_file, &c.filter.native_module) {
-        (Some(wasm), _) => (template::FILTER_WASM, "WASM_PATH", wasm),
-        (None, Some(native)) => (template::FILTER_NATIVE, "NATIVE_MODULE_PATH", native),
-        (None, None) => {
-            return Err(FieldError::new(
-                "filter.wasm_file",
-                "required by the standalone target (path of gateway_filter.wasm on the Envoy host; \
-                 or filter.native_module, the dynamic module's)",
-            )
-            .into())
-        }
-    };
-    let module_path = loaded.resolve(module_file);
-    let sidecar_address = match &c.sidecar.address {
-        Some(a) => a.clone(),
-        None => {
-            let ip = if c.sidecar.listen.ip().is_unspecified() {
-                "127.0.0.1".to_owned()
-            } else {
-                c.sidecar.listen.ip().to_string()
-            };
-            // An IPv6 literal needs brackets in host:port.
-            if ip.contains(':') {
-                format!("[{ip}]:{}", c.sidecar.listen.port())
-            } else {
-                format!("{ip}:{}", c.sidecar.listen.port())
-            }
-        }
-    };
-    let sidecar = parse_host_port(&sidecar_address)
-        .ok_or_else(|| FieldError::new("sidecar.address", "must be host:port"))?;
+    let (filter_template, module_key, module_path) = filter_module(loaded)?;
+    let sidecar = sidecar_address(loaded)?;
     let max_body = c.filter.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES);
     if c.pools.is_empty() {
         return Err(FieldError::new("pools", "must not be empty").into());
@@ -108,111 +141,94 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &Value) -> Result<Value, Error>
     let values = with_edge(values, &c.envoy.edge);
 
     let mut bootstrap = template::render(template::BOOTSTRAP, &values)?;
-    let listener = [Key::from("static_resources"), "listeners".into(), 0.into()];
-    let mut address_path = listener.to_vec();
-    address_path.extend([Key::from("address"), "socket_address".into(), "address".into()]);
-    *at_mut(&mut bootstrap, &address_path).ok_or_else(|| missing("listener address"))? =
-        s(c.envoy.listen.ip().to_string());
+    let address = [Key::from("static_resources"), "listeners".into(), 0.into(), "address".into()];
+    let address = at_mut(&mut bootstrap, &address).and_then(|a| a.get_mut("socket_address"));
+    *address.and_then(|a| a.get_mut("address")).ok_or_else(|| missing("listener address"))? =
+        Value::String(c.envoy.listen.ip().to_string());
+    let hcm = at_mut(&mut bootstrap, &HCM_PATH).ok_or_else(|| missing("http_connection_manager"))?;
+    connection_manager(loaded, hcm, &values, filter_template)?;
 
-    let mut hcm_path = listener.to_vec();
-    hcm_path.extend([
-        Key::from("filter_chains"),
-        0.into(),
-        "filters".into(),
-        0.into(),
-        "typed_config".into(),
-    ]);
-    let hcm = at_mut(&mut bootstrap, &hcm_path).ok_or_else(|| missing("http_connection_manager"))?;
-    let filters = seq([
-        template::render(filter_template, &values)?,
-        super::admission_filter(loaded, template::render(template::FILTER_ADMISSION, &values)?)?,
-        template::render(template::FILTER_GUARD, &values)?,
-        router(),
-    ]);
-    if !set(hcm, "http_filters", filters) {
-        return Err(missing("http_filters"));
-    }
-    let mut access_logs = vec![template::render(template::ACCESS_LOG_METERING, &values)?];
-    if let Some(path) = c.sidecar.metering.as_ref().and_then(|m| m.journal_path.as_ref()) {
-        let journal = values.clone().set("JOURNAL_PATH", path.display().to_string());
-        access_logs.push(template::render(template::ACCESS_LOG_JOURNAL, &journal)?);
-    }
-    if !set(hcm, "access_log", seq(access_logs)) {
-        return Err(missing("access_log"));
-    }
-    if let Some(t) = &c.tracing {
-        set(hcm, "tracing", template::render(template::TRACING, &tracing_values(t))?);
-    }
-    let mut fallback_routes = Vec::new();
-    let mut ext_proc = ext_proc_cluster(&values, &sidecar)?;
-    if let Some(tls) = &c.sidecar.tls {
-        let path = |p: &std::path::Path| loaded.resolve(p).display().to_string();
-        let tls_values = Values::new()
-            .set("SIDECAR_SERVER_NAME", tls.server_name.as_str())
-            .set("CLIENT_CERT_FILE", path(&tls.envoy_cert_file))
-            .set("CLIENT_KEY_FILE", path(&tls.envoy_key_file))
-            .set("SIDECAR_CA_FILE", path(&tls.ca_file));
-        set(
-            &mut ext_proc,
-            "transport_socket",
-            template::render(template::EXT_PROC_UPSTREAM_TLS, &tls_values)?,
-        );
-    }
-    let mut clusters = vec![ext_proc];
+    let mut clusters = vec![ext_proc_cluster(loaded, &values, &sidecar)?];
     if let Some(t) = &c.tracing {
         clusters.push(template::render(template::OTEL_CLUSTER, &tracing_values(t))?);
     }
     for (i, pool) in c.pools.iter().enumerate() {
         clusters.push(pool_cluster(i, pool)?);
     }
-    // A picking pool's own route, whose retries walk the sidecar's endpoint list; a pool in a
-    // fallback chain keeps the chain's route (its retries move to the next pool instead).
+    let routes = pool_routes(loaded, &mut clusters)?;
+    // Each chain's (and picking pool's) route goes before the generic x-gateway-pool route, as
+    // tests/stack.py does.
+    let mut routes_path = HCM_PATH.to_vec();
+    routes_path.extend([Key::from("route_config"), "virtual_hosts".into(), 0.into(), "routes".into()]);
+    let existing = at_mut(&mut bootstrap, &routes_path)
+        .and_then(Value::as_sequence_mut)
+        .ok_or_else(|| missing("routes"))?;
+    for (i, route) in routes.into_iter().enumerate() {
+        existing.insert(i, route);
+    }
+    *at_mut(&mut bootstrap, &["static_resources".into(), "clusters".into()])
+        .ok_or_else(|| missing("clusters"))? = Value::Sequence(clusters);
+    Ok(bootstrap)
+}
+
+/// The HTTP connection manager's filters (the filter, the admission, the guard, the router), its
+/// access logs (the metering log, and the usage journal when configured) and its tracing.
+fn connection_manager(
+    loaded: &Loaded,
+    hcm: &mut Value,
+    values: &Values,
+    filter: Template,
+) -> Result<(), Error> {
+    let c = &loaded.config;
+    let filters = vec![
+        template::render(filter, values)?,
+        super::admission_filter(loaded, template::render(template::FILTER_ADMISSION, values)?)?,
+        template::render(template::FILTER_GUARD, values)?,
+        tree(&Router::new())?,
+    ];
+    if !set(hcm, "http_filters", Value::Sequence(filters)) {
+        return Err(missing("http_filters"));
+    }
+    let mut access_logs = vec![template::render(template::ACCESS_LOG_METERING, values)?];
+    if let Some(path) = c.sidecar.metering.as_ref().and_then(|m| m.journal_path.as_ref()) {
+        let journal = values.clone().set("JOURNAL_PATH", path.display().to_string());
+        access_logs.push(template::render(template::ACCESS_LOG_JOURNAL, &journal)?);
+    }
+    if !set(hcm, "access_log", Value::Sequence(access_logs)) {
+        return Err(missing("access_log"));
+    }
+    if let Some(t) = &c.tracing {
+        set(hcm, "tracing", template::render(template::TRACING, &tracing_values(t))?);
+    }
+    Ok(())
+}
+
+/// The routes that go before the bootstrap's own: a picking pool's, whose retries walk the
+/// sidecar's endpoint list, and each fallback chain's (a pool in a chain keeps the chain's route:
+/// its retries move to the next pool instead), whose composite clusters are added to `clusters`.
+fn pool_routes(loaded: &Loaded, clusters: &mut Vec<Value>) -> Result<Vec<Value>, Error> {
+    let c = &loaded.config;
+    let mut routes = Vec::new();
     for pool in c.pools.iter().filter(|p| p.picker.is_some() && p.fallback.is_empty()) {
         let retries = pool.endpoints.len().saturating_sub(1).max(1);
         let route = Values::new().set("NAME", pool.name.as_str()).set("RETRIES", retries);
-        fallback_routes.push(template::render(template::PICKER_ROUTE, &route)?);
+        routes.push(template::render(template::PICKER_ROUTE, &route)?);
     }
     for pool in c.pools.iter().filter(|p| !p.fallback.is_empty()) {
-        let mut members = vec![map([("name", s(endpoints_cluster(pool)))])];
+        let mut members = vec![Named { name: endpoints_cluster(pool) }];
         for other in &pool.fallback {
             let other =
                 c.pool(other).ok_or_else(|| FieldError::new("pools", format!("unknown pool '{other}'")))?;
-            members.push(map([("name", s(endpoints_cluster(other)))]));
+            members.push(Named { name: endpoints_cluster(other) });
         }
         let chain = Values::new()
             .set("NAME", pool.name.as_str())
-            .set("SUB_CLUSTERS", seq(members))
+            .set("SUB_CLUSTERS", tree(&members)?)
             .set("RETRIES", pool.fallback.len());
         clusters.push(template::render(template::FALLBACK_CLUSTER, &chain)?);
-        fallback_routes.push(template::render(template::FALLBACK_ROUTE, &chain)?);
+        routes.push(template::render(template::FALLBACK_ROUTE, &chain)?);
     }
-    // Each chain's (and picking pool's) route goes before the generic x-gateway-pool route, as
-    // tests/stack.py does.
-    let routes = at_mut(
-        &mut bootstrap,
-        &[
-            "static_resources".into(),
-            "listeners".into(),
-            0.into(),
-            "filter_chains".into(),
-            0.into(),
-            "filters".into(),
-            0.into(),
-            "typed_config".into(),
-            "route_config".into(),
-            "virtual_hosts".into(),
-            0.into(),
-            "routes".into(),
-        ],
-    )
-    .and_then(Value::as_sequence_mut)
-    .ok_or_else(|| missing("routes"))?;
-    for (i, route) in fallback_routes.into_iter().enumerate() {
-        routes.insert(i, route);
-    }
-    *at_mut(&mut bootstrap, &["static_resources".into(), "clusters".into()])
-        .ok_or_else(|| missing("clusters"))? = seq(clusters);
-    Ok(bootstrap)
+    Ok(routes)
 }
 
 /// `values` with the edge settings' placeholders of envoy/bootstrap.yaml filled from `edge`.
@@ -280,17 +296,9 @@ pub fn fallback_retry_on() -> Result<String, Error> {
         .ok_or_else(|| Error::Internal("envoy/fallback_route.yaml: no retry_on".into()))
 }
 
-fn router() -> Value {
-    map([
-        ("name", s("envoy.filters.http.router")),
-        (
-            "typed_config",
-            map([("@type", s("type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"))]),
-        ),
-    ])
-}
-
-fn ext_proc_cluster(values: &Values, sidecar: &crate::config::HostPort) -> Result<Value, Error> {
+/// The sidecar's cluster (envoy/ext_proc_cluster.yaml) at `sidecar`, with mTLS when
+/// `sidecar.tls` is set.
+fn ext_proc_cluster(loaded: &Loaded, values: &Values, sidecar: &HostPort) -> Result<Value, Error> {
     let mut cluster = template::render(template::EXT_PROC_CLUSTER, values)?;
     let address = at_mut(
         &mut cluster,
@@ -307,13 +315,28 @@ fn ext_proc_cluster(values: &Values, sidecar: &crate::config::HostPort) -> Resul
         ],
     )
     .ok_or_else(|| Error::Internal("envoy/ext_proc_cluster.yaml: no endpoint address".into()))?;
-    *address = s(&sidecar.host);
+    *address = Value::String(sidecar.host.clone());
     if !sidecar.is_ip {
-        set(&mut cluster, "type", s("STRICT_DNS"));
+        set(&mut cluster, "type", Value::String("STRICT_DNS".to_owned()));
+    }
+    if let Some(tls) = &loaded.config.sidecar.tls {
+        let path = |p: &std::path::Path| loaded.resolve(p).display().to_string();
+        let tls_values = Values::new()
+            .set("SIDECAR_SERVER_NAME", tls.server_name.as_str())
+            .set("CLIENT_CERT_FILE", path(&tls.envoy_cert_file))
+            .set("CLIENT_KEY_FILE", path(&tls.envoy_key_file))
+            .set("SIDECAR_CA_FILE", path(&tls.ca_file));
+        set(
+            &mut cluster,
+            "transport_socket",
+            template::render(template::EXT_PROC_UPSTREAM_TLS, &tls_values)?,
+        );
     }
     Ok(cluster)
 }
 
+/// A pool's cluster (envoy/pool_cluster.yaml) with its endpoints and the settings the gateway
+/// config gives it.
 fn pool_cluster(i: usize, pool: &PoolSection) -> Result<Value, Error> {
     let name = endpoints_cluster(pool);
     let mut endpoints = Vec::with_capacity(pool.endpoints.len());
@@ -322,13 +345,7 @@ fn pool_cluster(i: usize, pool: &PoolSection) -> Result<Value, Error> {
         let hp = parse_host_port(e)
             .ok_or_else(|| FieldError::new(format!("pools[{i}].endpoints[{k}]"), "must be host:port"))?;
         all_ip &= hp.is_ip;
-        endpoints.push(map([(
-            "endpoint",
-            map([(
-                "address",
-                map([("socket_address", map([("address", s(hp.host)), ("port_value", n(hp.port))]))]),
-            )]),
-        )]));
+        endpoints.push(LbEndpoint::new(hp.host, hp.port));
     }
     if endpoints.is_empty() {
         return Err(FieldError::new(
@@ -337,37 +354,40 @@ fn pool_cluster(i: usize, pool: &PoolSection) -> Result<Value, Error> {
         )
         .into());
     }
-    let values = Values::new().set("POOL", name.as_str()).set("ENDPOINTS", seq(endpoints));
+    let values = Values::new().set("POOL", name.as_str()).set("ENDPOINTS", tree(&endpoints)?);
     let mut cluster = template::render(template::POOL_CLUSTER, &values)?;
     let bad = || Error::Internal("envoy/pool_cluster.yaml: unexpected shape".into());
-    if !all_ip {
+    let (cb, hc, od) = (&pool.circuit_breakers, &pool.health_check, &pool.outlier_detection);
+    let settings = PoolClusterSettings {
         // Names are resolved, every address they return is an endpoint (a headless Service).
-        set(&mut cluster, "type", s("STRICT_DNS"));
+        kind: (!all_ip).then_some("STRICT_DNS"),
+        connect_timeout: duration(pool.connect_timeout_ms),
+        outlier_detection: OutlierDetection {
+            consecutive_5xx: od.consecutive_5xx,
+            base_ejection_time: duration(od.base_ejection_time_ms),
+            max_ejection_percent: od.max_ejection_percent,
+        },
+    };
+    let thresholds = Thresholds {
+        max_connections: cb.max_connections,
+        max_pending_requests: cb.max_pending_requests,
+        max_requests: cb.max_requests,
+    };
+    let check = HealthCheck {
+        timeout: duration(hc.timeout_ms),
+        interval: duration(hc.interval_ms),
+        unhealthy_threshold: hc.unhealthy_threshold,
+        healthy_threshold: hc.healthy_threshold,
+        http_health_check: HttpHealthCheck { path: hc.path.clone() },
+    };
+    let (settings, thresholds, check) = (tree(&settings)?, tree(&thresholds)?, tree(&check)?);
+    let merged = merge(&mut cluster, settings)
+        && at_mut(&mut cluster, &["circuit_breakers".into(), "thresholds".into(), 0.into()])
+            .is_some_and(|t| merge(t, thresholds))
+        && at_mut(&mut cluster, &["health_checks".into(), 0.into()]).is_some_and(|h| merge(h, check));
+    if !merged {
+        return Err(bad());
     }
-    set(&mut cluster, "connect_timeout", s(duration(pool.connect_timeout_ms)));
-    let cb = &pool.circuit_breakers;
-    let thresholds =
-        at_mut(&mut cluster, &["circuit_breakers".into(), "thresholds".into(), 0.into()]).ok_or_else(bad)?;
-    set(thresholds, "max_connections", n(cb.max_connections));
-    set(thresholds, "max_pending_requests", n(cb.max_pending_requests));
-    set(thresholds, "max_requests", n(cb.max_requests));
-    let hc = &pool.health_check;
-    let check = at_mut(&mut cluster, &["health_checks".into(), 0.into()]).ok_or_else(bad)?;
-    set(check, "timeout", s(duration(hc.timeout_ms)));
-    set(check, "interval", s(duration(hc.interval_ms)));
-    set(check, "unhealthy_threshold", n(hc.unhealthy_threshold));
-    set(check, "healthy_threshold", n(hc.healthy_threshold));
-    set(check, "http_health_check", map([("path", s(&hc.path))]));
-    let od = &pool.outlier_detection;
-    set(
-        &mut cluster,
-        "outlier_detection",
-        map([
-            ("consecutive_5xx", n(od.consecutive_5xx)),
-            ("base_ejection_time", s(duration(od.base_ejection_time_ms))),
-            ("max_ejection_percent", n(od.max_ejection_percent)),
-        ]),
-    );
     if pool.picker.is_some() {
         // The sidecar's pick in envoy.lb metadata, LEAST_REQUEST without one.
         let policy = template::render(template::POOL_PICKER_LB, &Values::new())?;
