@@ -78,7 +78,7 @@ pub enum AdmissionError {
         /// The pool (Envoy cluster).
         pool: String,
     },
-    /// The endpoint picker (`crate::epp`) buffers the body to read the prompt, up to
+    /// The endpoint picker (`crate::grpc::epp`) buffers the body to read the prompt, up to
     /// `endpoint_pickers[].max_body_bytes`: 413, `invalid_request_error`, code `request_too_large`.
     #[error("request body over {max_bytes} bytes")]
     RequestTooLarge {

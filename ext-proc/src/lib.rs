@@ -24,8 +24,8 @@
 
 pub mod admission;
 pub mod config;
-pub mod epp;
 pub mod error;
+pub mod facts;
 pub mod flow_control;
 pub mod grpc;
 pub mod metering;
@@ -54,8 +54,8 @@ use tonic::transport::server::TcpIncoming;
 
 use crate::admission::limiter::Limiter;
 use crate::config::Config;
+use crate::grpc::access_log::AccessLog;
 use crate::grpc::ext_proc::Gateway;
-use crate::metering::access_log::AccessLog;
 use crate::metering::recorder::Recorder;
 use crate::metrics::Metrics;
 use crate::pools::Pools;
@@ -81,7 +81,7 @@ pub enum RunError {
     Serve(#[from] tonic::transport::Error),
     /// A model's tokenizer files could not be loaded (the error names the field and the file).
     #[error("{0}")]
-    Tokenizer(config::ConfigError),
+    Tokenizer(config::error::ConfigError),
 }
 
 /// Longest time a client may take over its TLS handshake on the gRPC listener.
@@ -150,13 +150,11 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
     // while leases are off: those taken before are still reclaimed and charged.
     let lease_sweeper = tokio::spawn(metering::sweeper::run_leases(Arc::clone(&shared), stop.clone()));
     // Replays the usage journal Envoy writes, from its checkpoint (one replica at a time).
-    let journal = shared
-        .config
-        .metering
-        .journal
-        .clone()
-        .map(|config| tokio::spawn(metering::journal::run(Arc::clone(&shared), config, stop.clone())));
-    let endpoint_pickers = epp::server::spawn_all(&shared, stop.clone())
+    let journal =
+        shared.config.metering.journal.clone().map(|config| {
+            tokio::spawn(metering::journal::tail::run(Arc::clone(&shared), config, stop.clone()))
+        });
+    let endpoint_pickers = crate::grpc::epp::server::spawn_all(&shared, stop.clone())
         .await
         .map_err(|(addr, source)| RunError::Bind { addr, source })?;
     let access_log = AccessLogServiceServer::new(AccessLog::new(Arc::clone(&shared)));
@@ -164,7 +162,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
     let service = ExternalProcessorServer::new(Gateway::new(Arc::clone(&shared)))
         .max_decoding_message_size(shared.config.context.grpc_max_message_bytes());
     let leases = proto::admission_leases_server::AdmissionLeasesServer::new(
-        admission::lease_service::AdmissionLeaseService::new(Arc::clone(&shared)),
+        crate::grpc::lease_service::AdmissionLeaseService::new(Arc::clone(&shared)),
     );
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let mtls = shared.config.tls.is_some();

@@ -103,3 +103,12 @@ impl RecordIds {
         format!("{:016x}-{:x}", self.prefix, self.next.fetch_add(1, Ordering::Relaxed))
     }
 }
+
+impl Shared {
+    /// The request's tier in `flow_control.tiers` (index and budget) when its pool queues: None
+    /// for a pool without `flow_control` or a tier not listed (shed as before).
+    pub(crate) fn queued_tier(&self, facts: &crate::facts::RequestFacts) -> Option<(usize, Duration)> {
+        crate::flow_control::tier_budget(self.config.flow_control.as_ref(), &facts.tier)
+            .filter(|_| self.pools.flow_controlled(&facts.pool))
+    }
+}

@@ -22,8 +22,8 @@ use std::time::Duration;
 use common::Redis;
 use gateway_ext_proc::admission::admission_lease::{self, LeaseRecord, LeaseUse};
 use gateway_ext_proc::admission::limits;
-use gateway_ext_proc::admission::RequestFacts;
 use gateway_ext_proc::config::Config;
+use gateway_ext_proc::facts::RequestFacts;
 use gateway_ext_proc::metering::ledger;
 use gateway_ext_proc::store::{Applied, LedgerReply, Store};
 

@@ -54,7 +54,7 @@ prices:
 }
 
 fn reservation(model: &str, prompt: u64, max_tokens: u64, at_ms: u64, charge: u64) -> Reservation {
-    let facts = gateway_ext_proc::admission::RequestFacts {
+    let facts = gateway_ext_proc::facts::RequestFacts {
         tenant: Some("acme".into()),
         model: model.into(),
         pool: "p".into(),

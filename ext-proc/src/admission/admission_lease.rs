@@ -1,6 +1,6 @@
 //! Admission leases for the wasm filter, with no I/O: how large a lease of one (tenant, model)
 //! is, what a returned lease gives back to each bucket, and the grant the filter reads
-//! (`proto/llm_gateway/v1/lease.proto`). The tonic adapter is [`crate::admission::lease_service`].
+//! (`proto/llm_gateway/v1/lease.proto`). The tonic adapter is [`crate::grpc::lease_service`].
 //!
 //! A lease is `redis.lease_fraction` of the smallest capacity among the request plan's buckets of
 //! each kind, taken from every bucket of that kind: the filter then admits one request per leased

@@ -1,14 +1,16 @@
 //! The admission proper, for one request: its tenant, shedding in front of its pool, its limits
 //! and quotas taken in Redis (or the limiter's fallback) with its reservation recorded in the
-//! ledger, and what the outcome means ([`crate::admission::decide`], [`crate::admission::quota::decide`]).
+//! ledger, and what the outcome means ([`crate::admission::decision::decide`], [`crate::admission::quota::decide`]).
 
 use tracing::{debug, Instrument};
 
+use crate::admission::decision;
+use crate::admission::decision::Admitted;
 use crate::admission::limiter::Take;
 use crate::admission::limits::{self, BucketKind};
 use crate::admission::quota::{self, QuotaTake};
-use crate::admission::{self, Admitted, RequestFacts};
 use crate::error::AdmissionError;
+use crate::facts::RequestFacts;
 use crate::metering::ledger::Reservation;
 use crate::metrics::{Decision, PoolTier};
 use crate::state::Shared;
@@ -22,7 +24,7 @@ pub async fn admit(shared: &Shared, facts: &RequestFacts) -> Result<Admitted, Ad
     // Shed before taking quota: a request the pool cannot serve soon costs the tenant nothing.
     // A tier that queues in a flow-controlled pool is not shed: its predicted wait was checked
     // before (admission_stream).
-    let shed = match crate::admission::pipeline::queued_tier(shared, facts) {
+    let shed = match shared.queued_tier(facts) {
         Some(_) => None,
         None => shared.pools.check(&facts.pool, config.shedding.level(&facts.tier)),
     };
@@ -85,7 +87,7 @@ pub async fn admit(shared: &Shared, facts: &RequestFacts) -> Result<Admitted, Ad
         Take::Local(outcome) => (outcome, true),
         Take::Unavailable => return Err(AdmissionError::LimiterUnavailable),
     };
-    let decision = admission::decide(&plan, &outcome, facts.reserve_tokens())
+    let decision = decision::decide(&plan, &outcome, facts.reserve_tokens())
         .and_then(|admitted| match &quota {
             Some(q) => quota::decide(&quota_specs, q, quota_ms).map(|warning| Admitted {
                 quota: (if tracked { quota_charge } else { 0 }, quota_ms),

@@ -27,7 +27,9 @@ use std::time::Duration;
 use gateway_tokenize::{ChatOptions, ModelTokenizer, TokenizeError};
 use serde_json::Value;
 
-use crate::config::{ConfigError, ModelConfig};
+use crate::config::ModelConfig;
+
+use crate::config::error::ConfigError;
 
 /// Every configured model's tokenizer, loaded once at start-up.
 #[derive(Debug)]

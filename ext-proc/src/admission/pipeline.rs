@@ -19,15 +19,16 @@ use std::time::Duration;
 use tracing::{debug, Instrument};
 
 use crate::admission::context::{ContextError, Counted};
+use crate::admission::decision;
+use crate::admission::decision::Admitted;
 use crate::admission::limits::{self, BucketKind, BucketSpec};
-use crate::admission::{self, Admitted, RequestFacts};
 use crate::error::AdmissionError;
-use crate::flow_control;
+use crate::facts::RequestFacts;
 use crate::metering::ledger::Reservation;
 use crate::metrics::CountOutcome;
 use crate::pools::flow::Entered;
 use crate::pools::PickOutcome;
-use crate::scheduling::Pick;
+use crate::scheduling::picker::Pick;
 use crate::state::Shared;
 use gateway_contract::MAX_PREFIX_HASHES;
 
@@ -137,7 +138,7 @@ pub async fn run(
     // Redis call nor the queue can run into the admission filter's message_timeout, also when a
     // burst arrives at once).
     let mut extended = false;
-    if let Some((tier, budget)) = queued_tier(shared, &facts) {
+    if let Some((tier, budget)) = shared.queued_tier(&facts) {
         let tenant = facts.tenant.as_deref().unwrap_or("");
         if let Some(retry_after_secs) = shared.pools.predict_refusal(&facts.pool, tier, tenant, budget) {
             let error = AdmissionError::Overloaded { pool: facts.pool.clone(), retry_after_secs };
@@ -152,7 +153,7 @@ pub async fn run(
     }
     // The cheap checks first (tenant, shedding, the limits with the filter's estimate): a tenant
     // over its limit, or a shed pool, never costs an exact count.
-    let admitted = match admission::admit::admit(shared, &facts).instrument(span.clone()).await {
+    let admitted = match crate::admission::admit::admit(shared, &facts).instrument(span.clone()).await {
         Ok(admitted) => admitted,
         Err(error) => return refused(shared, span, &facts, error, "refused"),
     };
@@ -282,7 +283,7 @@ fn pick_endpoint(
         .and_then(|h| gateway_contract::decode_prefix_hashes(h, MAX_PREFIX_HASHES))
         .unwrap_or_default();
     if shared.config.pool_has_endpoint_picker(&facts.pool) {
-        // Its InferencePool's endpoint-picker call picks (crate::epp).
+        // Its InferencePool's endpoint-picker call picks (crate::grpc::epp).
         return Ok(None);
     }
     match shared.pools.pick(&facts.pool, &hashes, subset) {
@@ -338,7 +339,7 @@ fn give_back(shared: &Arc<Shared>, facts: &RequestFacts, admitted: &Admitted) {
     }
     settle_plan(shared, facts, admitted, |b| match b.kind {
         BucketKind::Requests => 1,
-        BucketKind::Tokens => admission::settlement(b, admitted.reserved_tokens, 0),
+        BucketKind::Tokens => decision::settlement(b, admitted.reserved_tokens, 0),
     });
 }
 
@@ -385,7 +386,7 @@ async fn rereserve(shared: &Arc<Shared>, facts: &RequestFacts, admitted: &Admitt
     }
     settle_plan(shared, facts, admitted, |b| match b.kind {
         BucketKind::Requests => 0,
-        BucketKind::Tokens => admission::rereservation(b, estimated, admitted.reserved_tokens),
+        BucketKind::Tokens => decision::rereservation(b, estimated, admitted.reserved_tokens),
     });
 }
 
@@ -410,13 +411,6 @@ fn outcome_label(error: &AdmissionError) -> &'static str {
 fn record_outcome(shared: &Shared, span: &tracing::Span, tenant: &str, model: &str, outcome: &str) {
     span.record("llm_gateway.outcome", outcome);
     shared.metrics.request(tenant, model, outcome);
-}
-
-/// The request's tier in `flow_control.tiers` (index and budget) when its pool queues: None
-/// for a pool without `flow_control` or a tier not listed (shed as before).
-pub(crate) fn queued_tier(shared: &Shared, facts: &RequestFacts) -> Option<(usize, Duration)> {
-    flow_control::tier_budget(shared.config.flow_control.as_ref(), &facts.tier)
-        .filter(|_| shared.pools.flow_controlled(&facts.pool))
 }
 
 /// The exact context check: the request's whole body from Envoy ([`Exchange::request_body`]),
@@ -444,7 +438,7 @@ async fn wait_for_room(
     envoy: &mut impl Exchange,
     extended: bool,
 ) -> Result<Option<Duration>, Option<AdmissionError>> {
-    let Some((tier, budget)) = queued_tier(shared, facts) else {
+    let Some((tier, budget)) = shared.queued_tier(facts) else {
         shared.pools.admitted(&facts.pool);
         return Ok(None);
     };

@@ -3,6 +3,7 @@
 //! Unknown fields are rejected (`deny_unknown_fields`) and every check names the field it failed
 //! on, e.g. `tenants[1].limits.requests_per_minute: must be > 0`.
 
+pub mod error;
 pub mod pools;
 pub mod redis;
 pub mod tenants;
@@ -16,42 +17,10 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::config::error::{invalid, ConfigError};
 use crate::config::pools::{FlowControlConfig, PoolConfig, SheddingConfig};
 use crate::config::redis::{read_pem, ListenerPem, ListenerTls, PemKind, RedisConfig, Secret};
 use crate::config::tenants::{Price, TenantConfig};
-
-/// Errors from loading the sidecar configuration. Each names the file or the field.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("{path}: {source}")]
-    Read {
-        /// The config file's path.
-        path: String,
-        /// The I/O error.
-        source: std::io::Error,
-    },
-    /// The YAML did not match the schema (unknown field, wrong type, missing field).
-    #[error("{path}: {message}")]
-    Parse {
-        /// The config file's path.
-        path: String,
-        /// serde's message, which names the field and the line.
-        message: String,
-    },
-    /// A value parsed but is not valid.
-    #[error("{field}: {message}")]
-    Invalid {
-        /// Dotted path of the offending field, e.g. `tenants[0].id`.
-        field: String,
-        /// What is wrong with it.
-        message: String,
-    },
-}
-
-fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid { field: field.into(), message: message.into() }
-}
 
 /// The whole sidecar configuration.
 #[derive(Debug, Clone, Deserialize)]
@@ -111,7 +80,7 @@ pub struct Config {
     #[serde(default)]
     pub request_facts: FactsSource,
     /// The sidecar as the endpoint picker (EPP) of Gateway API Inference Extension InferencePools
-    /// ([`crate::epp`]): one gRPC listener per entry, each picking for one pool that has a
+    /// ([`crate::grpc::epp`]): one gRPC listener per entry, each picking for one pool that has a
     /// `picker`. Requests admitted to such a pool are not picked by the admission (the
     /// InferencePool's own ext_proc call picks them). Default none.
     #[serde(default)]

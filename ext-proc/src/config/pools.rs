@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashSet};
 
 use serde::Deserialize;
 
-use crate::config::{invalid, Config, ConfigError};
+use crate::config::error::{invalid, ConfigError};
 
 /// One vLLM pool (an Envoy cluster, named as the filter's `x-gateway-pool`).
 #[derive(Debug, Clone, Deserialize)]
@@ -332,7 +332,7 @@ impl SheddingConfig {
 }
 
 impl FlowControlConfig {
-    pub(super) fn validate(&self, config: &Config) -> Result<(), ConfigError> {
+    pub(super) fn validate(&self, is_tenant: impl Fn(&str) -> bool) -> Result<(), ConfigError> {
         if self.tiers.is_empty() {
             return Err(invalid("flow_control.tiers", "must list at least one tier"));
         }
@@ -366,7 +366,7 @@ impl FlowControlConfig {
             if !(*weight > 0.0 && *weight <= 1000.0) {
                 return Err(invalid(field, "must be in (0, 1000]"));
             }
-            if config.tenant(tenant).is_none() {
+            if !is_tenant(tenant) {
                 return Err(invalid(field, "is not a tenant of tenants[]"));
             }
         }

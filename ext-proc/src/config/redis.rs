@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::config::{invalid, ConfigError};
+use crate::config::error::{invalid, ConfigError};
 
 /// mTLS of the sidecar's gRPC listener: its certificate, and the CA whose certificates clients
 /// (Envoy) must present; a connection without one, or with one from another CA, fails its TLS

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
-use crate::config::{invalid, ConfigError};
+use crate::config::error::{invalid, ConfigError};
 
 /// One tenant's limits.
 #[derive(Debug, Clone, Deserialize, serde::Serialize)]

@@ -3,9 +3,10 @@
 
 use std::collections::HashSet;
 
+use crate::config::error::{invalid, ConfigError};
 use crate::config::pools::{endpoint_addr, PoolConfig};
 use crate::config::redis::valid_key_part;
-use crate::config::{invalid, Config, ConfigError};
+use crate::config::Config;
 
 impl Config {
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
@@ -290,7 +291,7 @@ impl Config {
             }
         }
         if let Some(flow) = &self.flow_control {
-            flow.validate(self)?;
+            flow.validate(|t| self.tenant(t).is_some())?;
         }
         if let Some(t) = &self.tracing {
             let scheme = t.otlp_endpoint.split_once("://").map(|(scheme, _)| scheme);

@@ -32,10 +32,11 @@ use tracing::debug;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::admission::pipeline::{self, Exchange, Gone, Verdict};
+use crate::facts::{picked_endpoint, reservation, subset_hint};
 use crate::flow_control;
 use crate::grpc::protocol::{
-    self, admission_metadata, continue_response, header, header_option, immediate_response, picked_endpoint,
-    request_facts, reservation, ROLE_METADATA_KEY,
+    self, admission_metadata, continue_response, header, header_option, immediate_response, request_facts,
+    ROLE_METADATA_KEY,
 };
 use crate::metering::finish::finish;
 use crate::metering::meter::{Meter, RequestInfo, UsageRecord};
@@ -179,7 +180,7 @@ async fn admission_stream(
     };
     let (facts, context_model) = request_facts(shared.config.request_facts, &first, headers);
     // The endpoint-picker protocol's subset hint, sent with the request headers.
-    let subset = protocol::subset_hint(first.metadata_context.as_ref());
+    let subset = subset_hint(first.metadata_context.as_ref());
     // Attributes of the OpenTelemetry GenAI semantic conventions, and the tenant.
     let span = tracing::info_span!(
         "admission",

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption, Metadata};
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption};
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as ProcRequest;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as ProcResponse;
@@ -17,15 +17,16 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 
 use crate::admission::context::Counted;
-use crate::admission::{Admitted, RequestFacts};
+use crate::admission::decision::Admitted;
 use crate::config::FactsSource;
 use crate::error::AdmissionError;
-use crate::scheduling::Pick;
+use crate::facts::RequestFacts;
+use crate::facts::ADMISSION_REPLY_DETAILS;
+use crate::scheduling::picker::Pick;
 use gateway_contract::{
     ATTRIBUTES_FILTER_NAME, ATTRIBUTE_REQUEST, CONTEXT_CHECK_EXACT, H_CONTEXT_CHECK, H_CONTEXT_MODEL,
     H_MAX_TOKENS, H_MODEL, H_POOL, H_PROMPT_TOKENS, H_PROMPT_TOKENS_SOURCE, H_REQUEST_ID, H_REQUEST_NONCE,
-    H_TENANT, H_TIER, MD_DESTINATION_ENDPOINT, MD_DESTINATION_ENDPOINT_SUBSET, MD_NAMESPACE_LB,
-    MD_NAMESPACE_SUBSET_HINT, MD_PICKED_ENDPOINT, MD_QUEUE_WAIT_MS,
+    H_TENANT, H_TIER, MD_DESTINATION_ENDPOINT, MD_NAMESPACE_LB, MD_PICKED_ENDPOINT, MD_QUEUE_WAIT_MS,
 };
 
 pub use gateway_contract::{
@@ -34,11 +35,6 @@ pub use gateway_contract::{
 };
 /// gRPC initial-metadata key naming the role of an ext_proc filter.
 pub const ROLE_METADATA_KEY: &str = "x-gateway-ext-proc-role";
-
-/// The `details` of the sidecar's own replies (ImmediateResponse), which Envoy logs as the
-/// response code details: the access log tells the sidecar's refusals from requests whose
-/// admission answer never arrived.
-pub const ADMISSION_REPLY_DETAILS: &str = "llm_gateway_admission";
 
 /// A request's facts and, when the filter asks for the exact context check, the base model to
 /// count with. From the filter's state (ext_proc `request_attributes`), or with
@@ -233,68 +229,12 @@ pub(crate) fn proto_duration(d: Duration) -> envoy_types::pb::google::protobuf::
     }
 }
 
-/// The reservation admission made, from the forwarded `llm_gateway` metadata: (tokens, whether
-/// in this sidecar's memory). None forwarded: (0, false).
-pub(crate) fn reservation(metadata: Option<&Metadata>) -> (u64, bool) {
-    let fields = metadata.and_then(|m| m.filter_metadata.get(METADATA_NAMESPACE)).map(|s| &s.fields);
-    let tokens = fields.and_then(|f| metadata_number(f.get(MD_RESERVED_TOKENS)?)).unwrap_or(0);
-    let locally = fields
-        .and_then(|f| f.get(MD_RESERVED_LOCALLY))
-        .is_some_and(|v| matches!(v.kind, Some(Kind::BoolValue(true))));
-    (tokens, locally)
-}
-
-/// A whole, non-negative number the admission wrote to the metadata (None: another kind, or not
-/// a count: negative, fractional, not finite or above 2^53).
-pub(crate) fn metadata_number(value: &Value) -> Option<u64> {
-    match value.kind {
-        Some(Kind::NumberValue(n)) if (0.0..=9_007_199_254_740_992.0).contains(&n) && n.fract() == 0.0 => {
-            Some(n as u64)
-        }
-        _ => None,
-    }
-}
-
-/// The endpoint-picker protocol's subset hint in an ext_proc request's `metadata_context`:
-/// `filter_metadata["envoy.lb.subset_hint"]["x-gateway-destination-endpoint-subset"]`, a list of
-/// `ip:port` strings (a comma-separated string is read too). `None` when the key is absent; the
-/// addresses that parse otherwise (none, for an empty list or a value of another kind).
-pub(crate) fn subset_hint(metadata: Option<&Metadata>) -> Option<Vec<std::net::SocketAddr>> {
-    let value = metadata?
-        .filter_metadata
-        .get(MD_NAMESPACE_SUBSET_HINT)?
-        .fields
-        .get(MD_DESTINATION_ENDPOINT_SUBSET)?;
-    let mut addrs = Vec::new();
-    let mut add =
-        |s: &str| addrs.extend(s.split(',').filter_map(|a| a.trim().parse::<std::net::SocketAddr>().ok()));
-    match &value.kind {
-        Some(Kind::ListValue(list)) => {
-            for v in &list.values {
-                if let Some(Kind::StringValue(s)) = &v.kind {
-                    add(s);
-                }
-            }
-        }
-        Some(Kind::StringValue(s)) => add(s),
-        _ => {}
-    }
-    Some(addrs)
-}
-
-/// The endpoint the picker picked for a request, from the forwarded `llm_gateway` metadata
-/// (`picked_endpoint`); None when it was not picked.
-pub(crate) fn picked_endpoint(metadata: Option<&Metadata>) -> Option<String> {
-    let value = metadata?.filter_metadata.get(METADATA_NAMESPACE)?.fields.get(MD_PICKED_ENDPOINT)?;
-    match &value.kind {
-        Some(Kind::StringValue(s)) if !s.is_empty() => Some(s.clone()),
-        _ => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::facts::{picked_endpoint, reservation, subset_hint};
+    use envoy_types::pb::envoy::config::core::v3::Metadata;
+    use gateway_contract::{MD_DESTINATION_ENDPOINT_SUBSET, MD_NAMESPACE_SUBSET_HINT};
 
     fn headers(pairs: &[(&str, &str)]) -> HttpHeaders {
         HttpHeaders {

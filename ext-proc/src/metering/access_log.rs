@@ -1,5 +1,6 @@
-//! The tonic adapter of Envoy's gRPC access log service (`envoy.service.accesslog.v3`,
-//! `StreamAccessLogs`), the metering path: Envoy's `envoy.access_loggers.http_grpc` logger sends
+//! The metering's reading of one Envoy access log entry (`envoy.data.accesslog.v3.HTTPAccessLogEntry`,
+//! from the gRPC access log service, [`crate::grpc::access_log`], or the usage journal's file,
+//! [`crate::metering::journal`]): Envoy's `envoy.access_loggers.http_grpc` logger sends
 //! one `HTTPAccessLogEntry` per finished HTTP stream (batched per worker, off the request path),
 //! with two filter states the wasm filter set, [`FS_REQUEST`] (its decision: tenant, model, pool,
 //! token counts, lease) and [`FS_USAGE`] (the [`gateway_meter::Usage`] JSON it measured on the
@@ -22,65 +23,17 @@
 //! meanwhile: status 0 or 5xx, not a reply of the sidecar's own) releases the request's
 //! reservation, should the ledger hold one open, so that it is never charged.
 
-use std::sync::Arc;
-
 use envoy_types::pb::envoy::data::accesslog::v3::HttpAccessLogEntry;
-use envoy_types::pb::envoy::service::accesslog::v3::access_log_service_server::AccessLogService;
-use envoy_types::pb::envoy::service::accesslog::v3::stream_access_logs_message::LogEntries;
-use envoy_types::pb::envoy::service::accesslog::v3::{StreamAccessLogsMessage, StreamAccessLogsResponse};
 use envoy_types::pb::google::protobuf::Any;
 use prost::Message;
-use tonic::{Request, Response, Status, Streaming};
 use tracing::warn;
 
 use gateway_contract::{FS_REQUEST, FS_USAGE, MD_PROMPT_TOKENS, MD_RESERVED_TOKENS, METADATA_NAMESPACE};
 
-use crate::admission::RequestFacts;
-use crate::grpc::protocol::{self, ADMISSION_REPLY_DETAILS};
+use crate::facts::RequestFacts;
+
+use crate::facts::ADMISSION_REPLY_DETAILS;
 use crate::metering::meter::{RequestInfo, Usage, UsageRecord};
-use crate::state::Shared;
-
-/// The access log service.
-pub struct AccessLog {
-    shared: Arc<Shared>,
-}
-
-impl AccessLog {
-    /// A service over the shared state.
-    pub fn new(shared: Arc<Shared>) -> Self {
-        Self { shared }
-    }
-}
-
-#[tonic::async_trait]
-impl AccessLogService for AccessLog {
-    async fn stream_access_logs(
-        &self,
-        request: Request<Streaming<StreamAccessLogsMessage>>,
-    ) -> Result<Response<StreamAccessLogsResponse>, Status> {
-        let _open = self.shared.stream_opened();
-        let mut inbound = request.into_inner();
-        while let Some(message) = inbound.message().await? {
-            let Some(LogEntries::HttpLogs(logs)) = message.log_entries else { continue };
-            for entry in logs.log_entry {
-                match entry_of(&entry, || self.shared.ids.next()) {
-                    Entry::Record(record) => {
-                        let metadata = entry.common_properties.as_ref().and_then(|c| c.metadata.as_ref());
-                        if let Some(endpoint) = protocol::picked_endpoint(metadata) {
-                            self.shared.pools.pick_finished(&record.info.pool, &endpoint);
-                        }
-                        crate::metering::finish::finish(&self.shared, *record);
-                    }
-                    Entry::Release { tenant, model, record_id } => {
-                        crate::admission::pipeline::release(&self.shared, &tenant, &model, record_id);
-                    }
-                    Entry::Nothing => {}
-                }
-            }
-        }
-        Ok(Response::new(StreamAccessLogsResponse {}))
-    }
-}
 
 /// What one access-log entry asks of the ledger.
 #[derive(Debug)]
@@ -161,10 +114,10 @@ fn record_with(
             if !admission.is_some_and(|f| f.contains_key(MD_RESERVED_TOKENS)) {
                 return Err(Box::new(facts));
             }
-            protocol::reservation(metadata)
+            crate::facts::reservation(metadata)
         }
     };
-    if let Some(counted) = admission.and_then(|f| protocol::metadata_number(f.get(MD_PROMPT_TOKENS)?)) {
+    if let Some(counted) = admission.and_then(|f| crate::facts::metadata_number(f.get(MD_PROMPT_TOKENS)?)) {
         facts.prompt_tokens = counted;
     }
     let status = entry

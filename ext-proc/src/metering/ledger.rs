@@ -27,8 +27,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::admission::decision;
 use crate::admission::limits::{BucketSpec, ReplyError};
-use crate::admission::{self, RequestFacts};
+use crate::facts::RequestFacts;
 use crate::metering::meter::{RequestInfo, Usage, UsageRecord};
 
 /// Version of [`Reservation`]'s JSON.
@@ -208,12 +209,12 @@ pub fn charged_record(tenant: &str, record_id: &str, r: &Reservation) -> UsageRe
 }
 
 /// What settling a request that reserved `reserved` tokens and used `used` moves in each of
-/// `buckets` (its TPM buckets): [`admission::settlement`], the buckets that do not move left out.
+/// `buckets` (its TPM buckets): [`decision::settlement`], the buckets that do not move left out.
 pub fn settlements(buckets: Vec<BucketSpec>, reserved: u64, used: u64) -> Vec<(BucketSpec, i64)> {
     buckets
         .into_iter()
         .map(|b| {
-            let delta = admission::settlement(&b, reserved, used);
+            let delta = decision::settlement(&b, reserved, used);
             (b, delta)
         })
         .filter(|(_, delta)| *delta != 0)

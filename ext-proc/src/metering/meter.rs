@@ -51,7 +51,7 @@ impl RequestInfo {
     /// A request's identity from its headers' facts and the reservation admission made
     /// (`reserved_tokens`, `reserved_locally`: see [`crate::grpc::protocol::reservation`]).
     pub fn new(
-        facts: crate::admission::RequestFacts,
+        facts: crate::facts::RequestFacts,
         (reserved_tokens, reserved_locally): (u64, bool),
         record_id: String,
     ) -> Self {

@@ -35,7 +35,7 @@ use crate::admission::{admission_lease, lease_headroom};
 use crate::config::pools::{endpoint_addr, FlowControlConfig, PoolConfig};
 use crate::flow_control::PoolFlow;
 use crate::metrics::{EndpointLabel, Metrics, PoolBlocks, PoolEndpoint, PoolLabel, PoolReason};
-use crate::scheduling::{Pick, PoolPicker};
+use crate::scheduling::picker::{Pick, PoolPicker};
 use crate::store::{InFlightFlush, InFlightTotal, Store};
 use room::SinceScrape;
 use signals::{PoolSignals, Scrape};

@@ -180,7 +180,7 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<SidecarFile, Er
     let yaml = to_yaml(&crate::tree::to_tree(&config).map_err(Error::Internal)?).map_err(Error::Internal)?;
     match gateway_ext_proc::config::Config::from_yaml(&yaml) {
         Ok(_) => Ok(config),
-        Err(gateway_ext_proc::config::ConfigError::Invalid { field, message }) => {
+        Err(gateway_ext_proc::config::error::ConfigError::Invalid { field, message }) => {
             Err(FieldError::new(sidecar_field(&field, &shed), format!("{message} (gateway-ext-proc)")).into())
         }
         Err(other) => {
@@ -368,7 +368,7 @@ fn exact_count_models(loaded: &Loaded, flavor: Flavor) -> Result<Vec<ModelConfig
             gateway_ext_proc::admission::context::ContextChecker::from_config(std::slice::from_ref(&model))
         {
             let (at, message) = match e {
-                gateway_ext_proc::config::ConfigError::Invalid { field: f, message } => (f, message),
+                gateway_ext_proc::config::error::ConfigError::Invalid { field: f, message } => (f, message),
                 other => (String::new(), other.to_string()),
             };
             // `models[0].tokenizer.huggingface` of the one-model check: this model's field.

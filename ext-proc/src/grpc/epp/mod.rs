@@ -6,9 +6,8 @@
 //! attributes).
 //!
 //! - [`stream`]: the per-request state machine (no I/O);
-//! - [`prompt`]: the raw body's prompt, hashed as the wasm filter hashes it;
+//! - [`crate::scheduling::prompt`]: the raw body's prompt, hashed as the wasm filter hashes it;
 //! - [`server`]: the tonic adapter and the gRPC health service the protocol asks for.
 
-pub mod prompt;
 pub mod server;
 pub mod stream;

@@ -117,7 +117,7 @@ impl EppStream {
         }
         match req.request {
             Some(ProcRequest::RequestHeaders(h)) => {
-                self.subset = crate::grpc::protocol::subset_hint(req.metadata_context.as_ref());
+                self.subset = crate::facts::subset_hint(req.metadata_context.as_ref());
                 self.phase = Phase::Body;
                 // No body will come (none sent, or a filter that sends none: `protocol_config`
                 // absent or body mode NONE): pick from the headers alone, without prefix affinity.

@@ -15,11 +15,11 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::debug;
 
-use super::prompt::body_hashes;
-use super::stream::{Chooser, EppStream};
 use crate::config::EndpointPickerConfig;
 use crate::error::AdmissionError;
+use crate::grpc::epp::stream::{Chooser, EppStream};
 use crate::pools::PickOutcome;
+use crate::scheduling::prompt::body_hashes;
 use crate::state::Shared;
 
 /// The load level at which the endpoint picker sheds (429): the pool's hard ceiling. The

@@ -1,0 +1,59 @@
+//! The tonic adapter of Envoy's gRPC access log service (`envoy.service.accesslog.v3`,
+//! `StreamAccessLogs`), the metering path: Envoy's `envoy.access_loggers.http_grpc` logger sends
+//! one `HTTPAccessLogEntry` per finished HTTP stream (batched per worker, off the request path).
+//! What an entry asks of the ledger is [`crate::metering::access_log`]'s reading; this service
+//! hands a record to [`crate::metering::finish::finish`], a release to
+//! [`crate::admission::pipeline::release`], and a finished pick back to the pool's picker.
+
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::accesslog::v3::access_log_service_server::AccessLogService;
+use envoy_types::pb::envoy::service::accesslog::v3::stream_access_logs_message::LogEntries;
+use envoy_types::pb::envoy::service::accesslog::v3::{StreamAccessLogsMessage, StreamAccessLogsResponse};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::facts::picked_endpoint;
+use crate::metering::access_log::{self, Entry};
+use crate::state::Shared;
+
+/// The access log service.
+pub struct AccessLog {
+    shared: Arc<Shared>,
+}
+
+impl AccessLog {
+    /// A service over the shared state.
+    pub fn new(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+}
+
+#[tonic::async_trait]
+impl AccessLogService for AccessLog {
+    async fn stream_access_logs(
+        &self,
+        request: Request<Streaming<StreamAccessLogsMessage>>,
+    ) -> Result<Response<StreamAccessLogsResponse>, Status> {
+        let _open = self.shared.stream_opened();
+        let mut inbound = request.into_inner();
+        while let Some(message) = inbound.message().await? {
+            let Some(LogEntries::HttpLogs(logs)) = message.log_entries else { continue };
+            for entry in logs.log_entry {
+                match access_log::entry_of(&entry, || self.shared.ids.next()) {
+                    Entry::Record(record) => {
+                        let metadata = entry.common_properties.as_ref().and_then(|c| c.metadata.as_ref());
+                        if let Some(endpoint) = picked_endpoint(metadata) {
+                            self.shared.pools.pick_finished(&record.info.pool, &endpoint);
+                        }
+                        crate::metering::finish::finish(&self.shared, *record);
+                    }
+                    Entry::Release { tenant, model, record_id } => {
+                        crate::admission::pipeline::release(&self.shared, &tenant, &model, record_id);
+                    }
+                    Entry::Nothing => {}
+                }
+            }
+        }
+        Ok(Response::new(StreamAccessLogsResponse {}))
+    }
+}
