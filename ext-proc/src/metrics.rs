@@ -436,224 +436,260 @@ impl Metrics {
             queue_dequeues: Family::default(),
             registry: Registry::default(),
         };
-        r.register("llm_gateway_requests", "Admission outcomes", m.requests.clone());
-        r.register("llm_gateway_responses", "Metered responses by status class and end", m.responses.clone());
+        m.register_requests(&mut r);
+        m.register_pools(&mut r);
+        m.register_usage(&mut r);
+        m.register_journal_picker_queue(&mut r);
+        Arc::new(Self { registry: r, ..m })
+    }
+
+    /// Registers the metrics of admission, responses, latencies and tokens.
+    fn register_requests(&self, r: &mut Registry) {
+        r.register("llm_gateway_requests", "Admission outcomes", self.requests.clone());
+        r.register(
+            "llm_gateway_responses",
+            "Metered responses by status class and end",
+            self.responses.clone(),
+        );
         r.register_with_unit(
             "gen_ai_server_time_to_first_token",
             "Time from the request reaching the sidecar to the first content chunk",
             Unit::Seconds,
-            m.ttft.clone(),
+            self.ttft.clone(),
         );
         r.register_with_unit(
             "gen_ai_server_time_per_output_token",
             "Gap between consecutive content chunks of a stream",
             Unit::Seconds,
-            m.itl.clone(),
+            self.itl.clone(),
         );
         r.register_with_unit(
             "gen_ai_server_request_duration",
             "Duration of metered requests",
             Unit::Seconds,
-            m.duration.clone(),
+            self.duration.clone(),
         );
-        r.register("gen_ai_client_token_usage", "Tokens per request, input or output", m.token_usage.clone());
-        r.register("llm_gateway_tokens", "Prompt (input) and completion (output) tokens", m.tokens.clone());
-        r.register("llm_gateway_limit_decisions", "Rate-limit decisions", m.limit_decisions.clone());
-        r.register("llm_gateway_degraded_decisions", "Decisions made without Redis", m.degraded.clone());
+        r.register(
+            "gen_ai_client_token_usage",
+            "Tokens per request, input or output",
+            self.token_usage.clone(),
+        );
+        r.register(
+            "llm_gateway_tokens",
+            "Prompt (input) and completion (output) tokens",
+            self.tokens.clone(),
+        );
+        r.register("llm_gateway_limit_decisions", "Rate-limit decisions", self.limit_decisions.clone());
+        r.register("llm_gateway_degraded_decisions", "Decisions made without Redis", self.degraded.clone());
         r.register(
             "llm_gateway_degraded_reconciliations",
             "Buckets charged to Redis with what was admitted while it was away, by outcome",
-            m.reconciliations.clone(),
+            self.reconciliations.clone(),
         );
-        r.register("llm_gateway_shed", "Requests shed (429 overloaded) by pool and tier", m.shed.clone());
+        r.register("llm_gateway_shed", "Requests shed (429 overloaded) by pool and tier", self.shed.clone());
         r.register(
             "llm_gateway_admission_leases",
             "Admission-lease calls from the wasm filter, by outcome",
-            m.admission_leases.clone(),
+            self.admission_leases.clone(),
         );
         r.register(
             "llm_gateway_exact_counts",
             "Exact context counts of admitted requests, by outcome",
-            m.exact_counts.clone(),
+            self.exact_counts.clone(),
         );
+    }
+
+    /// Registers the metrics of the pools (in flight, load, waiting, KV cache) and Redis.
+    fn register_pools(&self, r: &mut Registry) {
         r.register(
             "llm_gateway_in_flight_requests",
             "Requests admitted and not finished, over every sidecar replica",
-            m.in_flight.clone(),
+            self.in_flight.clone(),
         );
         r.register(
             "llm_gateway_in_flight_corrections",
             "Requests taken off (or at idle put back on) the in-flight count to match vLLM's metrics",
-            m.in_flight_corrections.clone(),
+            self.in_flight_corrections.clone(),
         );
         r.register(
             "llm_gateway_pool_sidecar_replicas",
             "Sidecar replicas that flushed the pool's in-flight counts within the report lag",
-            m.pool_sidecar_replicas.clone(),
+            self.pool_sidecar_replicas.clone(),
         );
-        r.register("llm_gateway_pool_load", "Pool load ratio used for shedding", m.pool_load.clone());
+        r.register("llm_gateway_pool_load", "Pool load ratio used for shedding", self.pool_load.clone());
         r.register(
             "llm_gateway_pool_requests_waiting",
             "Scraped vllm:num_requests_waiting",
-            m.pool_waiting.clone(),
+            self.pool_waiting.clone(),
         );
         r.register(
             "llm_gateway_pool_kv_cache_usage",
             "Scraped vLLM KV-cache usage (0..1)",
-            m.pool_kv_cache.clone(),
+            self.pool_kv_cache.clone(),
         );
         r.register_with_unit(
             "llm_gateway_redis_command_duration",
             "Redis command latency",
             Unit::Seconds,
-            m.redis_latency.clone(),
+            self.redis_latency.clone(),
         );
-        r.register("llm_gateway_redis_errors", "Redis errors and timeouts", m.redis_errors.clone());
+        r.register("llm_gateway_redis_errors", "Redis errors and timeouts", self.redis_errors.clone());
+    }
+
+    /// Registers the metrics of usage records and the ledger's reservations and leases.
+    fn register_usage(&self, r: &mut Registry) {
         r.register(
             "llm_gateway_usage_records_buffered",
             "Usage records waiting for Redis",
-            m.records_buffered.clone(),
+            self.records_buffered.clone(),
         );
-        r.register("llm_gateway_usage_records_written", "Usage records written", m.records_written.clone());
+        r.register(
+            "llm_gateway_usage_records_written",
+            "Usage records written",
+            self.records_written.clone(),
+        );
         r.register(
             "llm_gateway_usage_records_dropped",
             "Usage records dropped (logged)",
-            m.records_dropped.clone(),
+            self.records_dropped.clone(),
         );
         r.register(
             "llm_gateway_usage_records_refused",
             "Usage records refused: counts the ledger cannot hold exactly (logged)",
-            m.records_refused.clone(),
+            self.records_refused.clone(),
         );
         r.register(
             "llm_gateway_usage_out_of_bounds",
             "Upstream usage past what its request could produce, billed at the reservation (logged)",
-            m.usage_out_of_bounds.clone(),
+            self.usage_out_of_bounds.clone(),
         );
         r.register(
             "llm_gateway_usage_unreadable",
             "2xx responses whose usage could not be read (coded, missing, given twice), billed at the reservation (logged)",
-            m.usage_unreadable.clone(),
+            self.usage_unreadable.clone(),
         );
         r.register(
             "llm_gateway_usage_records_unconfirmed",
             "Usage records given up because a write that may have landed is past the idempotency retention (logged)",
-            m.records_unconfirmed.clone(),
+            self.records_unconfirmed.clone(),
         );
         r.register(
             "llm_gateway_usage_records_unknown_tenant",
             "Usage records of an unconfigured tenant, dropped (logged)",
-            m.records_unknown_tenant.clone(),
+            self.records_unknown_tenant.clone(),
         );
         r.register(
             "llm_gateway_usage_records_duplicate",
             "Deliveries of a usage record the ledger had applied already, not applied again",
-            m.records_duplicate.clone(),
+            self.records_duplicate.clone(),
         );
         r.register(
             "llm_gateway_usage_records_from_reservation",
             "Reservations whose usage never arrived, recorded as charged by this replica's sweeper",
-            m.records_charged.clone(),
+            self.records_charged.clone(),
         );
         r.register(
             "llm_gateway_usage_records_after_charge",
             "Usage that arrived after its reservation was charged, not applied (logged)",
-            m.records_after_charge.clone(),
+            self.records_after_charge.clone(),
         );
         r.register(
             "llm_gateway_reservations_released",
             "Admissions given back before their request went upstream, their reservation closed",
-            m.reservations_released.clone(),
+            self.reservations_released.clone(),
         );
         r.register(
             "llm_gateway_admission_leases_reclaimed",
             "Admission leases reclaimed as orphaned: not given back within their TTL",
-            m.leases_reclaimed.clone(),
+            self.leases_reclaimed.clone(),
         );
         r.register(
             "llm_gateway_admission_lease_requests_charged",
             "Reported leased requests of reclaimed leases whose usage never arrived, charged their reservations",
-            m.leases_charged_requests.clone(),
+            self.leases_charged_requests.clone(),
         );
         r.register(
             "llm_gateway_reservations_open",
             "Open reservations over the configured tenants at this replica's last sweep",
-            m.reservations_open.clone(),
+            self.reservations_open.clone(),
         );
-        r.register("llm_gateway_journal_lines", "Usage journal lines read", m.journal_lines.clone());
+    }
+
+    /// Registers the metrics of the usage journal, the endpoint picker and flow control's queues.
+    fn register_journal_picker_queue(&self, r: &mut Registry) {
+        r.register("llm_gateway_journal_lines", "Usage journal lines read", self.journal_lines.clone());
         r.register(
             "llm_gateway_journal_records_applied",
             "Ledger writes the usage journal applied that no other delivery had",
-            m.journal_records_applied.clone(),
+            self.journal_records_applied.clone(),
         );
         r.register(
             "llm_gateway_journal_lines_landed",
             "Usage journal lines skipped: their write landed through this replica's gRPC access log",
-            m.journal_lines_landed.clone(),
+            self.journal_lines_landed.clone(),
         );
         r.register(
             "llm_gateway_journal_parse_errors",
             "Usage journal lines that are not entries, skipped",
-            m.journal_parse_errors.clone(),
+            self.journal_parse_errors.clone(),
         );
         r.register(
             "llm_gateway_journal_lag_bytes",
             "Bytes of the usage journal not yet applied",
-            m.journal_lag_bytes.clone(),
+            self.journal_lag_bytes.clone(),
         );
         r.register(
             "llm_gateway_journal_holder",
             "1 while this replica holds the usage journal's lease",
-            m.journal_holder.clone(),
+            self.journal_holder.clone(),
         );
         r.register(
             "llm_gateway_journal_files",
             "Usage journal files started after a rotation",
-            m.journal_files.clone(),
+            self.journal_files.clone(),
         );
         r.register(
             "llm_gateway_picker_picks",
             "Endpoint picks by pool, endpoint and what decided",
-            m.picks.clone(),
+            self.picks.clone(),
         );
         r.register(
             "llm_gateway_picker_prefix_blocks",
             "Prompt blocks of picked requests (requested) and those the pick had served recently (hit)",
-            m.pick_prefix_blocks.clone(),
+            self.pick_prefix_blocks.clone(),
         );
         r.register(
             "llm_gateway_picker_no_pick",
             "Admitted requests of a picking pool without a pick: none_eligible (LEAST_REQUEST) or subset_none_eligible (503)",
-            m.no_pick.clone(),
+            self.no_pick.clone(),
         );
         r.register(
             "llm_gateway_picker_in_flight_requests",
             "This sidecar's picks of an endpoint whose end it has not seen",
-            m.pick_in_flight.clone(),
+            self.pick_in_flight.clone(),
         );
         r.register_with_unit(
             "llm_gateway_picker_pick_duration",
             "Time of one endpoint pick",
             Unit::Seconds,
-            m.pick_duration.clone(),
+            self.pick_duration.clone(),
         );
         r.register(
             "llm_gateway_queue_requests",
             "Requests waiting in a pool's flow-control queue, by tier",
-            m.queue_length.clone(),
+            self.queue_length.clone(),
         );
         r.register_with_unit(
             "llm_gateway_queue_wait",
             "Time dispatched requests waited in a flow-control queue",
             Unit::Seconds,
-            m.queue_wait.clone(),
+            self.queue_wait.clone(),
         );
         r.register(
             "llm_gateway_queue_dequeues",
             "Requests leaving a flow-control queue (or refused before entering it), by reason",
-            m.queue_dequeues.clone(),
+            self.queue_dequeues.clone(),
         );
-        Arc::new(Self { registry: r, ..m })
     }
 
     /// A label value, or `other` once [`MAX_LABEL_VALUES`] distinct values have been seen.
