@@ -30,6 +30,8 @@ setup: ## Install what a fresh machine lacks: the wasm and musl targets, Envoy (
 	@redis-server --version
 
 build: ## Build the sidecar, the upstream simulator, the bench tool and gatewayctl (release) and the wasm filter (and its native dynamic module)
+	cargo build --release --locked -p gateway-ext-proc --features test-clock  # tests/test_quotas.py moves its clock
+	cp target/release/gateway-ext-proc target/release/gateway-ext-proc-test-clock
 	cargo build --release --locked $(CARGO_BINS)
 	cargo build --release --locked -p gateway-tokenize --example count  # tests/test_token_counts.py, token counting by hand
 	cargo build --release --locked --target wasm32-wasip1 -p gateway-filter
@@ -51,6 +53,7 @@ test: setup build images test-unit test-integration ## Run every test: host unit
 
 test-unit: ## Host unit tests of every crate
 	cargo test --locked --workspace
+	cargo test --locked -p gateway-ext-proc --features test-clock --lib admission::quota
 
 test-integration: ## Integration tests (tests/): real envoy, redis-server, sidecar and upstreams on ephemeral ports
 	$(PY) -m pytest tests -v -rs

@@ -42,6 +42,10 @@ ENVOY_DIR = ROOT / "envoy"
 TARGET = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
 SIM_BIN = Path(os.environ.get("VLLM_SIM_BIN", TARGET / "release" / "vllm-sim"))
 SIDECAR_BIN = Path(os.environ.get("EXT_PROC_BIN", TARGET / "release" / "gateway-ext-proc"))
+# The sidecar built with the cargo feature `test-clock` (make build): the only build that reads
+# LLM_GATEWAY_TEST_CLOCK_OFFSET_FILE, used when a test sets it (tests/test_quotas.py).
+SIDECAR_TEST_CLOCK_BIN = TARGET / "release" / "gateway-ext-proc-test-clock"
+TEST_CLOCK_ENV = "LLM_GATEWAY_TEST_CLOCK_OFFSET_FILE"
 WASM_PATH = Path(os.environ.get("FILTER_WASM", TARGET / "wasm32-wasip1" / "release" / "gateway_filter.wasm"))
 # The gateway filter as an Envoy dynamic module (filter-native/), which `native_module` puts in the
 # wasm filter's place.
@@ -265,7 +269,8 @@ class Stack:
         self.wasm_path = wasm_path or WASM_PATH
         # A dynamic module (lib<name>.so) in the wasm filter's place, with the same configuration.
         self.native_module = native_module
-        self.sidecar_bin = sidecar_bin or SIDECAR_BIN
+        test_clock = os.environ.get(TEST_CLOCK_ENV) and "EXT_PROC_BIN" not in os.environ
+        self.sidecar_bin = sidecar_bin or (SIDECAR_TEST_CLOCK_BIN if test_clock else SIDECAR_BIN)
         unknown = set(edge or {}) - set(EDGE_DEFAULTS)
         if unknown:
             raise ValueError(f"unknown edge settings {sorted(unknown)}")

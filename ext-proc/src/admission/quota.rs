@@ -12,14 +12,14 @@
 //! So concurrent requests overshoot a hard limit by at most what is reserved in flight. Counters
 //! expire [`DAY_MARGIN`] / [`MONTH_MARGIN`] after their period ends.
 //!
-//! **Clock.** Periods follow [`Clock`]: the system clock, shifted in tests only by the offset in
-//! the file named by [`TEST_CLOCK_FILE_ENV`].
+//! **Clock.** Periods follow [`Clock`]: the system clock; in a build with the cargo feature
+//! `test-clock` only (never a release build), shifted by the offset in the file named by
+//! [`TEST_CLOCK_FILE_ENV`].
 //!
 //! **Cost.** Prices are USD per 1M tokens in multiples of 0.001, i.e. whole nano-dollars per
 //! token, so a cost is an exact integer of nano-dollars ([`cost_nano_usd`]).
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -30,8 +30,9 @@ use crate::error::AdmissionError;
 
 /// Environment variable naming a file that holds a signed number of seconds added to the
 /// sidecar's clock for quota periods, admission times and record dates (re-read at every use).
-/// For the integration tests only (`tests/test_quotas.py` moves the day with it); never set in a
-/// deployment.
+/// Read only by a build with the cargo feature `test-clock` (`make build` makes one,
+/// `target/release/gateway-ext-proc-test-clock`, for `tests/test_quotas.py`); the release binary
+/// ignores it.
 pub const TEST_CLOCK_FILE_ENV: &str = "LLM_GATEWAY_TEST_CLOCK_OFFSET_FILE";
 
 /// How long a daily counter outlives its day.
@@ -43,28 +44,42 @@ pub const DAY_MARGIN: std::time::Duration = std::time::Duration::from_secs(DAY_M
 /// [`MONTH_MARGIN_SECS`] as documented.
 pub const MONTH_MARGIN: std::time::Duration = std::time::Duration::from_secs(MONTH_MARGIN_SECS);
 
-/// The sidecar's clock for quotas: the system clock plus a test offset.
+/// The sidecar's clock for quotas: the system clock (plus a test offset, in a `test-clock`
+/// build).
 #[derive(Debug, Clone, Default)]
 pub struct Clock {
-    offset_file: Option<PathBuf>,
+    #[cfg(feature = "test-clock")]
+    offset_file: Option<std::path::PathBuf>,
     fixed_ms: Option<u64>,
 }
 
 impl Clock {
-    /// The system clock, shifted by [`TEST_CLOCK_FILE_ENV`]'s file when that is set.
+    /// The system clock; in a `test-clock` build, shifted by [`TEST_CLOCK_FILE_ENV`]'s file when
+    /// that is set.
     pub fn from_env() -> Self {
-        Self { offset_file: std::env::var_os(TEST_CLOCK_FILE_ENV).map(PathBuf::from), fixed_ms: None }
+        Self {
+            #[cfg(feature = "test-clock")]
+            offset_file: std::env::var_os(TEST_CLOCK_FILE_ENV).map(std::path::PathBuf::from),
+            fixed_ms: None,
+        }
     }
 
     /// A clock that always reads `ms` (unit tests).
     pub fn fixed(ms: u64) -> Self {
-        Self { offset_file: None, fixed_ms: Some(ms) }
+        Self { fixed_ms: Some(ms), ..Self::default() }
     }
 
     /// The offset in seconds (0 without a test file, or one that does not parse).
+    #[cfg(feature = "test-clock")]
     fn offset_secs(&self) -> i64 {
         let Some(path) = &self.offset_file else { return 0 };
         std::fs::read_to_string(path).ok().and_then(|s| s.trim().parse::<i64>().ok()).unwrap_or(0)
+    }
+
+    /// No offset outside a `test-clock` build.
+    #[cfg(not(feature = "test-clock"))]
+    fn offset_secs(&self) -> i64 {
+        0
     }
 
     /// Unix milliseconds now.
@@ -495,6 +510,15 @@ mod tests {
     }
 
     #[test]
+    #[cfg(not(feature = "test-clock"))]
+    fn a_release_build_has_no_test_clock() {
+        // Whatever the environment says: the offset is read only in a `test-clock` build.
+        assert_eq!(Clock::from_env().shift_ms(1_000), 1_000);
+        assert_eq!(Clock::fixed(5).now_ms(), 5);
+    }
+
+    #[test]
+    #[cfg(feature = "test-clock")]
     fn the_test_clock_shifts_time() {
         let dir = std::env::temp_dir().join(format!("quota-clock-{}", std::process::id()));
         std::fs::write(&dir, "86400\n").unwrap();

@@ -29,6 +29,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::admission::decision;
 use crate::admission::limits::{BucketSpec, ReplyError};
+use crate::admission::quota::{Period, QuotaSpec};
 use crate::facts::RequestFacts;
 use crate::metering::meter::{RequestInfo, Usage, UsageRecord};
 
@@ -98,7 +99,7 @@ pub fn leases_charged_key(prefix: &str, tenant: &str) -> String {
 
 /// An open reservation, as the ledger keeps it (JSON): what a charge records should the
 /// request's usage never arrive.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Reservation {
     /// [`RESERVATION_VERSION`].
     pub v: u32,
@@ -279,6 +280,58 @@ pub fn read_claim_with<T>(
     Ok(Claimed { open, due })
 }
 
+/// How one quota counter moves when a ledger write lands (`lua/ledger_v1.lua`'s
+/// `adjust_quotas`, which applies it atomically with the write): by the tokens `used` minus what
+/// the admission charged it (`reservation`'s `quota`, 0 or `None`: nothing charged, so the
+/// counter gains `used`). A reservation charged in another period than the counter's (the
+/// request crossed midnight, or a month's end) leaves the counter alone: the admission's period
+/// keeps the reservation as used. A counter of another model's scope does not move. A give-back
+/// is `used` = 0: the charge comes off.
+pub fn quota_delta(counter: &QuotaSpec, model: &str, used: u64, reservation: Option<&Reservation>) -> i64 {
+    if counter.model.as_deref().is_some_and(|scope| scope != model) {
+        return 0;
+    }
+    let used = i64::try_from(used).unwrap_or(i64::MAX);
+    let Some(r) = reservation.filter(|r| r.quota > 0) else { return used };
+    let charged_in = match counter.period {
+        Period::Day => &r.qday,
+        Period::Month => &r.qmonth,
+    };
+    if *charged_in == counter.label {
+        used.saturating_sub(i64::try_from(r.quota).unwrap_or(i64::MAX))
+    } else {
+        0
+    }
+}
+
+/// Requests, reserved tokens and prompt estimates within them: one side of an admission lease's
+/// books (`LU`'s `<id>:a`, `:at`, `:ap` as the filter reported them; `:l`, `:lt`, `:lp` of those
+/// whose usage landed).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LeaseCounts {
+    /// Requests.
+    pub requests: u64,
+    /// Tokens they reserved.
+    pub tokens: u64,
+    /// The prompt estimates within `tokens`.
+    pub prompt_tokens: u64,
+}
+
+/// What the charge of a reclaimed admission lease charges (`lua/ledger_v1.lua`'s `lease_charge`):
+/// its reported requests whose usage never landed, their reservations, and within those the
+/// prompt estimates (at most the tokens: the rest is billed as completion). Nothing when the
+/// lease's model is unknown (reclaimed by an older sidecar that kept no landed counts: nothing
+/// can be told landed), or when every reported request landed.
+pub fn lease_charge(reported: LeaseCounts, landed: LeaseCounts, model_known: bool) -> LeaseCounts {
+    let requests = if model_known { reported.requests.saturating_sub(landed.requests) } else { 0 };
+    if requests == 0 {
+        return LeaseCounts::default();
+    }
+    let tokens = reported.tokens.saturating_sub(landed.tokens);
+    let prompt_tokens = reported.prompt_tokens.saturating_sub(landed.prompt_tokens).min(tokens);
+    LeaseCounts { requests, tokens, prompt_tokens }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -368,5 +421,63 @@ mod tests {
         assert_eq!(reservations_key("p", "acme"), "p:reservations:{acme}");
         assert_eq!(due_key("p", "acme"), "p:reservations-due:{acme}");
         assert_eq!(charged_key("p", "acme"), "p:reservations-charged:{acme}");
+    }
+
+    fn counter(period: Period, label: &str, model: Option<&str>) -> QuotaSpec {
+        QuotaSpec {
+            key: "k".into(),
+            model: model.map(str::to_owned),
+            period,
+            label: label.into(),
+            hard: 100,
+            soft: None,
+            reset_at_secs: 0,
+            expire_at_secs: 0,
+        }
+    }
+
+    fn charged(quota: u64, qday: &str, qmonth: &str) -> Reservation {
+        Reservation { quota, qday: qday.into(), qmonth: qmonth.into(), ..Reservation::default() }
+    }
+
+    #[test]
+    fn a_quota_counter_moves_by_usage_less_the_admissions_charge() {
+        let day = counter(Period::Day, "2026-11-28", None);
+        let month = counter(Period::Month, "2026-11", None);
+        let r = charged(40, "2026-11-28", "2026-11");
+        // The record: 15 used of the 40 charged.
+        assert_eq!(quota_delta(&day, "m", 15, Some(&r)), -25);
+        assert_eq!(quota_delta(&month, "m", 15, Some(&r)), -25);
+        // A give-back: the charge comes off.
+        assert_eq!(quota_delta(&day, "m", 0, Some(&r)), -40);
+        // No reservation, or one that charged nothing: the counter gains what was used.
+        assert_eq!(quota_delta(&day, "m", 15, None), 15);
+        assert_eq!(quota_delta(&day, "m", 15, Some(&charged(0, "", ""))), 15);
+        // Charged yesterday (crossed midnight): today's counter is left alone, the month's moves.
+        let yesterday = charged(40, "2026-11-27", "2026-11");
+        assert_eq!(quota_delta(&day, "m", 15, Some(&yesterday)), 0);
+        assert_eq!(quota_delta(&month, "m", 15, Some(&yesterday)), -25);
+        // A model's quota moves for that model only.
+        let big = counter(Period::Month, "2026-11", Some("big"));
+        assert_eq!(quota_delta(&big, "m", 15, None), 0);
+        assert_eq!(quota_delta(&big, "big", 15, None), 15);
+    }
+
+    #[test]
+    fn a_reclaimed_lease_is_charged_for_what_never_landed() {
+        let reported = LeaseCounts { requests: 5, tokens: 500, prompt_tokens: 200 };
+        let landed = LeaseCounts { requests: 3, tokens: 300, prompt_tokens: 150 };
+        assert_eq!(
+            lease_charge(reported, landed, true),
+            LeaseCounts { requests: 2, tokens: 200, prompt_tokens: 50 }
+        );
+        // Everything landed, or the model is unknown: nothing.
+        assert_eq!(lease_charge(reported, reported, true), LeaseCounts::default());
+        assert_eq!(lease_charge(reported, landed, false), LeaseCounts::default());
+        // Prompt estimates are at most the tokens charged.
+        let odd = LeaseCounts { requests: 1, tokens: 10, prompt_tokens: 50 };
+        assert_eq!(lease_charge(odd, LeaseCounts::default(), true).prompt_tokens, 10);
+        // Landed counts past the report (a late report) never charge a negative amount.
+        assert_eq!(lease_charge(landed, reported, true), LeaseCounts::default());
     }
 }
