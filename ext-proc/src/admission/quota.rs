@@ -66,7 +66,9 @@ impl Clock {
 
     /// A clock that always reads `ms` (unit tests).
     pub fn fixed(ms: u64) -> Self {
-        Self { fixed_ms: Some(ms), ..Self::default() }
+        let mut clock = Self::default();
+        clock.fixed_ms = Some(ms);
+        clock
     }
 
     /// The offset in seconds (0 without a test file, or one that does not parse).
