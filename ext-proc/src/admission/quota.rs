@@ -66,9 +66,11 @@ impl Clock {
 
     /// A clock that always reads `ms` (unit tests).
     pub fn fixed(ms: u64) -> Self {
-        let mut clock = Self::default();
-        clock.fixed_ms = Some(ms);
-        clock
+        Self {
+            #[cfg(feature = "test-clock")]
+            offset_file: None,
+            fixed_ms: Some(ms),
+        }
     }
 
     /// The offset in seconds (0 without a test file, or one that does not parse).
