@@ -66,6 +66,8 @@ bench: setup build ## Benchmarks (~70 min): gateway overhead vs bare Envoy (wasm
 lint: setup ## rustfmt and clippy (host and wasm32), warnings denied (CI runs it before the tests)
 	cargo fmt --all --check
 	cargo clippy --locked --workspace --all-targets -- -D warnings
+	cargo clippy --locked -p gateway-ext-proc --features test-clock --all-targets -- -D warnings
+	$(PY) tools/check_layout.py
 	cargo clippy --locked --target wasm32-wasip1 -p gateway-filter -- -D warnings
 
 # The property/fuzz tests (proptest): json_scan vs serde_json and the body rewrite
