@@ -384,7 +384,7 @@ QUICK = Plan(
 # SHEDDING: the overload scenario's sidecar configuration. <<< the one place to edit >>>
 #
 # Merged into the sidecar config of the `gateway+shedding` variant of the overload scenario (the
-# `gateway` variant runs without it), in the schema of ext-proc/src/config.rs (`pools[]`,
+# `gateway` variant runs without it), in the schema of ext-proc/src/config/ (`pools[]`,
 # `shedding.tier_levels`; the bench tenant's tier is `standard`, unlisted, so shed at load 1.0).
 # If the sidecar rejects it (a sidecar built without shedding), the variant is reported as
 # pending with the sidecar's message and the rest of the run goes on.

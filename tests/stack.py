@@ -250,7 +250,7 @@ class Stack:
         if metering not in ("access_log", "ext_proc"):
             raise ValueError(f"unknown metering {metering}")
         self.metering = metering
-        # The usage journal (envoy/access_log_journal.yaml, ext-proc/src/metering/journal.rs): Envoy also
+        # The usage journal (envoy/access_log_journal.yaml, ext-proc/src/metering/journal/): Envoy also
         # writes each access-log entry to a file the sidecar tails from a checkpoint in Redis, so
         # usage the gRPC access log loses (a sidecar killed) is still applied, once.
         self.journal = journal and metering == "access_log" and profile == "gateway"
