@@ -68,6 +68,7 @@ lint: setup ## rustfmt and clippy (host and wasm32), warnings denied (CI runs it
 	cargo clippy --locked --workspace --all-targets -- -D warnings
 	cargo clippy --locked -p gateway-ext-proc --features test-clock --all-targets -- -D warnings
 	$(PY) tools/check_layout.py
+	RUSTDOCFLAGS="-D rustdoc::broken_intra_doc_links -A rustdoc::private_intra_doc_links" cargo doc --locked --no-deps -p gateway-ext-proc
 	cargo clippy --locked --target wasm32-wasip1 -p gateway-filter -- -D warnings
 
 # The property/fuzz tests (proptest): json_scan vs serde_json and the body rewrite

@@ -13,7 +13,7 @@ hands their entries to a new stream toward the absent sidecar and counts them de
 Envoy retries the connection with what it sent buffered, but that buffer is small: with 32 streams
 ending during the outage it overflowed (Envoy's debug log: "retry or redirect buffer overflow") and
 only 2 to 9 of the 32 were recorded. The usage journal (envoy/access_log_journal.yaml,
-ext-proc/src/metering/journal.rs) closes that gap: Envoy also writes each entry to a local file, which the
+ext-proc/src/metering/journal/) closes that gap: Envoy also writes each entry to a local file, which the
 restarted sidecar reads from its checkpoint in Redis, so every request is recorded, once (the
 record ids make the entries the gRPC stream did deliver change nothing). See docs/deploy.md,
 "Sidecar restarts".

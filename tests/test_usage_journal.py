@@ -1,4 +1,4 @@
-"""The usage journal (ext-proc/src/metering/journal.rs, envoy/access_log_journal.yaml), through the real
+"""The usage journal (ext-proc/src/metering/journal/, envoy/access_log_journal.yaml), through the real
 Envoy, redis-server, sidecar and vllm-sim.
 
 Envoy writes every access-log entry to a local file as well as to the gRPC access log; the sidecar

@@ -5,15 +5,15 @@
 //! `x-ratelimit-*` headers), sheds requests (429 `overloaded`) in front of vLLM pools whose queue
 //! or KV cache is over its threshold, lower tiers first, and records each admitted request's
 //! token usage exactly once in Redis: measured on the streamed SSE response by the wasm filter
-//! and delivered by Envoy's gRPC access log ([`access_log`]), or streamed here chunk by chunk by
-//! an ext_proc metering filter. Redis failures are bounded by a timeout and a circuit breaker,
-//! with a failure mode per tier.
+//! and delivered by Envoy's gRPC access log ([`grpc::access_log`]), or streamed here chunk by
+//! chunk by an ext_proc metering filter. Redis failures are bounded by a timeout and a circuit
+//! breaker, with a failure mode per tier.
 //!
-//! The decisions are pure code ([`limits`], [`admission`], [`shedding`], [`breaker`],
-//! [`local_limiter`], [`meter`], [`sse`], [`admission_lease`], [`ledger`]); the tonic adapters
-//! ([`service`], [`access_log`], [`lease_service`]), the Redis client
-//! ([`store`], [`limiter`], [`recorder`]), the scraper ([`pools`]) and the ledger's sweeper
-//! ([`sweeper`]) only move data.
+//! The tree follows a request (docs/architecture.md, "The sidecar's tree"): the stages
+//! ([`admission`], whose [`admission::pipeline`] writes their order once; [`flow_control`];
+//! [`scheduling`]; [`metering`]) keep their decisions pure; the adapters ([`grpc`] for Envoy's
+//! gRPC services, [`store`] for Redis), the pools' scraper ([`pools`]) and the background tasks
+//! only move data. `tools/check_layout.py` keeps the modules' layers.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {

@@ -39,7 +39,7 @@ pub struct Gone;
 /// What the stages need from the Envoy stream of the request they decide
 /// (`crate::grpc::ext_proc` implements it over an ext_proc stream).
 pub trait Exchange: Send {
-    /// Tells Envoy to wait up to `budget` (+ [`flow_control::MESSAGE_TIMEOUT_MARGIN`]) for the
+    /// Tells Envoy to wait up to `budget` (+ [`crate::flow_control::MESSAGE_TIMEOUT_MARGIN`]) for the
     /// answer of the phase the request is in (ext_proc `override_message_timeout`; once per
     /// phase).
     fn extend_timeout(&mut self, budget: Duration) -> impl Future<Output = Result<(), Gone>> + Send;

@@ -1,5 +1,5 @@
 //! Load shedding in front of the vLLM pools, with no I/O: from a pool's scraped vLLM metrics and
-//! its in-flight count over every sidecar replica ([`in_flight_view`]), its load ratio; whether a request of a tier is shed; and the
+//! its in-flight count over every sidecar replica ([`crate::pools::signals::in_flight_view`]), its load ratio; whether a request of a tier is shed; and the
 //! `Retry-After` estimated from the queue's drain rate.
 //!
 //! A pool's load is the highest of `waiting / max_queue_depth`, `kv_cache_usage /

@@ -156,7 +156,7 @@ fn default_epp_max_blocks() -> usize {
 impl Config {
     /// Whether the filter may admit `pool`'s requests from admission leases: the pool's
     /// `admission_leases` when set; unset, not for a pool flow control queues, nor for one whose
-    /// `picker` does not allow them ([`PickerConfig::admission_leases`]); a pool the config does
+    /// `picker` does not allow them ([`crate::config::pools::PickerConfig::admission_leases`]); a pool the config does
     /// not list may. A pool the sidecar sheds or queues by its load is leased only within its
     /// headroom ([`crate::admission::lease_headroom`]).
     pub fn pool_allows_admission_leases(&self, pool: &str) -> bool {

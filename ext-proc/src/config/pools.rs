@@ -52,7 +52,7 @@ pub struct PoolConfig {
     /// docs/deploy.md, "Why leases are the default").
     /// Unset: false for a pool with `flow_control` (its queue orders the requests), its picker's
     /// `admission_leases` for a picking pool, true otherwise
-    /// ([`Config::pool_allows_admission_leases`]).
+    /// ([`crate::config::Config::pool_allows_admission_leases`]).
     #[serde(default)]
     pub admission_leases: Option<bool>,
 }
@@ -119,7 +119,7 @@ pub struct QueueTierConfig {
     pub max_queue_wait_ms: u64,
     /// The share of a pool's room the tier may fill (default 1; in (0, 1], never above the
     /// tier before it): its requests are dispatched only while the pool's load
-    /// ([`crate::flow_control::drain::load`]) is below it, so that the rest stays free for the
+    /// ([`crate::pools::room::load`]) is below it, so that the rest stays free for the
     /// higher tiers' requests, which then wait for nothing (e.g. batch 0.6).
     #[serde(default = "default_max_load")]
     pub max_load: f64,

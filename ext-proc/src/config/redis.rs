@@ -21,7 +21,7 @@ pub struct ListenerTls {
     /// The CA certificate(s) (PEM) that sign the clients' certificates. Required: the listener
     /// never accepts a client without a certificate.
     pub client_ca_file: PathBuf,
-    /// PEM bytes read at load time (see [`Config::load`]).
+    /// PEM bytes read at load time (see [`crate::config::Config::load`]).
     #[serde(skip)]
     pub pem: Option<ListenerPem>,
 }
@@ -118,7 +118,7 @@ pub struct RedisConfig {
     /// client certificate).
     #[serde(default)]
     pub tls: Option<RedisTls>,
-    /// The password and PEM contents, read at load ([`Config::load`]); never printed.
+    /// The password and PEM contents, read at load ([`crate::config::Config::load`]); never printed.
     #[serde(skip)]
     pub secrets: RedisSecrets,
     /// Timeout of one Redis command, in milliseconds (default 25).

@@ -1,6 +1,6 @@
 //! Flow control (issue 13): instead of refusing a request when its pool is saturated, the
 //! admission holds it (its ext_proc answer is delayed) in the pool's bounded queue and releases it
-//! when the pool has room ([`room`]). A higher tier goes first; within a tier, the tenant with
+//! when the pool has room ([`crate::pools::room`]). A higher tier goes first; within a tier, the tenant with
 //! the least attained service ([`fairness`]). Each tier has a budget in time
 //! (`flow_control.tiers[].max_queue_wait_ms`): a request whose predicted wait is already over it
 //! is answered 429 `overloaded` with a `Retry-After` at once; one still queued when it runs out
@@ -9,12 +9,12 @@
 //! it came takes the rest, at once ([`queue::FlowQueue::pass_newcomer`]) or around a head the
 //! reserve holds back ([`queue::FlowQueue::pop_newcomer`]). The
 //! queue's order and bounds are pure ([`queue`]); this module keeps one queue per flow-controlled
-//! pool in [`Pools`], wakes waiting streams, and counts.
+//! pool in [`crate::pools::Pools`], wakes waiting streams, and counts.
 //!
-//! A waiting stream holds a [`Waiter`]: dropping it (Envoy closed the ext_proc stream because the
+//! A waiting stream holds a [`crate::pools::flow::Waiter`]: dropping it (Envoy closed the ext_proc stream because the
 //! client went away) takes the request out of the queue at once, or, when it had just been
 //! dispatched, takes its admission back off the pool's in-flight count. The requests' rate-limit
-//! reservations are the admission's to give back ([`crate::service`]).
+//! reservations are the admission's to give back ([`crate::admission::pipeline`]).
 
 pub mod drain;
 pub mod fairness;

@@ -49,7 +49,7 @@ pub struct RequestInfo {
 
 impl RequestInfo {
     /// A request's identity from its headers' facts and the reservation admission made
-    /// (`reserved_tokens`, `reserved_locally`: see [`crate::grpc::protocol::reservation`]).
+    /// (`reserved_tokens`, `reserved_locally`: see [`crate::facts::reservation`]).
     pub fn new(
         facts: crate::facts::RequestFacts,
         (reserved_tokens, reserved_locally): (u64, bool),

@@ -115,7 +115,7 @@ impl InFlight {
         self.bound = None;
     }
 
-    /// The count shedding uses at `now` ([`shedding::in_flight_view`]): the pool-wide total
+    /// The count shedding uses at `now` ([`crate::pools::signals::in_flight_view`]): the pool-wide total
     /// while the last acknowledged flush is within `lag`, else this replica's own balance.
     pub fn view(&self, now: Instant, lag: Duration) -> u64 {
         let total = self.total.filter(|(_, at)| now.saturating_duration_since(*at) <= lag).map(|(t, _)| t);

@@ -16,7 +16,7 @@
 //! 4. **Fallbacks**: the next `fallback_endpoints` of the ranking, for Envoy to try in order.
 //!
 //! After a pick the request's block hashes are recorded on the picked endpoint
-//! ([`super::PrefixIndex`]) and its in-flight count goes up; the request's end (the access log, or
+//! ([`crate::scheduling::prefix_index::PrefixIndex`]) and its in-flight count goes up; the request's end (the access log, or
 //! the metering stream) takes it down.
 
 use std::net::SocketAddr;

@@ -171,7 +171,7 @@ impl Store {
     /// today (on the quota clock) gains them under `model` (their prompt estimates as prompt
     /// tokens, the rest of their reservations as completion tokens, their cost at the model's
     /// prices), and so do the quota counters of the tenant and model; their usage, should it
-    /// still arrive, is not applied ([`Applied::AfterCharge`]), for [`CHARGED_RETENTION`]. What it
+    /// still arrive, is not applied ([`crate::store::Applied::AfterCharge`]), for [`CHARGED_RETENTION`]. What it
     /// charged; `None` when the lease was not waiting for its charge (charged by another replica).
     ///
     /// # Errors

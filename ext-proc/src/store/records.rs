@@ -23,7 +23,7 @@ impl Store {
     ///   [`Store::take`]) if there is one, and is not applied ([`Applied::AfterCharge`]) when that
     ///   reservation was charged already; the record id joins the set
     ///   `<prefix>:usage-seen:{<tenant>}:<window start>` of its 10 s finish-time window (kept
-    ///   [`IDEMPOTENCY_RETENTION`] past the later of the window's end and now), and a record whose
+    ///   [`crate::store::IDEMPOTENCY_RETENTION`] past the later of the window's end and now), and a record whose
     ///   id is there is not applied again ([`Applied::Duplicate`]).
     /// - `charge` (the sweeper's record of a reservation whose usage never arrived): applied only
     ///   while the reservation is open ([`Applied::Duplicate`] otherwise); it joins
@@ -183,7 +183,7 @@ impl Store {
     /// Appends a record's protobuf `UsageEvent` to the usage stream (fields `event`, `tenant`,
     /// `record_id`; `XADD ... MAXLEN ~ metering.stream_maxlen`), once per record id: the id joins
     /// the set of ids appended in its 10 s finish-time window ([`sent_key`], in the stream's
-    /// cluster slot, kept [`IDEMPOTENCY_RETENTION`] past the window) in the same script, so a
+    /// cluster slot, kept [`crate::store::IDEMPOTENCY_RETENTION`] past the window) in the same script, so a
     /// retry after a failure that landed, or a second party (the gRPC access log and the usage
     /// journal) appending after an uncertain write, appends nothing more. Whether it appended.
     ///

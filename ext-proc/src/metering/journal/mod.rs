@@ -231,7 +231,7 @@ struct FactIds<'a> {
 
 /// The record id a line's record or release has ([`gateway_contract::record_id`] of the facts'
 /// request id, else the line's, and the facts' nonce, as [`parse_line`] and
-/// [`access_log::entry_of`] name it), read from the line's `request_id` and `facts` alone: the
+/// [`crate::metering::access_log::entry_of`] name it), read from the line's `request_id` and `facts` alone: the
 /// journal skips a line whose write landed without building its entry. `None` where the line
 /// has no such id (facts absent, not a string, or without a valid nonce): the line is read in
 /// full.
