@@ -286,7 +286,7 @@ fn pick_endpoint(
         // Its InferencePool's endpoint-picker call picks (crate::grpc::epp).
         return Ok(None);
     }
-    match shared.pools.pick(&facts.pool, &hashes, subset) {
+    match shared.pools.pick(&facts.pool, &hashes, subset, &facts.request_id) {
         PickOutcome::NotPicking => Ok(None),
         PickOutcome::Picked(pick) => Ok(Some(pick)),
         PickOutcome::NoneEligible if subset.is_some() => {

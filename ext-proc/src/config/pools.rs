@@ -224,6 +224,33 @@ pub struct PickerConfig {
     /// picking", target `picker-leases`) measures what leases cost the picker.
     #[serde(default)]
     pub admission_leases: bool,
+    /// How endpoints are ranked: `predicted_ttft` (the default) ranks by each endpoint's
+    /// predicted time to first token for this request, from a model fitted online to the TTFTs
+    /// the gateway measures (`crate::scheduling::ttft_model`: queue ahead and uncached prompt);
+    /// until it has seen enough requests, and with `weighted`, by the fixed weights above and
+    /// bounded-load affinity.
+    #[serde(default)]
+    pub scoring: PickerScoring,
+    /// Bytes of prompt text per hashed block, as the filter's `prefix_hashing.block_bytes`
+    /// hashes them (gatewayctl renders both from one value): the unit of the uncached prompt the
+    /// TTFT model weighs, and of the engine's cache size in blocks. 1..=4096; default 64.
+    #[serde(default = "default_picker_block_bytes")]
+    pub block_bytes: usize,
+}
+
+/// How the picker ranks endpoints (`pools[].picker.scoring`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PickerScoring {
+    /// By predicted TTFT, fitted online (fixed weights until the fit has its samples).
+    #[default]
+    PredictedTtft,
+    /// By the fixed weights and bounded-load affinity.
+    Weighted,
+}
+
+fn default_picker_block_bytes() -> usize {
+    64
 }
 
 fn default_prefix_weight() -> f64 {
@@ -288,6 +315,9 @@ impl PickerConfig {
                 format!("{field}.fallback_endpoints"),
                 format!("must be at most {MAX_FALLBACK_ENDPOINTS}"),
             ));
+        }
+        if !(1..=4096).contains(&self.block_bytes) {
+            return Err(invalid(format!("{field}.block_bytes"), "must be in 1..=4096"));
         }
         if let Some(ms) = self.stale_after_ms {
             if ms <= scrape_interval_ms {

@@ -46,11 +46,27 @@ pub fn retry_after_wait(wait: Duration, budget: Duration) -> u64 {
 /// Shortest span of saturation a drain-rate sample covers.
 const DRAIN_WINDOW: Duration = Duration::from_secs(1);
 
+/// Fewest ends a drain-rate sample counts: an engine whose completions come in bursts (a batch
+/// ends together) would otherwise measure a near-zero rate over a window between two bursts.
+pub const MIN_DRAIN_ENDS: u64 = 8;
+
+/// Whether a request of a tenant with `own` requests queued (`own + 1` with it) is within what
+/// its fair share of the pool drains inside `budget`: the pool's drain rate (`drain_per_s`) times
+/// its `share` (its weight over the weights of the tenants backlogged with it). Such a request is
+/// never refused on a predicted wait: whatever a short window measured of its own rate, the fair
+/// order gives it that share. False while the pool's rate is unknown.
+pub fn within_fair_share(own: usize, drain_per_s: Option<f64>, share: f64, budget: Duration) -> bool {
+    let Some(rate) = drain_per_s.filter(|r| r.is_finite() && *r > 0.0) else { return false };
+    let share = if share.is_finite() { share.clamp(0.0, 1.0) } else { 0.0 };
+    (own + 1) as f64 <= rate * share * budget.as_secs_f64()
+}
+
 /// Weight of the newest sample in the smoothed drain rate.
 const DRAIN_ALPHA: f64 = 0.5;
 
 /// The pool's drain rate while saturated: ends seen while the queue held requests, per second,
-/// over windows of at least [`DRAIN_WINDOW`], exponentially smoothed ([`DRAIN_ALPHA`]).
+/// over windows of at least [`DRAIN_WINDOW`] and [`MIN_DRAIN_ENDS`] ends, exponentially smoothed
+/// ([`DRAIN_ALPHA`]). An end with nothing queued discards the open window.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct DrainMeter {
     /// When the current window started, and the ends counted in it.
@@ -72,7 +88,7 @@ impl DrainMeter {
         };
         let ends = ends + 1;
         let elapsed = now.saturating_duration_since(start);
-        if elapsed >= DRAIN_WINDOW {
+        if elapsed >= DRAIN_WINDOW && ends >= MIN_DRAIN_ENDS {
             let sample = ends as f64 / elapsed.as_secs_f64();
             self.rate = Some(crate::pools::signals::smooth_rate(self.rate, sample, DRAIN_ALPHA));
             self.window = Some((now, 0));
@@ -129,6 +145,43 @@ mod tests {
             m.finished(at(3_700_000 + i * 50), true);
         }
         assert_eq!(m.rate(), Some(15.0));
+    }
+
+    #[test]
+    fn bursty_completions_measure_their_true_rate() {
+        // An engine that ends a batch of 4 together every 5 s: 0.8/s. A one-second window that
+        // closed at the first end after it would measure 1 end over 5 s (0.2/s) between bursts
+        // of a tenant served one request a batch.
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let mut m = DrainMeter::default();
+        for burst in 0..6u64 {
+            for _ in 0..4 {
+                m.finished(at(burst * 5_000), true);
+            }
+        }
+        let rate = m.rate().unwrap();
+        assert!((rate - 0.8).abs() < 0.15, "{rate}");
+        // A tenant dispatched once every 5 s: no sample until 8 of its dispatches were seen.
+        let mut t = DrainMeter::default();
+        for i in 0..8u64 {
+            t.finished(at(i * 5_000), true);
+        }
+        assert_eq!(t.rate(), None);
+        t.finished(at(8 * 5_000), true);
+        assert_eq!(t.rate(), Some(0.2));
+    }
+
+    #[test]
+    fn a_backlog_within_the_fair_share_is_never_refused() {
+        let budget = Duration::from_secs(60);
+        // Two equal tenants backlogged on a pool draining 0.7/s: each drains 0.35/s, 21 in 60 s.
+        assert!(within_fair_share(15, Some(0.7), 0.5, budget));
+        assert!(within_fair_share(20, Some(0.7), 0.5, budget));
+        assert!(!within_fair_share(21, Some(0.7), 0.5, budget));
+        // Unknown rate: no such promise.
+        assert!(!within_fair_share(0, None, 1.0, budget));
+        assert!(!within_fair_share(0, Some(1.0), f64::NAN, budget));
     }
 
     #[test]

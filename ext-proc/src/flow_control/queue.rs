@@ -178,6 +178,28 @@ impl<T> FlowQueue<T> {
         &mut self.fairness
     }
 
+    /// The share of the pool's dispatches a new request of `tenant` in `tier` can count on: its
+    /// weight over the weights of the tenants with requests queued in the tier (itself
+    /// included); 0 while a higher tier has requests queued (they go first).
+    pub fn share_of(&self, tier: usize, tenant: &str) -> f64 {
+        if self.tiers.iter().take(tier).any(|t| t.len > 0) {
+            return 0.0;
+        }
+        let own = self.fairness.weight(tenant);
+        let others: f64 = self.tiers.get(tier).map_or(0.0, |t| {
+            t.tenants
+                .iter()
+                .filter(|(name, q)| name.as_str() != tenant && !q.is_empty())
+                .map(|(name, _)| self.fairness.weight(name))
+                .sum()
+        });
+        if own > 0.0 {
+            own / (own + others)
+        } else {
+            0.0
+        }
+    }
+
     /// How many queued requests are expected to be dispatched before a new request of `tenant`
     /// in `tier`: every request of the higher tiers, the tenant's own, and of each other
     /// backlogged tenant of its tier as many as the fair order lets go first (its queued

@@ -43,7 +43,10 @@ impl AccessLogService for AccessLog {
                     Entry::Record(record) => {
                         let metadata = entry.common_properties.as_ref().and_then(|c| c.metadata.as_ref());
                         if let Some(endpoint) = picked_endpoint(metadata) {
-                            self.shared.pools.pick_finished(&record.info.pool, &endpoint);
+                            // A request that streamed a first token teaches the pool's TTFT model.
+                            let ttft = (record.ttft_us > 0 && (200..300).contains(&record.status))
+                                .then(|| (record.info.request_id.as_str(), record.ttft_us as f64 / 1e6));
+                            self.shared.pools.pick_finished(&record.info.pool, &endpoint, ttft);
                         }
                         crate::metering::finish::finish(&self.shared, *record);
                     }

@@ -333,7 +333,7 @@ struct PickedGuard<'a> {
 
 impl Drop for PickedGuard<'_> {
     fn drop(&mut self) {
-        self.pools.pick_finished(&self.pool, &self.endpoint);
+        self.pools.pick_finished(&self.pool, &self.endpoint, None);
     }
 }
 

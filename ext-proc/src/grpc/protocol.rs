@@ -410,6 +410,7 @@ mod tests {
             prefix_blocks: 0,
             request_blocks: 0,
             affinity: false,
+            predicted: false,
         };
         add_pick(&mut s, &pick);
         let m = Metadata {

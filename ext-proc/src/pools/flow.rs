@@ -114,6 +114,11 @@ impl Pools {
         }
         let ahead = q.ahead(tier, tenant);
         let own = q.queued_of(tier, tenant);
+        // A backlog its fair share drains within the budget is never refused, whatever a short
+        // window measured of the tenant's own rate.
+        if drain::within_fair_share(own, drain, q.share_of(tier, tenant), budget) {
+            return None;
+        }
         let wait = drain::predicted_wait_of(ahead, drain, own, flow.tenant_rate(tenant))?;
         if wait <= budget {
             return None;

@@ -303,14 +303,20 @@ impl Pools {
     /// Picks the endpoint of `pool` for an admitted request whose prompt hashes to `hashes`,
     /// among `subset` when the request carries a subset hint, and counts it in the picker's
     /// metrics.
-    pub fn pick(&self, pool: &str, hashes: &[u64], subset: Option<&[std::net::SocketAddr]>) -> PickOutcome {
+    pub fn pick(
+        &self,
+        pool: &str,
+        hashes: &[u64],
+        subset: Option<&[std::net::SocketAddr]>,
+        request_id: &str,
+    ) -> PickOutcome {
         let Some(picker) = self.pools.get(pool).and_then(|p| p.picker.as_ref()) else {
             return PickOutcome::NotPicking;
         };
         let started = Instant::now();
         let (pick, in_flight) = match picker.lock() {
             Ok(mut p) => {
-                let pick = p.pick(hashes, subset, started);
+                let pick = p.pick(hashes, subset, started, request_id);
                 let in_flight = pick.as_ref().and_then(|pick| p.in_flight(pick.primary()));
                 (pick, in_flight)
             }
@@ -320,7 +326,12 @@ impl Pools {
         self.metrics.pick_duration.get_or_create(&label).observe(started.elapsed().as_secs_f64());
         match pick {
             Some(pick) => {
-                let by = if pick.affinity { "affinity" } else { "score" };
+                let by = match (pick.predicted, pick.affinity) {
+                    (true, true) => "predicted_affinity",
+                    (true, false) => "predicted",
+                    (false, true) => "affinity",
+                    (false, false) => "score",
+                };
                 let labels = PoolEndpoint { pool: pool.to_owned(), endpoint: pick.primary().to_owned(), by };
                 self.metrics.picks.get_or_create(&labels).inc();
                 if let Some(n) = in_flight {
@@ -340,12 +351,13 @@ impl Pools {
         }
     }
 
-    /// A request picked for `endpoint` (`ip:port`) of `pool` ended.
-    pub fn pick_finished(&self, pool: &str, endpoint: &str) {
+    /// A request picked for `endpoint` (`ip:port`) of `pool` ended; `observed`: its request id
+    /// and measured TTFT (seconds), for the pool's TTFT model.
+    pub fn pick_finished(&self, pool: &str, endpoint: &str, observed: Option<(&str, f64)>) {
         let Some(Ok(mut p)) = self.pools.get(pool).and_then(|p| p.picker.as_ref()).map(|p| p.lock()) else {
             return;
         };
-        if let Some(n) = p.finished(endpoint) {
+        if let Some(n) = p.finished(endpoint, observed) {
             drop(p);
             self.set_in_flight(pool, endpoint, n);
         }

@@ -102,6 +102,9 @@ pub struct Scrape {
     pub ttft_sum: f64,
     /// `vllm:time_to_first_token_seconds_count` (requests that got a first token, a counter).
     pub ttft_count: f64,
+    /// Tokens the engine's KV cache holds: `num_gpu_blocks` × `block_size` of
+    /// `vllm:cache_config_info` (0 when not reported).
+    pub cache_tokens: f64,
 }
 
 /// Parses the metrics text of a vLLM endpoint (label sets summed; the KV-cache usage is the
@@ -124,15 +127,38 @@ pub fn parse_vllm_metrics(text: &str) -> Scrape {
             "vllm:request_success_total" => s.finished += value,
             "vllm:time_to_first_token_seconds_sum" => s.ttft_sum += value,
             "vllm:time_to_first_token_seconds_count" => s.ttft_count += value,
+            "vllm:cache_config_info" => {
+                let label = |key: &str| label_value(name_labels, key).and_then(|v| v.parse::<f64>().ok());
+                if let (Some(blocks), Some(size)) = (label("num_gpu_blocks"), label("block_size")) {
+                    s.cache_tokens = s.cache_tokens.max(blocks * size);
+                }
+            }
             _ => {}
         }
     }
     s
 }
 
+/// The value of label `key` in a metric's `name{k="v",...}` (None when absent).
+fn label_value<'a>(name_labels: &'a str, key: &str) -> Option<&'a str> {
+    let labels = name_labels.split_once('{')?.1.strip_suffix('}')?;
+    labels.split(',').find_map(|pair| {
+        let (k, v) = pair.split_once('=')?;
+        (k.trim() == key).then(|| v.trim().trim_matches('"'))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_engines_cache_size_is_read_from_its_cache_config() {
+        let text = "vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",engine=\"0\",num_gpu_blocks=\"320\",num_gpu_blocks_override=\"320\"} 1.0\n";
+        assert_eq!(parse_vllm_metrics(text).cache_tokens, 5120.0);
+        let unknown = "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"None\"} 1.0\n";
+        assert_eq!(parse_vllm_metrics(unknown).cache_tokens, 0.0);
+    }
 
     #[test]
     fn parses_vllm_metrics_text() {

@@ -11,6 +11,8 @@
 //! - [`prefix_index`]: per endpoint, an LRU of the prompt-block hashes it served;
 //! - [`picker`]: eligibility (fresh metrics, subset hint), the weighted sum, bounded-load prefix
 //!   affinity, the fallbacks, and the per-pool state;
+//! - [`ttft_model`]: the pool's model of a request's TTFT on an endpoint (queue ahead, uncached
+//!   prompt), fitted online to the TTFTs the gateway measures: what `predicted_ttft` scoring ranks by;
 //! - [`prompt`]: a raw request body's prompt, hashed in blocks as the wasm filter hashes it (the
 //!   endpoint-picker role, which gets the body and not the filter's facts).
 
@@ -18,3 +20,4 @@ pub mod picker;
 pub mod prefix_index;
 pub mod prompt;
 pub mod scorers;
+pub mod ttft_model;

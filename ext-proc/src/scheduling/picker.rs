@@ -15,10 +15,22 @@
 //!    replica: the ranking of step 2 decides (in which the prefix still scores).
 //! 4. **Fallbacks**: the next `fallback_endpoints` of the ranking, for Envoy to try in order.
 //!
+//! With `scoring: predicted_ttft` (the default), once the pool's TTFT model has its samples
+//! ([`crate::scheduling::ttft_model`]), steps 2 and 3 are one: the endpoints are ranked by the
+//! predicted TTFT of this request on each (its queue ahead and its uncached prompt), ties broken
+//! by the rotation; affinity then wins exactly when the prefill it saves outweighs the queueing it
+//! adds on this engine. Each pick keeps its features until the request's end brings its measured
+//! TTFT, which the model fits.
+//!
+//! Each endpoint's prefix index is bounded by the engine's own cache when it reports one
+//! (`vllm:cache_config_info`: `num_gpu_blocks` × `block_size` tokens, at [`BYTES_PER_TOKEN`]), so
+//! the picker does not believe an endpoint holds what its cache has evicted.
+//!
 //! After a pick the request's block hashes are recorded on the picked endpoint
 //! ([`crate::scheduling::prefix_index::PrefixIndex`]) and its in-flight count goes up; the request's end (the access log, or
 //! the metering stream) takes it down.
 
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -26,8 +38,16 @@ use super::prefix_index::PrefixIndex;
 use super::scorers::{
     self, Candidate, InFlightScorer, KvCacheScorer, LatencyScorer, PrefixScorer, QueueScorer,
 };
-use crate::config::pools::PickerConfig;
+use crate::config::pools::{PickerConfig, PickerScoring};
 use crate::pools::signals::Scrape;
+use crate::scheduling::ttft_model::{Features, TtftModel};
+
+/// Bytes of prompt text per token, to turn an engine's cache size in tokens into prompt blocks
+/// (English text with Llama- or Gemma-style tokenizers runs at about 4).
+pub const BYTES_PER_TOKEN: usize = 4;
+
+/// Picks whose TTFT the picker awaits at most (the oldest are forgotten past it).
+pub const MAX_PENDING: usize = 8_192;
 
 /// The ranking of one request's candidates.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,6 +105,30 @@ pub fn choose(
     Some(Choice { order, affinity })
 }
 
+/// Ranks `candidates` by their `predicted` TTFT (same order), shortest first, ties broken by the
+/// rotation `tiebreak`; the pick and `fallback_endpoints` next. `affinity`: the pick holds the
+/// request's longest matched prefix (of at least one block). `None` without candidates.
+pub fn choose_predicted(
+    candidates: &[Candidate],
+    predicted: &[f64],
+    config: &PickerConfig,
+    tiebreak: usize,
+) -> Option<Choice> {
+    let n = candidates.len();
+    if n == 0 || predicted.len() != n {
+        return None;
+    }
+    let at = |i: usize| predicted.get(i).copied().filter(|v| v.is_finite()).unwrap_or(f64::INFINITY);
+    let rotation = |i: usize| (i + n - tiebreak % n) % n;
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| at(a).total_cmp(&at(b)).then(rotation(a).cmp(&rotation(b))));
+    let longest = candidates.iter().map(|c| c.prefix_blocks).max().unwrap_or(0);
+    let affinity = longest > 0
+        && order.first().and_then(|&i| candidates.get(i)).is_some_and(|c| c.prefix_blocks == longest);
+    order.truncate(config.fallback_endpoints.saturating_add(1));
+    Some(Choice { order, affinity })
+}
+
 /// What the picker keeps of one endpoint.
 #[derive(Debug)]
 pub struct EndpointState {
@@ -130,8 +174,11 @@ pub struct Pick {
     pub prefix_blocks: usize,
     /// The request's prompt blocks.
     pub request_blocks: usize,
-    /// Whether bounded-load affinity decided it.
+    /// Whether bounded-load affinity decided it (or, ranked by predicted TTFT, whether the pick
+    /// holds the longest matched prefix).
     pub affinity: bool,
+    /// Whether the predicted TTFT ranked it.
+    pub predicted: bool,
 }
 
 impl Pick {
@@ -154,6 +201,11 @@ pub struct PoolPicker {
     stale_after: Duration,
     endpoints: Vec<EndpointState>,
     picks: usize,
+    /// The pool's TTFT model.
+    model: TtftModel,
+    /// The features of picks whose end has not come, by request id (at most [`MAX_PENDING`]).
+    pending: HashMap<String, Features>,
+    pending_order: VecDeque<String>,
 }
 
 impl PoolPicker {
@@ -175,7 +227,20 @@ impl PoolPicker {
             })
             .collect();
         let stale_after = Duration::from_millis(config.stale_after_ms(scrape_interval_ms));
-        Self { config, stale_after, endpoints, picks: 0 }
+        Self {
+            config,
+            stale_after,
+            endpoints,
+            picks: 0,
+            model: TtftModel::new(),
+            pending: HashMap::new(),
+            pending_order: VecDeque::new(),
+        }
+    }
+
+    /// The pool's TTFT model.
+    pub fn model(&self) -> &TtftModel {
+        &self.model
     }
 
     /// The endpoints' state, in config order.
@@ -204,15 +269,27 @@ impl PoolPicker {
             }
             // A counter that went down (the server restarted) starts over from this scrape.
             e.ttft_seen = Some((s.ttft_sum, s.ttft_count));
+            if s.cache_tokens >= 1.0 && s.cache_tokens.is_finite() {
+                let blocks = (s.cache_tokens as usize).saturating_mul(BYTES_PER_TOKEN)
+                    / self.config.block_bytes.max(1);
+                e.prefixes.set_capacity(blocks.clamp(1, self.config.prefix_lru_blocks));
+            }
             e.scraped = Some((s, now));
         }
         e.picks = (0, e.picks.0);
     }
 
-    /// Picks an endpoint for a request whose prompt hashes to `hashes` (chained block hashes, may
-    /// be empty), among `subset` when given (the subset hint), at `now`; records the hashes on it
-    /// and counts it in flight. `None` when no endpoint is eligible.
-    pub fn pick(&mut self, hashes: &[u64], subset: Option<&[SocketAddr]>, now: Instant) -> Option<Pick> {
+    /// Picks an endpoint for request `request_id` whose prompt hashes to `hashes` (chained block
+    /// hashes, may be empty), among `subset` when given (the subset hint), at `now`; records the
+    /// hashes on it, counts it in flight, and keeps its features until [`Self::finished`] brings
+    /// its TTFT (an empty id keeps nothing). `None` when no endpoint is eligible.
+    pub fn pick(
+        &mut self,
+        hashes: &[u64],
+        subset: Option<&[SocketAddr]>,
+        now: Instant,
+        request_id: &str,
+    ) -> Option<Pick> {
         let eligible: Vec<usize> = (0..self.endpoints.len())
             .filter(|&i| {
                 self.endpoints.get(i).is_some_and(|e| {
@@ -235,8 +312,26 @@ impl PoolPicker {
                 }
             })
             .collect();
-        let choice = choose(&candidates, &self.config, hashes.len(), self.picks)?;
+        let block_bytes = self.config.block_bytes as f64;
+        let features: Vec<Features> = candidates
+            .iter()
+            .map(|c| {
+                let uncached = hashes.len().saturating_sub(c.prefix_blocks) as f64 * block_bytes;
+                TtftModel::features(c.load(), uncached)
+            })
+            .collect();
+        let predicted: Option<Vec<f64>> = match self.config.scoring {
+            PickerScoring::PredictedTtft => features.iter().map(|x| self.model.predict(*x)).collect(),
+            PickerScoring::Weighted => None,
+        };
+        let choice = match &predicted {
+            Some(p) => choose_predicted(&candidates, p, &self.config, self.picks)?,
+            None => choose(&candidates, &self.config, hashes.len(), self.picks)?,
+        };
         self.picks = self.picks.wrapping_add(1);
+        if let Some(x) = choice.order.first().and_then(|&c| features.get(c)) {
+            self.remember(request_id, *x);
+        }
         let prefix_blocks =
             choice.order.first().and_then(|&c| candidates.get(c)).map_or(0, |c| c.prefix_blocks);
         let picked: Vec<usize> = choice.order.iter().filter_map(|&c| eligible.get(c).copied()).collect();
@@ -247,12 +342,41 @@ impl PoolPicker {
         }
         let endpoints =
             picked.iter().filter_map(|&i| self.endpoints.get(i)).map(|e| e.label.clone()).collect();
-        Some(Pick { endpoints, prefix_blocks, request_blocks: hashes.len(), affinity: choice.affinity })
+        Some(Pick {
+            endpoints,
+            prefix_blocks,
+            request_blocks: hashes.len(),
+            affinity: choice.affinity,
+            predicted: predicted.is_some(),
+        })
     }
 
-    /// A request picked for `label` (`ip:port`) ended; returns the endpoint's in-flight count
-    /// (None: not an endpoint of the pool).
-    pub fn finished(&mut self, label: &str) -> Option<u64> {
+    /// Keeps a pick's features for its TTFT, forgetting the oldest past [`MAX_PENDING`].
+    fn remember(&mut self, request_id: &str, x: Features) {
+        if request_id.is_empty() {
+            return;
+        }
+        if self.pending.insert(request_id.to_owned(), x).is_none() {
+            self.pending_order.push_back(request_id.to_owned());
+        }
+        while self.pending_order.len() > MAX_PENDING {
+            if let Some(old) = self.pending_order.pop_front() {
+                self.pending.remove(&old);
+            }
+        }
+    }
+
+    /// A request picked for `label` (`ip:port`) ended; `observed`: its request id and measured
+    /// TTFT in seconds (a request that streamed a first token), which the TTFT model fits with
+    /// the features of its pick. Returns the endpoint's in-flight count (None: not an endpoint of
+    /// the pool).
+    pub fn finished(&mut self, label: &str, observed: Option<(&str, f64)>) -> Option<u64> {
+        if let Some((request_id, ttft_s)) = observed {
+            if let Some(x) = self.pending.remove(request_id) {
+                self.pending_order.retain(|id| id != request_id);
+                self.model.observe(x, ttft_s);
+            }
+        }
         let e = self.endpoints.iter_mut().find(|e| e.label == label)?;
         e.in_flight = e.in_flight.saturating_sub(1);
         Some(e.in_flight)
@@ -295,9 +419,9 @@ mod tests {
         p.scraped(1, ttft(1.2, 4.0), t0);
         assert_eq!(p.endpoints()[1].ttft, Some(0.3));
         for _ in 0..3 {
-            let pick = p.pick(&[], None, t0).unwrap();
+            let pick = p.pick(&[], None, t0, "").unwrap();
             assert_eq!(pick.primary(), "10.0.0.1:1", "the fast endpoint, while loads allow");
-            p.finished(pick.primary());
+            p.finished(pick.primary(), None);
         }
         // Interval 2 (no new first token on 1 keeps its mean; 0 smooths toward 0.3 s).
         p.scraped(0, ttft(1.6, 8.0), t0);
@@ -369,18 +493,18 @@ mod tests {
     fn stale_or_failed_endpoints_are_not_eligible() {
         let t0 = Instant::now();
         let mut p = PoolPicker::new(config(), &addrs(3), 500);
-        assert_eq!(p.pick(&[], None, t0), None, "nothing scraped yet");
+        assert_eq!(p.pick(&[], None, t0, ""), None, "nothing scraped yet");
         p.scraped(0, scrape(9.0, 0.0, 0.9), t0);
         p.scraped(1, scrape(0.0, 0.0, 0.0), t0);
         p.scraped(2, scrape(0.0, 0.0, 0.0), t0);
         p.scraped(2, None, t0 + Duration::from_millis(10));
         // 1 is the best; 2 failed its last scrape.
-        let pick = p.pick(&[], None, t0 + Duration::from_millis(100)).unwrap();
+        let pick = p.pick(&[], None, t0 + Duration::from_millis(100), "").unwrap();
         assert_eq!(pick.endpoints, vec!["10.0.0.1:2", "10.0.0.1:1"]);
         // Past stale_after_ms (default 2 s at a 500 ms interval) since their scrape: none.
-        assert_eq!(p.pick(&[], None, t0 + Duration::from_millis(2_001)), None);
+        assert_eq!(p.pick(&[], None, t0 + Duration::from_millis(2_001), ""), None);
         p.scraped(0, scrape(9.0, 0.0, 0.9), t0 + Duration::from_millis(2_000));
-        let pick = p.pick(&[], None, t0 + Duration::from_millis(2_001)).unwrap();
+        let pick = p.pick(&[], None, t0 + Duration::from_millis(2_001), "").unwrap();
         assert_eq!(pick.endpoints, vec!["10.0.0.1:1"], "only the fresh one, though loaded");
     }
 
@@ -391,12 +515,12 @@ mod tests {
         for i in 0..3 {
             p.scraped(i, scrape(if i == 1 { 0.0 } else { 5.0 }, 0.0, 0.0), t0);
         }
-        assert_eq!(p.pick(&[], None, t0).unwrap().primary(), "10.0.0.1:2");
+        assert_eq!(p.pick(&[], None, t0, "").unwrap().primary(), "10.0.0.1:2");
         let subset = [SocketAddr::from(([10, 0, 0, 1], 3)), SocketAddr::from(([10, 0, 0, 9], 9))];
-        let pick = p.pick(&[], Some(&subset), t0).unwrap();
+        let pick = p.pick(&[], Some(&subset), t0, "").unwrap();
         assert_eq!(pick.endpoints, vec!["10.0.0.1:3"], "only the subset, not even as a fallback");
-        assert_eq!(p.pick(&[], Some(&[]), t0), None, "an empty subset: nothing eligible");
-        assert_eq!(p.pick(&[], Some(&subset[1..]), t0), None, "a subset of unknown endpoints");
+        assert_eq!(p.pick(&[], Some(&[]), t0, ""), None, "an empty subset: nothing eligible");
+        assert_eq!(p.pick(&[], Some(&subset[1..]), t0, ""), None, "a subset of unknown endpoints");
     }
 
     #[test]
@@ -405,20 +529,20 @@ mod tests {
         let mut p = PoolPicker::new(PickerConfig { fallback_endpoints: 0, ..config() }, &addrs(2), 500);
         p.scraped(0, scrape(0.0, 0.0, 0.0), t0);
         p.scraped(1, scrape(0.0, 0.0, 0.0), t0);
-        let first = p.pick(&[11, 12, 13], None, t0).unwrap();
+        let first = p.pick(&[11, 12, 13], None, t0, "").unwrap();
         assert_eq!((first.prefix_blocks, first.request_blocks, first.affinity), (0, 3, false));
         // The same conversation again (a longer prompt): the same endpoint, by affinity.
-        let again = p.pick(&[11, 12, 13, 14], None, t0).unwrap();
+        let again = p.pick(&[11, 12, 13, 14], None, t0, "").unwrap();
         assert_eq!((again.primary(), again.prefix_blocks, again.affinity), (first.primary(), 3, true));
         let e = p.endpoints().iter().find(|e| e.label == first.primary()).unwrap();
         assert_eq!((e.in_flight, e.prefixes.len()), (2, 4));
         // Another prompt goes to the other, idle endpoint.
-        let other = p.pick(&[21, 22], None, t0).unwrap();
+        let other = p.pick(&[21, 22], None, t0, "").unwrap();
         assert_ne!(other.primary(), first.primary());
-        p.finished(first.primary());
-        p.finished(first.primary());
-        p.finished(first.primary());
-        p.finished("10.9.9.9:1");
+        p.finished(first.primary(), None);
+        p.finished(first.primary(), None);
+        p.finished(first.primary(), None);
+        p.finished("10.9.9.9:1", None);
         let in_flight: Vec<u64> = p.endpoints().iter().map(|e| e.in_flight).collect();
         assert!(in_flight.contains(&0) && in_flight.contains(&1), "{in_flight:?}: never below 0");
     }
@@ -429,7 +553,7 @@ mod tests {
         let mut p = PoolPicker::new(PickerConfig { fallback_endpoints: 0, ..config() }, &addrs(1), 500);
         p.scraped(0, scrape(0.0, 0.0, 0.0), t0);
         for _ in 0..5 {
-            p.pick(&[], None, t0);
+            p.pick(&[], None, t0, "");
         }
         // vLLM holds 2: the 5 picks of this interval may still be on their way.
         p.scraped(0, scrape(1.0, 1.0, 0.0), t0);
@@ -440,5 +564,88 @@ mod tests {
         // Their ends never came (lost access-log entries): past the window, bounded by vLLM's 2.
         p.scraped(0, scrape(1.0, 1.0, 0.0), t0);
         assert_eq!(p.endpoints()[0].in_flight, 2);
+    }
+
+    /// A model fitted to an engine whose TTFT is `a + b x load + c x uncached KiB`.
+    fn fitted(a: f64, b: f64, c: f64) -> TtftModel {
+        let mut m = TtftModel::new();
+        for i in 0..200u32 {
+            let load = f64::from(i % 5);
+            let bytes = f64::from((i * 37) % 97) * 64.0;
+            m.observe(TtftModel::features(load, bytes), a + b * load + c * bytes / 1024.0);
+        }
+        m
+    }
+
+    /// Two endpoints: 0 idle and cold, 1 holding the request's 64-block (4 KiB) prompt with three
+    /// requests in flight.
+    fn busy_holder(model: TtftModel) -> (PoolPicker, Vec<u64>, Instant) {
+        let t0 = Instant::now();
+        let mut p = PoolPicker::new(PickerConfig { fallback_endpoints: 0, ..config() }, &addrs(2), 500);
+        p.scraped(0, scrape(0.0, 0.0, 0.0), t0);
+        p.scraped(1, scrape(0.0, 0.0, 0.0), t0);
+        let hashes: Vec<u64> = (1..=64).collect();
+        p.endpoints[1].prefixes.record(&hashes);
+        p.endpoints[1].in_flight = 3;
+        p.model = model;
+        (p, hashes, t0)
+    }
+
+    #[test]
+    fn predicted_ttft_trades_saved_prefill_against_queueing_as_the_engine_does() {
+        // A CPU engine: a request ahead costs 0.6 s, 4 KiB of prefill 1.6 s. Queueing behind 3
+        // (1.8 s) costs more than the prefill saved: the idle endpoint.
+        let (mut p, hashes, t0) = busy_holder(fitted(0.2, 0.6, 0.4));
+        let pick = p.pick(&hashes, None, t0, "r1").unwrap();
+        assert_eq!((pick.primary(), pick.predicted, pick.affinity), ("10.0.0.1:1", true, false));
+        // A GPU-like engine: batching nearly free (0.02 s per request ahead): the holder.
+        let (mut p, hashes, t0) = busy_holder(fitted(0.05, 0.02, 0.4));
+        let pick = p.pick(&hashes, None, t0, "r2").unwrap();
+        assert_eq!((pick.primary(), pick.predicted, pick.affinity), ("10.0.0.1:2", true, true));
+        // Fixed weights when asked for, or before the model has its samples.
+        let (mut p, hashes, t0) = busy_holder(TtftModel::new());
+        assert!(!p.pick(&hashes, None, t0, "r3").unwrap().predicted);
+        let (mut p, hashes, t0) = busy_holder(fitted(0.2, 0.6, 0.4));
+        p.config.scoring = PickerScoring::Weighted;
+        assert!(!p.pick(&hashes, None, t0, "r4").unwrap().predicted);
+    }
+
+    #[test]
+    fn a_picks_measured_ttft_is_fitted_once_with_the_features_of_its_pick() {
+        let t0 = Instant::now();
+        let mut p = PoolPicker::new(PickerConfig { fallback_endpoints: 0, ..config() }, &addrs(1), 500);
+        p.scraped(0, scrape(0.0, 0.0, 0.0), t0);
+        for i in 0..MIN_SAMPLES_FOR_TEST {
+            let id = format!("r{i}");
+            let pick = p.pick(&[], None, t0, &id).unwrap();
+            p.finished(pick.primary(), Some((&id, 0.5)));
+            // Its end again (a second delivery): nothing more is fitted.
+            p.finished(pick.primary(), Some((&id, 9.0)));
+        }
+        assert_eq!(p.model().samples(), MIN_SAMPLES_FOR_TEST as u64);
+        assert!((p.model().predict(TtftModel::features(0.0, 0.0)).unwrap() - 0.5).abs() < 0.01);
+        // An end without a TTFT, or of an unknown request, fits nothing; the pending set is bounded.
+        let pick = p.pick(&[], None, t0, "x").unwrap();
+        p.finished(pick.primary(), None);
+        p.finished(pick.primary(), Some(("never-picked", 1.0)));
+        assert_eq!(p.model().samples(), MIN_SAMPLES_FOR_TEST as u64);
+        for i in 0..MAX_PENDING + 10 {
+            p.pick(&[], None, t0, &format!("p{i}"));
+        }
+        assert_eq!((p.pending.len(), p.pending_order.len()), (MAX_PENDING, MAX_PENDING));
+    }
+
+    const MIN_SAMPLES_FOR_TEST: usize = crate::scheduling::ttft_model::MIN_SAMPLES as usize;
+
+    #[test]
+    fn the_prefix_index_is_bounded_by_the_engines_cache() {
+        let t0 = Instant::now();
+        let mut p = PoolPicker::new(PickerConfig { fallback_endpoints: 0, ..config() }, &addrs(1), 500);
+        // 320 blocks of 16 tokens at 4 bytes a token: 320 prompt blocks of 64 bytes.
+        let cache = Some(Scrape { cache_tokens: 5120.0, ..Scrape::default() });
+        p.scraped(0, cache, t0);
+        let hashes: Vec<u64> = (1..=1000).collect();
+        p.pick(&hashes, None, t0, "");
+        assert_eq!(p.endpoints()[0].prefixes.len(), 320);
     }
 }

@@ -36,6 +36,11 @@ impl PrefixIndex {
         }
     }
 
+    /// Holds at most `capacity` hashes from now on (at least 1), the least recent evicted.
+    pub fn set_capacity(&mut self, capacity: usize) {
+        self.blocks.resize(NonZeroUsize::new(capacity).unwrap_or(NonZeroUsize::MIN));
+    }
+
     /// Hashes held now.
     pub fn len(&self) -> usize {
         self.blocks.len()

@@ -44,7 +44,7 @@ impl Chooser for PoolChooser {
         let hashes = body_hashes(body, self.config.block_bytes, self.config.max_blocks)
             .map(|(_, hashes)| hashes)
             .unwrap_or_default();
-        match self.shared.pools.pick(pool, &hashes, subset) {
+        match self.shared.pools.pick(pool, &hashes, subset, "") {
             PickOutcome::Picked(pick) => Ok(vec![pick.value()]),
             PickOutcome::NotPicking | PickOutcome::NoneEligible => {
                 Err(AdmissionError::NoEligibleEndpoint { pool: pool.clone() })
@@ -69,7 +69,7 @@ struct PickEnd {
 impl Drop for PickEnd {
     fn drop(&mut self) {
         if let Some(endpoint) = &self.endpoint {
-            self.shared.pools.pick_finished(&self.pool, endpoint);
+            self.shared.pools.pick_finished(&self.pool, endpoint, None);
         }
     }
 }
