@@ -12,7 +12,7 @@ use crate::admission::quota::{self, QuotaTake};
 use crate::error::AdmissionError;
 use crate::facts::RequestFacts;
 use crate::metering::ledger::Reservation;
-use crate::metrics::{Decision, PoolTier};
+use crate::metrics::labels::{Decision, PoolTier};
 use crate::state::Shared;
 use crate::store::Tracking;
 

@@ -22,7 +22,8 @@ use crate::admission::local_limiter::LocalLimiter;
 use crate::admission::quota::{QuotaOutcome, QuotaTake};
 use crate::config::redis::{FailureMode, RedisConfig};
 use crate::metering::ledger;
-use crate::metrics::{LeaseOutcome, Metrics, Reason};
+use crate::metrics::labels::{LeaseOutcome, Reason};
+use crate::metrics::Metrics;
 use crate::store::{Store, Tracking};
 
 /// Result of a take.

@@ -25,7 +25,7 @@ use crate::admission::limits::{self, BucketKind, BucketSpec};
 use crate::error::AdmissionError;
 use crate::facts::RequestFacts;
 use crate::metering::ledger::Reservation;
-use crate::metrics::CountOutcome;
+use crate::metrics::labels::CountOutcome;
 use crate::pools::flow::Entered;
 use crate::pools::PickOutcome;
 use crate::scheduling::picker::Pick;

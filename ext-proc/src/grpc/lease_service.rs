@@ -20,7 +20,7 @@ use tracing::debug;
 use crate::admission::admission_lease;
 use crate::admission::limits;
 use crate::admission::quota::QuotaTake;
-use crate::metrics::LeaseOutcome;
+use crate::metrics::labels::LeaseOutcome;
 use crate::proto::admission_leases_server::AdmissionLeases;
 use crate::proto::{LeaseGrant, LeaseRequest};
 use crate::state::Shared;

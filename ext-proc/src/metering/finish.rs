@@ -10,7 +10,8 @@ use crate::admission::admission_lease::LeaseUse;
 use crate::admission::limits;
 use crate::metering::ledger;
 use crate::metering::meter::{EndReason, UnusableUsage, UsageRecord};
-use crate::metrics::{Finished, Metrics, ModelLabel, TenantTokens, TokenType, UsageReason};
+use crate::metrics::labels::{Finished, ModelLabel, TenantTokens, TokenType, UsageReason};
+use crate::metrics::Metrics;
 use crate::state::Shared;
 
 /// Counts the metrics, settles the reservation (off the stream's path) and queues the record.

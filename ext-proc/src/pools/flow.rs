@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 use crate::flow_control::drain;
 use crate::flow_control::queue::{Entry, FlowQueue, Refusal};
 use crate::flow_control::{PoolFlow, Release};
-use crate::metrics::{PoolTier, QueueDequeue, QueueWait};
+use crate::metrics::labels::{PoolTier, QueueDequeue, QueueWait};
 use crate::pools::{Pool, Pools};
 
 /// Where a request stands once [`Pools::enter`] has seen it.

@@ -8,6 +8,14 @@
 //! and at most 3 × [`MAX_LABEL_VALUES`] distinct values are kept across the tenant, model and
 //! pool labels; later ones read `other`.
 
+pub mod labels;
+
+use crate::metrics::labels::{
+    CountOutcome, Decision, EndpointLabel, Finished, LeaseOutcome, ModelLabel, Op, Outcome, PoolBlocks,
+    PoolEndpoint, PoolLabel, PoolReason, PoolTier, QueueDequeue, QueueWait, Reason, TenantModel,
+    TenantTokens, TokenType, UsageReason,
+};
+
 use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
@@ -19,7 +27,6 @@ use http_body_util::Full;
 use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -29,171 +36,6 @@ use tracing::warn;
 
 /// Distinct values kept per label kind (tenant, model, pool) before `other`.
 pub const MAX_LABEL_VALUES: usize = 1000;
-
-/// `{tenant, model}`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct TenantModel {
-    /// Tenant id.
-    pub tenant: String,
-    /// Public model name.
-    pub model: String,
-}
-
-/// `{tenant, model, outcome}`: what admission decided.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct Outcome {
-    /// Tenant id.
-    pub tenant: String,
-    /// Public model name.
-    pub model: String,
-    /// `admitted`, `rate_limited_requests`, `rate_limited_tokens`, `overloaded`,
-    /// `context_length_exceeded`, `limiter_unavailable`, `tenant_not_configured`, `missing_tenant`.
-    pub outcome: String,
-}
-
-/// `{tenant, model, status, end_reason}`: how metered responses ended.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct Finished {
-    /// Tenant id.
-    pub tenant: String,
-    /// Public model name.
-    pub model: String,
-    /// Status class, `2xx`..`5xx`, or `none` when no response arrived.
-    pub status: String,
-    /// `completed` or `incomplete`.
-    pub end_reason: String,
-}
-
-/// `{model}`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ModelLabel {
-    /// Public model name.
-    pub model: String,
-}
-
-/// `{model, token_type}` (OTel `gen_ai.token.type`: `input` or `output`).
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct TokenType {
-    /// Public model name.
-    pub model: String,
-    /// `input` or `output`.
-    pub token_type: String,
-}
-
-/// `{tenant, model, token_type}`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct TenantTokens {
-    /// Tenant id.
-    pub tenant: String,
-    /// Public model name.
-    pub model: String,
-    /// `input` or `output`.
-    pub token_type: String,
-}
-
-/// `{decision, degraded}` of a limit decision.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct Decision {
-    /// `admit` or `deny`.
-    pub decision: String,
-    /// `true` when made without Redis (local buckets or failure mode closed).
-    pub degraded: String,
-}
-
-/// `{reason}` of a degraded decision: `breaker_open`, `redis_error`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct Reason {
-    /// Why Redis did not decide.
-    pub reason: String,
-}
-
-/// `{outcome}` of an admission-lease call from the filter: `granted`, `given_back`, or why none was
-/// granted (`off`, `unknown_tenant`, `picking`, `load_protected`, `shedding`, `headroom`, `too_tight`, `over_limit`, `quota`,
-/// `redis_unavailable`); of a report on a held lease (`reported`, `report_closed`,
-/// `report_failed`); also of a degraded bucket's reconciliation (`applied`, `retried`).
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct LeaseOutcome {
-    /// What the call got.
-    pub outcome: String,
-}
-
-/// `{reason}` of a usage the sidecar could not use and billed at the reservation instead.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct UsageReason {
-    /// `llm_gateway_usage_out_of_bounds_total`: `prompt_tokens`, `completion_tokens`,
-    /// `cached_tokens`; `llm_gateway_usage_unreadable_total`: `encoded`, `missing`, `duplicate`.
-    pub reason: &'static str,
-}
-
-/// `{outcome}` of an exact context count: `fits`, `exceeded` or `undecided`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct CountOutcome {
-    /// How the count ended.
-    pub outcome: &'static str,
-}
-
-/// `{pool}`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PoolLabel {
-    /// Envoy cluster of the pool.
-    pub pool: String,
-}
-
-/// `{pool, tier}`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PoolTier {
-    /// Envoy cluster of the pool.
-    pub pool: String,
-    /// Tenant tier.
-    pub tier: String,
-}
-
-/// `{pool, endpoint}` of a pick.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PoolEndpoint {
-    /// Envoy cluster of the pool.
-    pub pool: String,
-    /// The picked endpoint, `ip:port` (one of the pool's configured endpoints).
-    pub endpoint: String,
-    /// `affinity` when bounded-load prefix affinity decided it, else `score`.
-    pub by: &'static str,
-}
-
-/// `{pool, endpoint}`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct EndpointLabel {
-    /// Envoy cluster of the pool.
-    pub pool: String,
-    /// One of the pool's configured endpoints, `ip:port`.
-    pub endpoint: String,
-}
-
-/// `{pool, kind}` of the picker's prompt blocks: `requested` (the requests' blocks) or `hit`
-/// (those the picked endpoint had served recently).
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PoolBlocks {
-    /// Envoy cluster of the pool.
-    pub pool: String,
-    /// `requested` or `hit`.
-    pub kind: &'static str,
-}
-
-/// `{pool, reason}` of an admitted request the picker did not pick for: `none_eligible` (sent
-/// without a pick: Envoy's `LEAST_REQUEST` chooses) or `subset_none_eligible` (answered 503).
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PoolReason {
-    /// Envoy cluster of the pool.
-    pub pool: String,
-    /// Why no pick.
-    pub reason: &'static str,
-}
-
-/// `{op}` of a Redis call: `take`, `settle`, `record`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct Op {
-    /// The operation.
-    pub op: String,
-}
 
 type GaugeF64 = Gauge<f64, AtomicU64>;
 
@@ -335,29 +177,6 @@ pub struct Metrics {
     /// refused before entering it), by reason; `reserve`: let past a non-empty queue into the
     /// newcomer reserve (`flow_control.newcomer_reserve`).
     pub queue_dequeues: Family<QueueDequeue, Counter>,
-}
-
-/// `{pool, tier, tenant}`: a flow-control queue's waits.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct QueueWait {
-    /// Pool (Envoy cluster).
-    pub pool: String,
-    /// Tenant tier.
-    pub tier: String,
-    /// Tenant id.
-    pub tenant: String,
-}
-
-/// `{pool, tier, reason}`: why a request left (or never entered) a flow-control queue.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct QueueDequeue {
-    /// Pool (Envoy cluster).
-    pub pool: String,
-    /// Tenant tier.
-    pub tier: String,
-    /// `dispatched`, `timeout`, `predicted_wait`, `full`, `evicted`, `cancelled` (its stream went
-    /// away), `shutdown`.
-    pub reason: &'static str,
 }
 
 #[derive(Default)]
