@@ -32,7 +32,7 @@ use gateway_filter::proto::LeaseGrant;
 use prost::Message;
 
 use crate::abi::{CalloutResponse, Config as EnvoyConfig, Scheduler, CALLOUT_SUCCESS};
-use crate::{log_warn, now_us};
+use crate::host::{log_warn, now_us};
 
 /// The sidecar's lease method (`proto/llm_gateway/v1/lease.proto`), as a gRPC `:path`.
 const LEASE_PATH: &str = "/llm_gateway.v1.AdmissionLeases/Acquire";

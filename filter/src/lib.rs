@@ -6,12 +6,14 @@
 //! metering data to Envoy and the sidecar in `x-gateway-*` request headers (see [`pipeline`] for
 //! the header contract and [`error`] for the error replies).
 //!
-//! All decisions are pure, host-testable code; [`wasm`] (wasm32 only) is a thin adapter over
-//! proxy-wasm 0.2.5.
+//! All decisions are pure, host-testable code; [`driver`] holds the request/response sequence
+//! both hosts run, and [`wasm`] (wasm32 only) binds it to proxy-wasm 0.2.5 (`filter-native`
+//! binds it to Envoy's dynamic-module C ABI).
 
 pub mod auth;
 pub mod config;
 pub mod context;
+pub mod driver;
 pub mod error;
 pub mod json_scan;
 pub mod lease;
