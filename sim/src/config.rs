@@ -70,6 +70,88 @@ pub enum EngineKind {
     Batched,
 }
 
+/// The engine the batched engine's defaults model (`--profile`): each profile gives the KV
+/// cache's shape and the step costs ([`ProfileCosts`]), and says where its numbers come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum Profile {
+    /// Llama 3.1 8B Instruct in BF16 on one H100 SXM 80 GB under vLLM V1, derived from published
+    /// figures (the `DEFAULT_*` constants above), not measured here.
+    #[default]
+    #[value(name = "h100-llama-8b")]
+    H100Llama8b,
+    /// vLLM 0.32's CPU build serving Gemma-3-270M in float32 on one core of this project's
+    /// 2-core benchmark machine (AVX2), `--max-num-seqs 4`: the constants of [`CPU_GEMMA_270M`],
+    /// fitted to that engine's measured TTFTs and inter-token latencies (docs/benchmarks.md,
+    /// "On a real engine").
+    #[value(name = "cpu-gemma-270m")]
+    CpuGemma270m,
+}
+
+/// A profile's constants: the batched engine's flags of the same names.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ProfileCosts {
+    /// `--block-size`, tokens per KV-cache block.
+    pub block_size: u32,
+    /// `--num-gpu-blocks`, KV-cache blocks.
+    pub num_gpu_blocks: u32,
+    /// `--max-num-batched-tokens`, tokens one step may compute.
+    pub max_num_batched_tokens: u32,
+    /// `--step-base-ms`, milliseconds.
+    pub step_base_ms: f64,
+    /// `--prefill-us-per-token`, microseconds per uncached prompt token.
+    pub prefill_us_per_token: f64,
+    /// `--decode-us-per-seq`, microseconds per decoding sequence and step.
+    pub decode_us_per_seq: f64,
+}
+
+/// [`Profile::H100Llama8b`]'s constants.
+pub const H100_LLAMA_8B: ProfileCosts = ProfileCosts {
+    block_size: DEFAULT_BLOCK_SIZE,
+    num_gpu_blocks: DEFAULT_NUM_GPU_BLOCKS,
+    max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    step_base_ms: DEFAULT_STEP_BASE_MS,
+    prefill_us_per_token: DEFAULT_PREFILL_US_PER_TOKEN,
+    decode_us_per_seq: DEFAULT_DECODE_US_PER_SEQ,
+};
+
+/// Sim tokens per Gemma-3 token of `vllm bench serve`'s random and prefix-repetition prompts:
+/// the sim counts 4 bytes a token, and those prompts' Gemma tokens average 7.6 bytes (measured
+/// over 240 of them with Gemma-3-270M's tokenizer). [`CPU_GEMMA_270M`]'s lengths are scaled by it.
+pub const CPU_GEMMA_SIM_TOKENS_PER_TOKEN: f64 = 7.6 / 4.0;
+
+/// [`Profile::CpuGemma270m`]'s constants, in sim tokens ([`CPU_GEMMA_SIM_TOKENS_PER_TOKEN`] a
+/// Gemma token). Measured on one replica (vLLM 0.32 CPU build, float32, one core of a 2-core
+/// AVX2 machine, `--max-num-seqs 4`) with `bench/real_engine.py --fit` (medians of TTFT and
+/// TPOT from `vllm bench serve`, cold cache, no gateway):
+/// * `block_size`: the CPU build's KV blocks hold 128 tokens (its log: `kv cache group sizes
+///   (128, ...)`), so 243 sim tokens; prefix hits come in whole blocks, as there;
+/// * `num_gpu_blocks`: the benchmark's `--num-gpu-blocks-override 320` holds 6,490 Gemma tokens
+///   (the log: 41,527 tokens for 2,048 blocks, Gemma-3's sliding-window layers sharing them),
+///   which is 51 blocks of 128 tokens;
+/// * `max_num_batched_tokens`: vLLM's CPU default for the OpenAI server, 2,048 tokens, scaled;
+/// * `step_base_ms` 35.1 and `decode_us_per_seq` 3,440: a lone request's TPOT (38.5 ms) is base
+///   + one decode, four decoding together (48.8 ms) base + four;
+/// * `prefill_us_per_token` 607: a lone request's TTFT grows by 1.153 ms a Gemma token from 64
+///   to 1,024 prompt tokens (121 to 1,228 ms), 0.607 ms a sim token.
+pub const CPU_GEMMA_270M: ProfileCosts = ProfileCosts {
+    block_size: 243,
+    num_gpu_blocks: 51,
+    max_num_batched_tokens: 3891,
+    step_base_ms: 35.1,
+    prefill_us_per_token: 607.0,
+    decode_us_per_seq: 3440.0,
+};
+
+impl Profile {
+    /// The profile's constants.
+    pub fn costs(self) -> ProfileCosts {
+        match self {
+            Self::H100Llama8b => H100_LLAMA_8B,
+            Self::CpuGemma270m => CPU_GEMMA_270M,
+        }
+    }
+}
+
 /// The `vllm-sim` command line.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "vllm-sim", version, about = "vLLM-compatible OpenAI upstream simulator (no GPU, no model)")]
@@ -86,6 +168,28 @@ pub struct Cli {
     /// The simulated engine.
     #[command(flatten)]
     pub sim: SimConfig,
+}
+
+impl Cli {
+    /// Parses a command line (`args[0]` is the program name) and applies `--profile`: each
+    /// profile constant whose flag was not given takes the profile's value.
+    ///
+    /// # Errors
+    /// clap's error for an unknown flag or a value outside its range.
+    pub fn try_parse_with_profile<I, T>(args: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        use clap::{CommandFactory as _, FromArgMatches as _};
+        let matches = Self::command().try_get_matches_from(args)?;
+        let mut cli = Self::from_arg_matches(&matches)?;
+        let defaulted = |id: &str| {
+            matches!(matches.value_source(id), None | Some(clap::parser::ValueSource::DefaultValue))
+        };
+        cli.sim.apply_profile(defaulted);
+        Ok(cli)
+    }
 }
 
 /// The simulated engine: served names, context size, pacing, concurrency and fault injection.
@@ -141,6 +245,10 @@ pub struct SimConfig {
     /// (vLLM V1's scheduler: steps, chunked prefill, a paged KV cache with prefix caching).
     #[arg(long, value_enum, default_value_t = EngineKind::Fixed)]
     pub engine: EngineKind,
+    /// Batched engine: the engine whose costs the step-cost and cache-shape defaults model
+    /// ([`Profile`]); a flag given on the command line overrides its profile's value.
+    #[arg(long, value_enum, default_value_t = Profile::H100Llama8b)]
+    pub profile: Profile,
     /// Batched engine: tokens per KV-cache block (vLLM `--block-size`); at least 1.
     #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE, value_parser = clap::value_parser!(u32).range(1..))]
     pub block_size: u32,
@@ -204,6 +312,7 @@ impl Default for SimConfig {
             seed: 0,
             lora_modules: Vec::new(),
             engine: EngineKind::Fixed,
+            profile: Profile::H100Llama8b,
             block_size: DEFAULT_BLOCK_SIZE,
             num_gpu_blocks: DEFAULT_NUM_GPU_BLOCKS,
             max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -285,6 +394,37 @@ impl Pacing {
 }
 
 impl SimConfig {
+    /// The defaults with `profile`'s constants.
+    pub fn with_profile(profile: Profile) -> Self {
+        let mut config = Self { profile, ..Self::default() };
+        config.apply_profile(|_| true);
+        config
+    }
+
+    /// Sets each of [`ProfileCosts`]'s fields for which `defaulted(field name)` is true to
+    /// [`SimConfig::profile`]'s value.
+    pub fn apply_profile(&mut self, defaulted: impl Fn(&str) -> bool) {
+        let c = self.profile.costs();
+        if defaulted("block_size") {
+            self.block_size = c.block_size;
+        }
+        if defaulted("num_gpu_blocks") {
+            self.num_gpu_blocks = c.num_gpu_blocks;
+        }
+        if defaulted("max_num_batched_tokens") {
+            self.max_num_batched_tokens = c.max_num_batched_tokens;
+        }
+        if defaulted("step_base_ms") {
+            self.step_base_ms = c.step_base_ms;
+        }
+        if defaulted("prefill_us_per_token") {
+            self.prefill_us_per_token = c.prefill_us_per_token;
+        }
+        if defaulted("decode_us_per_seq") {
+            self.decode_us_per_seq = c.decode_us_per_seq;
+        }
+    }
+
     /// Checks every field against its documented range.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.served_model_names.is_empty() || self.served_model_names.iter().any(String::is_empty) {
@@ -409,6 +549,48 @@ mod tests {
         assert!(d.validate().is_ok());
         let batched = SimConfig { engine: EngineKind::Batched, ..d };
         assert!(batched.validate().is_ok());
+    }
+
+    #[test]
+    fn a_profile_sets_the_defaults_and_a_given_flag_wins() {
+        let h100 = Cli::try_parse_with_profile(["vllm-sim"]).unwrap().sim;
+        assert_eq!(h100.profile, Profile::H100Llama8b);
+        assert_eq!(
+            (h100.block_size, h100.step_base_ms, h100.prefill_us_per_token, h100.decode_us_per_seq),
+            (
+                DEFAULT_BLOCK_SIZE,
+                DEFAULT_STEP_BASE_MS,
+                DEFAULT_PREFILL_US_PER_TOKEN,
+                DEFAULT_DECODE_US_PER_SEQ
+            )
+        );
+        let cpu = Cli::try_parse_with_profile(["vllm-sim", "--profile", "cpu-gemma-270m"]).unwrap().sim;
+        let c = CPU_GEMMA_270M;
+        assert_eq!(
+            (cpu.block_size, cpu.num_gpu_blocks, cpu.max_num_batched_tokens),
+            (c.block_size, c.num_gpu_blocks, c.max_num_batched_tokens)
+        );
+        assert_eq!(
+            (cpu.step_base_ms, cpu.prefill_us_per_token, cpu.decode_us_per_seq),
+            (c.step_base_ms, c.prefill_us_per_token, c.decode_us_per_seq)
+        );
+        assert_eq!(SimConfig { engine: EngineKind::Batched, ..cpu.clone() }.validate(), Ok(()));
+        assert_eq!(SimConfig::with_profile(Profile::CpuGemma270m).step_base_ms, c.step_base_ms);
+        // A flag given on the command line is kept, even one equal to the other profile's value.
+        let given = Cli::try_parse_with_profile([
+            "vllm-sim",
+            "--profile",
+            "cpu-gemma-270m",
+            "--num-gpu-blocks",
+            "325",
+            "--step-base-ms",
+            "5",
+        ])
+        .unwrap()
+        .sim;
+        assert_eq!((given.num_gpu_blocks, given.step_base_ms), (325, 5.0));
+        assert_eq!(given.decode_us_per_seq, c.decode_us_per_seq);
+        assert!(Cli::try_parse_with_profile(["vllm-sim", "--profile", "a100"]).is_err());
     }
 
     #[test]

@@ -75,6 +75,9 @@
 //! prefill. `--ttft-ms` and `--itl-ms` are ignored. Defaults (Llama 3.1 8B in BF16 on one H100 SXM,
 //! derived from published figures, see [`config`]): 16-token blocks, 24,800 blocks, 8,192
 //! tokens a step, 5 ms a step, 40 us per prompt token, 40 us per decoding sequence, slowdown 1.
+//! `--profile cpu-gemma-270m` sets these to vLLM 0.32's CPU build serving Gemma-3-270M on one core,
+//! fitted to that engine's measured TTFTs and inter-token latencies ([`config::CPU_GEMMA_270M`]
+//! says how; a flag given on the command line overrides its profile's value).
 //! `/metrics` then also has `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total`,
 //! and `vllm:kv_cache_usage_perc` is the share of blocks held by running requests.
 //!
@@ -113,5 +116,5 @@ pub mod server;
 pub mod sse;
 pub mod tokens;
 
-pub use config::{Cli, EngineKind, SimConfig};
+pub use config::{Cli, EngineKind, Profile, SimConfig};
 pub use server::serve;

@@ -3,13 +3,15 @@
 use std::io::{self, Write as _};
 use std::process::ExitCode;
 
-use clap::Parser as _;
 use tokio::net::TcpListener;
 use tokio::signal::unix::{signal, SignalKind};
 use vllm_sim::Cli;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse_with_profile(std::env::args_os()) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     let runtime = if cli.workers == 1 {
         tokio::runtime::Builder::new_current_thread().enable_all().build()
     } else {
