@@ -10,10 +10,12 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::service::accesslog::v3::access_log_service_server::AccessLogService;
 use envoy_types::pb::envoy::service::accesslog::v3::stream_access_logs_message::LogEntries;
 use envoy_types::pb::envoy::service::accesslog::v3::{StreamAccessLogsMessage, StreamAccessLogsResponse};
+use gateway_meter::UsageSource;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::facts::picked_endpoint;
 use crate::metering::access_log::{self, Entry};
+use crate::scheduling::picker::Observed;
 use crate::state::Shared;
 
 /// The access log service.
@@ -43,10 +45,18 @@ impl AccessLogService for AccessLog {
                     Entry::Record(record) => {
                         let metadata = entry.common_properties.as_ref().and_then(|c| c.metadata.as_ref());
                         if let Some(endpoint) = picked_endpoint(metadata) {
-                            // A request that streamed a first token teaches the pool's TTFT model.
-                            let ttft = (record.ttft_us > 0 && (200..300).contains(&record.status))
-                                .then(|| (record.info.request_id.as_str(), record.ttft_us as f64 / 1e6));
-                            self.shared.pools.pick_finished(&record.info.pool, &endpoint, ttft);
+                            // A request that streamed a first token teaches the pool's TTFT model
+                            // and, with the upstream's usage, its bytes per token.
+                            let measured = record.ttft_us > 0 && (200..300).contains(&record.status);
+                            let observed = measured.then(|| Observed {
+                                request_id: record.info.request_id.as_str(),
+                                ttft_s: record.ttft_us as f64 / 1e6,
+                                prompt_tokens: match record.usage_source {
+                                    UsageSource::Upstream => record.prompt_tokens,
+                                    _ => 0,
+                                },
+                            });
+                            self.shared.pools.pick_finished(&record.info.pool, &endpoint, observed);
                         }
                         crate::metering::finish::finish(&self.shared, *record);
                     }

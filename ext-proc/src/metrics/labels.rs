@@ -160,6 +160,17 @@ pub struct PoolReason {
     pub reason: &'static str,
 }
 
+/// `{pool, term}` of a pool's fitted TTFT model (`crate::scheduling::ttft_model`): `floor_seconds`
+/// (`a`), `per_request_ahead_seconds` (`b`), `per_uncached_kib_seconds` (`c`), `samples`, and the
+/// pool's `prompt_bytes_per_token`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolTerm {
+    /// Envoy cluster of the pool.
+    pub pool: String,
+    /// The model's term.
+    pub term: &'static str,
+}
+
 /// `{op}` of a Redis call: `take`, `settle`, `record`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Op {

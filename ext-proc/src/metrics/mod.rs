@@ -12,7 +12,7 @@ pub mod labels;
 
 use crate::metrics::labels::{
     CountOutcome, Decision, EndpointLabel, Finished, LeaseOutcome, ModelLabel, Op, Outcome, PoolBlocks,
-    PoolEndpoint, PoolLabel, PoolReason, PoolTier, QueueDequeue, QueueWait, Reason, TenantModel,
+    PoolEndpoint, PoolLabel, PoolReason, PoolTerm, PoolTier, QueueDequeue, QueueWait, Reason, TenantModel,
     TenantTokens, TokenType, UsageReason,
 };
 
@@ -169,6 +169,11 @@ pub struct Metrics {
     /// `llm_gateway_picker_pick_duration_seconds{pool}`: the time of one pick (the lock, the
     /// scores, the prefix lookups).
     pub pick_duration: Family<PoolLabel, Histogram>,
+    /// `llm_gateway_picker_ttft_model{pool,term}`: the pool's fitted TTFT model, updated at each
+    /// request's end: `TTFT ≈ floor_seconds + per_request_ahead_seconds × requests ahead +
+    /// per_uncached_kib_seconds × uncached prompt KiB`, its `samples`, and the pool's measured
+    /// `prompt_bytes_per_token` (what sizes its prefix index from the engine's cache).
+    pub pick_ttft_model: Family<PoolTerm, GaugeF64>,
     /// `llm_gateway_queue_requests{pool,tier}`: requests waiting in a flow-control queue.
     pub queue_length: Family<PoolTier, Gauge>,
     /// `llm_gateway_queue_wait_seconds{pool,tier,tenant}`: how long dispatched requests waited.
@@ -246,6 +251,7 @@ impl Metrics {
             pick_prefix_blocks: Family::default(),
             no_pick: Family::default(),
             pick_in_flight: Family::default(),
+            pick_ttft_model: Family::default(),
             // 1 µs .. ~32 ms
             pick_duration: Family::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(1e-6, 2.0, 16))
@@ -486,6 +492,11 @@ impl Metrics {
             "llm_gateway_picker_in_flight_requests",
             "This sidecar's picks of an endpoint whose end it has not seen",
             self.pick_in_flight.clone(),
+        );
+        r.register(
+            "llm_gateway_picker_ttft_model",
+            "A picking pool's fitted TTFT model: floor, per request ahead and per uncached prompt KiB (seconds), samples; its prompt bytes per token",
+            self.pick_ttft_model.clone(),
         );
         r.register_with_unit(
             "llm_gateway_picker_pick_duration",

@@ -34,7 +34,7 @@ use crate::admission::shedding;
 use crate::admission::{admission_lease, lease_headroom};
 use crate::config::pools::{endpoint_addr, FlowControlConfig, PoolConfig};
 use crate::flow_control::PoolFlow;
-use crate::metrics::labels::{EndpointLabel, PoolBlocks, PoolEndpoint, PoolLabel, PoolReason};
+use crate::metrics::labels::{EndpointLabel, PoolBlocks, PoolEndpoint, PoolLabel, PoolReason, PoolTerm};
 use crate::metrics::Metrics;
 use crate::scheduling::picker::{Pick, PoolPicker};
 use crate::store::{InFlightFlush, InFlightTotal, Store};
@@ -352,15 +352,35 @@ impl Pools {
         }
     }
 
-    /// A request picked for `endpoint` (`ip:port`) of `pool` ended; `observed`: its request id
-    /// and measured TTFT (seconds), for the pool's TTFT model.
-    pub fn pick_finished(&self, pool: &str, endpoint: &str, observed: Option<(&str, f64)>) {
+    /// A request picked for `endpoint` (`ip:port`) of `pool` ended; `observed`: what its end
+    /// measured (TTFT, prompt tokens), for the pool's TTFT model and bytes per token.
+    pub fn pick_finished(
+        &self,
+        pool: &str,
+        endpoint: &str,
+        observed: Option<crate::scheduling::picker::Observed<'_>>,
+    ) {
         let Some(Ok(mut p)) = self.pools.get(pool).and_then(|p| p.picker.as_ref()).map(|p| p.lock()) else {
             return;
         };
-        if let Some(n) = p.finished(endpoint, observed) {
-            drop(p);
+        let in_flight = p.finished(endpoint, observed);
+        let model = observed
+            .is_some()
+            .then(|| (p.ttft_model().coefficients(), p.ttft_model().samples(), p.bytes_per_token()));
+        drop(p);
+        if let Some(n) = in_flight {
             self.set_in_flight(pool, endpoint, n);
+        }
+        if let Some(((a, b, c), samples, bytes_per_token)) = model {
+            for (term, v) in [
+                ("floor_seconds", a),
+                ("per_request_ahead_seconds", b),
+                ("per_uncached_kib_seconds", c),
+                ("samples", samples as f64),
+                ("prompt_bytes_per_token", bytes_per_token),
+            ] {
+                self.metrics.pick_ttft_model.get_or_create(&PoolTerm { pool: pool.to_owned(), term }).set(v);
+            }
         }
     }
 

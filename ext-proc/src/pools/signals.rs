@@ -102,8 +102,11 @@ pub struct Scrape {
     pub ttft_sum: f64,
     /// `vllm:time_to_first_token_seconds_count` (requests that got a first token, a counter).
     pub ttft_count: f64,
-    /// Tokens the engine's KV cache holds: `num_gpu_blocks` × `block_size` of
-    /// `vllm:cache_config_info` (0 when not reported).
+    /// Tokens the engine's KV cache holds, from `vllm:cache_config_info`: its
+    /// `kv_cache_size_tokens` where vLLM reports it (it counts what the blocks hold when several
+    /// attention groups share them: on vLLM 0.32's CPU build, Gemma-3-270M's 320 blocks of 128
+    /// tokens hold 6,488 tokens, not 40,960), else `num_gpu_blocks` × `block_size` (0 when
+    /// neither is reported).
     pub cache_tokens: f64,
 }
 
@@ -129,8 +132,10 @@ pub fn parse_vllm_metrics(text: &str) -> Scrape {
             "vllm:time_to_first_token_seconds_count" => s.ttft_count += value,
             "vllm:cache_config_info" => {
                 let label = |key: &str| label_value(name_labels, key).and_then(|v| v.parse::<f64>().ok());
-                if let (Some(blocks), Some(size)) = (label("num_gpu_blocks"), label("block_size")) {
-                    s.cache_tokens = s.cache_tokens.max(blocks * size);
+                let tokens = label("kv_cache_size_tokens")
+                    .or_else(|| Some(label("num_gpu_blocks")? * label("block_size")?));
+                if let Some(tokens) = tokens {
+                    s.cache_tokens = s.cache_tokens.max(tokens);
                 }
             }
             _ => {}
@@ -158,6 +163,12 @@ mod tests {
         assert_eq!(parse_vllm_metrics(text).cache_tokens, 5120.0);
         let unknown = "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"None\"} 1.0\n";
         assert_eq!(parse_vllm_metrics(unknown).cache_tokens, 0.0);
+        // vLLM 0.32's CPU build serving Gemma-3 (its attention groups share the 128-token blocks):
+        // the tokens it reports win over blocks x block size.
+        let hybrid = "vllm:cache_config_info{block_size=\"128\",engine=\"0\",kv_cache_size_tokens=\"6488\",num_gpu_blocks=\"320\"} 1.0\n";
+        assert_eq!(parse_vllm_metrics(hybrid).cache_tokens, 6488.0);
+        let none = "vllm:cache_config_info{block_size=\"128\",kv_cache_size_tokens=\"None\",num_gpu_blocks=\"320\"} 1.0\n";
+        assert_eq!(parse_vllm_metrics(none).cache_tokens, 40960.0);
     }
 
     #[test]

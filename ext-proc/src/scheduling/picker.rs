@@ -23,8 +23,9 @@
 //! TTFT, which the model fits.
 //!
 //! Each endpoint's prefix index is bounded by the engine's own cache when it reports one
-//! (`vllm:cache_config_info`: `num_gpu_blocks` × `block_size` tokens, at [`BYTES_PER_TOKEN`]), so
-//! the picker does not believe an endpoint holds what its cache has evicted.
+//! (`vllm:cache_config_info`'s tokens: [`crate::pools::signals::Scrape::cache_tokens`], at the
+//! pool's prompt bytes per token, [`PoolPicker::bytes_per_token`]), so the picker does not
+//! believe an endpoint holds what its cache has evicted.
 //!
 //! After a pick the request's block hashes are recorded on the picked endpoint
 //! ([`crate::scheduling::prefix_index::PrefixIndex`]) and its in-flight count goes up; the request's end (the access log, or
@@ -42,9 +43,22 @@ use crate::config::pools::{PickerConfig, PickerScoring};
 use crate::pools::signals::Scrape;
 use crate::scheduling::ttft_model::{Features, TtftModel};
 
-/// Bytes of prompt text per token, to turn an engine's cache size in tokens into prompt blocks
-/// (English text with Llama- or Gemma-style tokenizers runs at about 4).
+/// Bytes of prompt text per token before the pool's own are measured, to turn an engine's cache
+/// size in tokens into prompt blocks (English text with Llama- or Gemma-style tokenizers runs at
+/// about 4). Each request's end then teaches the picker its pool's bytes per token
+/// ([`PoolPicker::bytes_per_token`]): `vllm bench`'s random-token prompts run at 7.6 with
+/// Gemma-3's tokenizer, so at 4 the picker would believe a replica holds half of what it does.
 pub const BYTES_PER_TOKEN: usize = 4;
+
+/// Weight of one request's sample in the pool's smoothed bytes per token.
+const BYTES_PER_TOKEN_ALPHA: f64 = 0.05;
+
+/// The range a pool's measured bytes per token is kept in.
+const BYTES_PER_TOKEN_RANGE: (f64, f64) = (1.0, 32.0);
+
+/// Prompt tokens below which a request teaches nothing of its pool's bytes per token (its
+/// template and JSON would weigh too much).
+const MIN_TOKENS_FOR_RATIO: u64 = 64;
 
 /// Picks whose TTFT the picker awaits at most (the oldest are forgotten past it).
 pub const MAX_PENDING: usize = 8_192;
@@ -194,6 +208,17 @@ impl Pick {
     }
 }
 
+/// What a picked request's end measured ([`PoolPicker::finished`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Observed<'a> {
+    /// The request's id (`x-request-id`), as at its pick.
+    pub request_id: &'a str,
+    /// Its TTFT as the filter measured it, seconds.
+    pub ttft_s: f64,
+    /// Its usage's prompt tokens.
+    pub prompt_tokens: u64,
+}
+
 /// One pool's picker: its config, and the state of each endpoint.
 #[derive(Debug)]
 pub struct PoolPicker {
@@ -203,9 +228,12 @@ pub struct PoolPicker {
     picks: usize,
     /// The pool's TTFT model.
     model: TtftModel,
-    /// The features of picks whose end has not come, by request id (at most [`MAX_PENDING`]).
-    pending: HashMap<String, Features>,
+    /// The features and prompt blocks of picks whose end has not come, by request id (at most
+    /// [`MAX_PENDING`]).
+    pending: HashMap<String, (Features, usize)>,
     pending_order: VecDeque<String>,
+    /// The pool's prompt bytes per token, smoothed over the requests that ended.
+    bytes_per_token: f64,
 }
 
 impl PoolPicker {
@@ -235,6 +263,7 @@ impl PoolPicker {
             model: TtftModel::new(),
             pending: HashMap::new(),
             pending_order: VecDeque::new(),
+            bytes_per_token: BYTES_PER_TOKEN as f64,
         }
     }
 
@@ -270,8 +299,8 @@ impl PoolPicker {
             // A counter that went down (the server restarted) starts over from this scrape.
             e.ttft_seen = Some((s.ttft_sum, s.ttft_count));
             if s.cache_tokens >= 1.0 && s.cache_tokens.is_finite() {
-                let blocks = (s.cache_tokens as usize).saturating_mul(BYTES_PER_TOKEN)
-                    / self.config.block_bytes.max(1);
+                let blocks =
+                    (s.cache_tokens * self.bytes_per_token / self.config.block_bytes.max(1) as f64) as usize;
                 e.prefixes.set_capacity(blocks.clamp(1, self.config.prefix_lru_blocks));
             }
             e.scraped = Some((s, now));
@@ -330,7 +359,7 @@ impl PoolPicker {
         };
         self.picks = self.picks.wrapping_add(1);
         if let Some(x) = choice.order.first().and_then(|&c| features.get(c)) {
-            self.remember(request_id, *x);
+            self.remember(request_id, *x, hashes.len());
         }
         let prefix_blocks =
             choice.order.first().and_then(|&c| candidates.get(c)).map_or(0, |c| c.prefix_blocks);
@@ -351,12 +380,13 @@ impl PoolPicker {
         })
     }
 
-    /// Keeps a pick's features for its TTFT, forgetting the oldest past [`MAX_PENDING`].
-    fn remember(&mut self, request_id: &str, x: Features) {
+    /// Keeps a pick's features and prompt blocks for its end, forgetting the oldest past
+    /// [`MAX_PENDING`].
+    fn remember(&mut self, request_id: &str, x: Features, blocks: usize) {
         if request_id.is_empty() {
             return;
         }
-        if self.pending.insert(request_id.to_owned(), x).is_none() {
+        if self.pending.insert(request_id.to_owned(), (x, blocks)).is_none() {
             self.pending_order.push_back(request_id.to_owned());
         }
         while self.pending_order.len() > MAX_PENDING {
@@ -366,20 +396,40 @@ impl PoolPicker {
         }
     }
 
-    /// A request picked for `label` (`ip:port`) ended; `observed`: its request id and measured
-    /// TTFT in seconds (a request that streamed a first token), which the TTFT model fits with
-    /// the features of its pick. Returns the endpoint's in-flight count (None: not an endpoint of
-    /// the pool).
-    pub fn finished(&mut self, label: &str, observed: Option<(&str, f64)>) -> Option<u64> {
-        if let Some((request_id, ttft_s)) = observed {
-            if let Some(x) = self.pending.remove(request_id) {
-                self.pending_order.retain(|id| id != request_id);
-                self.model.observe(x, ttft_s);
+    /// A request picked for `label` (`ip:port`) ended; `observed`: what its end measured (a
+    /// request that streamed a first token): its TTFT, which the TTFT model fits with the
+    /// features of its pick, and its prompt tokens, which with the prompt blocks it was picked
+    /// with teach the pool's bytes per token. Returns the endpoint's in-flight count (None: not an
+    /// endpoint of the pool).
+    pub fn finished(&mut self, label: &str, observed: Option<Observed<'_>>) -> Option<u64> {
+        if let Some(o) = observed {
+            if let Some((x, blocks)) = self.pending.remove(o.request_id) {
+                self.pending_order.retain(|id| id != o.request_id);
+                self.model.observe(x, o.ttft_s);
+                // The hashed blocks cover the prompt's bytes but its last partial block.
+                if o.prompt_tokens >= MIN_TOKENS_FOR_RATIO && blocks >= 2 {
+                    let sample = (blocks * self.config.block_bytes) as f64 / o.prompt_tokens as f64;
+                    let (lo, hi) = BYTES_PER_TOKEN_RANGE;
+                    self.bytes_per_token = (self.bytes_per_token
+                        + BYTES_PER_TOKEN_ALPHA * (sample - self.bytes_per_token))
+                        .clamp(lo, hi);
+                }
             }
         }
         let e = self.endpoints.iter_mut().find(|e| e.label == label)?;
         e.in_flight = e.in_flight.saturating_sub(1);
         Some(e.in_flight)
+    }
+
+    /// The pool's prompt bytes per token: [`BYTES_PER_TOKEN`] until requests end, then what
+    /// they measured (prompt blocks × `block_bytes` over the usage's prompt tokens, smoothed).
+    pub fn bytes_per_token(&self) -> f64 {
+        self.bytes_per_token
+    }
+
+    /// The pool's fitted TTFT model.
+    pub fn ttft_model(&self) -> &TtftModel {
+        &self.model
     }
 
     /// The in-flight count of the endpoint `label`.
@@ -618,16 +668,19 @@ mod tests {
         for i in 0..MIN_SAMPLES_FOR_TEST {
             let id = format!("r{i}");
             let pick = p.pick(&[], None, t0, &id).unwrap();
-            p.finished(pick.primary(), Some((&id, 0.5)));
+            p.finished(pick.primary(), Some(Observed { request_id: &id, ttft_s: 0.5, prompt_tokens: 0 }));
             // Its end again (a second delivery): nothing more is fitted.
-            p.finished(pick.primary(), Some((&id, 9.0)));
+            p.finished(pick.primary(), Some(Observed { request_id: &id, ttft_s: 9.0, prompt_tokens: 0 }));
         }
         assert_eq!(p.model().samples(), MIN_SAMPLES_FOR_TEST as u64);
         assert!((p.model().predict(TtftModel::features(0.0, 0.0)).unwrap() - 0.5).abs() < 0.01);
         // An end without a TTFT, or of an unknown request, fits nothing; the pending set is bounded.
         let pick = p.pick(&[], None, t0, "x").unwrap();
         p.finished(pick.primary(), None);
-        p.finished(pick.primary(), Some(("never-picked", 1.0)));
+        p.finished(
+            pick.primary(),
+            Some(Observed { request_id: "never-picked", ttft_s: 1.0, prompt_tokens: 0 }),
+        );
         assert_eq!(p.model().samples(), MIN_SAMPLES_FOR_TEST as u64);
         for i in 0..MAX_PENDING + 10 {
             p.pick(&[], None, t0, &format!("p{i}"));
@@ -647,5 +700,40 @@ mod tests {
         let hashes: Vec<u64> = (1..=1000).collect();
         p.pick(&hashes, None, t0, "");
         assert_eq!(p.endpoints()[0].prefixes.len(), 320);
+    }
+
+    #[test]
+    fn the_pools_bytes_per_token_is_learned_from_ends_and_sizes_the_index() {
+        let t0 = Instant::now();
+        let mut p = PoolPicker::new(PickerConfig { fallback_endpoints: 0, ..config() }, &addrs(1), 500);
+        assert_eq!(p.bytes_per_token(), BYTES_PER_TOKEN as f64);
+        let block = p.config.block_bytes;
+        p.scraped(0, Some(Scrape::default()), t0);
+        // Prompts of 100 blocks that the usage counts at 8 bytes a token.
+        let hashes: Vec<u64> = (1..=100).collect();
+        let tokens = (100 * block / 8) as u64;
+        for i in 0..200 {
+            let id = format!("r{i}");
+            let pick = p.pick(&hashes, None, t0, &id).unwrap();
+            p.finished(
+                pick.primary(),
+                Some(Observed { request_id: &id, ttft_s: 0.5, prompt_tokens: tokens }),
+            );
+        }
+        assert!((p.bytes_per_token() - 8.0).abs() < 0.1, "{}", p.bytes_per_token());
+        // The engine's 5,120 tokens then hold 5,120 x 8 bytes of prompt.
+        p.scraped(0, Some(Scrape { cache_tokens: 5120.0, ..Scrape::default() }), t0);
+        let many: Vec<u64> = (1000..=100_000).collect();
+        p.pick(&many, None, t0, "");
+        let expected = (5120.0 * p.bytes_per_token() / block as f64) as usize;
+        assert_eq!(p.endpoints()[0].prefixes.len(), expected.min(p.config.prefix_lru_blocks));
+        // Short prompts, unknown requests and prompts of one block teach nothing.
+        let before = p.bytes_per_token();
+        let pick = p.pick(&hashes, None, t0, "short").unwrap();
+        p.finished(pick.primary(), Some(Observed { request_id: "short", ttft_s: 0.5, prompt_tokens: 10 }));
+        let pick = p.pick(&[7], None, t0, "one").unwrap();
+        p.finished(pick.primary(), Some(Observed { request_id: "one", ttft_s: 0.5, prompt_tokens: 1000 }));
+        p.finished("10.0.0.1:1", Some(Observed { request_id: "never", ttft_s: 0.5, prompt_tokens: 1000 }));
+        assert_eq!(p.bytes_per_token(), before);
     }
 }
