@@ -12,8 +12,10 @@ MUSL := x86_64-unknown-linux-musl
 SIDECAR_STATIC := target/$(MUSL)/image/gateway-ext-proc
 # Where `make images` names the images (REGISTRY/llm-gateway-ext-proc:VERSION, ...-filter:VERSION).
 IMAGE_REGISTRY ?= registry.example.com
+# Where `make bench-real` finds (or installs, with ../shared/real-vllm/setup.sh) vLLM for CPUs.
+REAL_VLLM_DIR ?= ../rv
 
-.PHONY: help setup build images run test test-unit test-integration lint bench fuzz
+.PHONY: help setup build images run test test-unit test-integration lint bench bench-real fuzz
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -62,6 +64,10 @@ bench: setup build ## Benchmarks (~70 min): gateway overhead vs bare Envoy (wasm
 	$(PY) bench/overhead.py $(BENCH_ARGS)
 	$(PY) bench/picker.py $(BENCH_ARGS)
 	$(PY) bench/flow_control.py $(BENCH_ARGS)
+
+bench-real: setup build ## Scheduling on a real engine (~60 min; not in CI): two vLLM CPU replicas (../shared/real-vllm/, installed into REAL_VLLM_DIR if absent), least-request, picker and ceiling arms, flow control's tenants; rewrites docs/benchmarks.md's "On a real engine"
+	@[ -x $(REAL_VLLM_DIR)/v/bin/python ] || bash ../shared/real-vllm/setup.sh $(REAL_VLLM_DIR)
+	REAL_VLLM_DIR=$(REAL_VLLM_DIR) $(PY) bench/real_engine.py $(BENCH_ARGS)
 
 lint: setup ## rustfmt and clippy (host and wasm32), warnings denied (CI runs it before the tests)
 	cargo fmt --all --check

@@ -112,7 +112,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import stack as stack_module  # noqa: E402
 from helpers import envoy_counter  # noqa: E402
-from results_page import (FLOW_BEGIN, FLOW_END, fmt, kept_section, overhead_tables, picker_section, ratio, render_page, signed, targets_table,
+from results_page import (FLOW_BEGIN, FLOW_END, REAL_ENGINE_BEGIN, REAL_ENGINE_END, fmt, kept_section, overhead_tables, picker_section, ratio, render_page, signed, targets_table,
                           write_charts)  # noqa: E402
 from stack import (  # noqa: E402
     FILTER_NATIVE,
@@ -1531,7 +1531,8 @@ def publish(summary: dict, results: Path, write_docs: bool) -> None:
     if DOC.exists():
         page = DOC.read_text()
         summary = {**summary, "picker_section": picker_section(page),
-                   "flow_section": kept_section(page, FLOW_BEGIN, FLOW_END)}
+                   "flow_section": kept_section(page, FLOW_BEGIN, FLOW_END),
+                   "real_engine_section": kept_section(page, REAL_ENGINE_BEGIN, REAL_ENGINE_END)}
     page = render_page(summary, charts)
     (results / "benchmarks.md").write_text(page)
     say(f"\nsummary: {results / 'summary.json'}\npage:    {results / 'benchmarks.md'}")

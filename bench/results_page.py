@@ -406,6 +406,12 @@ FLOW_PLACEHOLDER = (f"{FLOW_BEGIN}\n## Flow control (issue 13)\n\nNot run yet: "
                     f"`.venv/bin/python bench/flow_control.py` writes this section.\n{FLOW_END}")
 
 
+# Likewise the real-engine section, from bench/real_engine.py (`make bench-real`).
+REAL_ENGINE_BEGIN, REAL_ENGINE_END = "<!-- real-engine-benchmark:begin -->", "<!-- real-engine-benchmark:end -->"
+REAL_ENGINE_PLACEHOLDER = (f"{REAL_ENGINE_BEGIN}\n## On a real engine\n\nNot run yet: `make bench-real` "
+                           f"(bench/real_engine.py) writes this section.\n{REAL_ENGINE_END}")
+
+
 def kept_section(page: str, begin: str = PICKER_BEGIN, end: str = PICKER_END) -> str | None:
     """The section between `begin` and `end` of an existing docs/benchmarks.md, markers included
     (None if absent)."""
@@ -443,6 +449,7 @@ def render_page(summary: dict, charts: list[str]) -> str:
     values = {
         "picker_section": summary.get("picker_section") or PICKER_PLACEHOLDER,
         "flow_section": summary.get("flow_section") or FLOW_PLACEHOLDER,
+        "real_engine_section": summary.get("real_engine_section") or REAL_ENGINE_PLACEHOLDER,
         "generated": summary["finished_at"],
         "command": summary["command"],
         "nproc": str(m["nproc"]),
