@@ -118,6 +118,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
         .await
         .map_err(|source| RunError::Bind { addr: config.listen, source })?;
     let addr = listener.local_addr().map_err(|source| RunError::Bind { addr: config.listen, source })?;
+    if config.flow_control_unused() {
+        tracing::warn!("flow_control is set but no pool has a flow_control section: nothing is queued");
+    }
     let pools =
         Pools::new(&config.pools, config.flow_control.as_ref(), Arc::clone(&metrics), Some(store.clone()));
     pools.spawn_scrapers();

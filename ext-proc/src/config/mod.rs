@@ -545,4 +545,11 @@ impl Config {
     pub fn usage_stream(&self) -> String {
         self.metering.stream.clone().unwrap_or_else(|| format!("{}:usage-events", self.redis.key_prefix))
     }
+
+    /// Whether `flow_control` is set but no pool has its own `flow_control` section, so that no
+    /// request is ever queued (a pool with `max_in_flight` alone sheds its tiers instead): the
+    /// sidecar warns of it at start.
+    pub fn flow_control_unused(&self) -> bool {
+        self.flow_control.is_some() && self.pools.iter().all(|p| p.flow_control.is_none())
+    }
 }

@@ -527,3 +527,18 @@ fn bad_listen_address() {
     let e = err("listen: nowhere\nredis: {url: 'redis://x'}\ntenants: []\n");
     assert!(e.contains("listen"), "{e}");
 }
+
+#[test]
+fn flow_control_without_a_pool_of_its_own_is_reported_unused() {
+    let tiers = "flow_control: {tiers: [{name: standard, max_queue_wait_ms: 1000}]}\n";
+    let pool = |extra: &str| {
+        format!("pools:\n  - {{name: p, endpoints: ['http://10.0.0.1:1'], max_in_flight: 8{extra}}}\n")
+    };
+    let unused = Config::from_yaml(&format!("{BASE}tenants: []\n{tiers}{}", pool(""))).unwrap();
+    assert!(unused.flow_control_unused());
+    let used =
+        Config::from_yaml(&format!("{BASE}tenants: []\n{tiers}{}", pool(", flow_control: {}"))).unwrap();
+    assert!(!used.flow_control_unused());
+    let none = Config::from_yaml(&format!("{BASE}tenants: []\n{}", pool(""))).unwrap();
+    assert!(!none.flow_control_unused());
+}
