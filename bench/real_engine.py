@@ -298,7 +298,7 @@ def pct(values: list[float], q: float) -> float | None:
 def figures(reports: list[dict]) -> dict:
     """One run's figures from one or more clients that ran at once (their requests merged)."""
     ttfts = [t * 1000 for r in reports for t, e in zip(r.get("ttfts", []), r.get("errors", [])) if not e]
-    e2es = [t * 1000 for r in reports for t, e in zip(r.get("e2els", []), r.get("errors", [])) if not e]
+    e2es = [t * 1000 for r in reports for t, e in zip(r.get("latencies", []), r.get("errors", [])) if not e]
     completed = sum(r["completed"] for r in reports)
     duration = max(r["duration"] for r in reports)
     errors = [e for r in reports for e in r.get("errors", []) if e]
