@@ -133,6 +133,12 @@ pub const CPU_GEMMA_SIM_TOKENS_PER_TOKEN: f64 = 7.6 / 4.0;
 ///   + one decode, four decoding together (48.8 ms) base + four;
 /// * `prefill_us_per_token` 607: a lone request's TTFT grows by 1.153 ms a Gemma token from 64
 ///   to 1,024 prompt tokens (121 to 1,228 ms), 0.607 ms a sim token.
+///
+/// Not yet a calibration under load: in `bench/real_engine.py`'s workloads the sim with these
+/// constants served 1.1–1.7× the real engine's requests/s and most TTFT p50s 0.5–0.9× (7 of 30
+/// figures within ±20 %, docs/benchmarks.md). The probes see the engine alone; under load its
+/// API server, the gateway and the client share the two cores, and decode costs grow with the
+/// context, which the step model does not price.
 pub const CPU_GEMMA_270M: ProfileCosts = ProfileCosts {
     block_size: 243,
     num_gpu_blocks: 51,
