@@ -86,6 +86,11 @@ MAX_MODEL_LEN = 2048
 # Sim tokens (4 bytes each) per Gemma token of these datasets (7.6 bytes on average, measured
 # over vllm bench's random and prefix_repetition prompts with Gemma-3-270M's tokenizer).
 SIM_TOKENS_PER_TOKEN = 7.6 / 4
+# How much slower the engine steps under this benchmark's load than alone (the profile's fit):
+# two replicas, their API servers, the gateway and the client share the machine's two cores. In
+# run 20261201-194909 the real replicas' median inter-token latency with four running was 62-72 ms
+# on every picking workload and arm, against 48.9 ms alone (step 35.1 + 4 x 3.44 ms).
+SIM_LOAD_SLOWDOWN = 1.33
 # Gemma tokens the CPU build's KV cache holds per `--num-gpu-blocks-override` block (its log:
 # "CPU KV cache size: 41,527 tokens" with 2,048 blocks: 128-token blocks shared by Gemma-3's
 # attention groups).
@@ -205,7 +210,7 @@ class Replica:
             sim_blocks = math.ceil(self.blocks * REAL_TOKENS_PER_OVERRIDE_BLOCK / 128)
             argv = [str(SIM_BIN), "--port", str(self.port), "--served-model-name", MODEL, "--engine", "batched",
                     "--profile", "cpu-gemma-270m", "--num-gpu-blocks", str(sim_blocks),
-                    "--max-num-seqs", str(MAX_NUM_SEQS),
+                    "--max-num-seqs", str(MAX_NUM_SEQS), "--slowdown", str(SIM_LOAD_SLOWDOWN),
                     "--max-model-len", str(round(MAX_MODEL_LEN * SIM_TOKENS_PER_TOKEN))]
         self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
@@ -524,8 +529,10 @@ def section(summary: dict, meta: dict, sim: dict | None = None, sim_meta: dict |
     if sim is not None:
         head, sim_table = comparison(summary, sim)
         head_rows.append(head)
-        sim_text = (f"\n\n### The simulator against it\n\n`vllm-sim --engine batched --profile cpu-gemma-270m` "
-                    f"(sim/src/config.rs, `CPU_GEMMA_270M`: fitted with `bench/real_engine.py --fit`) in place of each "
+        sim_text = (f"\n\n### The simulator against it\n\n`vllm-sim --engine batched --profile cpu-gemma-270m "
+                    f"--slowdown {SIM_LOAD_SLOWDOWN:g}` (sim/src/config.rs, `CPU_GEMMA_270M`: one replica alone, fitted "
+                    f"with `bench/real_engine.py --fit`; the slowdown: the real replicas' inter-token latency under this "
+                    f"benchmark's load over the fit's, `SIM_LOAD_SLOWDOWN`) in place of each "
                     f"replica, the same gateways, client, prompts and arms; medians of {sim_meta['rounds']} round(s) "
                     f"of {sim_meta['prompts']} prompts (run of {sim_meta['stamp']}).\n\n{sim_table}")
     headline = md_table(["Measure", "Result"], head_rows)
