@@ -136,7 +136,8 @@ pub const CPU_GEMMA_SIM_TOKENS_PER_TOKEN: f64 = 7.6 / 4.0;
 ///
 /// Not yet a calibration under load: in `bench/real_engine.py`'s workloads the sim with these
 /// constants served 1.1–1.7× the real engine's requests/s and most TTFT p50s 0.5–0.9× (7 of 30
-/// figures within ±20 %, docs/benchmarks.md). The probes see the engine alone; under load its
+/// figures within ±20 %; with `--slowdown 1.33`, the engine's measured inter-token latency
+/// under that load over the fit's, 18 of 30, docs/benchmarks.md). The probes see the engine alone; under load its
 /// API server, the gateway and the client share the two cores, and decode costs grow with the
 /// context, which the step model does not price.
 pub const CPU_GEMMA_270M: ProfileCosts = ProfileCosts {
