@@ -411,25 +411,18 @@ impl SimConfig {
     /// Sets each of [`ProfileCosts`]'s fields for which `defaulted(field name)` is true to
     /// [`SimConfig::profile`]'s value.
     pub fn apply_profile(&mut self, defaulted: impl Fn(&str) -> bool) {
+        fn set<T>(defaulted: &impl Fn(&str) -> bool, name: &str, field: &mut T, value: T) {
+            if defaulted(name) {
+                *field = value;
+            }
+        }
         let c = self.profile.costs();
-        if defaulted("block_size") {
-            self.block_size = c.block_size;
-        }
-        if defaulted("num_gpu_blocks") {
-            self.num_gpu_blocks = c.num_gpu_blocks;
-        }
-        if defaulted("max_num_batched_tokens") {
-            self.max_num_batched_tokens = c.max_num_batched_tokens;
-        }
-        if defaulted("step_base_ms") {
-            self.step_base_ms = c.step_base_ms;
-        }
-        if defaulted("prefill_us_per_token") {
-            self.prefill_us_per_token = c.prefill_us_per_token;
-        }
-        if defaulted("decode_us_per_seq") {
-            self.decode_us_per_seq = c.decode_us_per_seq;
-        }
+        set(&defaulted, "block_size", &mut self.block_size, c.block_size);
+        set(&defaulted, "num_gpu_blocks", &mut self.num_gpu_blocks, c.num_gpu_blocks);
+        set(&defaulted, "max_num_batched_tokens", &mut self.max_num_batched_tokens, c.max_num_batched_tokens);
+        set(&defaulted, "step_base_ms", &mut self.step_base_ms, c.step_base_ms);
+        set(&defaulted, "prefill_us_per_token", &mut self.prefill_us_per_token, c.prefill_us_per_token);
+        set(&defaulted, "decode_us_per_seq", &mut self.decode_us_per_seq, c.decode_us_per_seq);
     }
 
     /// Checks every field against its documented range.
