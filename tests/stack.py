@@ -244,6 +244,7 @@ class Stack:
         journal: bool = True,
         native_module: Path | None = None,
         envoy_log_level: str | None = None,
+        request_log: bool = False,
     ):
         if profile not in ("gateway", "filter", "bare"):
             raise ValueError(f"unknown profile {profile}")
@@ -282,6 +283,9 @@ class Stack:
         self.envoy_args = envoy_args or []
         # Envoy's --log-level (default: $ENVOY_LOG_LEVEL, else info).
         self.envoy_log_level = envoy_log_level
+        # The request log (envoy/access_log_requests.yaml): one JSON line per request with why it
+        # failed, as gatewayctl renders it for the standalone target (`requests_logged()`).
+        self.request_log_path = workdir / "requests.log" if request_log else None
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.pools = pools
@@ -717,6 +721,9 @@ class Stack:
                     hcm["access_log"].append(
                         render("access_log_journal.yaml", {"JOURNAL_PATH": json.dumps(str(self.journal_path))}))
             filters.append(render("filters/guard.yaml"))
+        if self.request_log_path:
+            hcm.setdefault("access_log", []).append(
+                render("access_log_requests.yaml", {"ACCESS_LOG_PATH": json.dumps(str(self.request_log_path))}))
         filters.append({
             "name": "envoy.filters.http.router",
             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
@@ -854,6 +861,12 @@ class Stack:
 
     def envoy_log(self) -> str:
         return self.envoy.log_tail(200) if self.envoy else "(envoy not started)"
+
+    def requests_logged(self) -> list[dict]:
+        """The request log's entries so far (`request_log=True`), oldest first."""
+        if not self.request_log_path or not self.request_log_path.exists():
+            return []
+        return [json.loads(line) for line in self.request_log_path.read_text().splitlines() if line.strip()]
 
     def logs(self) -> str:
         return "\n\n".join(f"===== {p.name} ({p.log})\n{p.log_tail(80)}" for p in self.procs)

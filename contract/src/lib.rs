@@ -75,6 +75,22 @@ pub const PROPERTY_USAGE: &str = "llm_gateway.usage";
 /// Envoy filter-state key of [`PROPERTY_USAGE`], logged by the access log.
 pub const FS_USAGE: &str = "wasm.llm_gateway.usage";
 
+/// The wasm property the filter sets to the request's tenant id once its API key is known, for
+/// the request log (envoy/access_log_requests.yaml; plain text).
+pub const PROPERTY_TENANT: &str = "llm_gateway.tenant";
+/// Envoy filter-state key of [`PROPERTY_TENANT`].
+pub const FS_TENANT: &str = "wasm.llm_gateway.tenant";
+/// The wasm property the filter sets to the request's canonical model name once its body is
+/// decided, for the request log (plain text).
+pub const PROPERTY_MODEL: &str = "llm_gateway.model";
+/// Envoy filter-state key of [`PROPERTY_MODEL`].
+pub const FS_MODEL: &str = "wasm.llm_gateway.model";
+/// The wasm property the filter sets when it refuses a request itself: why, as
+/// `llm_gateway_<reason>` (the filter's `GatewayError::details`), for the request log.
+pub const PROPERTY_REFUSAL: &str = "llm_gateway.refusal";
+/// Envoy filter-state key of [`PROPERTY_REFUSAL`].
+pub const FS_REFUSAL: &str = "wasm.llm_gateway.refusal";
+
 /// The CEL expression the ext_proc filters list in `request_attributes` to receive
 /// [`FS_REQUEST`]; Envoy sends its value under this same string in `ProcessingRequest.attributes`.
 pub const ATTRIBUTE_REQUEST: &str = "filter_state['wasm.llm_gateway.request']";
@@ -269,7 +285,22 @@ pub struct RequestFacts {
     /// bounds per pool and per tenant. Absent from facts written before it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub body_bytes: Option<u64>,
+    /// The request's OpenTelemetry `gen_ai.operation.name` ([`OPERATIONS`]): `chat` (Chat
+    /// Completions and the Responses API), `text_completion` (Completions) or `embeddings`; the
+    /// sidecar's GenAI metrics carry it as `gen_ai_operation_name`. Absent from facts written
+    /// before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation: Option<String>,
+    /// The `model` the filter sent upstream (`served_model_name`, or the LoRA adapter's name):
+    /// what vLLM answers as the response's `model`, the sidecar's `gen_ai_response_model`.
+    /// Absent from facts written before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream_model: Option<String>,
 }
+
+/// The values of [`RequestFacts::operation`] (OpenTelemetry GenAI semantic conventions v1.37.0,
+/// `gen_ai.operation.name`).
+pub const OPERATIONS: [&str; 3] = ["chat", "text_completion", "embeddings"];
 
 impl RequestFacts {
     /// The facts' JSON, as the filter sets it.
@@ -358,6 +389,8 @@ mod tests {
             prompt_tokens_max: Some(4096),
             completion_tokens_max: None,
             body_bytes: Some(120),
+            operation: Some("chat".into()),
+            upstream_model: Some("org/m".into()),
         };
         let json = facts.to_json().unwrap();
         assert!(!String::from_utf8_lossy(&json).contains("completion_tokens_max"));

@@ -61,6 +61,10 @@ pub struct RequestFacts {
     /// The request body's size in bytes ([`gateway_contract::RequestFacts::body_bytes`]): what
     /// Envoy holds for it while it is queued.
     pub body_bytes: Option<u64>,
+    /// OpenTelemetry `gen_ai.operation.name` ([`gateway_contract::RequestFacts::operation`]).
+    pub operation: Option<String>,
+    /// The model name sent upstream ([`gateway_contract::RequestFacts::upstream_model`]).
+    pub upstream_model: Option<String>,
 }
 
 impl RequestFacts {
@@ -84,6 +88,8 @@ impl RequestFacts {
             prompt_tokens_max: facts.prompt_tokens_max,
             completion_tokens_max: facts.completion_tokens_max,
             body_bytes: facts.body_bytes,
+            operation: facts.operation,
+            upstream_model: facts.upstream_model,
         }
     }
 

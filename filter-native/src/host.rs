@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use gateway_contract::{FS_ADMISSION, FS_REQUEST, FS_USAGE};
+use gateway_contract::{FS_ADMISSION, FS_MODEL, FS_REFUSAL, FS_REQUEST, FS_TENANT, FS_USAGE};
 use gateway_filter::driver::{FilterState, HeaderMap, Host, Level, Worker};
 use gateway_filter::error::LocalReply;
 use gateway_filter::lease::{AdmissionFacts, LeaseAdmission};
@@ -15,8 +15,6 @@ use gateway_filter::uploads::UploadSlots;
 use crate::abi::{self, BodyType, Filter, HeaderType};
 use crate::leases::LeaseDriver;
 
-/// The response code details of the module's local replies.
-const REPLY_DETAILS: &str = "llm_gateway_filter";
 
 thread_local! {
     /// Request bodies in progress per tenant on this worker thread, per configuration (by its
@@ -161,6 +159,9 @@ impl Host for NativeHost {
             FilterState::Request => FS_REQUEST,
             FilterState::Admission => FS_ADMISSION,
             FilterState::Usage => FS_USAGE,
+            FilterState::Tenant => FS_TENANT,
+            FilterState::Model => FS_MODEL,
+            FilterState::Refusal => FS_REFUSAL,
         };
         self.envoy.set_filter_state(key, value)
     }
@@ -171,7 +172,7 @@ impl Host for NativeHost {
 
     fn send_reply(&mut self, reply: &LocalReply) {
         let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        self.envoy.send_response(reply.status, &headers, &reply.body, REPLY_DETAILS);
+        self.envoy.send_response(reply.status, &headers, &reply.body, reply.details);
     }
 
     fn log(&mut self, level: Level, message: &str) {

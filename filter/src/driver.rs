@@ -58,6 +58,12 @@ pub enum FilterState {
     Admission,
     /// The response's usage (JSON, [`gateway_meter::Usage`]), for the metering access log.
     Usage,
+    /// The tenant's id, once the API key is known (the request log).
+    Tenant,
+    /// The canonical model name, once the body is decided (the request log).
+    Model,
+    /// Why the filter refused the request (`LocalReply::details`; the request log).
+    Refusal,
 }
 
 /// A log line's level.
@@ -158,7 +164,16 @@ fn reply_internal(host: &mut impl Host, what: &'static str) -> Step {
 fn reply(host: &mut impl Host, e: &GatewayError) -> Step {
     let (status, _, code, _) = e.parts();
     host.log(Level::Debug, &format!("local reply {status} {code}"));
-    host.send_reply(&e.to_reply());
+    send(host, &e.to_reply())
+}
+
+/// Sends `reply`; a refusal's reason goes to the request log first (best effort: a reply
+/// without it is still sent).
+fn send(host: &mut impl Host, reply: &LocalReply) -> Step {
+    if reply.status >= 400 {
+        host.set_filter_state(FilterState::Refusal, reply.details.as_bytes());
+    }
+    host.send_reply(reply);
     Step::Replied
 }
 
@@ -216,18 +231,17 @@ impl<W: Worker> Driver<W> {
             }
         }
         let pending = match outcome.decision {
-            HeadersDecision::Reply(r) => {
-                host.send_reply(&r);
-                return Step::Replied;
-            }
-            // No body at all: the empty body is decided now (it fails as invalid JSON).
-            HeadersDecision::AwaitBody(pending) if end_of_stream => {
-                return self.finish_request(host, &cfg, &pending, Vec::new(), false);
-            }
+            HeadersDecision::Reply(r) => return send(host, &r),
             HeadersDecision::AwaitBody(pending) => pending,
         };
-        // A tenant the sidecar said is over its requests-per-minute limit costs no body.
         let tenant = cfg.tenants.get(pending.tenant).map_or("", |t| t.id.as_str());
+        // For the request log only (best effort): the sidecar reads the tenant from the facts.
+        host.set_filter_state(FilterState::Tenant, tenant.as_bytes());
+        if end_of_stream {
+            // No body at all: the empty body is decided now (it fails as invalid JSON).
+            return self.finish_request(host, &cfg, &pending, Vec::new(), false);
+        }
+        // A tenant the sidecar said is over its requests-per-minute limit costs no body.
         if let Some(retry_after_secs) = self.worker.tenant_over_rpm(tenant, self.started_us) {
             return reply(host, &GatewayError::TenantOverRequestLimit { retry_after_secs });
         }
@@ -314,6 +328,7 @@ impl<W: Worker> Driver<W> {
         if !published {
             return reply_internal(host, "cannot record the request's facts");
         }
+        host.set_filter_state(FilterState::Model, facts.model.as_bytes());
         if facts.leased_tokens.is_some() {
             // Envoy's matcher skips the ext_proc admission on this filter state. Should it fail,
             // the admission still sees `leased_tokens` in the facts and does not charge again.

@@ -90,6 +90,9 @@ impl Host for FakeHost {
             FilterState::Request => "request",
             FilterState::Admission => "admission",
             FilterState::Usage => "usage",
+            FilterState::Tenant => "tenant",
+            FilterState::Model => "model",
+            FilterState::Refusal => "refusal",
         };
         // Usage is set at most once per stream (metered exactly once).
         assert!(!(name == "usage" && self.state.contains_key("usage")), "usage published twice");
@@ -184,6 +187,8 @@ fn an_admitted_request_publishes_its_facts_sets_its_route_and_is_metered_once() 
     let facts: serde_json::Value = serde_json::from_slice(&h.state["request"]).unwrap();
     assert_eq!(facts["tenant"], "demo");
     assert!(facts["nonce"].is_string());
+    assert_eq!((&h.state["tenant"][..], &h.state["model"][..]), (&b"demo"[..], &b"qwen"[..]), "for the request log");
+    assert!(!h.state.contains_key("refusal"));
     assert!(!h.state.contains_key("admission"));
     assert_eq!(h.route_cleared, 1);
     h.response_headers =
@@ -247,6 +252,8 @@ fn refusals_reply_and_read_no_body() {
         Step::Replied
     );
     assert_eq!(h.reply_status(), Some(401));
+    assert_eq!(h.state["refusal"], b"llm_gateway_invalid_api_key", "the request log says why");
+    assert!(!h.state.contains_key("tenant"), "no tenant for a key that matches none");
     // A tenant over its RPM: 429 at the headers, no slot taken.
     let worker = FakeWorker { over_rpm: Some(12), ..FakeWorker::default() };
     let mut h = host("sk-demo", CHAT);
@@ -255,6 +262,8 @@ fn refusals_reply_and_read_no_body() {
         Step::Replied
     );
     assert_eq!(h.reply_status(), Some(429));
+    assert_eq!(h.state["refusal"], b"llm_gateway_tenant_over_rpm");
+    assert_eq!(h.state["tenant"], b"demo");
     assert_eq!(worker.uploads.borrow().in_progress(0), 0);
     // A second upload of the tenant while the first is in progress (max_uploads_per_tenant 1).
     let worker = FakeWorker::default();

@@ -198,6 +198,10 @@ pub struct LocalReply {
     pub headers: Vec<(&'static str, String)>,
     /// JSON body bytes.
     pub body: Vec<u8>,
+    /// Envoy's response code details for the reply (`%RESPONSE_CODE_DETAILS%` in the request
+    /// log): `llm_gateway_` and the OpenAI error `code` the body carries (e.g.
+    /// `llm_gateway_invalid_api_key`), `llm_gateway_filter` for a reply that is not an error.
+    pub details: &'static str,
 }
 
 /// `{"error": {...}}`, fields in the order of the OpenAI API.
@@ -224,7 +228,12 @@ impl LocalReply {
             br#"{"error":{"message":"internal error","type":"server_error","param":null,"code":"internal_error"}}"#
                 .to_vec()
         });
-        LocalReply { status, headers: vec![("content-type", "application/json".to_string())], body }
+        LocalReply {
+            status,
+            headers: vec![("content-type", "application/json".to_string())],
+            body,
+            details: "llm_gateway_filter",
+        }
     }
 }
 
@@ -256,6 +265,32 @@ impl GatewayError {
         }
     }
 
+    /// Why the filter refused the request, one value per variant (finer than the OpenAI
+    /// `code`: a missing key and a wrong one differ): the reply's Envoy response code details
+    /// (`%RESPONSE_CODE_DETAILS%`), `llm_gateway_` and the reason.
+    pub fn details(&self) -> &'static str {
+        match self {
+            GatewayError::NotFound { .. } => "llm_gateway_not_found",
+            GatewayError::MethodNotAllowed { .. } => "llm_gateway_method_not_allowed",
+            GatewayError::MissingApiKey => "llm_gateway_missing_api_key",
+            GatewayError::InvalidApiKey => "llm_gateway_invalid_api_key",
+            GatewayError::RequestTooLarge { .. } => "llm_gateway_request_too_large",
+            GatewayError::InvalidJson { .. } => "llm_gateway_invalid_json",
+            GatewayError::DuplicateParameter { .. } => "llm_gateway_duplicate_parameter",
+            GatewayError::TooManyMembers { .. } => "llm_gateway_too_many_members",
+            GatewayError::MissingParameter { .. } => "llm_gateway_missing_required_parameter",
+            GatewayError::InvalidType { .. } => "llm_gateway_invalid_type",
+            GatewayError::InvalidValue { .. } => "llm_gateway_invalid_value",
+            GatewayError::ModelNotFound { .. } => "llm_gateway_model_not_found",
+            GatewayError::ModelNotAllowed { .. } => "llm_gateway_model_not_allowed",
+            GatewayError::MaxTokensTooLarge { .. } => "llm_gateway_max_tokens_too_large",
+            GatewayError::ContextLengthExceeded { .. } => "llm_gateway_context_length_exceeded",
+            GatewayError::TooManyUploads { .. } => "llm_gateway_too_many_uploads",
+            GatewayError::TenantOverRequestLimit { .. } => "llm_gateway_tenant_over_rpm",
+            GatewayError::Internal { .. } => "llm_gateway_internal_error",
+        }
+    }
+
     /// The local reply for this error: status from [`GatewayError::parts`], body
     /// `{"error":{"message":<Display>,"type":..,"param":..,"code":..}}`,
     /// `content-type: application/json`, and `allow` for 405.
@@ -263,6 +298,7 @@ impl GatewayError {
         let (status, kind, code, param) = self.parts();
         let body = ErrorBody { error: ErrorObject { message: self.to_string(), kind, param, code } };
         let mut reply = LocalReply::json(status, &body);
+        reply.details = self.details();
         match self {
             GatewayError::MethodNotAllowed { allow, .. } => {
                 reply.headers.push(("allow", (*allow).to_string()))

@@ -421,6 +421,8 @@ fn finish_plan(
         prompt_tokens_max: None,
         completion_tokens_max: None,
         body_bytes: Some(body.len() as u64),
+        operation: Some(pending.endpoint.operation().to_owned()),
+        upstream_model: Some(route.body_model.to_owned()),
     };
     let admission = (!exact_check).then(|| AdmissionFacts {
         tenant: facts.tenant.clone(),

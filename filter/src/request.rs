@@ -72,6 +72,16 @@ impl Endpoint {
         matches!(self, Endpoint::ChatCompletions | Endpoint::Completions)
     }
 
+    /// The endpoint's OpenTelemetry `gen_ai.operation.name` ([`gateway_contract::OPERATIONS`]):
+    /// the Responses API is `chat` (a conversation in, generated content out, as Chat Completions).
+    pub fn operation(self) -> &'static str {
+        match self {
+            Endpoint::ChatCompletions | Endpoint::Responses | Endpoint::Models => "chat",
+            Endpoint::Completions => "text_completion",
+            Endpoint::Embeddings => "embeddings",
+        }
+    }
+
     /// The API whose response shapes the meter reads for this endpoint.
     pub fn meter_api(self) -> gateway_meter::Api {
         match self {

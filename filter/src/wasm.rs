@@ -37,7 +37,9 @@ use crate::uploads::UploadSlots;
 mod probes;
 mod root;
 
-use gateway_contract::{PROPERTY_ADMISSION, PROPERTY_REQUEST, PROPERTY_USAGE};
+use gateway_contract::{
+    PROPERTY_ADMISSION, PROPERTY_MODEL, PROPERTY_REFUSAL, PROPERTY_REQUEST, PROPERTY_TENANT, PROPERTY_USAGE,
+};
 
 /// Microseconds since the Unix epoch, from Envoy's clock (0 if unavailable).
 fn now_us() -> u64 {
@@ -227,6 +229,9 @@ impl Host for WasmHost {
             FilterState::Request => PROPERTY_REQUEST,
             FilterState::Admission => PROPERTY_ADMISSION,
             FilterState::Usage => PROPERTY_USAGE,
+            FilterState::Tenant => PROPERTY_TENANT,
+            FilterState::Model => PROPERTY_MODEL,
+            FilterState::Refusal => PROPERTY_REFUSAL,
         };
         ok(hostcalls::set_property(vec![name], Some(value)), "set_property")
     }

@@ -148,6 +148,12 @@ pub struct EnvoySection {
     /// Gateway: docs/deploy.md names their equivalents.
     #[serde(default)]
     pub edge: EdgeSection,
+    /// The request log of the standalone Envoy (envoy/access_log_requests.yaml): one JSON line
+    /// per request with its response flags and code details, upstream host, picked endpoint,
+    /// queue wait, tenant and model (never a key). On by default, to Envoy's stdout. The mesh
+    /// targets keep their own access logs (docs/operations.md, "The request log").
+    #[serde(default)]
+    pub access_log: AccessLogSection,
 }
 
 impl Default for EnvoySection {
@@ -156,8 +162,37 @@ impl Default for EnvoySection {
             listen: default_envoy_listen(),
             admin_port: default_admin_port(),
             edge: EdgeSection::default(),
+            access_log: AccessLogSection::default(),
         }
     }
+}
+
+/// The standalone Envoy's request log.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AccessLogSection {
+    /// Whether Envoy writes it (default `true`).
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// Where: an absolute path, `/dev/stdout` by default. Envoy reopens the file on SIGUSR1 or
+    /// admin `POST /reopen_logs`, so a file can be rotated by renaming it (logrotate's
+    /// `postrotate`).
+    #[serde(default = "default_access_log_path")]
+    pub path: PathBuf,
+}
+
+impl Default for AccessLogSection {
+    fn default() -> Self {
+        Self { enabled: true, path: default_access_log_path() }
+    }
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_access_log_path() -> PathBuf {
+    PathBuf::from("/dev/stdout")
 }
 
 /// Edge limits, after Envoy's "Configuring Envoy as an edge proxy" guidance. What each protects
@@ -1575,6 +1610,9 @@ impl GatewayConfig {
     }
 
     fn validate_edge(&self) -> Result<(), FieldError> {
+        if !self.envoy.access_log.path.is_absolute() {
+            return fail("envoy.access_log.path", "must be an absolute path (default /dev/stdout)");
+        }
         let e = &self.envoy.edge;
         if e.max_heap_bytes < 64 << 20 {
             return fail("envoy.edge.max_heap_bytes", "must be at least 67108864 (64 MiB)");

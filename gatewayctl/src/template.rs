@@ -46,6 +46,8 @@ pub const FILTER_METERING: Template = template!("envoy/filters/ext_proc_metering
 pub const ACCESS_LOG_METERING: Template = template!("envoy/access_log_metering.yaml");
 /// The usage journal: a file access log entry (standalone target, `sidecar.metering.journal_path`).
 pub const ACCESS_LOG_JOURNAL: Template = template!("envoy/access_log_journal.yaml");
+/// The request log: a file access log entry (standalone target, `envoy.access_log`).
+pub const ACCESS_LOG_REQUESTS: Template = template!("envoy/access_log_requests.yaml");
 /// The sidecar's cluster.
 pub const EXT_PROC_CLUSTER: Template = template!("envoy/ext_proc_cluster.yaml");
 /// mTLS to the sidecar: the transport socket of its cluster.

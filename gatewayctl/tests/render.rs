@@ -627,7 +627,10 @@ fn the_usage_journal_is_rendered_for_the_standalone_envoy_and_its_sidecar() {
         render(&loaded, Target::Standalone).unwrap().files.into_iter().map(|f| (f.path, f.content)).collect();
     let b = yaml(&out["standalone/envoy.yaml"]);
     let hcm = &b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
-    assert_eq!(names(&hcm["access_log"]), ["envoy.access_loggers.http_grpc", "envoy.access_loggers.file"]);
+    assert_eq!(
+        names(&hcm["access_log"]),
+        ["envoy.access_loggers.http_grpc", "envoy.access_loggers.file", "envoy.access_loggers.file"]
+    );
     let journal = &hcm["access_log"][1]["typed_config"];
     assert_eq!(journal["path"], "/var/lib/llm-gateway/usage.journal");
     assert_eq!(
@@ -643,9 +646,51 @@ fn the_usage_journal_is_rendered_for_the_standalone_envoy_and_its_sidecar() {
         render(&loaded, Target::All).unwrap().files.into_iter().map(|f| (f.path, f.content)).collect();
     assert!(!meshes["kubernetes/sidecar-configmap.yaml"].contains("journal"));
     // Without it, the example renders no journal.
-    assert!(!files(Target::Standalone)["standalone/envoy.yaml"].contains("access_loggers.file"));
+    assert!(!files(Target::Standalone)["standalone/envoy.yaml"].contains("usage.journal"));
     let error = with_journal("usage.journal").unwrap_err();
     assert!(error.contains("sidecar.metering.journal_path"), "{error}");
+}
+
+#[test]
+fn the_request_log_is_on_by_default_to_stdout_and_can_be_moved_or_turned_off() {
+    let hcm_of = |text: &str| {
+        let loaded = Loaded::from_yaml(text, "gateway.yaml", Path::new("../envoy/examples").to_path_buf())
+            .map_err(|e| e.to_string())?;
+        let out: BTreeMap<String, String> =
+            render(&loaded, Target::Standalone).unwrap().files.into_iter().map(|f| (f.path, f.content)).collect();
+        let b = yaml(&out["standalone/envoy.yaml"]);
+        Ok::<_, String>(b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"].clone())
+    };
+    let example = std::fs::read_to_string(EXAMPLE).unwrap();
+    let hcm = hcm_of(&example).unwrap();
+    assert_eq!(names(&hcm["access_log"]), ["envoy.access_loggers.http_grpc", "envoy.access_loggers.file"]);
+    let log = &hcm["access_log"][1]["typed_config"];
+    assert_eq!(log["path"], "/dev/stdout");
+    let fields = &log["log_format"]["json_format"];
+    for (field, command) in [
+        ("response_flags", "%RESPONSE_FLAGS%"),
+        ("response_code_details", "%RESPONSE_CODE_DETAILS%"),
+        ("upstream_host", "%UPSTREAM_HOST%"),
+        ("picked_endpoint", "%DYNAMIC_METADATA(llm_gateway:picked_endpoint)%"),
+        ("queue_wait_ms", "%DYNAMIC_METADATA(llm_gateway:queue_wait_ms)%"),
+        ("tenant", "%FILTER_STATE(wasm.llm_gateway.tenant:PLAIN)%"),
+        ("model", "%FILTER_STATE(wasm.llm_gateway.model:PLAIN)%"),
+        ("refusal", "%FILTER_STATE(wasm.llm_gateway.refusal:PLAIN)%"),
+    ] {
+        assert_eq!(fields[field], command, "{field}");
+    }
+    let text = serde_yaml_ng::to_string(log).unwrap().to_lowercase();
+    for secret in ["authorization", "x-api-key"] {
+        assert!(!text.contains(secret), "the request log must not carry {secret}");
+    }
+    let with = |access_log: &str| example.replacen("envoy:\n", &format!("envoy:\n  access_log: {access_log}\n"), 1);
+    assert!(example.contains("envoy:\n"), "the example has an envoy section");
+    let hcm = hcm_of(&with("{path: /var/log/llm-gateway/requests.log}")).unwrap();
+    assert_eq!(hcm["access_log"][1]["typed_config"]["path"], "/var/log/llm-gateway/requests.log");
+    let hcm = hcm_of(&with("{enabled: false}")).unwrap();
+    assert_eq!(names(&hcm["access_log"]), ["envoy.access_loggers.http_grpc"]);
+    let err = hcm_of(&with("{path: requests.log}")).unwrap_err();
+    assert!(err.contains("envoy.access_log.path: must be an absolute path"), "{err}");
 }
 
 #[test]

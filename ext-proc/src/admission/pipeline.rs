@@ -25,7 +25,7 @@ use crate::admission::limits::{self, BucketKind, BucketSpec};
 use crate::error::AdmissionError;
 use crate::facts::RequestFacts;
 use crate::metering::ledger::Reservation;
-use crate::metrics::labels::CountOutcome;
+use crate::metrics::labels::{CountOutcome, TenantLabel};
 use crate::pools::flow::Entered;
 use crate::pools::PickOutcome;
 use crate::scheduling::picker::Pick;
@@ -193,7 +193,12 @@ pub async fn run(
             "admitted"
         );
     }
-    record_outcome(shared, span, taken.facts.tenant.as_deref().unwrap_or(""), &taken.facts.model, "admitted");
+    let tenant = taken.facts.tenant.as_deref().unwrap_or("");
+    record_outcome(shared, span, tenant, &taken.facts.model, "admitted");
+    if taken.admitted.quota_warning.is_some() {
+        let label = TenantLabel { tenant: shared.metrics.bounded(tenant) };
+        shared.metrics.quota_warnings.get_or_create(&label).inc();
+    }
     let admitted = taken.admitted.clone();
     Verdict::Admit(Box::new(Admission { admitted, exact: exact_count, queue_wait, pick, taken }))
 }

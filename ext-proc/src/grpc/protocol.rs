@@ -97,6 +97,8 @@ pub(crate) fn facts_from_headers(header: impl Fn(&str) -> Option<String>) -> Req
         prompt_tokens_max: None,
         completion_tokens_max: None,
         body_bytes: None,
+        operation: None,
+        upstream_model: None,
     }
 }
 

@@ -10,7 +10,10 @@ use crate::admission::admission_lease::LeaseUse;
 use crate::admission::limits;
 use crate::metering::ledger;
 use crate::metering::meter::{EndReason, UnusableUsage, UsageRecord};
-use crate::metrics::labels::{Finished, ModelLabel, TenantTokens, TokenType, UsageReason};
+use crate::admission::quota;
+use crate::metrics::labels::{
+    Finished, GenAi, GenAiOutcome, GenAiTokens, TenantModel, TenantTokens, UsageReason, PROVIDER,
+};
 use crate::metrics::Metrics;
 use crate::state::Shared;
 
@@ -46,7 +49,10 @@ pub(crate) fn finish(shared: &Arc<Shared>, record: UsageRecord) {
         shared.metrics.records_refused.inc();
         return;
     }
-    observe(&shared.metrics, &record);
+    let cost_nano_usd = shared.config.prices.get(&record.info.model).map_or(0, |price| {
+        quota::cost_nano_usd(price, record.prompt_tokens, record.cached_tokens, record.completion_tokens)
+    });
+    observe(&shared.metrics, &record, cost_nano_usd);
     let mut record = record;
     // The end of the request, not of its (possibly delayed) write, dates the record: Envoy's
     // time when the access log gave it, else now.
@@ -102,8 +108,8 @@ fn unix_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// Per-request metrics of a finished request.
-fn observe(metrics: &Metrics, r: &UsageRecord) {
+/// Per-request metrics of a finished request (`cost_nano_usd`: its cost at the model's price).
+fn observe(metrics: &Metrics, r: &UsageRecord, cost_nano_usd: u64) {
     let model = metrics.bounded(&r.info.model);
     let tenant = metrics.bounded(&r.info.tenant);
     let status = match r.status {
@@ -117,19 +123,36 @@ fn observe(metrics: &Metrics, r: &UsageRecord) {
     let finished =
         Finished { tenant: tenant.clone(), model: model.clone(), status, end_reason: end_reason.to_owned() };
     metrics.responses.get_or_create(&finished).inc();
-    let label = ModelLabel { model: model.clone() };
+    let gen_ai = GenAi {
+        gen_ai_operation_name: r.info.operation.as_deref().map_or_else(|| "unknown".to_owned(), |o| metrics.bounded(o)),
+        gen_ai_provider_name: PROVIDER,
+        gen_ai_request_model: model.clone(),
+        gen_ai_response_model: r.info.upstream_model.as_deref().map_or_else(|| model.clone(), |m| metrics.bounded(m)),
+    };
     if r.ttft_us > 0 {
-        metrics.ttft.get_or_create(&label).observe(r.ttft_us as f64 / 1e6);
+        metrics.ttft.get_or_create(&gen_ai).observe(r.ttft_us as f64 / 1e6);
     }
     if r.tpot_us > 0 {
-        metrics.itl.get_or_create(&label).observe(r.tpot_us as f64 / 1e6);
+        metrics.itl.get_or_create(&gen_ai).observe(r.tpot_us as f64 / 1e6);
     }
-    metrics.duration.get_or_create(&label).observe(r.duration_us as f64 / 1e6);
+    let error_type = match (r.status, r.end_reason) {
+        (0, _) => "no_response".to_owned(),
+        (200..=299, EndReason::Completed) => String::new(),
+        (200..=299, EndReason::Incomplete) => "incomplete".to_owned(),
+        (s, _) => s.to_string(),
+    };
+    metrics
+        .duration
+        .get_or_create(&GenAiOutcome { gen_ai: gen_ai.clone(), error_type })
+        .observe(r.duration_us as f64 / 1e6);
     for (token_type, n) in [("input", r.prompt_tokens), ("output", r.completion_tokens)] {
-        let usage = TokenType { model: model.clone(), token_type: token_type.to_owned() };
+        let usage = GenAiTokens { gen_ai: gen_ai.clone(), gen_ai_token_type: token_type };
         metrics.token_usage.get_or_create(&usage).observe(n as f64);
         let tokens =
             TenantTokens { tenant: tenant.clone(), model: model.clone(), token_type: token_type.to_owned() };
         metrics.tokens.get_or_create(&tokens).inc_by(n);
+    }
+    if cost_nano_usd > 0 {
+        metrics.cost_usd.get_or_create(&TenantModel { tenant, model }).inc_by(cost_nano_usd as f64 / 1e9);
     }
 }

@@ -199,6 +199,8 @@ pub fn charged_record(tenant: &str, record_id: &str, r: &Reservation) -> UsageRe
         lease_seq: None,
         prompt_tokens_max: None,
         completion_tokens_max: None,
+        operation: None,
+        upstream_model: None,
     };
     // Reached the upstream, ended before any response headers, not known as a stream: charged
     // its reservation.

@@ -45,6 +45,11 @@ pub struct RequestInfo {
     /// ([`gateway_contract::RequestFacts::completion_tokens_max`]; `None`:
     /// [`ABSOLUTE_MAX_TOKENS`]).
     pub completion_tokens_max: Option<u64>,
+    /// OpenTelemetry `gen_ai.operation.name` (the facts'; `None` from an older filter, or
+    /// metered from headers).
+    pub operation: Option<String>,
+    /// The model name sent upstream, OpenTelemetry `gen_ai.response.model` (the facts').
+    pub upstream_model: Option<String>,
 }
 
 impl RequestInfo {
@@ -70,6 +75,8 @@ impl RequestInfo {
             lease_seq: facts.lease_seq,
             prompt_tokens_max: facts.prompt_tokens_max,
             completion_tokens_max: facts.completion_tokens_max,
+            operation: facts.operation,
+            upstream_model: facts.upstream_model,
         }
     }
 

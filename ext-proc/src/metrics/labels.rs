@@ -36,20 +36,54 @@ pub struct Finished {
     pub end_reason: String,
 }
 
-/// `{model}`.
+/// The OpenTelemetry GenAI attributes of a request's metrics (semantic conventions v1.37.0,
+/// their Prometheus names): `gen_ai_operation_name`, `gen_ai_provider_name`,
+/// `gen_ai_request_model`, `gen_ai_response_model`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ModelLabel {
-    /// Public model name.
-    pub model: String,
+pub struct GenAi {
+    /// `gen_ai.operation.name`: `chat`, `text_completion` or `embeddings`
+    /// ([`gateway_contract::OPERATIONS`]); `unknown` from facts without it.
+    pub gen_ai_operation_name: String,
+    /// `gen_ai.provider.name`: [`PROVIDER`].
+    pub gen_ai_provider_name: &'static str,
+    /// `gen_ai.request.model`: the canonical public model name the tenant asked for.
+    pub gen_ai_request_model: String,
+    /// `gen_ai.response.model`: the model name sent upstream (vLLM's `served_model_name` or the
+    /// LoRA adapter), the response's `model`; the request model from facts without it.
+    pub gen_ai_response_model: String,
 }
 
-/// `{model, token_type}` (OTel `gen_ai.token.type`: `input` or `output`).
+/// The `gen_ai.provider.name` of the pools' engine: vLLM (not one of the convention's
+/// well-known values, which name hosted APIs; custom values are allowed).
+pub const PROVIDER: &str = "vllm";
+
+/// [`GenAi`] and `error_type` (OTel `error.type`): empty for a 2xx response, else the upstream's
+/// HTTP status code, or `no_response` when none arrived, or `incomplete` for a response that
+/// did not complete (the client or the upstream went away).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct TokenType {
-    /// Public model name.
-    pub model: String,
+pub struct GenAiOutcome {
+    /// The request's GenAI attributes.
+    #[prometheus(flatten)]
+    pub gen_ai: GenAi,
+    /// `error.type`.
+    pub error_type: String,
+}
+
+/// [`GenAi`] and `gen_ai_token_type` (OTel `gen_ai.token.type`: `input` or `output`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GenAiTokens {
+    /// The request's GenAI attributes.
+    #[prometheus(flatten)]
+    pub gen_ai: GenAi,
     /// `input` or `output`.
-    pub token_type: String,
+    pub gen_ai_token_type: &'static str,
+}
+
+/// `{tenant}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantLabel {
+    /// Tenant id.
+    pub tenant: String,
 }
 
 /// `{tenant, model, token_type}`.

@@ -1,19 +1,23 @@
 //! Prometheus metrics of the sidecar (prometheus-client), served on `metrics_listen` at
-//! `/metrics`. Names follow the OpenTelemetry GenAI semantic conventions where one exists
-//! (`gen_ai.server.time_to_first_token` → `gen_ai_server_time_to_first_token_seconds`,
-//! `gen_ai.server.time_per_output_token`, `gen_ai.server.request.duration`,
-//! `gen_ai.client.token.usage`), and `llm_gateway_*` for the gateway's own decisions.
+//! `/metrics`. Names and labels follow the OpenTelemetry GenAI semantic conventions v1.37.0
+//! where one exists, in their Prometheus form (dots become underscores, the unit a suffix):
+//! the gateway is the server its tenants call (`gen_ai.server.time_to_first_token` →
+//! `gen_ai_server_time_to_first_token_seconds`, `gen_ai.server.time_per_output_token`,
+//! `gen_ai.server.request.duration` with `error_type`) and the client of its vLLM pools
+//! (`gen_ai.client.token.usage`: the counts the upstream reported), each with the labels of
+//! [`labels::GenAi`]. `llm_gateway_*` are the gateway's own decisions, by tenant.
 //!
-//! Label sets are bounded: tenant and model values come from the filter's validated headers,
+//! Label sets are bounded: tenant and model values come from the filter's validated facts,
 //! and at most 3 × [`MAX_LABEL_VALUES`] distinct values are kept across the tenant, model and
-//! pool labels; later ones read `other`.
+//! pool labels; later ones read `other`. The histograms carry no tenant (each tenant would
+//! multiply their buckets); the counters do.
 
 pub mod labels;
 
 use crate::metrics::labels::{
-    CountOutcome, Decision, EndpointLabel, Finished, LeaseOutcome, ModelLabel, Op, Outcome, PoolBlocks,
-    PoolEndpoint, PoolLabel, PoolReason, PoolTerm, PoolTier, QueueDequeue, QueueWait, Reason, TenantModel,
-    TenantTokens, TokenType, UsageReason,
+    CountOutcome, Decision, EndpointLabel, Finished, GenAi, GenAiOutcome, GenAiTokens, LeaseOutcome, Op,
+    Outcome, PoolBlocks, PoolEndpoint, PoolLabel, PoolReason, PoolTerm, PoolTier, QueueDequeue, QueueWait,
+    Reason, TenantLabel, TenantModel, TenantTokens, UsageReason,
 };
 
 use std::collections::HashSet;
@@ -47,17 +51,25 @@ pub struct Metrics {
     pub requests: Family<Outcome, Counter>,
     /// `llm_gateway_responses_total{tenant,model,status,end_reason}`: metered responses.
     pub responses: Family<Finished, Counter>,
-    /// `gen_ai_server_time_to_first_token_seconds{model}`.
-    pub ttft: Family<ModelLabel, Histogram>,
-    /// `gen_ai_server_time_per_output_token_seconds{model}`: per request, the mean gap between
+    /// `gen_ai_server_time_to_first_token_seconds{gen_ai_*}`: from the request reaching the
+    /// gateway to its first content chunk, for responses that streamed one.
+    pub ttft: Family<GenAi, Histogram>,
+    /// `gen_ai_server_time_per_output_token_seconds{gen_ai_*}`: per request, the mean gap between
     /// content chunks after the first (OTel `gen_ai.server.time_per_output_token`).
-    pub itl: Family<ModelLabel, Histogram>,
-    /// `gen_ai_server_request_duration_seconds{model}`.
-    pub duration: Family<ModelLabel, Histogram>,
-    /// `gen_ai_client_token_usage{model,token_type}`: tokens per request.
-    pub token_usage: Family<TokenType, Histogram>,
+    pub itl: Family<GenAi, Histogram>,
+    /// `gen_ai_server_request_duration_seconds{gen_ai_*,error_type}`.
+    pub duration: Family<GenAiOutcome, Histogram>,
+    /// `gen_ai_client_token_usage{gen_ai_*,gen_ai_token_type}`: tokens per request (OTel's
+    /// buckets, powers of 4 from 1 to 4^13).
+    pub token_usage: Family<GenAiTokens, Histogram>,
     /// `llm_gateway_tokens_total{tenant,model,token_type}`.
     pub tokens: Family<TenantTokens, Counter>,
+    /// `llm_gateway_cost_usd_total{tenant,model}`: the cost of metered usage at the configured
+    /// `prices` (USD; models without a price add nothing), as the ledger's records carry it.
+    pub cost_usd: Family<TenantModel, Counter<f64, AtomicU64>>,
+    /// `llm_gateway_quota_warnings_total{tenant}`: admissions past a quota's soft limit (each
+    /// answered with `x-gateway-quota-warning`).
+    pub quota_warnings: Family<TenantLabel, Counter>,
     /// `llm_gateway_limit_decisions_total{decision,degraded}`.
     pub limit_decisions: Family<Decision, Counter>,
     /// `llm_gateway_degraded_decisions_total{reason}`: every decision made without Redis.
@@ -90,6 +102,12 @@ pub struct Metrics {
     pub pool_waiting: Family<PoolLabel, GaugeF64>,
     /// `llm_gateway_pool_kv_cache_usage{pool}`: scraped `vllm:kv_cache_usage_perc`, highest.
     pub pool_kv_cache: Family<PoolLabel, GaugeF64>,
+    /// `llm_gateway_endpoint_scrape_ok{pool,endpoint}`: 1 when the endpoint's last `/metrics`
+    /// scrape succeeded, 0 when it failed (a picking pool's endpoint is then not eligible).
+    pub endpoint_scrape_ok: Family<EndpointLabel, Gauge>,
+    /// `llm_gateway_endpoint_last_scrape_timestamp_seconds{pool,endpoint}`: Unix time of the
+    /// endpoint's last successful scrape (the picker ignores one older than `stale_after_ms`).
+    pub endpoint_last_scrape: Family<EndpointLabel, GaugeF64>,
     /// `llm_gateway_redis_command_duration_seconds{op}`.
     pub redis_latency: Family<Op, Histogram>,
     /// `llm_gateway_redis_errors_total{op}`.
@@ -198,17 +216,18 @@ impl Metrics {
     /// Registers every metric.
     pub fn new() -> Arc<Self> {
         let mut r = Registry::default();
-        let hist =
-            || Family::<ModelLabel, Histogram>::new_with_constructor(|| Histogram::new(latency_buckets()));
+        let hist = || Family::<GenAi, Histogram>::new_with_constructor(|| Histogram::new(latency_buckets()));
         let m = Self {
             labels: Mutex::new(LabelBudget::default()),
             requests: Family::default(),
             responses: Family::default(),
             ttft: hist(),
             itl: hist(),
-            duration: hist(),
-            token_usage: Family::new_with_constructor(|| Histogram::new(exponential_buckets(1.0, 4.0, 12))),
+            duration: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
+            token_usage: Family::new_with_constructor(|| Histogram::new(exponential_buckets(1.0, 4.0, 14))),
             tokens: Family::default(),
+            cost_usd: Family::default(),
+            quota_warnings: Family::default(),
             limit_decisions: Family::default(),
             degraded: Family::default(),
             reconciliations: Family::default(),
@@ -221,6 +240,8 @@ impl Metrics {
             pool_load: Family::default(),
             pool_waiting: Family::default(),
             pool_kv_cache: Family::default(),
+            endpoint_scrape_ok: Family::default(),
+            endpoint_last_scrape: Family::default(),
             redis_latency: Family::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(0.00005, 2.0, 16))
             }),
@@ -296,13 +317,24 @@ impl Metrics {
         );
         r.register(
             "gen_ai_client_token_usage",
-            "Tokens per request, input or output",
+            "Tokens per request, input or output, as the upstream reported them",
             self.token_usage.clone(),
         );
         r.register(
             "llm_gateway_tokens",
             "Prompt (input) and completion (output) tokens",
             self.tokens.clone(),
+        );
+        r.register_with_unit(
+            "llm_gateway_cost",
+            "Cost of metered usage at the configured prices",
+            Unit::Other("usd".to_owned()),
+            self.cost_usd.clone(),
+        );
+        r.register(
+            "llm_gateway_quota_warnings",
+            "Admissions past a quota's soft limit",
+            self.quota_warnings.clone(),
         );
         r.register("llm_gateway_limit_decisions", "Rate-limit decisions", self.limit_decisions.clone());
         r.register("llm_gateway_degraded_decisions", "Decisions made without Redis", self.degraded.clone());
@@ -351,6 +383,16 @@ impl Metrics {
             "llm_gateway_pool_kv_cache_usage",
             "Scraped vLLM KV-cache usage (0..1)",
             self.pool_kv_cache.clone(),
+        );
+        r.register(
+            "llm_gateway_endpoint_scrape_ok",
+            "1 when the endpoint's last /metrics scrape succeeded",
+            self.endpoint_scrape_ok.clone(),
+        );
+        r.register(
+            "llm_gateway_endpoint_last_scrape_timestamp_seconds",
+            "Unix time of the endpoint's last successful /metrics scrape",
+            self.endpoint_last_scrape.clone(),
         );
         r.register_with_unit(
             "llm_gateway_redis_command_duration",
@@ -623,14 +665,30 @@ mod tests {
     fn exposes_otel_names_and_bounds_labels() {
         let m = Metrics::new();
         m.request("acme", "m1", "admitted");
-        m.ttft.get_or_create(&ModelLabel { model: "m1".into() }).observe(0.05);
+        let gen_ai = GenAi {
+            gen_ai_operation_name: "chat".into(),
+            gen_ai_provider_name: labels::PROVIDER,
+            gen_ai_request_model: "m1".into(),
+            gen_ai_response_model: "org/m1".into(),
+        };
+        m.ttft.get_or_create(&gen_ai).observe(0.05);
+        m.duration.get_or_create(&GenAiOutcome { gen_ai, error_type: "503".into() }).observe(0.5);
+        m.cost_usd.get_or_create(&m.tenant_model("acme", "m1")).inc_by(0.25);
         m.redis_call("take", Duration::from_micros(300), false);
         let text = m.encode();
         assert!(
             text.contains("llm_gateway_requests_total{tenant=\"acme\",model=\"m1\",outcome=\"admitted\"} 1"),
             "{text}"
         );
-        assert!(text.contains("gen_ai_server_time_to_first_token_seconds_bucket"), "{text}");
+        assert!(
+            text.contains(
+                "gen_ai_server_time_to_first_token_seconds_count{gen_ai_operation_name=\"chat\",\
+                 gen_ai_provider_name=\"vllm\",gen_ai_request_model=\"m1\",gen_ai_response_model=\"org/m1\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("gen_ai_response_model=\"org/m1\",error_type=\"503\"} 1"), "{text}");
+        assert!(text.contains("llm_gateway_cost_usd_total{tenant=\"acme\",model=\"m1\"} 0.25"), "{text}");
         assert!(text.contains("llm_gateway_redis_errors_total{op=\"take\"} 1"), "{text}");
         for i in 0..(MAX_LABEL_VALUES * 3 + 10) {
             m.bounded(&format!("t{i}"));

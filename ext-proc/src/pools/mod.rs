@@ -513,6 +513,18 @@ impl Pools {
         self.pump(name);
     }
 
+    /// `llm_gateway_endpoint_scrape_ok` and `llm_gateway_endpoint_last_scrape_timestamp_seconds`
+    /// of one endpoint's scrape.
+    fn count_scrape(&self, pool: &str, endpoint: &str, ok: bool) {
+        let endpoint = endpoint.trim_start_matches("http://").trim_start_matches("https://").trim_end_matches('/');
+        let label = EndpointLabel { pool: self.metrics.bounded(pool), endpoint: self.metrics.bounded(endpoint) };
+        self.metrics.endpoint_scrape_ok.get_or_create(&label).set(i64::from(ok));
+        if ok {
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+            self.metrics.endpoint_last_scrape.get_or_create(&label).set(now);
+        }
+    }
+
     async fn scrape(
         &self,
         name: &str,
@@ -529,6 +541,7 @@ impl Pools {
             if let Some(Ok(mut picker)) = pool.picker.as_ref().map(|p| p.lock()) {
                 picker.scraped(index, scrape, Instant::now());
             }
+            self.count_scrape(name, endpoint, scrape.is_some());
             match scrape {
                 Some(s) => {
                     total.waiting += s.waiting;

@@ -172,7 +172,8 @@ pub fn bootstrap(loaded: &Loaded, filter_config: &RawConfig) -> Result<Value, Er
 }
 
 /// The HTTP connection manager's filters (the filter, the admission, the guard, the router), its
-/// access logs (the metering log, and the usage journal when configured) and its tracing.
+/// access logs (the metering log, the usage journal when configured, the request log unless
+/// turned off) and its tracing.
 fn connection_manager(
     loaded: &Loaded,
     hcm: &mut Value,
@@ -193,6 +194,10 @@ fn connection_manager(
     if let Some(path) = c.sidecar.metering.as_ref().and_then(|m| m.journal_path.as_ref()) {
         let journal = values.clone().set("JOURNAL_PATH", path.display().to_string());
         access_logs.push(template::render(template::ACCESS_LOG_JOURNAL, &journal)?);
+    }
+    if c.envoy.access_log.enabled {
+        let log = values.clone().set("ACCESS_LOG_PATH", c.envoy.access_log.path.display().to_string());
+        access_logs.push(template::render(template::ACCESS_LOG_REQUESTS, &log)?);
     }
     if !set(hcm, "access_log", Value::Sequence(access_logs)) {
         return Err(missing("access_log"));
