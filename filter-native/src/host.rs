@@ -15,7 +15,6 @@ use gateway_filter::uploads::UploadSlots;
 use crate::abi::{self, BodyType, Filter, HeaderType};
 use crate::leases::LeaseDriver;
 
-
 thread_local! {
     /// Request bodies in progress per tenant on this worker thread, per configuration (by its
     /// address: tenants are indices into it, and an old and a new configuration live side by

@@ -187,7 +187,11 @@ fn an_admitted_request_publishes_its_facts_sets_its_route_and_is_metered_once() 
     let facts: serde_json::Value = serde_json::from_slice(&h.state["request"]).unwrap();
     assert_eq!(facts["tenant"], "demo");
     assert!(facts["nonce"].is_string());
-    assert_eq!((&h.state["tenant"][..], &h.state["model"][..]), (&b"demo"[..], &b"qwen"[..]), "for the request log");
+    assert_eq!(
+        (&h.state["tenant"][..], &h.state["model"][..]),
+        (&b"demo"[..], &b"qwen"[..]),
+        "for the request log"
+    );
     assert!(!h.state.contains_key("refusal"));
     assert!(!h.state.contains_key("admission"));
     assert_eq!(h.route_cleared, 1);

@@ -656,10 +656,16 @@ fn the_request_log_is_on_by_default_to_stdout_and_can_be_moved_or_turned_off() {
     let hcm_of = |text: &str| {
         let loaded = Loaded::from_yaml(text, "gateway.yaml", Path::new("../envoy/examples").to_path_buf())
             .map_err(|e| e.to_string())?;
-        let out: BTreeMap<String, String> =
-            render(&loaded, Target::Standalone).unwrap().files.into_iter().map(|f| (f.path, f.content)).collect();
+        let out: BTreeMap<String, String> = render(&loaded, Target::Standalone)
+            .unwrap()
+            .files
+            .into_iter()
+            .map(|f| (f.path, f.content))
+            .collect();
         let b = yaml(&out["standalone/envoy.yaml"]);
-        Ok::<_, String>(b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"].clone())
+        Ok::<_, String>(
+            b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"].clone(),
+        )
     };
     let example = std::fs::read_to_string(EXAMPLE).unwrap();
     let hcm = hcm_of(&example).unwrap();
@@ -683,7 +689,8 @@ fn the_request_log_is_on_by_default_to_stdout_and_can_be_moved_or_turned_off() {
     for secret in ["authorization", "x-api-key"] {
         assert!(!text.contains(secret), "the request log must not carry {secret}");
     }
-    let with = |access_log: &str| example.replacen("envoy:\n", &format!("envoy:\n  access_log: {access_log}\n"), 1);
+    let with =
+        |access_log: &str| example.replacen("envoy:\n", &format!("envoy:\n  access_log: {access_log}\n"), 1);
     assert!(example.contains("envoy:\n"), "the example has an envoy section");
     let hcm = hcm_of(&with("{path: /var/log/llm-gateway/requests.log}")).unwrap();
     assert_eq!(hcm["access_log"][1]["typed_config"]["path"], "/var/log/llm-gateway/requests.log");

@@ -8,9 +8,9 @@ use tracing::{debug, error, warn, Instrument};
 
 use crate::admission::admission_lease::LeaseUse;
 use crate::admission::limits;
+use crate::admission::quota;
 use crate::metering::ledger;
 use crate::metering::meter::{EndReason, UnusableUsage, UsageRecord};
-use crate::admission::quota;
 use crate::metrics::labels::{
     Finished, GenAi, GenAiOutcome, GenAiTokens, TenantModel, TenantTokens, UsageReason, PROVIDER,
 };
@@ -124,10 +124,18 @@ fn observe(metrics: &Metrics, r: &UsageRecord, cost_nano_usd: u64) {
         Finished { tenant: tenant.clone(), model: model.clone(), status, end_reason: end_reason.to_owned() };
     metrics.responses.get_or_create(&finished).inc();
     let gen_ai = GenAi {
-        gen_ai_operation_name: r.info.operation.as_deref().map_or_else(|| "unknown".to_owned(), |o| metrics.bounded(o)),
+        gen_ai_operation_name: r
+            .info
+            .operation
+            .as_deref()
+            .map_or_else(|| "unknown".to_owned(), |o| metrics.bounded(o)),
         gen_ai_provider_name: PROVIDER,
         gen_ai_request_model: model.clone(),
-        gen_ai_response_model: r.info.upstream_model.as_deref().map_or_else(|| model.clone(), |m| metrics.bounded(m)),
+        gen_ai_response_model: r
+            .info
+            .upstream_model
+            .as_deref()
+            .map_or_else(|| model.clone(), |m| metrics.bounded(m)),
     };
     if r.ttft_us > 0 {
         metrics.ttft.get_or_create(&gen_ai).observe(r.ttft_us as f64 / 1e6);

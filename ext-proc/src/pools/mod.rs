@@ -516,11 +516,15 @@ impl Pools {
     /// `llm_gateway_endpoint_scrape_ok` and `llm_gateway_endpoint_last_scrape_timestamp_seconds`
     /// of one endpoint's scrape.
     fn count_scrape(&self, pool: &str, endpoint: &str, ok: bool) {
-        let endpoint = endpoint.trim_start_matches("http://").trim_start_matches("https://").trim_end_matches('/');
-        let label = EndpointLabel { pool: self.metrics.bounded(pool), endpoint: self.metrics.bounded(endpoint) };
+        let endpoint =
+            endpoint.trim_start_matches("http://").trim_start_matches("https://").trim_end_matches('/');
+        let label =
+            EndpointLabel { pool: self.metrics.bounded(pool), endpoint: self.metrics.bounded(endpoint) };
         self.metrics.endpoint_scrape_ok.get_or_create(&label).set(i64::from(ok));
         if ok {
-            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
             self.metrics.endpoint_last_scrape.get_or_create(&label).set(now);
         }
     }
