@@ -182,10 +182,11 @@ def test_rendered_bootstrap_has_the_stack_shape(tmp_path):
     models = [Model("a", "pool_a", 4096, served_model_name="sim/a"), Model("b", "pool_b", 8192)]
     tenants = [Tenant("acme", [key], {"requests_per_minute": 60})]
     # Both with admission leases, gatewayctl's default.
-    stack = Stack(tmp_path / "stack", pools, models, tenants, admission_leases=True)
+    # And the request log, on by default for the standalone target.
+    stack = Stack(tmp_path / "stack", pools, models, tenants, admission_leases=True, request_log=True)
     stack.ext_proc_port = 50051
     config = {
-        "envoy": {"listen": "127.0.0.1:0", "admin_port": 0},
+        "envoy": {"listen": "127.0.0.1:0", "admin_port": 0, "access_log": {"path": str(stack.request_log_path)}},
         "filter": {"wasm_file": str(WASM_PATH)},
         # The stack writes the usage journal (envoy/access_log_journal.yaml) at its journal_path.
         "sidecar": {"listen": "127.0.0.1:50051", "metering": {"journal_path": str(stack.journal_path)}},

@@ -1422,6 +1422,14 @@ fn parse(text: &str) -> Result<GatewayConfig, FieldError> {
             }
             _ => message,
         };
+        // A negative number where a count or a limit goes: say what it must be.
+        let message = match message.strip_prefix("invalid type: integer `-") {
+            Some(rest) if rest.contains("expected u") => {
+                let value = rest.split('`').next().unwrap_or_default();
+                format!("must be above 0 (got -{value})")
+            }
+            _ => message,
+        };
         FieldError::new(field, message)
     })
 }
@@ -1589,7 +1597,11 @@ impl GatewayConfig {
         self.validate_tenants()?;
         for name in self.prices.keys() {
             if !self.models.iter().any(|m| &m.name == name) {
-                return fail("prices", format!("unknown model '{name}' (not a name in models[])"));
+                let models: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
+                return fail(
+                    "prices",
+                    format!("unknown model '{name}' (not a name in models[]: {})", models.join(", ")),
+                );
             }
         }
         self.validate_kubernetes()?;
@@ -1610,6 +1622,24 @@ impl GatewayConfig {
     }
 
     fn validate_edge(&self) -> Result<(), FieldError> {
+        let listen = self.envoy.listen;
+        let same = |other: SocketAddr| {
+            listen.port() != 0
+                && listen.port() == other.port()
+                && (listen.ip() == other.ip() || listen.ip().is_unspecified() || other.ip().is_unspecified())
+        };
+        if listen.port() != 0 && listen.port() == self.envoy.admin_port {
+            return fail("envoy.listen", format!("port {} is envoy.admin_port's", listen.port()));
+        }
+        if same(self.sidecar.listen) {
+            return fail("envoy.listen", format!("{listen} is the sidecar's address (sidecar.listen)"));
+        }
+        if let Some(metrics) = self.sidecar.metrics_listen.filter(|m| same(*m)) {
+            return fail(
+                "envoy.listen",
+                format!("{listen} is the sidecar's metrics address ({metrics}, sidecar.metrics_listen)"),
+            );
+        }
         if !self.envoy.access_log.path.is_absolute() {
             return fail("envoy.access_log.path", "must be an absolute path (default /dev/stdout)");
         }
@@ -1812,7 +1842,7 @@ impl GatewayConfig {
             for (k, other) in pool.fallback.iter().enumerate() {
                 let field = format!("pools[{i}].fallback[{k}]");
                 if !names.contains_key(other.as_str()) {
-                    return fail(field, format!("unknown pool '{other}'"));
+                    return fail(field, format!("unknown pool '{other}' (pools: {})", self.pool_names()));
                 }
                 if *other == pool.name {
                     return fail(field, "a pool cannot fall back to itself");
@@ -1857,12 +1887,18 @@ impl GatewayConfig {
             }
             if let Some(pool) = &model.pool {
                 if !pools.contains(pool.as_str()) {
-                    return fail(format!("{at}.pool"), format!("unknown pool '{pool}'"));
+                    return fail(
+                        format!("{at}.pool"),
+                        format!("unknown pool '{pool}' (pools: {})", self.pool_names()),
+                    );
                 }
             }
             for (k, split) in model.pools.iter().flatten().enumerate() {
                 if !pools.contains(split.pool.as_str()) {
-                    return fail(format!("{at}.pools[{k}].pool"), format!("unknown pool '{}'", split.pool));
+                    return fail(
+                        format!("{at}.pools[{k}].pool"),
+                        format!("unknown pool '{}' (pools: {})", split.pool, self.pool_names()),
+                    );
                 }
             }
         }
@@ -1870,14 +1906,88 @@ impl GatewayConfig {
     }
 
     fn validate_tenants(&self) -> Result<(), FieldError> {
+        // Every name a request may give (model name, alias, adapter) → what the gateway keys its
+        // limits by (the model's name, or the adapter's).
+        let mut public: BTreeMap<&str, &str> = BTreeMap::new();
+        for m in &self.models {
+            public.insert(&m.name, &m.name);
+            for alias in m.aliases.iter().flatten() {
+                public.insert(alias, &m.name);
+            }
+            for adapter in m.lora_adapters.iter().flatten() {
+                public.insert(adapter, adapter);
+            }
+        }
+        let keyed: Vec<&str> = public.iter().filter(|(k, v)| k == v).map(|(k, _)| *k).collect();
         for (i, tenant) in self.tenants.iter().enumerate() {
             if let Some(tier) = &tenant.tier {
                 if !is_key_part(tier) {
                     return fail(format!("tenants[{i}].tier"), "must be letters, digits, '.', '_' or '-'");
                 }
             }
+            let tier = tenant.tier.as_deref().unwrap_or("standard");
+            if !self.tiers.is_empty() && !self.tiers.contains_key(tier) {
+                let declared: Vec<&str> = self.tiers.keys().map(String::as_str).collect();
+                return fail(
+                    format!("tenants[{i}].tier"),
+                    format!("tier '{tier}' is not declared under tiers (declared: {})", declared.join(", ")),
+                );
+            }
+            let per_model: [(&str, Vec<&String>); 2] = [
+                ("model_limits", tenant.model_limits.keys().collect()),
+                ("model_quotas", tenant.model_quotas.keys().collect()),
+            ];
+            for (section, models) in per_model {
+                for model in models {
+                    let field = format!("tenants[{i}].{section}.{model}");
+                    match public.get(model.as_str()) {
+                        None => {
+                            return fail(
+                                field,
+                                format!("unknown model '{model}' (models: {})", keyed.join(", ")),
+                            )
+                        }
+                        Some(name) if name != model => {
+                            return fail(
+                                field,
+                                format!("'{model}' is an alias: key it by the model's name '{name}'"),
+                            )
+                        }
+                        Some(_) => {}
+                    }
+                    if let Some(allowed) = &tenant.models {
+                        if !allowed.iter().any(|a| public.get(a.as_str()) == Some(&model.as_str())) {
+                            return fail(
+                                field,
+                                format!(
+                                    "the tenant may not use model '{model}' (its models: {})",
+                                    allowed.join(", ")
+                                ),
+                            );
+                        }
+                    }
+                }
+            }
         }
         Ok(())
+    }
+
+    /// The pools' names, comma-separated (for errors that name an unknown one).
+    fn pool_names(&self) -> String {
+        self.pools.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", ")
+    }
+
+    /// The flow-control tiers no tenant is in (a warning: their queues stay empty).
+    pub fn flow_control_tiers_unused(&self) -> Vec<String> {
+        let Some(flow) = &self.flow_control else { return Vec::new() };
+        let tiers: HashSet<&str> =
+            self.tenants.iter().map(|t| t.tier.as_deref().unwrap_or("standard")).collect();
+        flow.tiers
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| !tiers.contains(t.name.as_str()))
+            .map(|(i, t)| format!("flow_control.tiers[{i}]: tier '{}' matches no tenant's tier", t.name))
+            .collect()
     }
 
     /// The `kubernetes` section: its namespace, the sidecar's image, Secrets and volumes.

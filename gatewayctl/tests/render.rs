@@ -574,6 +574,11 @@ fn flow_controlled(
 fn flow_control_is_rendered_into_the_sidecar_config() {
     let flow = "{tiers: [{name: premium, max_queue_wait_ms: 1000}, {name: batch, max_queue_wait_ms: 10000, max_load: 0.6}], tenant_weights: {acme: 2}}";
     let rendered = flow_controlled(flow, "{max_queued: 500}").unwrap();
+    // The example's tenants are standard and batch: premium's queue would stay empty.
+    assert_eq!(
+        rendered.notes.iter().filter(|n| n.starts_with("warning: ")).collect::<Vec<_>>(),
+        ["warning: flow_control.tiers[0]: tier 'premium' matches no tenant's tier: its queue stays empty"]
+    );
     let files: BTreeMap<_, _> = rendered.files.into_iter().map(|f| (f.path, f.content)).collect();
     let parsed = gateway_ext_proc::config::Config::from_yaml(&files["standalone/sidecar.yaml"]).unwrap();
     let tiers: Vec<_> = parsed

@@ -321,6 +321,9 @@ fn local_specs(
     if let Some(dir) = &m.model_dir {
         let dir = loaded.resolve(dir);
         let field = format!("models[{i}].model_dir");
+        if !dir.is_dir() {
+            return Err(FieldError::new(field, format!("{}: no such directory", dir.display())).into());
+        }
         let file = |name: &str| Some(dir.join(name)).filter(|p| p.is_file());
         let tokenizer = match (file("tokenizer.json"), file("tekken.json")) {
             (Some(p), _) => TokenizerSpec { huggingface: Some(p), tiktoken: None, tekken: None },

@@ -347,6 +347,13 @@ fn render_inner(loaded: &Loaded, target: Target) -> Result<Output, Error> {
     }
     // The filter config is embedded in every target; its JSON must round-trip.
     to_json(&filter_config).map_err(Error::Internal)?;
+    notes.extend(
+        loaded
+            .config
+            .flow_control_tiers_unused()
+            .into_iter()
+            .map(|w| format!("warning: {w}: its queue stays empty")),
+    );
     Ok(Output { files: files.into_values().collect(), notes })
 }
 
