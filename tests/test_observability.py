@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from helpers import chat_body, post, wait_for
-from sidecar_checks import open_stream
+from sidecar_checks import metric, open_stream, sidecar_metrics
 from stack import Model, Pool, Stack, Tenant, free_port, new_api_key
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,9 +110,14 @@ class Prometheus(contextlib.AbstractContextManager):
         self.url = f"http://127.0.0.1:{self.port}"
         sidecar = urllib.parse.urlparse(stack.sidecar_metrics_url).netloc
         admin = urllib.parse.urlparse(stack.admin_url).netloc
+        # The rules as shipped, evaluated every second instead of every 30 s.
+        rules = yaml.safe_load(RULES.read_text())
+        for group in rules["groups"]:
+            group["interval"] = "1s"
+        (workdir / "rules.yaml").write_text(yaml.safe_dump(rules))
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(RULES)],
+            "rule_files": [str(workdir / "rules.yaml")],
             "scrape_configs": [
                 {"job_name": "llm-gateway-sidecar", "static_configs": [{"targets": [sidecar]}]},
                 {"job_name": "llm-gateway-envoy", "metrics_path": "/stats/prometheus",
@@ -163,7 +168,8 @@ def observed(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("observability")
     pools = [Pool("pool_pick", ["sim/pick"], ["--output-tokens", "4", "--ttft-ms", "5", "--itl-ms", "5"],
                   replicas=2, picker={}),
-             Pool("pool_fc", ["sim/fc"], ["--output-tokens", "3", "--ttft-ms", "20", "--itl-ms", "20"],
+             # A stream of 40 tokens 25 ms apart holds pool_fc's one slot for a second.
+             Pool("pool_fc", ["sim/fc"], ["--output-tokens", "40", "--ttft-ms", "20", "--itl-ms", "25"],
                   shedding={"max_in_flight": 1, "scrape_interval_ms": 100, "flow_control": {"max_queued": 8}})]
     models = [Model("pick", "pool_pick", served_model_name="sim/pick"),
               Model("fc", "pool_fc", served_model_name="sim/fc")]
@@ -205,7 +211,7 @@ def drive(stack, first: bool) -> None:
             [r.status_code for r in quota]
     # pool_fc admits one request at a time: a held stream fills it, a premium request queues,
     # a batch request (a tier flow control does not queue) is shed.
-    body = chat_body("fc", max_tokens=3, stream=True)
+    body = chat_body("fc", max_tokens=40, stream=True)
     client, held = open_stream(stack.base_url, body, {"authorization": f"Bearer {KEYS['obs-main']}"})
     try:
         assert held.status_code == 200
@@ -215,7 +221,10 @@ def drive(stack, first: bool) -> None:
         t = threading.Thread(target=lambda: queued.append(
             post(stack, "/v1/chat/completions", chat_body("fc", max_tokens=3), key=KEYS["obs-main"], timeout=30)))
         t.start()
-        time.sleep(1.5)  # the premium request waits in pool_fc's queue (scraped as queued)
+        # The premium request waits in pool_fc's queue until the held stream ends.
+        assert wait_for(lambda: metric(sidecar_metrics(stack), "llm_gateway_queue_requests", pool="pool_fc") == 1,
+                        timeout=5), "the premium request did not queue"
+        time.sleep(1.1)  # a scrape sees it queued
     finally:
         held.read()
         held.close()

@@ -28,6 +28,9 @@ T = '{tenant=~"$tenant"}'
 TM = '{tenant=~"$tenant", model=~"$model"}'
 M = '{gen_ai_request_model=~"$model"}'
 R = "[$__rate_interval]"
+# The filter's own counter: the wasm module's (Envoy strips its `wasmcustom.` namespace) and the
+# native module's (Envoy keeps `dynamicmodulescustom`) read under both names.
+FILTER_REQUESTS = "llm_gateway_filter_requests_total|envoy_dynamicmodulescustom_llm_gateway_filter_requests_total"
 
 # (row, [(panel title, unit, [(legend, PromQL), ...]), ...])
 PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
@@ -41,6 +44,9 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ("Envoy responses by class", "reqps", [
             ("{{envoy_response_code_class}}xx",
              f'sum by (envoy_response_code_class) (rate(envoy_http_downstream_rq_xx{{envoy_http_conn_manager_prefix="gateway"}}{R}))')]),
+        ("Filter: requests by outcome and reason", "reqps", [
+            ("{{outcome}} {{reason}}",
+             f'sum by (outcome, reason) (rate({{__name__=~"{FILTER_REQUESTS}", tenant=~"$tenant"}}{R}))')]),
         ("Admission (ext_proc) failures", "reqps", [
             ("streams failed", f"sum(rate(envoy_http_ext_proc_streams_failed{R}))"),
             ("message timeouts", f"sum(rate(envoy_http_ext_proc_message_timeouts{R}))")]),

@@ -139,6 +139,20 @@ extern "C" {
         value: ModuleBuffer,
     ) -> bool;
     fn envoy_dynamic_module_callback_http_clear_route_cache(filter: *mut c_void);
+    fn envoy_dynamic_module_callback_http_filter_config_define_counter(
+        config: *mut c_void,
+        name: ModuleBuffer,
+        label_names: *const ModuleBuffer,
+        label_names_length: usize,
+        counter_id: *mut usize,
+    ) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_increment_counter(
+        filter: *mut c_void,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_length: usize,
+        value: u64,
+    ) -> u32;
     fn envoy_dynamic_module_callback_log(level: u32, message: ModuleBuffer);
     fn envoy_dynamic_module_callback_http_filter_config_scheduler_new(config: *mut c_void) -> *mut c_void;
     fn envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
@@ -193,6 +207,26 @@ impl Config {
     pub fn scheduler(self) -> Scheduler {
         // SAFETY: a live configuration pointer.
         Scheduler(unsafe { envoy_dynamic_module_callback_http_filter_config_scheduler_new(self.0) })
+    }
+
+    /// Defines a counter named `name` with `labels` (`envoy_dynamic_module_type_metrics_result`
+    /// 0: success): only within `config_new`, before Envoy freezes the configuration's stats.
+    /// Its id is what [`Filter::increment_counter`] takes. `None`: Envoy refused it.
+    pub fn define_counter(self, name: &str, labels: &[&str]) -> Option<usize> {
+        let labels: Vec<ModuleBuffer> = labels.iter().map(|l| ModuleBuffer::of(l.as_bytes())).collect();
+        let mut id = 0usize;
+        // SAFETY: a live configuration pointer within config_new; every buffer lives across the
+        // call (Envoy copies the names).
+        let result = unsafe {
+            envoy_dynamic_module_callback_http_filter_config_define_counter(
+                self.0,
+                ModuleBuffer::of(name.as_bytes()),
+                labels.as_ptr(),
+                labels.len(),
+                &mut id,
+            )
+        };
+        (result == 0).then_some(id)
     }
 
     /// Starts an HTTP callout to `cluster` (Envoy's async client); its answer comes to
@@ -293,6 +327,23 @@ impl CalloutResponse {
 pub struct Filter(*mut c_void);
 
 impl Filter {
+    /// Adds `value` to the counter `id` ([`Config::define_counter`] of this filter's
+    /// configuration) under `labels`, as many as it was defined with; `false` when Envoy refused.
+    pub fn increment_counter(self, id: usize, labels: &[&str], value: u64) -> bool {
+        let labels: Vec<ModuleBuffer> = labels.iter().map(|l| ModuleBuffer::of(l.as_bytes())).collect();
+        // SAFETY: a valid filter pointer; the buffers live across the call.
+        let result = unsafe {
+            envoy_dynamic_module_callback_http_filter_increment_counter(
+                self.0,
+                id,
+                labels.as_ptr(),
+                labels.len(),
+                value,
+            )
+        };
+        result == 0
+    }
+
     /// Wraps the pointer an event hook received.
     pub fn new(ptr: *mut c_void) -> Self {
         Self(ptr)

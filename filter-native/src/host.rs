@@ -57,6 +57,8 @@ pub(crate) struct NativeWorker {
     /// The configuration's key in [`UPLOADS`] (its address).
     pub(crate) config: usize,
     pub(crate) leases: Option<Arc<LeaseDriver>>,
+    /// The configuration's `llm_gateway_filter_requests_total` counter (`Config::define_counter`).
+    pub(crate) requests_counter: Option<usize>,
 }
 
 impl Worker for NativeWorker {

@@ -73,7 +73,14 @@ struct NativeConfig {
     config: Arc<Config>,
     /// With `admission_leases`: the leases every stream of this configuration admits from.
     leases: Option<Arc<LeaseDriver>>,
+    /// `llm_gateway_filter_requests_total{outcome,reason,tenant}` ([`REQUESTS_COUNTER`]).
+    requests_counter: Option<usize>,
 }
+
+/// The module's own stats: every request's end by outcome, reason and tenant
+/// (`Driver::stats`), as the wasm module counts them (its `wasm/stats.rs`).
+const REQUESTS_COUNTER: (&str, [&str; 3]) =
+    ("llm_gateway_filter_requests_total", ["outcome", "reason", "tenant"]);
 
 /// A stream's state: the [`Driver`] (the wasm module's `GatewayHttp`).
 type Stream = Driver<NativeWorker>;
@@ -112,7 +119,12 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
                 .admission_leases
                 .clone()
                 .map(|settings| Arc::new(LeaseDriver::new(settings, abi::Config::new(config_envoy))));
-            Box::into_raw(Box::new(NativeConfig { config: Arc::new(cfg), leases })).cast()
+            let (name, labels) = REQUESTS_COUNTER;
+            let requests_counter = abi::Config::new(config_envoy).define_counter(name, &labels);
+            if requests_counter.is_none() {
+                log_warn("Envoy refused the filter's request counter: requests are not counted");
+            }
+            Box::into_raw(Box::new(NativeConfig { config: Arc::new(cfg), leases, requests_counter })).cast()
         }
         Err(e) => {
             log_warn(&format!("invalid filter configuration: {e}"));
@@ -146,7 +158,11 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
     let Some(native) = (unsafe { config.cast::<NativeConfig>().as_ref() }) else {
         return std::ptr::null_mut();
     };
-    let worker = NativeWorker { config: Arc::as_ptr(&native.config) as usize, leases: native.leases.clone() };
+    let worker = NativeWorker {
+        config: Arc::as_ptr(&native.config) as usize,
+        leases: native.leases.clone(),
+        requests_counter: native.requests_counter,
+    };
     let stream: Stream = Driver::new(Some(Arc::clone(&native.config)), worker);
     Box::into_raw(Box::new(stream)).cast()
 }
@@ -275,7 +291,15 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
     filter: *mut c_void,
 ) {
     // SAFETY: as above.
-    unsafe { with_stream(filter, (), |s| s.on_stream_end(&mut NativeHost::new(envoy))) }
+    unsafe {
+        with_stream(filter, (), |s| {
+            s.on_stream_end(&mut NativeHost::new(envoy));
+            if let Some(id) = s.worker().requests_counter {
+                let (outcome, reason, tenant) = s.stats();
+                abi::Filter::new(envoy).increment_counter(id, &[outcome, reason, tenant], 1);
+            }
+        })
+    }
 }
 
 /// Runs `f` on the configuration behind `config` (nothing for a null one).

@@ -155,26 +155,42 @@ pub struct Driver<W: Worker> {
     lease_response_headers: Option<Vec<(&'static str, String)>>,
     /// This request's upload slot, held while its body is being received.
     upload: Option<W::Upload>,
+    /// The request's tenant (index into the config's tenants), once its API key is known.
+    tenant: Option<usize>,
+    /// How the filter ended the request, for its stats ([`Driver::stats`]).
+    outcome: Outcome,
 }
 
-fn reply_internal(host: &mut impl Host, what: &'static str) -> Step {
-    reply(host, &GatewayError::Internal { what })
+/// How the filter ended a request: the `outcome` and `reason` of its own stats
+/// (`llm_gateway_filter_requests_total`, [`Outcome::labels`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The stream ended before the filter decided it (the client went away mid-body).
+    Undecided,
+    /// Refused with a local reply; the reason is [`GatewayError::details`] without its
+    /// `llm_gateway_` prefix.
+    Refused(&'static str),
+    /// Answered locally without an error (`GET /v1/models`).
+    Answered,
+    /// Admitted from the worker's admission lease: no sidecar call.
+    Leased,
+    /// Sent on to the sidecar's admission (ext_proc).
+    Forwarded,
 }
 
-fn reply(host: &mut impl Host, e: &GatewayError) -> Step {
-    let (status, _, code, _) = e.parts();
-    host.log(Level::Debug, &format!("local reply {status} {code}"));
-    send(host, &e.to_reply())
-}
-
-/// Sends `reply`; a refusal's reason goes to the request log first (best effort: a reply
-/// without it is still sent).
-fn send(host: &mut impl Host, reply: &LocalReply) -> Step {
-    if reply.status >= 400 {
-        host.set_filter_state(FilterState::Refusal, reply.details.as_bytes());
+impl Outcome {
+    /// `(outcome, reason)`: `refused` with its reason (`invalid_api_key`, `model_not_allowed`,
+    /// `invalid_json`, `context_length_exceeded`, ...), `answered` `models`, `leased`,
+    /// `forwarded` or `undecided` with reason `none`.
+    pub fn labels(self) -> (&'static str, &'static str) {
+        match self {
+            Outcome::Undecided => ("undecided", "none"),
+            Outcome::Refused(reason) => ("refused", reason),
+            Outcome::Answered => ("answered", "models"),
+            Outcome::Leased => ("leased", "none"),
+            Outcome::Forwarded => ("forwarded", "none"),
+        }
     }
-    host.send_reply(reply);
-    Step::Replied
 }
 
 fn publish_usage(host: &mut impl Host, usage: Option<Usage>) {
@@ -202,7 +218,47 @@ impl<W: Worker> Driver<W> {
             meter: Meter::new(gateway_meter::MAX_USAGE_BYTES),
             lease_response_headers: None,
             upload: None,
+            tenant: None,
+            outcome: Outcome::Undecided,
         }
+    }
+
+    /// The worker this stream runs on.
+    pub fn worker(&self) -> &W {
+        &self.worker
+    }
+
+    /// The request's stats labels once its stream ended: [`Outcome::labels`] and the tenant id
+    /// (`none` before its key is known).
+    pub fn stats(&self) -> (&'static str, &'static str, &str) {
+        let (outcome, reason) = self.outcome.labels();
+        let tenant =
+            self.tenant.and_then(|i| self.config.as_ref()?.tenants.get(i)).map_or("none", |t| t.id.as_str());
+        (outcome, reason, tenant)
+    }
+
+    fn reply_internal(&mut self, host: &mut impl Host, what: &'static str) -> Step {
+        self.reply(host, &GatewayError::Internal { what })
+    }
+
+    fn reply(&mut self, host: &mut impl Host, e: &GatewayError) -> Step {
+        let (status, _, code, _) = e.parts();
+        host.log(Level::Debug, &format!("local reply {status} {code}"));
+        self.send(host, &e.to_reply())
+    }
+
+    /// Sends `reply`; a refusal's reason goes to the request log first (best effort: a reply
+    /// without it is still sent) and to the filter's stats.
+    fn send(&mut self, host: &mut impl Host, reply: &LocalReply) -> Step {
+        if reply.status >= 400 {
+            host.set_filter_state(FilterState::Refusal, reply.details.as_bytes());
+            self.outcome =
+                Outcome::Refused(reply.details.strip_prefix("llm_gateway_").unwrap_or(reply.details));
+        } else {
+            self.outcome = Outcome::Answered;
+        }
+        host.send_reply(reply);
+        Step::Replied
     }
 
     /// Whether the request's body is awaited (between the headers and the decision).
@@ -219,21 +275,22 @@ impl<W: Worker> Driver<W> {
     pub fn on_request_headers(&mut self, host: &mut impl Host, end_of_stream: bool) -> Step {
         self.started_us = host.now_us();
         let Some(cfg) = self.config.clone() else {
-            return reply_internal(host, "filter not configured");
+            return self.reply_internal(host, "filter not configured");
         };
         let Some(headers) = host.request_headers() else {
-            return reply_internal(host, "cannot read request headers");
+            return self.reply_internal(host, "cannot read request headers");
         };
         let outcome = on_request_headers(&cfg, &headers);
         for name in &outcome.remove {
             if !host.remove_header(HeaderMap::Request, name) {
-                return reply_internal(host, "cannot remove request headers");
+                return self.reply_internal(host, "cannot remove request headers");
             }
         }
         let pending = match outcome.decision {
-            HeadersDecision::Reply(r) => return send(host, &r),
+            HeadersDecision::Reply(r) => return self.send(host, &r),
             HeadersDecision::AwaitBody(pending) => pending,
         };
+        self.tenant = Some(pending.tenant);
         let tenant = cfg.tenants.get(pending.tenant).map_or("", |t| t.id.as_str());
         // For the request log only (best effort): the sidecar reads the tenant from the facts.
         host.set_filter_state(FilterState::Tenant, tenant.as_bytes());
@@ -243,11 +300,11 @@ impl<W: Worker> Driver<W> {
         }
         // A tenant the sidecar said is over its requests-per-minute limit costs no body.
         if let Some(retry_after_secs) = self.worker.tenant_over_rpm(tenant, self.started_us) {
-            return reply(host, &GatewayError::TenantOverRequestLimit { retry_after_secs });
+            return self.reply(host, &GatewayError::TenantOverRequestLimit { retry_after_secs });
         }
         let limit = cfg.max_uploads_per_tenant;
         let Some(slot) = self.worker.try_upload(pending.tenant, limit) else {
-            return reply(host, &GatewayError::TooManyUploads { limit });
+            return self.reply(host, &GatewayError::TooManyUploads { limit });
         };
         self.upload = Some(slot);
         self.pending = Some(pending);
@@ -263,7 +320,7 @@ impl<W: Worker> Driver<W> {
         if let Err(e) = check_body_size(&cfg, buffered) {
             self.pending = None;
             self.upload = None;
-            return reply(host, &e);
+            return self.reply(host, &e);
         }
         if !end_of_stream {
             return Step::Pause;
@@ -286,7 +343,7 @@ impl<W: Worker> Driver<W> {
             return Step::Continue;
         };
         let Some(body) = host.request_body() else {
-            return reply_internal(host, "cannot read request body");
+            return self.reply_internal(host, "cannot read request body");
         };
         self.finish_request(host, &cfg, &pending, body, true)
     }
@@ -303,11 +360,11 @@ impl<W: Worker> Driver<W> {
         let body_len = body.len();
         let plan = match on_request_body_owned(cfg, pending, body) {
             Ok(plan) => plan,
-            Err(e) => return reply(host, &e),
+            Err(e) => return self.reply(host, &e),
         };
         if let (Some(new_body), true) = (&plan.new_body, body_in_buffer) {
             if !host.replace_request_body(body_len, new_body) {
-                return reply_internal(host, "cannot rewrite request body");
+                return self.reply_internal(host, "cannot rewrite request body");
             }
         }
         let mut facts = plan.facts;
@@ -326,9 +383,10 @@ impl<W: Worker> Driver<W> {
         // the request is neither admitted nor metered, so a failure here fails the request.
         let published = facts.to_json().is_ok_and(|json| host.set_filter_state(FilterState::Request, &json));
         if !published {
-            return reply_internal(host, "cannot record the request's facts");
+            return self.reply_internal(host, "cannot record the request's facts");
         }
         host.set_filter_state(FilterState::Model, facts.model.as_bytes());
+        self.outcome = if facts.leased_tokens.is_some() { Outcome::Leased } else { Outcome::Forwarded };
         if facts.leased_tokens.is_some() {
             // Envoy's matcher skips the ext_proc admission on this filter state. Should it fail,
             // the admission still sees `leased_tokens` in the facts and does not charge again.
@@ -337,7 +395,7 @@ impl<W: Worker> Driver<W> {
         let nonce_header = plan.nonce_header.then_some((H_REQUEST_NONCE, nonce.as_str()));
         for (name, value) in plan.set_headers.iter().map(|(n, v)| (*n, v.as_str())).chain(nonce_header) {
             if !host.set_header(HeaderMap::Request, name, value.as_bytes()) {
-                return reply_internal(host, "cannot set request headers");
+                return self.reply_internal(host, "cannot set request headers");
             }
         }
         self.usage_injected = plan.usage_injected;

@@ -36,6 +36,7 @@ use crate::uploads::UploadSlots;
 
 mod probes;
 mod root;
+mod stats;
 
 use gateway_contract::{
     PROPERTY_ADMISSION, PROPERTY_MODEL, PROPERTY_REFUSAL, PROPERTY_REQUEST, PROPERTY_TENANT, PROPERTY_USAGE,
@@ -339,5 +340,7 @@ impl HttpContext for GatewayHttp {
     fn on_log(&mut self) {
         // The stream ended before its response did (client abort, upstream reset, timeout).
         self.driver.on_stream_end(&mut WasmHost { body_size: 0 });
+        let (outcome, reason, tenant) = self.driver.stats();
+        stats::count(outcome, reason, tenant);
     }
 }
