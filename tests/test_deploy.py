@@ -18,6 +18,7 @@ import json
 import os
 import re
 import select
+import shutil
 import socket
 import subprocess
 import time
@@ -295,11 +296,29 @@ def crd_validators():
     return validators
 
 
+K8S_MODELS = ROOT / "tools" / "k8s-models"
+
+
+def validate_operator_kind(doc: dict) -> None:
+    """A Prometheus Operator object, by the validators @kubernetes-models generates from the
+    operator's CRDs (tools/k8s-models/, installed by `make setup` with npm)."""
+    node = shutil.which("node")
+    assert node, "node is missing (the machine's Node.js)"
+    assert (K8S_MODELS / "node_modules").is_dir(), "tools/k8s-models/node_modules is missing: `make setup` installs it"
+    r = subprocess.run([node, str(K8S_MODELS / "validate.mjs")], input=json.dumps([doc]), capture_output=True,
+                       text=True, cwd=K8S_MODELS, timeout=60)
+    if r.returncode != 0:
+        raise AssertionError(r.stdout + r.stderr)
+
+
 def validate_manifest(doc: dict, crd_validators) -> None:
     """Raises on the first schema violation of one manifest."""
     kind = doc["kind"]
     if kind in CORE_KINDS:
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+        return
+    if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+        validate_operator_kind(doc)
         return
     if crd_validators is None:
         pytest.skip(NO_CRDS)
@@ -353,13 +372,14 @@ def test_manifests_pass_schema_validation(tmp_path, crd_validators, variant):
             "DestinationRule", "EnvoyExtensionPolicy", "EnvoyProxy", "EnvoyPatchPolicy", "HTTPRoute"} <= kinds, kinds
     if variant == "istio-wasmplugin":
         assert "WasmPlugin" in kinds
-    # Every kustomization lists exactly the manifests beside it.
+    # Every kustomization lists exactly the manifests beside it (a subfolder has its own: the
+    # Prometheus Operator's objects in kubernetes/monitoring/ need its CRDs, the sidecar's do not).
     for name, path in files.items():
         if name.endswith("kustomization.yaml"):
             folder = name.rsplit("/", 1)[0]
             listed = yaml.safe_load(path.read_text())["resources"]
             beside = sorted(n.rsplit("/", 1)[1] for n in files
-                            if n.startswith(folder + "/") and n != name)
+                            if n.startswith(folder + "/") and "/" not in n[len(folder) + 1:] and n != name)
             assert sorted(listed) == beside, name
     # Core kinds first, so that they are checked even where the CRD folder is absent.
     ordered = sorted(docs, key=lambda nd: nd[1]["kind"] not in CORE_KINDS)

@@ -280,3 +280,20 @@ def test_the_gen_ai_metrics_carry_the_conventions_labels(observed):
     tokens = prom.query("sum by (gen_ai_token_type) (gen_ai_client_token_usage_count)")
     assert {s["metric"]["gen_ai_token_type"] for s in tokens} == {"input", "output"}, tokens
     assert not re.search(r"\bmodel\b", " ".join(got[0]["metric"])), "a bare `model` label on a gen_ai_ metric"
+
+
+def test_the_rendered_prometheus_rule_passes_promtool(tmp_path):
+    """gatewayctl's PrometheusRule (kubernetes target) holds rule groups promtool accepts."""
+    gatewayctl = ROOT / "target" / "release" / "gatewayctl"
+    assert gatewayctl.exists(), "make build builds gatewayctl"
+    out = tmp_path / "out"
+    r = subprocess.run([str(gatewayctl), "render", "--config", str(ROOT / "envoy/examples/gateway.yaml"),
+                        "--out", str(out), "--target", "all"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rule = yaml.safe_load((out / "kubernetes/monitoring/prometheusrule.yaml").read_text())
+    assert rule["kind"] == "PrometheusRule"
+    (tmp_path / "groups.yaml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    check = subprocess.run([tool("promtool"), "check", "rules", str(tmp_path / "groups.yaml")],
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f"SUCCESS: {sum(len(g['rules']) for g in rule['spec']['groups'])} rules found" in check.stdout

@@ -657,6 +657,44 @@ fn the_usage_journal_is_rendered_for_the_standalone_envoy_and_its_sidecar() {
 }
 
 #[test]
+fn the_kubernetes_target_renders_the_rules_and_a_pod_monitor_apart_from_the_sidecar() {
+    let f = files(Target::All);
+    let rule = yaml(&f["kubernetes/monitoring/prometheusrule.yaml"]);
+    assert_eq!(
+        (rule["apiVersion"].as_str(), rule["kind"].as_str()),
+        (Some("monitoring.coreos.com/v1"), Some("PrometheusRule"))
+    );
+    let shipped = yaml(&std::fs::read_to_string("../deploy/prometheus/rules.yaml").unwrap());
+    assert_eq!(
+        rule["spec"]["groups"], shipped["groups"],
+        "the PrometheusRule carries deploy/prometheus/rules.yaml"
+    );
+    let monitor = yaml(&f["kubernetes/monitoring/sidecar-podmonitor.yaml"]);
+    let endpoint = &monitor["spec"]["podMetricsEndpoints"][0];
+    assert_eq!(endpoint["relabelings"][0]["replacement"], "llm-gateway-sidecar", "the alerts' job");
+    let deployment = yaml(&f["kubernetes/sidecar-deployment.yaml"]);
+    let ports = &deployment["spec"]["template"]["spec"]["containers"][0]["ports"];
+    assert!(ports.as_sequence().unwrap().iter().any(|p| p["name"] == endpoint["port"]), "{ports:?}");
+    assert_eq!(
+        monitor["spec"]["selector"]["matchLabels"],
+        deployment["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+            .as_str()
+            .map(|n| yaml(&format!("app.kubernetes.io/name: {n}")))
+            .unwrap()
+    );
+    // Their own kustomization: the sidecar's applies without the Prometheus Operator's CRDs.
+    assert!(!f["kubernetes/kustomization.yaml"].contains("monitoring"));
+    assert!(f["kubernetes/monitoring/kustomization.yaml"].contains("prometheusrule.yaml"));
+    // Without sidecar.metrics_listen there is nothing to scrape: no monitoring objects.
+    let text = std::fs::read_to_string(EXAMPLE).unwrap();
+    let line = text.lines().find(|l| l.trim_start().starts_with("metrics_listen:")).unwrap();
+    let text = text.replace(&format!("{line}\n"), "");
+    let loaded = Loaded::from_yaml(&text, EXAMPLE, Path::new("../envoy/examples").to_path_buf()).unwrap();
+    let out = render(&loaded, Target::All).unwrap();
+    assert!(!out.files.iter().any(|f| f.path.starts_with("kubernetes/monitoring/")));
+}
+
+#[test]
 fn the_request_log_is_on_by_default_to_stdout_and_can_be_moved_or_turned_off() {
     let hcm_of = |text: &str| {
         let loaded = Loaded::from_yaml(text, "gateway.yaml", Path::new("../envoy/examples").to_path_buf())

@@ -14,8 +14,9 @@ use super::manifests::core::{
     PodTemplate, PolicyPort, Probe, ResourceList, Resources, SecretKeyRef, SecretVolume, Service,
     ServicePort, ServiceSpec, TcpSocket, TopologySpreadConstraint, Volume, VolumeMount,
 };
+use super::manifests::monitoring::{PodMetricsEndpoint, PodMonitorSpec, PrometheusRuleSpec, Relabeling};
 use super::manifests::{
-    ComponentSelector, Kustomization, Labels, MatchLabels, ObjectMeta, OrderedMap, Selector,
+    ComponentSelector, Kustomization, Labels, MatchLabels, Object, ObjectMeta, OrderedMap, Selector, Value,
 };
 use super::{Error, File};
 
@@ -158,7 +159,52 @@ pub fn manifests(loaded: &Loaded, target: &str) -> Result<Vec<File>, Error> {
         files.extend(trial_redis(ns, &redis.image)?);
     }
     files.push(kustomization("kubernetes", &files)?);
+    files.extend(monitoring(loaded, ns)?);
     Ok(files)
+}
+
+/// The Prometheus rules and alerts of docs/operations.md, as the standalone target's Prometheus
+/// loads them.
+const RULES: &str = include_str!("../../../deploy/prometheus/rules.yaml");
+
+/// `kubernetes/monitoring/`, with `sidecar.metrics_listen` set: a PodMonitor scraping the
+/// sidecar's `metrics` port as job `llm-gateway-sidecar` (what the alerts select) and a
+/// PrometheusRule with the rules and alerts (`deploy/prometheus/rules.yaml`). Their own
+/// kustomization, apart from the sidecar's: they need the Prometheus Operator's CRDs.
+fn monitoring(loaded: &Loaded, ns: &str) -> Result<Vec<File>, Error> {
+    if loaded.config.sidecar.metrics_listen.is_none() {
+        return Ok(Vec::new());
+    }
+    let rules: Value =
+        serde_yaml_ng::from_str(RULES).map_err(|e| Error::Internal(format!("rules.yaml: {e}")))?;
+    let groups =
+        rules.get("groups").cloned().ok_or_else(|| Error::Internal("rules.yaml: no groups".to_owned()))?;
+    let pod_monitor = PodMonitorSpec {
+        selector: Selector::matching(ComponentSelector::new(SIDECAR_NAME)),
+        pod_metrics_endpoints: vec![PodMetricsEndpoint {
+            port: "metrics",
+            path: "/metrics",
+            interval: "30s",
+            relabelings: vec![Relabeling {
+                action: "replace",
+                target_label: "job",
+                replacement: "llm-gateway-sidecar",
+            }],
+        }],
+    };
+    let files = vec![
+        File::yaml(
+            "kubernetes/monitoring/sidecar-podmonitor.yaml",
+            &Object::new(ObjectMeta::new(SIDECAR_NAME, ns, SIDECAR_NAME), pod_monitor),
+        )?,
+        File::yaml(
+            "kubernetes/monitoring/prometheusrule.yaml",
+            &Object::new(ObjectMeta::new("llm-gateway", ns, "llm-gateway"), PrometheusRuleSpec { groups }),
+        )?,
+    ];
+    let mut out = vec![kustomization("kubernetes/monitoring", &files)?];
+    out.extend(files);
+    Ok(out)
 }
 
 /// A port of the sidecar's pods.

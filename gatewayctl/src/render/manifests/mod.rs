@@ -4,7 +4,7 @@
 //!
 //! [`core`] has the core kinds (Namespace, ConfigMap, Deployment, Service, PodDisruptionBudget,
 //! NetworkPolicy), [`istio`] Istio's, [`gateway_api`] the Gateway API's and its Inference
-//! Extension's, [`envoy_gateway`] Envoy Gateway's. The Envoy configuration inside an EnvoyFilter or
+//! Extension's, [`envoy_gateway`] Envoy Gateway's, [`monitoring`] the Prometheus Operator's. The Envoy configuration inside an EnvoyFilter or
 //! an EnvoyPatchPolicy is the standalone bootstrap's (the templates under `envoy/`), carried as a
 //! [`Value`] tree.
 
@@ -12,6 +12,7 @@ pub(crate) mod core;
 pub(crate) mod envoy_gateway;
 pub(crate) mod gateway_api;
 pub(crate) mod istio;
+pub(crate) mod monitoring;
 
 use std::collections::BTreeMap;
 
