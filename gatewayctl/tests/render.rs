@@ -64,8 +64,9 @@ fn targets_render_their_files() {
         assert!(eg.contains_key(f), "{f} missing: {:?}", eg.keys());
     }
     // 22, plus the NetworkPolicies of the sidecar and the trial Redis, the sidecar's Istio
-    // PeerAuthentication and AuthorizationPolicy, and Envoy Gateway's EnvoyPatchPolicy.
-    assert_eq!(files(Target::All).len(), 27);
+    // PeerAuthentication and AuthorizationPolicy, Envoy Gateway's EnvoyPatchPolicy, and
+    // kubernetes/monitoring/'s PodMonitor, PrometheusRule and kustomization.
+    assert_eq!(files(Target::All).len(), 30);
 }
 
 #[test]
