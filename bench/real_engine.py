@@ -260,8 +260,9 @@ def start_gateway(workdir: Path, arm: str, urls: list[str], keys: dict[str, str]
                                      **({"newcomer_reserve": NEWCOMER_RESERVE} if arm.endswith("-reserve") else {})}
     tenants = [Tenant(t, [k], {"requests_per_minute": 10_000_000, "tokens_per_minute": 10_000_000_000})
                for t, k in keys.items()]
+    # The request log (workdir/requests.log) records why any request failed (flags, details, upstream host).
     stack = Stack(workdir, [pool], [Model(MODEL, POOL, MAX_MODEL_LEN)], tenants, envoy_concurrency=1,
-                  sidecar_overrides=overrides)
+                  sidecar_overrides=overrides, request_log=True)
     exits.enter_context(stack)
     return stack
 
