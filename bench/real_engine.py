@@ -337,6 +337,16 @@ def envoy_status_counts(stack: Stack) -> dict[str, int]:
     return out
 
 
+def failure_causes(stack: Stack) -> dict[str, int]:
+    """The failed requests' causes from the request log: `"<code> <flags> <details>"` -> count."""
+    out: dict[str, int] = {}
+    for e in stack.requests_logged():
+        if not 200 <= int(e.get("response_code") or 0) < 300:
+            cause = f"{e.get('response_code')} {e.get('response_flags')} {e.get('response_code_details')}"
+            out[cause] = out.get(cause, 0) + 1
+    return out
+
+
 def sidecar_metrics(stack: Stack, path: Path) -> dict:
     """Saves the sidecar's /metrics to `path`; returns the picker's fitted TTFT model
     (`llm_gateway_picker_ttft_model`, term -> value), empty without one."""
@@ -386,6 +396,7 @@ def one_run(w: Workload, arm: str, replicas: list[Replica], vllm: Path, raw: Pat
             result["light"] = figures([light])
             result["heavy"] = figures([heavy]) if heavy else None
             result["envoy_status"] = envoy_status_counts(stack)
+            result["failure_causes"] = failure_causes(stack)
             sidecar_metrics(stack, raw / f"{tag}-sidecar-metrics.txt")
             reports = [light] + ([heavy] if heavy else [])
         else:
@@ -395,6 +406,7 @@ def one_run(w: Workload, arm: str, replicas: list[Replica], vllm: Path, raw: Pat
             reports = [finish(client(vllm, stack.base_url, key, w, w.dataset, w.num_prompts, w.concurrency, seed, out),
                               out)]
             result["envoy_status"] = envoy_status_counts(stack)
+            result["failure_causes"] = failure_causes(stack)
             result["ttft_model"] = sidecar_metrics(stack, raw / f"{tag}-sidecar-metrics.txt")
     result.update(figures(reports))
     result["replicas"] = replica_deltas(replicas, before)
