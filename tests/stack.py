@@ -245,6 +245,7 @@ class Stack:
         native_module: Path | None = None,
         envoy_log_level: str | None = None,
         request_log: bool = False,
+        ecds: bool = False,
     ):
         if profile not in ("gateway", "filter", "bare"):
             raise ValueError(f"unknown profile {profile}")
@@ -286,6 +287,10 @@ class Stack:
         # The request log (envoy/access_log_requests.yaml): one JSON line per request with why it
         # failed, as gatewayctl renders it for the standalone target (`requests_logged()`).
         self.request_log_path = workdir / "requests.log" if request_log else None
+        # The wasm filter's configuration through Envoy's ECDS from a watched file (what gatewayctl
+        # renders with `envoy.live_config`): `reload_filter()` swaps it, and new streams take it,
+        # on open connections too.
+        self.ecds_path = workdir / "ecds" / "filter.json" if ecds else None
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.pools = pools
@@ -705,6 +710,11 @@ class Stack:
                                       {"NATIVE_MODULE_PATH": json.dumps(str(self.native_module))}))
             else:
                 filters.append(render("filters/wasm.yaml"))
+            if self.ecds_path:
+                self._write_ecds(filters[-1])
+                filters[-1] = render("filters/ecds.yaml", {
+                    "ECDS_PATH": json.dumps(str(self.ecds_path)), "ECDS_DIR": json.dumps(str(self.ecds_path.parent)),
+                    "ECDS_TYPE_URL": filters[-1]["typed_config"]["@type"]})
         if self.profile == "gateway":
             admission = render("filters/ext_proc_admission.yaml")
             if "admission_leases" in self.filter_config():
@@ -805,6 +815,25 @@ class Stack:
         tmp = self.lds_path.parent / ".lds.json.tmp"
         tmp.write_text(json.dumps({"resources": resources}))
         tmp.rename(self.lds_path)
+
+    def _write_ecds(self, filter_entry: dict) -> None:
+        """Writes the filter's ECDS file atomically (a rename into the watched directory)."""
+        assert self.ecds_path
+        self.ecds_path.parent.mkdir(exist_ok=True)
+        resource = {"@type": "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig",
+                    "name": filter_entry["name"], "typed_config": filter_entry["typed_config"]}
+        tmp = self.ecds_path.parent / ".filter.json.tmp"
+        tmp.write_text(json.dumps({"resources": [resource]}))
+        tmp.rename(self.ecds_path)
+
+    def reload_filter(self, filter_config: dict) -> None:
+        """Gives the wasm filter this plugin configuration through ECDS (`ecds=True`), without
+        touching the listener: streams already started finish under the old one, every new
+        stream, on an open connection too, gets the new one."""
+        if not self.ecds_path:
+            raise StackError("reload_filter() needs ecds=True")
+        self.filter_config_override = filter_config
+        self.envoy_config()  # rewrites the ECDS file
 
     def reload(self, filter_config: dict) -> None:
         """Replaces the listener (with `dynamic_listeners`) by one whose wasm filter has this

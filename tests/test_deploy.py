@@ -30,7 +30,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from helpers import assert_openai_error, auth, chat_body, post, sse_events
+from helpers import assert_openai_error, auth, chat_body, post, sse_events, wait_for
 from stack import (
     FILTER_NATIVE,
     ROOT,
@@ -689,10 +689,13 @@ def rendered_stack(request, tmp_path_factory):
     sidecar_port = free_port()
     out = workdir / "out"
 
+    live_dir = workdir / "live"
+
     def gateway_config(stack: Stack) -> dict:
         hostport = lambda url: url.removeprefix("http://")  # noqa: E731
         return {
-            "envoy": {"listen": "127.0.0.1:0", "admin_port": 0},
+            # The filter's configuration live (ECDS), so that `gatewayctl apply` can change it.
+            "envoy": {"listen": "127.0.0.1:0", "admin_port": 0, "live_config": {"dir": str(live_dir)}},
             "filter": filter_section,
             "sidecar": {"listen": f"127.0.0.1:{sidecar_port}"},
             "redis": {"url": f"redis://127.0.0.1:{stack.redis_port}/0", "failure_mode": "open"},
@@ -715,6 +718,7 @@ def rendered_stack(request, tmp_path_factory):
                 config_path = workdir / "gateway.yaml"
                 config_path.write_text(yaml.safe_dump(gateway_config(stack), sort_keys=False))
                 gatewayctl("render", "--config", str(config_path), "--out", str(out), "--target", "standalone")
+                gatewayctl("apply", "--config", str(config_path))  # installs the filter's ECDS file
             return yaml.safe_load((out / "standalone" / name).read_text())
         return load
 
@@ -733,7 +737,47 @@ def rendered_stack(request, tmp_path_factory):
                envoy_config_from=envoy_with_header_echo) as s:
         s.api_key = key
         s.rendered = out
+        s.gateway_yaml = workdir / "gateway.yaml"
+        s.live_dir = live_dir
         yield s
+
+
+def test_rendered_gateway_takes_a_key_rotation_live_and_refuses_a_bad_apply(rendered_stack):
+    """`gatewayctl apply` with a rotated key: on one open keep-alive connection the new key is
+    admitted and the old one refused within a second, with no restart; an apply of a config that
+    does not validate exits non-zero, names the field and leaves Envoy's file as it was."""
+    s = rendered_stack
+    original = s.gateway_yaml.read_text()
+    config = yaml.safe_load(original)
+    new_key = new_api_key()
+    try:
+        with httpx.Client(base_url=s.base_url, timeout=10) as client:
+            def status(key: str) -> int:
+                return client.post("/v1/chat/completions", json=chat_body("main", max_tokens=1),
+                                   headers=auth(key)).status_code
+
+            assert (status(s.api_key), status(new_key)) == (200, 401)
+            config["tenants"][0]["api_keys_sha256"] = [sha256_hex(new_key)]
+            s.gateway_yaml.write_text(yaml.safe_dump(config, sort_keys=False))
+            applied = time.monotonic()
+            out = gatewayctl("apply", "--config", str(s.gateway_yaml))
+            assert "the filter's configuration is now" in out.stdout, out.stdout
+            rotated = wait_for(lambda: (status(s.api_key), status(new_key)) == (401, 200), timeout=5, interval=0.02)
+            took = time.monotonic() - applied
+            assert rotated, f"the rotation did not reach the open connection\n{s.envoy_log()}"
+            assert took <= 1.0, f"rotated after {took:.2f} s"
+        before = (s.live_dir / "filter.json").read_text()
+        config["models"][0]["max_model_len"] = 0
+        s.gateway_yaml.write_text(yaml.safe_dump(config, sort_keys=False))
+        bad = gatewayctl("apply", "--config", str(s.gateway_yaml), check=False)
+        assert bad.returncode != 0 and "models[0].max_model_len" in bad.stderr, bad.stderr
+        assert (s.live_dir / "filter.json").read_text() == before, "a refused apply changed Envoy's file"
+        assert not (s.live_dir / ".filter.json.tmp").exists()
+    finally:
+        s.gateway_yaml.write_text(original)
+        gatewayctl("apply", "--config", str(s.gateway_yaml))
+    assert wait_for(lambda: post(s, "/v1/chat/completions", chat_body("main", max_tokens=1),
+                                 key=s.api_key).status_code == 200, timeout=5)
 
 
 def test_rendered_gateway_bootstrap_passes_envoy_validate(rendered_stack):

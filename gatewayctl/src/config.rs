@@ -154,6 +154,13 @@ pub struct EnvoySection {
     /// targets keep their own access logs (docs/operations.md, "The request log").
     #[serde(default)]
     pub access_log: AccessLogSection,
+    /// The filter's configuration (keys, tenants, models) live: a directory on the Envoy host
+    /// where it is an ECDS file, `filter.json` (envoy/filters/ecds.yaml), that `gatewayctl apply`
+    /// replaces while Envoy runs; every stream that starts after it was read takes the new one,
+    /// on open connections too (docs/operations.md, "Changing the configuration"). Absent: the
+    /// configuration is in the bootstrap, and a change needs Envoy to restart.
+    #[serde(default)]
+    pub live_config: Option<LiveConfigSection>,
 }
 
 impl Default for EnvoySection {
@@ -163,7 +170,23 @@ impl Default for EnvoySection {
             admin_port: default_admin_port(),
             edge: EdgeSection::default(),
             access_log: AccessLogSection::default(),
+            live_config: None,
         }
+    }
+}
+
+/// `envoy.live_config`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LiveConfigSection {
+    /// The directory (absolute, on the Envoy host) Envoy watches for `filter.json`.
+    pub dir: PathBuf,
+}
+
+impl LiveConfigSection {
+    /// The ECDS file Envoy reads the filter's configuration from.
+    pub fn filter_path(&self) -> PathBuf {
+        self.dir.join("filter.json")
     }
 }
 
@@ -1638,6 +1661,12 @@ impl GatewayConfig {
             return fail(
                 "envoy.listen",
                 format!("{listen} is the sidecar's metrics address ({metrics}, sidecar.metrics_listen)"),
+            );
+        }
+        if self.envoy.live_config.as_ref().is_some_and(|l| !l.dir.is_absolute()) {
+            return fail(
+                "envoy.live_config.dir",
+                "must be an absolute path (the directory on the Envoy host)",
             );
         }
         if !self.envoy.access_log.path.is_absolute() {

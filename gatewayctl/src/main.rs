@@ -37,6 +37,15 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Swaps the running standalone Envoy's filter configuration (`envoy.live_config`): renders
+    /// and validates the whole config, then renames the filter's new ECDS file into
+    /// `envoy.live_config.dir`; Envoy applies it to every stream that starts after, with no
+    /// restart. A config that does not validate changes nothing.
+    Apply {
+        /// The gateway config (YAML).
+        #[arg(long)]
+        config: PathBuf,
+    },
     /// Makes a new API key and prints it once with its SHA-256 digest for
     /// `tenants[].api_keys_sha256`; with `--key`, reads a key from stdin and prints its digest.
     HashKey {
@@ -94,6 +103,21 @@ fn run(command: Command) -> Result<(), String> {
             for file in &output.files {
                 println!("{}", out.join(&file.path).display());
             }
+            Ok(())
+        }
+        Command::Apply { config } => {
+            let loaded = Loaded::load(&config).map_err(|e| e.to_string())?;
+            let path = render::apply(&loaded).map_err(|e| e.to_string())?;
+            println!(
+                "{}: the filter's configuration is now {} (Envoy applies it to new streams)",
+                loaded.file,
+                path.display()
+            );
+            eprintln!(
+                "note: the sidecar's configuration (tenants, limits, quotas, pools) is not swapped: render it and \
+                 restart the sidecar when it changed; add a tenant to the sidecar before its keys go live, \
+                 remove it after"
+            );
             Ok(())
         }
         Command::Validate { config } => {

@@ -34,6 +34,8 @@ pub const BOOTSTRAP: Template = template!("envoy/bootstrap.yaml");
 pub const FILTER_WASM: Template = template!("envoy/filters/wasm.yaml");
 /// The filter as an Envoy dynamic module (`filter-native/`), in the wasm filter's place.
 pub const FILTER_NATIVE: Template = template!("envoy/filters/native.yaml");
+/// The filter's entry with its configuration from a watched ECDS file (`envoy.live_config`).
+pub const FILTER_ECDS: Template = template!("envoy/filters/ecds.yaml");
 /// The admission ext_proc HTTP filter entry.
 pub const FILTER_ADMISSION: Template = template!("envoy/filters/ext_proc_admission.yaml");
 /// The admission filter wrapped in the matcher that skips it for leased admissions.

@@ -696,6 +696,39 @@ fn the_kubernetes_target_renders_the_rules_and_a_pod_monitor_apart_from_the_side
 }
 
 #[test]
+fn live_config_moves_the_filters_configuration_into_an_ecds_file() {
+    let text = std::fs::read_to_string(EXAMPLE).unwrap();
+    let text = text.replacen("envoy:\n", "envoy:\n  live_config: {dir: /etc/llm-gateway/live}\n", 1);
+    let loaded = Loaded::from_yaml(&text, EXAMPLE, Path::new("../envoy/examples").to_path_buf()).unwrap();
+    let f: BTreeMap<String, String> =
+        render(&loaded, Target::Standalone).unwrap().files.into_iter().map(|f| (f.path, f.content)).collect();
+    let b = yaml(&f["standalone/envoy.yaml"]);
+    let hcm = &b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    let filter = &hcm["http_filters"][0];
+    assert!(filter["typed_config"].is_null(), "the configuration is not in the bootstrap");
+    let source = &filter["config_discovery"]["config_source"]["path_config_source"];
+    assert_eq!(source["path"], "/etc/llm-gateway/live/filter.json");
+    assert_eq!(source["watched_directory"]["path"], "/etc/llm-gateway/live");
+    assert_eq!(
+        filter["config_discovery"]["type_urls"][0],
+        "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
+    );
+    let ecds: serde_json::Value = serde_json::from_str(&f["standalone/live/filter.json"]).unwrap();
+    let resource = &ecds["resources"][0];
+    assert_eq!(resource["name"], filter["name"].as_str().unwrap());
+    let value = resource["typed_config"]["config"]["configuration"]["value"].as_str().unwrap();
+    let embedded: serde_json::Value = serde_json::from_str(value).unwrap();
+    let rendered: serde_json::Value = serde_json::from_str(&f["standalone/filter.json"]).unwrap();
+    assert_eq!(embedded, rendered, "the ECDS file carries the filter's configuration");
+    // Without it nothing changes: the configuration stays in the bootstrap.
+    assert!(!files(Target::Standalone).contains_key("standalone/live/filter.json"));
+    let relative = text.replace("{dir: /etc/llm-gateway/live}", "{dir: live}");
+    let err =
+        Loaded::from_yaml(&relative, EXAMPLE, Path::new("../envoy/examples").to_path_buf()).unwrap_err();
+    assert!(err.to_string().contains("envoy.live_config.dir: must be an absolute path"), "{err}");
+}
+
+#[test]
 fn the_request_log_is_on_by_default_to_stdout_and_can_be_moved_or_turned_off() {
     let hcm_of = |text: &str| {
         let loaded = Loaded::from_yaml(text, "gateway.yaml", Path::new("../envoy/examples").to_path_buf())

@@ -132,6 +132,10 @@ impl File {
     }
 }
 
+/// With `envoy.live_config`: the filter's ECDS file as rendered, to be placed at
+/// `envoy.live_config.dir`/filter.json (`gatewayctl apply` does).
+pub const LIVE_FILTER_FILE: &str = "standalone/live/filter.json";
+
 /// The rendered files, and notes for the operator (settings a target cannot carry).
 #[derive(Debug, Default)]
 pub struct Output {
@@ -315,11 +319,15 @@ fn render_inner(loaded: &Loaded, target: Target) -> Result<Output, Error> {
                 let filter_config =
                     with_admission_leases(loaded, &filter_config, STANDALONE_EXT_PROC_CLUSTER);
                 let bootstrap = standalone::bootstrap(loaded, &filter_config)?;
-                vec![
+                let mut files = vec![
                     File::yaml("standalone/envoy.yaml", &bootstrap)?,
                     File::json("standalone/filter.json", &filter_config)?,
                     File::yaml("standalone/sidecar.yaml", &sidecar)?,
-                ]
+                ];
+                if let Some(ecds) = standalone::live_filter(loaded, &filter_config)? {
+                    files.push(File::json(LIVE_FILTER_FILE, &ecds)?);
+                }
+                files
             }
             Target::Istio => istio::manifests(loaded, &filter_config)?,
             Target::EnvoyGateway => envoy_gateway::manifests(loaded, &filter_config)?,
@@ -355,6 +363,36 @@ fn render_inner(loaded: &Loaded, target: Target) -> Result<Output, Error> {
             .map(|w| format!("warning: {w}: its queue stays empty")),
     );
     Ok(Output { files: files.into_values().collect(), notes })
+}
+
+/// `gatewayctl apply`: renders the standalone target (every check included), then writes the
+/// filter's ECDS file into `envoy.live_config.dir` by renaming a new file over `filter.json`, so
+/// Envoy never reads a partial one. Returns the file's path.
+///
+/// # Errors
+/// No `envoy.live_config`, any error of the config (nothing is written then), or the directory
+/// cannot be written.
+pub fn apply(loaded: &Loaded) -> Result<std::path::PathBuf, ConfigError> {
+    apply_inner(loaded).map_err(|e| e.in_file(&loaded.file))
+}
+
+fn apply_inner(loaded: &Loaded) -> Result<std::path::PathBuf, Error> {
+    let live = loaded.config.envoy.live_config.as_ref().ok_or_else(|| {
+        FieldError::new("envoy.live_config", "required by apply: the directory the running Envoy watches")
+    })?;
+    let output = render_inner(loaded, Target::Standalone)?;
+    let ecds = output
+        .files
+        .iter()
+        .find(|f| f.path == LIVE_FILTER_FILE)
+        .ok_or_else(|| Error::Internal(format!("{LIVE_FILTER_FILE} not rendered")))?;
+    let io = |e: std::io::Error| Error::Internal(format!("{}: {e}", live.dir.display()));
+    std::fs::create_dir_all(&live.dir).map_err(io)?;
+    let tmp = live.dir.join(".filter.json.tmp");
+    std::fs::write(&tmp, &ecds.content).map_err(io)?;
+    let target = live.filter_path();
+    std::fs::rename(&tmp, &target).map_err(io)?;
+    Ok(target)
 }
 
 /// Writes rendered files under `out` (creating directories).

@@ -83,6 +83,34 @@ fn filter_module(loaded: &Loaded) -> Result<(Template, &'static str, std::path::
     }
 }
 
+/// With `envoy.live_config`: the filter's ECDS file (`filter.json` in its directory), a
+/// discovery response holding the filter's entry (module and `filter_config`) as a
+/// `TypedExtensionConfig` named as the bootstrap's filter.
+///
+/// # Errors
+/// The filter's module is not configured, or a template error.
+pub fn live_filter(loaded: &Loaded, filter_config: &RawConfig) -> Result<Option<Value>, Error> {
+    if loaded.config.envoy.live_config.is_none() {
+        return Ok(None);
+    }
+    let (filter_template, module_key, module_path) = filter_module(loaded)?;
+    let values = Values::new()
+        .set("FILTER_CONFIG_JSON", to_json(filter_config).map_err(Error::Internal)?)
+        .set(module_key, module_path.display().to_string());
+    let entry = template::render(filter_template, &values)?;
+    let (Some(name), Some(typed_config)) = (entry.get("name").cloned(), entry.get("typed_config").cloned())
+    else {
+        return Err(Error::Internal(format!("{}: no name or typed_config", filter_template.path)));
+    };
+    let mut resource = crate::tree::Mapping::new();
+    resource.insert("@type".into(), "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig".into());
+    resource.insert("name".into(), name);
+    resource.insert("typed_config".into(), typed_config);
+    let mut doc = crate::tree::Mapping::new();
+    doc.insert("resources".into(), Value::Sequence(vec![Value::Mapping(resource)]));
+    Ok(Some(Value::Mapping(doc)))
+}
+
 /// Where Envoy reaches the sidecar: `sidecar.address`, or `sidecar.listen` with an unspecified
 /// address replaced by 127.0.0.1.
 fn sidecar_address(loaded: &Loaded) -> Result<HostPort, Error> {
@@ -181,8 +209,25 @@ fn connection_manager(
     filter: Template,
 ) -> Result<(), Error> {
     let c = &loaded.config;
+    let mut filter_entry = template::render(filter, values)?;
+    if let Some(live) = &c.envoy.live_config {
+        let type_url = filter_entry
+            .get("typed_config")
+            .and_then(|t| t.get("@type"))
+            .and_then(Value::as_str)
+            .ok_or_else(|| Error::Internal(format!("{}: no typed_config @type", filter.path)))?
+            .to_owned();
+        filter_entry = template::render(
+            template::FILTER_ECDS,
+            &values
+                .clone()
+                .set("ECDS_PATH", live.filter_path().display().to_string())
+                .set("ECDS_DIR", live.dir.display().to_string())
+                .set("ECDS_TYPE_URL", type_url),
+        )?;
+    }
     let filters = vec![
-        template::render(filter, values)?,
+        filter_entry,
         super::admission_filter(loaded, template::render(template::FILTER_ADMISSION, values)?)?,
         template::render(template::FILTER_GUARD, values)?,
         tree(&Router::new())?,
