@@ -8,7 +8,6 @@ use tracing::{debug, error, warn, Instrument};
 
 use crate::admission::admission_lease::LeaseUse;
 use crate::admission::limits;
-use crate::admission::quota;
 use crate::metering::ledger;
 use crate::metering::meter::{EndReason, UnusableUsage, UsageRecord};
 use crate::metrics::labels::{
@@ -49,10 +48,7 @@ pub(crate) fn finish(shared: &Arc<Shared>, record: UsageRecord) {
         shared.metrics.records_refused.inc();
         return;
     }
-    let cost_nano_usd = shared.config.prices.get(&record.info.model).map_or(0, |price| {
-        quota::cost_nano_usd(price, record.prompt_tokens, record.cached_tokens, record.completion_tokens)
-    });
-    observe(&shared.metrics, &record, cost_nano_usd);
+    observe(&shared.metrics, &record, shared.limiter.store().cost_of(&record));
     let mut record = record;
     // The end of the request, not of its (possibly delayed) write, dates the record: Envoy's
     // time when the access log gave it, else now.
