@@ -329,8 +329,8 @@ pub struct Filter(*mut c_void);
 impl Filter {
     /// Adds `value` to the counter `id` ([`Config::define_counter`] of this filter's
     /// configuration) under `labels`, as many as it was defined with; `false` when Envoy refused.
-    pub fn increment_counter(self, id: usize, labels: &[&str], value: u64) -> bool {
-        let labels: Vec<ModuleBuffer> = labels.iter().map(|l| ModuleBuffer::of(l.as_bytes())).collect();
+    pub fn increment_counter<const N: usize>(self, id: usize, labels: [&str; N], value: u64) -> bool {
+        let labels = labels.map(|l| ModuleBuffer::of(l.as_bytes()));
         // SAFETY: a valid filter pointer; the buffers live across the call.
         let result = unsafe {
             envoy_dynamic_module_callback_http_filter_increment_counter(

@@ -296,7 +296,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
             s.on_stream_end(&mut NativeHost::new(envoy));
             if let Some(id) = s.worker().requests_counter {
                 let (outcome, reason, tenant) = s.stats();
-                abi::Filter::new(envoy).increment_counter(id, &[outcome, reason, tenant], 1);
+                abi::Filter::new(envoy).increment_counter(id, [outcome, reason, tenant], 1);
             }
         })
     }

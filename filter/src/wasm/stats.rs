@@ -16,22 +16,30 @@ use proxy_wasm::types::MetricType;
 const MAX_COUNTERS: usize = 10_000;
 
 thread_local! {
-    static COUNTERS: RefCell<HashMap<String, u32>> = RefCell::new(HashMap::new());
+    /// Counter ids by (outcome, reason), then tenant: a request's lookup allocates nothing.
+    static COUNTERS: RefCell<Counters> = RefCell::new(Counters::default());
+}
+
+#[derive(Default)]
+struct Counters {
+    ids: HashMap<(&'static str, &'static str), HashMap<String, u32>>,
+    defined: usize,
 }
 
 /// Counts one request's end under its labels ([`crate::driver::Driver::stats`]).
-pub(crate) fn count(outcome: &str, reason: &str, tenant: &str) {
-    let name = format!("llm_gateway_filter_requests_total.outcome.{outcome}.reason.{reason}.tenant.{tenant}");
+pub(crate) fn count(outcome: &'static str, reason: &'static str, tenant: &str) {
     let id = COUNTERS.with(|c| {
         let mut counters = c.try_borrow_mut().ok()?;
-        if let Some(id) = counters.get(&name) {
+        if let Some(id) = counters.ids.get(&(outcome, reason)).and_then(|t| t.get(tenant)) {
             return Some(*id);
         }
-        if counters.len() >= MAX_COUNTERS {
+        if counters.defined >= MAX_COUNTERS {
             return None;
         }
+        let name = format!("llm_gateway_filter_requests_total.outcome.{outcome}.reason.{reason}.tenant.{tenant}");
         let id = hostcalls::define_metric(MetricType::Counter, &name).ok()?;
-        counters.insert(name, id);
+        counters.ids.entry((outcome, reason)).or_default().insert(tenant.to_owned(), id);
+        counters.defined += 1;
         Some(id)
     });
     if let Some(id) = id {
