@@ -32,6 +32,15 @@ R = "[$__rate_interval]"
 # native module's (Envoy keeps `dynamicmodulescustom`) read under both names.
 FILTER_REQUESTS = "llm_gateway_filter_requests_total|envoy_dynamicmodulescustom_llm_gateway_filter_requests_total"
 
+
+
+def quantiles(histogram: str, by: str, selector: str) -> list[tuple[str, str]]:
+    """The p50 and p99 queries of a histogram, one series per `by`."""
+    return [(f"{name} {{{{{by}}}}}",
+             f"histogram_quantile({q}, sum by (le, {by}) (rate({histogram}_bucket{selector}{R})))")
+            for name, q in (("p50", "0.5"), ("p99", "0.99"))]
+
+
 # (row, [(panel title, unit, [(legend, PromQL), ...]), ...])
 PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
     ("Traffic and errors", [
@@ -52,15 +61,11 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("message timeouts", f"sum(rate(envoy_http_ext_proc_message_timeouts{R}))")]),
     ]),
     ("Latency", [
-        ("Time to first token", "s", [
-            ("p50 {{gen_ai_request_model}}", f"histogram_quantile(0.5, sum by (le, gen_ai_request_model) (rate(gen_ai_server_time_to_first_token_seconds_bucket{M}{R})))"),
-            ("p99 {{gen_ai_request_model}}", f"histogram_quantile(0.99, sum by (le, gen_ai_request_model) (rate(gen_ai_server_time_to_first_token_seconds_bucket{M}{R})))")]),
-        ("Time per output token (ITL)", "s", [
-            ("p50 {{gen_ai_request_model}}", f"histogram_quantile(0.5, sum by (le, gen_ai_request_model) (rate(gen_ai_server_time_per_output_token_seconds_bucket{M}{R})))"),
-            ("p99 {{gen_ai_request_model}}", f"histogram_quantile(0.99, sum by (le, gen_ai_request_model) (rate(gen_ai_server_time_per_output_token_seconds_bucket{M}{R})))")]),
-        ("End-to-end request duration", "s", [
-            ("p50 {{gen_ai_request_model}}", f"histogram_quantile(0.5, sum by (le, gen_ai_request_model) (rate(gen_ai_server_request_duration_seconds_bucket{M}{R})))"),
-            ("p99 {{gen_ai_request_model}}", f"histogram_quantile(0.99, sum by (le, gen_ai_request_model) (rate(gen_ai_server_request_duration_seconds_bucket{M}{R})))")]),
+        ("Time to first token", "s", quantiles("gen_ai_server_time_to_first_token_seconds", "gen_ai_request_model", M)),
+        ("Time per output token (ITL)", "s",
+         quantiles("gen_ai_server_time_per_output_token_seconds", "gen_ai_request_model", M)),
+        ("End-to-end request duration", "s",
+         quantiles("gen_ai_server_request_duration_seconds", "gen_ai_request_model", M)),
         ("Failed requests by error type", "reqps", [
             ("{{error_type}}", f'sum by (error_type) (rate(gen_ai_server_request_duration_seconds_count{{gen_ai_request_model=~"$model", error_type!=""}}{R}))'),
             ("all", f"sum(rate(gen_ai_server_request_duration_seconds_count{M}{R}))")]),
@@ -68,9 +73,7 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
     ("Tokens and cost", [
         ("Tokens by tenant and type", "short", [
             ("{{tenant}} {{token_type}}", f"sum by (tenant, token_type) (rate(llm_gateway_tokens_total{TM}{R}))")]),
-        ("Tokens per request", "short", [
-            ("p50 {{gen_ai_token_type}}", f"histogram_quantile(0.5, sum by (le, gen_ai_token_type) (rate(gen_ai_client_token_usage_bucket{M}{R})))"),
-            ("p99 {{gen_ai_token_type}}", f"histogram_quantile(0.99, sum by (le, gen_ai_token_type) (rate(gen_ai_client_token_usage_bucket{M}{R})))")]),
+        ("Tokens per request", "short", quantiles("gen_ai_client_token_usage", "gen_ai_token_type", M)),
         ("Cost by tenant and model (USD per hour)", "currencyUSD", [
             ("{{tenant}} {{model}}", f"sum by (tenant, model) (rate(llm_gateway_cost_usd_total{TM}{R})) * 3600")]),
     ]),
