@@ -291,6 +291,7 @@ class Stack:
         # renders with `envoy.live_config`): `reload_filter()` swaps it, and new streams take it,
         # on open connections too.
         self.ecds_path = workdir / "ecds" / "filter.json" if ecds else None
+        self.ecds_entry: dict = {}
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.pools = pools
@@ -711,7 +712,7 @@ class Stack:
             else:
                 filters.append(render("filters/wasm.yaml"))
             if self.ecds_path:
-                self._write_ecds(filters[-1])
+                self.ecds_entry = filters[-1]  # written to the ECDS file by _start_envoy / reload_filter
                 filters[-1] = render("filters/ecds.yaml", {
                     "ECDS_PATH": json.dumps(str(self.ecds_path)), "ECDS_DIR": json.dumps(str(self.ecds_path.parent)),
                     "ECDS_TYPE_URL": filters[-1]["typed_config"]["@type"]})
@@ -833,7 +834,8 @@ class Stack:
         if not self.ecds_path:
             raise StackError("reload_filter() needs ecds=True")
         self.filter_config_override = filter_config
-        self.envoy_config()  # rewrites the ECDS file
+        self.envoy_config()
+        self._write_ecds(self.ecds_entry)
 
     def reload(self, filter_config: dict) -> None:
         """Replaces the listener (with `dynamic_listeners`) by one whose wasm filter has this
@@ -848,6 +850,8 @@ class Stack:
     def _start_envoy(self) -> None:
         config_path = self.workdir / "envoy.json"
         bootstrap = self.envoy_config()
+        if self.ecds_path:
+            self._write_ecds(self.ecds_entry)
         if self.dynamic_listeners:
             bootstrap = self._dynamic(bootstrap)
         config_path.write_text(json.dumps(bootstrap, indent=1))
