@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 import urllib.request
 
@@ -90,3 +91,21 @@ def start_slow_body(stack, key: str, model: str) -> socket.socket:
         "\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n{\"model\": \"" + model + "\", "
     ).encode())
     return conn
+
+
+def stream_in_background(base_url: str, body: dict, headers: dict, timeout: float = 20):
+    """Sends a streamed chat request on a thread; returns (thread, events, first_chunk): the SSE
+    events as they arrive (`sse_events`), and an Event set once the first line came."""
+    events: list = []
+    first_chunk = threading.Event()
+
+    def stream():
+        with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, headers=headers,
+                          timeout=timeout) as r:
+            for line in r.iter_lines():
+                events.extend(sse_events([line]))
+                first_chunk.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    return thread, events, first_chunk

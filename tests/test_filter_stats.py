@@ -71,4 +71,4 @@ def test_each_outcome_is_counted_with_its_reason_and_tenant(stack):
         now = counts(stack)
         return {k: now.get(k, 0) - before.get(k, 0) for k in want}
 
-    assert wait_for(lambda: grew() == want, timeout=5), f"{grew()} != {want}\n{stack.envoy_log()}"
+    assert wait_for(lambda: grew() == want, timeout=30), f"{grew()} != {want}\n{stack.envoy_log()}"

@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -154,6 +153,16 @@ class Prometheus(contextlib.AbstractContextManager):
         assert answer["status"] == "success", (expr, answer)
         return answer["data"]["result"]
 
+    def caught_up(self, stack: Stack, above: float) -> float:
+        """The metered requests Prometheus's last scrape holds, when they are the sidecar's count
+        now and more than `above` (0: not yet)."""
+        def total(result: list[dict]) -> float:
+            return sum(float(s["value"][1]) for s in result)
+
+        metered = metric(sidecar_metrics(stack), "gen_ai_server_request_duration_seconds_count")
+        scraped = total(self.query("gen_ai_server_request_duration_seconds_count"))
+        return scraped if scraped == metered and scraped > above else 0
+
     def scraped(self) -> bool:
         up = self.query("up")
         return len(up) == 2 and all(s["value"][1] == "1" for s in up)
@@ -168,8 +177,8 @@ def observed(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("observability")
     pools = [Pool("pool_pick", ["sim/pick"], ["--output-tokens", "4", "--ttft-ms", "5", "--itl-ms", "5"],
                   replicas=2, picker={}),
-             # A stream of 40 tokens 25 ms apart holds pool_fc's one slot for a second.
-             Pool("pool_fc", ["sim/fc"], ["--output-tokens", "40", "--ttft-ms", "20", "--itl-ms", "25"],
+             # A stream of 40 tokens 50 ms apart holds pool_fc's one slot for two seconds.
+             Pool("pool_fc", ["sim/fc"], ["--output-tokens", "40", "--ttft-ms", "20", "--itl-ms", "50"],
                   shedding={"max_in_flight": 1, "scrape_interval_ms": 100, "flow_control": {"max_queued": 8}})]
     models = [Model("pick", "pool_pick", served_model_name="sim/pick"),
               Model("fc", "pool_fc", served_model_name="sim/fc")]
@@ -185,9 +194,11 @@ def observed(tmp_path_factory):
             # Twice, scrapes apart: a histogram's quantile needs its counts to grow between two
             # scrapes of a series that exists already.
             drive(stack, first=True)
-            time.sleep(2.5)
+            first = wait_for(lambda: prom.caught_up(stack, above=0), timeout=60)
+            assert first, "Prometheus did not scrape the first round"
             drive(stack, first=False)
-            time.sleep(3)  # three more scrapes after the traffic
+            assert wait_for(lambda: prom.caught_up(stack, above=first), timeout=60), \
+                "Prometheus did not scrape the second round"
             yield stack, prom
 
 
@@ -212,6 +223,10 @@ def drive(stack, first: bool) -> None:
     # pool_fc admits one request at a time: a held stream fills it, a premium request queues,
     # a batch request (a tier flow control does not queue) is shed.
     body = chat_body("fc", max_tokens=40, stream=True)
+    def dispatched() -> float:
+        return metric(sidecar_metrics(stack), "llm_gateway_queue_dequeues_total", pool="pool_fc", reason="dispatched")
+
+    dispatched_before = dispatched()
     client, held = open_stream(stack.base_url, body, {"authorization": f"Bearer {KEYS['obs-main']}"})
     try:
         assert held.status_code == 200
@@ -220,17 +235,14 @@ def drive(stack, first: bool) -> None:
         queued: list = []
         t = threading.Thread(target=lambda: queued.append(
             post(stack, "/v1/chat/completions", chat_body("fc", max_tokens=3), key=KEYS["obs-main"], timeout=30)))
-        t.start()
-        # The premium request waits in pool_fc's queue until the held stream ends.
-        assert wait_for(lambda: metric(sidecar_metrics(stack), "llm_gateway_queue_requests", pool="pool_fc") == 1,
-                        timeout=5), "the premium request did not queue"
-        time.sleep(1.1)  # a scrape sees it queued
+        t.start()  # it waits in pool_fc's queue until the held stream ends
     finally:
         held.read()
         held.close()
         client.close()
-    t.join(30)
+    t.join(60)
     assert queued and queued[0].status_code == 200, queued and queued[0].text
+    assert dispatched() > dispatched_before, "the premium request was not queued"
 
 
 def panel_queries() -> list[tuple[str, str, list[str]]]:
@@ -261,7 +273,7 @@ def test_the_recording_rules_sum_over_replicas_and_see_the_traffic(observed):
         got = prom.query('tenant_model_outcome:llm_gateway_requests:rate5m{outcome="insufficient_quota"}')
         return got if finite(got) else None
 
-    got = wait_for(recorded, timeout=10)
+    got = wait_for(recorded, timeout=30)
     assert got and {s["metric"]["tenant"] for s in got} == {"obs-quota"}, got
     assert "instance" not in got[0]["metric"], "the recording rule keeps a replica's label"
     limited = prom.query('sum(tenant_model_outcome:llm_gateway_requests:rate5m{outcome="rate_limited_requests"})')

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import copy
 import json
-import threading
 import urllib.request
 
-import httpx
 import pytest
 
-from helpers import assert_openai_error, auth, chat_body, post, sse_events, wait_for
+from helpers import assert_openai_error, auth, chat_body, post, stream_in_background, wait_for
 from stack import Model, Pool, Stack, Tenant, new_api_key
 
 KEY, LATER_KEY = new_api_key(), new_api_key()
@@ -40,18 +38,7 @@ def stack(tmp_path_factory):
 def test_reload_applies_a_new_key_and_in_flight_streams_finish(stack):
     assert_openai_error(post(stack, "/v1/chat/completions", chat_body("slow"), key=LATER_KEY), 401)
     updates = lds_stat(stack, "update_success")
-    events: list = []
-    first_chunk = threading.Event()
-
-    def stream():
-        with httpx.stream("POST", stack.base_url + "/v1/chat/completions", json=chat_body("slow", stream=True),
-                          headers=auth(KEY), timeout=20) as r:
-            for line in r.iter_lines():
-                events.extend(sse_events([line]))
-                first_chunk.set()
-
-    thread = threading.Thread(target=stream)
-    thread.start()
+    thread, events, first_chunk = stream_in_background(stack.base_url, chat_body("slow", stream=True), auth(KEY))
     assert first_chunk.wait(10)
     stack.reload(stack.full_filter_config)
     assert wait_for(lambda: lds_stat(stack, "update_success") > updates), "Envoy did not apply the new listener"

@@ -28,7 +28,7 @@ def stack(tmp_path_factory):
 def entry_of(stack, match) -> dict:
     """The newest request-log entry for which `match(entry)` holds (Envoy writes an entry at the
     stream's end, just after the response: polled)."""
-    found = wait_for(lambda: [e for e in stack.requests_logged() if match(e)], timeout=10)
+    found = wait_for(lambda: [e for e in stack.requests_logged() if match(e)], timeout=30)
     assert found, f"no matching request-log entry in:\n{stack.request_log_path.read_text()}\n{stack.envoy_log()}"
     return found[-1]
 

@@ -36,7 +36,8 @@ pub(crate) fn count(outcome: &'static str, reason: &'static str, tenant: &str) {
         if counters.defined >= MAX_COUNTERS {
             return None;
         }
-        let name = format!("llm_gateway_filter_requests_total.outcome.{outcome}.reason.{reason}.tenant.{tenant}");
+        let name =
+            format!("llm_gateway_filter_requests_total.outcome.{outcome}.reason.{reason}.tenant.{tenant}");
         let id = hostcalls::define_metric(MetricType::Counter, &name).ok()?;
         counters.ids.entry((outcome, reason)).or_default().insert(tenant.to_owned(), id);
         counters.defined += 1;
