@@ -65,10 +65,11 @@ test-unit: ## Host unit tests of every crate
 test-integration: ## Integration tests (tests/): real envoy, redis-server, sidecar and upstreams on ephemeral ports
 	$(PY) -m pytest tests -v -rs
 
-bench: setup build ## Benchmarks (~70 min): gateway overhead vs bare Envoy (wasm and native filters), saturation, sidecar, overload, endpoint picking (bench/picker.py), flow control (bench/flow_control.py); rewrites docs/benchmarks.md (BENCH_ARGS=--quick: smoke run)
+bench: setup build ## Benchmarks (~70 min): gateway overhead vs bare Envoy (wasm and native filters), saturation, sidecar, overload, endpoint picking (bench/picker.py), flow control (bench/flow_control.py), day-2 changes under load (bench/day2.py, docs/operations.md); rewrites docs/benchmarks.md (BENCH_ARGS=--quick: smoke run)
 	$(PY) bench/overhead.py $(BENCH_ARGS)
 	$(PY) bench/picker.py $(BENCH_ARGS)
 	$(PY) bench/flow_control.py $(BENCH_ARGS)
+	$(PY) bench/day2.py $(BENCH_ARGS)
 
 bench-real: setup build ## Scheduling on a real engine (~60 min; not in CI): two vLLM CPU replicas (../shared/real-vllm/, installed into REAL_VLLM_DIR if absent), least-request, picker and ceiling arms, flow control's tenants; rewrites docs/benchmarks.md's "On a real engine"
 	@[ -x $(REAL_VLLM_DIR)/v/bin/python ] || bash ../shared/real-vllm/setup.sh $(REAL_VLLM_DIR)

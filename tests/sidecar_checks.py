@@ -28,7 +28,7 @@ _EVENT_FIELDS = {
     8: ("ttft_us", "int"), 9: ("duration_us", "int"), 10: ("status", "int"),
     11: ("end_reason", "int"), 12: ("usage_source", "int"), 13: ("reserved_tokens", "int"),
     14: ("finished_at_unix_ms", "int"), 15: ("record_id", "str"), 16: ("tier", "str"),
-    17: ("cost_nano_usd", "int"), 18: ("requests", "int"),
+    17: ("cost_nano_usd", "int"), 18: ("requests", "int"), 19: ("api_key", "str"),
 }
 END_COMPLETED, END_INCOMPLETE, END_UNREPORTED = 1, 2, 3
 SOURCE_UPSTREAM, SOURCE_STREAMED_CHUNKS, SOURCE_RESERVATION = 1, 2, 3

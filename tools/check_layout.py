@@ -81,7 +81,7 @@ LAYERS = [
     # The gRPC adapter: tonic services.
     ["grpc"],
     # The process.
-    ["lib", "main"],
+    ["lib", "main", "reload"],
 ]
 
 # Imports that run back up, each with its reason. At most two.

@@ -117,6 +117,10 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("degraded {{reason}}", f"sum by (reason) (rate(llm_gateway_degraded_decisions_total{R}))"),
             ("commands", f"sum(rate(llm_gateway_redis_command_duration_seconds_count{R}))")]),
     ]),
+    ("Configuration", [
+        ("Config generation per sidecar (+1 per applied reload)", "short", [
+            ("{{instance}}", "max by (instance) (llm_gateway_config_generation)")]),
+    ]),
     ("Usage ledger", [
         ("Records written and lost", "ops", [
             ("written", f"sum(rate(llm_gateway_usage_records_written_total{R}))"),

@@ -80,6 +80,12 @@ pub const FS_USAGE: &str = "wasm.llm_gateway.usage";
 pub const PROPERTY_TENANT: &str = "llm_gateway.tenant";
 /// Envoy filter-state key of [`PROPERTY_TENANT`].
 pub const FS_TENANT: &str = "wasm.llm_gateway.tenant";
+/// The wasm property the filter sets to the name of the API key the request authenticated with
+/// (the gateway config's `tenants[].api_keys[].name`, never the key) once it is known, for the
+/// request log (plain text).
+pub const PROPERTY_API_KEY: &str = "llm_gateway.api_key";
+/// Envoy filter-state key of [`PROPERTY_API_KEY`].
+pub const FS_API_KEY: &str = "wasm.llm_gateway.api_key";
 /// The wasm property the filter sets to the request's canonical model name once its body is
 /// decided, for the request log (plain text).
 pub const PROPERTY_MODEL: &str = "llm_gateway.model";
@@ -218,6 +224,12 @@ pub struct RequestFacts {
     pub v: u32,
     /// The authenticated tenant's id.
     pub tenant: String,
+    /// The name of the API key the request authenticated with (the gateway config's
+    /// `tenants[].api_keys[].name`, or `sha256:<12 hex>` for a key listed by its digest alone):
+    /// the sidecar's per-key limits, usage records and metrics go by it. Never the key. Absent
+    /// from facts written before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<String>,
     /// The tenant's priority tier.
     pub tier: String,
     /// The public model name after alias resolution, or the LoRA adapter name.
@@ -374,6 +386,7 @@ mod tests {
         let facts = RequestFacts {
             v: FACTS_VERSION,
             tenant: "acme".into(),
+            api_key: Some("ci-2026".into()),
             tier: "standard".into(),
             model: "m".into(),
             pool: "p".into(),

@@ -50,6 +50,7 @@ fn record(tenant: &str, i: u64, start_ms: u64) -> UsageRecord {
         info: RequestInfo {
             request_id: format!("{i:08x}-0000-4000-8000-000000000000"),
             tenant: tenant.to_owned(),
+            api_key: None,
             model: "m".to_owned(),
             pool: "p".to_owned(),
             prompt_tokens_estimate: 100,
@@ -96,6 +97,7 @@ async fn request(store: &Store, plan: &[BucketSpec], r: &UsageRecord, now: bool)
         quota: 0,
         qday: String::new(),
         qmonth: String::new(),
+        api_key: None,
     };
     let tracking = Tracking {
         tenant: &r.info.tenant,
@@ -195,6 +197,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 quota: 0,
                 qday: String::new(),
                 qmonth: String::new(),
+                api_key: None,
             };
             let tracking = Tracking {
                 tenant: &r.info.tenant,

@@ -49,6 +49,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             info: RequestInfo {
                 request_id,
                 tenant: format!("tenant-{}", i % tenants),
+                api_key: None,
                 model: "qwen2.5-0.5b-instruct".to_owned(),
                 pool: "pool_qwen".to_owned(),
                 prompt_tokens_estimate: 100,

@@ -15,7 +15,9 @@
 --                                                 finish time
 --   U  <prefix>:usage:{<tenant>}:<YYYY-MM-DD>     hash: <model>:requests, :prompt_tokens,
 --                                                 :completion_tokens, :cached_tokens,
---                                                 :cost_nano_usd (only when not 0)
+--                                                 :cost_nano_usd (only when not 0); the same
+--                                                 fields of 'api_key <name>' for a record of a
+--                                                 named key (a space: no model name has one)
 --   B  token buckets, as token_bucket_take_v3.lua keeps them
 --   Q  quota counters, as token_bucket_take_v3.lua keeps them (<prefix>:quota:{<tenant>}:...)
 --   L  <prefix>:leases:{<tenant>}                 hash: lease id -> the admission lease's JSON
@@ -77,6 +79,10 @@
 -- reclaim gave its reservation back) is charged it again by the m settlements (before the
 -- record's own settlements, which a capacity would otherwise cut), so that it costs its usage,
 -- as any leased request.
+--
+-- API keys: a 'record' or 'charge' of a request made with a named key ends with the key's
+-- section: its lease section, or '' where the record has none (a charge never has one), then the
+-- key's name; its usage is added under 'api_key <name>' too.
 --
 -- ARGV[1] names the operation:
 --
@@ -514,6 +520,22 @@ local function close_reservation(id)
   return json
 end
 
+-- The usage hash's 'model' for the key of a record whose lease section starts at A[a] (see the
+-- header), or nil for a record without a key.
+local function key_model(a)
+  local id = A[a]
+  local name
+  if id == '' then
+    name = A[a + 1]
+  elseif id ~= nil then
+    name = A[a + 6 + 3 * tonumber(A[a + 3])]
+  end
+  if name == nil or name == '' then
+    return nil
+  end
+  return 'api_key ' .. name
+end
+
 -- One operation on the keys K and arguments A (KEYS and ARGV, or one sub-call of a 'batch').
 local function run(keys, args)
   K, A = keys, args
@@ -523,7 +545,9 @@ local function run(keys, args)
     local n = tonumber(A[8])
     local q = tonumber(A[10 + 3 * n] or '0') or 0
     local lease_k, lease_a = 6 + n + q, 11 + 3 * n + 4 * q
+    local key = key_model(lease_a)
     check_usage(K[5], A[4], A[5], A[6], A[7], A[9 + 3 * n])
+    if key then check_usage(K[5], key, A[5], A[6], A[7], A[9 + 3 * n]) end
     local json = close_reservation(id)
     if json then
       redis.call('SADD', K[4], id)
@@ -535,6 +559,7 @@ local function run(keys, args)
     expire(K[4], 'EXPIREAT', A[3])
     local now = now_us()
     add_usage(K[5], A[4], A[5], A[6], A[7], A[9 + 3 * n])
+    if key then add_usage(K[5], key, A[5], A[6], A[7], A[9 + 3 * n]) end
     -- The lease's charges before the settlements: a give-back after them is not cut at capacity.
     lease_use(lease_k, lease_a, now)
     settle_all(6, 9, n, now)
@@ -542,15 +567,18 @@ local function run(keys, args)
     return 1
   elseif op == 'charge' then
     local id = A[2]
-    check_usage(K[4], A[4], A[5], A[6], A[7], A[9 + 3 * tonumber(A[8])])
+    local n = tonumber(A[8])
+    local key = key_model(11 + 3 * n + 4 * (tonumber(A[10 + 3 * n] or '0') or 0))
+    check_usage(K[4], A[4], A[5], A[6], A[7], A[9 + 3 * n])
+    if key then check_usage(K[4], key, A[5], A[6], A[7], A[9 + 3 * n]) end
     local json = close_reservation(id)
     if not json then
       return 0
     end
     local now = now_us()
     remember(K[3], id, now, tonumber(A[3]))
-    local n = tonumber(A[8])
     add_usage(K[4], A[4], A[5], A[6], A[7], A[9 + 3 * n])
+    if key then add_usage(K[4], key, A[5], A[6], A[7], A[9 + 3 * n]) end
     settle_all(5, 9, n, now)
     adjust_quotas(5 + n, 10 + 3 * n, A[4], tonumber(A[5]) + tonumber(A[6]), json)
     return 1

@@ -23,6 +23,10 @@ pub struct RequestFacts {
     /// `x-gateway-tenant`: the authenticated tenant (None: the filter did not decide the
     /// request).
     pub tenant: Option<String>,
+    /// The name of the API key the request authenticated with
+    /// ([`gateway_contract::RequestFacts::api_key`]; never the key; `None` from an older filter
+    /// or from headers).
+    pub api_key: Option<String>,
     /// `x-gateway-model`: the public model name.
     pub model: String,
     /// `x-gateway-pool`: the Envoy cluster of the vLLM pool.
@@ -74,6 +78,7 @@ impl RequestFacts {
     pub fn from_filter(facts: gateway_contract::RequestFacts, request_id: String) -> Self {
         Self {
             tenant: Some(facts.tenant),
+            api_key: facts.api_key,
             model: facts.model,
             pool: facts.pool,
             prompt_tokens: facts.prompt_tokens,

@@ -31,6 +31,7 @@ pub mod grpc;
 pub mod metering;
 pub mod metrics;
 pub mod pools;
+pub mod reload;
 pub mod scheduling;
 pub mod state;
 pub mod store;
@@ -59,7 +60,7 @@ use crate::grpc::ext_proc::Gateway;
 use crate::metering::recorder::Recorder;
 use crate::metrics::Metrics;
 use crate::pools::Pools;
-use crate::state::Shared;
+use crate::state::{Live, Shared};
 use crate::store::Store;
 
 /// Errors that stop the sidecar.
@@ -87,17 +88,32 @@ pub enum RunError {
 /// Longest time a client may take over its TLS handshake on the gRPC listener.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// [`run_watching`] without a config file to watch: the config never reloads.
+///
+/// # Errors
+/// As [`run_watching`].
+pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> Result<(), RunError> {
+    run_watching(config, None, shutdown).await
+}
+
 /// Connects to Redis, starts the pool scrapers, the usage writer and the metrics listener, binds
 /// the gRPC listener (mTLS with `tls`: every client must present a certificate from
 /// `tls.client_ca_file`), prints `gateway-ext-proc listening on ADDR` on stdout (test harnesses read
-/// the port from it), and serves until `shutdown` completes; then serves on while gRPC streams are
-/// open, for up to `shutdown_grace_ms` (Envoy's access-log stream carries the usage of the requests
-/// it still drains), gives the held leases back and writes the buffered usage records.
+/// the port from it), with the gRPC health service beside Envoy's, and serves until `shutdown`
+/// completes; then reports `NOT_SERVING`, refuses new admissions (for Envoy to retry them on another
+/// replica) and serves on while gRPC streams are open, for up to `shutdown_grace_ms` (Envoy's
+/// access-log stream carries the usage of the requests it still drains), gives the held leases
+/// back and writes the buffered usage records. With `watched`, the config file is reloaded when
+/// it changes or at SIGHUP ([`reload`]).
 ///
 /// # Errors
 /// [`RunError`] when Redis is unreachable at start, an address cannot be bound, or the server
 /// fails.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> Result<(), RunError> {
+pub async fn run_watching(
+    config: Config,
+    watched: Option<reload::Watched>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), RunError> {
     let context = Arc::new(
         admission::context::ContextChecker::from_config(&config.models)
             .map_err(RunError::Tokenizer)?
@@ -133,47 +149,37 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
         closing_rx,
         tenants,
     );
-    let limiter = Limiter::new(store, &config.redis, Arc::clone(&metrics));
+    let limiter = Arc::new(Limiter::new(store, &config.redis, Arc::clone(&metrics)));
     let leasing = config.redis.lease_fraction > 0.0;
-    let shared = Arc::new(Shared::new(config, limiter, recorder, pools, metrics, context));
-    let grace = Duration::from_millis(shared.config.shutdown_grace_ms);
+    metrics.config_serving(None, watched.as_ref().map_or("", |w| w.sha256()), 1);
+    let shared = Arc::new(Shared::new(config, Arc::clone(&limiter), recorder, pools, metrics, context));
+    // What the process reads of its first config; the generation itself is left to `live`, so
+    // that a reload retires it once its streams end.
+    let journal_config = shared.config.metering.journal.clone();
+    let max_message_bytes = shared.config.context.grpc_max_message_bytes();
+    let tls_pem = shared.config.tls.as_ref().and_then(|t| t.pem.clone());
+    let live = Live::new(shared);
     let (stopping, stop) = tokio::sync::watch::channel(false);
-    let expiry = leasing.then(|| {
-        let (shared, mut stop) = (Arc::clone(&shared), stop.clone());
-        tokio::spawn(async move {
-            tokio::select! {
-                () = shared.limiter.run_lease_expiry() => {}
-                _ = stop.wait_for(|stopping| *stopping) => {}
-            }
-        })
-    });
-    // Charges the reservations whose usage never arrived (every replica sweeps).
-    let sweeper = tokio::spawn(metering::sweeper::run(Arc::clone(&shared), stop.clone()));
-    // Reclaims the filters' admission leases whose VM went away (every replica sweeps), also
-    // while leases are off: those taken before are still reclaimed and charged.
-    let lease_sweeper = tokio::spawn(metering::sweeper::run_leases(Arc::clone(&shared), stop.clone()));
-    // Replays the usage journal Envoy writes, from its checkpoint (one replica at a time).
-    let journal =
-        shared.config.metering.journal.clone().map(|config| {
-            tokio::spawn(metering::journal::tail::run(Arc::clone(&shared), config, stop.clone()))
-        });
-    let endpoint_pickers = crate::grpc::epp::server::spawn_all(&shared, stop.clone())
+    let reloads = watched.map(|w| tokio::spawn(reload::run(Arc::clone(&live), w, stop.clone())));
+    let background = Background::spawn(&live, &limiter, leasing, journal_config, &stop);
+    let endpoint_pickers = crate::grpc::epp::server::spawn_all(&live, stop.clone())
         .await
         .map_err(|(addr, source)| RunError::Bind { addr, source })?;
-    let access_log = AccessLogServiceServer::new(AccessLog::new(Arc::clone(&shared)));
+    let access_log = AccessLogServiceServer::new(AccessLog::new(Arc::clone(&live)));
+    let (readiness, health) = crate::grpc::health::Readiness::start().await;
     // A body at the filter's max_body_bytes comes whole for an exact count.
-    let service = ExternalProcessorServer::new(Gateway::new(Arc::clone(&shared)))
-        .max_decoding_message_size(shared.config.context.grpc_max_message_bytes());
+    let gateway = Gateway::new(Arc::clone(&live)).with_readiness(readiness.clone());
+    let service = ExternalProcessorServer::new(gateway).max_decoding_message_size(max_message_bytes);
     let leases = proto::admission_leases_server::AdmissionLeasesServer::new(
-        crate::grpc::lease_service::AdmissionLeaseService::new(Arc::clone(&shared)),
+        crate::grpc::lease_service::AdmissionLeaseService::new(Arc::clone(&live)),
     );
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let mtls = shared.config.tls.is_some();
+    let mtls = tls_pem.is_some();
     println!("gateway-ext-proc listening on {addr}");
     tracing::info!(%addr, mtls, "listening");
     let mut graceful = stop.clone();
     let mut builder = tonic::transport::Server::builder();
-    if let Some(pem) = shared.config.tls.as_ref().and_then(|t| t.pem.as_ref()) {
+    if let Some(pem) = &tls_pem {
         let identity = tonic::transport::Identity::from_pem(&pem.cert, pem.key.expose());
         let tls = tonic::transport::ServerTlsConfig::new()
             .identity(identity)
@@ -185,27 +191,24 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
         .add_service(service)
         .add_service(access_log)
         .add_service(leases)
+        .add_service(health)
         .serve_with_incoming_shutdown(incoming, async move {
             let _ = graceful.wait_for(|stopping| *stopping).await;
         });
     tokio::pin!(server);
     let served = tokio::select! {
         served = &mut server => served,
-        () = shutdown => drain(&mut server, &shared, grace, &stopping).await,
+        () = shutdown => drain(&mut server, &live, &stopping, &readiness).await,
     };
     let _ = stopping.send(true);
+    if let Some(reloads) = reloads {
+        let _ = reloads.await;
+    }
     for task in endpoint_pickers {
         let _ = task.await;
     }
-    if let Some(expiry) = expiry {
-        let _ = expiry.await;
-    }
-    let _ = sweeper.await;
-    let _ = lease_sweeper.await;
-    if let Some(journal) = journal {
-        let _ = journal.await;
-    }
-    shared.limiter.give_back_all_leases().await;
+    background.join().await;
+    limiter.give_back_all_leases().await;
     // Streams still open past the grace hold a Recorder: close the writer's queue explicitly; it
     // writes what is queued, then ends.
     let _ = closing.send(true);
@@ -214,16 +217,81 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
     Ok(())
 }
 
-/// After SIGTERM/SIGINT: serves on, new connections included, while gRPC streams are open (Envoy's
+/// The background tasks over the live state, each until `stop` turns true.
+struct Background {
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Background {
+    fn spawn(
+        live: &Arc<Live>,
+        limiter: &Arc<Limiter>,
+        leasing: bool,
+        journal: Option<config::JournalConfig>,
+        stop: &tokio::sync::watch::Receiver<bool>,
+    ) -> Self {
+        let mut tasks = Vec::new();
+        if leasing {
+            let (limiter, mut stop) = (Arc::clone(limiter), stop.clone());
+            tasks.push(tokio::spawn(async move {
+                tokio::select! {
+                    () = limiter.run_lease_expiry() => {}
+                    _ = stop.wait_for(|stopping| *stopping) => {}
+                }
+            }));
+        }
+        // Charges the reservations whose usage never arrived (every replica sweeps).
+        tasks.push(tokio::spawn(metering::sweeper::run(Arc::clone(live), stop.clone())));
+        // Reclaims the filters' admission leases whose VM went away (every replica sweeps), also
+        // while leases are off: those taken before are still reclaimed and charged.
+        tasks.push(tokio::spawn(metering::sweeper::run_leases(Arc::clone(live), stop.clone())));
+        // Replays the usage journal Envoy writes, from its checkpoint (one replica at a time).
+        if let Some(config) = journal {
+            tasks.push(tokio::spawn(metering::journal::tail::run(Arc::clone(live), config, stop.clone())));
+        }
+        Self { tasks }
+    }
+
+    async fn join(self) {
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+}
+
+/// After SIGTERM/SIGINT: at once reports `NOT_SERVING` on the gRPC health service and answers
+/// every new admission stream `UNAVAILABLE`, which Envoy retries on another replica
+/// ([`grpc::health`]); serves on, new connections included, while gRPC streams are open (Envoy's
 /// access-log stream stays open as long as Envoy runs, and the requests it drains deliver their
 /// usage on it), up to `grace`; then stops accepting, gives the server a second to end, and
 /// returns (streams still open end with the process).
 async fn drain<S>(
     server: &mut std::pin::Pin<&mut S>,
+    live: &Live,
+    stopping: &tokio::sync::watch::Sender<bool>,
+    readiness: &grpc::health::Readiness,
+) -> Result<(), tonic::transport::Error>
+where
+    S: Future<Output = Result<(), tonic::transport::Error>>,
+{
+    let shared = live.current();
+    let grace = Duration::from_millis(shared.config.shutdown_grace_ms);
+    readiness.drain().await;
+    let served = serve_open_streams(server, &shared, grace).await;
+    tracing::info!(refused = readiness.refused(), "admission streams refused while draining");
+    if let Some(served) = served {
+        return served;
+    }
+    let _ = stopping.send(true);
+    tokio::time::timeout(Duration::from_secs(1), server.as_mut()).await.unwrap_or(Ok(()))
+}
+
+/// Serves while gRPC streams are open, up to `grace`; `Some` when the server ended by itself.
+async fn serve_open_streams<S>(
+    server: &mut std::pin::Pin<&mut S>,
     shared: &Shared,
     grace: Duration,
-    stopping: &tokio::sync::watch::Sender<bool>,
-) -> Result<(), tonic::transport::Error>
+) -> Option<Result<(), tonic::transport::Error>>
 where
     S: Future<Output = Result<(), tonic::transport::Error>>,
 {
@@ -245,10 +313,9 @@ where
             break;
         }
         tokio::select! {
-            served = server.as_mut() => return served,
+            served = server.as_mut() => return Some(served),
             () = tokio::time::sleep(Duration::from_millis(100)) => {}
         }
     }
-    let _ = stopping.send(true);
-    tokio::time::timeout(Duration::from_secs(1), server.as_mut()).await.unwrap_or(Ok(()))
+    None
 }

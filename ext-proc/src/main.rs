@@ -1,10 +1,13 @@
-//! `gateway-ext-proc` binary: loads the YAML config, logs JSON lines, serves until SIGINT/SIGTERM.
+//! `gateway-ext-proc` binary: loads the YAML config (and reloads it when it changes or at
+//! SIGHUP), logs JSON lines, serves until SIGINT/SIGTERM.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
+use gateway_ext_proc::config::error::ConfigError;
 use gateway_ext_proc::config::Config;
+use gateway_ext_proc::reload::Watched;
 use gateway_ext_proc::telemetry::Telemetry;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -21,7 +24,8 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
-    /// Path of the sidecar's YAML config.
+    /// Path of the sidecar's YAML config. The sidecar reloads it when it changes (checked every
+    /// 250 ms) or at SIGHUP; a file that does not validate is refused and the running config kept.
     #[arg(long)]
     config: PathBuf,
 }
@@ -29,7 +33,14 @@ struct Args {
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    let config = match Config::load(&args.config) {
+    // The bytes the running config is read from: the reload compares the file with them.
+    let loaded = std::fs::read(&args.config)
+        .map_err(|source| ConfigError::Read { path: args.config.display().to_string(), source });
+    let loaded = loaded.and_then(|text| {
+        let config = Config::load(&args.config)?;
+        Ok((config, Watched::new(args.config.clone(), text)?))
+    });
+    let (config, watched) = match loaded {
         Ok(c) => c,
         Err(e) => {
             eprintln!("gateway-ext-proc: invalid config: {e}");
@@ -59,7 +70,7 @@ async fn main() -> ExitCode {
         )
         .with(otel)
         .init();
-    let result = gateway_ext_proc::run(config, shutdown_signal()).await;
+    let result = gateway_ext_proc::run_watching(config, Some(watched), shutdown_signal()).await;
     if let Some(t) = &telemetry {
         t.shutdown();
     }

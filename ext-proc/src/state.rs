@@ -1,5 +1,8 @@
 //! What every stream and task of the sidecar shares: the config, the limiter, the recorder, the
-//! pools, the metrics and the exact-count checker ([`Shared`]), built once by [`crate::run`].
+//! pools, the metrics and the exact-count checker ([`Shared`]), built by [`crate::run`] and
+//! rebuilt by each config reload ([`crate::reload`]); [`Live`] holds the generation that new
+//! streams take. A stream keeps the generation it started with to its end, so an in-flight
+//! request finishes under the config it was admitted by.
 
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -18,8 +21,9 @@ use crate::pools::Pools;
 pub struct Shared {
     /// The sidecar's config.
     pub config: Config,
-    /// Rate limits (Redis, breaker, local fallback).
-    pub limiter: Limiter,
+    /// Rate limits (Redis, breaker, local fallback, admission leases): one per process, kept
+    /// across reloads (the `redis` section does not reload).
+    pub limiter: Arc<Limiter>,
     /// Usage records' way to Redis.
     pub recorder: Recorder,
     /// Pool load for shedding.
@@ -28,11 +32,12 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     /// Exact prompt-token counting for the context check (models with a tokenizer).
     pub context: Arc<ContextChecker>,
-    pub(crate) ids: RecordIds,
+    pub(crate) ids: Arc<RecordIds>,
     /// The lease reports this replica saw Redis record: their records skip the lease section.
-    pub(crate) reported_leases: crate::admission::admission_lease::ReportedLeases,
-    /// gRPC streams open now (ext_proc and access log): a shutdown serves on while there are.
-    open_streams: AtomicUsize,
+    pub(crate) reported_leases: Arc<crate::admission::admission_lease::ReportedLeases>,
+    /// gRPC streams open now (ext_proc and access log), of every generation: a shutdown serves
+    /// on while there are.
+    open_streams: Arc<AtomicUsize>,
 }
 
 /// One open gRPC stream, counted in [`Shared::open_streams`] until dropped.
@@ -48,7 +53,7 @@ impl Shared {
     /// Bundles the parts.
     pub fn new(
         config: Config,
-        limiter: Limiter,
+        limiter: Arc<Limiter>,
         recorder: Recorder,
         pools: Arc<Pools>,
         metrics: Arc<Metrics>,
@@ -61,9 +66,31 @@ impl Shared {
             pools,
             metrics,
             context,
-            ids: RecordIds::new(),
-            reported_leases: crate::admission::admission_lease::ReportedLeases::new(),
-            open_streams: AtomicUsize::new(0),
+            ids: Arc::new(RecordIds::new()),
+            reported_leases: Arc::new(crate::admission::admission_lease::ReportedLeases::new()),
+            open_streams: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// The next generation: `config` with the parts given, and this one's limiter, metrics,
+    /// record ids, lease reports and open-stream count (which belong to the process).
+    pub fn next(
+        &self,
+        config: Config,
+        recorder: Recorder,
+        pools: Arc<Pools>,
+        context: Arc<ContextChecker>,
+    ) -> Self {
+        Self {
+            config,
+            limiter: Arc::clone(&self.limiter),
+            recorder,
+            pools,
+            metrics: Arc::clone(&self.metrics),
+            context,
+            ids: Arc::clone(&self.ids),
+            reported_leases: Arc::clone(&self.reported_leases),
+            open_streams: Arc::clone(&self.open_streams),
         }
     }
 
@@ -82,6 +109,37 @@ impl Shared {
     /// reservation is charged, plus [`ledger::KEEP_MARGIN`].
     pub(crate) fn reservation_keep(&self) -> Duration {
         Duration::from_millis(self.config.metering.reservations.record_after_ms) + ledger::KEEP_MARGIN
+    }
+}
+
+/// The generation of [`Shared`] that new streams and each background pass take: swapped whole by
+/// a config reload ([`crate::reload`]), while the streams that took an older one keep it.
+pub struct Live {
+    current: arc_swap::ArcSwap<Shared>,
+    /// The number of the generation serving now: 1 at start, one more per applied reload.
+    generation: AtomicU64,
+}
+
+impl Live {
+    /// Live state starting at `shared` (generation 1).
+    pub fn new(shared: Arc<Shared>) -> Arc<Self> {
+        Arc::new(Self { current: arc_swap::ArcSwap::new(shared), generation: AtomicU64::new(1) })
+    }
+
+    /// The generation serving now: a stream takes it once and keeps it.
+    pub fn current(&self) -> Arc<Shared> {
+        self.current.load_full()
+    }
+
+    /// Makes `next` the generation new streams take; returns its number.
+    pub fn swap(&self, next: Arc<Shared>) -> u64 {
+        self.current.store(next);
+        self.generation.fetch_add(1, Ordering::AcqRel) + 1
+    }
+
+    /// The number of the generation serving now.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
     }
 }
 

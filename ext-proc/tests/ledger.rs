@@ -10,6 +10,9 @@
 //!   the same Redis: one `reservation` record each; usage arriving after the charge is not
 //!   applied; an admission whose answer Envoy never received is released, never charged.
 //!
+//! - A key with limits of its own draws on its buckets on top of its tenant's, and is settled
+//!   there; its usage events and metrics carry its name (never a key).
+//!
 //! Needs `redis-server` on the PATH (`make setup`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -51,6 +54,9 @@ const USED: u64 = 15;
 /// The TPM bucket's size; it refills 1 token a minute.
 const TOKEN_BURST: u64 = 100_000;
 
+/// The TPM bucket of tenant `keyed`'s key `ci` (refills 1 token a minute).
+const KEY_TOKEN_BURST: u64 = 1_000;
+
 /// A sidecar running in this process, stopped (gracefully) when `stop` is called.
 struct Sidecar {
     listen: u16,
@@ -77,6 +83,7 @@ tenants:
   - {{id: acme, limits: {limits}}}
   - {{id: lost, limits: {limits}}}
   - {{id: free, limits: {{}}}}
+  - {{id: keyed, limits: {{}}, api_keys: [{{name: ci, limits: {{requests_per_minute: 1, request_burst: 2, tokens_per_minute: 1, token_burst: {KEY_TOKEN_BURST}}}}}]}}
 metering: {{reservations: {{record_after_ms: {record_after_ms}, sweep_interval_ms: 100}}}}
 ",
             redis.1
@@ -343,6 +350,49 @@ async fn the_same_entries_delivered_twice_and_replayed_after_a_restart_record_on
     assert_eq!(level(&mut conn, "llmgw:rl:{acme}:tpm").await, TOKEN_BURST - N * USED);
     assert_eq!(open_reservations(&mut conn, "acme").await, 0, "every reservation closed");
     restarted.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_with_its_own_limits_is_refused_past_them_and_named_in_its_usage() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let redis = Redis::start();
+    let mut conn = redis.conn().await;
+    let sidecar = Sidecar::start(&redis, 60_000).await;
+    let keyed = |key: &str, i: u64| RequestFacts { api_key: Some(key.into()), ..facts("keyed", i) };
+    let ci: Vec<_> = (0..2).map(|i| keyed("ci", i)).collect();
+    for f in &ci {
+        assert!(admitted(&admit(sidecar.listen, f).await), "within the key's burst of 2");
+    }
+    assert!(!admitted(&admit(sidecar.listen, &keyed("ci", 2)).await), "the key's third request is refused");
+    // The tenant has no limits: its other keys are not held by this one's.
+    let other = keyed("other", 3);
+    assert!(admitted(&admit(sidecar.listen, &other).await));
+    assert_eq!(level(&mut conn, "llmgw:rl:{keyed}:k:ci:tpm").await, KEY_TOKEN_BURST - 2 * RESERVED);
+
+    let entries: Vec<_> = ci.iter().chain([&other]).map(|f| entry(f, true, 200)).collect();
+    deliver(sidecar.listen, &entries).await;
+    eventually("the key's records written", || async {
+        sidecar.metric("llm_gateway_usage_records_written_total").await == 3.0
+    })
+    .await;
+    let mut named: Vec<_> = events(&mut conn, "keyed").await.into_iter().map(|e| e.api_key).collect();
+    named.sort();
+    assert_eq!(named, ["ci", "ci", "other"]);
+    // The daily hash counts the requests by model, and the named keys' by key too.
+    let h = usage(&mut conn, "keyed").await;
+    assert_eq!(
+        (h.get("m:requests"), h.get("api_key ci:requests"), h.get("api_key other:requests")),
+        (Some(&3), Some(&2), Some(&1)),
+        "{h:?}"
+    );
+    assert_eq!(h.get("api_key ci:prompt_tokens"), Some(&20), "{h:?}");
+    // Settled at its usage in the key's bucket, as in the tenant's.
+    assert_eq!(level(&mut conn, "llmgw:rl:{keyed}:k:ci:tpm").await, KEY_TOKEN_BURST - 2 * USED);
+    let per_key =
+        |key: &str| format!("llm_gateway_api_key_requests_total{{tenant=\"keyed\",api_key=\"{key}\"}}");
+    assert_eq!(sidecar.metric(&per_key("ci")).await, 2.0);
+    assert_eq!(sidecar.metric(&per_key("other")).await, 1.0);
+    sidecar.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -236,7 +236,14 @@ async fn leased_records_in_one_batch_count_and_settle_as_one_call_each() {
     let writes: Vec<_> =
         [("b.1", "L3", 30), ("b.2", "L4", 50), ("b.3", "L3", 40), ("b.4", "L4", 60), ("b.5", "L3", 20)]
             .iter()
-            .map(|&(id, lease, used)| leased(&config, &store, id, lease, used))
+            .map(|&(id, lease, used)| {
+                let mut write = leased(&config, &store, id, lease, used);
+                // Two made with a named key: its name follows the record's lease section.
+                if id == "b.1" || id == "b.2" {
+                    write.0.info.api_key = Some("ci".into());
+                }
+                write
+            })
             .collect();
     let mut batch = common::record_writes(&writes);
     batch.extend(common::record_writes(&writes[..1]));
@@ -264,6 +271,10 @@ async fn leased_records_in_one_batch_count_and_settle_as_one_call_each() {
     let day = usage_today(&mut conn).await;
     assert_eq!(day.get("m:requests"), Some(&5));
     assert_eq!(day.get("m:completion_tokens"), Some(&(20 + 40 + 30 + 50 + 10)));
+    assert_eq!(
+        (day.get("api_key ci:requests"), day.get("api_key ci:completion_tokens")),
+        (Some(&2), Some(&(20 + 40)))
+    );
 }
 
 /// Unix time now, in seconds.

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use gateway_contract::{FS_ADMISSION, FS_MODEL, FS_REFUSAL, FS_REQUEST, FS_TENANT, FS_USAGE};
+use gateway_contract::{FS_ADMISSION, FS_API_KEY, FS_MODEL, FS_REFUSAL, FS_REQUEST, FS_TENANT, FS_USAGE};
 use gateway_filter::driver::{FilterState, HeaderMap, Host, Level, Worker};
 use gateway_filter::error::LocalReply;
 use gateway_filter::lease::{AdmissionFacts, LeaseAdmission};
@@ -161,6 +161,7 @@ impl Host for NativeHost {
             FilterState::Admission => FS_ADMISSION,
             FilterState::Usage => FS_USAGE,
             FilterState::Tenant => FS_TENANT,
+            FilterState::ApiKey => FS_API_KEY,
             FilterState::Model => FS_MODEL,
             FilterState::Refusal => FS_REFUSAL,
         };

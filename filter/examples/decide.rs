@@ -29,6 +29,7 @@ fn main() {
     let pending = PendingRequest {
         endpoint: Endpoint::ChatCompletions,
         tenant: 0,
+        api_key: 0,
         request_id: None,
         has_content_length: true,
         accepts_coding: false,

@@ -31,6 +31,9 @@ use gateway_filter::pipeline::{on_request_body_owned, on_request_headers, Header
 use gateway_filter::sse::UsageStripper;
 use gateway_meter::Meter;
 
+/// The clock the phases decide at (the bench key has no window).
+const NOW_S: u64 = 1_782_864_000;
+
 fn time<T>(label: &str, iters: u32, mut f: impl FnMut() -> T) {
     for _ in 0..iters / 10 {
         black_box(f());
@@ -97,7 +100,7 @@ fn main() {
     .iter()
     .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
     .collect();
-    let pending = match on_request_headers(&cfg, &headers).decision {
+    let pending = match on_request_headers(&cfg, &headers, NOW_S).decision {
         HeadersDecision::AwaitBody(p) => p,
         HeadersDecision::Reply(r) => panic!("{r:?}"),
     };
@@ -127,7 +130,7 @@ fn main() {
         println!("one request's pure work: {:.3} us", started.elapsed().as_secs_f64() * 1e6 / f64::from(n));
         return;
     }
-    time("headers phase (auth, strip)", 20_000, || on_request_headers(&cfg, &headers));
+    time("headers phase (auth, strip)", 20_000, || on_request_headers(&cfg, &headers, NOW_S));
     time("body phase, bench body", 20_000, || on_request_body_owned(&cfg, &pending, small.clone()));
     time("body phase, 4 KB body (injects)", 5_000, || on_request_body_owned(&cfg, &pending, four_kb.clone()));
     time("  serde_json::Value parse, bench body", 20_000, || {
@@ -184,7 +187,9 @@ fn request_loop() -> Option<u32> {
 /// One saturation request's pure work, as the wasm adapter runs it: what the host calls carry is
 /// left out.
 fn one_request(cfg: &Config, headers: &[(String, Vec<u8>)], body: &[u8], stream: &[u8]) -> Option<Vec<u8>> {
-    let HeadersDecision::AwaitBody(pending) = on_request_headers(cfg, headers).decision else { return None };
+    let HeadersDecision::AwaitBody(pending) = on_request_headers(cfg, headers, NOW_S).decision else {
+        return None;
+    };
     let plan = on_request_body_owned(cfg, &pending, body.to_vec()).ok()?;
     let mut facts = plan.facts;
     facts.nonce = Some(gateway_filter::pipeline::request_nonce(1));

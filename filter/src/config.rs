@@ -8,8 +8,8 @@
 //!   "max_body_bytes": 4194304,
 //!   "full_parse_max_bytes": 131072,
 //!   "tenants": [
-//!     {"id": "demo", "api_keys_sha256": ["<64 lowercase hex>"], "tier": "standard",
-//!      "models": ["qwen", "llama"]}
+//!     {"id": "demo", "api_keys": [{"name": "ci-2026", "sha256": "<64 lowercase hex>",
+//!      "expires_at": "2026-12-31T00:00:00Z"}], "tier": "standard", "models": ["qwen", "llama"]}
 //!   ],
 //!   "models": [
 //!     {"name": "qwen", "pool": "pool_a", "served_model_name": "Qwen/Qwen2.5-0.5B-Instruct",
@@ -28,6 +28,8 @@ use std::collections::HashMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
+
+use crate::auth::{parse_utc_timestamp, KeyWindow};
 
 /// Default `max_body_bytes` when the field is absent: 4 MiB.
 pub const DEFAULT_MAX_BODY_BYTES: u64 = 4 * 1024 * 1024;
@@ -199,9 +201,15 @@ pub struct RawAdmissionLeases {
 pub struct RawTenant {
     /// Tenant id sent upstream as `x-gateway-tenant`. Required, unique, 1..=256 visible ASCII.
     pub id: String,
-    /// SHA-256 digests of the tenant's API keys, each exactly 64 lowercase hex characters.
-    /// Required, non-empty; a digest may belong to one tenant only.
-    pub api_keys_sha256: Vec<String>,
+    /// SHA-256 digests of API keys without a name or a window, each exactly 64 lowercase hex
+    /// characters; each is named `sha256:` and its first 12 hex characters
+    /// ([`derived_key_name`]). Optional; must not be empty when present. A tenant needs at least
+    /// one key here or in `api_keys`; a digest may belong to one key only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_keys_sha256: Option<Vec<String>>,
+    /// The tenant's named API keys. Optional; must not be empty when present.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_keys: Option<Vec<RawApiKey>>,
     /// Rate-limit tier sent upstream as `x-gateway-tier`. Optional, default [`DEFAULT_TIER`];
     /// 1..=256 visible ASCII.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -211,6 +219,46 @@ pub struct RawTenant {
     /// allows only that adapter. Must not be empty when present.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub models: Option<Vec<String>>,
+}
+
+/// One named API key of a tenant.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawApiKey {
+    /// The key's name, unique within its tenant: what usage records, metrics and the sidecar's
+    /// per-key limits go by. Required; 1..=128 letters, digits, `.`, `_` or `-`.
+    pub name: String,
+    /// SHA-256 of the key, exactly 64 lowercase hex characters. Required.
+    pub sha256: String,
+    /// First moment the key is valid, RFC 3339 in UTC (`YYYY-MM-DDTHH:MM:SSZ`). Optional.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_before: Option<String>,
+    /// Moment from which the key is refused, RFC 3339 in UTC (`YYYY-MM-DDTHH:MM:SSZ`); after
+    /// `not_before`. Optional.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<String>,
+    /// Whether the sidecar holds limits of this key's own (on top of the tenant's): its requests
+    /// are then never admitted from an admission lease, which covers only the tenant's buckets.
+    /// Optional, default false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub own_limits: Option<bool>,
+}
+
+/// Longest API key name accepted, in bytes.
+pub const MAX_KEY_NAME_BYTES: usize = 128;
+
+/// The name of a key listed by its digest alone (`api_keys_sha256`): `sha256:` and the digest's
+/// first 12 hex characters.
+pub fn derived_key_name(digest_hex: &str) -> String {
+    format!("sha256:{}", digest_hex.get(..12).unwrap_or(digest_hex))
+}
+
+/// Whether `name` is a valid API key name: 1..=[`MAX_KEY_NAME_BYTES`] letters, digits, `.`, `_`
+/// or `-`.
+pub fn is_key_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_KEY_NAME_BYTES
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 /// One served model.
@@ -309,7 +357,9 @@ pub struct Config {
     pub tenants: Vec<Tenant>,
     /// Models in configuration order.
     pub models: Vec<Model>,
-    /// Decoded API-key digests with the index of their tenant, in configuration order.
+    /// The API keys (named and by digest alone), in configuration order.
+    pub api_keys: Vec<ApiKey>,
+    /// Decoded API-key digests with the index of their key in [`Config::api_keys`].
     pub key_digests: Vec<([u8; 32], usize)>,
     /// Admission leases, when configured.
     pub admission_leases: Option<AdmissionLeases>,
@@ -359,6 +409,19 @@ pub struct Tenant {
     /// `None`: every model. `Some`: the listed targets (a base-model target, `adapter: None`,
     /// also grants the model's adapters).
     pub allowed: Option<Vec<Target>>,
+}
+
+/// A validated API key (its digest is in [`Config::key_digests`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiKey {
+    /// Its name ([`RawApiKey::name`], or [`derived_key_name`]).
+    pub name: String,
+    /// Index of its tenant in [`Config::tenants`].
+    pub tenant: usize,
+    /// When it may be used.
+    pub window: KeyWindow,
+    /// Whether the sidecar limits it on its own (never admitted from a lease).
+    pub own_limits: bool,
 }
 
 /// A validated model.
@@ -537,6 +600,7 @@ impl Config {
 
         let mut tenants = Vec::with_capacity(raw.tenants.len());
         let mut key_digests = Vec::new();
+        let mut api_keys = Vec::new();
         let mut tenant_ids: HashMap<String, usize> = HashMap::new();
         let mut digest_paths: HashMap<[u8; 32], String> = HashMap::new();
         for (i, t) in raw.tenants.into_iter().enumerate() {
@@ -549,19 +613,11 @@ impl Config {
                 ));
             }
             tenant_ids.insert(t.id.clone(), i);
-            if t.api_keys_sha256.is_empty() {
-                return Err(err(format!("{at}.api_keys_sha256"), "must not be empty"));
-            }
-            for (j, d) in t.api_keys_sha256.iter().enumerate() {
-                let p = format!("{at}.api_keys_sha256[{j}]");
-                let digest = decode_digest(d).ok_or_else(|| {
-                    err(&p, "must be exactly 64 lowercase hex characters (the SHA-256 of the key)")
-                })?;
-                if let Some(first) = digest_paths.get(&digest) {
-                    return Err(err(p, format!("duplicate digest (also at {first})")));
-                }
-                digest_paths.insert(digest, p);
-                key_digests.push((digest, i));
+            let mut keys =
+                TenantKeys { tenant: i, at: &at, digest_paths: &mut digest_paths, names: Vec::new() };
+            for (digest, key) in keys.compile(t.api_keys_sha256, t.api_keys)? {
+                key_digests.push((digest, api_keys.len()));
+                api_keys.push(key);
             }
             let tier = match t.tier {
                 Some(tier) => {
@@ -612,6 +668,7 @@ impl Config {
             max_n,
             tenants,
             models,
+            api_keys,
             key_digests,
             admission_leases,
             prefix_hashing,
@@ -624,6 +681,115 @@ impl Config {
     pub fn resolve(&self, name: &str) -> Option<Target> {
         self.lookup.get(name).copied()
     }
+}
+
+/// One tenant's keys being compiled: the digests seen so far in the whole config (path of
+/// each) and the names seen in this tenant.
+struct TenantKeys<'a> {
+    tenant: usize,
+    at: &'a str,
+    digest_paths: &'a mut HashMap<[u8; 32], String>,
+    names: Vec<String>,
+}
+
+impl TenantKeys<'_> {
+    /// The tenant's keys, `api_keys_sha256` first, each with its decoded digest.
+    fn compile(
+        &mut self,
+        by_digest: Option<Vec<String>>,
+        named: Option<Vec<RawApiKey>>,
+    ) -> Result<Vec<([u8; 32], ApiKey)>, ConfigError> {
+        let at = self.at;
+        if by_digest.is_none() && named.is_none() {
+            return Err(err(
+                format!("{at}.api_keys"),
+                "a tenant needs at least one key (api_keys, or api_keys_sha256)",
+            ));
+        }
+        let mut out = Vec::new();
+        if let Some(list) = by_digest {
+            if list.is_empty() {
+                return Err(err(format!("{at}.api_keys_sha256"), "must not be empty"));
+            }
+            for (j, d) in list.iter().enumerate() {
+                let path = format!("{at}.api_keys_sha256[{j}]");
+                let digest = self.digest(&path, d)?;
+                let key = self.key(&path, derived_key_name(d), KeyWindow::default(), false)?;
+                out.push((digest, key));
+            }
+        }
+        if let Some(list) = named {
+            if list.is_empty() {
+                return Err(err(format!("{at}.api_keys"), "must not be empty"));
+            }
+            for (j, k) in list.into_iter().enumerate() {
+                let path = format!("{at}.api_keys[{j}]");
+                if !is_key_name(&k.name) {
+                    return Err(err(
+                        format!("{path}.name"),
+                        format!("must be 1 to {MAX_KEY_NAME_BYTES} letters, digits, '.', '_' or '-'"),
+                    ));
+                }
+                let digest = self.digest(&format!("{path}.sha256"), &k.sha256)?;
+                let window = compile_window(&path, k.not_before.as_deref(), k.expires_at.as_deref())?;
+                let key = self.key(&format!("{path}.name"), k.name, window, k.own_limits.unwrap_or(false))?;
+                out.push((digest, key));
+            }
+        }
+        Ok(out)
+    }
+
+    fn digest(&mut self, path: &str, hex: &str) -> Result<[u8; 32], ConfigError> {
+        let digest = decode_digest(hex).ok_or_else(|| {
+            err(path, "must be exactly 64 lowercase hex characters (the SHA-256 of the key)")
+        })?;
+        if let Some(first) = self.digest_paths.get(&digest) {
+            return Err(err(path, format!("duplicate digest (also at {first})")));
+        }
+        self.digest_paths.insert(digest, path.to_string());
+        Ok(digest)
+    }
+
+    fn key(
+        &mut self,
+        path: &str,
+        name: String,
+        window: KeyWindow,
+        own_limits: bool,
+    ) -> Result<ApiKey, ConfigError> {
+        if self.names.contains(&name) {
+            return Err(err(path, format!("duplicate key name \"{name}\" in the tenant")));
+        }
+        self.names.push(name.clone());
+        Ok(ApiKey { name, tenant: self.tenant, window, own_limits })
+    }
+}
+
+/// A key's window from its `not_before` and `expires_at` (`at` is the key's path).
+fn compile_window(
+    at: &str,
+    not_before: Option<&str>,
+    expires_at: Option<&str>,
+) -> Result<KeyWindow, ConfigError> {
+    let read = |field: &str, value: Option<&str>| -> Result<Option<u64>, ConfigError> {
+        value
+            .map(|v| {
+                parse_utc_timestamp(v).ok_or_else(|| {
+                    err(format!("{at}.{field}"), "must be an RFC 3339 time in UTC, YYYY-MM-DDTHH:MM:SSZ")
+                })
+            })
+            .transpose()
+    };
+    let window = KeyWindow {
+        not_before: read("not_before", not_before)?,
+        expires_at: read("expires_at", expires_at)?,
+    };
+    if let (Some(from), Some(to)) = (window.not_before, window.expires_at) {
+        if to <= from {
+            return Err(err(format!("{at}.expires_at"), "must be after not_before"));
+        }
+    }
+    Ok(window)
 }
 
 fn compile_prefix_hashing(raw: RawPrefixHashing) -> Result<PrefixHashing, ConfigError> {
@@ -742,6 +908,78 @@ mod tests {
 
     fn expect_err(v: Value, msg: &str) {
         assert_eq!(load(&v).unwrap_err(), msg);
+    }
+
+    const D3: &str = "3333333333333333333333333333333333333333333333333333333333333333";
+
+    #[test]
+    fn named_keys_compile_with_their_tenant_window_and_limits() {
+        let mut v = base();
+        v["tenants"][1]["api_keys"] = json!([
+            {"name": "ci-2026", "sha256": D3, "not_before": "2026-01-01T00:00:00Z",
+             "expires_at": "2026-07-01T00:00:00Z", "own_limits": true}
+        ]);
+        let c = load(&v).unwrap();
+        let names: Vec<(&str, usize)> = c.api_keys.iter().map(|k| (k.name.as_str(), k.tenant)).collect();
+        assert_eq!(names, [("sha256:111111111111", 0), ("sha256:222222222222", 1), ("ci-2026", 1)]);
+        assert_eq!(
+            c.api_keys[2].window,
+            KeyWindow { not_before: Some(1_767_225_600), expires_at: Some(1_782_864_000) }
+        );
+        assert!(c.api_keys[2].own_limits && !c.api_keys[0].own_limits);
+        let by_digest: Vec<usize> = c.key_digests.iter().map(|(_, k)| *k).collect();
+        assert_eq!(by_digest, [0, 1, 2]);
+        // A tenant may hold named keys only.
+        v["tenants"][1].as_object_mut().unwrap().remove("api_keys_sha256");
+        assert_eq!(load(&v).unwrap().api_keys.len(), 2);
+    }
+
+    #[test]
+    fn err_named_keys() {
+        let key = |extra: Value| {
+            let mut k = json!({"name": "k1", "sha256": D3});
+            for (f, x) in extra.as_object().unwrap() {
+                k[f] = x.clone();
+            }
+            let mut v = base();
+            v["tenants"][0]["api_keys"] = json!([k]);
+            v
+        };
+        expect_err(
+            key(json!({"name": "a b"})),
+            "tenants[0].api_keys[0].name: must be 1 to 128 letters, digits, '.', '_' or '-'",
+        );
+        expect_err(key(json!({"sha256": "abc"})), "tenants[0].api_keys[0].sha256: must be exactly 64 lowercase hex characters (the SHA-256 of the key)");
+        expect_err(
+            key(json!({"sha256": D2})),
+            "tenants[1].api_keys_sha256[0]: duplicate digest (also at tenants[0].api_keys[0].sha256)",
+        );
+        expect_err(
+            key(json!({"expires_at": "2026-07-01"})),
+            "tenants[0].api_keys[0].expires_at: must be an RFC 3339 time in UTC, YYYY-MM-DDTHH:MM:SSZ",
+        );
+        expect_err(
+            key(json!({"not_before": "2026-07-01T00:00:00+02:00"})),
+            "tenants[0].api_keys[0].not_before: must be an RFC 3339 time in UTC, YYYY-MM-DDTHH:MM:SSZ",
+        );
+        expect_err(
+            key(json!({"not_before": "2026-07-01T00:00:00Z", "expires_at": "2026-07-01T00:00:00Z"})),
+            "tenants[0].api_keys[0].expires_at: must be after not_before",
+        );
+        expect_err(key(json!({"expires": "2026-07-01T00:00:00Z"})), "tenants[0].api_keys[0].expires: unknown field `expires`, expected one of `name`, `sha256`, `not_before`, `expires_at`, `own_limits`");
+        let mut v = key(json!({}));
+        v["tenants"][0]["api_keys"] =
+            json!([{"name": "k1", "sha256": D3}, {"name": "k1", "sha256": D3.replace('3', "4")}]);
+        expect_err(v.clone(), "tenants[0].api_keys[1].name: duplicate key name \"k1\" in the tenant");
+        // The same name in two tenants is two keys.
+        v["tenants"][0]["api_keys"] = json!([{"name": "k1", "sha256": D3}]);
+        v["tenants"][1]["api_keys"] = json!([{"name": "k1", "sha256": D3.replace('3', "4")}]);
+        assert!(load(&v).is_ok());
+        v["tenants"][1]["api_keys"] = json!([]);
+        expect_err(v.clone(), "tenants[1].api_keys: must not be empty");
+        v["tenants"][1].as_object_mut().unwrap().remove("api_keys");
+        v["tenants"][1].as_object_mut().unwrap().remove("api_keys_sha256");
+        expect_err(v, "tenants[1].api_keys: a tenant needs at least one key (api_keys, or api_keys_sha256)");
     }
 
     #[test]
@@ -872,7 +1110,7 @@ mod tests {
         v["tenants"][0]["tierx"] = json!("gold");
         expect_err(
             v,
-            "tenants[0].tierx: unknown field `tierx`, expected one of `id`, `api_keys_sha256`, `tier`, `models`",
+            "tenants[0].tierx: unknown field `tierx`, expected one of `id`, `api_keys_sha256`, `api_keys`, `tier`, `models`",
         );
     }
 

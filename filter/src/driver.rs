@@ -8,7 +8,8 @@
 //! [`crate::lease`] and [`gateway_meter`].
 //!
 //! The sequence, per stream:
-//! 1. request headers: client-sent `x-gateway-*` headers removed, the API key authenticated; a
+//! 1. request headers: client-sent `x-gateway-*` headers removed, the API key authenticated
+//!    (and its validity window checked at the host's clock, [`Host::now_us`]); a
 //!    tenant the sidecar said is over its RPM refused before its body (429); one of the tenant's
 //!    upload slots taken; the body awaited ([`Step::Pause`]);
 //! 2. request body (or trailers): `max_body_bytes` enforced while it arrives; once complete, the
@@ -60,6 +61,8 @@ pub enum FilterState {
     Usage,
     /// The tenant's id, once the API key is known (the request log).
     Tenant,
+    /// The API key's name (never the key), once it is known (the request log).
+    ApiKey,
     /// The canonical model name, once the body is decided (the request log).
     Model,
     /// Why the filter refused the request (`LocalReply::details`; the request log).
@@ -280,7 +283,7 @@ impl<W: Worker> Driver<W> {
         let Some(headers) = host.request_headers() else {
             return self.reply_internal(host, "cannot read request headers");
         };
-        let outcome = on_request_headers(&cfg, &headers);
+        let outcome = on_request_headers(&cfg, &headers, self.started_us / 1_000_000);
         for name in &outcome.remove {
             if !host.remove_header(HeaderMap::Request, name) {
                 return self.reply_internal(host, "cannot remove request headers");
@@ -294,6 +297,9 @@ impl<W: Worker> Driver<W> {
         let tenant = cfg.tenants.get(pending.tenant).map_or("", |t| t.id.as_str());
         // For the request log only (best effort): the sidecar reads the tenant from the facts.
         host.set_filter_state(FilterState::Tenant, tenant.as_bytes());
+        if let Some(key) = cfg.api_keys.get(pending.api_key) {
+            host.set_filter_state(FilterState::ApiKey, key.name.as_bytes());
+        }
         if end_of_stream {
             // No body at all: the empty body is decided now (it fails as invalid JSON).
             return self.finish_request(host, &cfg, &pending, Vec::new(), false);

@@ -91,6 +91,7 @@ impl Host for FakeHost {
             FilterState::Admission => "admission",
             FilterState::Usage => "usage",
             FilterState::Tenant => "tenant",
+            FilterState::ApiKey => "api_key",
             FilterState::Model => "model",
             FilterState::Refusal => "refusal",
         };
@@ -241,6 +242,59 @@ fn a_lease_is_not_asked_without_admission_leases_configured() {
     d.on_request_headers(&mut h, false);
     d.on_request_body(&mut h, CHAT.len() as u64, true);
     assert!(!h.state.contains_key("admission"));
+}
+
+/// Named keys around the fake host's clock (2023-11-14T22:13:20Z): one expired, one not valid
+/// yet, one valid with limits of its own; leases configured.
+fn keyed_config() -> Arc<Config> {
+    let key = |name: &str, extra: serde_json::Value| {
+        let mut k = json!({"name": name, "sha256": hex::encode(hash_key(format!("sk-{name}").as_bytes()))});
+        for (f, v) in extra.as_object().unwrap() {
+            k[f] = v.clone();
+        }
+        k
+    };
+    let v = json!({
+        "tenants": [{"id": "demo", "api_keys": [
+            key("old", json!({"expires_at": "2023-11-14T22:13:20Z"})),
+            key("next", json!({"not_before": "2023-11-14T22:13:21Z"})),
+            key("own", json!({"not_before": "2023-11-14T22:13:20Z", "own_limits": true})),
+        ]}],
+        "models": [{"name": "qwen", "pool": "pool_a", "max_model_len": 4096}],
+        "admission_leases": {"cluster": "sidecar"}
+    });
+    Arc::new(Config::from_json(v.to_string().as_bytes()).unwrap())
+}
+
+#[test]
+fn a_key_outside_its_window_is_refused_at_the_host_clock() {
+    for (key, refusal, says) in [
+        ("sk-old", &b"llm_gateway_api_key_expired"[..], "expired"),
+        ("sk-next", &b"llm_gateway_api_key_not_yet_valid"[..], "not yet valid"),
+    ] {
+        let mut h = host(key, CHAT);
+        let mut d = Driver::new(Some(keyed_config()), FakeWorker::default());
+        assert_eq!(d.on_request_headers(&mut h, false), Step::Replied);
+        assert_eq!(h.reply_status(), Some(401));
+        assert_eq!(h.state["refusal"], refusal);
+        let body = String::from_utf8(h.replies[0].body.clone()).unwrap();
+        assert!(body.contains(says) && body.contains("invalid_api_key") && !body.contains(key), "{body}");
+        assert!(!h.state.contains_key("request"));
+    }
+}
+
+#[test]
+fn a_key_name_goes_to_the_facts_and_the_request_log_and_own_limits_skip_the_lease() {
+    let worker = FakeWorker { lease: true, ..FakeWorker::default() };
+    let mut d = Driver::new(Some(keyed_config()), worker);
+    let mut h = host("sk-own", CHAT);
+    assert_eq!(d.on_request_headers(&mut h, false), Step::Pause);
+    assert_eq!(d.on_request_body(&mut h, CHAT.len() as u64, true), Step::Continue);
+    let facts: serde_json::Value = serde_json::from_slice(&h.state["request"]).unwrap();
+    assert_eq!((facts["tenant"].as_str(), facts["api_key"].as_str()), (Some("demo"), Some("own")));
+    assert_eq!(h.state["api_key"], b"own");
+    assert!(!h.state.contains_key("admission"), "a key with its own limits is admitted by the sidecar");
+    assert!(facts.get("leased_tokens").is_none());
 }
 
 #[test]

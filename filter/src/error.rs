@@ -50,6 +50,14 @@ pub enum GatewayError {
     /// code `invalid_api_key`. The key itself is never echoed.
     #[error("Incorrect API key provided.")]
     InvalidApiKey,
+    /// The key is configured, but its `expires_at` has passed. 401, `invalid_request_error`,
+    /// code `invalid_api_key`. The key itself is never echoed.
+    #[error("The API key provided has expired.")]
+    ApiKeyExpired,
+    /// The key is configured, but its `not_before` has not come yet. 401,
+    /// `invalid_request_error`, code `invalid_api_key`. The key itself is never echoed.
+    #[error("The API key provided is not yet valid.")]
+    ApiKeyNotYetValid,
     /// `content-length` or the buffered body exceeds `max_body_bytes`. 413,
     /// `invalid_request_error`, code `request_too_large`.
     #[error("Request body too large: the limit is {limit} bytes.")]
@@ -244,7 +252,10 @@ impl GatewayError {
         match self {
             GatewayError::NotFound { .. } => (404, IRE, "not_found", None),
             GatewayError::MethodNotAllowed { .. } => (405, IRE, "method_not_allowed", None),
-            GatewayError::MissingApiKey | GatewayError::InvalidApiKey => (401, IRE, "invalid_api_key", None),
+            GatewayError::MissingApiKey
+            | GatewayError::InvalidApiKey
+            | GatewayError::ApiKeyExpired
+            | GatewayError::ApiKeyNotYetValid => (401, IRE, "invalid_api_key", None),
             GatewayError::RequestTooLarge { .. } => (413, IRE, "request_too_large", None),
             GatewayError::InvalidJson { .. } => (400, IRE, "invalid_json", None),
             GatewayError::DuplicateParameter { param } => (400, IRE, "duplicate_parameter", Some(param)),
@@ -274,6 +285,8 @@ impl GatewayError {
             GatewayError::MethodNotAllowed { .. } => "llm_gateway_method_not_allowed",
             GatewayError::MissingApiKey => "llm_gateway_missing_api_key",
             GatewayError::InvalidApiKey => "llm_gateway_invalid_api_key",
+            GatewayError::ApiKeyExpired => "llm_gateway_api_key_expired",
+            GatewayError::ApiKeyNotYetValid => "llm_gateway_api_key_not_yet_valid",
             GatewayError::RequestTooLarge { .. } => "llm_gateway_request_too_large",
             GatewayError::InvalidJson { .. } => "llm_gateway_invalid_json",
             GatewayError::DuplicateParameter { .. } => "llm_gateway_duplicate_parameter",

@@ -84,6 +84,8 @@ pub struct PendingRequest {
     pub endpoint: Endpoint,
     /// Index of the authenticated tenant in [`Config::tenants`].
     pub tenant: usize,
+    /// Index of the API key it authenticated with in [`Config::api_keys`].
+    pub api_key: usize,
     /// `x-request-id`, for the weighted pool choice.
     pub request_id: Option<Vec<u8>>,
     /// Whether the request carries `content-length` (updated when the body is rewritten).
@@ -112,23 +114,27 @@ pub struct HeadersOutcome {
     pub decision: HeadersDecision,
 }
 
-/// Request-headers phase: strip gateway headers and credentials, classify the path, authenticate,
-/// enforce `content-length <= max_body_bytes`, answer `GET /v1/models`.
-pub fn on_request_headers(cfg: &Config, headers: &HeaderList) -> HeadersOutcome {
+/// Request-headers phase: strip gateway headers and credentials, classify the path, authenticate
+/// (the key's window checked at `now_s`, seconds since the Unix epoch), enforce
+/// `content-length <= max_body_bytes`, answer `GET /v1/models`.
+pub fn on_request_headers(cfg: &Config, headers: &HeaderList, now_s: u64) -> HeadersOutcome {
     let remove = headers_to_remove(headers);
-    let decision = match decide_headers(cfg, headers) {
+    let decision = match decide_headers(cfg, headers, now_s) {
         Ok(d) => d,
         Err(e) => HeadersDecision::Reply(e.to_reply()),
     };
     HeadersOutcome { remove, decision }
 }
 
-fn decide_headers(cfg: &Config, headers: &HeaderList) -> Result<HeadersDecision, GatewayError> {
+fn decide_headers(cfg: &Config, headers: &HeaderList, now_s: u64) -> Result<HeadersDecision, GatewayError> {
     let method = String::from_utf8_lossy(header(headers, ":method").unwrap_or_default());
     let path = String::from_utf8_lossy(header(headers, ":path").unwrap_or_default());
     let endpoint = classify(&method, &path)?;
-    let tenant_idx =
+    let key_idx =
         authenticate(&cfg.key_digests, header(headers, "authorization"), header(headers, "x-api-key"))?;
+    let key = cfg.api_keys.get(key_idx).ok_or(GatewayError::Internal { what: "key index out of range" })?;
+    key.window.check(now_s)?;
+    let tenant_idx = key.tenant;
     let tenant =
         cfg.tenants.get(tenant_idx).ok_or(GatewayError::Internal { what: "tenant index out of range" })?;
 
@@ -149,6 +155,7 @@ fn decide_headers(cfg: &Config, headers: &HeaderList) -> Result<HeadersDecision,
     Ok(HeadersDecision::AwaitBody(PendingRequest {
         endpoint,
         tenant: tenant_idx,
+        api_key: key_idx,
         request_id: header(headers, "x-request-id").map(<[u8]>::to_vec),
         has_content_length: content_length.is_some(),
         accepts_coding: header(headers, "accept-encoding").is_some_and(asks_for_coding),
@@ -402,9 +409,11 @@ fn finish_plan(
         // The meter reads only an uncoded response (gateway_meter::Meter::mark_encoded).
         set_headers.push(("accept-encoding", "identity".to_string()));
     }
+    let key = cfg.api_keys.get(pending.api_key);
     let facts = RequestFacts {
         v: gateway_contract::FACTS_VERSION,
         tenant: tenant.id.clone(),
+        api_key: key.map(|k| k.name.clone()),
         tier: tenant.tier.clone(),
         model: route.public_name.to_string(),
         pool: route.pool.to_string(),
@@ -424,7 +433,9 @@ fn finish_plan(
         operation: Some(pending.endpoint.operation().to_owned()),
         upstream_model: Some(route.body_model.to_owned()),
     };
-    let admission = (!exact_check).then(|| AdmissionFacts {
+    // A key with limits of its own takes the sidecar's admission: a lease covers only the tenant's.
+    let own_limits = key.is_none_or(|k| k.own_limits);
+    let admission = (!exact_check && !own_limits).then(|| AdmissionFacts {
         tenant: facts.tenant.clone(),
         tier: facts.tier.clone(),
         model: facts.model.clone(),
@@ -764,6 +775,9 @@ mod tests {
     use crate::auth::hash_key;
     use serde_json::json;
 
+    /// The clock the tests decide at: 2026-07-01T00:00:00Z.
+    const NOW_S: u64 = 1_782_864_000;
+
     fn cfg() -> Config {
         let v = json!({
             "max_body_bytes": 2000,
@@ -801,7 +815,7 @@ mod tests {
 
     /// The pending request of `POST path` with `key` under `cfg` (the headers phase must pass).
     fn pending_in(cfg: &Config, path: &str, key: &str) -> PendingRequest {
-        match on_request_headers(cfg, &post(path, key)).decision {
+        match on_request_headers(cfg, &post(path, key), NOW_S).decision {
             HeadersDecision::AwaitBody(p) => p,
             HeadersDecision::Reply(r) => panic!("unexpected reply {r:?}"),
         }
@@ -842,13 +856,14 @@ mod tests {
             ("x-api-key", "sk-demo"),
             ("x-gatewayish", "keep"),
         ]);
-        let out = on_request_headers(&cfg(), &h);
+        let out = on_request_headers(&cfg(), &h, NOW_S);
         assert_eq!(out.remove, vec!["x-gateway-tenant", "x-gateway-pool", "authorization", "x-api-key"]);
         assert!(matches!(out.decision, HeadersDecision::AwaitBody(_)));
         // Removed even when the request is rejected.
         let out = on_request_headers(
             &cfg(),
             &hdrs(&[(":method", "POST"), (":path", "/nope"), ("x-gateway-model", "x")]),
+            NOW_S,
         );
         assert_eq!(out.remove, vec!["x-gateway-model"]);
     }
@@ -863,14 +878,14 @@ mod tests {
 
     #[test]
     fn path_and_method_errors() {
-        let (s, b) = reply(on_request_headers(&cfg(), &post("/v1/foo", "sk-demo")).decision);
+        let (s, b) = reply(on_request_headers(&cfg(), &post("/v1/foo", "sk-demo"), NOW_S).decision);
         assert_eq!(s, 404);
         assert_eq!(
             b,
             json!({"error": {"message": "Invalid URL (POST /v1/foo)", "type": "invalid_request_error", "param": null, "code": "not_found"}})
         );
         let h = hdrs(&[(":method", "GET"), (":path", "/v1/chat/completions")]);
-        let out = on_request_headers(&cfg(), &h);
+        let out = on_request_headers(&cfg(), &h, NOW_S);
         match out.decision {
             HeadersDecision::Reply(r) => {
                 assert_eq!(r.status, 405);
@@ -883,18 +898,19 @@ mod tests {
 
     #[test]
     fn auth_errors() {
-        let (s, b) = reply(on_request_headers(&cfg(), &post("/v1/chat/completions", "sk-wrong")).decision);
+        let (s, b) =
+            reply(on_request_headers(&cfg(), &post("/v1/chat/completions", "sk-wrong"), NOW_S).decision);
         assert_eq!(s, 401);
         assert_eq!(b["error"]["code"], "invalid_api_key");
         assert_eq!(b["error"]["message"], "Incorrect API key provided.");
         let h = hdrs(&[(":method", "POST"), (":path", "/v1/chat/completions")]);
-        let (s, b) = reply(on_request_headers(&cfg(), &h).decision);
+        let (s, b) = reply(on_request_headers(&cfg(), &h, NOW_S).decision);
         assert_eq!(s, 401);
         assert_eq!(b["error"]["type"], "invalid_request_error");
         // x-api-key works too
         let h = hdrs(&[(":method", "POST"), (":path", "/v1/completions"), ("x-api-key", "sk-all")]);
         assert!(matches!(
-            on_request_headers(&cfg(), &h).decision,
+            on_request_headers(&cfg(), &h, NOW_S).decision,
             HeadersDecision::AwaitBody(PendingRequest { tenant: 1, .. })
         ));
     }
@@ -904,14 +920,14 @@ mod tests {
         let mut h = post("/v1/chat/completions", "sk-demo");
         h.retain(|(k, _)| k != "content-length");
         h.push(("content-length".into(), b"2001".to_vec()));
-        let (s, b) = reply(on_request_headers(&cfg(), &h).decision);
+        let (s, b) = reply(on_request_headers(&cfg(), &h, NOW_S).decision);
         assert_eq!(s, 413);
         assert_eq!(b["error"]["code"], "request_too_large");
         assert_eq!(b["error"]["message"], "Request body too large: the limit is 2000 bytes.");
         // Unauthenticated oversize requests get 401 first.
         let mut h = hdrs(&[(":method", "POST"), (":path", "/v1/chat/completions")]);
         h.push(("content-length".into(), b"999999".to_vec()));
-        assert_eq!(reply(on_request_headers(&cfg(), &h).decision).0, 401);
+        assert_eq!(reply(on_request_headers(&cfg(), &h, NOW_S).decision).0, 401);
         // Buffered size limit.
         let big = vec![b' '; 2001];
         let e = on_request_body(&cfg(), &pending("/v1/chat/completions", "sk-demo"), &big).unwrap_err();
@@ -922,7 +938,7 @@ mod tests {
     #[test]
     fn models_listing() {
         let h = hdrs(&[(":method", "GET"), (":path", "/v1/models"), ("x-api-key", "sk-demo")]);
-        let (s, b) = reply(on_request_headers(&cfg(), &h).decision);
+        let (s, b) = reply(on_request_headers(&cfg(), &h, NOW_S).decision);
         assert_eq!(s, 200);
         assert_eq!(
             b,
@@ -933,7 +949,7 @@ mod tests {
             ]})
         );
         let h = hdrs(&[(":method", "GET"), (":path", "/v1/models?limit=1"), ("x-api-key", "sk-all")]);
-        match on_request_headers(&cfg(), &h).decision {
+        match on_request_headers(&cfg(), &h, NOW_S).decision {
             HeadersDecision::Reply(r) => {
                 assert_eq!(r.headers, vec![("content-type", "application/json".to_string())]);
                 assert!(String::from_utf8(r.body).unwrap().starts_with(
@@ -943,7 +959,7 @@ mod tests {
             HeadersDecision::AwaitBody(_) => panic!(),
         }
         let h = hdrs(&[(":method", "GET"), (":path", "/v1/models")]);
-        assert_eq!(reply(on_request_headers(&cfg(), &h).decision).0, 401);
+        assert_eq!(reply(on_request_headers(&cfg(), &h, NOW_S).decision).0, 401);
     }
 
     #[test]
@@ -1526,7 +1542,9 @@ mod tests {
         ] {
             let mut h = post("/v1/chat/completions", "sk-demo");
             h.push(("accept-encoding".to_string(), value.as_bytes().to_vec()));
-            let HeadersDecision::AwaitBody(p) = on_request_headers(&cfg(), &h).decision else { panic!() };
+            let HeadersDecision::AwaitBody(p) = on_request_headers(&cfg(), &h, NOW_S).decision else {
+                panic!()
+            };
             let plan = on_request_body(&cfg(), &p, body.to_string().as_bytes()).unwrap();
             let identity = header_map(&plan).contains(&("accept-encoding".into(), "identity".into()));
             assert_eq!(identity, asked, "{value:?}");

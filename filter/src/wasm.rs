@@ -39,7 +39,8 @@ mod root;
 mod stats;
 
 use gateway_contract::{
-    PROPERTY_ADMISSION, PROPERTY_MODEL, PROPERTY_REFUSAL, PROPERTY_REQUEST, PROPERTY_TENANT, PROPERTY_USAGE,
+    PROPERTY_ADMISSION, PROPERTY_API_KEY, PROPERTY_MODEL, PROPERTY_REFUSAL, PROPERTY_REQUEST,
+    PROPERTY_TENANT, PROPERTY_USAGE,
 };
 
 /// Microseconds since the Unix epoch, from Envoy's clock (0 if unavailable).
@@ -231,6 +232,7 @@ impl Host for WasmHost {
             FilterState::Admission => PROPERTY_ADMISSION,
             FilterState::Usage => PROPERTY_USAGE,
             FilterState::Tenant => PROPERTY_TENANT,
+            FilterState::ApiKey => PROPERTY_API_KEY,
             FilterState::Model => PROPERTY_MODEL,
             FilterState::Refusal => PROPERTY_REFUSAL,
         };

@@ -47,6 +47,9 @@ enum J {
     Obj(Vec<(J, J)>, Vec<u8>),
 }
 
+/// The clock the properties decide at (no key here has a window): 2026-07-01T00:00:00Z.
+const NOW_S: u64 = 1_782_864_000;
+
 const WS: [&str; 6] = ["", " ", "\n", "\t", "\r\n  ", "   "];
 
 fn ws(choices: &[u8], i: usize) -> &'static str {
@@ -468,7 +471,7 @@ fn plan(cfg: &Config, path: &str, body: &[u8]) -> Result<ForwardPlan, (u32, Valu
     .iter()
     .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
     .collect();
-    let pending = match on_request_headers(cfg, &headers).decision {
+    let pending = match on_request_headers(cfg, &headers, NOW_S).decision {
         HeadersDecision::AwaitBody(p) => p,
         HeadersDecision::Reply(r) => panic!("headers refused: {r:?}"),
     };

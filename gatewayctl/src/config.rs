@@ -14,7 +14,11 @@
 //! redis: {url: redis://127.0.0.1:6379/0, failure_mode: open}
 //! tiers: {batch: {shed_level: 0.5, failure_mode: closed}}
 //! tenants:
-//!   - {id: acme, api_keys_sha256: [<64 hex>], tier: standard, limits: {requests_per_minute: 600}}
+//!   - id: acme
+//!     api_keys:
+//!       - {name: ci-2026, sha256: <64 hex>, expires_at: "2026-12-31T00:00:00Z"}
+//!     tier: standard
+//!     limits: {requests_per_minute: 600}
 //! models:
 //!   - {name: qwen, pool: pool_qwen, served_model_name: Qwen/Qwen2.5-0.5B-Instruct, max_model_len: 32768}
 //! pools:
@@ -161,6 +165,14 @@ pub struct EnvoySection {
     /// configuration is in the bootstrap, and a change needs Envoy to restart.
     #[serde(default)]
     pub live_config: Option<LiveConfigSection>,
+    /// Hot restart of the standalone Envoy (absent: not rendered): gatewayctl renders
+    /// `standalone/start-envoy.sh` (Envoy's command line, with `--restart-epoch`, a fixed
+    /// `--base-id`, `--drain-time-s` and `--parent-shutdown-time-s`), `standalone/hot-restarter.py`
+    /// (starts the next epoch on SIGHUP) and the systemd unit `standalone/llm-gateway-envoy.service`
+    /// (`systemctl reload llm-gateway-envoy` hot-restarts Envoy; docs/operations.md, "Upgrading
+    /// Envoy (hot restart)").
+    #[serde(default)]
+    pub hot_restart: Option<HotRestartSection>,
 }
 
 impl Default for EnvoySection {
@@ -171,8 +183,59 @@ impl Default for EnvoySection {
             edge: EdgeSection::default(),
             access_log: AccessLogSection::default(),
             live_config: None,
+            hot_restart: None,
         }
     }
+}
+
+/// `envoy.hot_restart`: how the standalone Envoy is started and hot-restarted.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HotRestartSection {
+    /// The directory on the Envoy host that holds the rendered `standalone/` files (absolute;
+    /// default `/etc/llm-gateway/standalone`).
+    #[serde(default = "default_hot_restart_dir")]
+    pub dir: PathBuf,
+    /// The Envoy binary (absolute; default `/usr/local/bin/envoy`).
+    #[serde(default = "default_envoy_bin")]
+    pub envoy_bin: PathBuf,
+    /// The Python 3 interpreter that runs `hot-restarter.py` (absolute; default `/usr/bin/python3`).
+    #[serde(default = "default_python")]
+    pub python: PathBuf,
+    /// Envoy's `--base-id` (default 0): the shared memory and domain sockets the epochs meet on;
+    /// give each Envoy on one host its own.
+    #[serde(default)]
+    pub base_id: u32,
+    /// Envoy's `--drain-time-s` (default 60): how long the old epoch drains its listeners.
+    #[serde(default = "default_drain_time_s")]
+    pub drain_time_s: u32,
+    /// Envoy's `--parent-shutdown-time-s` (default 90, more than `drain_time_s`): when the old
+    /// epoch exits, cutting what it still serves. Make it longer than the longest stream.
+    #[serde(default = "default_parent_shutdown_time_s")]
+    pub parent_shutdown_time_s: u32,
+    /// Envoy's `--concurrency` (absent: one worker per core).
+    #[serde(default)]
+    pub concurrency: Option<u32>,
+}
+
+fn default_hot_restart_dir() -> PathBuf {
+    PathBuf::from("/etc/llm-gateway/standalone")
+}
+
+fn default_envoy_bin() -> PathBuf {
+    PathBuf::from("/usr/local/bin/envoy")
+}
+
+fn default_python() -> PathBuf {
+    PathBuf::from("/usr/bin/python3")
+}
+
+fn default_drain_time_s() -> u32 {
+    60
+}
+
+fn default_parent_shutdown_time_s() -> u32 {
+    90
 }
 
 /// `envoy.live_config`.
@@ -401,7 +464,23 @@ pub struct SidecarSection {
     /// (docs/deploy.md).
     #[serde(default)]
     pub tls: Option<SidecarTlsSection>,
+    /// Standalone target: how many sidecar processes Envoy balances over (default 1, at most
+    /// 16). Replica k listens on `listen`'s port + k (its metrics on `metrics_listen`'s port + k;
+    /// Envoy reaches it on `address`'s port + k) and reads `standalone/sidecar.yaml` (k = 0) or
+    /// `standalone/sidecar-<k>.yaml`. Envoy checks each replica's gRPC health every second and
+    /// retries on another replica an admission that a draining one refused, so replicas restarted
+    /// one at a time lose no request (docs/operations.md, "Upgrading the sidecar"); one replica
+    /// cannot be restarted without failing the admissions that arrive meanwhile.
+    #[serde(default = "default_sidecar_replicas")]
+    pub replicas: u16,
 }
+
+fn default_sidecar_replicas() -> u16 {
+    1
+}
+
+/// Most sidecar replicas the standalone target renders.
+pub const MAX_SIDECAR_REPLICAS: u16 = 16;
 
 /// mTLS between the standalone Envoy and the sidecar: PEM files, paths on the hosts (relative
 /// paths are relative to the config file). One CA may sign both certificates.
@@ -434,7 +513,15 @@ impl Default for SidecarSection {
             metering: None,
             shutdown_grace_ms: None,
             tls: None,
+            replicas: default_sidecar_replicas(),
         }
+    }
+}
+
+impl SidecarSection {
+    /// Replica `k`'s port: `port` + k (validation keeps it within u16).
+    pub fn replica_port(port: u16, k: u16) -> u16 {
+        port.saturating_add(k)
     }
 }
 
@@ -554,8 +641,14 @@ pub struct TierSection {
 pub struct TenantSection {
     /// Tenant id (letters, digits, `.`, `_`, `-`).
     pub id: String,
-    /// SHA-256 digests of the tenant's API keys (`gatewayctl hash-key` prints one).
-    pub api_keys_sha256: Vec<String>,
+    /// SHA-256 digests of API keys without a name or window (`gatewayctl hash-key` prints one):
+    /// each is named `sha256:` and its first 12 hex digits in usage records and metrics. A
+    /// tenant needs at least one key here or in `api_keys`.
+    #[serde(default)]
+    pub api_keys_sha256: Option<Vec<String>>,
+    /// The tenant's named API keys (`gatewayctl keys add` appends one).
+    #[serde(default)]
+    pub api_keys: Option<Vec<ApiKeySection>>,
     /// Tier (default `standard`).
     #[serde(default)]
     pub tier: Option<String>,
@@ -575,6 +668,46 @@ pub struct TenantSection {
     /// Quotas per model, on top of `quota`.
     #[serde(default)]
     pub model_quotas: BTreeMap<String, QuotaSection>,
+}
+
+/// One named API key of a tenant.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKeySection {
+    /// The key's name: letters, digits, `.`, `_`, `-` (at most 128), unique within the tenant.
+    /// Usage records, `gatewayctl usage` and the metrics name the key by it (never by the key).
+    pub name: String,
+    /// The SHA-256 digest of the key (64 lowercase hex).
+    pub sha256: String,
+    /// When the key starts to be accepted, RFC 3339 in UTC (`2026-07-01T00:00:00Z`).
+    #[serde(default)]
+    pub not_before: Option<String>,
+    /// When the key stops being accepted (refused 401 from then on), RFC 3339 in UTC; after
+    /// `not_before`.
+    #[serde(default)]
+    pub expires_at: Option<String>,
+    /// Limits of this key's own, on top of the tenant's `limits` and `model_limits`.
+    #[serde(default)]
+    pub limits: Option<LimitsSection>,
+}
+
+impl ApiKeySection {
+    /// The key's validity window in Unix seconds, if its timestamps read (validated configs').
+    pub fn window(&self) -> (Option<u64>, Option<u64>) {
+        let read = |t: &Option<String>| t.as_deref().and_then(gateway_filter::auth::parse_utc_timestamp);
+        (read(&self.not_before), read(&self.expires_at))
+    }
+}
+
+impl TenantSection {
+    /// Every key of the tenant as (name, digest, the named key's section): `api_keys_sha256`
+    /// first, under their derived names.
+    pub fn keys(&self) -> Vec<(String, &str, Option<&ApiKeySection>)> {
+        let by_digest = self.api_keys_sha256.iter().flatten();
+        let by_digest = by_digest.map(|d| (gateway_filter::config::derived_key_name(d), d.as_str(), None));
+        let named = self.api_keys.iter().flatten().map(|k| (k.name.clone(), k.sha256.as_str(), Some(k)));
+        by_digest.chain(named).collect()
+    }
 }
 
 /// Daily and monthly token quotas: the sidecar's own type (its validation applies).
@@ -1519,6 +1652,41 @@ pub fn parse_host_port(s: &str) -> Option<HostPort> {
     Some(HostPort { host: host.to_owned(), port, is_ip: host.parse::<IpAddr>().is_ok() })
 }
 
+/// Checks a key's digest (at `field`) and claims it: a digest names one key in the whole config.
+fn claim_digest<'c>(
+    digests: &mut HashMap<&'c str, String>,
+    field: String,
+    digest: &'c str,
+) -> Result<(), FieldError> {
+    if !is_sha256_hex(digest) {
+        return fail(field, "must be exactly 64 lowercase hex characters (the SHA-256 of the key)");
+    }
+    if let Some(first) = digests.get(digest) {
+        return fail(field, format!("duplicate digest (also at {first})"));
+    }
+    digests.insert(digest, field);
+    Ok(())
+}
+
+/// A key's `not_before` and `expires_at` (`field` is the key's path): each an RFC 3339 time in
+/// UTC, the end after the start.
+fn validate_window(field: &str, key: &ApiKeySection) -> Result<(), FieldError> {
+    for (name, value) in [("not_before", &key.not_before), ("expires_at", &key.expires_at)] {
+        if value.as_deref().is_some_and(|v| gateway_filter::auth::parse_utc_timestamp(v).is_none()) {
+            return fail(
+                format!("{field}.{name}"),
+                "must be an RFC 3339 time in UTC, YYYY-MM-DDTHH:MM:SSZ (e.g. 2026-07-01T00:00:00Z)",
+            );
+        }
+    }
+    if let (Some(from), Some(to)) = key.window() {
+        if to <= from {
+            return fail(format!("{field}.expires_at"), "must be after not_before");
+        }
+    }
+    Ok(())
+}
+
 fn is_sha256_hex(s: &str) -> bool {
     s.len() == 64 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
@@ -1611,8 +1779,10 @@ impl GatewayConfig {
             return fail("pools", "must not be empty");
         }
         self.validate_edge()?;
+        self.validate_hot_restart()?;
         self.validate_filter()?;
         self.validate_sidecar()?;
+        self.validate_sidecar_replicas()?;
         self.validate_redis()?;
         self.validate_tiers()?;
         let pools = self.validate_pools()?;
@@ -1786,6 +1956,92 @@ impl GatewayConfig {
         Ok(())
     }
 
+    fn validate_hot_restart(&self) -> Result<(), FieldError> {
+        let Some(h) = &self.envoy.hot_restart else { return Ok(()) };
+        // Each epoch takes the listener's socket from the one before by its address.
+        if self.envoy.listen.port() == 0 {
+            return fail("envoy.listen", "port 0 cannot be hot-restarted (envoy.hot_restart): give a port");
+        }
+        if self.envoy.admin_port == 0 {
+            return fail("envoy.admin_port", "0 cannot be hot-restarted (envoy.hot_restart): give a port");
+        }
+        for (field, path) in [("dir", &h.dir), ("envoy_bin", &h.envoy_bin), ("python", &h.python)] {
+            // They go into a shell script and a systemd unit, quoted.
+            if !path.is_absolute()
+                || path.to_str().is_none_or(|p| p.contains(['"', '\\', '\n', '$', '`', '%']))
+            {
+                return fail(
+                    format!("envoy.hot_restart.{field}"),
+                    "must be an absolute path without quotes, backslashes, $, ` or %",
+                );
+            }
+        }
+        if h.drain_time_s == 0 {
+            return fail("envoy.hot_restart.drain_time_s", "must be at least 1");
+        }
+        if h.parent_shutdown_time_s <= h.drain_time_s {
+            return fail("envoy.hot_restart.parent_shutdown_time_s", "must be more than drain_time_s");
+        }
+        if h.concurrency == Some(0) {
+            return fail("envoy.hot_restart.concurrency", "must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// The replicas' port ranges fit in u16 and meet neither each other nor Envoy's ports.
+    fn validate_sidecar_replicas(&self) -> Result<(), FieldError> {
+        let n = self.sidecar.replicas;
+        if !(1..=MAX_SIDECAR_REPLICAS).contains(&n) {
+            return fail("sidecar.replicas", format!("must be in 1..={MAX_SIDECAR_REPLICAS}"));
+        }
+        if n == 1 {
+            return Ok(());
+        }
+        let range = |port: u16| u32::from(port)..u32::from(port) + u32::from(n);
+        let listen = self.sidecar.listen.port();
+        if listen == 0 {
+            return fail(
+                "sidecar.listen",
+                "port 0 cannot have sidecar.replicas > 1 (replica k listens on port + k)",
+            );
+        }
+        let mut ranges = vec![("sidecar.listen", range(listen))];
+        if let Some(address) = self.sidecar.address.as_deref().and_then(parse_host_port) {
+            ranges.push(("sidecar.address", range(address.port)));
+        }
+        if let Some(metrics) = self.sidecar.metrics_listen.filter(|m| m.port() != 0) {
+            ranges.push(("sidecar.metrics_listen", range(metrics.port())));
+        }
+        for (field, r) in &ranges {
+            if r.end - 1 > u32::from(u16::MAX) {
+                return fail(*field, format!("port + sidecar.replicas - 1 must be at most {}", u16::MAX));
+            }
+        }
+        let metrics = ranges.iter().find(|(f, _)| *f == "sidecar.metrics_listen").map(|(_, r)| r.clone());
+        if let Some(m) = metrics.filter(|m| m.start < range(listen).end && range(listen).start < m.end) {
+            return fail(
+                "sidecar.metrics_listen",
+                format!(
+                    "ports {}..{} meet the replicas' gRPC ports (sidecar.listen and sidecar.replicas)",
+                    m.start, m.end
+                ),
+            );
+        }
+        for (field, port) in
+            [("envoy.listen", self.envoy.listen.port()), ("envoy.admin_port", self.envoy.admin_port)]
+        {
+            if port != 0
+                && ranges.iter().any(|(f, r)| *f != "sidecar.address" && r.contains(&u32::from(port)))
+            {
+                return fail(
+                    field,
+                    format!("port {port} is one of the sidecar replicas' ports (sidecar.replicas)"),
+                );
+            }
+        }
+        Ok(())
+    }
+
     fn validate_redis(&self) -> Result<(), FieldError> {
         match (&self.redis.url, self.redis.cluster_urls.is_empty()) {
             (Some(_), false) => return fail("redis", "set either url or cluster_urls, not both"),
@@ -1948,6 +2204,7 @@ impl GatewayConfig {
             }
         }
         let keyed: Vec<&str> = public.iter().filter(|(k, v)| k == v).map(|(k, _)| *k).collect();
+        self.validate_keys()?;
         for (i, tenant) in self.tenants.iter().enumerate() {
             if let Some(tier) = &tenant.tier {
                 if !is_key_part(tier) {
@@ -1996,6 +2253,50 @@ impl GatewayConfig {
                         }
                     }
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every tenant's API keys: at least one per tenant, names valid and unique within it,
+    /// digests valid and unique across all tenants, windows that read and end after they start.
+    fn validate_keys(&self) -> Result<(), FieldError> {
+        let mut digests: HashMap<&str, String> = HashMap::new();
+        for (i, tenant) in self.tenants.iter().enumerate() {
+            let at = format!("tenants[{i}]");
+            if tenant.api_keys_sha256.is_none() && tenant.api_keys.is_none() {
+                return fail(
+                    format!("{at}.api_keys"),
+                    "a tenant needs at least one key (api_keys, or api_keys_sha256)",
+                );
+            }
+            for (j, d) in tenant.api_keys_sha256.iter().flatten().enumerate() {
+                claim_digest(&mut digests, format!("{at}.api_keys_sha256[{j}]"), d)?;
+            }
+            if tenant.api_keys_sha256.as_ref().is_some_and(Vec::is_empty) {
+                return fail(format!("{at}.api_keys_sha256"), "must not be empty");
+            }
+            let named = tenant.api_keys.as_deref().unwrap_or_default();
+            if tenant.api_keys.is_some() && named.is_empty() {
+                return fail(format!("{at}.api_keys"), "must not be empty");
+            }
+            let mut names: HashSet<&str> = HashSet::new();
+            for (j, key) in named.iter().enumerate() {
+                let field = format!("{at}.api_keys[{j}]");
+                if !gateway_filter::config::is_key_name(&key.name) {
+                    return fail(
+                        format!("{field}.name"),
+                        "must be 1 to 128 letters, digits, '.', '_' or '-'",
+                    );
+                }
+                if !names.insert(key.name.as_str()) {
+                    return fail(
+                        format!("{field}.name"),
+                        format!("duplicate key name '{}' in the tenant", key.name),
+                    );
+                }
+                claim_digest(&mut digests, format!("{field}.sha256"), &key.sha256)?;
+                validate_window(&field, key)?;
             }
         }
         Ok(())

@@ -4,7 +4,8 @@
 //! Envoy bootstrap, the wasm filter's plugin config and the sidecar's config for a standalone
 //! Envoy, and into Kubernetes, Istio and Envoy Gateway manifests. Every filter and sidecar config
 //! is accepted by that component's own parser before it is written, so a config the components
-//! would refuse is caught at render time. [`keys`] makes API keys and their digests.
+//! would refuse is caught at render time. [`keys`] makes API keys and their digests; [`key_edit`] adds,
+//! revokes and lists a tenant's keys in the config file, keeping its comments.
 //!
 //! ```no_run
 //! # fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -15,7 +16,9 @@
 //! # Ok(()) }
 //! ```
 
+pub mod apply;
 pub mod config;
+pub mod key_edit;
 pub mod keys;
 pub mod render;
 pub mod template;

@@ -52,6 +52,14 @@ pub const ACCESS_LOG_JOURNAL: Template = template!("envoy/access_log_journal.yam
 pub const ACCESS_LOG_REQUESTS: Template = template!("envoy/access_log_requests.yaml");
 /// The sidecar's cluster.
 pub const EXT_PROC_CLUSTER: Template = template!("envoy/ext_proc_cluster.yaml");
+/// The sidecar replicas' health checks and load balancing, merged into its cluster (standalone).
+pub const EXT_PROC_HEALTH: Template = template!("envoy/ext_proc_health.yaml");
+/// Envoy's command line for one hot-restart epoch (`envoy.hot_restart`; text, not YAML).
+pub const START_ENVOY: Template = template!("envoy/hot_restart/start-envoy.sh");
+/// The wrapper that starts the next epoch on SIGHUP (`envoy.hot_restart`; text, no placeholder).
+pub const HOT_RESTARTER: Template = template!("envoy/hot_restart/hot-restarter.py");
+/// The systemd unit of the hot-restarted Envoy (`envoy.hot_restart`; text).
+pub const ENVOY_UNIT: Template = template!("envoy/hot_restart/llm-gateway-envoy.service");
 /// mTLS to the sidecar: the transport socket of its cluster.
 pub const EXT_PROC_UPSTREAM_TLS: Template = template!("envoy/ext_proc_upstream_tls.yaml");
 /// One vLLM pool's cluster.
@@ -185,6 +193,7 @@ mod tests {
             ACCESS_LOG_METERING,
             ACCESS_LOG_JOURNAL,
             EXT_PROC_CLUSTER,
+            EXT_PROC_HEALTH,
             EXT_PROC_UPSTREAM_TLS,
             POOL_CLUSTER,
             FALLBACK_CLUSTER,

@@ -1,9 +1,10 @@
-//! `gatewayctl usage`: requests, tokens and cost per tenant, model and UTC day, read from the
-//! usage ledger's daily hashes in Redis ([`gateway_ext_proc::metering::usage_report`], the sidecar's own key
-//! layout), as a table, JSON or CSV. Costs are exact: nano-dollars, and USD with 9 decimals.
+//! `gatewayctl usage`: requests, tokens and cost per tenant, model (or API key name, `--by
+//! api-key`) and UTC day, read from the usage ledger's daily hashes in Redis
+//! ([`gateway_ext_proc::metering::usage_report`], the sidecar's own key layout), as a table, JSON
+//! or CSV. Costs are exact: nano-dollars, and USD with 9 decimals.
 
 use gateway_ext_proc::admission::quota::format_usd;
-use gateway_ext_proc::metering::usage_report::UsageRow;
+use gateway_ext_proc::metering::usage_report::{Group, UsageRow};
 use serde_json::json;
 
 /// Output formats.
@@ -15,6 +16,35 @@ pub enum Format {
     Json,
     /// Comma-separated values with a header line.
     Csv,
+}
+
+/// What the rows break the usage down by.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum By {
+    /// One row per model and day: every request.
+    #[default]
+    Model,
+    /// One row per API key name and day: the requests made with a named key (`tenants[].api_keys`;
+    /// a key listed in `api_keys_sha256` appears as `sha256:<12 hex>`). Never the key itself.
+    ApiKey,
+}
+
+impl By {
+    /// The report's grouping.
+    pub fn group(self) -> Group {
+        match self {
+            By::Model => Group::Model,
+            By::ApiKey => Group::ApiKey,
+        }
+    }
+
+    /// The name of the column the rows are grouped by.
+    fn column(self) -> &'static str {
+        match self {
+            By::Model => "model",
+            By::ApiKey => "api_key",
+        }
+    }
 }
 
 const COLUMNS: [&str; 9] = [
@@ -43,19 +73,25 @@ fn cells(r: &UsageRow) -> [String; 9] {
     ]
 }
 
-/// The rows in `format`.
-pub fn format(rows: &[UsageRow], format: Format) -> String {
+/// The rows in `format`, their third column named after `by`.
+pub fn format(rows: &[UsageRow], format: Format, by: By) -> String {
+    let mut columns = COLUMNS;
+    columns[2] = by.column();
     match format {
         Format::Json => {
             let items: Vec<_> = rows
                 .iter()
                 .map(|r| {
-                    json!({
-                        "day": r.day, "tenant": r.tenant, "model": r.model, "requests": r.requests,
+                    let mut item = json!({
+                        "day": r.day, "tenant": r.tenant, "requests": r.requests,
                         "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
                         "completion_tokens": r.completion_tokens, "cost_nano_usd": r.cost_nano_usd,
                         "cost_usd": format_usd(r.cost_nano_usd),
-                    })
+                    });
+                    if let Some(object) = item.as_object_mut() {
+                        object.insert(by.column().to_owned(), json!(r.model));
+                    }
+                    item
                 })
                 .collect();
             let mut out = serde_json::to_string_pretty(&items).unwrap_or_default();
@@ -63,7 +99,7 @@ pub fn format(rows: &[UsageRow], format: Format) -> String {
             out
         }
         Format::Csv => {
-            let mut out = COLUMNS.join(",");
+            let mut out = columns.join(",");
             out.push('\n');
             for r in rows {
                 let line: Vec<String> = cells(r).into_iter().map(|c| csv_cell(&c)).collect();
@@ -73,7 +109,7 @@ pub fn format(rows: &[UsageRow], format: Format) -> String {
             out
         }
         Format::Table => {
-            let mut lines: Vec<[String; 9]> = vec![COLUMNS.map(str::to_owned)];
+            let mut lines: Vec<[String; 9]> = vec![columns.map(str::to_owned)];
             lines.extend(rows.iter().map(cells));
             let total = rows.iter().fold(UsageRow::default(), |mut t, r| {
                 t.requests += r.requests;
@@ -134,17 +170,22 @@ mod tests {
     #[test]
     fn formats_agree() {
         let rows = [row()];
-        let csv = format(&rows, Format::Csv);
+        let csv = format(&rows, Format::Csv, By::Model);
         assert_eq!(
             csv,
             "day,tenant,model,requests,prompt_tokens,cached_tokens,completion_tokens,cost_nano_usd,cost_usd\n\
              2026-11-26,acme,\"m,1\",2,20,4,8,1500000001,1.500000001\n"
         );
-        let v: serde_json::Value = serde_json::from_str(&format(&rows, Format::Json)).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&format(&rows, Format::Json, By::Model)).unwrap();
         assert_eq!(v[0]["cost_nano_usd"], 1_500_000_001u64);
         assert_eq!(v[0]["cost_usd"], "1.500000001");
-        let table = format(&rows, Format::Table);
+        let table = format(&rows, Format::Table, By::Model);
         assert_eq!(table.lines().count(), 3);
         assert!(table.lines().last().unwrap().starts_with("total"));
+        // By key: the third column is the key's name.
+        let by_key = format(&rows, Format::Csv, By::ApiKey);
+        assert!(by_key.starts_with("day,tenant,api_key,requests,"), "{by_key}");
+        let v: serde_json::Value = serde_json::from_str(&format(&rows, Format::Json, By::ApiKey)).unwrap();
+        assert_eq!((v[0]["api_key"].as_str(), v[0].get("model")), (Some("m,1"), None));
     }
 }

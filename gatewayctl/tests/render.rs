@@ -757,6 +757,7 @@ fn the_request_log_is_on_by_default_to_stdout_and_can_be_moved_or_turned_off() {
         ("picked_endpoint", "%DYNAMIC_METADATA(llm_gateway:picked_endpoint)%"),
         ("queue_wait_ms", "%DYNAMIC_METADATA(llm_gateway:queue_wait_ms)%"),
         ("tenant", "%FILTER_STATE(wasm.llm_gateway.tenant:PLAIN)%"),
+        ("api_key", "%FILTER_STATE(wasm.llm_gateway.api_key:PLAIN)%"),
         ("model", "%FILTER_STATE(wasm.llm_gateway.model:PLAIN)%"),
         ("refusal", "%FILTER_STATE(wasm.llm_gateway.refusal:PLAIN)%"),
     ] {

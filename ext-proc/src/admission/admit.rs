@@ -38,8 +38,9 @@ pub async fn admit(shared: &Shared, facts: &RequestFacts) -> Result<Admitted, Ad
             retry_after_secs: shed.retry_after_secs,
         });
     }
-    let plan =
-        limits::plan(shared.limiter.store().prefix(), tenant_config, &facts.model, facts.reserve_tokens());
+    let prefix = shared.limiter.store().prefix();
+    let api_key = facts.api_key.as_deref();
+    let plan = limits::plan_for_key(prefix, tenant_config, &facts.model, api_key, facts.reserve_tokens());
     // The reservation the ledger keeps open until the request's usage lands (crate::metering::ledger):
     // recorded by the same Redis call that takes the buckets.
     let at_ms = unix_ms();

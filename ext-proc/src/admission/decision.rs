@@ -99,6 +99,7 @@ mod tests {
                 model_limits: Default::default(),
                 quota: Default::default(),
                 model_quotas: Default::default(),
+                api_keys: Vec::new(),
             },
             "m",
             300,

@@ -48,11 +48,14 @@ pub enum Scope<'a> {
     Tenant,
     /// `tenants[].model_limits.<model>`.
     Model(&'a str),
+    /// `tenants[].api_keys[]`, by the key's name.
+    ApiKey(&'a str),
 }
 
-/// The Redis key of a bucket: `<prefix>:rl:{<tenant>}:rpm` (or `:tpm`), and
-/// `<prefix>:rl:{<tenant>}:m:<model>:rpm` for a per-model bucket. The `{tenant}` hash tag puts
-/// all of a tenant's buckets in one Redis Cluster slot.
+/// The Redis key of a bucket: `<prefix>:rl:{<tenant>}:rpm` (or `:tpm`),
+/// `<prefix>:rl:{<tenant>}:m:<model>:rpm` for a per-model bucket and
+/// `<prefix>:rl:{<tenant>}:k:<key name>:rpm` for a per-key one. The `{tenant}` hash tag puts all
+/// of a tenant's buckets in one Redis Cluster slot.
 pub fn bucket_key(prefix: &str, tenant: &str, scope: Scope<'_>, kind: BucketKind) -> String {
     let suffix = match kind {
         BucketKind::Requests => "rpm",
@@ -61,6 +64,7 @@ pub fn bucket_key(prefix: &str, tenant: &str, scope: Scope<'_>, kind: BucketKind
     match scope {
         Scope::Tenant => format!("{prefix}:rl:{{{tenant}}}:{suffix}"),
         Scope::Model(model) => format!("{prefix}:rl:{{{tenant}}}:m:{model}:{suffix}"),
+        Scope::ApiKey(name) => format!("{prefix}:rl:{{{tenant}}}:k:{name}:{suffix}"),
     }
 }
 
@@ -69,9 +73,24 @@ pub fn bucket_key(prefix: &str, tenant: &str, scope: Scope<'_>, kind: BucketKind
 /// bucket's capacity (a reservation larger than the burst could never be admitted; the excess is
 /// charged when the request is settled).
 pub fn plan(prefix: &str, tenant: &TenantConfig, model: &str, reserve_tokens: u64) -> Vec<BucketSpec> {
+    plan_for_key(prefix, tenant, model, None, reserve_tokens)
+}
+
+/// [`plan`], and the buckets of the request's API key (its name, `api_key`) when the tenant
+/// gives it limits of its own.
+pub fn plan_for_key(
+    prefix: &str,
+    tenant: &TenantConfig,
+    model: &str,
+    api_key: Option<&str>,
+    reserve_tokens: u64,
+) -> Vec<BucketSpec> {
     let mut scopes = vec![(Scope::Tenant, &tenant.limits)];
     if let Some(limits) = tenant.model_limits.get(model) {
         scopes.push((Scope::Model(model), limits));
+    }
+    if let Some((name, limits)) = api_key.and_then(|k| Some((k, tenant.key_limits(k)?))) {
+        scopes.push((Scope::ApiKey(name), limits));
     }
     let mut buckets = Vec::with_capacity(4);
     for (scope, limits) in scopes {
@@ -100,7 +119,20 @@ pub fn plan(prefix: &str, tenant: &TenantConfig, model: &str, reserve_tokens: u6
 
 /// The token buckets a request's usage is settled against (cost 0), tenant and tenant × model.
 pub fn token_buckets(prefix: &str, tenant: &TenantConfig, model: &str) -> Vec<BucketSpec> {
-    plan(prefix, tenant, model, 0).into_iter().filter(|b| b.kind == BucketKind::Tokens).collect()
+    token_buckets_for_key(prefix, tenant, model, None)
+}
+
+/// [`token_buckets`], and the API key's own when it has limits ([`plan_for_key`]).
+pub fn token_buckets_for_key(
+    prefix: &str,
+    tenant: &TenantConfig,
+    model: &str,
+    api_key: Option<&str>,
+) -> Vec<BucketSpec> {
+    plan_for_key(prefix, tenant, model, api_key, 0)
+        .into_iter()
+        .filter(|b| b.kind == BucketKind::Tokens)
+        .collect()
 }
 
 /// State of one bucket after a take, as the script reports it.
@@ -227,6 +259,7 @@ mod tests {
             model_limits: Default::default(),
             quota: Default::default(),
             model_quotas: Default::default(),
+            api_keys: Vec::new(),
         }
     }
 
@@ -244,6 +277,26 @@ mod tests {
         assert_eq!(p[2].cost, 100, "capped at the model bucket's burst");
         assert_eq!(super::plan("p", &t, "small", 1).len(), 1);
         assert_eq!(token_buckets("p", &t, "big").len(), 1);
+    }
+
+    #[test]
+    fn a_key_with_limits_adds_its_buckets_on_top_of_the_tenant() {
+        use crate::config::tenants::ApiKeyLimits;
+        let mut t = tenant("acme", limits(Some(60), Some(1000)));
+        t.api_keys.push(ApiKeyLimits { name: "ci".into(), limits: limits(Some(2), Some(50)) });
+        let p = plan_for_key("p", &t, "m", Some("ci"), 300);
+        let keys: Vec<_> = p.iter().map(|b| b.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            ["p:rl:{acme}:rpm", "p:rl:{acme}:tpm", "p:rl:{acme}:k:ci:rpm", "p:rl:{acme}:k:ci:tpm"]
+        );
+        assert_eq!((p[2].capacity, p[3].cost), (2, 50), "capped at the key bucket's burst");
+        // Another key of the tenant, or none, draws on the tenant's buckets alone.
+        assert_eq!(plan_for_key("p", &t, "m", Some("other"), 300).len(), 2);
+        assert_eq!(plan_for_key("p", &t, "m", None, 300), super::plan("p", &t, "m", 300));
+        let settled: Vec<_> =
+            token_buckets_for_key("p", &t, "m", Some("ci")).into_iter().map(|b| b.key).collect();
+        assert_eq!(settled, ["p:rl:{acme}:tpm", "p:rl:{acme}:k:ci:tpm"]);
     }
 
     #[test]

@@ -310,7 +310,8 @@ fn settle_plan(
     delta: impl Fn(&BucketSpec) -> i64,
 ) {
     let Some(tenant) = facts.tenant.as_deref().and_then(|t| shared.config.tenant(t)) else { return };
-    let moves: Vec<_> = limits::plan(shared.limiter.store().prefix(), tenant, &facts.model, 0)
+    let prefix = shared.limiter.store().prefix();
+    let moves: Vec<_> = limits::plan_for_key(prefix, tenant, &facts.model, facts.api_key.as_deref(), 0)
         .into_iter()
         .map(|b| {
             let d = delta(&b);
@@ -337,7 +338,8 @@ fn give_back(shared: &Arc<Shared>, facts: &RequestFacts, admitted: &Admitted) {
     if admitted.tracked_at_ms.is_some() {
         let tenant = facts.tenant.as_deref().and_then(|t| shared.config.tenant(t));
         if let (Some(tenant), Some(record_id)) = (tenant, facts.record_id()) {
-            let buckets = limits::plan(shared.limiter.store().prefix(), tenant, &facts.model, 0);
+            let prefix = shared.limiter.store().prefix();
+            let buckets = limits::plan_for_key(prefix, tenant, &facts.model, facts.api_key.as_deref(), 0);
             shared.recorder.release(tenant.id.clone(), record_id, buckets);
             return;
         }
@@ -368,7 +370,8 @@ async fn rereserve(shared: &Arc<Shared>, facts: &RequestFacts, admitted: &Admitt
         let (quota_charge, quota_ms) = admitted.quota;
         let reservation =
             Reservation::of(facts, admitted.reserved_tokens, at_ms).with_quota(quota_charge, quota_ms);
-        let buckets = limits::token_buckets(shared.limiter.store().prefix(), tenant, &facts.model);
+        let prefix = shared.limiter.store().prefix();
+        let buckets = limits::token_buckets_for_key(prefix, tenant, &facts.model, facts.api_key.as_deref());
         let result = shared
             .metrics
             .timed_redis(

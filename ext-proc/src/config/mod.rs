@@ -6,6 +6,7 @@
 pub mod error;
 pub mod pools;
 pub mod redis;
+pub mod reload;
 pub mod tenants;
 #[cfg(test)]
 mod tests;
@@ -75,6 +76,13 @@ pub struct Config {
     /// `terminationGracePeriodSeconds`.
     #[serde(default = "default_shutdown_grace_ms")]
     pub shutdown_grace_ms: u64,
+    /// Whether, from SIGTERM on, new admission streams are answered `UNAVAILABLE` at once, for
+    /// Envoy to retry them on another replica (its gRPC health check sees `NOT_SERVING` either
+    /// way). Right with two or more replicas behind the admission filter's retry policy (gatewayctl
+    /// renders it so); with one, a refused admission has nowhere to go, and the default (false)
+    /// admits them until the sidecar exits.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub drain_refuses_admissions: bool,
     /// Where the ext_proc streams read a request's tenant, model, pool, token counts and lease
     /// (default `filter_state`). The gRPC access log always reads the filter state.
     #[serde(default)]

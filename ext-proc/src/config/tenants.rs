@@ -25,6 +25,28 @@ pub struct TenantConfig {
     /// Further quotas per model (public model name), on top of `quota`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub model_quotas: BTreeMap<String, Quota>,
+    /// Further limits per API key (by the key's name, as the filter's facts carry it), on top of
+    /// `limits` and `model_limits`: a request made with the key draws on these too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub api_keys: Vec<ApiKeyLimits>,
+}
+
+/// One API key's own limits.
+#[derive(Debug, Clone, Deserialize, serde::Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKeyLimits {
+    /// The key's name (letters, digits, `.`, `_`, `-`), unique within the tenant.
+    pub name: String,
+    /// The key's limits (default: none).
+    #[serde(default)]
+    pub limits: Limits,
+}
+
+impl TenantConfig {
+    /// The limits of the API key named `name`, if it has its own.
+    pub fn key_limits(&self, name: &str) -> Option<&Limits> {
+        self.api_keys.iter().find(|k| k.name == name).map(|k| &k.limits)
+    }
 }
 
 /// Token quotas (prompt plus completion tokens) per UTC day and per calendar month (UTC), each a

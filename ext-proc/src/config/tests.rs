@@ -417,6 +417,27 @@ fn model_limits_are_validated() {
 }
 
 #[test]
+fn key_limits_are_read_and_validated() {
+    let tenant = |keys: &str| format!("{BASE}tenants:\n  - id: a\n    limits: {{}}\n    api_keys: {keys}\n");
+    let c = load_yaml(&tenant("[{name: ci-2026, limits: {requests_per_minute: 2}}]"));
+    let t = c.tenant("a").unwrap();
+    assert_eq!(t.key_limits("ci-2026").and_then(|l| l.requests_per_minute), Some(2));
+    assert!(t.key_limits("other").is_none());
+    assert_eq!(
+        err(&tenant("[{name: ci, limits: {tokens_per_minute: 0}}]")),
+        "tenants[0].api_keys[0].limits.tokens_per_minute: must be > 0 (omit it for no limit)"
+    );
+    assert_eq!(
+        err(&tenant("[{name: 'sha256:abc', limits: {}}]")),
+        "tenants[0].api_keys[0].name: must be non-empty letters, digits, '.', '_' or '-'"
+    );
+    assert_eq!(
+        err(&tenant("[{name: ci, limits: {}}, {name: ci, limits: {}}]")),
+        "tenants[0].api_keys[1].name: duplicate key 'ci'"
+    );
+}
+
+#[test]
 fn breaker_threshold() {
     assert_eq!(
         err("listen: 127.0.0.1:0\nredis: {url: 'redis://x', breaker: {failure_threshold: 0}}\ntenants: []\n"),

@@ -72,6 +72,7 @@ impl Config {
                 }
                 limits.validate(&format!("{field}.model_limits.{model}"))?;
             }
+            validate_key_limits(&field, &tenant.api_keys)?;
             tenant.quota.validate(&format!("{field}.quota"))?;
             for (model, quota) in &tenant.model_quotas {
                 if model.is_empty() || model.contains(['{', '}']) {
@@ -310,4 +311,20 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// A tenant's `api_keys` (`field` is the tenant's path): names valid and unique, limits valid.
+fn validate_key_limits(field: &str, keys: &[super::tenants::ApiKeyLimits]) -> Result<(), ConfigError> {
+    let mut names = HashSet::new();
+    for (j, key) in keys.iter().enumerate() {
+        let at = format!("{field}.api_keys[{j}]");
+        if !valid_key_part(&key.name) || key.name.contains(':') {
+            return Err(invalid(format!("{at}.name"), "must be non-empty letters, digits, '.', '_' or '-'"));
+        }
+        if !names.insert(key.name.as_str()) {
+            return Err(invalid(format!("{at}.name"), format!("duplicate key '{}'", key.name)));
+        }
+        key.limits.validate(&format!("{at}.limits"))?;
+    }
+    Ok(())
 }

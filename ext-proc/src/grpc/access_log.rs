@@ -16,17 +16,18 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::facts::picked_endpoint;
 use crate::metering::access_log::{self, Entry};
 use crate::scheduling::picker::Observed;
-use crate::state::Shared;
+use crate::state::Live;
 
 /// The access log service.
 pub struct AccessLog {
-    shared: Arc<Shared>,
+    live: Arc<Live>,
 }
 
 impl AccessLog {
-    /// A service over the shared state.
-    pub fn new(shared: Arc<Shared>) -> Self {
-        Self { shared }
+    /// A service over the live state. Envoy keeps one access-log stream open as long as it runs:
+    /// each message is read under the generation serving when it arrives.
+    pub fn new(live: Arc<Live>) -> Self {
+        Self { live }
     }
 }
 
@@ -36,12 +37,13 @@ impl AccessLogService for AccessLog {
         &self,
         request: Request<Streaming<StreamAccessLogsMessage>>,
     ) -> Result<Response<StreamAccessLogsResponse>, Status> {
-        let _open = self.shared.stream_opened();
+        let _open = self.live.current().stream_opened();
         let mut inbound = request.into_inner();
         while let Some(message) = inbound.message().await? {
             let Some(LogEntries::HttpLogs(logs)) = message.log_entries else { continue };
+            let shared = self.live.current();
             for entry in logs.log_entry {
-                match access_log::entry_of(&entry, || self.shared.ids.next()) {
+                match access_log::entry_of(&entry, || shared.ids.next()) {
                     Entry::Record(record) => {
                         let metadata = entry.common_properties.as_ref().and_then(|c| c.metadata.as_ref());
                         if let Some(endpoint) = picked_endpoint(metadata) {
@@ -56,12 +58,12 @@ impl AccessLogService for AccessLog {
                                     _ => 0,
                                 },
                             });
-                            self.shared.pools.pick_finished(&record.info.pool, &endpoint, observed);
+                            shared.pools.pick_finished(&record.info.pool, &endpoint, observed);
                         }
-                        crate::metering::finish::finish(&self.shared, *record);
+                        crate::metering::finish::finish(&shared, *record);
                     }
                     Entry::Release { tenant, model, record_id } => {
-                        crate::admission::pipeline::release(&self.shared, &tenant, &model, record_id);
+                        crate::admission::pipeline::release(&shared, &tenant, &model, record_id);
                     }
                     Entry::Nothing => {}
                 }

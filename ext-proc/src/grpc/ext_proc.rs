@@ -34,6 +34,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 use crate::admission::pipeline::{self, Exchange, Gone, Verdict};
 use crate::facts::{picked_endpoint, reservation, subset_hint};
 use crate::flow_control;
+use crate::grpc::health::Readiness;
 use crate::grpc::protocol::{
     self, admission_metadata, continue_response, header, header_option, immediate_response, request_facts,
     ROLE_METADATA_KEY,
@@ -41,19 +42,27 @@ use crate::grpc::protocol::{
 use crate::metering::finish::finish;
 use crate::metering::meter::{Meter, RequestInfo, UsageRecord};
 use crate::pools::Pools;
-use crate::state::Shared;
+use crate::state::{Live, Shared};
 use crate::telemetry;
 use gateway_contract::H_DESTINATION_ENDPOINT;
 
 /// The ext_proc service.
 pub struct Gateway {
-    shared: Arc<Shared>,
+    live: Arc<Live>,
+    readiness: Option<Readiness>,
 }
 
 impl Gateway {
-    /// A service over the shared state.
-    pub fn new(shared: Arc<Shared>) -> Self {
-        Self { shared }
+    /// A service over the live state: each stream takes the generation serving when it opens and
+    /// keeps it to its end (a request finishes under the config it was admitted by).
+    pub fn new(live: Arc<Live>) -> Self {
+        Self { live, readiness: None }
+    }
+
+    /// The service that refuses new admission streams once `readiness` drains, with
+    /// `drain_refuses_admissions` (the metering streams are served on).
+    pub fn with_readiness(self, readiness: Readiness) -> Self {
+        Self { readiness: Some(readiness), ..self }
     }
 }
 
@@ -81,12 +90,16 @@ impl ExternalProcessor for Gateway {
             }
             None => None,
         };
+        let shared = self.live.current();
+        if let Some(readiness) = self.readiness.as_ref().filter(|r| {
+            r.draining() && role != Some(Role::Metering) && shared.config.drain_refuses_admissions
+        }) {
+            return Err(readiness.refuse());
+        }
         // Envoy's span, when tracing is on: the admission becomes its child.
-        let parent =
-            self.shared.config.tracing.is_some().then(|| telemetry::parent_context(request.metadata()));
+        let parent = shared.config.tracing.is_some().then(|| telemetry::parent_context(request.metadata()));
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(4);
-        let shared = Arc::clone(&self.shared);
         let open = shared.stream_opened();
         tokio::spawn(async move {
             let _open = open;

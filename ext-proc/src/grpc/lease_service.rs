@@ -23,7 +23,7 @@ use crate::admission::quota::QuotaTake;
 use crate::metrics::labels::LeaseOutcome;
 use crate::proto::admission_leases_server::AdmissionLeases;
 use crate::proto::{LeaseGrant, LeaseRequest};
-use crate::state::Shared;
+use crate::state::{Live, Shared};
 
 /// How long a filter waits before asking again when leases are off or the tenant is unknown, in
 /// milliseconds.
@@ -35,31 +35,29 @@ const REPORT_FAILED: &str = "report_failed";
 
 /// The lease service.
 pub struct AdmissionLeaseService {
-    shared: Arc<Shared>,
+    live: Arc<Live>,
 }
 
 impl AdmissionLeaseService {
-    /// A service over the shared state.
-    pub fn new(shared: Arc<Shared>) -> Self {
-        Self { shared }
+    /// A service over the live state: each call is served by the generation serving when it
+    /// arrives.
+    pub fn new(live: Arc<Live>) -> Self {
+        Self { live }
     }
 }
 
 #[tonic::async_trait]
 impl AdmissionLeases for AdmissionLeaseService {
     async fn acquire(&self, request: Request<LeaseRequest>) -> Result<Response<LeaseGrant>, Status> {
-        let _open = self.shared.stream_opened();
+        let shared = self.live.current();
+        let _open = shared.stream_opened();
         let request = request.into_inner();
-        let (mut grant, outcome) = acquire(&self.shared, &request).await;
+        let (mut grant, outcome) = acquire(&shared, &request).await;
         let refused = request.want && request.report_lease_id.is_empty() && outcome != "granted";
         if refused && grant.tenant_requests_retry_ms == 0 {
-            grant.tenant_requests_retry_ms = tenant_requests_wait_ms(&self.shared, &request);
+            grant.tenant_requests_retry_ms = tenant_requests_wait_ms(&shared, &request);
         }
-        self.shared
-            .metrics
-            .admission_leases
-            .get_or_create(&LeaseOutcome { outcome: outcome.to_owned() })
-            .inc();
+        shared.metrics.admission_leases.get_or_create(&LeaseOutcome { outcome: outcome.to_owned() }).inc();
         debug!(
             tenant = %request.tenant,
             model = %request.model,

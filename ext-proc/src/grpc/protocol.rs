@@ -83,6 +83,8 @@ pub(crate) fn facts_from_headers(header: impl Fn(&str) -> Option<String>) -> Req
     let number = |name| header(name).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
     RequestFacts {
         tenant: header(H_TENANT).filter(|t| !t.is_empty()),
+        // No header names the key: per-key limits and names need the filter state.
+        api_key: None,
         model: header(H_MODEL).unwrap_or_default(),
         pool: header(H_POOL).unwrap_or_default(),
         prompt_tokens: number(H_PROMPT_TOKENS),

@@ -11,7 +11,8 @@ use crate::admission::limits;
 use crate::metering::ledger;
 use crate::metering::meter::{EndReason, UnusableUsage, UsageRecord};
 use crate::metrics::labels::{
-    Finished, GenAi, GenAiOutcome, GenAiTokens, TenantModel, TenantTokens, UsageReason, PROVIDER,
+    Finished, GenAi, GenAiOutcome, GenAiTokens, TenantApiKey, TenantModel, TenantTokens, UsageReason,
+    PROVIDER,
 };
 use crate::metrics::Metrics;
 use crate::state::Shared;
@@ -57,7 +58,10 @@ pub(crate) fn finish(shared: &Arc<Shared>, record: UsageRecord) {
     }
     let prefix = shared.limiter.store().prefix();
     let tenant = shared.config.tenant(&record.info.tenant);
-    let buckets = tenant.map(|t| limits::token_buckets(prefix, t, &record.info.model)).unwrap_or_default();
+    let api_key = record.info.api_key.as_deref();
+    let buckets = tenant
+        .map(|t| limits::token_buckets_for_key(prefix, t, &record.info.model, api_key))
+        .unwrap_or_default();
     let settlements = ledger::settlements(buckets, record.info.reserved_tokens, record.total_tokens());
     let lease = tenant.and_then(|t| LeaseUse::of_record(prefix, t, &record.info, &shared.reported_leases));
     if record.info.reserved_locally {
@@ -119,6 +123,10 @@ fn observe(metrics: &Metrics, r: &UsageRecord, cost_nano_usd: u64) {
     let finished =
         Finished { tenant: tenant.clone(), model: model.clone(), status, end_reason: end_reason.to_owned() };
     metrics.responses.get_or_create(&finished).inc();
+    if let Some(api_key) = &r.info.api_key {
+        let key = TenantApiKey { tenant: tenant.clone(), api_key: metrics.bounded(api_key) };
+        metrics.api_key_requests.get_or_create(&key).inc();
+    }
     let gen_ai = GenAi {
         gen_ai_operation_name: r
             .info

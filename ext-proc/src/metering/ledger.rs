@@ -130,6 +130,10 @@ pub struct Reservation {
     /// The month (`YYYY-MM`) of the monthly counters it charged.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub qmonth: String,
+    /// The name of the API key the request authenticated with (the facts'; absent from a
+    /// reservation written before it): a charged reservation's record carries it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<String>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -152,6 +156,7 @@ impl Reservation {
             quota: 0,
             qday: String::new(),
             qmonth: String::new(),
+            api_key: facts.api_key.clone(),
         }
     }
 
@@ -187,6 +192,7 @@ pub fn charged_record(tenant: &str, record_id: &str, r: &Reservation) -> UsageRe
     let info = RequestInfo {
         request_id: r.request_id.clone(),
         tenant: tenant.to_owned(),
+        api_key: r.api_key.clone(),
         model: r.model.clone(),
         pool: r.pool.clone(),
         prompt_tokens_estimate: r.prompt,

@@ -11,6 +11,8 @@ pub struct RequestInfo {
     pub request_id: String,
     /// `x-gateway-tenant`.
     pub tenant: String,
+    /// The name of the API key the request authenticated with (the facts'; never the key).
+    pub api_key: Option<String>,
     /// `x-gateway-model` (public model name).
     pub model: String,
     /// `x-gateway-pool` (Envoy cluster of the vLLM pool).
@@ -63,6 +65,7 @@ impl RequestInfo {
         Self {
             request_id: facts.request_id,
             tenant: facts.tenant.unwrap_or_default(),
+            api_key: facts.api_key,
             model: facts.model,
             pool: facts.pool,
             prompt_tokens_estimate: facts.prompt_tokens,

@@ -136,6 +136,15 @@ impl Recorder {
         (Self { tx, tenants: Arc::new(tenants), metrics, landed }, handle)
     }
 
+    /// The same writer, also taking records of `tenants` (a config reload). The set only grows:
+    /// a request admitted before its tenant was removed is still recorded when it ends.
+    #[must_use]
+    pub fn with_tenants(&self, tenants: impl IntoIterator<Item = String>) -> Self {
+        let mut all = (*self.tenants).clone();
+        all.extend(tenants);
+        Self { tenants: Arc::new(all), ..self.clone() }
+    }
+
     /// Whether the write of `record_id` (a record, a charge or a release) is known done in Redis
     /// by this replica's writer ([`Landed`]): the usage journal skips it.
     pub fn landed(&self, record_id: &str) -> bool {

@@ -31,14 +31,14 @@ use tracing::{debug, warn};
 use crate::admission::admission_lease;
 use crate::admission::limits;
 use crate::metering::ledger::{self, CLAIM};
-use crate::state::Shared;
+use crate::state::{Live, Shared};
 use crate::store::LeaseCharge;
 
 /// Sweeps every `sweep_interval_ms` until `stop` turns true.
-pub async fn run(shared: Arc<Shared>, stop: watch::Receiver<bool>) {
-    let every = Duration::from_millis(shared.config.metering.reservations.sweep_interval_ms);
+pub async fn run(live: Arc<Live>, stop: watch::Receiver<bool>) {
+    let every = Duration::from_millis(live.current().config.metering.reservations.sweep_interval_ms);
     every_until(every, stop, || async {
-        sweep(&shared).await;
+        sweep(&live.current()).await;
     })
     .await;
 }
@@ -95,7 +95,8 @@ pub async fn sweep(shared: &Shared) -> usize {
                 tokens = record.total_tokens(),
                 "no usage arrived within metering.reservations.record_after_ms: reservation charged"
             );
-            let buckets = limits::token_buckets(store.prefix(), tenant, &reservation.model);
+            let api_key = reservation.api_key.as_deref();
+            let buckets = limits::token_buckets_for_key(store.prefix(), tenant, &reservation.model, api_key);
             let settlements = ledger::settlements(buckets, reservation.reserved, record.total_tokens());
             shared.recorder.charge(record, settlements);
             charged += 1;
@@ -122,10 +123,10 @@ pub fn lease_sweep_interval(redis: &crate::config::redis::RedisConfig) -> Durati
 
 /// Reclaims orphaned admission leases, and charges the reclaimed ones' reported requests, every
 /// [`lease_sweep_interval`] until `stop` turns true.
-pub async fn run_leases(shared: Arc<Shared>, stop: watch::Receiver<bool>) {
-    let every = lease_sweep_interval(&shared.config.redis);
+pub async fn run_leases(live: Arc<Live>, stop: watch::Receiver<bool>) {
+    let every = lease_sweep_interval(&live.current().config.redis);
     every_until(every, stop, || async {
-        reclaim_leases(&shared).await;
+        reclaim_leases(&live.current()).await;
     })
     .await;
 }

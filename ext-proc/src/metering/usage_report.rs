@@ -1,7 +1,8 @@
 //! Reads the usage ledger's daily hashes back (`gatewayctl usage`): requests, tokens and cost per
-//! tenant, model and UTC day. The key layout is [`crate::store::usage_key_of_day`]'s, the fields
-//! `lua/ledger_v1.lua`'s (`<model>:requests`, `:prompt_tokens`, `:completion_tokens`,
-//! `:cached_tokens`, `:cost_nano_usd`).
+//! tenant, model (or API key name) and UTC day. The key layout is
+//! [`crate::store::usage_key_of_day`]'s, the fields `lua/ledger_v1.lua`'s (`<model>:requests`,
+//! `:prompt_tokens`, `:completion_tokens`, `:cached_tokens`, `:cost_nano_usd`, and the same of
+//! `api_key <name>` for the requests of a named key).
 
 use std::collections::BTreeMap;
 
@@ -11,6 +12,21 @@ use crate::store::usage_key_of_day;
 /// The most days one report reads.
 pub const MAX_DAYS: i64 = 1_000;
 
+/// The prefix of a daily hash's fields that count a named API key's requests: `api_key <name>:`
+/// (a space, which no model name holds).
+pub const API_KEY_FIELD_PREFIX: &str = "api_key ";
+
+/// What a report's rows break the usage down by.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Group {
+    /// One row per model and day (every request).
+    #[default]
+    Model,
+    /// One row per API key name and day (the requests made with a named key, recorded by a
+    /// sidecar that names keys).
+    ApiKey,
+}
+
 /// One tenant's usage of one model on one UTC day.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct UsageRow {
@@ -18,7 +34,7 @@ pub struct UsageRow {
     pub day: String,
     /// The tenant.
     pub tenant: String,
-    /// The public model name.
+    /// The public model name; the API key's name in a [`Group::ApiKey`] row.
     pub model: String,
     /// Requests recorded.
     pub requests: u64,
@@ -54,12 +70,24 @@ pub fn days(from: &str, to: &str) -> Result<Vec<String>, String> {
         .collect())
 }
 
-/// The rows of one daily hash (its fields and values), by model; only `model` when given.
-pub fn rows_of_hash(tenant: &str, day: &str, fields: &[(String, i64)], model: Option<&str>) -> Vec<UsageRow> {
+/// The rows of one daily hash (its fields and values), by model or by API key (`group`); only
+/// the model or key `only` when given.
+pub fn rows_of_hash(
+    tenant: &str,
+    day: &str,
+    fields: &[(String, i64)],
+    group: Group,
+    only: Option<&str>,
+) -> Vec<UsageRow> {
     let mut by_model: BTreeMap<&str, UsageRow> = BTreeMap::new();
     for (field, value) in fields {
         let Some((m, metric)) = field.rsplit_once(':') else { continue };
-        if model.is_some_and(|want| want != m) {
+        let m = match (group, m.strip_prefix(API_KEY_FIELD_PREFIX)) {
+            (Group::Model, None) => m,
+            (Group::ApiKey, Some(name)) => name,
+            _ => continue,
+        };
+        if only.is_some_and(|want| want != m) {
             continue;
         }
         let row = by_model.entry(m).or_insert_with(|| UsageRow {
@@ -82,7 +110,8 @@ pub fn rows_of_hash(tenant: &str, day: &str, fields: &[(String, i64)], model: Op
 }
 
 /// Reads the tenant's daily hashes of `days` from the Redis at `url` (`redis://` or `rediss://`,
-/// credentials in the URL allowed here) under `prefix`: one row per model and day with usage.
+/// credentials in the URL allowed here) under `prefix`: one row per model (or API key, `group`)
+/// and day with usage; only the model or key `only` when given.
 ///
 /// # Errors
 /// A message when Redis cannot be reached or answers with an error.
@@ -90,7 +119,7 @@ pub fn read(
     url: &str,
     prefix: &str,
     tenant: &str,
-    model: Option<&str>,
+    (group, only): (Group, Option<&str>),
     days: &[String],
 ) -> Result<Vec<UsageRow>, String> {
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -107,7 +136,7 @@ pub fn read(
                 .query_async(&mut conn)
                 .await
                 .map_err(|e| format!("redis: {e}"))?;
-            rows.extend(rows_of_hash(tenant, day, &fields, model));
+            rows.extend(rows_of_hash(tenant, day, &fields, group, only));
         }
         Ok(rows)
     })
@@ -135,11 +164,13 @@ mod tests {
             ("m1:cached_tokens", 4),
             ("m1:cost_nano_usd", 12_345),
             ("org/m:2:requests", 1),
+            ("api_key ci-2026:requests", 2),
+            ("api_key ci-2026:prompt_tokens", 20),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
         .collect();
-        let rows = rows_of_hash("acme", "2026-11-26", &fields, None);
+        let rows = rows_of_hash("acme", "2026-11-26", &fields, Group::Model, None);
         assert_eq!(rows.len(), 2);
         assert_eq!(
             rows[0],
@@ -155,6 +186,11 @@ mod tests {
             }
         );
         assert_eq!(rows[1].model, "org/m:2");
-        assert_eq!(rows_of_hash("acme", "d", &fields, Some("org/m:2")).len(), 1);
+        assert_eq!(rows_of_hash("acme", "d", &fields, Group::Model, Some("org/m:2")).len(), 1);
+        // The key's fields make its own rows, never a model's.
+        let keys = rows_of_hash("acme", "d", &fields, Group::ApiKey, None);
+        assert_eq!(keys.len(), 1);
+        assert_eq!((keys[0].model.as_str(), keys[0].requests, keys[0].prompt_tokens), ("ci-2026", 2, 20));
+        assert!(rows_of_hash("acme", "d", &fields, Group::ApiKey, Some("other")).is_empty());
     }
 }

@@ -86,6 +86,15 @@ pub struct TenantLabel {
     pub tenant: String,
 }
 
+/// `{tenant, api_key}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantApiKey {
+    /// Tenant id.
+    pub tenant: String,
+    /// The API key's name (never the key): the gateway config's `tenants[].api_keys[].name`.
+    pub api_key: String,
+}
+
 /// `{tenant, model, token_type}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TenantTokens {
@@ -233,4 +242,20 @@ pub struct QueueDequeue {
     /// `dispatched`, `timeout`, `predicted_wait`, `full`, `evicted`, `cancelled` (its stream went
     /// away), `shutdown`.
     pub reason: &'static str,
+}
+
+/// `{result}` of a config reload: `applied`, or `refused` (the file did not validate, or changed
+/// a section that does not reload; the running config is kept).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReloadResult {
+    /// `applied` or `refused`.
+    pub result: &'static str,
+}
+
+/// `{sha256}` of the config file the sidecar serves by: the lowercase hex SHA-256 of its bytes
+/// (`gatewayctl apply` waits for it to name the file it wrote).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ConfigInfo {
+    /// SHA-256 of the file, lowercase hex.
+    pub sha256: String,
 }

@@ -15,9 +15,10 @@
 pub mod labels;
 
 use crate::metrics::labels::{
-    CountOutcome, Decision, EndpointLabel, Finished, GenAi, GenAiOutcome, GenAiTokens, LeaseOutcome, Op,
-    Outcome, PoolBlocks, PoolEndpoint, PoolLabel, PoolReason, PoolTerm, PoolTier, QueueDequeue, QueueWait,
-    Reason, TenantLabel, TenantModel, TenantTokens, UsageReason,
+    ConfigInfo, CountOutcome, Decision, EndpointLabel, Finished, GenAi, GenAiOutcome, GenAiTokens,
+    LeaseOutcome, Op, Outcome, PoolBlocks, PoolEndpoint, PoolLabel, PoolReason, PoolTerm, PoolTier,
+    QueueDequeue, QueueWait, Reason, ReloadResult, TenantApiKey, TenantLabel, TenantModel, TenantTokens,
+    UsageReason,
 };
 
 use std::collections::HashSet;
@@ -67,6 +68,10 @@ pub struct Metrics {
     /// `llm_gateway_cost_usd_total{tenant,model}`: the cost of metered usage at the configured
     /// `prices` (USD; models without a price add nothing), as the ledger's records carry it.
     pub cost_usd: Family<TenantModel, Counter<f64, AtomicU64>>,
+    /// `llm_gateway_api_key_requests_total{tenant,api_key}`: metered requests by the name of the
+    /// API key they authenticated with (names come from the gateway config, through the filter's
+    /// facts; bounded as the other labels).
+    pub api_key_requests: Family<TenantApiKey, Counter>,
     /// `llm_gateway_quota_warnings_total{tenant}`: admissions past a quota's soft limit (each
     /// answered with `x-gateway-quota-warning`).
     pub quota_warnings: Family<TenantLabel, Counter>,
@@ -200,6 +205,12 @@ pub struct Metrics {
     /// refused before entering it), by reason; `reserve`: let past a non-empty queue into the
     /// newcomer reserve (`flow_control.newcomer_reserve`).
     pub queue_dequeues: Family<QueueDequeue, Counter>,
+    /// `llm_gateway_config_reloads_total{result}`: config reloads, `applied` or `refused`.
+    pub config_reloads: Family<ReloadResult, Counter>,
+    /// `llm_gateway_config_info{sha256}`: 1 for the config file serving new requests now.
+    pub config_info: Family<ConfigInfo, Gauge>,
+    /// `llm_gateway_config_generation`: 1 at start, one more per applied reload.
+    pub config_generation: Gauge,
 }
 
 #[derive(Default)]
@@ -227,6 +238,7 @@ impl Metrics {
             token_usage: Family::new_with_constructor(|| Histogram::new(exponential_buckets(1.0, 4.0, 14))),
             tokens: Family::default(),
             cost_usd: Family::default(),
+            api_key_requests: Family::default(),
             quota_warnings: Family::default(),
             limit_decisions: Family::default(),
             degraded: Family::default(),
@@ -280,13 +292,42 @@ impl Metrics {
             queue_length: Family::default(),
             queue_wait: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
             queue_dequeues: Family::default(),
+            config_reloads: Family::default(),
+            config_info: Family::default(),
+            config_generation: Gauge::default(),
             registry: Registry::default(),
         };
         m.register_requests(&mut r);
         m.register_pools(&mut r);
         m.register_usage(&mut r);
         m.register_journal_picker_queue(&mut r);
+        m.register_config(&mut r);
         Arc::new(Self { registry: r, ..m })
+    }
+
+    /// Registers the config reload's metrics.
+    fn register_config(&self, r: &mut Registry) {
+        r.register("llm_gateway_config_reloads", "Config reloads by result", self.config_reloads.clone());
+        r.register(
+            "llm_gateway_config_info",
+            "The config file serving new requests",
+            self.config_info.clone(),
+        );
+        r.register(
+            "llm_gateway_config_generation",
+            "Config generation (1 at start, +1 per applied reload)",
+            self.config_generation.clone(),
+        );
+    }
+
+    /// Marks the config file of SHA-256 `sha256` (lowercase hex) as the one serving, in place of
+    /// `previous`, at generation `generation`.
+    pub fn config_serving(&self, previous: Option<&str>, sha256: &str, generation: u64) {
+        if let Some(previous) = previous {
+            self.config_info.remove(&ConfigInfo { sha256: previous.to_owned() });
+        }
+        self.config_info.get_or_create(&ConfigInfo { sha256: sha256.to_owned() }).set(1);
+        self.config_generation.set(i64::try_from(generation).unwrap_or(i64::MAX));
     }
 
     /// Registers the metrics of admission, responses, latencies and tokens.
@@ -330,6 +371,11 @@ impl Metrics {
             "Cost of metered usage at the configured prices",
             Unit::Other("usd".to_owned()),
             self.cost_usd.clone(),
+        );
+        r.register(
+            "llm_gateway_api_key_requests",
+            "Metered requests by API key name",
+            self.api_key_requests.clone(),
         );
         r.register(
             "llm_gateway_quota_warnings",

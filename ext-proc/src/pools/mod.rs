@@ -434,14 +434,17 @@ impl Pools {
     }
 
     /// Starts one task per pool: every `scrape_interval_ms` it scrapes the pool's endpoints (if
-    /// any) and flushes this replica's in-flight counts (with a store).
+    /// any) and flushes this replica's in-flight counts (with a store), until these pools are
+    /// dropped.
     pub fn spawn_scrapers(self: &Arc<Self>) {
         let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
         for (name, pool) in &self.pools {
             if pool.config.endpoints.is_empty() && self.store.is_none() {
                 continue;
             }
-            let pools = Arc::clone(self);
+            // A config reload that changes the pools retires these: the task ends once the
+            // last request of the old generation is done with them.
+            let weak = Arc::downgrade(self);
             let name = name.clone();
             let client = client.clone();
             let interval = Duration::from_millis(pool.config.scrape_interval_ms);
@@ -451,6 +454,7 @@ impl Pools {
                 ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
                     ticker.tick().await;
+                    let Some(pools) = weak.upgrade() else { break };
                     if scraped {
                         pools.scrape(&name, &client, interval.min(Duration::from_secs(1))).await;
                     }

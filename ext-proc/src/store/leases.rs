@@ -182,7 +182,7 @@ impl Store {
         lease_id: &str,
         model: &str,
     ) -> Result<Option<LeaseCharge>, StoreError> {
-        let day_ms = self.book.clock.shift_ms(unix_ms());
+        let day_ms = self.book.load().clock.shift_ms(unix_ms());
         let mut call = Call::default();
         call.key(ledger::leases_reclaimed_key(&self.prefix, tenant))
             .key(ledger::lease_used_key(&self.prefix, tenant))
@@ -192,9 +192,9 @@ impl Store {
             .arg(lease_id)
             .arg(u64::try_from(CHARGED_RETENTION.as_millis()).unwrap_or(u64::MAX))
             // Prices per token: the cost of one prompt token and of one completion token.
-            .arg(self.book.cost(model, 1, 0, 0))
-            .arg(self.book.cost(model, 0, 0, 1));
-        Self::quota_args(&mut call, &self.book.plan(&self.prefix, tenant, model, day_ms));
+            .arg(self.book.load().cost(model, 1, 0, 0))
+            .arg(self.book.load().cost(model, 0, 0, 1));
+        Self::quota_args(&mut call, &self.book.load().plan(&self.prefix, tenant, model, day_ms));
         let mut conn = self.conn();
         let reply: Vec<i64> = self.bounded(call.invocation(&self.ledger).invoke_async(&mut conn)).await?;
         let n = |v: i64| u64::try_from(v).unwrap_or(0);

@@ -23,6 +23,7 @@ use crate::admission::quota::{self, QuotaBook};
 use crate::config::redis::RedisConfig;
 use crate::metering::ledger;
 use crate::metering::meter::UsageRecord;
+use arc_swap::ArcSwap;
 
 /// `lua/token_bucket_take_v3.lua`: take a cost from every bucket or from none, plus leases.
 const TAKE_LUA: &str = include_str!("../../lua/token_bucket_take_v3.lua");
@@ -223,7 +224,9 @@ pub struct Store {
     prefix: String,
     stream: String,
     stream_maxlen: u64,
-    book: Arc<QuotaBook>,
+    /// The quotas and prices, shared by every clone and swapped whole by a config reload
+    /// ([`Store::set_quotas`]).
+    book: Arc<ArcSwap<QuotaBook>>,
 }
 
 impl Store {
@@ -282,7 +285,7 @@ impl Store {
             prefix: config.key_prefix.clone(),
             stream,
             stream_maxlen,
-            book: Arc::default(),
+            book: Arc::new(ArcSwap::from_pointee(QuotaBook::default())),
         })
     }
 
@@ -290,13 +293,19 @@ impl Store {
     /// give-back, and pricing every record with its prices ([`crate::admission::quota`]).
     #[must_use]
     pub fn with_quotas(mut self, book: Arc<QuotaBook>) -> Self {
-        self.book = book;
+        self.book = Arc::new(ArcSwap::new(book));
         self
     }
 
-    /// The quotas and prices.
-    pub fn quotas(&self) -> &QuotaBook {
-        &self.book
+    /// Replaces the quotas and prices of this store and of every clone of it (a config reload):
+    /// calls that start after it count and price by `book`.
+    pub fn set_quotas(&self, book: Arc<QuotaBook>) {
+        self.book.store(book);
+    }
+
+    /// The quotas and prices now.
+    pub fn quotas(&self) -> Arc<QuotaBook> {
+        self.book.load_full()
     }
 
     /// The key prefix (`redis.key_prefix`).

@@ -62,7 +62,7 @@ impl Store {
         let now_ms = unix_ms();
         let finished_ms = finished_ms(record, now_ms);
         // The record's day on the quota clock (the system clock outside tests).
-        let day_ms = self.book.clock.shift_ms(finished_ms);
+        let day_ms = self.book.load().clock.shift_ms(finished_ms);
         let info = &record.info;
         let tenant = &info.tenant;
         let mut call = Call::default();
@@ -93,7 +93,8 @@ impl Store {
         // Its cost (summed in the daily hash) and its quota counters, of the periods of its end
         // on the quota clock.
         call.arg(self.cost_of(record));
-        Self::quota_args(&mut call, &self.book.plan(&self.prefix, tenant, &info.model, day_ms));
+        Self::quota_args(&mut call, &self.book.load().plan(&self.prefix, tenant, &info.model, day_ms));
+        let leased = matches!((lease, charge), (Some(_), false));
         if let (Some(lease), false) = (lease, charge) {
             call.key(ledger::leases_key(&self.prefix, tenant))
                 .key(ledger::lease_used_key(&self.prefix, tenant))
@@ -111,6 +112,14 @@ impl Store {
                 None => call.arg(""),
             };
             call.arg(lease.prompt);
+        }
+        // The key's usage is added under its name too (`api_key <name>` in the daily hash), after
+        // the lease section or an empty lease id.
+        if let Some(name) = info.api_key.as_deref().filter(|n| !n.is_empty()) {
+            if !leased {
+                call.arg("");
+            }
+            call.arg(name);
         }
         call
     }
@@ -172,7 +181,7 @@ impl Store {
 
     /// A record's cost in nano-dollars at its model's price (0 without one).
     pub fn cost_of(&self, record: &UsageRecord) -> u64 {
-        self.book.cost(
+        self.book.load().cost(
             &record.info.model,
             record.prompt_tokens,
             record.cached_tokens,
@@ -208,7 +217,7 @@ impl Store {
             .iter()
             .map(|record| {
                 let finished = finished_ms(record, now_ms);
-                let mut event = to_event(record, self.book.clock.shift_ms(finished));
+                let mut event = to_event(record, self.book.load().clock.shift_ms(finished));
                 event.cost_nano_usd = self.cost_of(record);
                 (finished, event)
             })
@@ -273,9 +282,9 @@ impl Store {
             end_reason: proto::EndReason::Unreported as i32,
             usage_source: proto::UsageSource::Reservation as i32,
             reserved_tokens: charge.tokens,
-            finished_at_unix_ms: self.book.clock.shift_ms(now_ms),
+            finished_at_unix_ms: self.book.load().clock.shift_ms(now_ms),
             record_id: format!("lease.{lease_id}"),
-            cost_nano_usd: self.book.cost(model, prompt_tokens, 0, completion_tokens),
+            cost_nano_usd: self.book.load().cost(model, prompt_tokens, 0, completion_tokens),
             requests: charge.requests,
             ..Default::default()
         };
@@ -314,8 +323,8 @@ impl Store {
         for b in buckets {
             call.key(&b.key).arg(b.kind.as_str()).arg(b.capacity).arg(b.rate_per_minute);
         }
-        let now_ms = self.book.clock.now_ms();
-        Self::quota_args(&mut call, &self.book.plan_all_models(&self.prefix, tenant, now_ms));
+        let now_ms = self.book.load().clock.now_ms();
+        Self::quota_args(&mut call, &self.book.load().plan_all_models(&self.prefix, tenant, now_ms));
         call
     }
 }
@@ -348,5 +357,6 @@ fn to_event(r: &UsageRecord, finished_at_unix_ms: u64) -> proto::UsageEvent {
         tier: r.info.tier.clone(),
         cost_nano_usd: 0,
         requests: 0,
+        api_key: r.info.api_key.clone().unwrap_or_default(),
     }
 }

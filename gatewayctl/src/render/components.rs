@@ -8,8 +8,8 @@ use gateway_ext_proc::config::ModelConfig;
 
 use gateway_ext_proc::config::pools::SheddingConfig;
 
-use gateway_ext_proc::config::tenants::TenantConfig;
-use gateway_filter::config::{RawConfig, RawModel, RawPrefixHashing, RawTenant};
+use gateway_ext_proc::config::tenants::{ApiKeyLimits, TenantConfig};
+use gateway_filter::config::{RawApiKey, RawConfig, RawModel, RawPrefixHashing, RawTenant};
 use gateway_tokenize::spec::{ChatTemplateSpec, TokenizerSpec};
 
 use crate::config::{FieldError, GatewayConfig, Loaded, PoolSection, USAGE_DELIVERY_MARGIN_MS};
@@ -31,6 +31,18 @@ pub fn filter_config(loaded: &Loaded) -> Result<RawConfig, Error> {
     let tenants = c.tenants.iter().map(|t| RawTenant {
         id: t.id.clone(),
         api_keys_sha256: t.api_keys_sha256.clone(),
+        api_keys: t.api_keys.as_ref().map(|keys| {
+            keys.iter()
+                .map(|k| RawApiKey {
+                    name: k.name.clone(),
+                    sha256: k.sha256.clone(),
+                    not_before: k.not_before.clone(),
+                    expires_at: k.expires_at.clone(),
+                    // A key the sidecar limits on its own is admitted by the sidecar.
+                    own_limits: k.limits.is_some().then_some(true),
+                })
+                .collect()
+        }),
         tier: t.tier.clone(),
         models: t.models.clone(),
     });
@@ -142,6 +154,13 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<SidecarFile, Er
         model_limits: t.model_limits.clone(),
         quota: t.quota,
         model_quotas: t.model_quotas.clone(),
+        api_keys: t
+            .api_keys
+            .iter()
+            .flatten()
+            // Every named key, so that the sidecar's api_keys[j] is the gateway config's.
+            .map(|k| ApiKeyLimits { name: k.name.clone(), limits: k.limits.unwrap_or_default() })
+            .collect(),
     });
     // Sidecar pools[j] is the gateway config's pools[shed[j]]: the pools it sheds in front of
     // or picks endpoints for (or both).
@@ -163,6 +182,12 @@ pub fn sidecar_config(loaded: &Loaded, flavor: Flavor) -> Result<SidecarFile, Er
         prices: c.prices.clone(),
         metering: metering(c, flavor),
         shutdown_grace_ms: c.sidecar.shutdown_grace_ms,
+        // A draining replica refuses new admissions only where another takes them (Envoy retries
+        // them there): with one, it admits them until it exits.
+        drain_refuses_admissions: match flavor {
+            Flavor::Standalone => c.sidecar.replicas > 1,
+            Flavor::Kubernetes => c.kubernetes.as_ref().is_some_and(|k| k.sidecar.replicas > 1),
+        },
         // The exact count receives bodies up to the filter's limit.
         context: c.filter.max_body_bytes.map(|max_body_bytes| ContextFile { max_body_bytes }),
         models: exact_count_models(loaded, flavor)?,

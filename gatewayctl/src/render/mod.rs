@@ -2,7 +2,7 @@
 //!
 //! | target | files |
 //! |---|---|
-//! | `standalone` | `standalone/envoy.yaml` (bootstrap), `standalone/filter.json`, `standalone/sidecar.yaml` |
+//! | `standalone` | `standalone/envoy.yaml` (bootstrap), `standalone/filter.json`, `standalone/sidecar.yaml` (and `sidecar-<k>.yaml` per further replica), with `envoy.hot_restart` `start-envoy.sh`, `hot-restarter.py`, `llm-gateway-envoy.service` |
 //! | `istio` | `kubernetes/*` (sidecar, trial Redis), `istio/*` (EnvoyFilter, VirtualService, DestinationRules) |
 //! | `envoy-gateway` | `kubernetes/*`, `envoy-gateway/*` (EnvoyExtensionPolicy, HTTPRoute, ReferenceGrants, EnvoyProxy) |
 //!
@@ -17,6 +17,7 @@ pub mod kubernetes;
 pub(crate) mod manifests;
 pub mod sidecar_file;
 pub mod standalone;
+pub mod upgrades;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -135,6 +136,11 @@ impl File {
 /// With `envoy.live_config`: the filter's ECDS file as rendered, to be placed at
 /// `envoy.live_config.dir`/filter.json (`gatewayctl apply` does).
 pub const LIVE_FILTER_FILE: &str = "standalone/live/filter.json";
+
+/// With `envoy.live_config`: the sidecar replicas' configs as rendered (`sidecar.yaml`,
+/// `sidecar-<k>.yaml`) under this directory, to be placed in `envoy.live_config.dir`: the files
+/// the replicas are started with and reload (`gatewayctl apply` swaps them).
+pub const LIVE_DIR: &str = "standalone/live/";
 
 /// The rendered files, and notes for the operator (settings a target cannot carry).
 #[derive(Debug, Default)]
@@ -308,7 +314,7 @@ pub fn render(loaded: &Loaded, target: Target) -> Result<Output, ConfigError> {
     render_inner(loaded, target).map_err(|e| e.in_file(&loaded.file))
 }
 
-fn render_inner(loaded: &Loaded, target: Target) -> Result<Output, Error> {
+pub(crate) fn render_inner(loaded: &Loaded, target: Target) -> Result<Output, Error> {
     let filter_config = components::filter_config(loaded)?;
     let mut files: BTreeMap<String, File> = BTreeMap::new();
     let mut notes = Vec::new();
@@ -322,11 +328,18 @@ fn render_inner(loaded: &Loaded, target: Target) -> Result<Output, Error> {
                 let mut files = vec![
                     File::yaml("standalone/envoy.yaml", &bootstrap)?,
                     File::json("standalone/filter.json", &filter_config)?,
-                    File::yaml("standalone/sidecar.yaml", &sidecar)?,
                 ];
+                let replicas = upgrades::sidecar_files(loaded, &sidecar)?;
                 if let Some(ecds) = standalone::live_filter(loaded, &filter_config)? {
                     files.push(File::json(LIVE_FILTER_FILE, &ecds)?);
+                    files.extend(replicas.iter().map(|f| File {
+                        path: f.path.replacen("standalone/", LIVE_DIR, 1),
+                        content: f.content.clone(),
+                    }));
                 }
+                files.extend(replicas);
+                files.extend(upgrades::hot_restart_files(loaded)?);
+                notes.extend(upgrades::notes(loaded));
                 files
             }
             Target::Istio => istio::manifests(loaded, &filter_config)?,
@@ -363,36 +376,6 @@ fn render_inner(loaded: &Loaded, target: Target) -> Result<Output, Error> {
             .map(|w| format!("warning: {w}: its queue stays empty")),
     );
     Ok(Output { files: files.into_values().collect(), notes })
-}
-
-/// `gatewayctl apply`: renders the standalone target (every check included), then writes the
-/// filter's ECDS file into `envoy.live_config.dir` by renaming a new file over `filter.json`, so
-/// Envoy never reads a partial one. Returns the file's path.
-///
-/// # Errors
-/// No `envoy.live_config`, any error of the config (nothing is written then), or the directory
-/// cannot be written.
-pub fn apply(loaded: &Loaded) -> Result<std::path::PathBuf, ConfigError> {
-    apply_inner(loaded).map_err(|e| e.in_file(&loaded.file))
-}
-
-fn apply_inner(loaded: &Loaded) -> Result<std::path::PathBuf, Error> {
-    let live = loaded.config.envoy.live_config.as_ref().ok_or_else(|| {
-        FieldError::new("envoy.live_config", "required by apply: the directory the running Envoy watches")
-    })?;
-    let output = render_inner(loaded, Target::Standalone)?;
-    let ecds = output
-        .files
-        .iter()
-        .find(|f| f.path == LIVE_FILTER_FILE)
-        .ok_or_else(|| Error::Internal(format!("{LIVE_FILTER_FILE} not rendered")))?;
-    let io = |e: std::io::Error| Error::Internal(format!("{}: {e}", live.dir.display()));
-    std::fs::create_dir_all(&live.dir).map_err(io)?;
-    let tmp = live.dir.join(".filter.json.tmp");
-    std::fs::write(&tmp, &ecds.content).map_err(io)?;
-    let target = live.filter_path();
-    std::fs::rename(&tmp, &target).map_err(io)?;
-    Ok(target)
 }
 
 /// Writes rendered files under `out` (creating directories).

@@ -40,6 +40,9 @@ pub struct SidecarFile {
     /// `shutdown_grace_ms`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub shutdown_grace_ms: Option<u64>,
+    /// `drain_refuses_admissions`: with two or more replicas.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub drain_refuses_admissions: bool,
     /// `context`: the exact count's body limit.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub context: Option<ContextFile>,

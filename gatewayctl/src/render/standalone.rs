@@ -346,26 +346,17 @@ pub fn fallback_retry_on() -> Result<String, Error> {
         .ok_or_else(|| Error::Internal("envoy/fallback_route.yaml: no retry_on".into()))
 }
 
-/// The sidecar's cluster (envoy/ext_proc_cluster.yaml) at `sidecar`, with mTLS when
-/// `sidecar.tls` is set.
+/// The sidecar's cluster (envoy/ext_proc_cluster.yaml): one endpoint per replica from `sidecar`
+/// on, their health checks (envoy/ext_proc_health.yaml), and mTLS when `sidecar.tls` is set.
 fn ext_proc_cluster(loaded: &Loaded, values: &Values, sidecar: &HostPort) -> Result<Value, Error> {
     let mut cluster = template::render(template::EXT_PROC_CLUSTER, values)?;
-    let address = at_mut(
-        &mut cluster,
-        &[
-            "load_assignment".into(),
-            "endpoints".into(),
-            0.into(),
-            "lb_endpoints".into(),
-            0.into(),
-            "endpoint".into(),
-            "address".into(),
-            "socket_address".into(),
-            "address".into(),
-        ],
-    )
-    .ok_or_else(|| Error::Internal("envoy/ext_proc_cluster.yaml: no endpoint address".into()))?;
-    *address = Value::String(sidecar.host.clone());
+    let endpoints = tree(&super::upgrades::sidecar_endpoints(loaded, sidecar))?;
+    let group = at_mut(&mut cluster, &["load_assignment".into(), "endpoints".into(), 0.into()]);
+    let placed = group.is_some_and(|g| set(g, "lb_endpoints", endpoints))
+        && merge(&mut cluster, super::upgrades::sidecar_health()?);
+    if !placed {
+        return Err(Error::Internal("envoy/ext_proc_cluster.yaml: no endpoint group".into()));
+    }
     if !sidecar.is_ip {
         set(&mut cluster, "type", Value::String("STRICT_DNS".to_owned()));
     }

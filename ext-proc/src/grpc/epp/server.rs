@@ -20,7 +20,7 @@ use crate::error::AdmissionError;
 use crate::grpc::epp::stream::{Chooser, EppStream};
 use crate::pools::PickOutcome;
 use crate::scheduling::prompt::body_hashes;
-use crate::state::Shared;
+use crate::state::{Live, Shared};
 
 /// The load level at which the endpoint picker sheds (429): the pool's hard ceiling. The
 /// protocol's requests carry no tenant tier, so the tiers' lower levels do not apply.
@@ -76,14 +76,14 @@ impl Drop for PickEnd {
 
 /// `envoy.service.ext_proc.v3.ExternalProcessor` in the endpoint-picker role, for one pool.
 pub struct EndpointPicker {
-    shared: Arc<Shared>,
+    live: Arc<Live>,
     config: EndpointPickerConfig,
 }
 
 impl EndpointPicker {
-    /// The picker of `config.pool`.
-    pub fn new(shared: Arc<Shared>, config: EndpointPickerConfig) -> Self {
-        Self { shared, config }
+    /// The picker of `config.pool`; each stream picks from the generation serving when it opens.
+    pub fn new(live: Arc<Live>, config: EndpointPickerConfig) -> Self {
+        Self { live, config }
     }
 }
 
@@ -97,11 +97,11 @@ impl ExternalProcessor for EndpointPicker {
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(8);
-        let chooser = PoolChooser { shared: Arc::clone(&self.shared), config: self.config.clone() };
+        let shared = self.live.current();
+        let chooser = PoolChooser { shared: Arc::clone(&shared), config: self.config.clone() };
         let max_body_bytes = self.config.max_body_bytes;
-        let open = self.shared.stream_opened();
-        let mut end =
-            PickEnd { shared: Arc::clone(&self.shared), pool: self.config.pool.clone(), endpoint: None };
+        let open = shared.stream_opened();
+        let mut end = PickEnd { shared, pool: self.config.pool.clone(), endpoint: None };
         tokio::spawn(async move {
             let _open = open;
             let mut stream = EppStream::new(max_body_bytes);
@@ -138,11 +138,11 @@ impl ExternalProcessor for EndpointPicker {
 /// # Errors
 /// The address of a listener that cannot be bound, with the I/O error.
 pub async fn spawn_all(
-    shared: &Arc<Shared>,
+    live: &Arc<Live>,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<Vec<tokio::task::JoinHandle<()>>, (SocketAddr, std::io::Error)> {
     let mut tasks = Vec::new();
-    for config in shared.config.endpoint_pickers.clone() {
+    for config in live.current().config.endpoint_pickers.clone() {
         let listener = tokio::net::TcpListener::bind(config.listen).await.map_err(|e| (config.listen, e))?;
         let addr = listener.local_addr().map_err(|e| (config.listen, e))?;
         println!("gateway-ext-proc endpoint picker for {} on {addr}", config.pool);
@@ -152,7 +152,7 @@ pub async fn spawn_all(
             health_reporter.set_service_status(name, tonic_health::ServingStatus::Serving).await;
         }
         let limit = config.max_body_bytes.saturating_add(1 << 20);
-        let service = ExternalProcessorServer::new(EndpointPicker::new(Arc::clone(shared), config))
+        let service = ExternalProcessorServer::new(EndpointPicker::new(Arc::clone(live), config))
             .max_decoding_message_size(limit);
         let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
         let mut stop = stop.clone();

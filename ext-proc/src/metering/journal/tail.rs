@@ -20,7 +20,7 @@ use crate::metering::access_log::{self, Entry};
 use crate::metering::journal::{keys, line_record_id, parse_line, Checkpoint};
 use crate::metering::ledger;
 use crate::metering::meter::UsageRecord;
-use crate::state::Shared;
+use crate::state::{Live, Shared};
 use crate::store::{Applied, Store, StoreError};
 
 /// What the journal applies for one line, and how far it got (kept across retries, so that a
@@ -77,7 +77,8 @@ fn op_of(shared: &Shared, entry: &HttpAccessLogEntry) -> Option<Op> {
             let settlements = if record.info.reserved_locally {
                 Vec::new()
             } else {
-                let buckets = limits::token_buckets(prefix, tenant, &record.info.model);
+                let api_key = record.info.api_key.as_deref();
+                let buckets = limits::token_buckets_for_key(prefix, tenant, &record.info.model, api_key);
                 ledger::settlements(buckets, record.info.reserved_tokens, record.total_tokens())
             };
             let lease = LeaseUse::of_record(prefix, tenant, &record.info, &shared.reported_leases);
@@ -190,15 +191,15 @@ fn rand_u64() -> u64 {
 }
 
 /// Tails the journal until `stop` turns true (see [`crate::metering::journal`]).
-pub async fn run(shared: Arc<Shared>, config: JournalConfig, mut stop: watch::Receiver<bool>) {
-    let store = shared.limiter.store().clone();
+pub async fn run(live: Arc<Live>, config: JournalConfig, mut stop: watch::Receiver<bool>) {
+    let store = live.current().limiter.store().clone();
     let name = config.name();
     let (lease_key, checkpoint_key) = keys(store.prefix(), &name);
     let owner = format!("{}-{:016x}", std::process::id(), rand_u64());
     let lease = Duration::from_millis(config.lease_ms);
     let mut tick = tokio::time::interval(Duration::from_millis(config.poll_interval_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let tailer = Tailer { shared, store, config, name, lease_key, checkpoint_key, owner, lease };
+    let tailer = Tailer { live, store, config, name, lease_key, checkpoint_key, owner, lease };
     let mut state = TailState::default();
     info!(path = %tailer.config.path.display(), name = %tailer.name, owner = %tailer.owner, "usage journal: tailing when this replica holds its lease");
     loop {
@@ -231,7 +232,8 @@ pub async fn run(shared: Arc<Shared>, config: JournalConfig, mut stop: watch::Re
 
 /// One replica's tail of one journal: where it writes and under which lease.
 struct Tailer {
-    shared: Arc<Shared>,
+    /// Each batch is read under the generation serving when it starts (tenants, limits).
+    live: Arc<Live>,
     store: Store,
     config: JournalConfig,
     /// The journal's name (its Redis keys).
@@ -267,7 +269,7 @@ impl Tailer {
                     state.holding = true;
                     state.reader = None;
                 }
-                self.shared.metrics.journal_holder.set(1);
+                self.live.current().metrics.journal_holder.set(1);
                 true
             }
             Ok(false) => {
@@ -275,7 +277,7 @@ impl Tailer {
                     warn!(name = %self.name, "usage journal: lease lost to another replica");
                 }
                 *state = TailState::default();
-                self.shared.metrics.journal_holder.set(0);
+                self.live.current().metrics.journal_holder.set(0);
                 false
             }
             Err(error) => {
@@ -324,7 +326,7 @@ impl Tailer {
         let Some(r) = state.reader.as_mut() else { return };
         if now != (r.at.dev, r.at.ino) {
             info!("usage journal: the path names a new file; reading it from 0");
-            self.shared.metrics.journal_files.inc();
+            self.live.current().metrics.journal_files.inc();
             state.reader = None;
             if let Ok(fresh) = open_at(&self.config.path, None) {
                 let at = fresh.at;
@@ -339,7 +341,7 @@ impl Tailer {
             let _ = self.commit(Checkpoint { dev: now.0, ino: now.1, offset: 0 }).await;
         } else {
             let lag = i64::try_from(meta.len() - r.at.offset).unwrap_or(i64::MAX);
-            self.shared.metrics.journal_lag_bytes.set(lag);
+            self.live.current().metrics.journal_lag_bytes.set(lag);
         }
     }
 
@@ -373,7 +375,7 @@ impl Tailer {
     /// The ledger writes of a batch of complete lines, less those this replica's recorder saw
     /// land (Redis would answer "done").
     fn ops_of(&self, bytes: &[u8]) -> Vec<(Op, bool)> {
-        let shared = &self.shared;
+        let shared = &self.live.current();
         let mut ops = Vec::new();
         for line in bytes.split(|&b| b == b'\n') {
             if line.is_empty() {
@@ -416,7 +418,7 @@ impl Tailer {
                 match result {
                     Ok(Done::Applied) => {
                         *done = true;
-                        self.shared.metrics.journal_records_applied.inc();
+                        self.live.current().metrics.journal_records_applied.inc();
                     }
                     Ok(Done::Nothing) => *done = true,
                     Err(error) => {
