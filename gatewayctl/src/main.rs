@@ -104,12 +104,8 @@ enum KeysAction {
     /// Makes a new key, adds `{name, sha256, not_before, expires_at}` to the tenant's `api_keys`
     /// in the config file (validated, then replaced by rename), and prints the key once.
     Add {
-        /// The gateway config (YAML), edited in place.
-        #[arg(long)]
-        config: PathBuf,
-        /// The tenant's id.
-        #[arg(long)]
-        tenant: String,
+        #[command(flatten)]
+        at: KeysTarget,
         /// The key's name (letters, digits, `.`, `_`, `-`), new in the tenant.
         #[arg(long)]
         name: String,
@@ -122,25 +118,28 @@ enum KeysAction {
     },
     /// Removes the tenant's key `--name` from the config file (never its last key).
     Revoke {
-        /// The gateway config (YAML), edited in place.
-        #[arg(long)]
-        config: PathBuf,
-        /// The tenant's id.
-        #[arg(long)]
-        tenant: String,
+        #[command(flatten)]
+        at: KeysTarget,
         /// The key's name (`sha256:<12 hex>` for a key listed in `api_keys_sha256`).
         #[arg(long)]
         name: String,
     },
     /// Lists the tenant's keys: names, validity windows, state now, digest prefixes (never keys).
     List {
-        /// The gateway config (YAML).
-        #[arg(long)]
-        config: PathBuf,
-        /// The tenant's id.
-        #[arg(long)]
-        tenant: String,
+        #[command(flatten)]
+        at: KeysTarget,
     },
+}
+
+/// The config file and tenant every `gatewayctl keys` action works on.
+#[derive(Debug, clap::Args)]
+struct KeysTarget {
+    /// The gateway config (YAML); `add` and `revoke` edit it in place.
+    #[arg(long)]
+    config: PathBuf,
+    /// The tenant's id.
+    #[arg(long)]
+    tenant: String,
 }
 
 fn main() -> ExitCode {
@@ -249,7 +248,7 @@ fn run(command: Command) -> Result<(), String> {
 
 fn run_keys(action: KeysAction) -> Result<(), String> {
     match action {
-        KeysAction::Add { config, tenant, name, not_before, expires_at } => {
+        KeysAction::Add { at: KeysTarget { config, tenant }, name, not_before, expires_at } => {
             let text = read(&config)?;
             let key = keys::new_key()?;
             let new = key_edit::NewKey { name: name.clone(), not_before, expires_at };
@@ -265,7 +264,7 @@ fn run_keys(action: KeysAction) -> Result<(), String> {
             );
             Ok(())
         }
-        KeysAction::Revoke { config, tenant, name } => {
+        KeysAction::Revoke { at: KeysTarget { config, tenant }, name } => {
             let text = read(&config)?;
             let edited = key_edit::revoke(&text, &config.display().to_string(), &tenant, &name)?;
             key_edit::write_atomically(&config, &edited)?;
@@ -277,7 +276,7 @@ fn run_keys(action: KeysAction) -> Result<(), String> {
             );
             Ok(())
         }
-        KeysAction::List { config, tenant } => {
+        KeysAction::List { at: KeysTarget { config, tenant } } => {
             let loaded = Loaded::load(&config).map_err(|e| e.to_string())?;
             let now_s =
                 std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
