@@ -15,7 +15,6 @@ Workloads (`--workloads`, all by default):
                     suffixes, 32 output tokens; 320 KV blocks a replica (6,490 tokens: the CPU
                     build's blocks are shared by Gemma-3's attention groups): the caches hold far
                     less than the working set
-    long-prefix-deep long-prefix at concurrency 16, twice the replicas' slots
     long-prefix-big the same with 2,048 blocks a replica (every prefix fits on each)
     short-prefix    24 shared 256-token prefixes
     random          random 512-token prompts, no shared prefix (where affinity cannot help)
@@ -29,9 +28,7 @@ Workloads (`--workloads`, all by default):
 Arms of the picking workloads:
 
     least-request   the pool without `picker` (Envoy's LEAST_REQUEST, full scan)
-    picker          `picker: {}` (the defaults: ranked by the request's predicted TTFT, fitted
-                    online, plus the delay its uncached prefill adds to the requests there)
-    picker-own-ttft `picker: {prefill_delay_weight: 0}` (the request's own predicted TTFT alone)
+    picker          `picker: {}` (the defaults: ranked by predicted TTFT, fitted online)
     picker-weighted `picker: {scoring: weighted}` (the fixed weights and bounded-load affinity)
     ceiling         no gateway: each prefix group sent straight to one replica (two clients,
                     half the prefixes, half the concurrency each)
@@ -113,7 +110,7 @@ class Workload:
     concurrency: int
     blocks: tuple[int, ...]
     groups: int = 0  # shared-prefix groups (the ceiling splits them between replicas)
-    arms: tuple[str, ...] = ("least-request", "picker", "picker-own-ttft", "picker-weighted", "ceiling")
+    arms: tuple[str, ...] = ("least-request", "picker", "picker-weighted", "ceiling")
 
 
 def prefix_dataset(prefix_len: int, num_prefixes: int, suffix_len: int = 64, output_len: int = 32) -> list[str]:
@@ -132,14 +129,10 @@ def workloads(quick: bool, prompts: int | None = None) -> dict[str, Workload]:
     small, big = (320, 320), (2048, 2048)
     return {
         "long-prefix": Workload("long-prefix", prefix_dataset(1024, 16), n, 8, small, groups=16),
-        # Twice the engines' slots in flight: queues form on both replicas, so a prefix can stay
-        # on its replica without leaving a slot idle (at 8, the replicas' 8 slots, any placement
-        # but the least-loaded one queues a request beside an idle slot).
-        "long-prefix-deep": Workload("long-prefix-deep", prefix_dataset(1024, 16), n, 16, small, groups=16),
         "long-prefix-big": Workload("long-prefix-big", prefix_dataset(1024, 16), n, 8, big, groups=16),
         "short-prefix": Workload("short-prefix", prefix_dataset(256, 24), n, 8, small, groups=24),
         "random": Workload("random", random_dataset(512, 32), n, 8, small,
-                           arms=("least-request", "picker", "picker-own-ttft", "picker-weighted")),
+                           arms=("least-request", "picker", "picker-weighted")),
         # vLLM refuses a cache that cannot hold one max_model_len request (80 blocks cannot):
         # the quarter is of 1,280.
         "quarter-cache": Workload("quarter-cache", prefix_dataset(1024, 16), n, 8, (1280, 320), groups=16),
@@ -257,9 +250,8 @@ def start_gateway(workdir: Path, arm: str, urls: list[str], keys: dict[str, str]
     pool = Pool(POOL, [MODEL], kind="external", urls=list(urls), max_model_len=MAX_MODEL_LEN)
     overrides: dict = {"metrics_listen": "127.0.0.1:0"}
     if arm.startswith("picker"):
-        pool.shedding = {}  # the default scrape interval (500 ms)
-        pool.picker = {"picker-weighted": {"scoring": "weighted"},
-                       "picker-own-ttft": {"prefill_delay_weight": 0}}.get(arm, {})
+        pool.shedding = {"scrape_interval_ms": 200}
+        pool.picker = {"scoring": "weighted"} if arm == "picker-weighted" else {}
     if arm.startswith("flow-control"):
         # The pool's own `flow_control` makes it queue the tiers of the top-level section (without
         # it the pool only sheds at `max_in_flight`).
@@ -459,14 +451,6 @@ def rows(summary: dict) -> list[list[str]]:
         out.append(["Real engine, long shared prefixes: picker vs least-request throughput",
                     f"{ratio(p['req_per_s'], lr['req_per_s'])} (TTFT p50 {ratio(p['ttft_p50_ms'], lr['ttft_p50_ms'])}, "
                     f"failed {p['failed']}; ceiling {ratio(c['req_per_s'], lr['req_per_s']) if c else '–'})"])
-    deep = summary.get("long-prefix-deep", {})
-    if deep.get("picker") and deep.get("least-request"):
-        p, lr, c = deep["picker"], deep["least-request"], deep.get("ceiling")
-        out.append(["Real engine, long shared prefixes at twice the slots in flight: picker vs least-request "
-                    "throughput",
-                    f"{ratio(p['req_per_s'], lr['req_per_s'])} (TTFT p50 {ratio(p['ttft_p50_ms'], lr['ttft_p50_ms'])}, "
-                    f"p99 {ratio(p['ttft_p99_ms'], lr['ttft_p99_ms'])}, failed {p['failed']}; ceiling "
-                    f"{ratio(c['req_per_s'], lr['req_per_s']) if c else '–'})"])
     parts = []
     for name in ("short-prefix", "random"):
         s = summary.get(name, {})
@@ -567,8 +551,7 @@ def section(summary: dict, meta: dict, sim: dict | None = None, sim_meta: dict |
     headline = md_table(["Measure", "Result"], head_rows)
     return (f"{BEGIN}\n## On a real engine\n\nvLLM 0.32 (CPU build, Gemma-3-270M, float32), {meta['replicas']} replicas "
             f"with one core each, `--max-num-seqs {MAX_NUM_SEQS}`, prefix caching on, caches reset before every "
-            f"run; `vllm bench serve` as the client ({meta.get('prompts', 128)} prompts a run, `--ignore-eos`, 8 "
-            f"in flight, the replicas' 8 slots, 16 on long-prefix-deep and for the tenants' heavy one); "
+            f"run; `vllm bench serve` as the client ({meta.get('prompts', 128)} prompts a run, `--ignore-eos`); "
             f"medians of {meta['rounds']} interleaved rounds (run of {meta['stamp']}).\n\n{headline}\n\n{table(summary)}\n\n"
             f"![throughput by arm](benchmarks/real-engine-throughput.svg){sim_text}\n\n"
             f"Reproduce: `make bench-real` (`bench/real_engine.py`; the raw results in "
@@ -588,7 +571,7 @@ def publish(summary: dict, meta: dict, write_docs: bool, sim: dict | None = None
         text = text.rstrip("\n") + "\n\n" + new + "\n"
     DOC.write_text(text)
     names = [w for w in summary if w != "tenants"]
-    arms = ["least-request", "picker", "picker-own-ttft", "picker-weighted", "ceiling"]
+    arms = ["least-request", "picker", "picker-weighted", "ceiling"]
     series = {a: [(summary[w].get(a) or {}).get("req_per_s") for w in names] for a in arms}
     CHART.parent.mkdir(parents=True, exist_ok=True)
     CHART.write_text(bar_chart_svg("Real engine: throughput by workload and arm", "requests/s", names, series))
@@ -642,8 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-dir")
     ap.add_argument("--engine", choices=("real", "sim"), default="real")
-    ap.add_argument("--workloads",
-                    default="long-prefix,long-prefix-deep,short-prefix,random,long-prefix-big,quarter-cache,tenants")
+    ap.add_argument("--workloads", default="long-prefix,short-prefix,random,long-prefix-big,quarter-cache,tenants")
     ap.add_argument("--arms", help="only these arms (comma-separated)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--replicas", type=int, default=2)

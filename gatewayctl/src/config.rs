@@ -1177,14 +1177,6 @@ pub struct PickerSection {
     /// this factor of the least-loaded endpoint's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub affinity_load_factor: Option<f64>,
-    /// Weight of the delay a request's uncached prefill adds to the requests already on an
-    /// endpoint, beside its own predicted TTFT (0: its own TTFT alone).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub prefill_delay_weight: Option<f64>,
-    /// How endpoints are ranked: `predicted_ttft` (the sidecar's default: by the TTFT model it
-    /// fits online) or `weighted` (the fixed weights and bounded-load affinity).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub scoring: Option<PickerScoring>,
     /// Prompt-prefix block hashes remembered per endpoint (LRU).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix_lru_blocks: Option<u64>,
@@ -1201,19 +1193,9 @@ pub struct PickerSection {
     pub admission_leases: Option<bool>,
 }
 
-/// `pools[i].picker.scoring`, as the sidecar names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PickerScoring {
-    /// By each endpoint's predicted time to first token for the request.
-    PredictedTtft,
-    /// By the fixed weights and bounded-load affinity.
-    Weighted,
-}
-
 impl PickerSection {
     /// The weights and the load factor, by their sidecar names (numbers as given).
-    pub fn factors(&self) -> [(&'static str, Option<f64>); 7] {
+    pub fn factors(&self) -> [(&'static str, Option<f64>); 6] {
         [
             ("prefix_weight", self.prefix_weight),
             ("queue_weight", self.queue_weight),
@@ -1221,7 +1203,6 @@ impl PickerSection {
             ("in_flight_weight", self.in_flight_weight),
             ("latency_weight", self.latency_weight),
             ("affinity_load_factor", self.affinity_load_factor),
-            ("prefill_delay_weight", self.prefill_delay_weight),
         ]
     }
 }

@@ -236,17 +236,6 @@ pub struct PickerConfig {
     /// TTFT model weighs, and of the engine's cache size in blocks. 1..=4096; default 64.
     #[serde(default = "default_picker_block_bytes")]
     pub block_bytes: usize,
-    /// With `scoring: predicted_ttft`: the weight of the delay a request's uncached prefill adds
-    /// to the requests already on an endpoint, beside the request's own predicted TTFT
-    /// (`crate::scheduling::picker`). 0 ranks by the request's own TTFT alone (greedy: on an
-    /// engine whose compute is shared it spreads prefixes over every replica, so each cache holds
-    /// less of them); 1 weighs every request's time alike. Finite, >= 0; default 1.
-    #[serde(default = "default_prefill_delay_weight")]
-    pub prefill_delay_weight: f64,
-}
-
-fn default_prefill_delay_weight() -> f64 {
-    1.0
 }
 
 /// How the picker ranks endpoints (`pools[].picker.scoring`).
@@ -307,7 +296,6 @@ impl PickerConfig {
             ("kv_cache_weight", self.kv_cache_weight),
             ("in_flight_weight", self.in_flight_weight),
             ("latency_weight", self.latency_weight),
-            ("prefill_delay_weight", self.prefill_delay_weight),
         ] {
             if !(w.is_finite() && w >= 0.0) {
                 return Err(invalid(format!("{field}.{name}"), "must be a finite number >= 0"));

@@ -8,9 +8,6 @@
 pub struct Candidate {
     /// `vllm:num_requests_waiting` at the endpoint's last scrape.
     pub waiting: f64,
-    /// Requests the endpoint held at its last scrape (`vllm:num_requests_running` +
-    /// `vllm:num_requests_waiting`) beyond this sidecar's in flight on it then: other clients'.
-    pub others: f64,
     /// `vllm:kv_cache_usage_perc` (0..1) at its last scrape.
     pub kv_cache_usage: f64,
     /// Requests this sidecar picked it for that have not ended yet.
@@ -20,10 +17,6 @@ pub struct Candidate {
     /// Its recent mean time to first token in seconds (from `vllm:time_to_first_token_seconds`,
     /// see [`crate::scheduling::picker::EndpointState::ttft`]); None before it reported any.
     pub ttft: Option<f64>,
-    /// The engine's slots (vLLM's `--max-num-seqs`) as the picker learned them: the most
-    /// requests it ran at a scrape that also found requests waiting (a full engine); 0 while it
-    /// was never seen full.
-    pub slots: f64,
 }
 
 impl Candidate {
@@ -31,21 +24,6 @@ impl Candidate {
     /// plus in flight (this sidecar's, live), in requests.
     pub fn load(&self) -> f64 {
         self.waiting.max(0.0) + self.in_flight as f64
-    }
-
-    /// The requests on the endpoint, which a new one queues behind and whose decoding a prefill
-    /// there stalls: this sidecar's in flight (live: a request that ended a moment ago is off it,
-    /// where a scrape would still count it for up to a scrape interval) plus other clients' at the
-    /// last scrape.
-    pub fn requests(&self) -> f64 {
-        let others = if self.others.is_finite() { self.others.max(0.0) } else { 0.0 };
-        self.in_flight as f64 + others
-    }
-
-    /// Whether a request sent now would wait for a slot: the engine's slots are known and the
-    /// requests on it ([`Self::requests`]) fill them.
-    pub fn saturated(&self) -> bool {
-        self.slots >= 1.0 && self.requests() >= self.slots
     }
 }
 
@@ -175,15 +153,7 @@ mod tests {
     use super::*;
 
     fn c(waiting: f64, kv: f64, in_flight: u64, prefix_blocks: usize) -> Candidate {
-        Candidate {
-            waiting,
-            others: 0.0,
-            kv_cache_usage: kv,
-            in_flight,
-            prefix_blocks,
-            ttft: None,
-            slots: 0.0,
-        }
+        Candidate { waiting, kv_cache_usage: kv, in_flight, prefix_blocks, ttft: None }
     }
 
     #[test]

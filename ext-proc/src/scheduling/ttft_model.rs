@@ -1,16 +1,15 @@
 //! A pool's model of a request's time to first token (TTFT) on each of its endpoints, fitted
 //! online from the TTFTs the gateway measures, with no I/O.
 //!
-//! **The model.** `TTFT ≈ a + b × load + c × uncached`, where `load` is the requests on the
-//! endpoint when it is picked (this sidecar's requests in flight on it, plus other clients' at
-//! the last scrape: [`crate::scheduling::scorers::Candidate::requests`]) and `uncached` the
-//! request's prompt the endpoint is not believed to hold, in KiB (its prompt blocks past the
-//! longest prefix the endpoint served recently, times `block_bytes`). `a` is the engine's floor, `b` what one more
+//! **The model.** `TTFT ≈ a + b × load + c × uncached`, where `load` is the requests ahead of
+//! the request on the endpoint when it is picked (vLLM's `num_requests_waiting` at the last
+//! scrape plus this sidecar's requests in flight on it) and `uncached` the request's prompt the
+//! endpoint is not believed to hold, in KiB (its prompt blocks past the longest prefix the
+//! endpoint served recently, times `block_bytes`). `a` is the engine's floor, `b` what one more
 //! request ahead costs (on a CPU engine a batch of four is several times slower per request than
 //! a batch of one; on a GPU batching is nearly free), `c` what a KiB of prefill costs. The picker
-//! ranks endpoints by the predicted TTFT plus the delay the request's uncached prefill adds to
-//! the `load` requests there ([`TtftModel::delay_to_others`]), so prefix affinity wins exactly
-//! when the prefill it saves outweighs the queueing it adds, on the engine at hand.
+//! ranks endpoints by the predicted TTFT, so prefix affinity wins exactly when the prefill it
+//! saves outweighs the queueing it adds, on the engine at hand.
 //!
 //! **The fit.** Recursive least squares with forgetting ([`FORGETTING`]), one sample per finished
 //! request that streamed a first token (its TTFT as the filter measured it, its features as they
@@ -55,7 +54,7 @@ impl TtftModel {
         Self { theta: [0.0; 3], p: [[PRIOR, 0.0, 0.0], [0.0, PRIOR, 0.0], [0.0, 0.0, PRIOR]], samples: 0 }
     }
 
-    /// The features of a request with `load` requests on the endpoint and `uncached_bytes` of prompt
+    /// The features of a request with `load` requests ahead of it and `uncached_bytes` of prompt
     /// the endpoint does not hold.
     pub fn features(load: f64, uncached_bytes: f64) -> Features {
         [1.0, load.max(0.0), uncached_bytes.max(0.0) / 1024.0]
@@ -115,19 +114,6 @@ impl TtftModel {
         }
         let (a, b, c) = self.coefficients();
         Some(a + b.max(0.0) * x[1] + c.max(0.0) * x[2])
-    }
-
-    /// The delay in seconds the request's uncached prefill adds to the requests already on the
-    /// endpoint, summed over them: `c × uncached KiB × load`. An engine whose compute is the
-    /// bottleneck (a CPU, a saturated GPU) runs one prefill at a time beside the batch's decoding,
-    /// so each request there waits for it; a request that is served where its prefix is cached
-    /// spares them that. None before [`Self::ready`].
-    pub fn delay_to_others(&self, x: Features) -> Option<f64> {
-        if !self.ready() {
-            return None;
-        }
-        let (_, _, c) = self.coefficients();
-        Some(c.max(0.0) * x[2] * x[1])
     }
 }
 
