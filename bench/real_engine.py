@@ -33,6 +33,9 @@ Arms of the picking workloads:
     ceiling         no gateway: each prefix group sent straight to one replica (two clients,
                     half the prefixes, half the concurrency each)
 
+With --arms, picker variants too: `picker-nohome` (`home_load_factor: 0`), `picker-hX`
+(`home_load_factor: X`), `picker-fX` (weighted, `affinity_load_factor: X`).
+
     make bench-real                                   # everything, 2 rounds (~90 min)
     .venv/bin/python bench/real_engine.py --workloads long-prefix,random --rounds 2
     .venv/bin/python bench/real_engine.py --engine sim   # the same on vllm-sim (--profile cpu-gemma-270m)
@@ -244,6 +247,21 @@ class Replica:
                 self.proc.wait()
 
 
+def picker_config(arm: str) -> dict:
+    """The pool's `picker` of a picker arm: `picker` (the defaults), `picker-weighted`,
+    `picker-nohome` (`home_load_factor: 0`), `picker-hX` (`home_load_factor: X`), `picker-fX`
+    (weighted, `affinity_load_factor: X`)."""
+    if arm == "picker-weighted":
+        return {"scoring": "weighted"}
+    if arm == "picker-nohome":
+        return {"home_load_factor": 0}
+    if arm.startswith("picker-h"):
+        return {"home_load_factor": float(arm[len("picker-h"):])}
+    if arm.startswith("picker-f"):
+        return {"scoring": "weighted", "affinity_load_factor": float(arm[len("picker-f"):])}
+    return {}
+
+
 def start_gateway(workdir: Path, arm: str, urls: list[str], keys: dict[str, str],
                   exits: contextlib.ExitStack) -> Stack:
     """The gateway of one arm in front of the running replicas."""
@@ -251,7 +269,7 @@ def start_gateway(workdir: Path, arm: str, urls: list[str], keys: dict[str, str]
     overrides: dict = {"metrics_listen": "127.0.0.1:0"}
     if arm.startswith("picker"):
         pool.shedding = {"scrape_interval_ms": 200}
-        pool.picker = {"scoring": "weighted"} if arm == "picker-weighted" else {}
+        pool.picker = picker_config(arm)
     if arm.startswith("flow-control"):
         # The pool's own `flow_control` makes it queue the tiers of the top-level section (without
         # it the pool only sheds at `max_in_flight`).
@@ -662,7 +680,8 @@ def main(argv: list[str] | None = None) -> int:
                 r.wait_ready()
             for round_no in range(rounds):
                 for w in ws:
-                    arms = [a for a in w.arms if not args.arms or a in args.arms.split(",")]
+                    arms = [a for a in (args.arms.split(",") if args.arms else w.arms)
+                            if a in w.arms or (a.startswith("picker") and w.name != "tenants")]
                     rng.shuffle(arms)
                     for arm in arms:
                         print(f"[{datetime.datetime.now():%H:%M:%S}] {w.name} {arm} round {round_no}", flush=True)

@@ -1177,6 +1177,10 @@ pub struct PickerSection {
     /// this factor of the least-loaded endpoint's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub affinity_load_factor: Option<f64>,
+    /// Prefix homes: a prefix's requests go to the endpoint its first request went to while that
+    /// endpoint holds at most this factor times its share of the pool's requests (0: off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub home_load_factor: Option<f64>,
     /// Prompt-prefix block hashes remembered per endpoint (LRU).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix_lru_blocks: Option<u64>,
@@ -1195,7 +1199,7 @@ pub struct PickerSection {
 
 impl PickerSection {
     /// The weights and the load factor, by their sidecar names (numbers as given).
-    pub fn factors(&self) -> [(&'static str, Option<f64>); 6] {
+    pub fn factors(&self) -> [(&'static str, Option<f64>); 7] {
         [
             ("prefix_weight", self.prefix_weight),
             ("queue_weight", self.queue_weight),
@@ -1203,6 +1207,7 @@ impl PickerSection {
             ("in_flight_weight", self.in_flight_weight),
             ("latency_weight", self.latency_weight),
             ("affinity_load_factor", self.affinity_load_factor),
+            ("home_load_factor", self.home_load_factor),
         ]
     }
 }

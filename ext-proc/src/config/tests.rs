@@ -300,6 +300,13 @@ fn picker_defaults_and_errors() {
         bad("{affinity_load_factor: 0.5}"),
         "pools[0].picker.affinity_load_factor: must be a finite number >= 1"
     );
+    assert_eq!((p.home_load_factor, ok("{home_load_factor: 1.5}").home_load_factor), (0.0, 1.5));
+    for v in ["0.5", ".inf", "-1"] {
+        assert_eq!(
+            bad(&format!("{{home_load_factor: {v}}}")),
+            "pools[0].picker.home_load_factor: must be 0 (off) or a finite number >= 1"
+        );
+    }
     assert_eq!(bad("{prefix_lru_blocks: 0}"), "pools[0].picker.prefix_lru_blocks: must be in 1..=10000000");
     assert_eq!(bad("{fallback_endpoints: 17}"), "pools[0].picker.fallback_endpoints: must be at most 16");
     assert_eq!(

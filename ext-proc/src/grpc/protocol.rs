@@ -415,6 +415,7 @@ mod tests {
             request_blocks: 0,
             affinity: false,
             predicted: false,
+            home: false,
         };
         add_pick(&mut s, &pick);
         let m = Metadata {

@@ -328,6 +328,7 @@ impl Pools {
         match pick {
             Some(pick) => {
                 let by = match (pick.predicted, pick.affinity) {
+                    _ if pick.home => "home",
                     (true, true) => "predicted_affinity",
                     (true, false) => "predicted",
                     (false, true) => "affinity",

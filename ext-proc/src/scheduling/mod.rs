@@ -9,6 +9,8 @@
 //!
 //! - [`scorers`]: one small plugin per signal, each scoring the eligible endpoints in [0, 1];
 //! - [`prefix_index`]: per endpoint, an LRU of the prompt-block hashes it served;
+//! - [`home`]: each shared prefix's home endpoint (rendezvous hashing with bounded loads), which
+//!   keeps the replicas' caches disjoint;
 //! - [`picker`]: eligibility (fresh metrics, subset hint), the weighted sum, bounded-load prefix
 //!   affinity, the fallbacks, and the per-pool state;
 //! - [`ttft_model`]: the pool's model of a request's TTFT on an endpoint (queue ahead, uncached
@@ -16,6 +18,7 @@
 //! - [`prompt`]: a raw request body's prompt, hashed in blocks as the wasm filter hashes it (the
 //!   endpoint-picker role, which gets the body and not the filter's facts).
 
+pub mod home;
 pub mod picker;
 pub mod prefix_index;
 pub mod prompt;

@@ -8,6 +8,8 @@
 pub struct Candidate {
     /// `vllm:num_requests_waiting` at the endpoint's last scrape.
     pub waiting: f64,
+    /// `vllm:num_requests_running` at its last scrape.
+    pub running: f64,
     /// `vllm:kv_cache_usage_perc` (0..1) at its last scrape.
     pub kv_cache_usage: f64,
     /// Requests this sidecar picked it for that have not ended yet.
@@ -24,6 +26,13 @@ impl Candidate {
     /// plus in flight (this sidecar's, live), in requests.
     pub fn load(&self) -> f64 {
         self.waiting.max(0.0) + self.in_flight as f64
+    }
+
+    /// The requests it holds, as prefix homes bound them ([`crate::scheduling::home`]): the
+    /// larger of this sidecar's in flight (live) and vLLM's running + waiting (every client's, at
+    /// the last scrape).
+    pub fn occupancy(&self) -> f64 {
+        (self.in_flight as f64).max(self.running.max(0.0) + self.waiting.max(0.0))
     }
 }
 
@@ -153,7 +162,7 @@ mod tests {
     use super::*;
 
     fn c(waiting: f64, kv: f64, in_flight: u64, prefix_blocks: usize) -> Candidate {
-        Candidate { waiting, kv_cache_usage: kv, in_flight, prefix_blocks, ttft: None }
+        Candidate { waiting, running: 0.0, kv_cache_usage: kv, in_flight, prefix_blocks, ttft: None }
     }
 
     #[test]
