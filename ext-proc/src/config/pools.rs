@@ -211,7 +211,7 @@ pub struct PickerConfig {
     /// caches disjoint, as a static split of the prefixes does. 0 (the default) turns homes off;
     /// otherwise finite, >= 1. Measured (docs/deploy.md): on the CPU engine's long shared
     /// prefixes 1.5 raised prefix-cache hits from 51 % to 64 % but throughput only to 1.04x of
-    /// LEAST_REQUEST (one round); on vllm-sim's shared prefixes it unbalanced the replicas.
+    /// LEAST_REQUEST (two runs of one round each); on vllm-sim's shared prefixes it unbalanced the replicas.
     #[serde(default = "default_home_load_factor")]
     pub home_load_factor: f64,
     /// Block hashes remembered per endpoint (an LRU). >= 1, at most 10,000,000; default 16,384:

@@ -247,8 +247,8 @@ pub struct PoolPicker {
     pending_order: VecDeque<String>,
     /// The pool's prompt bytes per token, smoothed over the requests that ended.
     bytes_per_token: f64,
-    /// Each prompt block's home endpoint (step 4).
-    homes: Homes,
+    /// Each prompt block's home endpoint (step 4); `None` with homes off (nothing kept or looked up).
+    homes: Option<Homes>,
 }
 
 impl PoolPicker {
@@ -279,7 +279,9 @@ impl PoolPicker {
             pending: HashMap::new(),
             pending_order: VecDeque::new(),
             bytes_per_token: BYTES_PER_TOKEN as f64,
-            homes: Homes::new(config.prefix_lru_blocks.saturating_mul(addrs.len()).clamp(1, MAX_HOMES)),
+            homes: (config.home_load_factor >= 1.0).then(|| {
+                Homes::new(config.prefix_lru_blocks.saturating_mul(addrs.len()).clamp(1, MAX_HOMES))
+            }),
         }
     }
 
@@ -379,11 +381,13 @@ impl PoolPicker {
         // Step 4: the home of the request's longest homed prefix, when eligible and under capacity.
         let homed = self
             .homes
-            .of(hashes)
+            .as_ref()
+            .and_then(|homes| homes.of(hashes))
             .and_then(|(e, blocks)| Some((eligible.iter().position(|&i| i == e)?, blocks)));
-        let occupancy: Vec<f64> = candidates.iter().map(Candidate::occupancy).collect();
-        let home =
-            homed.map(|(h, _)| h).filter(|&h| within_capacity(&occupancy, h, self.config.home_load_factor));
+        let home = homed.map(|(h, _)| h).filter(|&h| {
+            let occupancy: Vec<f64> = candidates.iter().map(Candidate::occupancy).collect();
+            within_capacity(&occupancy, h, self.config.home_load_factor)
+        });
         if let Some(h) = home {
             choice.order.retain(|&i| i != h);
             choice.order.insert(0, h);
@@ -397,10 +401,10 @@ impl PoolPicker {
         let prefix_blocks =
             choice.order.first().and_then(|&c| candidates.get(c)).map_or(0, |c| c.prefix_blocks);
         let picked: Vec<usize> = choice.order.iter().filter_map(|&c| eligible.get(c).copied()).collect();
-        if let (Some(&i), true) = (picked.first(), self.config.home_load_factor >= 1.0) {
+        if let (Some(&i), Some(homes)) = (picked.first(), self.homes.as_mut()) {
             // A homed prefix keeps its home; the rest of the prompt (all of it when the home is
             // gone) lives where it went.
-            self.homes.record(hashes, i, homed.map_or(0, |(_, blocks)| blocks));
+            homes.record(hashes, i, homed.map_or(0, |(_, blocks)| blocks));
         }
         if let Some(e) = picked.first().and_then(|&i| self.endpoints.get_mut(i)) {
             e.prefixes.record(hashes);
