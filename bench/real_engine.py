@@ -25,16 +25,29 @@ Workloads (`--workloads`, all by default):
                     alone, no flow control, flow control with the default config, and with
                     `newcomer_reserve` 0.25
 
+Every picking workload runs at 16 concurrent requests (`--concurrency`), twice the replicas'
+8 slots (2 x `--max-num-seqs 4`): a queue in front of the engines, where a scheduler has
+something to choose. At 8 (every request in a slot, nothing waiting) no gateway arm can do
+better than least-request's even split: the next request's prefix is independent of which slot
+freed, so each replica serves every prefix.
+
 Arms of the picking workloads:
 
     least-request   the pool without `picker` (Envoy's LEAST_REQUEST, full scan)
-    picker          `picker: {}` (the defaults: ranked by predicted TTFT, fitted online)
-    picker-weighted `picker: {scoring: weighted}` (the fixed weights and bounded-load affinity)
+    least-request-q that, queued in the sidecar at the replicas' slots (`max_in_flight` = their
+                    sum, and `flow_control`): what the queue alone brings
+    picker          `picker: {}` (the defaults: ranked by predicted TTFT, fitted online), queued
+                    at the slots as least-request-q is: a freed slot goes to a queued request
+                    homed on its replica (the recommended deployment)
     ceiling         no gateway: each prefix group sent straight to one replica (two clients,
                     half the prefixes, half the concurrency each)
 
-With --arms, picker variants too: `picker-nohome` (`home_load_factor: 0`), `picker-hX`
-(`home_load_factor: X`), `picker-fX` (weighted, `affinity_load_factor: X`).
+With --arms, more: `direct` (the ceiling's two clients straight to the replicas, each with all
+the prefix groups: the ceiling without its split); `picker-weighted` (`picker: {scoring:
+weighted}`: the fixed weights and bounded-load affinity, not queued), `picker-nohome`
+(`home_load_factor: 0`), `picker-hX` (`home_load_factor: X`), `picker-fX` (weighted,
+`affinity_load_factor: X`), all not queued; `picker-q` (queued, as `picker`), `picker-qhX`
+(queued, `home_load_factor: X`).
 
     make bench-real                                   # everything, 2 rounds (~90 min)
     .venv/bin/python bench/real_engine.py --workloads long-prefix,random --rounds 2
@@ -85,6 +98,8 @@ START_TIMEOUT_S = 900
 RUN_TIMEOUT_S = 1800
 # Each replica's `--max-num-seqs`: the engine's slots (flow control's `max_in_flight` is their sum).
 MAX_NUM_SEQS = 4
+# The client's concurrency on the picking workloads: twice the two replicas' slots.
+PICKING_CONCURRENCY = 16
 MAX_MODEL_LEN = 2048
 # Sim tokens (4 bytes each) per Gemma token of these datasets (7.6 bytes on average, measured
 # over vllm bench's random and prefix_repetition prompts with Gemma-3-270M's tokenizer).
@@ -113,7 +128,7 @@ class Workload:
     concurrency: int
     blocks: tuple[int, ...]
     groups: int = 0  # shared-prefix groups (the ceiling splits them between replicas)
-    arms: tuple[str, ...] = ("least-request", "picker", "picker-weighted", "ceiling")
+    arms: tuple[str, ...] = ("least-request", "least-request-q", "picker", "ceiling")
 
 
 def prefix_dataset(prefix_len: int, num_prefixes: int, suffix_len: int = 64, output_len: int = 32) -> list[str]:
@@ -131,14 +146,14 @@ def workloads(quick: bool, prompts: int | None = None) -> dict[str, Workload]:
     n = prompts or (32 if quick else 128)
     small, big = (320, 320), (2048, 2048)
     return {
-        "long-prefix": Workload("long-prefix", prefix_dataset(1024, 16), n, 8, small, groups=16),
-        "long-prefix-big": Workload("long-prefix-big", prefix_dataset(1024, 16), n, 8, big, groups=16),
-        "short-prefix": Workload("short-prefix", prefix_dataset(256, 24), n, 8, small, groups=24),
-        "random": Workload("random", random_dataset(512, 32), n, 8, small,
-                           arms=("least-request", "picker", "picker-weighted")),
+        "long-prefix": Workload("long-prefix", prefix_dataset(1024, 16), n, PICKING_CONCURRENCY, small, groups=16),
+        "long-prefix-big": Workload("long-prefix-big", prefix_dataset(1024, 16), n, PICKING_CONCURRENCY, big, groups=16),
+        "short-prefix": Workload("short-prefix", prefix_dataset(256, 24), n, PICKING_CONCURRENCY, small, groups=24),
+        "random": Workload("random", random_dataset(512, 32), n, PICKING_CONCURRENCY, small,
+                           arms=("least-request", "least-request-q", "picker")),
         # vLLM refuses a cache that cannot hold one max_model_len request (80 blocks cannot):
         # the quarter is of 1,280.
-        "quarter-cache": Workload("quarter-cache", prefix_dataset(1024, 16), n, 8, (1280, 320), groups=16),
+        "quarter-cache": Workload("quarter-cache", prefix_dataset(1024, 16), n, PICKING_CONCURRENCY, (1280, 320), groups=16),
         "tenants": Workload("tenants", random_dataset(256, 64), n, 16, small,
                             arms=("light-alone", "no-flow-control", "flow-control", "flow-control-reserve")),
     }
@@ -255,6 +270,8 @@ def picker_config(arm: str) -> dict:
         return {"scoring": "weighted"}
     if arm == "picker-nohome":
         return {"home_load_factor": 0}
+    if arm.startswith("picker-qh"):
+        return {"home_load_factor": float(arm[len("picker-qh"):])}
     if arm.startswith("picker-h"):
         return {"home_load_factor": float(arm[len("picker-h"):])}
     if arm.startswith("picker-f"):
@@ -270,6 +287,11 @@ def start_gateway(workdir: Path, arm: str, urls: list[str], keys: dict[str, str]
     if arm.startswith("picker"):
         pool.shedding = {"scrape_interval_ms": 200}
         pool.picker = picker_config(arm)
+    if arm == "picker" or arm.startswith("picker-q") or arm == "least-request-q":
+        # Queued in the sidecar at the engines' slots: a freed slot goes to a request whose
+        # prefix its replica holds.
+        pool.shedding = {"scrape_interval_ms": 200, "max_in_flight": MAX_NUM_SEQS * len(urls), "flow_control": {}}
+        overrides["flow_control"] = {"tiers": [{"name": "standard", "max_queue_wait_ms": 60_000}]}
     if arm.startswith("flow-control"):
         # The pool's own `flow_control` makes it queue the tiers of the top-level section (without
         # it the pool only sheds at `max_in_flight`).
@@ -390,8 +412,9 @@ def one_run(w: Workload, arm: str, replicas: list[Replica], vllm: Path, raw: Pat
     tag = f"{w.name}-{arm}-r{round_no}"
     result: dict = {"arm": arm, "round": round_no, "seed": seed}
     with contextlib.ExitStack() as exits:
-        if arm == "ceiling":
-            half = max(1, w.groups // len(replicas))
+        if arm in ("ceiling", "direct"):
+            # `direct`: the same two clients, each with all the prefix groups (no split).
+            half = w.groups if arm == "direct" else max(1, w.groups // len(replicas))
             procs = []
             for i, r in enumerate(replicas):
                 dataset = [a if a != str(w.groups) else str(half) for a in w.dataset]
@@ -569,7 +592,9 @@ def section(summary: dict, meta: dict, sim: dict | None = None, sim_meta: dict |
     headline = md_table(["Measure", "Result"], head_rows)
     return (f"{BEGIN}\n## On a real engine\n\nvLLM 0.32 (CPU build, Gemma-3-270M, float32), {meta['replicas']} replicas "
             f"with one core each, `--max-num-seqs {MAX_NUM_SEQS}`, prefix caching on, caches reset before every "
-            f"run; `vllm bench serve` as the client ({meta.get('prompts', 128)} prompts a run, `--ignore-eos`); "
+            f"run; `vllm bench serve` as the client ({meta.get('prompts', 128)} prompts a run, `--ignore-eos`, "
+            f"{meta.get('concurrency') or PICKING_CONCURRENCY} concurrent on the picking workloads: twice the "
+            f"replicas' slots; arms in `bench/real_engine.py`'s docstring); "
             f"medians of {meta['rounds']} interleaved rounds (run of {meta['stamp']}).\n\n{headline}\n\n{table(summary)}\n\n"
             f"![throughput by arm](benchmarks/real-engine-throughput.svg){sim_text}\n\n"
             f"Reproduce: `make bench-real` (`bench/real_engine.py`; the raw results in "
@@ -589,7 +614,7 @@ def publish(summary: dict, meta: dict, write_docs: bool, sim: dict | None = None
         text = text.rstrip("\n") + "\n\n" + new + "\n"
     DOC.write_text(text)
     names = [w for w in summary if w != "tenants"]
-    arms = ["least-request", "picker", "picker-weighted", "ceiling"]
+    arms = ["least-request", "least-request-q", "picker", "ceiling"]
     series = {a: [(summary[w].get(a) or {}).get("req_per_s") for w in names] for a in arms}
     CHART.parent.mkdir(parents=True, exist_ok=True)
     CHART.write_text(bar_chart_svg("Real engine: throughput by workload and arm", "requests/s", names, series))
@@ -650,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="32 prompts a run, 1 round; docs untouched")
     ap.add_argument("--no-docs", action="store_true")
     ap.add_argument("--prompts", type=int, help="prompts a run (default 128; --quick 32)")
+    ap.add_argument("--concurrency", type=int, help="the client's concurrency on the picking workloads (default "
+                    f"{PICKING_CONCURRENCY}; the tenants workload keeps 2 and 16)")
     ap.add_argument("--fit", action="store_true", help="only measure one replica's step costs (FIT_PROBES)")
     ap.add_argument("--compare", type=Path, help="with --engine sim: the real run's summary.json; writes the "
                     "section with the simulator's rows beside it")
@@ -662,6 +689,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     all_w = workloads(args.quick, args.prompts)
     chosen = [all_w[n] for n in args.workloads.split(",")]
+    if args.concurrency:
+        for w in chosen:
+            if w.name != "tenants":
+                w.concurrency = args.concurrency
     rounds = 1 if args.quick else args.rounds
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     raw = TARGET / "bench-results" / f"real-engine-{args.engine}-{stamp}"
@@ -681,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
             for round_no in range(rounds):
                 for w in ws:
                     arms = [a for a in (args.arms.split(",") if args.arms else w.arms)
-                            if a in w.arms or (a.startswith("picker") and w.name != "tenants")]
+                            if a in w.arms or (a.startswith("picker") or a == "direct") and w.name != "tenants"]
                     rng.shuffle(arms)
                     for arm in arms:
                         print(f"[{datetime.datetime.now():%H:%M:%S}] {w.name} {arm} round {round_no}", flush=True)
@@ -693,7 +724,8 @@ def main(argv: list[str] | None = None) -> int:
                 r.stop()
     summary = summarize(results)
     meta = {"stamp": stamp, "rounds": rounds, "replicas": args.replicas, "engine": args.engine,
-            "prompts": chosen[0].num_prompts if chosen else None}
+            "prompts": chosen[0].num_prompts if chosen else None,
+            "concurrency": chosen[0].concurrency if chosen else None}
     (raw / "summary.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
     print(json.dumps(summary, indent=1))
     for row in rows(summary):

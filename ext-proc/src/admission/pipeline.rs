@@ -26,7 +26,7 @@ use crate::error::AdmissionError;
 use crate::facts::RequestFacts;
 use crate::metering::ledger::Reservation;
 use crate::metrics::labels::{CountOutcome, TenantLabel};
-use crate::pools::flow::Entered;
+use crate::pools::flow::{Arrival, Entered};
 use crate::pools::PickOutcome;
 use crate::scheduling::picker::Pick;
 use crate::state::Shared;
@@ -273,6 +273,15 @@ async fn exact_context_stage(
     }
 }
 
+/// The request's prompt block hashes (the filter's `prefix_hashes` fact; empty without it).
+fn prompt_hashes(facts: &RequestFacts) -> Vec<u64> {
+    facts
+        .prefix_hashes
+        .as_deref()
+        .and_then(|h| gateway_contract::decode_prefix_hashes(h, MAX_PREFIX_HASHES))
+        .unwrap_or_default()
+}
+
 /// The endpoint of an admitted request of a pool with `picker` ([`Pools::pick`]), from the
 /// facts' prefix hashes and the subset hint; `Ok(None)` for a pool without a picker, and for no
 /// eligible endpoint without a subset hint (sent without a pick: Envoy's `LEAST_REQUEST`
@@ -282,11 +291,7 @@ fn pick_endpoint(
     facts: &RequestFacts,
     subset: Option<&[std::net::SocketAddr]>,
 ) -> Result<Option<Pick>, AdmissionError> {
-    let hashes = facts
-        .prefix_hashes
-        .as_deref()
-        .and_then(|h| gateway_contract::decode_prefix_hashes(h, MAX_PREFIX_HASHES))
-        .unwrap_or_default();
+    let hashes = prompt_hashes(facts);
     if shared.config.pool_has_endpoint_picker(&facts.pool) {
         // Its InferencePool's endpoint-picker call picks (crate::grpc::epp).
         return Ok(None);
@@ -454,8 +459,17 @@ async fn wait_for_room(
     let overloaded =
         |retry_after_secs| Some(AdmissionError::Overloaded { pool: facts.pool.clone(), retry_after_secs });
     let body_bytes = facts.body_bytes.unwrap_or(0);
-    let waiter = match shared.pools.enter(&facts.pool, tier, tenant, facts.prompt_tokens, body_bytes, budget)
-    {
+    let hashes = prompt_hashes(facts);
+    let arrival = Arrival {
+        tier,
+        tenant,
+        prompt_tokens: facts.prompt_tokens,
+        body_bytes,
+        budget,
+        hashes: &hashes,
+        request_id: &facts.request_id,
+    };
+    let waiter = match shared.pools.enter_arrival(&facts.pool, arrival) {
         Entered::Now => return Ok(None),
         Entered::Refused(_, retry_after_secs) => return Err(overloaded(retry_after_secs)),
         Entered::Queued(waiter) => waiter,

@@ -208,10 +208,12 @@ pub struct PickerConfig {
     /// the home's occupancy (requests held: in flight, or vLLM's running + waiting) + 1 is at most
     /// `ceil(home_load_factor x (the pool's occupancy + 1) / endpoints)`, whatever `scoring`
     /// ranked; past it the ranking picks and the prefix keeps its home. Homes keep the replicas'
-    /// caches disjoint, as a static split of the prefixes does. 0 (the default) turns homes off;
-    /// otherwise finite, >= 1. Measured (docs/deploy.md): on the CPU engine's long shared
+    /// caches disjoint, as a static split of the prefixes does. 0 (the default) turns this step
+    /// off; otherwise finite, >= 1. Measured (docs/deploy.md): on the CPU engine's long shared
     /// prefixes 1.5 raised prefix-cache hits from 51 % to 64 % but throughput only to 1.04x of
-    /// LEAST_REQUEST (two runs of one round each); on vllm-sim's shared prefixes it unbalanced the replicas.
+    /// LEAST_REQUEST (two runs of one round each); on vllm-sim's shared prefixes it unbalanced the
+    /// replicas. A pool with `max_in_flight` and `flow_control` keeps homes whatever this says:
+    /// its queue hands a freed slot to a request homed there ([`crate::scheduling::slots`]).
     #[serde(default = "default_home_load_factor")]
     pub home_load_factor: f64,
     /// Block hashes remembered per endpoint (an LRU). >= 1, at most 10,000,000; default 16,384:

@@ -46,10 +46,28 @@ pub enum Release {
     Refused(Refusal, u64),
 }
 
+/// What the queue keeps with a request: its waiting stream's channel, and what a dispatch into
+/// a free slot reads ([`crate::scheduling::slots`]): its prompt's block hashes and request id.
+#[derive(Debug)]
+pub(crate) struct Queued {
+    pub(crate) tx: oneshot::Sender<Release>,
+    pub(crate) hashes: Vec<u64>,
+    pub(crate) request_id: String,
+}
+
+/// Requests of the head tenant a dispatch into a free slot looks through for one whose prefix
+/// the slot's endpoint holds ([`queue::FlowQueue::pop_matching`]).
+pub const DISPATCH_SCAN: usize = 32;
+
+/// Younger requests of its tenant a queued request lets go first into the slots that hold their
+/// prefixes, at most: past it, it goes next (a request whose prefix no endpoint holds waits at
+/// most this many dispatches of its tenant longer than in arrival order).
+pub const MAX_BYPASS: u32 = 8;
+
 /// The queue of one flow-controlled pool.
 pub(crate) struct PoolFlow {
     pub(crate) config: PoolFlowConfig,
-    pub(crate) queue: Mutex<FlowQueue<oneshot::Sender<Release>>>,
+    pub(crate) queue: Mutex<FlowQueue<Queued>>,
     /// The sidecar is shutting down: nothing is queued any more.
     pub(crate) closed: AtomicBool,
     /// Requests queued (as of the last change), read without the queue's lock.

@@ -416,6 +416,7 @@ mod tests {
             affinity: false,
             predicted: false,
             home: false,
+            slot: false,
         };
         add_pick(&mut s, &pick);
         let m = Metadata {

@@ -170,7 +170,9 @@ pub struct PoolEndpoint {
     pub pool: String,
     /// The picked endpoint, `ip:port` (one of the pool's configured endpoints).
     pub endpoint: String,
-    /// `affinity` when bounded-load prefix affinity decided it, else `score`.
+    /// What decided it: `slot` (the free slot the flow-control queue promised it), `home` (its
+    /// prefix's home), `affinity` (bounded-load prefix affinity), `predicted_affinity` /
+    /// `predicted` (the predicted TTFT, with or without the longest prefix), else `score`.
     pub by: &'static str,
 }
 

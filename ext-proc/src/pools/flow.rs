@@ -11,9 +11,10 @@ use tokio::sync::oneshot;
 
 use crate::flow_control::drain;
 use crate::flow_control::queue::{Entry, FlowQueue, Refusal};
-use crate::flow_control::{PoolFlow, Release};
+use crate::flow_control::{PoolFlow, Queued, Release, DISPATCH_SCAN, MAX_BYPASS};
 use crate::metrics::labels::{PoolTier, QueueDequeue, QueueWait};
 use crate::pools::{Pool, Pools};
+use crate::scheduling::slots::most_free;
 
 /// Where a request stands once [`Pools::enter`] has seen it.
 #[derive(Debug)]
@@ -24,6 +25,25 @@ pub enum Entered {
     Queued(Waiter),
     /// Refused (429 `overloaded` with this `Retry-After`).
     Refused(Refusal, u64),
+}
+
+/// A request arriving at a flow-controlled pool ([`Pools::enter_arrival`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Arrival<'a> {
+    /// Its tier's index in `flow_control.tiers`.
+    pub tier: usize,
+    /// Its tenant.
+    pub tenant: &'a str,
+    /// Its prompt tokens (charged to the tenant's counter when it is dispatched).
+    pub prompt_tokens: u64,
+    /// Its body's bytes (what Envoy holds while it waits).
+    pub body_bytes: u64,
+    /// Its tier's `max_queue_wait_ms`.
+    pub budget: Duration,
+    /// Its prompt's chained block hashes (may be empty).
+    pub hashes: &'a [u64],
+    /// Its `x-request-id` (may be empty: no slot is promised to it).
+    pub request_id: &'a str,
 }
 
 /// A queued request's place. Dropping it before [`Waiter::wait`] returns takes the request out
@@ -142,6 +162,16 @@ impl Pools {
         body_bytes: u64,
         budget: Duration,
     ) -> Entered {
+        self.enter_arrival(
+            pool,
+            Arrival { tier, tenant, prompt_tokens, body_bytes, budget, hashes: &[], request_id: "" },
+        )
+    }
+
+    /// [`Pools::enter`] of an [`Arrival`], whose prompt hashes and request id let the queue
+    /// dispatch it into a free slot holding its prefix ([`crate::scheduling::slots`]).
+    pub fn enter_arrival(self: &Arc<Self>, pool: &str, arrival: Arrival<'_>) -> Entered {
+        let Arrival { tier, tenant, prompt_tokens, body_bytes, budget, .. } = arrival;
         let Some(p) = self.pool(pool) else { return Entered::Now };
         let Some(flow) = p.flow.as_ref() else {
             self.admitted(pool);
@@ -169,7 +199,8 @@ impl Pools {
         }
         let (tx, rx) = oneshot::channel();
         let now = Instant::now();
-        let id = match q.push(tier, tenant, prompt_tokens, body_bytes, now, tx) {
+        let item = Queued { tx, hashes: arrival.hashes.to_vec(), request_id: arrival.request_id.to_owned() };
+        let id = match q.push(tier, tenant, prompt_tokens, body_bytes, now, item) {
             Ok((id, evicted)) => {
                 for e in evicted {
                     self.refuse(pool, flow, e, Refusal::Evicted, &q);
@@ -212,32 +243,48 @@ impl Pools {
         self.pump_locked(pool, p, flow, &mut q);
     }
 
-    fn pump_locked(
-        &self,
-        name: &str,
-        p: &Pool,
-        flow: &PoolFlow,
-        q: &mut FlowQueue<oneshot::Sender<Release>>,
-    ) {
+    fn pump_locked(&self, name: &str, p: &Pool, flow: &PoolFlow, q: &mut FlowQueue<Queued>) {
         let now = Instant::now();
+        // With the pool's picker keeping its endpoints' slots, a freed slot goes to a request
+        // whose prefix its endpoint holds, and is promised to it (crate::scheduling::slots).
+        let mut picker = if q.is_empty() { None } else { p.picker.as_ref().and_then(|m| m.lock().ok()) };
+        let mut free = picker.as_ref().and_then(|pk| pk.free_slots(now));
         while let Some((tier, newcomer)) = q.peek() {
             // Requests of backlogged tenants fill the pool up to the tier's level less the
             // newcomer reserve; a newcomer's request up to the level, around a head held back
             // by the reserve. Without room nothing goes: a higher tier's queued request holds
             // back every lower tier's.
             let entry = if p.has_room(flow.queue_level(tier)) || (newcomer && p.has_room(flow.level(tier))) {
-                q.pop()
+                match (picker.as_ref(), free.as_ref()) {
+                    (Some(pk), Some(f)) => q.pop_matching(DISPATCH_SCAN, MAX_BYPASS, |e| {
+                        pk.preferred(&e.item.hashes, f).is_some()
+                    }),
+                    _ => q.pop(),
+                }
             } else if flow.reserve > 0.0 && p.has_room(flow.level(tier)) {
                 q.pop_newcomer()
             } else {
                 None
             };
             let Some(entry) = entry else { break };
+            if let (Some(pk), Some(f)) = (picker.as_mut(), free.as_mut()) {
+                if let Some(slot) = pk.preferred(&entry.item.hashes, f).or_else(|| most_free(f)) {
+                    pk.promise(&entry.item.request_id, slot, now);
+                    if let Some(n) = f.get_mut(slot) {
+                        *n = n.saturating_sub(1);
+                    }
+                }
+            }
             flow.tenant_dispatched(&entry.tenant, now, q.queued_of(entry.tier, &entry.tenant) > 0);
             let waited = now.saturating_duration_since(entry.enqueued);
             self.admitted(name);
             let tier = flow.tier_name(entry.tier).to_owned();
-            if entry.item.send(Release::Dispatched(waited)).is_err() {
+            let request_id = entry.item.request_id.clone();
+            if entry.item.tx.send(Release::Dispatched(waited)).is_err() {
+                if let (Some(pk), Some(f)) = (picker.as_mut(), free.as_mut()) {
+                    pk.unpromise(&request_id);
+                    *f = pk.free_slots(now).unwrap_or_default();
+                }
                 // Its stream is gone (the waiter is being dropped): not in flight after all
                 // (the queue's lock is held: no pump from here, the loop goes on).
                 self.adjust(name, -1, 0);
@@ -326,15 +373,15 @@ impl Pools {
         &self,
         pool: &str,
         flow: &PoolFlow,
-        entry: Entry<oneshot::Sender<Release>>,
+        entry: Entry<Queued>,
         refusal: Refusal,
-        q: &FlowQueue<oneshot::Sender<Release>>,
+        q: &FlowQueue<Queued>,
     ) {
         let retry = match refusal {
             Refusal::ShuttingDown => 1,
             _ => drain::retry_after_secs(q.len(), flow.drain_rate(), Duration::ZERO),
         };
-        let _ = entry.item.send(Release::Refused(refusal, retry));
+        let _ = entry.item.tx.send(Release::Refused(refusal, retry));
         self.count_dequeue(pool, flow.tier_name(entry.tier), refusal.label());
     }
 
@@ -344,7 +391,7 @@ impl Pools {
         self.metrics.queue_dequeues.get_or_create(&labels).inc();
     }
 
-    fn publish_queue(&self, pool: &str, flow: &PoolFlow, q: &FlowQueue<oneshot::Sender<Release>>) {
+    fn publish_queue(&self, pool: &str, flow: &PoolFlow, q: &FlowQueue<Queued>) {
         flow.queued.store(q.len(), Ordering::Relaxed);
         for (tier, len) in flow.tiers.iter().zip(q.tier_lens()) {
             let labels = PoolTier { pool: self.metrics.bounded(pool), tier: self.metrics.bounded(tier) };
@@ -554,5 +601,57 @@ mod tests {
         // A new tenant of the tier is ahead of all but one of the backlogged tenant's requests.
         assert_eq!(p.predict_refusal("p", 0, "new", Duration::from_secs(1)), None);
         drop(waiters);
+    }
+
+    #[tokio::test]
+    async fn a_freed_slot_goes_to_a_queued_request_whose_prefix_its_endpoint_holds() {
+        // Two endpoints, one slot each (max_in_flight 2), queued in the sidecar past it.
+        let config = crate::config::Config::from_yaml(
+            "listen: 127.0.0.1:0\nredis: {url: 'redis://x'}\ntenants: []\n\
+             flow_control: {tiers: [{name: standard, max_queue_wait_ms: 30000}]}\n\
+             pools:\n  - {name: p, endpoints: ['http://10.0.0.1:1', 'http://10.0.0.1:2'], max_in_flight: 2, \
+             flow_control: {}, picker: {fallback_endpoints: 0}}\n",
+        )
+        .unwrap();
+        let p = Pools::new(&config.pools, config.flow_control.as_ref(), Metrics::new(), None);
+        let now = Instant::now();
+        for i in 0..2 {
+            p.pool("p").unwrap().picker_scraped(i, Some(crate::pools::signals::Scrape::default()), now);
+        }
+        let arrive = |hashes: &'static [u64], id: &'static str| Arrival {
+            tier: 0,
+            tenant: "t",
+            prompt_tokens: 10,
+            body_bytes: 0,
+            budget: LONG,
+            hashes,
+            request_id: id,
+        };
+        let picked = |hashes: &[u64], id: &str| match p.pick("p", hashes, None, id) {
+            crate::pools::PickOutcome::Picked(pick) => pick,
+            other => panic!("no pick: {other:?}"),
+        };
+        assert!(matches!(p.enter_arrival("p", arrive(&[1], "r0")), Entered::Now));
+        let a = picked(&[1], "r0").primary().to_owned();
+        assert!(matches!(p.enter_arrival("p", arrive(&[2], "r1")), Entered::Now));
+        let b = picked(&[2], "r1").primary().to_owned();
+        assert_ne!(a, b, "one request on each endpoint");
+        // Queued: first a prompt no endpoint holds, then one of b's prefix.
+        let cold = tokio::spawn(queued(p.enter_arrival("p", arrive(&[9], "r2"))).wait());
+        let warm = tokio::spawn(queued(p.enter_arrival("p", arrive(&[2, 3], "r3"))).wait());
+        tokio::task::yield_now().await;
+        // b's request ends: its slot goes to r3, past the older r2, and r3's pick goes to b.
+        p.pick_finished("p", &b, None);
+        p.finished("p");
+        assert!(warm.await.unwrap().is_ok());
+        let pick = picked(&[2, 3], "r3");
+        assert!(pick.slot);
+        assert_eq!(pick.primary(), b);
+        assert!(!cold.is_finished());
+        // a's ends: r2 takes its slot (the most free).
+        p.pick_finished("p", &a, None);
+        p.finished("p");
+        assert!(cold.await.unwrap().is_ok());
+        assert_eq!(picked(&[9], "r2").primary(), a);
     }
 }

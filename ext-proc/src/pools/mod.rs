@@ -173,6 +173,14 @@ impl Pool {
     }
 
     /// The pool's signals now.
+    /// Feeds the pool's picker a scrape of endpoint `index` (tests).
+    #[cfg(test)]
+    pub(crate) fn picker_scraped(&self, index: usize, scrape: Option<Scrape>, now: Instant) {
+        if let Some(Ok(mut p)) = self.picker.as_ref().map(|p| p.lock()) {
+            p.scraped(index, scrape, now);
+        }
+    }
+
     #[cfg(test)]
     pub(crate) fn signals(&self) -> PoolSignals {
         self.state.lock().map(|s| s.signals).unwrap_or_default()
@@ -231,7 +239,12 @@ impl Pools {
                 let picker = c.picker.map(|p| {
                     // Validated at load: every endpoint of a picking pool is http://ip:port.
                     let addrs: Vec<_> = c.endpoints.iter().filter_map(|u| endpoint_addr(u)).collect();
-                    Mutex::new(PoolPicker::new(p, &addrs, c.scrape_interval_ms))
+                    let mut picker = PoolPicker::new(p, &addrs, c.scrape_interval_ms);
+                    // A queue holds what passes `max_in_flight`: it dispatches by the slots.
+                    if let (Some(max), Some(_), Some(_)) = (c.max_in_flight, c.flow_control, flow) {
+                        picker.set_slots(max);
+                    }
+                    Mutex::new(picker)
                 });
                 let flow = c.flow_control.zip(flow).map(|(pool, flow)| PoolFlow::new(pool, flow));
                 (
@@ -328,6 +341,7 @@ impl Pools {
         match pick {
             Some(pick) => {
                 let by = match (pick.predicted, pick.affinity) {
+                    _ if pick.slot => "slot",
                     _ if pick.home => "home",
                     (true, true) => "predicted_affinity",
                     (true, false) => "predicted",

@@ -15,6 +15,8 @@
 //!   affinity, the fallbacks, and the per-pool state;
 //! - [`ttft_model`]: the pool's model of a request's TTFT on an endpoint (queue ahead, uncached
 //!   prompt), fitted online to the TTFTs the gateway measures: what `predicted_ttft` scoring ranks by;
+//! - [`slots`]: a flow-controlled pool's engine slots per endpoint, and the slots its queue
+//!   promised to the requests it dispatched (a freed slot to a request whose prefix it holds);
 //! - [`prompt`]: a raw request body's prompt, hashed in blocks as the wasm filter hashes it (the
 //!   endpoint-picker role, which gets the body and not the filter's facts).
 
@@ -23,4 +25,5 @@ pub mod picker;
 pub mod prefix_index;
 pub mod prompt;
 pub mod scorers;
+pub mod slots;
 pub mod ttft_model;

@@ -20,6 +20,8 @@
 //!    Homes keep the replicas' caches disjoint, as a static split of the prefixes between them
 //!    does; without them a prefix that spilled once is held, and then asked for, on every
 //!    endpoint.
+//!    In a flow-controlled pool ([`crate::scheduling::slots`]) the home goes first only while it
+//!    has a free slot.
 //! 5. **Fallbacks**: the next `fallback_endpoints` of the ranking, for Envoy to try in order.
 //!
 //! With `scoring: predicted_ttft` (the default), once the pool's TTFT model has its samples
@@ -33,6 +35,9 @@
 //! (`vllm:cache_config_info`'s tokens: [`crate::pools::signals::Scrape::cache_tokens`], at the
 //! pool's prompt bytes per token, [`PoolPicker::bytes_per_token`]), so the picker does not
 //! believe an endpoint holds what its cache has evicted.
+//!
+//! A request the pool's flow-control queue dispatched into a free slot it promised
+//! ([`PoolPicker::promise`]) goes to that endpoint first, when it is still eligible.
 //!
 //! After a pick the request's block hashes are recorded on the picked endpoint
 //! ([`crate::scheduling::prefix_index::PrefixIndex`]) and its in-flight count goes up; the request's end (the access log, or
@@ -49,6 +54,7 @@ use super::scorers::{
 use crate::config::pools::{PickerConfig, PickerScoring};
 use crate::pools::signals::Scrape;
 use crate::scheduling::home::{within_capacity, Homes};
+use crate::scheduling::slots::Slots;
 use crate::scheduling::ttft_model::{Features, TtftModel};
 
 /// Bytes of prompt text per token before the pool's own are measured, to turn an engine's cache
@@ -206,6 +212,8 @@ pub struct Pick {
     pub predicted: bool,
     /// Whether the request's prefix home decided it ([`crate::scheduling::home`]).
     pub home: bool,
+    /// Whether the slot the pool's queue promised it decided it ([`crate::scheduling::slots`]).
+    pub slot: bool,
 }
 
 impl Pick {
@@ -249,6 +257,8 @@ pub struct PoolPicker {
     bytes_per_token: f64,
     /// Each prompt block's home endpoint (step 4); `None` with homes off (nothing kept or looked up).
     homes: Option<Homes>,
+    /// The endpoints' slots in a flow-controlled pool ([`PoolPicker::set_slots`]); `None` otherwise.
+    slots: Option<Slots>,
 }
 
 impl PoolPicker {
@@ -282,6 +292,60 @@ impl PoolPicker {
             homes: (config.home_load_factor >= 1.0).then(|| {
                 Homes::new(config.prefix_lru_blocks.saturating_mul(addrs.len()).clamp(1, MAX_HOMES))
             }),
+            slots: None,
+        }
+    }
+
+    /// The pool is flow-controlled at `max_in_flight`: its endpoints' slots are its share
+    /// ([`Slots::new`]), and its queue dispatches by them ([`PoolPicker::free_slots`]).
+    /// Its queue's dispatch prefers each prefix's home ([`PoolPicker::preferred`]), so prefix
+    /// homes are kept whatever `home_load_factor` says (which then only rules step 4).
+    pub fn set_slots(&mut self, max_in_flight: u64) {
+        self.slots = Some(Slots::new(max_in_flight, self.endpoints.len()));
+        if self.homes.is_none() {
+            let capacity = self.config.prefix_lru_blocks.saturating_mul(self.endpoints.len());
+            self.homes = Some(Homes::new(capacity.clamp(1, MAX_HOMES)));
+        }
+    }
+
+    /// Free slots of each endpoint (config order) at `now`: its slots less this sidecar's
+    /// requests in flight on it and the slots promised on it; 0 for one not eligible. `None`
+    /// without slots.
+    pub fn free_slots(&self, now: Instant) -> Option<Vec<u64>> {
+        let slots = self.slots.as_ref()?;
+        let in_flight: Vec<u64> = self.endpoints.iter().map(|e| e.in_flight).collect();
+        let eligible: Vec<bool> = self.endpoints.iter().map(|e| e.eligible(now, self.stale_after)).collect();
+        Some(slots.free(&in_flight, &eligible, now))
+    }
+
+    /// The endpoint with a free slot (`free`, from [`PoolPicker::free_slots`]) that holds the
+    /// prefix of a prompt hashing to `hashes`: the home of its longest homed prefix when it has
+    /// one, else, of the endpoints holding its longest matched prefix (at least one block), the
+    /// one with the most free slots. None when that endpoint has no free slot, or none holds it.
+    pub fn preferred(&self, hashes: &[u64], free: &[u64]) -> Option<usize> {
+        let has_free = |i: usize| free.get(i).is_some_and(|&n| n > 0);
+        if let Some((home, _)) = self.homes.as_ref().and_then(|homes| homes.of(hashes)) {
+            return has_free(home).then_some(home);
+        }
+        let matched: Vec<usize> = self.endpoints.iter().map(|e| e.prefixes.matched(hashes)).collect();
+        let longest = matched.iter().copied().max().filter(|&m| m > 0)?;
+        (0..self.endpoints.len())
+            .filter(|&i| matched.get(i) == Some(&longest) && has_free(i))
+            .max_by_key(|&i| (free.get(i).copied().unwrap_or(0), std::cmp::Reverse(i)))
+    }
+
+    /// Promises endpoint `index`'s free slot to request `request_id`, which the pool's queue
+    /// dispatched at `now`: its pick goes there.
+    pub fn promise(&mut self, request_id: &str, index: usize, now: Instant) {
+        if let Some(slots) = self.slots.as_mut() {
+            slots.promise(request_id, index, now);
+        }
+    }
+
+    /// Takes back the slot promised to `request_id` (its dispatch failed).
+    pub fn unpromise(&mut self, request_id: &str) {
+        if let Some(slots) = self.slots.as_mut() {
+            slots.take(request_id);
         }
     }
 
@@ -384,15 +448,23 @@ impl PoolPicker {
             .as_ref()
             .and_then(|homes| homes.of(hashes))
             .and_then(|(e, blocks)| Some((eligible.iter().position(|&i| i == e)?, blocks)));
+        let per_slot = self.slots.as_ref().map(Slots::per_endpoint);
         let home = homed.map(|(h, _)| h).filter(|&h| {
             let occupancy: Vec<f64> = candidates.iter().map(Candidate::occupancy).collect();
-            within_capacity(&occupancy, h, self.config.home_load_factor)
+            let slot_free = per_slot.is_none_or(|n| candidates.get(h).is_some_and(|c| c.in_flight < n));
+            slot_free && within_capacity(&occupancy, h, self.config.home_load_factor)
         });
-        if let Some(h) = home {
-            choice.order.retain(|&i| i != h);
-            choice.order.insert(0, h);
+        // The slot the pool's queue promised it, when that endpoint is still a candidate.
+        let slot = self
+            .slots
+            .as_mut()
+            .and_then(|s| s.take(request_id))
+            .and_then(|e| eligible.iter().position(|&i| i == e));
+        if let Some(first) = slot.or(home) {
+            choice.order.retain(|&i| i != first);
+            choice.order.insert(0, first);
             choice.order.truncate(self.config.fallback_endpoints.saturating_add(1));
-            choice.affinity = true;
+            choice.affinity = slot.is_none() || candidates.get(first).is_some_and(|c| c.prefix_blocks > 0);
         }
         self.picks = self.picks.wrapping_add(1);
         if let Some(x) = choice.order.first().and_then(|&c| features.get(c)) {
@@ -418,8 +490,9 @@ impl PoolPicker {
             prefix_blocks,
             request_blocks: hashes.len(),
             affinity: choice.affinity,
-            predicted: predicted.is_some() && home.is_none(),
-            home: home.is_some(),
+            predicted: predicted.is_some() && home.is_none() && slot.is_none(),
+            home: home.is_some() && slot.is_none(),
+            slot: slot.is_some(),
         })
     }
 

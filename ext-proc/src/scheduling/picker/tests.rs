@@ -336,3 +336,30 @@ fn the_pools_bytes_per_token_is_learned_from_ends_and_sizes_the_index() {
     p.finished("10.0.0.1:1", Some(Observed { request_id: "never", ttft_s: 0.5, prompt_tokens: 1000 }));
     assert_eq!(p.bytes_per_token(), before);
 }
+
+#[test]
+fn a_flow_controlled_pool_sends_a_promised_request_to_its_slot_and_prefers_the_prefix_holder() {
+    let mut p = PoolPicker::new(PickerConfig { fallback_endpoints: 0, ..config() }, &addrs(2), 500);
+    let t0 = Instant::now();
+    assert_eq!(p.free_slots(t0), None, "no slots without flow control");
+    p.set_slots(4);
+    p.scraped(0, scrape(0.0, 0.0, 0.0), t0);
+    p.scraped(1, scrape(0.0, 0.0, 0.0), t0);
+    assert_eq!(p.free_slots(t0), Some(vec![2, 2]));
+    // Endpoint 1 (port 2) served prefix [7, 8]; a request of it prefers endpoint 1.
+    p.pick(&[7, 8], Some(&[SocketAddr::from(([10, 0, 0, 1], 2))]), t0, "").unwrap();
+    let free = p.free_slots(t0).unwrap();
+    assert_eq!(free, vec![2, 1]);
+    assert_eq!(p.preferred(&[7, 8, 9], &free), Some(1));
+    assert_eq!(p.preferred(&[5], &free), None, "no endpoint holds it");
+    assert_eq!(p.preferred(&[7, 8], &[2, 0]), None, "its holder has no free slot");
+    // A promise decides the pick over the ranking (which would take the idle endpoint 0).
+    p.promise("r1", 1, t0);
+    assert_eq!(p.free_slots(t0), Some(vec![2, 0]));
+    let pick = p.pick(&[3], None, t0, "r1").unwrap();
+    assert!(pick.slot && !pick.home);
+    assert_eq!(pick.primary(), "10.0.0.1:2");
+    assert_eq!(p.free_slots(t0), Some(vec![2, 0]), "the promise became an in-flight request");
+    // Without a promise the ranking decides again (a prompt no endpoint holds: the idle one).
+    assert_eq!(p.pick(&[4], None, t0, "r2").unwrap().primary(), "10.0.0.1:1");
+}
