@@ -47,7 +47,8 @@ the prefix groups: the ceiling without its split); `picker-weighted` (`picker: {
 weighted}`: the fixed weights and bounded-load affinity, not queued), `picker-nohome`
 (`home_load_factor: 0`), `picker-hX` (`home_load_factor: X`), `picker-fX` (weighted,
 `affinity_load_factor: X`), all not queued; `picker-q` (queued, as `picker`), `picker-qhX`
-(queued, `home_load_factor: X`).
+(queued, `home_load_factor: X`); `least-request-oN`, `picker-oN` (queued as -q and picker are,
+at N more than each replica's slots: N requests wait in each engine).
 
     make bench-real                                   # everything, 2 rounds (~90 min)
     .venv/bin/python bench/real_engine.py --workloads long-prefix,random --rounds 2
@@ -68,6 +69,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import signal
 import statistics
@@ -287,7 +289,14 @@ def start_gateway(workdir: Path, arm: str, urls: list[str], keys: dict[str, str]
     if arm.startswith("picker"):
         pool.shedding = {"scrape_interval_ms": 200}
         pool.picker = picker_config(arm)
-    if arm == "picker" or arm.startswith("picker-q") or arm == "least-request-q":
+    over = re.fullmatch(r"(least-request|picker)-o(\d+)", arm)
+    if over:
+        # Queued in the sidecar past N more than the engines' slots a replica: N requests wait in
+        # each engine's own queue, so a freed engine slot is refilled without a round trip.
+        pool.shedding = {"scrape_interval_ms": 200, "max_in_flight": (MAX_NUM_SEQS + int(over.group(2))) * len(urls),
+                         "flow_control": {}}
+        overrides["flow_control"] = {"tiers": [{"name": "standard", "max_queue_wait_ms": 60_000}]}
+    elif arm == "picker" or arm.startswith("picker-q") or arm == "least-request-q":
         # Queued in the sidecar at the engines' slots: a freed slot goes to a request whose
         # prefix its replica holds.
         pool.shedding = {"scrape_interval_ms": 200, "max_in_flight": MAX_NUM_SEQS * len(urls), "flow_control": {}}
@@ -712,7 +721,8 @@ def main(argv: list[str] | None = None) -> int:
             for round_no in range(rounds):
                 for w in ws:
                     arms = [a for a in (args.arms.split(",") if args.arms else w.arms)
-                            if a in w.arms or (a.startswith("picker") or a == "direct") and w.name != "tenants"]
+                            if a in w.arms or (a.startswith(("picker", "least-request")) or a == "direct")
+                            and w.name != "tenants"]
                     rng.shuffle(arms)
                     for arm in arms:
                         print(f"[{datetime.datetime.now():%H:%M:%S}] {w.name} {arm} round {round_no}", flush=True)

@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import random
 import secrets
 import select
 import shutil
@@ -77,6 +78,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive ports that were free a moment ago, below the kernel's
+    ephemeral range (32768-60999 by default), so no outgoing connection's source port takes one
+    between this check and the bind (gatewayctl gives a sidecar's replicas `listen` + k)."""
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(20000, 32768 - count)
+        held: list[socket.socket] = []
+        try:
+            for port in range(first, first + count):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise StackError(f"no {count} consecutive free ports in 20000-32767")
 
 
 def sha256_hex(key: str) -> str:

@@ -38,7 +38,7 @@ import pytest
 import redis
 import yaml
 from helpers import auth, chat_body, envoy_counter, envoy_stats, wait_for
-from stack import WASM_PATH, Model, Pool, Proc, Stack, Tenant, envoy_binary, free_port, new_api_key, sha256_hex
+from stack import WASM_PATH, Model, Pool, Proc, Stack, Tenant, envoy_binary, free_port, free_port_run, new_api_key, sha256_hex
 from test_deploy import gatewayctl
 
 KEY = new_api_key()
@@ -197,7 +197,8 @@ def pool() -> list[Pool]:
 
 @pytest.mark.parametrize("leases", [False, True], ids=["every-request-admitted", "admission-leases"])
 def test_sidecar_replicas_restarted_one_at_a_time_lose_no_request(tmp_path, pool, leases):
-    rendered = Rendered(tmp_path, free_port(), leases=leases)
+    # Two replicas listen on consecutive ports.
+    rendered = Rendered(tmp_path, free_port_run(2), leases=leases)
     with Stack(tmp_path, pool, [Model(MODEL, "pool_u")], [Tenant(TENANT, [KEY], {"requests_per_minute": 100000})],
                sidecar_config_from=lambda s: rendered.file(s, "sidecar.yaml"),
                envoy_config_from=lambda s: rendered.file(s, "envoy.yaml")) as stack:
