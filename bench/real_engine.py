@@ -207,6 +207,9 @@ class Replica:
     logdir: Path
     port: int = 0
     proc: subprocess.Popen | None = None
+    # The engine's niceness (--engine-nice): above 0 the gateway beside it on the same cores is
+    # scheduled first, as it is on a serving host where it never shares the engine's cores.
+    nice: int = 0
 
     @property
     def url(self) -> str:
@@ -232,6 +235,8 @@ class Replica:
                     "--profile", "cpu-gemma-270m", "--num-gpu-blocks", str(sim_blocks),
                     "--max-num-seqs", str(MAX_NUM_SEQS), "--slowdown", str(SIM_LOAD_SLOWDOWN),
                     "--max-model-len", str(round(MAX_MODEL_LEN * SIM_TOKENS_PER_TOKEN))]
+        if self.nice:
+            argv = ["nice", "-n", str(self.nice), *argv]
         self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
 
@@ -680,6 +685,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="long-prefix,short-prefix,random,long-prefix-big,quarter-cache,tenants")
     ap.add_argument("--arms", help="only these arms (comma-separated)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--engine-nice", type=int, default=0,
+                    help="the engines' niceness (0-19): the gateway, Redis and the client first on the shared cores")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="32 prompts a run, 1 round; docs untouched")
     ap.add_argument("--no-docs", action="store_true")
@@ -712,7 +719,8 @@ def main(argv: list[str] | None = None) -> int:
         by_blocks.setdefault(w.blocks[: args.replicas] if len(w.blocks) >= args.replicas else w.blocks, []).append(w)
     rng = random.Random(stamp)
     for blocks, ws in by_blocks.items():
-        replicas = [Replica(i, blocks[i % len(blocks)], args.engine, vllm, raw) for i in range(args.replicas)]
+        replicas = [Replica(i, blocks[i % len(blocks)], args.engine, vllm, raw, nice=args.engine_nice)
+                    for i in range(args.replicas)]
         try:
             for r in replicas:
                 r.start()
@@ -734,6 +742,7 @@ def main(argv: list[str] | None = None) -> int:
                 r.stop()
     summary = summarize(results)
     meta = {"stamp": stamp, "rounds": rounds, "replicas": args.replicas, "engine": args.engine,
+            "engine_nice": args.engine_nice,
             "prompts": chosen[0].num_prompts if chosen else None,
             "concurrency": chosen[0].concurrency if chosen else None}
     (raw / "summary.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
