@@ -7,8 +7,8 @@
 use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::google::protobuf::{value::Kind, Value};
 use gateway_contract::{
-    MD_DESTINATION_ENDPOINT_SUBSET, MD_NAMESPACE_SUBSET_HINT, MD_PICKED_ENDPOINT, MD_RESERVED_LOCALLY,
-    MD_RESERVED_TOKENS, METADATA_NAMESPACE,
+    MD_DESTINATION_ENDPOINT_SUBSET, MD_NAMESPACE_SUBSET_HINT, MD_PICKED_ENDPOINT, MD_QUEUE_WAIT_MS,
+    MD_RESERVED_LOCALLY, MD_RESERVED_TOKENS, METADATA_NAMESPACE,
 };
 
 /// The `details` of the sidecar's own replies (ImmediateResponse), which Envoy logs as the
@@ -159,6 +159,22 @@ pub fn subset_hint(metadata: Option<&Metadata>) -> Option<Vec<std::net::SocketAd
         _ => {}
     }
     Some(addrs)
+}
+
+/// How long a request waited in its pool's flow-control queue, from the forwarded
+/// `llm_gateway` metadata (`queue_wait_ms`: milliseconds as a decimal string, written by the
+/// admission of a request that was queued); zero when it was not queued or the value is not a
+/// number.
+pub fn queue_wait(metadata: Option<&Metadata>) -> std::time::Duration {
+    let ms = metadata
+        .and_then(|m| m.filter_metadata.get(METADATA_NAMESPACE))
+        .and_then(|s| s.fields.get(MD_QUEUE_WAIT_MS))
+        .and_then(|v| match &v.kind {
+            Some(Kind::StringValue(s)) => s.parse::<u64>().ok(),
+            _ => None,
+        })
+        .unwrap_or(0);
+    std::time::Duration::from_millis(ms)
 }
 
 /// The endpoint the picker picked for a request, from the forwarded `llm_gateway` metadata

@@ -13,7 +13,7 @@ use envoy_types::pb::envoy::service::accesslog::v3::{StreamAccessLogsMessage, St
 use gateway_meter::UsageSource;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::facts::picked_endpoint;
+use crate::facts::{picked_endpoint, queue_wait};
 use crate::metering::access_log::{self, Entry};
 use crate::scheduling::picker::Observed;
 use crate::state::Live;
@@ -48,11 +48,14 @@ impl AccessLogService for AccessLog {
                         let metadata = entry.common_properties.as_ref().and_then(|c| c.metadata.as_ref());
                         if let Some(endpoint) = picked_endpoint(metadata) {
                             // A request that streamed a first token teaches the pool's TTFT model
-                            // and, with the upstream's usage, its bytes per token.
+                            // and, with the upstream's usage, its bytes per token. Its TTFT counts
+                            // from the filter's request headers: the wait in the pool's queue,
+                            // before its pick, is not the endpoint's.
                             let measured = record.ttft_us > 0 && (200..300).contains(&record.status);
+                            let waited = queue_wait(metadata).as_secs_f64();
                             let observed = measured.then(|| Observed {
                                 request_id: record.info.request_id.as_str(),
-                                ttft_s: record.ttft_us as f64 / 1e6,
+                                ttft_s: (record.ttft_us as f64 / 1e6 - waited).max(0.0),
                                 prompt_tokens: match record.usage_source {
                                     UsageSource::Upstream => record.prompt_tokens,
                                     _ => 0,

@@ -236,7 +236,7 @@ pub(crate) fn proto_duration(d: Duration) -> envoy_types::pb::google::protobuf::
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::facts::{picked_endpoint, reservation, subset_hint};
+    use crate::facts::{picked_endpoint, queue_wait, reservation, subset_hint};
     use envoy_types::pb::envoy::config::core::v3::Metadata;
     use gateway_contract::{MD_DESTINATION_ENDPOINT_SUBSET, MD_NAMESPACE_SUBSET_HINT};
 
@@ -419,6 +419,7 @@ mod tests {
             slot: false,
         };
         add_pick(&mut s, &pick);
+        add_queue_wait(&mut s, Duration::from_millis(1_250));
         let m = Metadata {
             filter_metadata: s
                 .fields
@@ -437,6 +438,9 @@ mod tests {
         assert_eq!(picked_endpoint(Some(&m)).as_deref(), Some("10.0.0.1:1"));
         assert_eq!(reservation(Some(&m)), (1, false), "the admission's metadata is kept");
         assert_eq!(picked_endpoint(None), None);
+        // The wait the access log takes off the TTFT the picker's model learns.
+        assert_eq!(queue_wait(Some(&m)), Duration::from_millis(1_250));
+        assert_eq!(queue_wait(None), Duration::ZERO);
     }
 
     #[test]
