@@ -50,6 +50,9 @@ weighted}`: the fixed weights and bounded-load affinity, not queued), `picker-no
 (queued, `home_load_factor: X`); `least-request-oN`, `picker-oN` (queued as -q and picker are,
 at N more than each replica's slots: N requests wait in each engine).
 
+--engine-nice N starts the engines at niceness N, so the gateway, Redis and the client run first
+on the cores they share with the engines (on a serving host the gateway never shares them).
+
     make bench-real                                   # everything, 2 rounds (~90 min)
     .venv/bin/python bench/real_engine.py --workloads long-prefix,random --rounds 2
     .venv/bin/python bench/real_engine.py --engine sim   # the same on vllm-sim (--profile cpu-gemma-270m)
