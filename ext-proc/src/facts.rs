@@ -166,23 +166,21 @@ pub fn subset_hint(metadata: Option<&Metadata>) -> Option<Vec<std::net::SocketAd
 /// admission of a request that was queued); zero when it was not queued or the value is not a
 /// number.
 pub fn queue_wait(metadata: Option<&Metadata>) -> std::time::Duration {
-    let ms = metadata
-        .and_then(|m| m.filter_metadata.get(METADATA_NAMESPACE))
-        .and_then(|s| s.fields.get(MD_QUEUE_WAIT_MS))
-        .and_then(|v| match &v.kind {
-            Some(Kind::StringValue(s)) => s.parse::<u64>().ok(),
-            _ => None,
-        })
-        .unwrap_or(0);
+    let ms = gateway_string(metadata, MD_QUEUE_WAIT_MS).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
     std::time::Duration::from_millis(ms)
+}
+
+/// The string value of `key` in the forwarded `llm_gateway` metadata; None when absent, of
+/// another kind, or empty.
+fn gateway_string<'a>(metadata: Option<&'a Metadata>, key: &str) -> Option<&'a str> {
+    match &metadata?.filter_metadata.get(METADATA_NAMESPACE)?.fields.get(key)?.kind {
+        Some(Kind::StringValue(s)) if !s.is_empty() => Some(s.as_str()),
+        _ => None,
+    }
 }
 
 /// The endpoint the picker picked for a request, from the forwarded `llm_gateway` metadata
 /// (`picked_endpoint`); None when it was not picked.
 pub fn picked_endpoint(metadata: Option<&Metadata>) -> Option<String> {
-    let value = metadata?.filter_metadata.get(METADATA_NAMESPACE)?.fields.get(MD_PICKED_ENDPOINT)?;
-    match &value.kind {
-        Some(Kind::StringValue(s)) if !s.is_empty() => Some(s.clone()),
-        _ => None,
-    }
+    gateway_string(metadata, MD_PICKED_ENDPOINT).map(str::to_owned)
 }

@@ -52,10 +52,10 @@ impl AccessLogService for AccessLog {
                             // from the filter's request headers: the wait in the pool's queue,
                             // before its pick, is not the endpoint's.
                             let measured = record.ttft_us > 0 && (200..300).contains(&record.status);
-                            let waited = queue_wait(metadata).as_secs_f64();
                             let observed = measured.then(|| Observed {
                                 request_id: record.info.request_id.as_str(),
-                                ttft_s: (record.ttft_us as f64 / 1e6 - waited).max(0.0),
+                                ttft_s: (record.ttft_us as f64 / 1e6 - queue_wait(metadata).as_secs_f64())
+                                    .max(0.0),
                                 prompt_tokens: match record.usage_source {
                                     UsageSource::Upstream => record.prompt_tokens,
                                     _ => 0,
