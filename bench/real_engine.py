@@ -47,8 +47,10 @@ the prefix groups: the ceiling without its split); `picker-weighted` (`picker: {
 weighted}`: the fixed weights and bounded-load affinity, not queued), `picker-nohome`
 (`home_load_factor: 0`), `picker-hX` (`home_load_factor: X`), `picker-fX` (weighted,
 `affinity_load_factor: X`), all not queued; `picker-q` (queued, as `picker`), `picker-qhX`
-(queued, `home_load_factor: X`); `least-request-oN`, `picker-oN` (queued as -q and picker are,
-at N more than each replica's slots: N requests wait in each engine).
+(queued, `home_load_factor: X`); `picker-sN` (queued, `slot_overcommit: N`: N more a replica for
+prompts no replica holds; `picker` has the default, 2); `least-request-oN`, `picker-oN` (queued as
+-q and picker are, at N more than each replica's slots for every prompt: N requests wait in each
+engine; `slot_overcommit: 0`).
 
 --engine-nice N starts the engines at niceness N, so the gateway, Redis and the client run first
 on the cores they share with the engines (on a serving host the gateway never shares them).
@@ -109,11 +111,21 @@ MAX_MODEL_LEN = 2048
 # Sim tokens (4 bytes each) per Gemma token of these datasets (7.6 bytes on average, measured
 # over vllm bench's random and prefix_repetition prompts with Gemma-3-270M's tokenizer).
 SIM_TOKENS_PER_TOKEN = 7.6 / 4
-# How much slower the engine steps under this benchmark's load than alone (the profile's fit):
-# two replicas, their API servers, the gateway and the client share the machine's two cores. In
-# run 20261201-194909 the real replicas' median inter-token latency with four running was 62-72 ms
-# on every picking workload and arm, against 48.9 ms alone (step 35.1 + 4 x 3.44 ms).
-SIM_LOAD_SLOWDOWN = 1.33
+# The sim's step costs under this benchmark's load (`vllm-sim` flags over the profile's, which
+# are one replica alone): two replicas, their API servers, the gateway and the client share the
+# machine's two cores. From the real run 20261206-220728 (16 concurrent): the replicas' median
+# inter-token latency was 99.7 ms with one request running (tenants, light alone) and 100-120 ms
+# with four (every picking arm), against the profile's 38.5 and 48.8 ms alone: the step's fixed
+# cost is 96.3 ms there (99.7 less one decode's 3.44 ms); a lone 256-token prompt's TTFT p50 was
+# 752 ms (light alone), so 2.56 ms a Gemma token less the step, 1,350 us a sim token (the
+# profile's alone: 607).
+SIM_UNDER_LOAD = {"--step-base-ms": 96.3, "--decode-us-per-seq": 3440, "--prefill-us-per-token": 1350}
+# The sim's KV blocks over the real cache's tokens: the real replicas hit their prefix cache more
+# than a sim holding the tokens the CPU build's log gives did (run 20261206-231344 against
+# 220728, long shared prefixes: 47 % against 70 % of prompt tokens straight to each replica,
+# 18 % against 31 % through least-request): Gemma-3's sliding-window layers keep only their
+# window's blocks of a cached prefix. 1.5 is fitted to that gap, not measured.
+SIM_CACHE_SCALE = 1.5
 # Gemma tokens the CPU build's KV cache holds per `--num-gpu-blocks-override` block (its log:
 # "CPU KV cache size: 41,527 tokens" with 2,048 blocks: 128-token blocks shared by Gemma-3's
 # attention groups).
@@ -233,10 +245,11 @@ class Replica:
             env = dict(os.environ)
             # The profile's blocks are the CPU build's (128 Gemma tokens); the cache holds what
             # `--num-gpu-blocks-override` gives the real replica (sim/src/config.rs, CPU_GEMMA_270M).
-            sim_blocks = math.ceil(self.blocks * REAL_TOKENS_PER_OVERRIDE_BLOCK / 128)
+            sim_blocks = math.ceil(self.blocks * REAL_TOKENS_PER_OVERRIDE_BLOCK * SIM_CACHE_SCALE / 128)
             argv = [str(SIM_BIN), "--port", str(self.port), "--served-model-name", MODEL, "--engine", "batched",
                     "--profile", "cpu-gemma-270m", "--num-gpu-blocks", str(sim_blocks),
-                    "--max-num-seqs", str(MAX_NUM_SEQS), "--slowdown", str(SIM_LOAD_SLOWDOWN),
+                    "--max-num-seqs", str(MAX_NUM_SEQS),
+                    *(x for flag, v in SIM_UNDER_LOAD.items() for x in (flag, f"{v:g}")),
                     "--max-model-len", str(round(MAX_MODEL_LEN * SIM_TOKENS_PER_TOKEN))]
         if self.nice:
             argv = ["nice", "-n", str(self.nice), *argv]
@@ -275,7 +288,8 @@ class Replica:
 def picker_config(arm: str) -> dict:
     """The pool's `picker` of a picker arm: `picker` (the defaults), `picker-weighted`,
     `picker-nohome` (`home_load_factor: 0`), `picker-hX` (`home_load_factor: X`), `picker-fX`
-    (weighted, `affinity_load_factor: X`)."""
+    (weighted, `affinity_load_factor: X`), `picker-sN` (`slot_overcommit: N`), `picker-oN`
+    (`slot_overcommit: 0`: its N are for every prompt)."""
     if arm == "picker-weighted":
         return {"scoring": "weighted"}
     if arm == "picker-nohome":
@@ -286,6 +300,10 @@ def picker_config(arm: str) -> dict:
         return {"home_load_factor": float(arm[len("picker-h"):])}
     if arm.startswith("picker-f"):
         return {"scoring": "weighted", "affinity_load_factor": float(arm[len("picker-f"):])}
+    if m := re.fullmatch(r"picker-s(\d+)", arm):
+        return {"slot_overcommit": int(m.group(1))}
+    if re.fullmatch(r"picker-o\d+", arm):
+        return {"slot_overcommit": 0}
     return {}
 
 
@@ -304,7 +322,7 @@ def start_gateway(workdir: Path, arm: str, urls: list[str], keys: dict[str, str]
         pool.shedding = {"scrape_interval_ms": 200, "max_in_flight": (MAX_NUM_SEQS + int(over.group(2))) * len(urls),
                          "flow_control": {}}
         overrides["flow_control"] = {"tiers": [{"name": "standard", "max_queue_wait_ms": 60_000}]}
-    elif arm == "picker" or arm.startswith("picker-q") or arm == "least-request-q":
+    elif arm == "picker" or arm.startswith("picker-q") or re.fullmatch(r"picker-s\d+", arm) or arm == "least-request-q":
         # Queued in the sidecar at the engines' slots: a freed slot goes to a request whose
         # prefix its replica holds.
         pool.shedding = {"scrape_interval_ms": 200, "max_in_flight": MAX_NUM_SEQS * len(urls), "flow_control": {}}
@@ -600,10 +618,13 @@ def section(summary: dict, meta: dict, sim: dict | None = None, sim_meta: dict |
     if sim is not None:
         head, sim_table = comparison(summary, sim)
         head_rows.append(head)
+        flags = " ".join(f"{flag} {v:g}" for flag, v in SIM_UNDER_LOAD.items())
         sim_text = (f"\n\n### The simulator against it\n\n`vllm-sim --engine batched --profile cpu-gemma-270m "
-                    f"--slowdown {SIM_LOAD_SLOWDOWN:g}` (sim/src/config.rs, `CPU_GEMMA_270M`: one replica alone, fitted "
-                    f"with `bench/real_engine.py --fit`; the slowdown: the real replicas' inter-token latency under this "
-                    f"benchmark's load over the fit's, `SIM_LOAD_SLOWDOWN`) in place of each "
+                    f"{flags}` (sim/src/config.rs, `CPU_GEMMA_270M`, one replica alone, fitted with "
+                    f"`bench/real_engine.py --fit`; the flags: its step costs under this benchmark's load, "
+                    f"`SIM_UNDER_LOAD`, fitted to the real replicas' inter-token latencies and a lone prompt's TTFT in "
+                    f"run 20261206-220728; its KV blocks {SIM_CACHE_SCALE:g}x the real cache's tokens, "
+                    f"`SIM_CACHE_SCALE`) in place of each "
                     f"replica, the same gateways, client, prompts and arms; medians of {sim_meta['rounds']} round(s) "
                     f"of {sim_meta['prompts']} prompts (run of {sim_meta['stamp']}).\n\n{sim_table}")
     headline = md_table(["Measure", "Result"], head_rows)

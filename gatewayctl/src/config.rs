@@ -1195,6 +1195,10 @@ pub struct PickerSection {
     /// picked: Envoy's LEAST_REQUEST chooses); the sidecar's default is false.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub admission_leases: Option<bool>,
+    /// Requests past its slots each endpoint of a pool with `shedding.max_in_flight` and
+    /// `flow_control` may hold, only for prompts no endpoint holds (the sidecar's default 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot_overcommit: Option<u64>,
 }
 
 impl PickerSection {

@@ -249,6 +249,18 @@ pub struct PickerConfig {
     /// TTFT model weighs, and of the engine's cache size in blocks. 1..=4096; default 64.
     #[serde(default = "default_picker_block_bytes")]
     pub block_bytes: usize,
+    /// Requests beyond its slots each endpoint of a slot-dispatching pool (`picker` with
+    /// `max_in_flight` and `flow_control`, [`crate::scheduling::slots`]) may hold in its own
+    /// queue, taken only by queued requests whose prompt no endpoint holds (no home, no matched
+    /// block), and only on an endpoint that holds none of the prefixes of the next queued
+    /// requests (an engine's queue takes its next free slot, which those should get): such a
+    /// request saves no prefill by waiting for a slot, and one waiting in the engine refills its
+    /// freed slot without a round trip through the gateway. So the pool holds up to
+    /// `max_in_flight + slot_overcommit x endpoints`, the extra only for those prompts.
+    /// 0..=64; default 2 (docs/benchmarks.md, "On a real engine": random prompts on the CPU
+    /// engine).
+    #[serde(default = "default_slot_overcommit")]
+    pub slot_overcommit: u64,
 }
 
 /// How the picker ranks endpoints (`pools[].picker.scoring`).
@@ -264,6 +276,16 @@ pub enum PickerScoring {
 
 fn default_picker_block_bytes() -> usize {
     64
+}
+
+/// `picker.slot_overcommit` when unset.
+pub const DEFAULT_SLOT_OVERCOMMIT: u64 = 2;
+
+/// Most `picker.slot_overcommit`.
+pub const MAX_SLOT_OVERCOMMIT: u64 = 64;
+
+fn default_slot_overcommit() -> u64 {
+    DEFAULT_SLOT_OVERCOMMIT
 }
 
 fn default_prefix_weight() -> f64 {
@@ -345,6 +367,12 @@ impl PickerConfig {
         }
         if !(1..=4096).contains(&self.block_bytes) {
             return Err(invalid(format!("{field}.block_bytes"), "must be in 1..=4096"));
+        }
+        if self.slot_overcommit > MAX_SLOT_OVERCOMMIT {
+            return Err(invalid(
+                format!("{field}.slot_overcommit"),
+                format!("must be at most {MAX_SLOT_OVERCOMMIT}"),
+            ));
         }
         if let Some(ms) = self.stale_after_ms {
             if ms <= scrape_interval_ms {

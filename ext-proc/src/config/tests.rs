@@ -309,6 +309,9 @@ fn picker_defaults_and_errors() {
     }
     assert_eq!(bad("{prefix_lru_blocks: 0}"), "pools[0].picker.prefix_lru_blocks: must be in 1..=10000000");
     assert_eq!(bad("{fallback_endpoints: 17}"), "pools[0].picker.fallback_endpoints: must be at most 16");
+    assert_eq!((p.slot_overcommit, ok("{slot_overcommit: 0}").slot_overcommit), (2, 0));
+    assert_eq!(bad("{slot_overcommit: 65}"), "pools[0].picker.slot_overcommit: must be at most 64");
+    assert!(bad("{slot_overcommit: -1}").contains("slot_overcommit"));
     assert_eq!(
         bad("{stale_after_ms: 500}"),
         "pools[0].picker.stale_after_ms: must be > scrape_interval_ms (500)"

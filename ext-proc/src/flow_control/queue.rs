@@ -392,6 +392,14 @@ impl<T> FlowQueue<T> {
         self.pop_where(|_| true)
     }
 
+    /// The first `scan` requests of the tenant [`FlowQueue::pop`] would serve, oldest first:
+    /// those [`FlowQueue::pop_matching`] looks at.
+    pub fn head_window(&self, scan: usize) -> impl Iterator<Item = &Entry<T>> + '_ {
+        let tenant =
+            self.head(|_| true).and_then(|(tier, tenant, _)| self.tiers.get(tier)?.tenants.get(tenant));
+        tenant.into_iter().flat_map(|q| q.values()).take(scan.max(1))
+    }
+
     /// What [`FlowQueue::pop`] would take: its tier, and whether it is a newcomer's (it may use
     /// the newcomer reserve).
     pub fn peek(&self) -> Option<(usize, bool)> {
@@ -417,7 +425,29 @@ impl<T> FlowQueue<T> {
         &mut self,
         scan: usize,
         max_bypass: u32,
+        matches: impl FnMut(&Entry<T>) -> bool,
+    ) -> Option<Entry<T>> {
+        self.pop_matching_or(scan, max_bypass, matches, true)
+    }
+
+    /// [`FlowQueue::pop_matching`]'s match only: None when none of the tenant's first `scan`
+    /// requests matches (or one passed over `max_bypass` times comes first), so nothing is
+    /// taken (in the picker's use: an overcommitted slot, only for a prompt no endpoint holds).
+    pub fn pop_only_matching(
+        &mut self,
+        scan: usize,
+        max_bypass: u32,
+        matches: impl FnMut(&Entry<T>) -> bool,
+    ) -> Option<Entry<T>> {
+        self.pop_matching_or(scan, max_bypass, matches, false)
+    }
+
+    fn pop_matching_or(
+        &mut self,
+        scan: usize,
+        max_bypass: u32,
         mut matches: impl FnMut(&Entry<T>) -> bool,
+        or_head: bool,
     ) -> Option<Entry<T>> {
         let (tier, tenant, _) = self.head(|_| true)?;
         let tenant = tenant.to_owned();
@@ -436,6 +466,8 @@ impl<T> FlowQueue<T> {
             for e in q.range_mut(..id).map(|(_, e)| e) {
                 e.bypassed = e.bypassed.saturating_add(1);
             }
+        } else if !or_head {
+            return None;
         }
         let entry = self.take(tier, &tenant, chosen)?;
         self.fairness.charge_prompt(&entry.tenant, entry.prompt_tokens);

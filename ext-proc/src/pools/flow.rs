@@ -249,29 +249,65 @@ impl Pools {
         // whose prefix its endpoint holds, and is promised to it (crate::scheduling::slots).
         let mut picker = if q.is_empty() { None } else { p.picker.as_ref().and_then(|m| m.lock().ok()) };
         let mut free = picker.as_ref().and_then(|pk| pk.free_slots(now));
+        // The endpoints' overcommitted slots, for prompts no endpoint holds.
+        let spill_room = picker.as_ref().and_then(|pk| pk.spill_room());
+        let mut spill = spill_room.and(picker.as_ref()).and_then(|pk| pk.spill_slots(now));
         while let Some((tier, newcomer)) = q.peek() {
             // Requests of backlogged tenants fill the pool up to the tier's level less the
             // newcomer reserve; a newcomer's request up to the level, around a head held back
             // by the reserve. Without room nothing goes: a higher tier's queued request holds
             // back every lower tier's.
-            let entry = if p.has_room(flow.queue_level(tier)) || (newcomer && p.has_room(flow.level(tier))) {
+            // With overcommitted slots the pool holds up to `max_in_flight` plus them, and a
+            // request goes to a slot while an endpoint has one free (its own count, which the
+            // overcommitted requests on it take too): an endpoint with a free slot is never left
+            // idle behind requests overcommitted elsewhere.
+            let room = |level: f64, f: Option<&Vec<u64>>| match (spill_room, f) {
+                (Some(extra), Some(f)) => f.iter().any(|&n| n > 0) && p.has_room_beyond(level, extra),
+                _ => p.has_room(level),
+            };
+            let mut spilled = false;
+            let entry = if room(flow.queue_level(tier), free.as_ref())
+                || (newcomer && room(flow.level(tier), free.as_ref()))
+            {
                 match (picker.as_ref(), free.as_ref()) {
                     (Some(pk), Some(f)) => q.pop_matching(DISPATCH_SCAN, MAX_BYPASS, |e| {
                         pk.preferred(&e.item.hashes, f).is_some()
                     }),
                     _ => q.pop(),
                 }
-            } else if flow.reserve > 0.0 && p.has_room(flow.level(tier)) {
+            } else if flow.reserve > 0.0 && room(flow.level(tier), free.as_ref()) {
                 q.pop_newcomer()
+            } else if let (Some(pk), Some(extra), Some(sp)) = (picker.as_ref(), spill_room, spill.as_mut()) {
+                // Past the slots, an overcommitted one goes only to a prompt no endpoint holds,
+                // and only on an endpoint that no request of the window holds a prefix on: the
+                // engine's next free slot goes to what waits in its own queue first, and that
+                // one is the queue's to give to a request whose prefix the engine holds.
+                for i in q.head_window(DISPATCH_SCAN).filter_map(|e| pk.holder(&e.item.hashes)) {
+                    if let Some(n) = sp.get_mut(i) {
+                        *n = 0;
+                    }
+                }
+                spilled = true;
+                if p.has_room_beyond(flow.queue_level(tier), extra) && most_free(sp).is_some() {
+                    q.pop_only_matching(DISPATCH_SCAN, MAX_BYPASS, |e| pk.holds_none(&e.item.hashes))
+                } else {
+                    None
+                }
             } else {
                 None
             };
             let Some(entry) = entry else { break };
             if let (Some(pk), Some(f)) = (picker.as_mut(), free.as_mut()) {
-                if let Some(slot) = pk.preferred(&entry.item.hashes, f).or_else(|| most_free(f)) {
+                let slot = match (spilled, spill.as_ref()) {
+                    (true, Some(sp)) => most_free(sp),
+                    _ => pk.preferred(&entry.item.hashes, f).or_else(|| most_free(f)),
+                };
+                if let Some(slot) = slot {
                     pk.promise(&entry.item.request_id, slot, now);
-                    if let Some(n) = f.get_mut(slot) {
-                        *n = n.saturating_sub(1);
+                    for v in [Some(&mut *f), spill.as_mut()].into_iter().flatten() {
+                        if let Some(n) = v.get_mut(slot) {
+                            *n = n.saturating_sub(1);
+                        }
                     }
                 }
             }
@@ -284,6 +320,9 @@ impl Pools {
                 if let (Some(pk), Some(f)) = (picker.as_mut(), free.as_mut()) {
                     pk.unpromise(&request_id);
                     *f = pk.free_slots(now).unwrap_or_default();
+                    if let Some(sp) = spill.as_mut() {
+                        *sp = pk.spill_slots(now).unwrap_or_default();
+                    }
                 }
                 // Its stream is gone (the waiter is being dropped): not in flight after all
                 // (the queue's lock is held: no pump from here, the loop goes on).
@@ -610,7 +649,7 @@ mod tests {
             "listen: 127.0.0.1:0\nredis: {url: 'redis://x'}\ntenants: []\n\
              flow_control: {tiers: [{name: standard, max_queue_wait_ms: 30000}]}\n\
              pools:\n  - {name: p, endpoints: ['http://10.0.0.1:1', 'http://10.0.0.1:2'], max_in_flight: 2, \
-             flow_control: {}, picker: {fallback_endpoints: 0}}\n",
+             flow_control: {}, picker: {fallback_endpoints: 0, slot_overcommit: 0}}\n",
         )
         .unwrap();
         let p = Pools::new(&config.pools, config.flow_control.as_ref(), Metrics::new(), None);
@@ -653,5 +692,71 @@ mod tests {
         p.finished("p");
         assert!(cold.await.unwrap().is_ok());
         assert_eq!(picked(&[9], "r2").primary(), a);
+    }
+
+    #[tokio::test]
+    async fn an_overcommitted_slot_goes_only_to_a_prompt_no_endpoint_holds() {
+        // Two endpoints, one slot each and one overcommitted each.
+        let config = crate::config::Config::from_yaml(
+            "listen: 127.0.0.1:0\nredis: {url: 'redis://x'}\ntenants: []\n\
+             flow_control: {tiers: [{name: standard, max_queue_wait_ms: 30000}]}\n\
+             pools:\n  - {name: p, endpoints: ['http://10.0.0.1:1', 'http://10.0.0.1:2'], max_in_flight: 2, \
+             flow_control: {}, picker: {fallback_endpoints: 0, slot_overcommit: 1}}\n",
+        )
+        .unwrap();
+        let p = Pools::new(&config.pools, config.flow_control.as_ref(), Metrics::new(), None);
+        let now = Instant::now();
+        for i in 0..2 {
+            p.pool("p").unwrap().picker_scraped(i, Some(crate::pools::signals::Scrape::default()), now);
+        }
+        let arrive = |hashes: &'static [u64], id: &'static str| Arrival {
+            tier: 0,
+            tenant: "t",
+            prompt_tokens: 10,
+            body_bytes: 0,
+            budget: LONG,
+            hashes,
+            request_id: id,
+        };
+        let picked = |hashes: &[u64], id: &str| match p.pick("p", hashes, None, id) {
+            crate::pools::PickOutcome::Picked(pick) => pick,
+            other => panic!("no pick: {other:?}"),
+        };
+        assert!(matches!(p.enter_arrival("p", arrive(&[1], "r0")), Entered::Now));
+        let a = picked(&[1], "r0").primary().to_owned();
+        assert!(matches!(p.enter_arrival("p", arrive(&[2], "r1")), Entered::Now));
+        let b = picked(&[2], "r1").primary().to_owned();
+        assert_ne!(a, b, "one request on each endpoint");
+        // A prompt of b's prefix waits for b's slot.
+        let warm = tokio::spawn(queued(p.enter_arrival("p", arrive(&[2, 3], "r2"))).wait());
+        tokio::task::yield_now().await;
+        // A prompt no endpoint holds takes an overcommitted slot at once: a's, since b's next
+        // free slot is for the queued request of b's prefix.
+        assert!(matches!(p.enter_arrival("p", arrive(&[9], "r3")), Entered::Now));
+        let spilled = picked(&[9], "r3");
+        assert!(spilled.slot);
+        assert_eq!(spilled.primary(), a);
+        // a's overcommitted slot is taken and b's is held for r2: the next cold prompt waits.
+        let cold = tokio::spawn(queued(p.enter_arrival("p", arrive(&[8], "r4"))).wait());
+        tokio::task::yield_now().await;
+        assert!(!warm.is_finished() && !cold.is_finished());
+        // b's request ends: its slot goes to r2 (b holds its prefix), and, r2 gone from the
+        // queue, b's overcommitted slot to the cold prompt.
+        p.pick_finished("p", &b, None);
+        p.finished("p");
+        assert!(warm.await.unwrap().is_ok());
+        assert!(cold.await.unwrap().is_ok());
+        assert_eq!(picked(&[2, 3], "r2").primary(), b);
+        assert_eq!(picked(&[8], "r4").primary(), b);
+        // a's two requests end: a has a free slot although the pool held more than
+        // max_in_flight, and a queued request of b's prefix takes it (b is full).
+        let again = tokio::spawn(queued(p.enter_arrival("p", arrive(&[2, 5], "r5"))).wait());
+        tokio::task::yield_now().await;
+        p.pick_finished("p", &a, None);
+        p.finished("p");
+        p.pick_finished("p", &a, None);
+        p.finished("p");
+        assert!(again.await.unwrap().is_ok());
+        assert_eq!(picked(&[2, 5], "r5").primary(), a);
     }
 }

@@ -172,6 +172,14 @@ impl Pool {
         })
     }
 
+    /// [`Pool::has_room`] with `extra` more requests allowed in flight than `max_in_flight`
+    /// ([`room::has_room_beyond`]).
+    pub(crate) fn has_room_beyond(&self, level: f64, extra: u64) -> bool {
+        self.state.lock().map_or(true, |mut s| {
+            room::has_room_beyond(&self.config, &s.signals_with_leases(), s.since_scrape, level, extra)
+        })
+    }
+
     /// The pool's signals now.
     /// Feeds the pool's picker a scrape of endpoint `index` (tests).
     #[cfg(test)]

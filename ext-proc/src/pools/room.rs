@@ -18,9 +18,15 @@ pub struct SinceScrape {
 /// `(waiting + dispatched − finished) / max_queue_depth` and `kv_cache_usage /
 /// max_kv_cache_usage`, each where configured and known (0 with none).
 pub fn load(pool: &PoolConfig, s: &PoolSignals, since: SinceScrape) -> f64 {
+    load_beyond(pool, s, since, 0)
+}
+
+/// [`load`] with `extra` more requests allowed in flight than `max_in_flight` (the slots a
+/// slot-dispatching pool overcommits, [`crate::scheduling::slots`]); the other terms as they are.
+pub fn load_beyond(pool: &PoolConfig, s: &PoolSignals, since: SinceScrape, extra: u64) -> f64 {
     let mut load: f64 = 0.0;
     if let Some(max) = pool.max_in_flight {
-        load = load.max(s.in_flight as f64 / max as f64);
+        load = load.max(s.in_flight as f64 / max.saturating_add(extra) as f64);
     }
     if let (Some(max), Some(waiting)) = (pool.max_queue_depth, s.waiting) {
         let estimate = waiting + since.dispatched as f64 - since.finished as f64;
@@ -36,6 +42,17 @@ pub fn load(pool: &PoolConfig, s: &PoolSignals, since: SinceScrape) -> f64 {
 /// (`flow_control.tiers[].max_load`, 1 for the whole room): its [`load`] is below the level.
 pub fn has_room(pool: &PoolConfig, s: &PoolSignals, since: SinceScrape, level: f64) -> bool {
     load(pool, s, since) < level
+}
+
+/// [`has_room`] with `extra` more requests allowed in flight ([`load_beyond`]).
+pub fn has_room_beyond(
+    pool: &PoolConfig,
+    s: &PoolSignals,
+    since: SinceScrape,
+    level: f64,
+    extra: u64,
+) -> bool {
+    load_beyond(pool, s, since, extra) < level
 }
 
 #[cfg(test)]
@@ -62,6 +79,10 @@ mod tests {
         let s = |n| PoolSignals { in_flight: n, ..Default::default() };
         assert!(has_room(&p, &s(7), SinceScrape::default(), 1.0));
         assert!(!has_room(&p, &s(8), SinceScrape::default(), 1.0));
+        // Overcommitted slots: 4 more in flight, the level's share of them too.
+        assert!(has_room_beyond(&p, &s(11), SinceScrape::default(), 1.0, 4));
+        assert!(!has_room_beyond(&p, &s(12), SinceScrape::default(), 1.0, 4));
+        assert!(!has_room_beyond(&p, &s(6), SinceScrape::default(), 0.5, 4));
     }
 
     #[test]

@@ -300,8 +300,10 @@ impl PoolPicker {
     /// ([`Slots::new`]), and its queue dispatches by them ([`PoolPicker::free_slots`]).
     /// Its queue's dispatch prefers each prefix's home ([`PoolPicker::preferred`]), so prefix
     /// homes are kept whatever `home_load_factor` says (which then only rules step 4).
+    /// Each endpoint has `picker.slot_overcommit` more slots for prompts no endpoint holds
+    /// ([`PoolPicker::spill_slots`]).
     pub fn set_slots(&mut self, max_in_flight: u64) {
-        self.slots = Some(Slots::new(max_in_flight, self.endpoints.len()));
+        self.slots = Some(Slots::new(max_in_flight, self.endpoints.len(), self.config.slot_overcommit));
         if self.homes.is_none() {
             let capacity = self.config.prefix_lru_blocks.saturating_mul(self.endpoints.len());
             self.homes = Some(Homes::new(capacity.clamp(1, MAX_HOMES)));
@@ -316,6 +318,43 @@ impl PoolPicker {
         let in_flight: Vec<u64> = self.endpoints.iter().map(|e| e.in_flight).collect();
         let eligible: Vec<bool> = self.endpoints.iter().map(|e| e.eligible(now, self.stale_after)).collect();
         Some(slots.free(&in_flight, &eligible, now))
+    }
+
+    /// [`PoolPicker::free_slots`] counting each endpoint's overcommitted slots
+    /// ([`Slots::spill_free`]): where a queued request whose prompt no endpoint holds
+    /// ([`PoolPicker::holds_none`]) may go. `None` without slots.
+    pub fn spill_slots(&self, now: Instant) -> Option<Vec<u64>> {
+        let slots = self.slots.as_ref()?;
+        let in_flight: Vec<u64> = self.endpoints.iter().map(|e| e.in_flight).collect();
+        let eligible: Vec<bool> = self.endpoints.iter().map(|e| e.eligible(now, self.stale_after)).collect();
+        Some(slots.spill_free(&in_flight, &eligible, now))
+    }
+
+    /// Requests the pool may hold past its `max_in_flight` for prompts no endpoint holds:
+    /// `slot_overcommit x endpoints` (`None` without slots, or with none).
+    pub fn spill_room(&self) -> Option<u64> {
+        let slots = self.slots.as_ref()?;
+        let n = u64::try_from(self.endpoints.len()).unwrap_or(u64::MAX);
+        Some(slots.overcommit().saturating_mul(n)).filter(|&n| n > 0)
+    }
+
+    /// The endpoint believed to hold the prefix of a prompt hashing to `hashes`: the home of its
+    /// longest homed prefix, else the first of those holding its longest matched prefix (at
+    /// least one block); None when none holds any of it ([`PoolPicker::holds_none`]).
+    pub fn holder(&self, hashes: &[u64]) -> Option<usize> {
+        if let Some((home, _)) = self.homes.as_ref().and_then(|homes| homes.of(hashes)) {
+            return Some(home);
+        }
+        let matched: Vec<usize> = self.endpoints.iter().map(|e| e.prefixes.matched(hashes)).collect();
+        let longest = matched.iter().copied().max().filter(|&m| m > 0)?;
+        matched.iter().position(|&m| m == longest)
+    }
+
+    /// Whether no endpoint holds any of a prompt hashing to `hashes`: no homed prefix and no
+    /// endpoint that served its first block (true for a prompt without hashes).
+    pub fn holds_none(&self, hashes: &[u64]) -> bool {
+        self.homes.as_ref().and_then(|homes| homes.of(hashes)).is_none()
+            && self.endpoints.iter().all(|e| e.prefixes.matched(hashes) == 0)
     }
 
     /// The endpoint with a free slot (`free`, from [`PoolPicker::free_slots`]) that holds the

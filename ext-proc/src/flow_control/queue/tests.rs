@@ -264,6 +264,25 @@ fn pop_matching_takes_a_younger_match_of_the_same_tenant_and_bounds_the_bypass()
 }
 
 #[test]
+fn pop_only_matching_takes_nothing_without_a_match_and_keeps_the_bypass_bound() {
+    let mut q = queue(16);
+    let now = Instant::now();
+    for item in ["a1", "B2", "a3"] {
+        q.push(0, "t", 10, 0, now, item).unwrap();
+    }
+    let upper = |e: &Entry<&'static str>| e.item.starts_with('B');
+    assert_eq!(q.pop_only_matching(8, 1, upper).map(|e| e.item), Some("B2"));
+    // Nothing matches: nothing is taken.
+    assert!(q.pop_only_matching(8, 8, upper).is_none());
+    // a1 was passed over once (the bound here): it holds the slot back from a3's match.
+    let a3 = |e: &Entry<&'static str>| e.item == "a3";
+    assert!(q.pop_only_matching(8, 1, a3).is_none());
+    assert_eq!(q.pop().map(|e| e.item), Some("a1"));
+    assert_eq!(q.pop_only_matching(8, 1, a3).map(|e| e.item), Some("a3"));
+    assert!(q.is_empty());
+}
+
+#[test]
 fn pop_matching_scans_no_further_than_asked() {
     let mut q = queue(16);
     let now = Instant::now();
