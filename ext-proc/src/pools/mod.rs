@@ -78,7 +78,7 @@ impl InFlight {
     /// What to flush now, with the bound from the pool's metrics when they are `fresh`:
     /// `(running, waiting, finished_in_lag)` scraped.
     pub fn to_flush(&self, fresh: Option<(f64, f64, f64)>, now: Instant, lag: Duration) -> InFlightFlush {
-        let admitted_in_lag = signals::growth(&self.admitted_samples, now, lag);
+        let admitted_in_lag = signals::growth(&self.admitted_samples, now, signals::arrival_lag(lag));
         let bound = match (fresh, self.pool_admitted) {
             (Some((running, waiting, finished)), Some(seen)) => {
                 Some((signals::in_flight_bound(running, waiting, finished, admitted_in_lag), seen))
@@ -103,9 +103,13 @@ impl InFlight {
         self.pool_admitted = Some(reply.admitted);
         self.replicas = Some(reply.replicas);
         self.admitted_samples.push_back((now, reply.admitted as f64));
-        // Keep one sample older than the lag (the start of the window).
+        // Keep one sample older than the arrival lag (the start of the window).
+        let arrival = signals::arrival_lag(lag);
         while self.admitted_samples.len() > 2
-            && self.admitted_samples.get(1).is_some_and(|(at, _)| now.saturating_duration_since(*at) > lag)
+            && self
+                .admitted_samples
+                .get(1)
+                .is_some_and(|(at, _)| now.saturating_duration_since(*at) > arrival)
         {
             self.admitted_samples.pop_front();
         }
@@ -735,5 +739,27 @@ mod tests {
         assert_eq!(a.view(t1, LAG), 6, "own admissions since the flush are above the bound");
         a.unbounded();
         assert_eq!(a.view(t1, LAG), 6);
+    }
+
+    #[test]
+    fn requests_sent_within_the_arrival_lag_stay_in_the_bound() {
+        // Eight sent at t0 that vLLM has not counted yet (its API server still parsing them).
+        let t0 = Instant::now();
+        let mut a = InFlight::default();
+        let f = a.to_flush(None, t0, LAG);
+        a.flushed(&f, &InFlightTotal { total: 0, admitted: 0, correction: 0, replicas: 1 }, t0, LAG);
+        a.count(8, 8);
+        let t1 = t0 + Duration::from_millis(100);
+        let f = a.to_flush(None, t1, LAG);
+        a.flushed(&f, &InFlightTotal { total: 8, admitted: 8, correction: 0, replicas: 1 }, t1, LAG);
+        let vllm_sees_two = Some((2.0, 0.0, 0.0));
+        // Past the report lag, within the arrival lag: the eight are still in the bound.
+        let t2 = t1 + LAG + Duration::from_secs(1);
+        assert_eq!(a.to_flush(vllm_sees_two, t2, LAG).bound, Some((10, 8)));
+        // Past the arrival lag with vLLM still at two: they never arrived, and the bound says so.
+        let t3 = t1 + signals::arrival_lag(LAG) + Duration::from_secs(1);
+        let f = a.to_flush(vllm_sees_two, t3, LAG);
+        a.flushed(&f, &InFlightTotal { total: 8, admitted: 8, correction: 0, replicas: 1 }, t3, LAG);
+        assert_eq!(a.to_flush(vllm_sees_two, t3 + Duration::from_millis(100), LAG).bound, Some((2, 8)));
     }
 }

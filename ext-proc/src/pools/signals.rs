@@ -40,6 +40,21 @@ pub fn report_lag(scrape_interval: Duration) -> Duration {
     (scrape_interval * 4).max(Duration::from_secs(5))
 }
 
+/// The shortest [`arrival_lag`].
+pub const MIN_ARRIVAL_LAG: Duration = Duration::from_secs(20);
+
+/// How long a request the gateway sent to a pool may take to appear in vLLM's
+/// `vllm:num_requests_running` + `vllm:num_requests_waiting`: the larger of [`MIN_ARRIVAL_LAG`]
+/// and the pool's [`report_lag`]. vLLM's API server parses and tokenizes a request before its
+/// engine counts it; on the CPU engine beside the gateway on two cores (docs/benchmarks.md, "On a
+/// real engine") 6 of the first 8 requests sent were not in vLLM's counts 5.3 s after, and a bound
+/// that forgot them took them off the count: the pool then held 6 requests past `max_in_flight`
+/// for the rest of the run. The self-correction ([`in_flight_bound`]) counts every request sent
+/// within it, so it lowers a count only after a lull that long.
+pub fn arrival_lag(report_lag: Duration) -> Duration {
+    report_lag.max(MIN_ARRIVAL_LAG)
+}
+
 /// How much a counter grew over the last `window`: its newest sample minus the newest sample
 /// taken at or before `now - window` (the oldest sample when none is that old). 0 with fewer
 /// than two samples or when it went down (a restarted vLLM).
@@ -57,8 +72,9 @@ pub fn growth(samples: &VecDeque<(Instant, f64)>, now: Instant, window: Duration
 
 /// Upper bound on the requests the gateway has in flight to a pool, from what vLLM reports: the
 /// requests running and waiting at the last scrape, plus those vLLM finished
-/// (`vllm:request_success_total`) and those the gateway admitted (every replica) within the
-/// [`report_lag`], whose ends may not have reached the count yet. Rounded up.
+/// (`vllm:request_success_total`) within the [`report_lag`], whose ends may not have reached the
+/// count yet, and those the gateway admitted (every replica) within the [`arrival_lag`], which
+/// may not have reached vLLM's counts yet. Rounded up.
 pub fn in_flight_bound(running: f64, waiting: f64, finished_in_lag: f64, admitted_in_lag: f64) -> u64 {
     let sum = running.max(0.0) + waiting.max(0.0) + finished_in_lag.max(0.0) + admitted_in_lag.max(0.0);
     sum.ceil() as u64
@@ -213,6 +229,8 @@ vllm:request_success_total{finished_reason=\"length\",model_name=\"m\"} 5\nvllm:
         assert_eq!(in_flight_bound(-1.0, f64::NAN, 0.0, 0.0), 0);
         assert_eq!(report_lag(Duration::from_millis(100)), Duration::from_secs(5));
         assert_eq!(report_lag(Duration::from_secs(2)), Duration::from_secs(8));
+        assert_eq!(arrival_lag(Duration::from_secs(5)), Duration::from_secs(20));
+        assert_eq!(arrival_lag(Duration::from_secs(40)), Duration::from_secs(40));
     }
 
     #[test]

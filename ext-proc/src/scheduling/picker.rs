@@ -160,6 +160,14 @@ pub fn choose_predicted(
     Some(Choice { order, affinity })
 }
 
+/// Scrape intervals of `scrape_interval_ms` in the pool's arrival lag, rounded up (2..=10,000).
+fn pick_intervals(scrape_interval_ms: u64) -> usize {
+    let interval = Duration::from_millis(scrape_interval_ms.max(1));
+    let lag = crate::pools::signals::arrival_lag(crate::pools::signals::report_lag(interval));
+    let n = lag.as_millis().div_ceil(interval.as_millis().max(1));
+    usize::try_from(n).unwrap_or(usize::MAX).clamp(2, 10_000)
+}
+
 /// What the picker keeps of one endpoint.
 #[derive(Debug)]
 pub struct EndpointState {
@@ -174,8 +182,9 @@ pub struct EndpointState {
     pub scrape_ok: bool,
     /// This sidecar's picks of it that have not ended.
     pub in_flight: u64,
-    /// Picks since the last scrape, and in the interval before it.
-    picks: (u64, u64),
+    /// Picks in each scrape interval of the arrival lag
+    /// ([`crate::pools::signals::arrival_lag`]), the current interval's first.
+    picks: VecDeque<u64>,
     /// The block hashes it served recently.
     pub prefixes: PrefixIndex,
     /// Its recent mean TTFT in seconds: the mean of `vllm:time_to_first_token_seconds` over each
@@ -245,6 +254,9 @@ pub struct Observed<'a> {
 pub struct PoolPicker {
     config: PickerConfig,
     stale_after: Duration,
+    /// Scrape intervals whose picks an endpoint's count keeps ([`PoolPicker::scraped`]): the
+    /// arrival lag's ([`crate::pools::signals::arrival_lag`]).
+    pick_intervals: usize,
     endpoints: Vec<EndpointState>,
     picks: usize,
     /// The pool's TTFT model.
@@ -273,7 +285,7 @@ impl PoolPicker {
                 scraped: None,
                 scrape_ok: false,
                 in_flight: 0,
-                picks: (0, 0),
+                picks: VecDeque::from([0]),
                 prefixes: PrefixIndex::new(config.prefix_lru_blocks),
                 ttft: None,
                 ttft_seen: None,
@@ -283,6 +295,7 @@ impl PoolPicker {
         Self {
             config,
             stale_after,
+            pick_intervals: pick_intervals(scrape_interval_ms),
             endpoints,
             picks: 0,
             model: TtftModel::new(),
@@ -401,15 +414,17 @@ impl PoolPicker {
     /// The scrape of endpoint `index` (config order) ended at `now`: `None` when it failed (the
     /// endpoint is then not eligible until a scrape succeeds). A successful scrape also bounds
     /// the endpoint's in-flight count by what vLLM holds (`running + waiting`) plus the picks of
-    /// the last two scrape intervals (on their way to it), so requests whose end never reaches
-    /// this sidecar (an Envoy killed) are taken off.
+    /// the arrival lag (on their way to it: [`crate::pools::signals::arrival_lag`]), so requests
+    /// whose end never reaches this sidecar (an Envoy killed) are taken off after a lull.
     pub fn scraped(&mut self, index: usize, scrape: Option<Scrape>, now: Instant) {
+        let keep = self.pick_intervals;
         let Some(e) = self.endpoints.get_mut(index) else { return };
         e.scrape_ok = scrape.is_some();
         if let Some(s) = scrape {
             let held = (s.running.max(0.0) + s.waiting.max(0.0)).ceil();
             let held = if held.is_finite() && held < u64::MAX as f64 { held as u64 } else { u64::MAX };
-            e.in_flight = e.in_flight.min(held.saturating_add(e.picks.0).saturating_add(e.picks.1));
+            let sent = e.picks.iter().fold(0u64, |sum, n| sum.saturating_add(*n));
+            e.in_flight = e.in_flight.min(held.saturating_add(sent));
             if let Some((sum, count)) = e.ttft_seen {
                 let (dsum, dcount) = (s.ttft_sum - sum, s.ttft_count - count);
                 if dcount > 0.0 && dsum >= 0.0 && dsum.is_finite() {
@@ -426,7 +441,8 @@ impl PoolPicker {
             }
             e.scraped = Some((s, now));
         }
-        e.picks = (0, e.picks.0);
+        e.picks.push_front(0);
+        e.picks.truncate(keep);
     }
 
     /// Picks an endpoint for request `request_id` whose prompt hashes to `hashes` (chained block
@@ -499,6 +515,26 @@ impl PoolPicker {
             .as_mut()
             .and_then(|s| s.take(request_id))
             .and_then(|e| eligible.iter().position(|&i| i == e));
+        // Not promised a slot (admitted while the pool had room): a full endpoint is passed over
+        // for the best ranked one with a free slot, least loaded when the ranking has none, so
+        // no engine queues while another has a free slot.
+        let free_slot = match (slot.or(home), per_slot, choice.order.first()) {
+            (None, Some(n), Some(&first)) if candidates.get(first).is_some_and(|c| c.in_flight >= n) => {
+                let has_room = |i: &usize| candidates.get(*i).is_some_and(|c| c.in_flight < n);
+                choice.order.iter().copied().find(has_room).or_else(|| {
+                    (0..candidates.len())
+                        .filter(has_room)
+                        .min_by_key(|&i| candidates.get(i).map_or(u64::MAX, |c| c.in_flight))
+                })
+            }
+            _ => None,
+        };
+        if let Some(first) = free_slot {
+            choice.order.retain(|&i| i != first);
+            choice.order.insert(0, first);
+            choice.order.truncate(self.config.fallback_endpoints.saturating_add(1));
+            choice.affinity = candidates.get(first).is_some_and(|c| c.prefix_blocks > 0);
+        }
         if let Some(first) = slot.or(home) {
             choice.order.retain(|&i| i != first);
             choice.order.insert(0, first);
@@ -520,7 +556,9 @@ impl PoolPicker {
         if let Some(e) = picked.first().and_then(|&i| self.endpoints.get_mut(i)) {
             e.prefixes.record(hashes);
             e.in_flight = e.in_flight.saturating_add(1);
-            e.picks.0 = e.picks.0.saturating_add(1);
+            if let Some(n) = e.picks.front_mut() {
+                *n = n.saturating_add(1);
+            }
         }
         let endpoints =
             picked.iter().filter_map(|&i| self.endpoints.get(i)).map(|e| e.label.clone()).collect();

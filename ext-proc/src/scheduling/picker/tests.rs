@@ -204,20 +204,20 @@ fn a_prefix_that_spilled_goes_home_again_when_its_home_has_room() {
 }
 
 #[test]
-fn a_scrape_bounds_in_flight_by_what_vllm_holds_plus_recent_picks() {
+fn a_scrape_bounds_in_flight_by_what_vllm_holds_plus_the_picks_of_the_arrival_lag() {
     let t0 = Instant::now();
     let mut p = PoolPicker::new(PickerConfig { fallback_endpoints: 0, ..config() }, &addrs(1), 500);
     p.scraped(0, scrape(0.0, 0.0, 0.0), t0);
     for _ in 0..5 {
         p.pick(&[], None, t0, "");
     }
-    // vLLM holds 2: the 5 picks of this interval may still be on their way.
-    p.scraped(0, scrape(1.0, 1.0, 0.0), t0);
-    assert_eq!(p.endpoints()[0].in_flight, 5);
-    // Next interval: still within the two-interval window.
-    p.scraped(0, scrape(1.0, 1.0, 0.0), t0);
-    assert_eq!(p.endpoints()[0].in_flight, 5);
-    // Their ends never came (lost access-log entries): past the window, bounded by vLLM's 2.
+    // vLLM holds 2: the 5 picks may still be on their way to it (its API server parsing them),
+    // for the arrival lag: 20 s, forty 500 ms scrape intervals.
+    for i in 0..40 {
+        p.scraped(0, scrape(1.0, 1.0, 0.0), t0);
+        assert_eq!(p.endpoints()[0].in_flight, 5, "scrape {i}");
+    }
+    // Their ends never came (lost access-log entries): past the arrival lag, bounded by vLLM's 2.
     p.scraped(0, scrape(1.0, 1.0, 0.0), t0);
     assert_eq!(p.endpoints()[0].in_flight, 2);
 }
@@ -362,4 +362,28 @@ fn a_flow_controlled_pool_sends_a_promised_request_to_its_slot_and_prefers_the_p
     assert_eq!(p.free_slots(t0), Some(vec![2, 0]), "the promise became an in-flight request");
     // Without a promise the ranking decides again (a prompt no endpoint holds: the idle one).
     assert_eq!(p.pick(&[4], None, t0, "r2").unwrap().primary(), "10.0.0.1:1");
+}
+
+#[test]
+fn a_flow_controlled_pool_never_picks_a_full_endpoint_while_another_has_a_free_slot() {
+    let t0 = Instant::now();
+    let holder = || {
+        let mut p = PoolPicker::new(PickerConfig { fallback_endpoints: 0, ..config() }, &addrs(2), 500);
+        p.scraped(0, scrape(0.0, 0.0, 0.0), t0);
+        p.scraped(1, scrape(0.0, 0.0, 0.0), t0);
+        // Endpoint 0 (port 1) serves prefix [7, 8] twice.
+        let only_0 = [SocketAddr::from(([10, 0, 0, 1], 1))];
+        p.pick(&[7, 8], Some(&only_0), t0, "").unwrap();
+        p.pick(&[7, 8], Some(&only_0), t0, "").unwrap();
+        p
+    };
+    // Without slots the prefix's holder wins, busy as it is.
+    assert_eq!(holder().pick(&[7, 8, 9], None, t0, "").unwrap().primary(), "10.0.0.1:1");
+    // With two slots each, the holder is full: the request goes to the free slot.
+    let mut p = holder();
+    p.set_slots(4);
+    assert_eq!(p.free_slots(t0), Some(vec![0, 2]));
+    let pick = p.pick(&[7, 8, 9], None, t0, "").unwrap();
+    assert_eq!(pick.primary(), "10.0.0.1:2");
+    assert!(!pick.slot);
 }
