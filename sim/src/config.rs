@@ -134,12 +134,15 @@ pub const CPU_GEMMA_SIM_TOKENS_PER_TOKEN: f64 = 7.6 / 4.0;
 /// * `prefill_us_per_token` 607: a lone request's TTFT grows by 1.153 ms a Gemma token from 64
 ///   to 1,024 prompt tokens (121 to 1,228 ms), 0.607 ms a sim token.
 ///
-/// Not yet a calibration under load: in `bench/real_engine.py`'s workloads the sim with these
-/// constants served 1.1–1.7× the real engine's requests/s and most TTFT p50s 0.5–0.9× (7 of 30
-/// figures within ±20 %; with `--slowdown 1.33`, the engine's measured inter-token latency
-/// under that load over the fit's, 18 of 30, docs/benchmarks.md). The probes see the engine alone; under load its
-/// API server, the gateway and the client share the two cores, and decode costs grow with the
-/// context, which the step model does not price.
+/// The engine alone, not under load: in `bench/real_engine.py`'s workloads (16 concurrent) the
+/// sim with these constants and `--slowdown 1.33` served 1.3–2.5× the real engine's requests/s
+/// (1 of 30 figures within ±20 %). There the replicas' API servers, the gateway and the client
+/// share the two cores: the real step took 100–120 ms whether one request ran or four. The
+/// benchmark passes step costs fitted to that load over these (`SIM_UNDER_LOAD` there:
+/// `--step-base-ms 96.3 --prefill-us-per-token 1350`, and 1.5× the KV blocks), which put 18 of 22
+/// and 18 of 24 figures within ±20 % in two runs (docs/benchmarks.md, "On a real engine"); the
+/// light tenant beside a heavy one is what it still misses (its TTFT p50 2.24× without flow
+/// control).
 pub const CPU_GEMMA_270M: ProfileCosts = ProfileCosts {
     block_size: 243,
     num_gpu_blocks: 51,

@@ -160,6 +160,21 @@ pub fn choose_predicted(
     Some(Choice { order, affinity })
 }
 
+/// When the first of `order` (candidate indices, best first) holds its `slots` or more: the best
+/// ranked candidate with fewer, else the least loaded such one. None when the first has a free
+/// slot or none has one.
+fn with_free_slot(candidates: &[Candidate], order: &[usize], slots: u64) -> Option<usize> {
+    let full = |i: &usize| candidates.get(*i).is_none_or(|c| c.in_flight >= slots);
+    if !order.first().is_some_and(full) {
+        return None;
+    }
+    order.iter().copied().find(|i| !full(i)).or_else(|| {
+        (0..candidates.len())
+            .filter(|i| !full(i))
+            .min_by_key(|&i| candidates.get(i).map_or(u64::MAX, |c| c.in_flight))
+    })
+}
+
 /// Scrape intervals of `scrape_interval_ms` in the pool's arrival lag, rounded up (2..=10,000).
 fn pick_intervals(scrape_interval_ms: u64) -> usize {
     let interval = Duration::from_millis(scrape_interval_ms.max(1));
@@ -518,15 +533,8 @@ impl PoolPicker {
         // Not promised a slot (admitted while the pool had room): a full endpoint is passed over
         // for the best ranked one with a free slot, least loaded when the ranking has none, so
         // no engine queues while another has a free slot.
-        let free_slot = match (slot.or(home), per_slot, choice.order.first()) {
-            (None, Some(n), Some(&first)) if candidates.get(first).is_some_and(|c| c.in_flight >= n) => {
-                let has_room = |i: &usize| candidates.get(*i).is_some_and(|c| c.in_flight < n);
-                choice.order.iter().copied().find(has_room).or_else(|| {
-                    (0..candidates.len())
-                        .filter(has_room)
-                        .min_by_key(|&i| candidates.get(i).map_or(u64::MAX, |c| c.in_flight))
-                })
-            }
+        let free_slot = match (slot.or(home), per_slot) {
+            (None, Some(n)) => with_free_slot(&candidates, &choice.order, n),
             _ => None,
         };
         if let Some(first) = free_slot {
