@@ -642,22 +642,26 @@ mod tests {
         drop(waiters);
     }
 
-    #[tokio::test]
-    async fn a_freed_slot_goes_to_a_queued_request_whose_prefix_its_endpoint_holds() {
-        // Two endpoints, one slot each (max_in_flight 2), queued in the sidecar past it.
-        let config = crate::config::Config::from_yaml(
-            "listen: 127.0.0.1:0\nredis: {url: 'redis://x'}\ntenants: []\n\
-             flow_control: {tiers: [{name: standard, max_queue_wait_ms: 30000}]}\n\
-             pools:\n  - {name: p, endpoints: ['http://10.0.0.1:1', 'http://10.0.0.1:2'], max_in_flight: 2, \
-             flow_control: {}, picker: {fallback_endpoints: 0, slot_overcommit: 0}}\n",
-        )
+    /// Two endpoints of one slot each (max_in_flight 2) and `overcommit` more, both scraped.
+    fn slot_pools(overcommit: u64) -> Arc<Pools> {
+        let config = crate::config::Config::from_yaml(&format!(
+            "listen: 127.0.0.1:0\nredis: {{url: 'redis://x'}}\ntenants: []\n\
+             flow_control: {{tiers: [{{name: standard, max_queue_wait_ms: 30000}}]}}\n\
+             pools:\n  - {{name: p, endpoints: ['http://10.0.0.1:1', 'http://10.0.0.1:2'], max_in_flight: 2, \
+             flow_control: {{}}, picker: {{fallback_endpoints: 0, slot_overcommit: {overcommit}}}}}\n",
+        ))
         .unwrap();
         let p = Pools::new(&config.pools, config.flow_control.as_ref(), Metrics::new(), None);
         let now = Instant::now();
         for i in 0..2 {
             p.pool("p").unwrap().picker_scraped(i, Some(crate::pools::signals::Scrape::default()), now);
         }
-        let arrive = |hashes: &'static [u64], id: &'static str| Arrival {
+        p
+    }
+
+    /// Tenant t's request `id` of a prompt hashing to `hashes`, to tier 0.
+    fn arrive(hashes: &'static [u64], id: &'static str) -> Arrival<'static> {
+        Arrival {
             tier: 0,
             tenant: "t",
             prompt_tokens: 10,
@@ -665,15 +669,25 @@ mod tests {
             budget: LONG,
             hashes,
             request_id: id,
-        };
-        let picked = |hashes: &[u64], id: &str| match p.pick("p", hashes, None, id) {
+        }
+    }
+
+    /// The pick of request `id` in pool p.
+    fn picked(p: &Pools, hashes: &[u64], id: &str) -> crate::pools::Pick {
+        match p.pick("p", hashes, None, id) {
             crate::pools::PickOutcome::Picked(pick) => pick,
             other => panic!("no pick: {other:?}"),
-        };
+        }
+    }
+
+    #[tokio::test]
+    async fn a_freed_slot_goes_to_a_queued_request_whose_prefix_its_endpoint_holds() {
+        // Two endpoints, one slot each (max_in_flight 2), queued in the sidecar past it.
+        let p = slot_pools(0);
         assert!(matches!(p.enter_arrival("p", arrive(&[1], "r0")), Entered::Now));
-        let a = picked(&[1], "r0").primary().to_owned();
+        let a = picked(&p, &[1], "r0").primary().to_owned();
         assert!(matches!(p.enter_arrival("p", arrive(&[2], "r1")), Entered::Now));
-        let b = picked(&[2], "r1").primary().to_owned();
+        let b = picked(&p, &[2], "r1").primary().to_owned();
         assert_ne!(a, b, "one request on each endpoint");
         // Queued: first a prompt no endpoint holds, then one of b's prefix.
         let cold = tokio::spawn(queued(p.enter_arrival("p", arrive(&[9], "r2"))).wait());
@@ -683,7 +697,7 @@ mod tests {
         p.pick_finished("p", &b, None);
         p.finished("p");
         assert!(warm.await.unwrap().is_ok());
-        let pick = picked(&[2, 3], "r3");
+        let pick = picked(&p, &[2, 3], "r3");
         assert!(pick.slot);
         assert_eq!(pick.primary(), b);
         assert!(!cold.is_finished());
@@ -691,41 +705,17 @@ mod tests {
         p.pick_finished("p", &a, None);
         p.finished("p");
         assert!(cold.await.unwrap().is_ok());
-        assert_eq!(picked(&[9], "r2").primary(), a);
+        assert_eq!(picked(&p, &[9], "r2").primary(), a);
     }
 
     #[tokio::test]
     async fn an_overcommitted_slot_goes_only_to_a_prompt_no_endpoint_holds() {
         // Two endpoints, one slot each and one overcommitted each.
-        let config = crate::config::Config::from_yaml(
-            "listen: 127.0.0.1:0\nredis: {url: 'redis://x'}\ntenants: []\n\
-             flow_control: {tiers: [{name: standard, max_queue_wait_ms: 30000}]}\n\
-             pools:\n  - {name: p, endpoints: ['http://10.0.0.1:1', 'http://10.0.0.1:2'], max_in_flight: 2, \
-             flow_control: {}, picker: {fallback_endpoints: 0, slot_overcommit: 1}}\n",
-        )
-        .unwrap();
-        let p = Pools::new(&config.pools, config.flow_control.as_ref(), Metrics::new(), None);
-        let now = Instant::now();
-        for i in 0..2 {
-            p.pool("p").unwrap().picker_scraped(i, Some(crate::pools::signals::Scrape::default()), now);
-        }
-        let arrive = |hashes: &'static [u64], id: &'static str| Arrival {
-            tier: 0,
-            tenant: "t",
-            prompt_tokens: 10,
-            body_bytes: 0,
-            budget: LONG,
-            hashes,
-            request_id: id,
-        };
-        let picked = |hashes: &[u64], id: &str| match p.pick("p", hashes, None, id) {
-            crate::pools::PickOutcome::Picked(pick) => pick,
-            other => panic!("no pick: {other:?}"),
-        };
+        let p = slot_pools(1);
         assert!(matches!(p.enter_arrival("p", arrive(&[1], "r0")), Entered::Now));
-        let a = picked(&[1], "r0").primary().to_owned();
+        let a = picked(&p, &[1], "r0").primary().to_owned();
         assert!(matches!(p.enter_arrival("p", arrive(&[2], "r1")), Entered::Now));
-        let b = picked(&[2], "r1").primary().to_owned();
+        let b = picked(&p, &[2], "r1").primary().to_owned();
         assert_ne!(a, b, "one request on each endpoint");
         // A prompt of b's prefix waits for b's slot.
         let warm = tokio::spawn(queued(p.enter_arrival("p", arrive(&[2, 3], "r2"))).wait());
@@ -733,7 +723,7 @@ mod tests {
         // A prompt no endpoint holds takes an overcommitted slot at once: a's, since b's next
         // free slot is for the queued request of b's prefix.
         assert!(matches!(p.enter_arrival("p", arrive(&[9], "r3")), Entered::Now));
-        let spilled = picked(&[9], "r3");
+        let spilled = picked(&p, &[9], "r3");
         assert!(spilled.slot);
         assert_eq!(spilled.primary(), a);
         // a's overcommitted slot is taken and b's is held for r2: the next cold prompt waits.
@@ -746,8 +736,8 @@ mod tests {
         p.finished("p");
         assert!(warm.await.unwrap().is_ok());
         assert!(cold.await.unwrap().is_ok());
-        assert_eq!(picked(&[2, 3], "r2").primary(), b);
-        assert_eq!(picked(&[8], "r4").primary(), b);
+        assert_eq!(picked(&p, &[2, 3], "r2").primary(), b);
+        assert_eq!(picked(&p, &[8], "r4").primary(), b);
         // a's two requests end: a has a free slot although the pool held more than
         // max_in_flight, and a queued request of b's prefix takes it (b is full).
         let again = tokio::spawn(queued(p.enter_arrival("p", arrive(&[2, 5], "r5"))).wait());
@@ -757,6 +747,6 @@ mod tests {
         p.pick_finished("p", &a, None);
         p.finished("p");
         assert!(again.await.unwrap().is_ok());
-        assert_eq!(picked(&[2, 5], "r5").primary(), a);
+        assert_eq!(picked(&p, &[2, 5], "r5").primary(), a);
     }
 }
