@@ -251,12 +251,13 @@ pub struct PickerConfig {
     pub block_bytes: usize,
     /// Requests beyond its slots each endpoint of a slot-dispatching pool (`picker` with
     /// `max_in_flight` and `flow_control`, [`crate::scheduling::slots`]) may hold in its own
-    /// queue, taken only by queued requests whose prompt no endpoint holds (no home, no matched
-    /// block), and only on an endpoint that holds none of the prefixes of the next queued
-    /// requests (an engine's queue takes its next free slot, which those should get): such a
-    /// request saves no prefill by waiting for a slot, and one waiting in the engine refills its
-    /// freed slot without a round trip through the gateway. So the pool holds up to
-    /// `max_in_flight + slot_overcommit x endpoints`, the extra only for those prompts.
+    /// queue: a queued request whose prefix that endpoint holds (its home, else its longest
+    /// matched prefix), or one whose prompt no endpoint holds (no home, no matched block) on an
+    /// endpoint that holds none of the prefixes of the next queued requests (an engine's queue
+    /// takes its next free slot, which those should get). Either way the request gets what a
+    /// slot dispatch would give it, and, waiting in the engine, refills a freed slot without a
+    /// round trip through the gateway. So the pool holds up to
+    /// `max_in_flight + slot_overcommit x endpoints`.
     /// 0..=64; default 2 (docs/benchmarks.md, "On a real engine": random prompts on the CPU
     /// engine).
     #[serde(default = "default_slot_overcommit")]

@@ -265,7 +265,8 @@ impl Pools {
                 (Some(extra), Some(f)) => f.iter().any(|&n| n > 0) && p.has_room_beyond(level, extra),
                 _ => p.has_room(level),
             };
-            let mut spilled = false;
+            // The endpoint an overcommitted slot went to (None: a slot of its own, or none).
+            let mut spilled_to = None;
             let entry = if room(flow.queue_level(tier), free.as_ref())
                 || (newcomer && room(flow.level(tier), free.as_ref()))
             {
@@ -277,31 +278,38 @@ impl Pools {
                 }
             } else if flow.reserve > 0.0 && room(flow.level(tier), free.as_ref()) {
                 q.pop_newcomer()
-            } else if let (Some(pk), Some(extra), Some(sp)) = (picker.as_ref(), spill_room, spill.as_mut()) {
-                // Past the slots, an overcommitted one goes only to a prompt no endpoint holds,
-                // and only on an endpoint that no request of the window holds a prefix on: the
-                // engine's next free slot goes to what waits in its own queue first, and that
-                // one is the queue's to give to a request whose prefix the engine holds.
+            } else if let (Some(pk), Some(extra), Some(sp)) = (picker.as_ref(), spill_room, spill.as_ref()) {
+                // Past the slots, an overcommitted one goes to a request waiting for its prefix's
+                // endpoint (it waits in that engine's queue, which gives it the engine's next
+                // free slot, as this queue would), or to a prompt no endpoint holds, only on an
+                // endpoint no request of the window holds a prefix on: the engine's next free
+                // slot goes to what waits in its own queue first, and that one is the queue's to
+                // give to a request whose prefix the engine holds.
+                let mut unheld = sp.clone();
                 for i in q.head_window(DISPATCH_SCAN).filter_map(|e| pk.holder(&e.item.hashes)) {
-                    if let Some(n) = sp.get_mut(i) {
+                    if let Some(n) = unheld.get_mut(i) {
                         *n = 0;
                     }
                 }
-                spilled = true;
-                if p.has_room_beyond(flow.queue_level(tier), extra) && most_free(sp).is_some() {
-                    q.pop_only_matching(DISPATCH_SCAN, MAX_BYPASS, |e| pk.holds_none(&e.item.hashes))
+                let open = |v: &[u64], i: usize| v.get(i).is_some_and(|&n| n > 0);
+                let entry = if p.has_room_beyond(flow.queue_level(tier), extra) {
+                    q.pop_only_matching(DISPATCH_SCAN, MAX_BYPASS, |e| match pk.holder(&e.item.hashes) {
+                        Some(i) => open(sp, i),
+                        None => most_free(&unheld).is_some(),
+                    })
                 } else {
                     None
-                }
+                };
+                spilled_to =
+                    entry.as_ref().and_then(|e| pk.holder(&e.item.hashes).or_else(|| most_free(&unheld)));
+                entry
             } else {
                 None
             };
             let Some(entry) = entry else { break };
             if let (Some(pk), Some(f)) = (picker.as_mut(), free.as_mut()) {
-                let slot = match (spilled, spill.as_ref()) {
-                    (true, Some(sp)) => most_free(sp),
-                    _ => pk.preferred(&entry.item.hashes, f).or_else(|| most_free(f)),
-                };
+                let slot =
+                    spilled_to.or_else(|| pk.preferred(&entry.item.hashes, f).or_else(|| most_free(f)));
                 if let Some(slot) = slot {
                     pk.promise(&entry.item.request_id, slot, now);
                     for v in [Some(&mut *f), spill.as_mut()].into_iter().flatten() {
@@ -709,7 +717,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn an_overcommitted_slot_goes_only_to_a_prompt_no_endpoint_holds() {
+    async fn an_overcommitted_slot_goes_to_a_request_of_its_prefix_or_a_prompt_no_endpoint_holds() {
         // Two endpoints, one slot each and one overcommitted each.
         let p = slot_pools(1);
         assert!(matches!(p.enter_arrival("p", arrive(&[1], "r0")), Entered::Now));
@@ -717,36 +725,48 @@ mod tests {
         assert!(matches!(p.enter_arrival("p", arrive(&[2], "r1")), Entered::Now));
         let b = picked(&p, &[2], "r1").primary().to_owned();
         assert_ne!(a, b, "one request on each endpoint");
-        // A prompt of b's prefix waits for b's slot.
-        let warm = tokio::spawn(queued(p.enter_arrival("p", arrive(&[2, 3], "r2"))).wait());
+        // A prompt of b's prefix takes b's overcommitted slot at once (it waits in b's engine
+        // queue for b's next free slot); the next one of b's prefix waits in the sidecar.
+        assert!(matches!(p.enter_arrival("p", arrive(&[2, 3], "r2")), Entered::Now));
+        let homed = picked(&p, &[2, 3], "r2");
+        assert!(homed.slot);
+        assert_eq!(homed.primary(), b);
+        let warm = tokio::spawn(queued(p.enter_arrival("p", arrive(&[2, 4], "r3"))).wait());
         tokio::task::yield_now().await;
-        // A prompt no endpoint holds takes an overcommitted slot at once: a's, since b's next
-        // free slot is for the queued request of b's prefix.
-        assert!(matches!(p.enter_arrival("p", arrive(&[9], "r3")), Entered::Now));
-        let spilled = picked(&p, &[9], "r3");
+        // A prompt no endpoint holds takes a's overcommitted slot at once: b's next free slot
+        // is for the queued request of b's prefix.
+        assert!(matches!(p.enter_arrival("p", arrive(&[9], "r4")), Entered::Now));
+        let spilled = picked(&p, &[9], "r4");
         assert!(spilled.slot);
         assert_eq!(spilled.primary(), a);
-        // a's overcommitted slot is taken and b's is held for r2: the next cold prompt waits.
-        let cold = tokio::spawn(queued(p.enter_arrival("p", arrive(&[8], "r4"))).wait());
+        // The pool holds max_in_flight plus the overcommitted slots: the next cold prompt waits.
+        let cold = tokio::spawn(queued(p.enter_arrival("p", arrive(&[8], "r5"))).wait());
         tokio::task::yield_now().await;
         assert!(!warm.is_finished() && !cold.is_finished());
-        // b's request ends: its slot goes to r2 (b holds its prefix), and, r2 gone from the
-        // queue, b's overcommitted slot to the cold prompt.
+        // b's first request ends: b's overcommitted slot goes to r3 (b holds its prefix); the
+        // cold prompt stays queued (b's slots are for its prefix's requests, a is full).
         p.pick_finished("p", &b, None);
         p.finished("p");
         assert!(warm.await.unwrap().is_ok());
+        assert_eq!(picked(&p, &[2, 4], "r3").primary(), b);
+        assert!(!cold.is_finished());
+        // a's first request ends: the cold prompt takes a's overcommitted slot.
+        p.pick_finished("p", &a, None);
+        p.finished("p");
         assert!(cold.await.unwrap().is_ok());
-        assert_eq!(picked(&p, &[2, 3], "r2").primary(), b);
-        assert_eq!(picked(&p, &[8], "r4").primary(), b);
-        // a's two requests end: a has a free slot although the pool held more than
-        // max_in_flight, and a queued request of b's prefix takes it (b is full).
-        let again = tokio::spawn(queued(p.enter_arrival("p", arrive(&[2, 5], "r5"))).wait());
+        assert_eq!(picked(&p, &[8], "r5").primary(), a);
+        // A request of b's prefix waits while b is full, also for a's overcommitted slot (a
+        // holds none of it); once a's own slot is free it takes that one (an endpoint with a
+        // free slot is never left idle behind requests overcommitted elsewhere).
+        let again = tokio::spawn(queued(p.enter_arrival("p", arrive(&[2, 5], "r6"))).wait());
         tokio::task::yield_now().await;
         p.pick_finished("p", &a, None);
         p.finished("p");
+        tokio::task::yield_now().await;
+        assert!(!again.is_finished());
         p.pick_finished("p", &a, None);
         p.finished("p");
         assert!(again.await.unwrap().is_ok());
-        assert_eq!(picked(&p, &[2, 5], "r5").primary(), a);
+        assert_eq!(picked(&p, &[2, 5], "r6").primary(), a);
     }
 }

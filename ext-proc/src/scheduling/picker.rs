@@ -328,7 +328,7 @@ impl PoolPicker {
     /// ([`Slots::new`]), and its queue dispatches by them ([`PoolPicker::free_slots`]).
     /// Its queue's dispatch prefers each prefix's home ([`PoolPicker::preferred`]), so prefix
     /// homes are kept whatever `home_load_factor` says (which then only rules step 4).
-    /// Each endpoint has `picker.slot_overcommit` more slots for prompts no endpoint holds
+    /// Each endpoint has `picker.slot_overcommit` more slots, waiting in its own queue
     /// ([`PoolPicker::spill_slots`]).
     pub fn set_slots(&mut self, max_in_flight: u64) {
         self.slots = Some(Slots::new(max_in_flight, self.endpoints.len(), self.config.slot_overcommit));
@@ -349,8 +349,9 @@ impl PoolPicker {
     }
 
     /// [`PoolPicker::free_slots`] counting each endpoint's overcommitted slots
-    /// ([`Slots::spill_free`]): where a queued request whose prompt no endpoint holds
-    /// ([`PoolPicker::holds_none`]) may go. `None` without slots.
+    /// ([`Slots::spill_free`]): where a queued request may wait in an engine's own queue (the
+    /// endpoint holding its prefix, [`PoolPicker::holder`], or, for a prompt no endpoint holds,
+    /// [`PoolPicker::holds_none`], one no queued request waits for). `None` without slots.
     pub fn spill_slots(&self, now: Instant) -> Option<Vec<u64>> {
         let slots = self.slots.as_ref()?;
         let in_flight: Vec<u64> = self.endpoints.iter().map(|e| e.in_flight).collect();
@@ -358,7 +359,7 @@ impl PoolPicker {
         Some(slots.spill_free(&in_flight, &eligible, now))
     }
 
-    /// Requests the pool may hold past its `max_in_flight` for prompts no endpoint holds:
+    /// Requests the pool may hold past its `max_in_flight` in its engines' own queues:
     /// `slot_overcommit x endpoints` (`None` without slots, or with none).
     pub fn spill_room(&self) -> Option<u64> {
         let slots = self.slots.as_ref()?;

@@ -12,8 +12,9 @@
 //! gets (each client to its own replica), without clients knowing the replicas.
 //!
 //! Past its slots, each endpoint has `picker.slot_overcommit` more ([`Slots::spill_free`]) for
-//! queued requests whose prompt no endpoint holds, on an endpoint that holds no prefix of the
-//! next queued requests: they wait in the engine's own queue, which refills a freed engine slot
+//! queued requests whose prefix it holds, and for those whose prompt no endpoint holds on an
+//! endpoint that holds no prefix of the next queued requests: they wait in the engine's own
+//! queue, which refills a freed engine slot
 //! at once, where waiting in the gateway's costs a round trip per slot (on the CPU engine,
 //! least-request behind the exact slots made 0.85x the throughput of least-request alone on
 //! random prompts). An engine's queue takes its next free slot, so one whose prefixes requests
@@ -44,7 +45,7 @@ pub struct Slots {
 
 impl Slots {
     /// `max_in_flight` shared by `endpoints` endpoints: `ceil(max_in_flight / endpoints)` each
-    /// (at least 1), and `overcommit` more each for prompts no endpoint holds.
+    /// (at least 1), and `overcommit` more each, waiting in the endpoint's own queue.
     pub fn new(max_in_flight: u64, endpoints: usize, overcommit: u64) -> Self {
         let n = u64::try_from(endpoints.max(1)).unwrap_or(u64::MAX);
         Self {
@@ -71,8 +72,8 @@ impl Slots {
         self.free_of(self.per_endpoint, in_flight, eligible, now)
     }
 
-    /// [`Slots::free`] counting the overcommitted slots too: what a queued request whose prompt
-    /// no endpoint holds may take.
+    /// [`Slots::free`] counting the overcommitted slots too: what a queued request may take on
+    /// the endpoint holding its prefix, or, holding none, on one no queued request waits for.
     pub fn spill_free(&self, in_flight: &[u64], eligible: &[bool], now: Instant) -> Vec<u64> {
         self.free_of(self.per_endpoint.saturating_add(self.overcommit), in_flight, eligible, now)
     }
