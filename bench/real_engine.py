@@ -47,8 +47,9 @@ the prefix groups: the ceiling without its split); `picker-weighted` (`picker: {
 weighted}`: the fixed weights and bounded-load affinity, not queued), `picker-nohome`
 (`home_load_factor: 0`), `picker-hX` (`home_load_factor: X`), `picker-fX` (weighted,
 `affinity_load_factor: X`), all not queued; `picker-q` (queued, as `picker`), `picker-qhX`
-(queued, `home_load_factor: X`); `picker-sN` (queued, `slot_overcommit: N`: N more a replica for
-prompts no replica holds; `picker` has the default, 2); `least-request-oN`, `picker-oN` (queued as
+(queued, `home_load_factor: X`); `picker-iN` (queued, the replicas scraped every N ms, not 200);
+`picker-sN` (queued, `slot_overcommit: N`: N more a replica, for
+requests of a prefix it holds and prompts no replica holds; `picker` has the default, 2); `least-request-oN`, `picker-oN` (queued as
 -q and picker are, at N more than each replica's slots for every prompt: N requests wait in each
 engine; `slot_overcommit: 0`).
 
@@ -322,11 +323,16 @@ def start_gateway(workdir: Path, arm: str, urls: list[str], keys: dict[str, str]
         pool.shedding = {"scrape_interval_ms": 200, "max_in_flight": (MAX_NUM_SEQS + int(over.group(2))) * len(urls),
                          "flow_control": {}}
         overrides["flow_control"] = {"tiers": [{"name": "standard", "max_queue_wait_ms": 60_000}]}
-    elif arm == "picker" or arm.startswith("picker-q") or re.fullmatch(r"picker-s\d+", arm) or arm == "least-request-q":
+    elif (arm == "picker" or arm.startswith("picker-q") or re.fullmatch(r"picker-[si]\d+", arm)
+          or arm == "least-request-q"):
         # Queued in the sidecar at the engines' slots: a freed slot goes to a request whose
         # prefix its replica holds.
         pool.shedding = {"scrape_interval_ms": 200, "max_in_flight": MAX_NUM_SEQS * len(urls), "flow_control": {}}
         overrides["flow_control"] = {"tiers": [{"name": "standard", "max_queue_wait_ms": 60_000}]}
+    if m := re.fullmatch(r"picker-i(\d+)", arm):
+        # The replicas scraped every N ms (200 in the other arms): vLLM's API server renders its
+        # /metrics on the cores the engines run on.
+        pool.shedding["scrape_interval_ms"] = int(m.group(1))
     if arm.startswith("flow-control"):
         # The pool's own `flow_control` makes it queue the tiers of the top-level section (without
         # it the pool only sheds at `max_in_flight`).
