@@ -432,7 +432,8 @@ impl<T> FlowQueue<T> {
 
     /// [`FlowQueue::pop_matching`]'s match only: None when none of the tenant's first `scan`
     /// requests matches (or one passed over `max_bypass` times comes first), so nothing is
-    /// taken (in the picker's use: an overcommitted slot, only for a request of its endpoint's prefix or a prompt no endpoint holds).
+    /// taken (in the picker's use: an overcommitted slot, only for a request of its endpoint's
+    /// prefix or a prompt no endpoint holds).
     pub fn pop_only_matching(
         &mut self,
         scan: usize,

@@ -291,18 +291,18 @@ impl Pools {
                         *n = 0;
                     }
                 }
-                let open = |v: &[u64], i: usize| v.get(i).is_some_and(|&n| n > 0);
-                let entry = if p.has_room_beyond(flow.queue_level(tier), extra) {
-                    q.pop_only_matching(DISPATCH_SCAN, MAX_BYPASS, |e| match pk.holder(&e.item.hashes) {
-                        Some(i) => open(sp, i),
-                        None => most_free(&unheld).is_some(),
+                if p.has_room_beyond(flow.queue_level(tier), extra) {
+                    // The endpoint of the request matched last (the one taken, if any).
+                    q.pop_only_matching(DISPATCH_SCAN, MAX_BYPASS, |e| {
+                        spilled_to = match pk.holder(&e.item.hashes) {
+                            Some(i) => sp.get(i).is_some_and(|&n| n > 0).then_some(i),
+                            None => most_free(&unheld),
+                        };
+                        spilled_to.is_some()
                     })
                 } else {
                     None
-                };
-                spilled_to =
-                    entry.as_ref().and_then(|e| pk.holder(&e.item.hashes).or_else(|| most_free(&unheld)));
-                entry
+                }
             } else {
                 None
             };
