@@ -21,9 +21,13 @@ Workloads (`--workloads`, all by default):
     quarter-cache   long-prefix with the second replica given a quarter of the first's blocks
                     (1,280 and 320)
     tenants         a light tenant (2 concurrent) beside a heavy one (16), random 256-token
-                    prompts, 64 output tokens, on `max_in_flight` = the replicas' slots: light
+                    prompts, 64 output tokens (heavy sends 4 times light's prompts and is still
+                    sending when light ends; its req/s counts only while light ran), on
+                    `max_in_flight` = the replicas' slots: light
                     alone, no flow control, flow control with the default config, and with
-                    `newcomer_reserve` 0.25
+                    `newcomer_reserve` 0.25 (`flow-control-reserve`); with --arms also
+                    `flow-control-oN` (`max_in_flight` N more than each replica's slots, so N
+                    requests wait in each engine's own queue)
 
 Every picking workload runs at 16 concurrent requests (`--concurrency`), twice the replicas'
 8 slots (2 x `--max-num-seqs 4`): a queue in front of the engines, where a scheduler has
@@ -47,7 +51,7 @@ the prefix groups: the ceiling without its split); `picker-weighted` (`picker: {
 weighted}`: the fixed weights and bounded-load affinity, not queued), `picker-nohome`
 (`home_load_factor: 0`), `picker-hX` (`home_load_factor: X`), `picker-fX` (weighted,
 `affinity_load_factor: X`), all not queued; `picker-q` (queued, as `picker`), `picker-qhX`
-(queued, `home_load_factor: X`); `picker-iN` (queued, the replicas scraped every N ms, not 200);
+(queued, `home_load_factor: X`); `picker-iN` (queued, the replicas scraped every N ms, not the default 500);
 `picker-sN` (queued, `slot_overcommit: N`: N more a replica, for
 requests of a prefix it holds and prompts no replica holds; `picker` has the default, 2); `least-request-oN`, `picker-oN` (queued as
 -q and picker are, at N more than each replica's slots for every prompt: N requests wait in each
@@ -314,29 +318,32 @@ def start_gateway(workdir: Path, arm: str, urls: list[str], keys: dict[str, str]
     pool = Pool(POOL, [MODEL], kind="external", urls=list(urls), max_model_len=MAX_MODEL_LEN)
     overrides: dict = {"metrics_listen": "127.0.0.1:0"}
     if arm.startswith("picker"):
-        pool.shedding = {"scrape_interval_ms": 200}
+        pool.shedding = {}
         pool.picker = picker_config(arm)
     over = re.fullmatch(r"(least-request|picker)-o(\d+)", arm)
     if over:
         # Queued in the sidecar past N more than the engines' slots a replica: N requests wait in
         # each engine's own queue, so a freed engine slot is refilled without a round trip.
-        pool.shedding = {"scrape_interval_ms": 200, "max_in_flight": (MAX_NUM_SEQS + int(over.group(2))) * len(urls),
-                         "flow_control": {}}
+        pool.shedding = {"max_in_flight": (MAX_NUM_SEQS + int(over.group(2))) * len(urls), "flow_control": {}}
         overrides["flow_control"] = {"tiers": [{"name": "standard", "max_queue_wait_ms": 60_000}]}
     elif (arm == "picker" or arm.startswith("picker-q") or re.fullmatch(r"picker-[si]\d+", arm)
           or arm == "least-request-q"):
         # Queued in the sidecar at the engines' slots: a freed slot goes to a request whose
         # prefix its replica holds.
-        pool.shedding = {"scrape_interval_ms": 200, "max_in_flight": MAX_NUM_SEQS * len(urls), "flow_control": {}}
+        pool.shedding = {"max_in_flight": MAX_NUM_SEQS * len(urls), "flow_control": {}}
         overrides["flow_control"] = {"tiers": [{"name": "standard", "max_queue_wait_ms": 60_000}]}
     if m := re.fullmatch(r"picker-i(\d+)", arm):
-        # The replicas scraped every N ms (200 in the other arms): vLLM's API server renders its
-        # /metrics on the cores the engines run on.
+        # The replicas scraped every N ms (the default, 500, in the other arms): vLLM's API server
+        # renders its /metrics on the cores the engines run on.
         pool.shedding["scrape_interval_ms"] = int(m.group(1))
     if arm.startswith("flow-control"):
         # The pool's own `flow_control` makes it queue the tiers of the top-level section (without
         # it the pool only sheds at `max_in_flight`).
-        pool.shedding = {"scrape_interval_ms": 200, "max_in_flight": MAX_NUM_SEQS * len(urls), "flow_control": {}}
+        # `flow-control-oN`: N more than each replica's slots, so N requests wait in each engine's
+        # own queue (it refills a freed slot without a round trip through the gateway).
+        fc_over = re.fullmatch(r"flow-control-o(\d+)", arm)
+        per_replica = MAX_NUM_SEQS + (int(fc_over.group(1)) if fc_over else 0)
+        pool.shedding = {"max_in_flight": per_replica * len(urls), "flow_control": {}}
         overrides["flow_control"] = {"tiers": [{"name": "standard", "max_queue_wait_ms": 60_000}],
                                      **({"newcomer_reserve": NEWCOMER_RESERVE} if arm.endswith("-reserve") else {})}
     tenants = [Tenant(t, [k], {"requests_per_minute": 10_000_000, "tokens_per_minute": 10_000_000_000})
@@ -418,6 +425,25 @@ def envoy_status_counts(stack: Stack) -> dict[str, int]:
     return out
 
 
+def heavy_beside_light(entries: list[dict]) -> float | None:
+    """The heavy tenant's completed requests a second while the light tenant ran: those of
+    Envoy's request log (`tenant`, `start_time`, `duration_ms`, `response_code`) that ended
+    between light's first request's start and its last request's end, over that window. None
+    without a light request."""
+    def span(e: dict) -> tuple[float, float]:
+        start = datetime.datetime.fromisoformat(e["start_time"].replace("Z", "+00:00")).timestamp()
+        return start, start + float(e.get("duration_ms") or 0) / 1000
+
+    chat = [e for e in entries if e.get("path") == "/v1/chat/completions"]
+    light = [span(e) for e in chat if e.get("tenant") == "light"]
+    if not light:
+        return None
+    t0, t1 = min(a for a, _ in light), max(b for _, b in light)
+    done = sum(1 for e in chat if e.get("tenant") == "heavy" and 200 <= int(e.get("response_code") or 0) < 300
+               and t0 <= span(e)[1] <= t1)
+    return done / (t1 - t0) if t1 > t0 else None
+
+
 def failure_causes(stack: Stack) -> dict[str, int]:
     """The failed requests' causes from the request log: `"<code> <flags> <details>"` -> count."""
     out: dict[str, int] = {}
@@ -472,11 +498,17 @@ def one_run(w: Workload, arm: str, replicas: list[Replica], vllm: Path, raw: Pat
             p_h = None
             if arm != "light-alone":
                 out_h = raw / f"{tag}-heavy.json"
-                p_h = client(vllm, stack.base_url, keys["heavy"], w, w.dataset, w.num_prompts, 16, seed + 1, out_h)
+                # Twice the prompts, so that heavy is still sending when light's last request ends
+                # (light's figures are then all beside heavy); heavy's throughput beside light is
+                # counted in light's window from the request log (`heavy_beside_light`).
+                p_h = client(vllm, stack.base_url, keys["heavy"], w, w.dataset, 2 * w.num_prompts, 16, seed + 1,
+                             out_h)
             light = finish(p_l, out_l)
             heavy = finish(p_h, out_h) if p_h else None
             result["light"] = figures([light])
             result["heavy"] = figures([heavy]) if heavy else None
+            if heavy:
+                result["heavy"]["beside_light_req_per_s"] = heavy_beside_light(stack.requests_logged())
             result["envoy_status"] = envoy_status_counts(stack)
             result["failure_causes"] = failure_causes(stack)
             sidecar_metrics(stack, raw / f"{tag}-sidecar-metrics.txt")
@@ -514,10 +546,17 @@ def summarize(results: dict[str, dict[str, list[dict]]]) -> dict:
             s["ttft_model"] = [r["ttft_model"] for r in rows if r.get("ttft_model")]
             if wname == "tenants":
                 for t in ("light", "heavy"):
-                    s[t] = {k: median_of(rows, k, t) for k in ("req_per_s", "ttft_p50_ms", "ttft_p99_ms")}
+                    s[t] = {k: median_of(rows, k, t)
+                            for k in ("req_per_s", "ttft_p50_ms", "ttft_p99_ms", "beside_light_req_per_s")}
                     s[t]["failed"] = sum((r.get(t) or {}).get("failed", 0) for r in rows)
             out[wname][arm] = s
     return out
+
+
+def heavy_rate(arm: dict) -> float | None:
+    """The heavy tenant's req/s while light ran (runs before that measure: over its own run)."""
+    h = arm.get("heavy") or {}
+    return h.get("beside_light_req_per_s") or h.get("req_per_s")
 
 
 def ratio(a: float | None, b: float | None) -> str:
@@ -549,8 +588,8 @@ def rows(summary: dict) -> list[list[str]]:
         out.append(["Real engine, light beside heavy: light TTFT p50 vs alone",
                     f"{ratio(fc['light']['ttft_p50_ms'], alone['light']['ttft_p50_ms'])} (p99 "
                     f"{ratio(fc['light']['ttft_p99_ms'], alone['light']['ttft_p99_ms'])}; heavy "
-                    f"{ratio(fc['heavy']['req_per_s'], none['heavy']['req_per_s']) if none else '–'} of its "
-                    f"throughput without flow control; refused light {fc['light']['failed']}, heavy "
+                    f"{ratio(heavy_rate(fc), heavy_rate(none)) if none else '–'} of its "
+                    f"throughput without flow control while light ran; refused light {fc['light']['failed']}, heavy "
                     f"{fc['heavy']['failed']})"])
     return out
 
@@ -563,14 +602,14 @@ def table(summary: dict) -> str:
         for arm, s in arms.items():
             if wname == "tenants":
                 body.append([arm, fmt(s["light"]["ttft_p50_ms"], 0), fmt(s["light"]["ttft_p99_ms"], 0),
-                             fmt(s["light"]["req_per_s"], 2), fmt(s["heavy"]["req_per_s"], 2) if s.get("heavy") else "–",
+                             fmt(s["light"]["req_per_s"], 2), fmt(heavy_rate(s), 2) if s.get("heavy") else "–",
                              str(s["light"]["failed"] + (s["heavy"]["failed"] if s.get("heavy") else 0))])
             else:
                 hit = f"{100 * s['hit_rate']:.0f} %" if s.get("hit_rate") is not None else "–"
                 body.append([arm, f"{fmt(s['req_per_s'], 2)} ({ratio(s['req_per_s'], base.get('req_per_s'))})",
                              fmt(s["ttft_p50_ms"], 0), fmt(s["ttft_p99_ms"], 0), fmt(s["e2e_p50_ms"], 0), hit,
                              str(s["failed"])])
-        header = (["arm", "light TTFT p50 ms", "light p99 ms", "light req/s", "heavy req/s", "failed"]
+        header = (["arm", "light TTFT p50 ms", "light p99 ms", "light req/s", "heavy req/s while light ran", "failed"]
                   if wname == "tenants" else ["arm", "req/s", "TTFT p50 ms", "TTFT p99 ms", "E2E p50 ms",
                                                "prefix-cache hits", "failed"])
         lines.append(f"**{wname}**\n\n" + md_table(header, body))
@@ -760,7 +799,7 @@ def main(argv: list[str] | None = None) -> int:
                 for w in ws:
                     arms = [a for a in (args.arms.split(",") if args.arms else w.arms)
                             if a in w.arms or (a.startswith(("picker", "least-request")) or a == "direct")
-                            and w.name != "tenants"]
+                            and w.name != "tenants" or w.name == "tenants" and a.startswith("flow-control-o")]
                     rng.shuffle(arms)
                     for arm in arms:
                         print(f"[{datetime.datetime.now():%H:%M:%S}] {w.name} {arm} round {round_no}", flush=True)

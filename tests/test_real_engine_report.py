@@ -44,8 +44,32 @@ def test_headline_rows_have_the_documented_first_cells_and_ratios():
     assert rows[0][1] == "1.20× (TTFT p50 0.90×, failed 1; ceiling 1.50×)"
     assert rows[1][1] == ("short-prefix 0.98× (TTFT p99 1.10×, failed 0); "
                           "random 1.00× (TTFT p99 1.00×, failed 0)")
-    assert rows[2][1] == ("1.25× (p99 1.50×; heavy 0.95× of its throughput without flow control; "
-                          "refused light 0, heavy 2)")
+    assert rows[2][1] == ("1.25× (p99 1.50×; heavy 0.95× of its throughput without flow control while light "
+                          "ran; refused light 0, heavy 2)")
+    # Where the run counted heavy's throughput while light ran, the row takes that one.
+    beside = {**SUMMARY["tenants"]}
+    beside["flow-control"] = tenant_arm((0.4, 500, 1500), 0.95, heavy_failed=2)
+    beside["flow-control"]["heavy"]["beside_light_req_per_s"] = 0.8
+    beside["no-flow-control"] = tenant_arm((0.2, 4000, 9000), 1.0)
+    beside["no-flow-control"]["heavy"]["beside_light_req_per_s"] = 1.0
+    assert "heavy 0.80× of its throughput" in real_engine.rows({**SUMMARY, "tenants": beside})[2][1]
+
+
+def logged(tenant, start_s, duration_ms, code=200):
+    stamp = f"2026-12-07T11:{int(start_s) // 60:02d}:{start_s % 60:06.3f}Z"
+    return {"path": "/v1/chat/completions", "tenant": tenant, "start_time": stamp, "duration_ms": duration_ms,
+            "response_code": code}
+
+
+def test_heavy_is_counted_only_while_light_ran():
+    # Light runs from 10 s to 30 s; heavy's requests ending at 5 s (before), 15 s and 25 s
+    # (within), 40 s (after) and a 503 within: 2 completions in 20 s.
+    entries = [logged("light", 10, 5_000), logged("light", 20, 10_000),
+               logged("heavy", 0, 5_000), logged("heavy", 5, 10_000), logged("heavy", 15, 10_000),
+               logged("heavy", 30, 10_000), logged("heavy", 12, 1_000, code=503),
+               {"path": "/metrics", "tenant": None, "start_time": "2026-12-07T11:00:12.000Z", "duration_ms": 0}]
+    assert real_engine.heavy_beside_light(entries) == pytest.approx(0.1)
+    assert real_engine.heavy_beside_light([e for e in entries if e["tenant"] != "light"]) is None
 
 
 def test_the_simulator_is_compared_arm_by_arm_and_by_ranking():
