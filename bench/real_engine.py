@@ -21,7 +21,7 @@ Workloads (`--workloads`, all by default):
     quarter-cache   long-prefix with the second replica given a quarter of the first's blocks
                     (1,280 and 320)
     tenants         a light tenant (2 concurrent) beside a heavy one (16), random 256-token
-                    prompts, 64 output tokens (heavy sends 4 times light's prompts and is still
+                    prompts, 64 output tokens (heavy sends 8 times light's prompts and is still
                     sending when light ends; its req/s counts only while light ran), on
                     `max_in_flight` = the replicas' slots: light
                     alone, no flow control, flow control with the default config, and with
@@ -498,7 +498,7 @@ def one_run(w: Workload, arm: str, replicas: list[Replica], vllm: Path, raw: Pat
             p_h = None
             if arm != "light-alone":
                 out_h = raw / f"{tag}-heavy.json"
-                # Twice the prompts, so that heavy is still sending when light's last request ends
+                # Twice the run's prompts (8 times light's), so that heavy is still sending when light's last request ends
                 # (light's figures are then all beside heavy); heavy's throughput beside light is
                 # counted in light's window from the request log (`heavy_beside_light`).
                 p_h = client(vllm, stack.base_url, keys["heavy"], w, w.dataset, 2 * w.num_prompts, 16, seed + 1,
@@ -798,8 +798,9 @@ def main(argv: list[str] | None = None) -> int:
             for round_no in range(rounds):
                 for w in ws:
                     arms = [a for a in (args.arms.split(",") if args.arms else w.arms)
-                            if a in w.arms or (a.startswith(("picker", "least-request")) or a == "direct")
-                            and w.name != "tenants" or w.name == "tenants" and a.startswith("flow-control-o")]
+                            if a in w.arms
+                            or (w.name != "tenants" and (a.startswith(("picker", "least-request")) or a == "direct"))
+                            or (w.name == "tenants" and a.startswith("flow-control-o"))]
                     rng.shuffle(arms)
                     for arm in arms:
                         print(f"[{datetime.datetime.now():%H:%M:%S}] {w.name} {arm} round {round_no}", flush=True)
