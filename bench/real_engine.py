@@ -57,8 +57,10 @@ requests of a prefix it holds and prompts no replica holds; `picker` has the def
 -q and picker are, at N more than each replica's slots for every prompt: N requests wait in each
 engine; `slot_overcommit: 0`).
 
---engine-nice N starts the engines at niceness N, so the gateway, Redis and the client run first
-on the cores they share with the engines (on a serving host the gateway never shares them).
+--engine-nice N starts the engines at niceness N (default 10; 0 to share the cores evenly), so
+the gateway, Redis and the client run first on the 2 cores they share with the engines here: on a
+serving host the gateway never shares the engine's cores. Every arm, the ceiling included, runs
+with the same niceness.
 
     make bench-real                                   # everything, 2 rounds (~90 min)
     .venv/bin/python bench/real_engine.py --workloads long-prefix,random --rounds 2
@@ -657,6 +659,15 @@ def comparison(real: dict, sim: dict) -> tuple[list[str], str]:
     return head, table
 
 
+def nice_text(meta: dict) -> str:
+    """The docs' words for the run's `--engine-nice` (absent in runs before it was recorded: 0)."""
+    n = meta.get("engine_nice") or 0
+    if not n:
+        return "the engines and the gateway sharing the 2 cores evenly; "
+    return (f"the engines at niceness {n}, so that Envoy, the sidecar, Redis and the client go first on the 2 "
+            f"cores they share with the engines here (on a serving host they never share the engine's cores); ")
+
+
 def section(summary: dict, meta: dict, sim: dict | None = None, sim_meta: dict | None = None) -> str:
     head_rows = rows(summary)
     sim_text = ""
@@ -675,7 +686,7 @@ def section(summary: dict, meta: dict, sim: dict | None = None, sim_meta: dict |
     headline = md_table(["Measure", "Result"], head_rows)
     return (f"{BEGIN}\n## On a real engine\n\nvLLM 0.32 (CPU build, Gemma-3-270M, float32), {meta['replicas']} replicas "
             f"with one core each, `--max-num-seqs {MAX_NUM_SEQS}`, prefix caching on, caches reset before every "
-            f"run; `vllm bench serve` as the client ({meta.get('prompts', 128)} prompts a run, `--ignore-eos`, "
+            f"run; {nice_text(meta)}`vllm bench serve` as the client ({meta.get('prompts', 128)} prompts a run, `--ignore-eos`, "
             f"{meta.get('concurrency') or PICKING_CONCURRENCY} concurrent on the picking workloads: twice the "
             f"replicas' slots; arms in `bench/real_engine.py`'s docstring); "
             f"medians of {meta['rounds']} interleaved rounds (run of {meta['stamp']}).\n\n{headline}\n\n{table(summary)}\n\n"
@@ -754,8 +765,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="long-prefix,short-prefix,random,long-prefix-big,quarter-cache,tenants")
     ap.add_argument("--arms", help="only these arms (comma-separated)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--engine-nice", type=int, default=0,
-                    help="the engines' niceness (0-19): the gateway, Redis and the client first on the shared cores")
+    ap.add_argument("--engine-nice", type=int, default=10,
+                    help="the engines' niceness (0-19; default 10): the gateway, Redis and the client first on "
+                    "the shared cores, as on a serving host where they never share the engine's cores")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="32 prompts a run, 1 round; docs untouched")
     ap.add_argument("--no-docs", action="store_true")
