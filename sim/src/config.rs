@@ -137,12 +137,12 @@ pub const CPU_GEMMA_SIM_TOKENS_PER_TOKEN: f64 = 7.6 / 4.0;
 /// The engine alone, not under load: in `bench/real_engine.py`'s workloads (16 concurrent) the
 /// sim with these constants and `--slowdown 1.33` served 1.3–2.5× the real engine's requests/s
 /// (1 of 30 figures within ±20 %). There the replicas' API servers, the gateway and the client
-/// share the two cores: the real step took 100–120 ms whether one request ran or four. The
-/// benchmark passes step costs fitted to that load over these (`SIM_UNDER_LOAD` there:
-/// `--step-base-ms 96.3 --prefill-us-per-token 1350`, and 1.5× the KV blocks), which put 18 of 22
-/// and 18 of 24 figures within ±20 % in two runs (docs/benchmarks.md, "On a real engine"); the
-/// light tenant beside a heavy one is what it still misses (its TTFT p50 2.24× without flow
-/// control).
+/// share the two cores: the real step took 80–120 ms whether one request ran or four. The
+/// benchmark passes step costs fitted to that load over these (`SIM_UNDER_LOAD` there, with the
+/// run it was fitted to, and 1.5× the KV blocks); with each replica's prefix cache emptied
+/// before every run (`POST /reset_prefix_cache`, as the real replicas'), that put 20 of 22
+/// figures within ±20 % (docs/benchmarks.md, "On a real engine"). Before the sim served that
+/// route, a later arm found the prompts of an earlier one (the same seed) still cached.
 pub const CPU_GEMMA_270M: ProfileCosts = ProfileCosts {
     block_size: 243,
     num_gpu_blocks: 51,

@@ -269,6 +269,19 @@ impl BlockPool {
         }
     }
 
+    /// Forgets every cached hash (vLLM's `BlockPool.reset_prefix_cache`): only when no block is
+    /// held, so a running request's blocks are never pulled from under it. Whether it reset.
+    fn reset_hashes(&mut self) -> bool {
+        if self.used() != 0 {
+            return false;
+        }
+        self.cached.clear();
+        for block in &mut self.blocks {
+            block.hash = None;
+        }
+        true
+    }
+
     /// Registers a computed full block under `hash` (the first block with a hash keeps it).
     fn register(&mut self, b: u32, hash: u64) {
         if self.cached.contains_key(&hash) {
@@ -376,6 +389,15 @@ impl Engine {
     pub fn close(&mut self) -> Vec<SeqId> {
         self.closed = true;
         self.waiting.drain(..).map(|s| s.id).collect()
+    }
+
+    /// Empties the prefix cache, as vLLM's `POST /reset_prefix_cache` (a dev-mode endpoint,
+    /// `VLLM_SERVER_DEV_MODE=1`) does between benchmark runs: every cached block forgets its
+    /// hash, so the next prompts all miss. Refused (`false`, nothing changed) while a request runs
+    /// and holds blocks, as vLLM refuses while blocks are not freed; the counters are kept (vLLM's
+    /// `vllm:prefix_cache_*_total` are counters too).
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.running.is_empty() && self.pool.reset_hashes()
     }
 
     /// Whether [`Engine::close`] was called.
@@ -601,6 +623,11 @@ impl EngineHandle {
         self.lock().engine.snapshot()
     }
 
+    /// [`Engine::reset_prefix_cache`]: whether the cache was emptied.
+    pub fn reset_prefix_cache(&self) -> bool {
+        self.lock().engine.reset_prefix_cache()
+    }
+
     fn abort(&self, id: SeqId) {
         let mut driver = self.lock();
         driver.subscribers.remove(&id);
@@ -810,6 +837,29 @@ mod tests {
         assert_eq!(run(&mut e)[0].prefill_tokens, 4);
         let s = e.snapshot();
         assert_eq!((s.prefix_cache_queries, s.prefix_cache_hits), (26 + 13 + 12, 12 + 4 + 8));
+    }
+
+    #[test]
+    fn reset_prefix_cache_makes_the_next_prompt_miss_and_waits_for_running_requests() {
+        let mut e = Engine::new(config());
+        e.add(spec(13, &[1, 2, 3], 2));
+        run(&mut e);
+        // A running request holds blocks: refused, and its prompt still hits afterwards.
+        e.add(spec(13, &[1, 2, 3], 2));
+        let plan = e.schedule().unwrap();
+        assert_eq!(plan.prefill_tokens, 1);
+        assert!(!e.reset_prefix_cache());
+        e.finish_step();
+        run(&mut e);
+        e.add(spec(13, &[1, 2, 3], 2));
+        assert_eq!(run(&mut e)[0].prefill_tokens, 1, "the refused reset kept the cache");
+        // Idle: emptied, the same prompt is computed in full, the counters go on.
+        assert!(e.reset_prefix_cache());
+        e.add(spec(13, &[1, 2, 3], 2));
+        assert_eq!(run(&mut e)[0].prefill_tokens, 13);
+        let s = e.snapshot();
+        assert_eq!((s.prefix_cache_queries, s.prefix_cache_hits), (4 * 13, 12 + 12));
+        assert_eq!(s.kv_cache_usage, 0.0);
     }
 
     #[test]

@@ -14,6 +14,11 @@
 //! * `GET /v1/models`: the served names, OpenAI's list shape.
 //! * `GET /health`: 200 with an empty body.
 //! * `GET /metrics`: Prometheus text under vLLM's names; see [`metrics`].
+//! * `POST /reset_prefix_cache` (vLLM's dev-mode route, served there with
+//!   `VLLM_SERVER_DEV_MODE=1`): empties the batched engine's prefix cache, `{"success": true}`;
+//!   `{"success": false}` and nothing changed while a request holds blocks (as vLLM); always
+//!   `{"success": true}` on the plain engine, which has no cache. For benchmarks whose arms must
+//!   each start cold.
 //!
 //! # Prompt tokens
 //!

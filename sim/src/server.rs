@@ -209,6 +209,12 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<
         (&Method::POST, "/v1/responses") => inference(&state, Endpoint::Responses, req).await,
         (&Method::GET, "/v1/models") => with_type(StatusCode::OK, JSON, state.models_body.clone()),
         (&Method::GET, "/health") => Response::new(SimBody::Full(None)),
+        // vLLM's dev-mode endpoint (`VLLM_SERVER_DEV_MODE=1`, vllm/entrypoints/serve/dev/cache):
+        // `{"success": bool}`, false while requests hold blocks. The plain engine has no cache.
+        (&Method::POST, "/reset_prefix_cache") => {
+            let success = state.engine.as_ref().is_none_or(|engine| engine.reset_prefix_cache());
+            with_type(StatusCode::OK, JSON, Bytes::from(format!("{{\"success\":{success}}}")))
+        }
         (&Method::GET, "/metrics") => {
             let text = match &state.engine {
                 Some(engine) => state.metrics.render_engine(engine.snapshot()),
@@ -223,7 +229,8 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<
             | "/v1/responses"
             | "/v1/models"
             | "/health"
-            | "/metrics",
+            | "/metrics"
+            | "/reset_prefix_cache",
         ) => detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed"),
         _ => detail(StatusCode::NOT_FOUND, "Not Found"),
     };

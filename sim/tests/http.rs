@@ -584,6 +584,20 @@ async fn a_repeated_long_prompt_hits_the_prefix_cache_and_gets_a_lower_ttft() {
     assert!(cold >= Duration::from_millis(400), "cold {cold:?}");
     assert!(warm * 2 < cold, "warm {warm:?} vs cold {cold:?}");
 
+    // `POST /reset_prefix_cache` (vLLM's dev-mode endpoint) empties the idle cache: the same
+    // prompt again finds no block; the counters go on.
+    let (status, _, bytes) = sim.call(Method::POST, "/reset_prefix_cache", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(serde_json::from_slice::<Value>(&bytes).unwrap(), json!({"success": true}));
+    let body = long_chat(8000, json!({"stream": true, "max_tokens": 4}));
+    let (after_reset, _) = ttft(&sim, body).await;
+    let text = sim.metrics().await;
+    assert_eq!(metric(&text, QUERIES), 3.0 * prompt_tokens);
+    assert_eq!(metric(&text, HITS), hits, "no hit after the reset");
+    assert!(after_reset >= Duration::from_millis(400), "after the reset {after_reset:?}");
+    let (status, _, _) = sim.call(Method::GET, "/reset_prefix_cache", None).await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+
     // Without prefix caching the repeat is as slow as the first.
     let sim2 = Sim::start(batched(SimConfig {
         prefill_us_per_token: 200.0,
