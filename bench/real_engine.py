@@ -133,8 +133,9 @@ SIM_TOKENS_PER_TOKEN = 7.6 / 4
 # light's throughput alone and without flow control came out 1.26x and 1.22x. A per-sequence
 # cost of 0 (fixed cost 80.8 ms, the mean of the 22) fixed those two and was also within 20 % on
 # 20 of 22, but put the long-prefix picker's TTFT at 1.25x and light's with flow control at
-# 1.39x, and ranked the arms the same on 1 of 3 (sim run 20261207-161330). The run before (20261206-220728, the engines not niced and
-# scraped every 200 ms) gave 96.3 ms and 1,350 us: the engines were slower then.
+# 1.39x, and ranked the arms the same on 1 of 3 (sim run 20261207-161330). The run before
+# (20261206-220728, the engines not niced and scraped every 200 ms) gave 96.3 ms and 1,350 us:
+# the engines were slower then.
 SIM_FIT_RUN = "20261207-150035"
 SIM_UNDER_LOAD = {"--step-base-ms": 68.0, "--decode-us-per-seq": 3440, "--prefill-us-per-token": 1240}
 # The sim's KV blocks over the real cache's tokens: the real replicas hit their prefix cache more
