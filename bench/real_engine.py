@@ -55,7 +55,9 @@ weighted}`: the fixed weights and bounded-load affinity, not queued), `picker-no
 `picker-sN` (queued, `slot_overcommit: N`: N more a replica, for
 requests of a prefix it holds and prompts no replica holds; `picker` has the default, 2); `least-request-oN`, `picker-oN` (queued as
 -q and picker are, at N more than each replica's slots for every prompt: N requests wait in each
-engine; `slot_overcommit: 0`).
+engine; `slot_overcommit: 0`). `ARM-fullscrape` is ARM with each replica's whole `/metrics` also
+read every 500 ms (what the sidecar's scrapes cost before it asked vLLM for only the samples it
+reads).
 
 --engine-nice N starts the engines at niceness N (default 10; 0 to share the cores evenly), so
 the gateway, Redis and the client run first on the 2 cores they share with the engines here: on a
@@ -491,6 +493,35 @@ def sidecar_metrics(stack: Stack, path: Path) -> dict:
     return model
 
 
+FULL_SCRAPE_SUFFIX = "-fullscrape"
+FULL_SCRAPE_INTERVAL_S = 0.5
+
+
+@contextlib.contextmanager
+def full_scraper(urls: list[str]):
+    """While the block runs, each replica's whole `/metrics` is read every 500 ms (a thread): an
+    `ARM-fullscrape` arm is ARM plus what the sidecar's scrapes cost the engines before it asked
+    vLLM for the eight samples it reads (`/metrics/?name[]=...`)."""
+    import threading
+
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(FULL_SCRAPE_INTERVAL_S):
+            for url in urls:
+                with contextlib.suppress(OSError):
+                    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+                        r.read()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def one_run(w: Workload, arm: str, replicas: list[Replica], vllm: Path, raw: Path, round_no: int) -> dict:
     """One arm of one workload in one round, from cold caches."""
     seed = 1000 + 17 * round_no + zlib.crc32(w.name.encode()) % 97
@@ -500,6 +531,9 @@ def one_run(w: Workload, arm: str, replicas: list[Replica], vllm: Path, raw: Pat
     tag = f"{w.name}-{arm}-r{round_no}"
     result: dict = {"arm": arm, "round": round_no, "seed": seed}
     with contextlib.ExitStack() as exits:
+        if arm.endswith(FULL_SCRAPE_SUFFIX):
+            arm = arm.removesuffix(FULL_SCRAPE_SUFFIX)
+            exits.enter_context(full_scraper([r.url for r in replicas]))
         if arm in ("ceiling", "direct"):
             # `direct`: the same two clients, each with all the prefix groups (no split).
             half = w.groups if arm == "direct" else max(1, w.groups // len(replicas))

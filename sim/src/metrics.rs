@@ -16,6 +16,9 @@
 //!
 //! plus the simulator's own `vllm_sim:requests_received_total` (no labels): every request
 //! received on `/v1/chat/completions`, `/v1/completions` and `/v1/responses`, rejected ones included.
+//!
+//! `GET /metrics` serves them all; `GET /metrics/` only the samples named by the query's `name[]`
+//! parameters ([`restrict_to_names`]), as vLLM's mount of prometheus_client's app does.
 
 use std::fmt::{self, Write as _};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -258,6 +261,41 @@ impl Drop for RequestTracker {
     }
 }
 
+/// The exposition `text` with only the samples named by the `name[]` parameters of `query` (a
+/// URL query string, percent-encoded or not), and the `# HELP`/`# TYPE` lines of their families:
+/// prometheus_client's `restricted_registry`, which vLLM's `/metrics/` answers with. A query
+/// without `name[]` keeps everything. A sample's name is the text before its `{` or space
+/// (`vllm:request_success_total`, `vllm:time_to_first_token_seconds_sum`).
+pub fn restrict_to_names(text: &str, query: &str) -> String {
+    let names: Vec<String> = form_urlencoded::parse(query.as_bytes())
+        .filter(|(key, _)| key == "name[]")
+        .map(|(_, value)| value.into_owned())
+        .collect();
+    if names.is_empty() {
+        return text.to_owned();
+    }
+    let kept = |name: &str| names.iter().any(|n| n == name);
+    let family_kept = |family: &str| {
+        names.iter().any(|n| {
+            n.strip_prefix(family).is_some_and(|rest| {
+                matches!(rest, "" | "_total" | "_sum" | "_count" | "_bucket" | "_created")
+            })
+        })
+    };
+    let mut out = String::new();
+    for line in text.lines() {
+        let keep = match line.strip_prefix("# HELP ").or_else(|| line.strip_prefix("# TYPE ")) {
+            Some(rest) => family_kept(rest.split(' ').next().unwrap_or_default()),
+            None => kept(line.split(['{', ' ']).next().unwrap_or_default()),
+        };
+        if keep {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -268,6 +306,30 @@ mod tests {
             .unwrap_or_else(|| panic!("{series} missing in\n{text}"))
             .parse()
             .unwrap()
+    }
+
+    #[test]
+    fn metrics_slash_keeps_only_the_named_samples_and_their_families_headers() {
+        let text = "# HELP vllm:num_requests_running r\n# TYPE vllm:num_requests_running gauge\n\
+vllm:num_requests_running{model_name=\"m\"} 2\n# HELP vllm:num_requests_waiting w\n\
+vllm:num_requests_waiting{model_name=\"m\"} 1\n# TYPE vllm:request_success counter\n\
+vllm:request_success_total{finished_reason=\"stop\",model_name=\"m\"} 5\n\
+# TYPE vllm:time_to_first_token_seconds histogram\n\
+vllm:time_to_first_token_seconds_bucket{le=\"0.1\",model_name=\"m\"} 1\n\
+vllm:time_to_first_token_seconds_sum{model_name=\"m\"} 0.5\nvllm_sim:requests_received_total 9\n";
+        let query = "name%5B%5D=vllm%3Anum_requests_running&name[]=vllm:request_success_total\
+&name%5B%5D=vllm%3Atime_to_first_token_seconds_sum&other=x";
+        assert_eq!(
+            restrict_to_names(text, query),
+            "# HELP vllm:num_requests_running r\n# TYPE vllm:num_requests_running gauge\n\
+vllm:num_requests_running{model_name=\"m\"} 2\n# TYPE vllm:request_success counter\n\
+vllm:request_success_total{finished_reason=\"stop\",model_name=\"m\"} 5\n\
+# TYPE vllm:time_to_first_token_seconds histogram\n\
+vllm:time_to_first_token_seconds_sum{model_name=\"m\"} 0.5\n"
+        );
+        assert_eq!(restrict_to_names(text, ""), text);
+        assert_eq!(restrict_to_names(text, "other=x"), text);
+        assert_eq!(restrict_to_names(text, "name[]=vllm:nothing"), "");
     }
 
     #[test]

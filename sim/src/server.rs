@@ -222,6 +222,16 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<
             };
             with_type(StatusCode::OK, PROMETHEUS_TEXT, Bytes::from(text))
         }
+        // vLLM mounts prometheus_client's app here too: it answers only the samples the query's
+        // `name[]` parameters name (all of them without one).
+        (&Method::GET, "/metrics/") => {
+            let text = match &state.engine {
+                Some(engine) => state.metrics.render_engine(engine.snapshot()),
+                None => state.metrics.render(state.queue.snapshot()),
+            };
+            let text = crate::metrics::restrict_to_names(&text, req.uri().query().unwrap_or_default());
+            with_type(StatusCode::OK, PROMETHEUS_TEXT, Bytes::from(text))
+        }
         (
             _,
             "/v1/chat/completions"
@@ -230,6 +240,7 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<
             | "/v1/models"
             | "/health"
             | "/metrics"
+            | "/metrics/"
             | "/reset_prefix_cache",
         ) => detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed"),
         _ => detail(StatusCode::NOT_FOUND, "Not Found"),

@@ -287,6 +287,28 @@ async fn metrics_use_vllm_names() {
     let (status, headers, _) = sim.call(Method::GET, "/metrics", None).await;
     assert_eq!(status, StatusCode::OK);
     assert!(headers["content-type"].to_str().unwrap().starts_with("text/plain; version=0.0.4"));
+    // `/metrics/` (vLLM's prometheus_client mount) answers only the samples `name[]` names.
+    let (status, headers, bytes) = sim
+        .call(
+            Method::GET,
+            "/metrics/?name%5B%5D=vllm%3Anum_requests_running&name%5B%5D=vllm%3Arequest_success_total",
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(headers["content-type"].to_str().unwrap().starts_with("text/plain; version=0.0.4"));
+    let filtered = String::from_utf8(bytes.to_vec()).unwrap();
+    let samples: Vec<&str> = filtered.lines().filter(|l| !l.starts_with('#')).collect();
+    assert_eq!(
+        samples,
+        [
+            format!("{RUNNING} 0"),
+            format!("vllm:request_success_total{{finished_reason=\"stop\",{l}}} 0"),
+            format!("vllm:request_success_total{{finished_reason=\"length\",{l}}} 2"),
+            format!("vllm:request_success_total{{finished_reason=\"abort\",{l}}} 0"),
+        ],
+        "{filtered}"
+    );
     sim.shutdown().await;
 }
 

@@ -110,6 +110,11 @@ pub struct Metrics {
     /// `llm_gateway_endpoint_scrape_ok{pool,endpoint}`: 1 when the endpoint's last `/metrics`
     /// scrape succeeded, 0 when it failed (a picking pool's endpoint is then not eligible).
     pub endpoint_scrape_ok: Family<EndpointLabel, Gauge>,
+    /// `llm_gateway_endpoint_scrape_filtered{pool,endpoint}`: 1 when the endpoint's last
+    /// successful scrape asked vLLM for the samples the sidecar reads only (`/metrics/` with
+    /// `name[]`: `crate::pools::signals::filtered_metrics_path`), 0 when it read the whole
+    /// `/metrics` (an endpoint that ignores the filter).
+    pub endpoint_scrape_filtered: Family<EndpointLabel, Gauge>,
     /// `llm_gateway_endpoint_last_scrape_timestamp_seconds{pool,endpoint}`: Unix time of the
     /// endpoint's last successful scrape (the picker ignores one older than `stale_after_ms`).
     pub endpoint_last_scrape: Family<EndpointLabel, GaugeF64>,
@@ -253,6 +258,7 @@ impl Metrics {
             pool_waiting: Family::default(),
             pool_kv_cache: Family::default(),
             endpoint_scrape_ok: Family::default(),
+            endpoint_scrape_filtered: Family::default(),
             endpoint_last_scrape: Family::default(),
             redis_latency: Family::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(0.00005, 2.0, 16))
@@ -434,6 +440,11 @@ impl Metrics {
             "llm_gateway_endpoint_scrape_ok",
             "1 when the endpoint's last /metrics scrape succeeded",
             self.endpoint_scrape_ok.clone(),
+        );
+        r.register(
+            "llm_gateway_endpoint_scrape_filtered",
+            "1 when the endpoint's last scrape read only the vLLM samples the sidecar uses (/metrics/ with name[])",
+            self.endpoint_scrape_filtered.clone(),
         );
         r.register(
             "llm_gateway_endpoint_last_scrape_timestamp_seconds",

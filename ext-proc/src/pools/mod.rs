@@ -21,6 +21,7 @@ pub mod signals;
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -164,6 +165,9 @@ pub(crate) struct Pool {
     picker: Option<Mutex<PoolPicker>>,
     /// The flow-control queue, for a pool with `flow_control` ([`crate::flow_control`]).
     pub(crate) flow: Option<PoolFlow>,
+    /// Per endpoint (the config's order): true while it is scraped at `/metrics` because it
+    /// answered [`signals::filtered_metrics_path`] without vLLM's gauges ([`fetch_metrics`]).
+    unfiltered: Vec<AtomicBool>,
 }
 
 impl Pool {
@@ -261,7 +265,13 @@ impl Pools {
                 let flow = c.flow_control.zip(flow).map(|(pool, flow)| PoolFlow::new(pool, flow));
                 (
                     c.name.clone(),
-                    Pool { config: c.clone(), state: Mutex::new(PoolState::default()), picker, flow },
+                    Pool {
+                        config: c.clone(),
+                        state: Mutex::new(PoolState::default()),
+                        picker,
+                        flow,
+                        unfiltered: c.endpoints.iter().map(|_| AtomicBool::new(false)).collect(),
+                    },
                 )
             })
             .collect();
@@ -544,15 +554,17 @@ impl Pools {
         self.pump(name);
     }
 
-    /// `llm_gateway_endpoint_scrape_ok` and `llm_gateway_endpoint_last_scrape_timestamp_seconds`
-    /// of one endpoint's scrape.
-    fn count_scrape(&self, pool: &str, endpoint: &str, ok: bool) {
+    /// `llm_gateway_endpoint_scrape_ok`, `llm_gateway_endpoint_scrape_filtered` and
+    /// `llm_gateway_endpoint_last_scrape_timestamp_seconds` of one endpoint's scrape (`filtered`:
+    /// answered at [`signals::filtered_metrics_path`]).
+    fn count_scrape(&self, pool: &str, endpoint: &str, ok: bool, filtered: bool) {
         let endpoint =
             endpoint.trim_start_matches("http://").trim_start_matches("https://").trim_end_matches('/');
         let label =
             EndpointLabel { pool: self.metrics.bounded(pool), endpoint: self.metrics.bounded(endpoint) };
         self.metrics.endpoint_scrape_ok.get_or_create(&label).set(i64::from(ok));
         if ok {
+            self.metrics.endpoint_scrape_filtered.get_or_create(&label).set(i64::from(filtered));
             let now = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64());
@@ -569,14 +581,16 @@ impl Pools {
         let Some(pool) = self.pools.get(name) else { return };
         let mut total = Scrape::default();
         let mut complete = true;
+        let filtered_path = signals::filtered_metrics_path();
         for (index, endpoint) in pool.config.endpoints.iter().enumerate() {
-            let scrape = fetch(client, &format!("{}/metrics", endpoint.trim_end_matches('/')), timeout)
-                .await
-                .map(|text| signals::parse_vllm_metrics(&text));
+            let answer =
+                fetch_metrics(client, endpoint, &filtered_path, pool.unfiltered.get(index), timeout).await;
+            let filtered = answer.as_ref().is_some_and(|(_, filtered)| *filtered);
+            let scrape = answer.map(|(text, _)| signals::parse_vllm_metrics(&text));
             if let Some(Ok(mut picker)) = pool.picker.as_ref().map(|p| p.lock()) {
                 picker.scraped(index, scrape, Instant::now());
             }
-            self.count_scrape(name, endpoint, scrape.is_some());
+            self.count_scrape(name, endpoint, scrape.is_some(), filtered);
             match scrape {
                 Some(s) => {
                     total.waiting += s.waiting;
@@ -634,25 +648,68 @@ fn lag(config: &PoolConfig) -> Duration {
     signals::report_lag(Duration::from_millis(config.scrape_interval_ms))
 }
 
+/// One endpoint's metrics text, and whether it came from [`signals::filtered_metrics_path`]
+/// (`filtered_path`, computed once a round); None when the endpoint did not answer.
+///
+/// An endpoint is asked for the filtered path first. When it answers that with a non-2xx status
+/// or without vLLM's gauges ([`signals::is_vllm_metrics`]: a server that is not vLLM's
+/// prometheus_client), it is asked for `/metrics` at once, and then only for `/metrics` until
+/// that fails (`unfiltered`, the endpoint's flag). An endpoint that does not answer at all (refused,
+/// timed out) is not asked twice in a round.
+async fn fetch_metrics(
+    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>,
+    endpoint: &str,
+    filtered_path: &str,
+    unfiltered: Option<&AtomicBool>,
+    timeout: Duration,
+) -> Option<(String, bool)> {
+    let base = endpoint.trim_end_matches('/');
+    if !unfiltered.is_some_and(|flag| flag.load(Ordering::Relaxed)) {
+        match fetch(client, &format!("{base}{filtered_path}"), timeout).await {
+            Ok(text) if signals::is_vllm_metrics(&text) => return Some((text, true)),
+            Ok(_) | Err(FetchFailure::Status) => {}
+            Err(FetchFailure::NoAnswer) => return None,
+        }
+    }
+    let text = fetch(client, &format!("{base}/metrics"), timeout).await.ok();
+    if let Some(flag) = unfiltered {
+        if text.is_some() && !flag.swap(true, Ordering::Relaxed) {
+            info!(endpoint, "endpoint ignores the name[] filter of /metrics/: scraping its whole /metrics");
+        }
+        if text.is_none() {
+            flag.store(false, Ordering::Relaxed);
+        }
+    }
+    text.map(|text| (text, false))
+}
+
+/// Why [`fetch`] got no text.
+enum FetchFailure {
+    /// No answer: refused, reset, timed out, or a body that is not UTF-8.
+    NoAnswer,
+    /// An answer with a non-2xx status.
+    Status,
+}
+
 async fn fetch(
     client: &Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>,
     url: &str,
     timeout: Duration,
-) -> Option<String> {
-    let uri: hyper::Uri = url.parse().ok()?;
+) -> Result<String, FetchFailure> {
+    let uri: hyper::Uri = url.parse().map_err(|_| FetchFailure::NoAnswer)?;
     let work = async {
-        let response = client.get(uri).await.ok()?;
+        let response = client.get(uri).await.map_err(|_| FetchFailure::NoAnswer)?;
         if !response.status().is_success() {
-            return None;
+            return Err(FetchFailure::Status);
         }
-        let body = response.into_body().collect().await.ok()?.to_bytes();
-        String::from_utf8(body.to_vec()).ok()
+        let body = response.into_body().collect().await.map_err(|_| FetchFailure::NoAnswer)?.to_bytes();
+        String::from_utf8(body.to_vec()).map_err(|_| FetchFailure::NoAnswer)
     };
     match tokio::time::timeout(timeout, work).await {
         Ok(text) => text,
         Err(_) => {
             debug!(url, "scrape timed out");
-            None
+            Err(FetchFailure::NoAnswer)
         }
     }
 }

@@ -126,6 +126,42 @@ pub struct Scrape {
     pub cache_tokens: f64,
 }
 
+/// The samples [`parse_vllm_metrics`] reads, by their exposition names (a counter's `_total`, a
+/// histogram's `_sum` and `_count`).
+pub const VLLM_SAMPLES: [&str; 8] = [
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:request_success_total",
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:cache_config_info",
+];
+
+/// The path (with its query) that asks a vLLM endpoint for [`VLLM_SAMPLES`] only:
+/// `/metrics/?name%5B%5D=vllm%3Anum_requests_waiting&...`.
+///
+/// vLLM serves its registry twice: `/metrics` (prometheus-fastapi-instrumentator's handler, the
+/// whole registry whatever the query) and `/metrics/` (prometheus_client's `make_asgi_app`,
+/// which answers only the samples named in `name[]` parameters). The whole registry of vLLM
+/// 0.32's CPU build is 51 KB, 591 lines, and took 5.5 ms of the API server's CPU a scrape on an
+/// idle replica; the filtered answer 2.6 KB, 23 lines, 0.7 ms. An endpoint that does not answer
+/// this path with vLLM's gauges ([`is_vllm_metrics`]) is scraped at `/metrics`.
+pub fn filtered_metrics_path() -> String {
+    let query: Vec<String> =
+        VLLM_SAMPLES.iter().map(|name| format!("name%5B%5D={}", name.replace(':', "%3A"))).collect();
+    format!("/metrics/?{}", query.join("&"))
+}
+
+/// Whether a metrics answer carries vLLM's scheduler gauges (a `vllm:num_requests_running`
+/// sample): false for a server that answered [`filtered_metrics_path`] with something else.
+pub fn is_vllm_metrics(text: &str) -> bool {
+    text.lines().any(|line| {
+        line.strip_prefix("vllm:num_requests_running").is_some_and(|rest| rest.starts_with(['{', ' ']))
+    })
+}
+
 /// Parses the metrics text of a vLLM endpoint (label sets summed; the KV-cache usage is the
 /// highest value). Unknown lines are ignored.
 pub fn parse_vllm_metrics(text: &str) -> Scrape {
@@ -185,6 +221,38 @@ mod tests {
         assert_eq!(parse_vllm_metrics(hybrid).cache_tokens, 6488.0);
         let none = "vllm:cache_config_info{block_size=\"128\",kv_cache_size_tokens=\"None\",num_gpu_blocks=\"320\"} 1.0\n";
         assert_eq!(parse_vllm_metrics(none).cache_tokens, 40960.0);
+    }
+
+    #[test]
+    fn the_filtered_path_names_every_sample_the_parser_reads() {
+        let path = filtered_metrics_path();
+        assert!(path.starts_with("/metrics/?name%5B%5D=vllm%3Anum_requests_waiting&name%5B%5D="), "{path}");
+        assert_eq!(path.matches("name%5B%5D=").count(), VLLM_SAMPLES.len());
+        assert!(!path.contains(':') && !path.contains('['), "{path}");
+        // Every name of the list is one the parser reads: a text of each at 1 sets every field.
+        let text: String = VLLM_SAMPLES
+            .iter()
+            .map(|name| match *name {
+                "vllm:cache_config_info" => format!("{name}{{kv_cache_size_tokens=\"1\"}} 1\n"),
+                _ => format!("{name}{{model_name=\"m\"}} 1\n"),
+            })
+            .collect();
+        let s = parse_vllm_metrics(&text);
+        assert_eq!(
+            (s.waiting, s.running, s.kv_cache_usage, s.finished, s.ttft_sum, s.ttft_count, s.cache_tokens),
+            (1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+        );
+    }
+
+    #[test]
+    fn only_an_answer_with_the_running_gauge_is_vllm_metrics() {
+        assert!(is_vllm_metrics(
+            "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\"} 2.0\n"
+        ));
+        assert!(is_vllm_metrics("vllm:num_requests_running 0\n"));
+        assert!(!is_vllm_metrics("ok"));
+        assert!(!is_vllm_metrics("# HELP vllm:num_requests_running x\nvllm:num_requests_running_other 1\n"));
+        assert!(!is_vllm_metrics("<html>Not Found</html>"));
     }
 
     #[test]
