@@ -62,7 +62,12 @@ reads).
 --engine-nice N starts the engines at niceness N (default 10; 0 to share the cores evenly), so
 the gateway, Redis and the client run first on the 2 cores they share with the engines here: on a
 serving host the gateway never shares the engine's cores. Every arm, the ceiling included, runs
-with the same niceness.
+with the same niceness. --nice-scope says what is niced: `tree` (the default) the API server and
+everything it starts; `engine` only the processes
+vLLM's API server starts (its EngineCore and the worker that computes, every thread), the API
+server itself at the gateway's priority, as a GPU host runs its HTTP, tokenizing and
+detokenizing on other cores than the engine's compute (not yet measured). The sim is one
+process: niced whole either way.
 
     make bench-real                                   # everything, 2 rounds (~90 min)
     .venv/bin/python bench/real_engine.py --workloads long-prefix,random --rounds 2
@@ -245,6 +250,8 @@ class Replica:
     # The engine's niceness (--engine-nice): above 0 the gateway beside it on the same cores is
     # scheduled first, as it is on a serving host where it never shares the engine's cores.
     nice: int = 0
+    # --nice-scope: "tree" (the default) or "engine" (the real engine's compute processes only, once ready).
+    nice_scope: str = "tree"
 
     @property
     def url(self) -> str:
@@ -271,7 +278,7 @@ class Replica:
                     "--max-num-seqs", str(MAX_NUM_SEQS),
                     *(x for flag, v in SIM_UNDER_LOAD.items() for x in (flag, f"{v:g}")),
                     "--max-model-len", str(round(MAX_MODEL_LEN * SIM_TOKENS_PER_TOKEN))]
-        if self.nice:
+        if self.nice and (self.engine != "real" or self.nice_scope == "tree"):
             argv = ["nice", "-n", str(self.nice), *argv]
         self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
@@ -284,6 +291,7 @@ class Replica:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
+                        self.renice_engine()
                         return
             except OSError:
                 pass
@@ -302,6 +310,27 @@ class Replica:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"replica {self.index}: /reset_prefix_cache answered {answer!r} for 60 s")
             time.sleep(0.5)
+
+    def renice_engine(self) -> None:
+        """--nice-scope engine: every thread of every process the real replica's API server
+        started (vLLM's EngineCore and its worker: the compute) at `nice`; the API server keeps
+        the gateway's priority. Threads started later inherit their creator's niceness."""
+        if not (self.nice and self.engine == "real" and self.nice_scope == "engine" and self.proc):
+            return
+        parents: dict[int, int] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        below, frontier = set(), {self.proc.pid}
+        while frontier:
+            frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - below
+            below |= frontier
+        if not below:
+            raise RuntimeError(f"replica {self.index}: no engine process below the API server {self.proc.pid}")
+        for pid in below:
+            for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, int(task.name), self.nice)
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -720,6 +749,10 @@ def nice_text(meta: dict) -> str:
     n = meta.get("engine_nice") or 0
     if not n:
         return "the engines and the gateway sharing the 2 cores evenly; "
+    if meta.get("nice_scope") == "engine" and meta.get("engine") == "real":
+        return (f"vLLM's engine processes (its EngineCore and worker, the compute) at niceness {n}, so that Envoy, "
+                f"the sidecar, Redis, the client and vLLM's API server go first on the 2 cores they share with the "
+                f"engines here (on a serving host they never share the engine's compute); ")
     return (f"the engines at niceness {n}, so that Envoy, the sidecar, Redis and the client go first on the 2 "
             f"cores they share with the engines here (on a serving host they never share the engine's cores); ")
 
@@ -824,6 +857,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-nice", type=int, default=10,
                     help="the engines' niceness (0-19; default 10): the gateway, Redis and the client first on "
                     "the shared cores, as on a serving host where they never share the engine's cores")
+    ap.add_argument("--nice-scope", choices=("engine", "tree"), default="tree",
+                    help="what --engine-nice nices on the real engine: the API server and all it starts (tree, "
+                    "default), or its compute processes only (engine)")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="32 prompts a run, 1 round; docs untouched")
     ap.add_argument("--no-docs", action="store_true")
@@ -856,7 +892,8 @@ def main(argv: list[str] | None = None) -> int:
         by_blocks.setdefault(w.blocks[: args.replicas] if len(w.blocks) >= args.replicas else w.blocks, []).append(w)
     rng = random.Random(stamp)
     for blocks, ws in by_blocks.items():
-        replicas = [Replica(i, blocks[i % len(blocks)], args.engine, vllm, raw, nice=args.engine_nice)
+        replicas = [Replica(i, blocks[i % len(blocks)], args.engine, vllm, raw, nice=args.engine_nice,
+                            nice_scope=args.nice_scope)
                     for i in range(args.replicas)]
         try:
             for r in replicas:
@@ -880,7 +917,7 @@ def main(argv: list[str] | None = None) -> int:
                 r.stop()
     summary = summarize(results)
     meta = {"stamp": stamp, "rounds": rounds, "replicas": args.replicas, "engine": args.engine,
-            "engine_nice": args.engine_nice,
+            "engine_nice": args.engine_nice, "nice_scope": args.nice_scope,
             "prompts": chosen[0].num_prompts if chosen else None,
             "concurrency": chosen[0].concurrency if chosen else None}
     (raw / "summary.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
