@@ -215,21 +215,19 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<
             let success = state.engine.as_ref().is_none_or(|engine| engine.reset_prefix_cache());
             with_type(StatusCode::OK, JSON, Bytes::from(format!("{{\"success\":{success}}}")))
         }
-        (&Method::GET, "/metrics") => {
+        // `/metrics/`: vLLM mounts prometheus_client's app there too, which answers only the
+        // samples the query's `name[]` parameters name (all of them without one).
+        (&Method::GET, path @ ("/metrics" | "/metrics/")) => {
             let text = match &state.engine {
                 Some(engine) => state.metrics.render_engine(engine.snapshot()),
                 None => state.metrics.render(state.queue.snapshot()),
             };
-            with_type(StatusCode::OK, PROMETHEUS_TEXT, Bytes::from(text))
-        }
-        // vLLM mounts prometheus_client's app here too: it answers only the samples the query's
-        // `name[]` parameters name (all of them without one).
-        (&Method::GET, "/metrics/") => {
-            let text = match &state.engine {
-                Some(engine) => state.metrics.render_engine(engine.snapshot()),
-                None => state.metrics.render(state.queue.snapshot()),
+            let text = match path {
+                "/metrics/" => {
+                    crate::metrics::restrict_to_names(&text, req.uri().query().unwrap_or_default())
+                }
+                _ => text,
             };
-            let text = crate::metrics::restrict_to_names(&text, req.uri().query().unwrap_or_default());
             with_type(StatusCode::OK, PROMETHEUS_TEXT, Bytes::from(text))
         }
         (

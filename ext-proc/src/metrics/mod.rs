@@ -112,7 +112,7 @@ pub struct Metrics {
     pub endpoint_scrape_ok: Family<EndpointLabel, Gauge>,
     /// `llm_gateway_endpoint_scrape_filtered{pool,endpoint}`: 1 when the endpoint's last
     /// successful scrape asked vLLM for the samples the sidecar reads only (`/metrics/` with
-    /// `name[]`: `crate::pools::signals::filtered_metrics_path`), 0 when it read the whole
+    /// `name[]`: `crate::pools::signals::FILTERED_METRICS_PATH`), 0 when it read the whole
     /// `/metrics` (an endpoint that ignores the filter).
     pub endpoint_scrape_filtered: Family<EndpointLabel, Gauge>,
     /// `llm_gateway_endpoint_last_scrape_timestamp_seconds{pool,endpoint}`: Unix time of the

@@ -166,7 +166,7 @@ pub(crate) struct Pool {
     /// The flow-control queue, for a pool with `flow_control` ([`crate::flow_control`]).
     pub(crate) flow: Option<PoolFlow>,
     /// Per endpoint (the config's order): true while it is scraped at `/metrics` because it
-    /// answered [`signals::filtered_metrics_path`] without vLLM's gauges ([`fetch_metrics`]).
+    /// answered [`signals::FILTERED_METRICS_PATH`] without vLLM's gauges ([`fetch_metrics`]).
     unfiltered: Vec<AtomicBool>,
 }
 
@@ -556,7 +556,7 @@ impl Pools {
 
     /// `llm_gateway_endpoint_scrape_ok`, `llm_gateway_endpoint_scrape_filtered` and
     /// `llm_gateway_endpoint_last_scrape_timestamp_seconds` of one endpoint's scrape (`filtered`:
-    /// answered at [`signals::filtered_metrics_path`]).
+    /// answered at [`signals::FILTERED_METRICS_PATH`]).
     fn count_scrape(&self, pool: &str, endpoint: &str, ok: bool, filtered: bool) {
         let endpoint =
             endpoint.trim_start_matches("http://").trim_start_matches("https://").trim_end_matches('/');
@@ -581,10 +581,8 @@ impl Pools {
         let Some(pool) = self.pools.get(name) else { return };
         let mut total = Scrape::default();
         let mut complete = true;
-        let filtered_path = signals::filtered_metrics_path();
         for (index, endpoint) in pool.config.endpoints.iter().enumerate() {
-            let answer =
-                fetch_metrics(client, endpoint, &filtered_path, pool.unfiltered.get(index), timeout).await;
+            let answer = fetch_metrics(client, endpoint, pool.unfiltered.get(index), timeout).await;
             let filtered = answer.as_ref().is_some_and(|(_, filtered)| *filtered);
             let scrape = answer.map(|(text, _)| signals::parse_vllm_metrics(&text));
             if let Some(Ok(mut picker)) = pool.picker.as_ref().map(|p| p.lock()) {
@@ -648,8 +646,8 @@ fn lag(config: &PoolConfig) -> Duration {
     signals::report_lag(Duration::from_millis(config.scrape_interval_ms))
 }
 
-/// One endpoint's metrics text, and whether it came from [`signals::filtered_metrics_path`]
-/// (`filtered_path`, computed once a round); None when the endpoint did not answer.
+/// One endpoint's metrics text, and whether it came from [`signals::FILTERED_METRICS_PATH`];
+/// None when the endpoint did not answer.
 ///
 /// An endpoint is asked for the filtered path first. When it answers that with a non-2xx status
 /// or without vLLM's gauges ([`signals::is_vllm_metrics`]: a server that is not vLLM's
@@ -659,13 +657,12 @@ fn lag(config: &PoolConfig) -> Duration {
 async fn fetch_metrics(
     client: &Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>,
     endpoint: &str,
-    filtered_path: &str,
     unfiltered: Option<&AtomicBool>,
     timeout: Duration,
 ) -> Option<(String, bool)> {
     let base = endpoint.trim_end_matches('/');
     if !unfiltered.is_some_and(|flag| flag.load(Ordering::Relaxed)) {
-        match fetch(client, &format!("{base}{filtered_path}"), timeout).await {
+        match fetch(client, &format!("{base}{}", signals::FILTERED_METRICS_PATH.as_str()), timeout).await {
             Ok(text) if signals::is_vllm_metrics(&text) => return Some((text, true)),
             Ok(_) | Err(FetchFailure::Status) => {}
             Err(FetchFailure::NoAnswer) => return None,

@@ -4,6 +4,7 @@
 //! arithmetic around them (smoothing, the report lag, the in-flight bound).
 
 use std::collections::VecDeque;
+use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
 /// What is known about a pool right now.
@@ -148,14 +149,14 @@ pub const VLLM_SAMPLES: [&str; 8] = [
 /// 0.32's CPU build is 51 KB, 591 lines, and took 5.5 ms of the API server's CPU a scrape on an
 /// idle replica; the filtered answer 2.6 KB, 23 lines, 0.7 ms. An endpoint that does not answer
 /// this path with vLLM's gauges ([`is_vllm_metrics`]) is scraped at `/metrics`.
-pub fn filtered_metrics_path() -> String {
+pub static FILTERED_METRICS_PATH: LazyLock<String> = LazyLock::new(|| {
     let query: Vec<String> =
         VLLM_SAMPLES.iter().map(|name| format!("name%5B%5D={}", name.replace(':', "%3A"))).collect();
     format!("/metrics/?{}", query.join("&"))
-}
+});
 
 /// Whether a metrics answer carries vLLM's scheduler gauges (a `vllm:num_requests_running`
-/// sample): false for a server that answered [`filtered_metrics_path`] with something else.
+/// sample): false for a server that answered [`FILTERED_METRICS_PATH`] with something else.
 pub fn is_vllm_metrics(text: &str) -> bool {
     text.lines().any(|line| {
         line.strip_prefix("vllm:num_requests_running").is_some_and(|rest| rest.starts_with(['{', ' ']))
@@ -225,7 +226,7 @@ mod tests {
 
     #[test]
     fn the_filtered_path_names_every_sample_the_parser_reads() {
-        let path = filtered_metrics_path();
+        let path = FILTERED_METRICS_PATH.as_str();
         assert!(path.starts_with("/metrics/?name%5B%5D=vllm%3Anum_requests_waiting&name%5B%5D="), "{path}");
         assert_eq!(path.matches("name%5B%5D=").count(), VLLM_SAMPLES.len());
         assert!(!path.contains(':') && !path.contains('['), "{path}");
