@@ -21,8 +21,10 @@ Workloads (`--workloads`, all by default):
     quarter-cache   long-prefix with the second replica given a quarter of the first's blocks
                     (1,280 and 320)
     tenants         a light tenant (2 concurrent) beside a heavy one (16), random 256-token
-                    prompts, 64 output tokens (heavy sends 8 times light's prompts and is still
-                    sending when light ends; its req/s counts only while light ran), on
+                    prompts, 64 output tokens (heavy starts first; light joins once heavy
+                    has completed a turn of the 8 slots, and heavy is stopped when light's
+                    last request ends: both are measured in steady state, beside the other;
+                    heavy's req/s counts its completions while light ran), on
                     `max_in_flight` = the replicas' slots: light
                     alone, no flow control, flow control with the default config, and with
                     `newcomer_reserve` 0.25 (`flow-control-reserve`); with --arms also
@@ -57,7 +59,9 @@ requests of a prefix it holds and prompts no replica holds; `picker` has the def
 -q and picker are, at N more than each replica's slots for every prompt: N requests wait in each
 engine; `slot_overcommit: 0`). `ARM-fullscrape` is ARM with each replica's whole `/metrics` also
 read every 500 ms (what the sidecar's scrapes cost before it asked vLLM for only the samples it
-reads).
+reads). `ARM-apifirst` (any workload) is ARM with each real replica's API server process at
+niceness 0 while it runs, its engine processes left at --engine-nice (--nice-scope engine, arm by
+arm, interleaved with the other arms).
 
 --engine-nice N starts the engines at niceness N (default 10; 0 to share the cores evenly), so
 the gateway, Redis and the client run first on the 2 cores they share with the engines here: on a
@@ -332,6 +336,15 @@ class Replica:
                 with contextlib.suppress(OSError):
                     os.setpriority(os.PRIO_PROCESS, int(task.name), self.nice)
 
+    def api_server_priority(self, nice: int) -> None:
+        """Every thread of the real replica's API server process (not the engine processes it
+        started) at niceness `nice`: an `ARM-apifirst` arm runs it at 0, then puts it back."""
+        if not (self.engine == "real" and self.proc):
+            return
+        for task in Path(f"/proc/{self.proc.pid}/task").glob("[0-9]*"):
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -477,23 +490,70 @@ def envoy_status_counts(stack: Stack) -> dict[str, int]:
     return out
 
 
-def heavy_beside_light(entries: list[dict]) -> float | None:
-    """The heavy tenant's completed requests a second while the light tenant ran: those of
-    Envoy's request log (`tenant`, `start_time`, `duration_ms`, `response_code`) that ended
-    between light's first request's start and its last request's end, over that window. None
-    without a light request."""
-    def span(e: dict) -> tuple[float, float]:
-        start = datetime.datetime.fromisoformat(e["start_time"].replace("Z", "+00:00")).timestamp()
-        return start, start + float(e.get("duration_ms") or 0) / 1000
+# The heavy tenant's client is given this many times the run's prompts and stopped when light
+# ends: it never runs dry while light runs, however slowly light goes.
+HEAVY_PROMPTS_PER_RUN = 4
 
-    chat = [e for e in entries if e.get("path") == "/v1/chat/completions"]
+
+def span(e: dict) -> tuple[float, float]:
+    """A request log entry's (start, end) in epoch seconds (`start_time`, `duration_ms`)."""
+    start = datetime.datetime.fromisoformat(e["start_time"].replace("Z", "+00:00")).timestamp()
+    return start, start + float(e.get("duration_ms") or 0) / 1000
+
+
+def wait_completions(stack: Stack, proc: subprocess.Popen, tenant: str, n: int) -> None:
+    """Waits until `tenant` has `n` successful chat completions in Envoy's request log (the
+    log is flushed every second): the engines have then turned over each slot once."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        done = sum(1 for e in stack.requests_logged() if e.get("tenant") == tenant
+                   and e.get("path") == "/v1/chat/completions" and 200 <= int(e.get("response_code") or 0) < 300)
+        if done >= n:
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"the {tenant} client exited before {n} completions")
+        time.sleep(0.5)
+    raise RuntimeError(f"{tenant}: {n} completions not logged in {RUN_TIMEOUT_S} s")
+
+
+def stop_client(proc: subprocess.Popen) -> None:
+    """Stops a `vllm bench serve` still sending (SIGINT, then SIGKILL after 30 s)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def light_window(chat: list[dict]) -> tuple[float, float] | None:
+    """From light's first request's start to its last request's end (request log entries)."""
     light = [span(e) for e in chat if e.get("tenant") == "light"]
-    if not light:
-        return None
-    t0, t1 = min(a for a, _ in light), max(b for _, b in light)
-    done = sum(1 for e in chat if e.get("tenant") == "heavy" and 200 <= int(e.get("response_code") or 0) < 300
-               and t0 <= span(e)[1] <= t1)
-    return done / (t1 - t0) if t1 > t0 else None
+    return (min(a for a, _ in light), max(b for _, b in light)) if light else None
+
+
+def heavy_figures(entries: list[dict]) -> dict:
+    """The heavy tenant beside light, from Envoy's request log (`tenant`, `start_time`,
+    `duration_ms`, `response_code`): `beside_light_req_per_s`, its successful requests that
+    ended in light's window over that window; `total_beside_light_req_per_s`, light's and
+    heavy's together (the pool's throughput while both ran); `failed`, heavy's requests answered
+    4xx or 5xx before light ended (the ones cut when heavy's client is stopped are not failures)."""
+    chat = [e for e in entries if e.get("path") == "/v1/chat/completions"]
+    window = light_window(chat)
+    if not window or window[1] <= window[0]:
+        return {"beside_light_req_per_s": None, "total_beside_light_req_per_s": None, "failed": 0}
+    t0, t1 = window
+
+    def ok_in_window(e: dict) -> bool:
+        return 200 <= int(e.get("response_code") or 0) < 300 and t0 <= span(e)[1] <= t1
+
+    heavy = sum(1 for e in chat if e.get("tenant") == "heavy" and ok_in_window(e))
+    both = sum(1 for e in chat if ok_in_window(e))
+    failed = sum(1 for e in chat if e.get("tenant") == "heavy" and int(e.get("response_code") or 0) >= 400
+                 and span(e)[1] <= t1)
+    return {"beside_light_req_per_s": heavy / (t1 - t0), "total_beside_light_req_per_s": both / (t1 - t0),
+            "failed": failed}
 
 
 def failure_causes(stack: Stack) -> dict[str, int]:
@@ -551,6 +611,31 @@ def full_scraper(urls: list[str]):
         thread.join()
 
 
+API_FIRST_SUFFIX = "-apifirst"
+
+
+@contextlib.contextmanager
+def api_servers_first(replicas: list[Replica]):
+    """While the block runs, each real replica's API server (HTTP, tokenizing, detokenizing) is at
+    niceness 0, its engine processes at their --engine-nice: an `ARM-apifirst` arm is ARM on a host
+    whose API server is not queued behind the engine's compute for the CPU. Put back after."""
+    for r in replicas:
+        r.api_server_priority(0)
+    try:
+        yield
+    finally:
+        for r in replicas:
+            r.api_server_priority(r.nice if r.nice_scope == "tree" else 0)
+
+
+def arm_fits(w: Workload, arm: str) -> bool:
+    """Whether --arms' `arm` runs on workload `w` (its suffixes -apifirst and -fullscrape aside)."""
+    base = arm.removesuffix(API_FIRST_SUFFIX).removesuffix(FULL_SCRAPE_SUFFIX)
+    if w.name == "tenants":
+        return base in w.arms or base.startswith("flow-control-o")
+    return base in w.arms or base.startswith(("picker", "least-request")) or base == "direct"
+
+
 def one_run(w: Workload, arm: str, replicas: list[Replica], vllm: Path, raw: Path, round_no: int) -> dict:
     """One arm of one workload in one round, from cold caches."""
     seed = 1000 + 17 * round_no + zlib.crc32(w.name.encode()) % 97
@@ -560,6 +645,9 @@ def one_run(w: Workload, arm: str, replicas: list[Replica], vllm: Path, raw: Pat
     tag = f"{w.name}-{arm}-r{round_no}"
     result: dict = {"arm": arm, "round": round_no, "seed": seed}
     with contextlib.ExitStack() as exits:
+        if arm.endswith(API_FIRST_SUFFIX):
+            arm = arm.removesuffix(API_FIRST_SUFFIX)
+            exits.enter_context(api_servers_first(replicas))
         if arm.endswith(FULL_SCRAPE_SUFFIX):
             arm = arm.removesuffix(FULL_SCRAPE_SUFFIX)
             exits.enter_context(full_scraper([r.url for r in replicas]))
@@ -577,26 +665,27 @@ def one_run(w: Workload, arm: str, replicas: list[Replica], vllm: Path, raw: Pat
             keys = {"light": new_api_key(), "heavy": new_api_key()}
             stack = start_gateway(raw / tag, arm, [r.url for r in replicas], keys, exits)
             light_n = max(8, w.num_prompts // 4)
-            out_l = raw / f"{tag}-light.json"
-            p_l = client(vllm, stack.base_url, keys["light"], w, w.dataset, light_n, 2, seed, out_l)
             p_h = None
             if arm != "light-alone":
                 out_h = raw / f"{tag}-heavy.json"
-                # Twice the run's prompts (8 times light's), so that heavy is still sending when light's last request ends
-                # (light's figures are then all beside heavy); heavy's throughput beside light is
-                # counted in light's window from the request log (`heavy_beside_light`).
-                p_h = client(vllm, stack.base_url, keys["heavy"], w, w.dataset, 2 * w.num_prompts, 16, seed + 1,
-                             out_h)
-            light = finish(p_l, out_l)
-            heavy = finish(p_h, out_h) if p_h else None
+                # Heavy first, until a full turn of the engines' slots has completed (steady state),
+                # then light beside it; heavy is stopped when light's last request ends, so every
+                # figure of both is beside the other (`heavy_figures`).
+                p_h = client(vllm, stack.base_url, keys["heavy"], w, w.dataset, HEAVY_PROMPTS_PER_RUN * w.num_prompts,
+                             16, seed + 1, out_h)
+                exits.callback(stop_client, p_h)
+                wait_completions(stack, p_h, "heavy", MAX_NUM_SEQS * len(replicas))
+            out_l = raw / f"{tag}-light.json"
+            light = finish(client(vllm, stack.base_url, keys["light"], w, w.dataset, light_n, 2, seed, out_l), out_l)
             result["light"] = figures([light])
-            result["heavy"] = figures([heavy]) if heavy else None
-            if heavy:
-                result["heavy"]["beside_light_req_per_s"] = heavy_beside_light(stack.requests_logged())
+            result["heavy"] = None
+            if p_h:
+                stop_client(p_h)
+                result["heavy"] = heavy_figures(stack.requests_logged())
             result["envoy_status"] = envoy_status_counts(stack)
             result["failure_causes"] = failure_causes(stack)
             sidecar_metrics(stack, raw / f"{tag}-sidecar-metrics.txt")
-            reports = [light] + ([heavy] if heavy else [])
+            reports = [light]
         else:
             key = new_api_key()
             stack = start_gateway(raw / tag, arm, [r.url for r in replicas], {"bench": key}, exits)
@@ -630,8 +719,9 @@ def summarize(results: dict[str, dict[str, list[dict]]]) -> dict:
             s["ttft_model"] = [r["ttft_model"] for r in rows if r.get("ttft_model")]
             if wname == "tenants":
                 for t in ("light", "heavy"):
-                    s[t] = {k: median_of(rows, k, t)
-                            for k in ("req_per_s", "ttft_p50_ms", "ttft_p99_ms", "beside_light_req_per_s")}
+                    s[t] = {k: median_of([r for r in rows if r.get(t)], k, t)
+                            for k in ("req_per_s", "ttft_p50_ms", "ttft_p99_ms", "beside_light_req_per_s",
+                                      "total_beside_light_req_per_s")}
                     s[t]["failed"] = sum((r.get(t) or {}).get("failed", 0) for r in rows)
             out[wname][arm] = s
     return out
@@ -687,18 +777,22 @@ def table(summary: dict) -> str:
             if wname == "tenants":
                 body.append([arm, fmt(s["light"]["ttft_p50_ms"], 0), fmt(s["light"]["ttft_p99_ms"], 0),
                              fmt(s["light"]["req_per_s"], 2), fmt(heavy_rate(s), 2) if s.get("heavy") else "–",
+                             fmt((s.get("heavy") or {}).get("total_beside_light_req_per_s"), 2),
                              str(s["light"]["failed"] + (s["heavy"]["failed"] if s.get("heavy") else 0))])
             else:
                 hit = f"{100 * s['hit_rate']:.0f} %" if s.get("hit_rate") is not None else "–"
                 body.append([arm, f"{fmt(s['req_per_s'], 2)} ({ratio(s['req_per_s'], base.get('req_per_s'))})",
                              fmt(s["ttft_p50_ms"], 0), fmt(s["ttft_p99_ms"], 0), fmt(s["e2e_p50_ms"], 0), hit,
                              str(s["failed"])])
-        header = (["arm", "light TTFT p50 ms", "light p99 ms", "light req/s", "heavy req/s while light ran", "failed"]
+        header = (["arm", "light TTFT p50 ms", "light p99 ms", "light req/s", "heavy req/s while light ran",
+                   "pool req/s while light ran", "failed"]
                   if wname == "tenants" else ["arm", "req/s", "TTFT p50 ms", "TTFT p99 ms", "E2E p50 ms",
                                                "prefix-cache hits", "failed"])
-        note = ("Light (2 concurrent) sends a quarter of the run's prompts, heavy (16 concurrent) twice them, so "
-                "light runs beside heavy for its whole run; heavy's req/s counts its completions while light ran "
-                "(Envoy's request log).\n\n" if wname == "tenants" else "")
+        note = ("Heavy (16 concurrent) starts first; light (2 concurrent, a quarter of the run's prompts) joins once "
+                "heavy has completed a turn of the engines' 8 slots, and heavy is stopped when light's last request "
+                "ends, so both run beside the other in steady state; heavy's req/s and the pool's (light and heavy "
+                "together) count completions while light ran (Envoy's request log).\n\n"
+                if wname == "tenants" else "")
         lines.append(f"**{wname}**\n\n{note}" + md_table(header, body))
     return "\n\n".join(lines)
 
@@ -902,10 +996,7 @@ def main(argv: list[str] | None = None) -> int:
                 r.wait_ready()
             for round_no in range(rounds):
                 for w in ws:
-                    arms = [a for a in (args.arms.split(",") if args.arms else w.arms)
-                            if a in w.arms
-                            or (w.name != "tenants" and (a.startswith(("picker", "least-request")) or a == "direct"))
-                            or (w.name == "tenants" and a.startswith("flow-control-o"))]
+                    arms = [a for a in (args.arms.split(",") if args.arms else w.arms) if arm_fits(w, a)]
                     rng.shuffle(arms)
                     for arm in arms:
                         print(f"[{datetime.datetime.now():%H:%M:%S}] {w.name} {arm} round {round_no}", flush=True)

@@ -63,13 +63,18 @@ def logged(tenant, start_s, duration_ms, code=200):
 
 def test_heavy_is_counted_only_while_light_ran():
     # Light runs from 10 s to 30 s; heavy's requests ending at 5 s (before), 15 s and 25 s
-    # (within), 40 s (after) and a 503 within: 2 completions in 20 s.
+    # (within), 40 s (after), a 503 within and one cut at 45 s when its client stopped
+    # (code 0): 2 completions in 20 s, 4 of the pool's, 1 failure.
     entries = [logged("light", 10, 5_000), logged("light", 20, 10_000),
                logged("heavy", 0, 5_000), logged("heavy", 5, 10_000), logged("heavy", 15, 10_000),
-               logged("heavy", 30, 10_000), logged("heavy", 12, 1_000, code=503),
+               logged("heavy", 30, 10_000), logged("heavy", 12, 1_000, code=503), logged("heavy", 40, 5_000, code=0),
                {"path": "/metrics", "tenant": None, "start_time": "2026-12-07T11:00:12.000Z", "duration_ms": 0}]
-    assert real_engine.heavy_beside_light(entries) == pytest.approx(0.1)
-    assert real_engine.heavy_beside_light([e for e in entries if e["tenant"] != "light"]) is None
+    figures = real_engine.heavy_figures(entries)
+    assert figures["beside_light_req_per_s"] == pytest.approx(0.1)
+    assert figures["total_beside_light_req_per_s"] == pytest.approx(0.2)
+    assert figures["failed"] == 1
+    none = real_engine.heavy_figures([e for e in entries if e["tenant"] != "light"])
+    assert none["beside_light_req_per_s"] is None and none["failed"] == 0
 
 
 def test_the_simulator_is_compared_arm_by_arm_and_by_ranking():
@@ -109,3 +114,15 @@ def test_step_costs_from_the_fits_probes():
     assert c["step_base_ms"] == pytest.approx(35.07, abs=0.01)
     assert c["prefill_us_per_token_real"] == pytest.approx(1153.1, abs=0.1)
     assert c["prefill_us_per_sim_token"] == pytest.approx(1153.1 / 1.9, abs=0.1)
+
+
+def test_arm_suffixes_run_where_their_arm_runs():
+    ws = real_engine.workloads(quick=True)
+    tenants, random = ws["tenants"], ws["random"]
+    assert real_engine.arm_fits(tenants, "flow-control-apifirst")
+    assert real_engine.arm_fits(tenants, "flow-control-o1-apifirst")
+    assert real_engine.arm_fits(tenants, "light-alone")
+    assert not real_engine.arm_fits(tenants, "picker-apifirst")
+    assert real_engine.arm_fits(random, "least-request-fullscrape-apifirst")
+    assert not real_engine.arm_fits(random, "ceiling")
+    assert not real_engine.arm_fits(random, "flow-control-apifirst")

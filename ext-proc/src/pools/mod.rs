@@ -17,16 +17,15 @@
 
 pub mod flow;
 pub mod room;
+pub mod scrape;
 pub mod signals;
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tracing::{debug, info};
@@ -166,7 +165,7 @@ pub(crate) struct Pool {
     /// The flow-control queue, for a pool with `flow_control` ([`crate::flow_control`]).
     pub(crate) flow: Option<PoolFlow>,
     /// Per endpoint (the config's order): true while it is scraped at `/metrics` because it
-    /// answered [`signals::FILTERED_METRICS_PATH`] without vLLM's gauges ([`fetch_metrics`]).
+    /// answered [`signals::FILTERED_METRICS_PATH`] without vLLM's gauges ([`scrape::fetch_metrics`]).
     unfiltered: Vec<AtomicBool>,
 }
 
@@ -474,7 +473,7 @@ impl Pools {
     /// any) and flushes this replica's in-flight counts (with a store), until these pools are
     /// dropped.
     pub fn spawn_scrapers(self: &Arc<Self>) {
-        let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+        let client: scrape::MetricsClient = Client::builder(TokioExecutor::new()).build_http();
         for (name, pool) in &self.pools {
             if pool.config.endpoints.is_empty() && self.store.is_none() {
                 continue;
@@ -572,17 +571,12 @@ impl Pools {
         }
     }
 
-    async fn scrape(
-        &self,
-        name: &str,
-        client: &Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>,
-        timeout: Duration,
-    ) {
+    async fn scrape(&self, name: &str, client: &scrape::MetricsClient, timeout: Duration) {
         let Some(pool) = self.pools.get(name) else { return };
         let mut total = Scrape::default();
         let mut complete = true;
         for (index, endpoint) in pool.config.endpoints.iter().enumerate() {
-            let answer = fetch_metrics(client, endpoint, pool.unfiltered.get(index), timeout).await;
+            let answer = scrape::fetch_metrics(client, endpoint, pool.unfiltered.get(index), timeout).await;
             let filtered = answer.as_ref().is_some_and(|(_, filtered)| *filtered);
             let scrape = answer.map(|(text, _)| signals::parse_vllm_metrics(&text));
             if let Some(Ok(mut picker)) = pool.picker.as_ref().map(|p| p.lock()) {
@@ -644,71 +638,6 @@ impl Pools {
 /// The pool's [`shedding::report_lag`].
 fn lag(config: &PoolConfig) -> Duration {
     signals::report_lag(Duration::from_millis(config.scrape_interval_ms))
-}
-
-/// One endpoint's metrics text, and whether it came from [`signals::FILTERED_METRICS_PATH`];
-/// None when the endpoint did not answer.
-///
-/// An endpoint is asked for the filtered path first. When it answers that with a non-2xx status
-/// or without vLLM's gauges ([`signals::is_vllm_metrics`]: a server that is not vLLM's
-/// prometheus_client), it is asked for `/metrics` at once, and then only for `/metrics` until
-/// that fails (`unfiltered`, the endpoint's flag). An endpoint that does not answer at all (refused,
-/// timed out) is not asked twice in a round.
-async fn fetch_metrics(
-    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>,
-    endpoint: &str,
-    unfiltered: Option<&AtomicBool>,
-    timeout: Duration,
-) -> Option<(String, bool)> {
-    let base = endpoint.trim_end_matches('/');
-    if !unfiltered.is_some_and(|flag| flag.load(Ordering::Relaxed)) {
-        match fetch(client, &format!("{base}{}", signals::FILTERED_METRICS_PATH.as_str()), timeout).await {
-            Ok(text) if signals::is_vllm_metrics(&text) => return Some((text, true)),
-            Ok(_) | Err(FetchFailure::Status) => {}
-            Err(FetchFailure::NoAnswer) => return None,
-        }
-    }
-    let text = fetch(client, &format!("{base}/metrics"), timeout).await.ok();
-    if let Some(flag) = unfiltered {
-        if text.is_some() && !flag.swap(true, Ordering::Relaxed) {
-            info!(endpoint, "endpoint ignores the name[] filter of /metrics/: scraping its whole /metrics");
-        }
-        if text.is_none() {
-            flag.store(false, Ordering::Relaxed);
-        }
-    }
-    text.map(|text| (text, false))
-}
-
-/// Why [`fetch`] got no text.
-enum FetchFailure {
-    /// No answer: refused, reset, timed out, or a body that is not UTF-8.
-    NoAnswer,
-    /// An answer with a non-2xx status.
-    Status,
-}
-
-async fn fetch(
-    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>,
-    url: &str,
-    timeout: Duration,
-) -> Result<String, FetchFailure> {
-    let uri: hyper::Uri = url.parse().map_err(|_| FetchFailure::NoAnswer)?;
-    let work = async {
-        let response = client.get(uri).await.map_err(|_| FetchFailure::NoAnswer)?;
-        if !response.status().is_success() {
-            return Err(FetchFailure::Status);
-        }
-        let body = response.into_body().collect().await.map_err(|_| FetchFailure::NoAnswer)?.to_bytes();
-        String::from_utf8(body.to_vec()).map_err(|_| FetchFailure::NoAnswer)
-    };
-    match tokio::time::timeout(timeout, work).await {
-        Ok(text) => text,
-        Err(_) => {
-            debug!(url, "scrape timed out");
-            Err(FetchFailure::NoAnswer)
-        }
-    }
 }
 
 #[cfg(test)]
