@@ -28,7 +28,7 @@ Workloads (`--workloads`, all by default):
                     `max_in_flight` = the replicas' slots: light
                     alone, no flow control, flow control with the default config, and with
                     `newcomer_reserve` 0.25 (`flow-control-reserve`); with --arms also
-                    `flow-control-oN` (`max_in_flight` N more than each replica's slots, so N
+                    `flow-control-rX` (`newcomer_reserve` X) and `flow-control-oN` (`max_in_flight` N more than each replica's slots, so N
                     requests wait in each engine's own queue)
 
 Every picking workload runs at 16 concurrent requests (`--concurrency`), twice the replicas'
@@ -377,6 +377,20 @@ def picker_config(arm: str) -> dict:
     return {}
 
 
+def newcomer_reserve(arm: str) -> float | None:
+    """A flow-control arm's `newcomer_reserve`: NEWCOMER_RESERVE for `flow-control-reserve`, X
+    for `flow-control-rX`, None (the default) otherwise."""
+    if arm.endswith("-reserve"):
+        return NEWCOMER_RESERVE
+    m = re.fullmatch(r"flow-control-r(\d+(?:\.\d+)?)", arm)
+    return float(m.group(1)) if m else None
+
+
+# Envoy's request log is flushed this often (and past 1 KB) in the bench: by default it is
+# written in 64 KB pieces, minutes apart at this machine's request rate.
+REQUEST_LOG_FLUSH_MS = 250
+
+
 def start_gateway(workdir: Path, arm: str, urls: list[str], keys: dict[str, str],
                   exits: contextlib.ExitStack) -> Stack:
     """The gateway of one arm in front of the running replicas."""
@@ -410,12 +424,13 @@ def start_gateway(workdir: Path, arm: str, urls: list[str], keys: dict[str, str]
         per_replica = MAX_NUM_SEQS + (int(fc_over.group(1)) if fc_over else 0)
         pool.shedding = {"max_in_flight": per_replica * len(urls), "flow_control": {}}
         overrides["flow_control"] = {"tiers": [{"name": "standard", "max_queue_wait_ms": 60_000}],
-                                     **({"newcomer_reserve": NEWCOMER_RESERVE} if arm.endswith("-reserve") else {})}
+                                     **({"newcomer_reserve": reserve} if (reserve := newcomer_reserve(arm)) else {})}
     tenants = [Tenant(t, [k], {"requests_per_minute": 10_000_000, "tokens_per_minute": 10_000_000_000})
                for t, k in keys.items()]
     # The request log (workdir/requests.log) records why any request failed (flags, details, upstream host).
     stack = Stack(workdir, [pool], [Model(MODEL, POOL, MAX_MODEL_LEN)], tenants, envoy_concurrency=1,
-                  sidecar_overrides=overrides, request_log=True)
+                  sidecar_overrides=overrides, request_log=True,
+                  envoy_args=["--file-flush-interval-msec", str(REQUEST_LOG_FLUSH_MS), "--file-flush-min-size-kb", "1"])
     exits.enter_context(stack)
     return stack
 
@@ -501,19 +516,33 @@ def span(e: dict) -> tuple[float, float]:
     return start, start + float(e.get("duration_ms") or 0) / 1000
 
 
-def wait_completions(stack: Stack, proc: subprocess.Popen, tenant: str, n: int) -> None:
-    """Waits until `tenant` has `n` successful chat completions in Envoy's request log (the
-    log is flushed every second): the engines have then turned over each slot once."""
+def wait_completions(replicas: list[Replica], before: list[dict[str, float]], proc: subprocess.Popen,
+                     what: str, n: int) -> None:
+    """Waits until the replicas have completed `n` requests since `before` (their
+    `vllm:request_success_total`): the engines have then turned over each slot once."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while time.monotonic() < deadline:
-        done = sum(1 for e in stack.requests_logged() if e.get("tenant") == tenant
-                   and e.get("path") == "/v1/chat/completions" and 200 <= int(e.get("response_code") or 0) < 300)
+        done = sum(metrics(r.url).get("vllm:request_success_total", 0.0) - b.get("vllm:request_success_total", 0.0)
+                   for r, b in zip(replicas, before))
         if done >= n:
             return
         if proc.poll() is not None:
-            raise RuntimeError(f"the {tenant} client exited before {n} completions")
+            raise RuntimeError(f"the {what} client exited before {n} completions")
         time.sleep(0.5)
-    raise RuntimeError(f"{tenant}: {n} completions not logged in {RUN_TIMEOUT_S} s")
+    raise RuntimeError(f"{what}: {n} completions not reached in {RUN_TIMEOUT_S} s")
+
+
+def wait_logged(stack: Stack, tenant: str, n: int) -> None:
+    """Waits until Envoy's request log holds `n` chat completions of `tenant` (the log is
+    flushed every REQUEST_LOG_FLUSH_MS; its entries are in order of their ends, so every request
+    that ended before those is in it too). Gives up after 30 s."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if sum(1 for e in stack.requests_logged()
+               if e.get("tenant") == tenant and e.get("path") == "/v1/chat/completions") >= n:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"the request log holds fewer than {n} requests of {tenant} after 30 s")
 
 
 def stop_client(proc: subprocess.Popen) -> None:
@@ -632,7 +661,7 @@ def arm_fits(w: Workload, arm: str) -> bool:
     """Whether --arms' `arm` runs on workload `w` (its suffixes -apifirst and -fullscrape aside)."""
     base = arm.removesuffix(API_FIRST_SUFFIX).removesuffix(FULL_SCRAPE_SUFFIX)
     if w.name == "tenants":
-        return base in w.arms or base.startswith("flow-control-o")
+        return base in w.arms or re.fullmatch(r"flow-control-[or]\d+(\.\d+)?", base) is not None
     return base in w.arms or base.startswith(("picker", "least-request")) or base == "direct"
 
 
@@ -674,13 +703,14 @@ def one_run(w: Workload, arm: str, replicas: list[Replica], vllm: Path, raw: Pat
                 p_h = client(vllm, stack.base_url, keys["heavy"], w, w.dataset, HEAVY_PROMPTS_PER_RUN * w.num_prompts,
                              16, seed + 1, out_h)
                 exits.callback(stop_client, p_h)
-                wait_completions(stack, p_h, "heavy", MAX_NUM_SEQS * len(replicas))
+                wait_completions(replicas, before, p_h, "heavy", MAX_NUM_SEQS * len(replicas))
             out_l = raw / f"{tag}-light.json"
             light = finish(client(vllm, stack.base_url, keys["light"], w, w.dataset, light_n, 2, seed, out_l), out_l)
             result["light"] = figures([light])
             result["heavy"] = None
             if p_h:
                 stop_client(p_h)
+                wait_logged(stack, "light", light["completed"] + light.get("failed", 0))
                 result["heavy"] = heavy_figures(stack.requests_logged())
             result["envoy_status"] = envoy_status_counts(stack)
             result["failure_causes"] = failure_causes(stack)

@@ -126,3 +126,10 @@ def test_arm_suffixes_run_where_their_arm_runs():
     assert real_engine.arm_fits(random, "least-request-fullscrape-apifirst")
     assert not real_engine.arm_fits(random, "ceiling")
     assert not real_engine.arm_fits(random, "flow-control-apifirst")
+
+
+def test_flow_control_arms_name_their_reserve():
+    assert real_engine.newcomer_reserve("flow-control") is None
+    assert real_engine.newcomer_reserve("flow-control-reserve") == real_engine.NEWCOMER_RESERVE
+    assert real_engine.newcomer_reserve("flow-control-r0.125") == 0.125
+    assert real_engine.arm_fits(real_engine.workloads(quick=True)["tenants"], "flow-control-r0.125")
