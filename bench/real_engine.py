@@ -28,8 +28,9 @@ Workloads (`--workloads`, all by default):
                     `max_in_flight` = the replicas' slots: light
                     alone, no flow control, flow control with the default config, and with
                     `newcomer_reserve` 0.25 (`flow-control-reserve`); with --arms also
-                    `flow-control-rX` (`newcomer_reserve` X) and `flow-control-oN` (`max_in_flight` N more than each replica's slots, so N
-                    requests wait in each engine's own queue)
+                    `flow-control-rX` (`newcomer_reserve` X) and `flow-control-oN`
+                    (`max_in_flight` N more than each replica's slots, so N requests wait in
+                    each engine's own queue)
 
 Every picking workload runs at 16 concurrent requests (`--concurrency`), twice the replicas'
 8 slots (2 x `--max-num-seqs 4`): a queue in front of the engines, where a scheduler has
@@ -436,8 +437,9 @@ def start_gateway(workdir: Path, arm: str, urls: list[str], keys: dict[str, str]
 
 
 def client(vllm: Path, base_url: str, key: str, w: Workload, dataset: list[str], num_prompts: int,
-           concurrency: int, seed: int, out: Path) -> subprocess.Popen:
-    """Starts one `vllm bench serve`, its JSON (per-request details) to `out`."""
+           concurrency: int, seed: int, out: Path, gate: Path | None = None) -> subprocess.Popen:
+    """Starts one `vllm bench serve`, its JSON (per-request details) to `out`; with `gate`, it
+    sends nothing before that file exists (GATED_CLIENT)."""
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "OPENAI_API_KEY": key, "HF_HUB_OFFLINE": "1"}
     argv = [str(vllm / "v" / "bin" / "vllm"), "bench", "serve", "--backend", "openai-chat", "--base-url", base_url,
             "--endpoint", "/v1/chat/completions", "--model", MODEL, "--tokenizer",
@@ -445,10 +447,41 @@ def client(vllm: Path, base_url: str, key: str, w: Workload, dataset: list[str],
             "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos", *dataset, "--save-result",
             "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name,
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
+    if gate is not None:
+        argv = [str(vllm / "v" / "bin" / "python"), "-c", GATED_CLIENT, str(gate), *argv[1:]]
     log = open(out.with_suffix(".log"), "wb")
     log.write((shlex.join(argv) + "\n").encode())
     log.flush()
     return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+# `vllm bench serve` that imports vLLM's benchmark first, says so (the file argv[1] + ".ready"),
+# then waits for the file argv[1] before it starts. Python's imports took 2.5 minutes on this
+# machine with both engines busy, and starved the gateway beside them (ext_proc answers past
+# their 500 ms, 2 or 3 a run, all while the client imported): the tenants' clients are started
+# before either sends, and let go when each is wanted.
+GATED_CLIENT = """
+import os, sys, time
+import vllm.benchmarks.serve  # noqa: F401  (the slow imports, before the gate)
+from vllm.entrypoints.cli.main import main
+gate = sys.argv.pop(1)
+open(gate + ".ready", "w").close()
+while not os.path.exists(gate):
+    time.sleep(0.05)
+sys.argv[0] = "vllm"
+sys.exit(main())
+"""
+
+
+def wait_ready_clients(gates: list[Path], procs: list[subprocess.Popen]) -> None:
+    """Waits until every gated client has done its imports (GATED_CLIENT's `.ready` files)."""
+    deadline = time.monotonic() + 600
+    while not all(Path(f"{g}.ready").exists() for g in gates):
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a gated vllm bench serve exited before it was ready")
+        if time.monotonic() > deadline:
+            raise RuntimeError("gated vllm bench serve clients not ready in 600 s")
+        time.sleep(0.1)
 
 
 def finish(proc: subprocess.Popen, out: Path) -> dict:
@@ -504,6 +537,10 @@ def envoy_status_counts(stack: Stack) -> dict[str, int]:
             out[cls] = out.get(cls, 0) + int(s["value"])
     return out
 
+
+# The light tenant's requests a run, at least (a quarter of --prompts past 128): its p99 is
+# then not one request's.
+LIGHT_PROMPTS_MIN = 32
 
 # The heavy tenant's client is given this many times the run's prompts and stopped when light
 # ends: it never runs dry while light runs, however slowly light goes.
@@ -693,19 +730,26 @@ def one_run(w: Workload, arm: str, replicas: list[Replica], vllm: Path, raw: Pat
         elif w.name == "tenants":
             keys = {"light": new_api_key(), "heavy": new_api_key()}
             stack = start_gateway(raw / tag, arm, [r.url for r in replicas], keys, exits)
-            light_n = max(8, w.num_prompts // 4)
+            light_n = max(LIGHT_PROMPTS_MIN, w.num_prompts // 4)
+            out_l, out_h = raw / f"{tag}-light.json", raw / f"{tag}-heavy.json"
+            gate_l, gate_h = raw / f"{tag}-light.go", raw / f"{tag}-heavy.go"
+            p_l = client(vllm, stack.base_url, keys["light"], w, w.dataset, light_n, 2, seed, out_l, gate_l)
+            exits.callback(stop_client, p_l)
             p_h = None
             if arm != "light-alone":
-                out_h = raw / f"{tag}-heavy.json"
                 # Heavy first, until a full turn of the engines' slots has completed (steady state),
                 # then light beside it; heavy is stopped when light's last request ends, so every
-                # figure of both is beside the other (`heavy_figures`).
+                # figure of both is beside the other (`heavy_figures`). Both clients have done
+                # their imports before either sends.
                 p_h = client(vllm, stack.base_url, keys["heavy"], w, w.dataset, HEAVY_PROMPTS_PER_RUN * w.num_prompts,
-                             16, seed + 1, out_h)
+                             16, seed + 1, out_h, gate_h)
                 exits.callback(stop_client, p_h)
+                wait_ready_clients([gate_l, gate_h], [p_l, p_h])
+                gate_h.touch()
                 wait_completions(replicas, before, p_h, "heavy", MAX_NUM_SEQS * len(replicas))
-            out_l = raw / f"{tag}-light.json"
-            light = finish(client(vllm, stack.base_url, keys["light"], w, w.dataset, light_n, 2, seed, out_l), out_l)
+            wait_ready_clients([gate_l], [p_l])
+            gate_l.touch()
+            light = finish(p_l, out_l)
             result["light"] = figures([light])
             result["heavy"] = None
             if p_h:
@@ -818,10 +862,11 @@ def table(summary: dict) -> str:
                    "pool req/s while light ran", "failed"]
                   if wname == "tenants" else ["arm", "req/s", "TTFT p50 ms", "TTFT p99 ms", "E2E p50 ms",
                                                "prefix-cache hits", "failed"])
-        note = ("Heavy (16 concurrent) starts first; light (2 concurrent, a quarter of the run's prompts) joins once "
-                "heavy has completed a turn of the engines' 8 slots, and heavy is stopped when light's last request "
-                "ends, so both run beside the other in steady state; heavy's req/s and the pool's (light and heavy "
-                "together) count completions while light ran (Envoy's request log).\n\n"
+        note = ("Heavy (16 concurrent) starts first; light (2 concurrent, 32 requests or a quarter of the run's "
+                "prompts, whichever is more) joins once heavy has completed a turn of the engines' 8 slots, and "
+                "heavy is stopped when light's last request ends, so both run beside the other in steady state; "
+                "heavy's req/s and the pool's (light and heavy together) count completions while light ran "
+                "(Envoy's request log).\n\n"
                 if wname == "tenants" else "")
         lines.append(f"**{wname}**\n\n{note}" + md_table(header, body))
     return "\n\n".join(lines)
