@@ -542,9 +542,10 @@ def envoy_status_counts(stack: Stack) -> dict[str, int]:
 # then not one request's.
 LIGHT_PROMPTS_MIN = 32
 
-# The heavy tenant's client is given this many times the run's prompts and stopped when light
-# ends: it never runs dry while light runs, however slowly light goes.
-HEAVY_PROMPTS_PER_RUN = 4
+# The heavy tenant's client is given this many times light's prompts and stopped when light
+# ends: it never runs dry while light runs (light waited 8 s a request without flow control, heavy
+# made 1.2 requests a second).
+HEAVY_PROMPTS_PER_LIGHT = 16
 
 
 def span(e: dict) -> tuple[float, float]:
@@ -741,7 +742,7 @@ def one_run(w: Workload, arm: str, replicas: list[Replica], vllm: Path, raw: Pat
                 # then light beside it; heavy is stopped when light's last request ends, so every
                 # figure of both is beside the other (`heavy_figures`). Both clients have done
                 # their imports before either sends.
-                p_h = client(vllm, stack.base_url, keys["heavy"], w, w.dataset, HEAVY_PROMPTS_PER_RUN * w.num_prompts,
+                p_h = client(vllm, stack.base_url, keys["heavy"], w, w.dataset, HEAVY_PROMPTS_PER_LIGHT * light_n,
                              16, seed + 1, out_h, gate_h)
                 exits.callback(stop_client, p_h)
                 wait_ready_clients([gate_l, gate_h], [p_l, p_h])
