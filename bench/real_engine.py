@@ -133,23 +133,19 @@ SIM_TOKENS_PER_TOKEN = 7.6 / 4
 # The sim's step costs under this benchmark's load (`vllm-sim` flags over the profile's, which
 # are one replica alone): two replicas, their API servers, the gateway and the client share the
 # machine's two cores. From the real run SIM_FIT_RUN (engines at niceness 10, 16 concurrent): the
-# replicas' median inter-token latency was 83.8 ms with one request running (tenants, light
-# alone, 2 runs) and 81.0 ms with four (the 20 picking and ceiling runs), against the profile's
-# 38.5 and 48.8 ms alone. Under this load one more running request costs nothing measurable
-# (the four's median is below the one's), so the profile's 3.44 ms a decoding sequence (measured
-# alone) is kept and the step's fixed cost is fitted by least squares over those 22 runs: 68.0
-# ms. A lone 256-token prompt's TTFT p50 was 670 ms (light alone), so (670 - 68.0) / 256 = 2.35
-# ms a Gemma token, 1,240 us a sim token (the profile's alone: 607). Against that run the sim
-# was within 20 % on 20 of 22 rows and ranked the arms as the real engine did on all 3 picking
-# workloads (sim run 20261207-153806); it decodes a lone request faster (71 against 84 ms), so
-# light's throughput alone and without flow control came out 1.26x and 1.22x. A per-sequence
-# cost of 0 (fixed cost 80.8 ms, the mean of the 22) fixed those two and was also within 20 % on
-# 20 of 22, but put the long-prefix picker's TTFT at 1.25x and light's with flow control at
-# 1.39x, and ranked the arms the same on 1 of 3 (sim run 20261207-161330). The run before
-# (20261206-220728, the engines not niced and scraped every 200 ms) gave 96.3 ms and 1,350 us:
-# the engines were slower then.
-SIM_FIT_RUN = "20261207-150035"
-SIM_UNDER_LOAD = {"--step-base-ms": 68.0, "--decode-us-per-seq": 3440, "--prefill-us-per-token": 1240}
+# replicas' median inter-token latency was 44.8 ms with one request running (tenants, light
+# alone, 2 runs) and 56.9 ms with four (the 20 picking and ceiling runs), against the profile's
+# 38.5 and 48.8 ms alone. A least-squares line over those 22 runs gives 4.04 ms a decoding
+# sequence and a step's fixed cost of 40.7 ms. A lone 256-token prompt's TTFT p50 was 352 ms
+# (light alone), so (352 - 40.7) / 256 = 1.22 ms a Gemma token, 640 us a sim token (the
+# profile's alone: 607). The fit before (run 20261207-150035, where this machine made half the
+# requests a second: 68.0 ms fixed, 3.44 ms a sequence kept from the profile because one more
+# running request cost nothing measurable then, 1,240 us a sim token) was within 20 % of that
+# run on 20 of 22 rows (sim run 20261207-153806); the one before it (20261206-220728, the
+# engines not niced, scraped every 200 ms) gave 96.3 ms and 1,350 us. Refit when the real
+# engine's speed moves: the constants are this machine's on the day of the run.
+SIM_FIT_RUN = "20261208-011706"
+SIM_UNDER_LOAD = {"--step-base-ms": 40.7, "--decode-us-per-seq": 4040, "--prefill-us-per-token": 640}
 # The sim's KV blocks over the real cache's tokens: the real replicas hit their prefix cache more
 # than a sim holding the tokens the CPU build's log gives did (run 20261206-231344 against
 # 220728, long shared prefixes: 47 % against 70 % of prompt tokens straight to each replica,
