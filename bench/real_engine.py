@@ -71,8 +71,9 @@ with the same niceness. --nice-scope says what is niced: `tree` (the default) th
 everything it starts; `engine` only the processes
 vLLM's API server starts (its EngineCore and the worker that computes, every thread), the API
 server itself at the gateway's priority, as a GPU host runs its HTTP, tokenizing and
-detokenizing on other cores than the engine's compute (not yet measured). The sim is one
-process: niced whole either way.
+detokenizing on other cores than the engine's compute (arm by arm, `flow-control-apifirst`
+made the pool 0.97x `flow-control` in run 20261208-021654). The sim is one process: niced
+whole either way.
 
     make bench-real                                   # everything, 2 rounds (~90 min)
     .venv/bin/python bench/real_engine.py --workloads long-prefix,random --rounds 2
