@@ -795,7 +795,7 @@ def summarize(results: dict[str, dict[str, list[dict]]]) -> dict:
             s["ttft_model"] = [r["ttft_model"] for r in rows if r.get("ttft_model")]
             if wname == "tenants":
                 for t in ("light", "heavy"):
-                    s[t] = {k: median_of([r for r in rows if r.get(t)], k, t)
+                    s[t] = {k: median_of(rows, k, t)
                             for k in ("req_per_s", "ttft_p50_ms", "ttft_p99_ms", "beside_light_req_per_s",
                                       "total_beside_light_req_per_s")}
                     s[t]["failed"] = sum((r.get(t) or {}).get("failed", 0) for r in rows)
